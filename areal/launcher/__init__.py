@@ -1,0 +1,1 @@
+"""areal.launcher"""

@@ -1,0 +1,102 @@
+"""Build a tiny Qwen2-style Hugging Face model directory for tests and the embedded demo.
+
+The tokenizer is byte-level BPE with no merges, laid out like Qwen2's (ByteLevel pre-tokenizer and
+decoder, ChatML special tokens), so it round-trips any text even when transformers 5.x forces
+``Qwen2Tokenizer`` for ``model_type: qwen2``: one token per UTF-8 byte, plus three specials.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+@dataclass(frozen=True)
+class TinySize:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+
+
+SIZES = {
+    "tiny": TinySize(256, 768, 4, 4, 2),  # ~3.2M parameters
+    "small": TinySize(512, 1536, 8, 8, 4),  # ~25M parameters
+}
+
+
+def build_tokenizer():
+    """Byte-level BPE (256 byte tokens, no merges) with pad, eos and a ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(
+    out: str | Path, size: str = "tiny", seed: int = 0, max_position_embeddings: int = 2048
+) -> Path:
+    """Write config, safetensors weights and tokenizer of a random Qwen2 model to ``out``."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    if size not in SIZES:
+        raise ValueError(f"--size {size!r} is not one of {sorted(SIZES)}")
+    dims = SIZES[size]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=dims.hidden_size,
+        intermediate_size=dims.intermediate_size,
+        num_hidden_layers=dims.num_hidden_layers,
+        num_attention_heads=dims.num_attention_heads,
+        num_key_value_heads=dims.num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def count_parameters(model_dir: str | Path) -> int:
+    """Parameter count read from the safetensors files (no model instantiation)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as sf:
+            for k in sf.keys():
+                total += math.prod(sf.get_slice(k).get_shape())
+    return total
