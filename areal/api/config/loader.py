@@ -102,6 +102,11 @@ def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
         return _build(tp, value, path, problems)
     if tp is Any:
         return value
+    return _coerce_scalar(value, tp, path, problems)
+
+
+def _coerce_scalar(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
+    """bool / int / float / str from YAML, without Python's lenient casts (no 'yes' -> True)."""
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -1,0 +1,75 @@
+import dataclasses
+
+import pytest
+import yaml
+
+from areal.api.config import (
+    BaseExperimentConfig,
+    ConfigError,
+    SFTConfig,
+    iter_fields,
+    load_config,
+    save_config,
+)
+
+
+def _load(tmp_path, text: str, *overrides: str):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return load_config(SFTConfig, ["--config", str(path), *overrides])
+
+
+def test_defaults_load_with_overrides_and_yaml(tmp_path):
+    cfg = _load(tmp_path, "train_dataset:\n  type: sft\nseed: 7\n", "model.optimizer.lr=3e-4")
+    assert cfg.seed == 7 and cfg.train_dataset.type == "sft"
+    assert cfg.model.optimizer.lr == pytest.approx(3e-4)  # "3e-4" is a YAML string: coerced
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"malformed YAML at line 2"):
+        _load(tmp_path, "seed: 1\nexperiment_name: a: b\n")
+
+
+def test_every_problem_is_reported_at_once_with_path_value_and_fix(tmp_path):
+    text = "seed: -3\ntrain_dataset:\n  batch_szie: 4\n  type: sft\nmodel:\n  optimizer:\n    lr: abc\n"
+    with pytest.raises(ConfigError) as e:
+        _load(tmp_path, text, "model.mb_spec.n_mbs=0", "model.optimizer.lr_scheduler_type=cosin")
+    problems = e.value.problems
+    assert len(problems) == 5, problems
+    msg = str(e.value)
+    assert "seed must be >= 0, got -3" in msg  # out of range
+    assert "did you mean 'train_dataset.batch_size'?" in msg  # unknown key with suggestion
+    assert "model.optimizer.lr: expected a number, got 'abc'" in msg  # wrong type
+    assert "model.mb_spec.n_mbs must be >= 1, got 0" in msg
+    assert "did you mean 'cosine'?" in msg  # bad choice with suggestion
+
+
+def test_cross_field_rule_names_both_fields(tmp_path):
+    with pytest.raises(ConfigError, match="train_dataset.type: SFT needs 'sft' data, got 'rl'"):
+        _load(tmp_path, "")
+
+
+def test_override_without_equals_is_reported(tmp_path):
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(SFTConfig, ["train_dataset.type=sft", "seed"])
+
+
+def test_config_is_frozen_after_load():
+    cfg = load_config(SFTConfig, ["train_dataset.type=sft"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 3  # type: ignore[misc]
+
+
+def test_resolved_config_round_trips_through_run_dir(tmp_path):
+    cfg = load_config(SFTConfig, ["train_dataset.type=sft", f"fileroot={tmp_path}", "valid_dataset.path=x.jsonl"])
+    path = save_config(cfg, cfg.run_dir / "config.yaml")
+    assert path == tmp_path / "areal" / "trial0" / "config.yaml"
+    assert load_config(SFTConfig, ["--config", str(path)]) == cfg
+    assert yaml.safe_load(path.read_text())["valid_dataset"]["path"] == "x.jsonl"
+
+
+@pytest.mark.parametrize("cls", [BaseExperimentConfig, SFTConfig])
+def test_every_field_has_help_and_a_default(cls):
+    for path, f, _ in iter_fields(cls):
+        assert f.metadata.get("help"), f"{path} has no help string"
+        assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, path

@@ -1,0 +1,116 @@
+"""House rules as tests: imports point down the layers; files and functions stay small."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = sorted([*ROOT.glob("areal/**/*.py"), *ROOT.glob("examples/**/*.py")])
+
+# Lowest first. A module may import areal modules of its own layer or any layer below.
+LAYERS = [
+    {"utils"},
+    {"api"},
+    {"algo"},
+    {"engine"},
+    {"workflow", "reward", "dataset"},
+    {"launcher", "core"},
+    {"cli", "quickstart", "__main__", "examples"},
+]
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 60
+# "path" or "path::function" -> the written reason it may exceed its budget.
+EXEMPT: dict[str, str] = {}
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    top = "examples" if parts[0] == "examples" else (parts[1] if len(parts) > 1 else "__init__")
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    if top == "__init__":
+        return 0
+    raise AssertionError(f"{module}: package areal.{top} is in no layer; add it to LAYERS")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1] or parts
+    return ".".join(parts)
+
+
+def _imports(path: Path, module: str) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), str(path))
+    pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    out = []
+    type_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for n in ast.walk(block)
+    }
+    for node in ast.walk(tree):
+        if id(node) in type_only:  # annotations only; nothing is imported at run time
+            continue
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            out.append((node.lineno, name))
+    return [(line, n) for line, n in out if n == "areal" or n.startswith("areal.")]
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_down_the_layers(path):
+    module = _module_name(path)
+    if module in ("areal", "areal.__init__"):
+        return
+    mine = _layer(module)
+    for line, name in _imports(path, module):
+        if name == "areal":
+            continue
+        theirs = _layer(name)
+        assert theirs <= mine, (
+            f"{path.relative_to(ROOT)}:{line} imports {name} (layer {sorted(LAYERS[theirs])}) "
+            f"from layer {sorted(LAYERS[mine])}: imports must point down (see ARCHITECTURE.md)"
+        )
+
+
+def test_files_and_functions_stay_within_budget():
+    problems = []
+    for path in SOURCES:
+        rel = str(path.relative_to(ROOT))
+        text = path.read_text()
+        n_lines = text.count("\n") + 1
+        if n_lines > MAX_FILE_LINES and rel not in EXEMPT:
+            problems.append(f"{rel}: {n_lines} lines > {MAX_FILE_LINES}")
+        for node in ast.walk(ast.parse(text, rel)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_FUNCTION_LINES and f"{rel}::{node.name}" not in EXEMPT:
+                    problems.append(f"{rel}::{node.name}: {size} lines > {MAX_FUNCTION_LINES}")
+    assert not problems, "over budget (split, or add to EXEMPT with a reason):\n" + "\n".join(problems)
+
+
+def test_exemptions_have_reasons_and_still_exist():
+    for key, reason in EXEMPT.items():
+        assert len(reason) > 20, f"EXEMPT[{key!r}] needs a written reason"
+        assert (ROOT / key.split("::")[0]).exists(), f"EXEMPT[{key!r}] names a file that is gone"
+
+
+def test_every_module_imports():
+    import importlib
+
+    for path in SOURCES:
+        if path.parts[len(ROOT.parts)] == "areal":
+            importlib.import_module(_module_name(path))
