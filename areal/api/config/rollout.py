@@ -1,0 +1,104 @@
+"""Rollout config sections: the remote inference client, the workflow executor and the name
+registry through which generation servers announce their addresses.
+
+Field paths in an experiment config are ``rollout.<field>`` (e.g. ``rollout.max_staleness``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+from areal.api.config.loader import param
+
+
+@dataclass(frozen=True)
+class NameResolveConfig:
+    """Key-value registry shared by the processes of one trial (servers publish addresses)."""
+
+    type: Literal["memory", "file"] = param(
+        "file",
+        help="memory: one process only (tests); file: a directory every process can see "
+        "(local disk for one machine, NFS for several).",
+    )
+    file_root: str = param(
+        "/tmp/areal/name_resolve", help="Root directory of the file registry (type=file)."
+    )
+
+
+@dataclass(frozen=True)
+class InferenceEngineConfig:
+    """The HTTP client for generation servers plus the rollout executor's admission policy."""
+
+    experiment_name: str = param(
+        "", help="Experiment whose servers to find in the name registry; empty = not used."
+    )
+    trial_name: str = param("", help="Trial whose servers to find in the name registry.")
+    name_resolve: NameResolveConfig = param(
+        factory=NameResolveConfig, help="Where server addresses are registered."
+    )
+    addresses: list[str] = param(
+        [],
+        help="Server addresses host:port. Empty = env AREAL_LLM_SERVER_ADDRS (comma-separated), "
+        "then the name registry.",
+    )
+    backend: Literal["areal", "sglang", "vllm"] = param(
+        "areal", help="Server kind: areal (ours, `areal serve`), sglang, or vllm."
+    )
+    served_model_name: str = param(
+        "", help="The `model` field of OpenAI-style requests (backend=vllm only)."
+    )
+    schedule_policy: Literal["round_robin", "least_requests"] = param(
+        "round_robin",
+        help="How a new group picks a server; all samples of one group stay on one server.",
+    )
+    setup_timeout: float = param(
+        120.0, gt=0, help="Seconds to wait for server addresses and for every /health to pass."
+    )
+    request_timeout: float = param(
+        3600.0, gt=0, help="Seconds one agenerate call may take end to end (pauses included)."
+    )
+    request_retries: int = param(
+        3, ge=0, help="Retries of one HTTP request after connection errors, on another server."
+    )
+    retry_backoff: float = param(
+        0.2, ge=0, help="Seconds before the first retry; doubles on each further retry."
+    )
+    server_failure_threshold: int = param(
+        2, ge=1, help="Consecutive connection failures after which a server is declared dead."
+    )
+    weight_update_timeout: float = param(
+        600.0, gt=0, help="Seconds every server gets to load new weights."
+    )
+    max_concurrent_rollouts: int = param(
+        16, ge=1, help="Most workflow episodes running at once across all servers."
+    )
+    max_staleness: int = param(
+        0,
+        ge=0,
+        help="Most weight versions a trained token may lag behind the trainer; 0 = synchronous.",
+    )
+    consumer_batch_size: int = param(
+        1, ge=1, help="Groups (dataset items) per training batch; the staleness unit."
+    )
+    watchdog_timeout: float = param(
+        600.0,
+        gt=0,
+        help="Stop the run when rollouts are running but none completes for this many seconds.",
+    )
+
+    def check(self) -> Iterator[str]:
+        if self.backend == "vllm" and not self.served_model_name:
+            yield (
+                "served_model_name: backend=vllm needs the served model name, got ''; set "
+                "rollout.served_model_name to the name given to `vllm serve`"
+            )
+        if bool(self.experiment_name) != bool(self.trial_name):
+            yield (
+                f"trial_name: experiment_name={self.experiment_name!r} and trial_name="
+                f"{self.trial_name!r} must be set together (name registry lookup) or both empty"
+            )
+        for i, addr in enumerate(self.addresses):
+            host, sep, port = addr.split("://", 1)[-1].rpartition(":")
+            if not sep or not host or not port.isdigit():
+                yield f"addresses[{i}]: {addr!r} is not [http://]host:port; write e.g. 127.0.0.1:30000"
