@@ -21,6 +21,13 @@ def _quickstart(args: argparse.Namespace) -> int:
     return run_quickstart(args.out)
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from areal.utils.plot import plot_run
+
+    print(f"wrote {plot_run(args.run_dir, args.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="areal", description="Asynchronous RL for LLM post-training on verifiable tasks."
@@ -36,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quickstart", help="the embedded demo on this machine (CPU, no network)")
     p.add_argument("--out", default="runs/quickstart", help="output directory")
     p.set_defaults(func=_quickstart)
+    p = sub.add_parser("plot", help="plot reward, held-out accuracy and stage times of a run")
+    p.add_argument("run_dir", help="RUN_DIR holding stats.jsonl")
+    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/plot.png)")
+    p.set_defaults(func=_plot)
     return parser
 
 

@@ -1,0 +1,161 @@
+"""Child-process supervision for launchers: start, prefix logs, watch, tear down.
+
+Every child runs in its own session (process group), so teardown reaches its descendants too
+(torchrun's workers, a server's helpers): SIGTERM to the group, a deadline, then SIGKILL. Each
+child's output goes to ``RUN_DIR/logs/<name>.log`` and to the console with a ``[name]`` prefix.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from areal.utils.logging import get_logger
+
+logger = get_logger("launcher")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True if nothing listens on ``host:port``."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    _pump: threading.Thread | None = field(default=None, repr=False)
+
+    def tail(self, n: int = 30) -> str:
+        """The last ``n`` lines of the child's log (for error messages)."""
+        if self._pump is not None:
+            self._pump.join(timeout=2)
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return "(no log)"
+
+
+def _pump(stream: IO[bytes], log: IO[bytes], prefix: str, echo: bool) -> None:
+    for line in iter(stream.readline, b""):
+        log.write(line)
+        log.flush()
+        if echo:
+            sys.stdout.write(f"[{prefix}] {line.decode(errors='replace')}")
+            sys.stdout.flush()
+    log.close()
+
+
+class ProcessSupervisor:
+    """Starts children, watches them, and stops all of them (used as a context manager)."""
+
+    def __init__(self, log_dir: str | Path, echo: bool = True, stop_timeout: float = 20.0):
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.echo = echo
+        self.stop_timeout = stop_timeout
+        self.children: list[Child] = []
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Child:
+        """Start ``cmd`` in a new session; output to RUN_DIR/logs/<name>.log and the console."""
+        log_path = self.log_dir / f"{name}.log"
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+        log = open(log_path, "ab")
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        pump = threading.Thread(target=_pump, args=(proc.stdout, log, name, self.echo), daemon=True)
+        pump.start()
+        child = Child(name, proc, log_path, pump)
+        self.children.append(child)
+        logger.info(f"started {name} (pid {proc.pid}); log {log_path}")
+        return child
+
+    def first_failure(self) -> Child | None:
+        """A child that exited with a non-zero code, if any."""
+        return next((c for c in self.children if c.proc.poll() not in (None, 0)), None)
+
+    def wait_http_ok(self, child: Child, url: str, timeout: float) -> None:
+        """Poll ``url`` until it answers 200; raise naming the child if it dies or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if child.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{child.name} exited with code {child.proc.returncode} before {url} answered; "
+                    f"last lines of {child.log_path}:\n{child.tail()}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(
+            f"{child.name} did not answer {url} within {timeout:.0f}s (raise launcher."
+            f"server_setup_timeout if the model is large); last lines:\n{child.tail()}"
+        )
+
+    def stop_all(self) -> None:
+        """SIGTERM every child's process group, wait up to stop_timeout, then SIGKILL."""
+        for child in self.children:
+            _signal_group(child.proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout
+        for child in self.children:
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning(f"{child.name} ignored SIGTERM for {self.stop_timeout}s; killing it")
+        for child in self.children:
+            _signal_group(child.proc, signal.SIGKILL)  # also reaps leftover descendants
+            try:
+                child.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                logger.error(f"{child.name} (pid {child.proc.pid}) did not die after SIGKILL")
+            if child._pump is not None:
+                child._pump.join(timeout=2)
+        self.children.clear()
+
+    def __enter__(self) -> ProcessSupervisor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

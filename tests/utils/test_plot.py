@@ -1,0 +1,20 @@
+import json
+
+import pytest
+
+from areal.utils.plot import plot_run
+
+
+def test_plot_writes_a_png_from_stats_jsonl(tmp_path):
+    rows = [
+        {"step": 1, "reward/mean": 0.1, "timing/rollout": 2.0, "timing/train": 1.0},
+        {"step": 2, "reward/mean": 0.3, "eval/accuracy": 0.25, "timing/rollout": 1.5},
+    ]
+    (tmp_path / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = plot_run(tmp_path)
+    assert out == tmp_path / "plot.png" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_a_dir_without_stats_says_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="stats.jsonl not found"):
+        plot_run(tmp_path)
