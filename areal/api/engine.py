@@ -81,8 +81,12 @@ class TrainEngine(abc.ABC):
         """Load what ``save`` wrote."""
 
     @abc.abstractmethod
+    def init_weight_update_group(self, meta: WeightUpdateMeta, world_size: int) -> None:
+        """Join the broadcast group (trainer rank 0 = group rank 0, servers 1..world_size-1)."""
+
+    @abc.abstractmethod
     def update_weights(self, meta: WeightUpdateMeta) -> None:
-        """Push current weights to inference servers (disk dir or torch.distributed broadcast)."""
+        """Trainer side of a weight update: write the HF dir (disk) or broadcast (distributed)."""
 
     @abc.abstractmethod
     def get_version(self) -> int:

@@ -14,10 +14,28 @@ class TrainEngineConfig:
     """A model trained by the FSDP2 engine."""
 
     path: str = param("", help="Hugging Face model dir (config, safetensors, tokenizer).")
-    init_from_scratch: bool = param(False, help="Random init from `path`'s config.")
+    init_from_scratch: bool = param(False, help="Random init (seeded by init_seed) from `path`'s config.")
     dtype: Literal["float32", "bfloat16", "float16"] = param(
-        "float32", help="Parameter dtype (fp32 on CPU; bf16 on GPU)."
+        "float32",
+        help="Dtype of the sharded master parameters and optimizer state (float32 everywhere "
+        "unless memory forces otherwise).",
+    )
+    param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = param(
+        "auto",
+        help="Compute dtype FSDP casts parameters to for forward/backward (mixed precision); "
+        "auto = float32 on CPU, bfloat16 on GPU.",
+    )
+    reduce_dtype: Literal["float32", "bfloat16"] = param(
+        "float32", help="Dtype gradients are reduce-scattered in."
+    )
+    backend: Literal["auto", "gloo", "nccl"] = param(
+        "auto", help="torch.distributed backend; auto = nccl on GPU, gloo on CPU."
+    )
+    cpu_offload: bool = param(
+        False, help="GPU only: keep sharded parameters, gradients and optimizer state in CPU memory."
     )
     gradient_checkpointing: bool = param(False, help="Recompute activations in backward.")
+    init_seed: int = param(1, ge=0, help="Seed for from-scratch init and new heads (same on every rank).")
     mb_spec: MicroBatchSpec = param(factory=MicroBatchSpec, help="Micro-batch split.")
     optimizer: OptimizerConfig = param(factory=OptimizerConfig, help="Optimizer and schedule.")
+

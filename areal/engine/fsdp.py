@@ -1,0 +1,351 @@
+"""FSDP2 training engine: a Hugging Face model sharded with ``fully_shard`` on a 1-D device mesh.
+
+Every rank runs the same calls (SPMD); each rank passes its own share of the global batch.
+
+Packed forward. A micro-batch is one 1-D row of concatenated sequences with per-sequence
+position ids and no padding. Attention is restricted to each sequence by the ``areal_varlen``
+attention function registered with transformers below (one causal SDPA call per sequence, like
+flash-attention's varlen kernel), so no ``[T, T]`` mask is ever built; it is numerically the
+same as running each sequence alone.
+
+Gradient accumulation. ``train_batch`` weights micro-batch ``i`` on rank ``r`` by
+``w_ri / sum_{r,i} w_ri`` (``w = loss_weight_fn(mb)``, summed with an all-reduce), so a loss that
+is a mean over its weight units (e.g. tokens) gives the gradient of one big batch, whatever the
+split and the number of ranks. Ranks first agree on the number of micro-batches (FSDP
+collectives must match); a rank with fewer runs its first micro-batch again with weight 0.
+
+Peak memory per micro-batch of ``T`` tokens (fp32, ``L`` layers, hidden ``H``, vocab ``V``):
+sharded parameters + gradients + 2 AdamW moments (``16 * N / world`` bytes), one all-gathered
+layer at a time, activations ``~ L * T * (c * H)`` (``c`` ~ 20 without gradient checkpointing;
+only layer inputs ``L * T * H`` with it), and the logits ``T * V * 4`` bytes plus their softmax
+in the loss. Logits of the whole batch are never held: ``forward`` reduces each micro-batch's
+``[T, V]`` logits through ``post_hook`` before the next micro-batch runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+from areal.api.config.engine import TrainEngineConfig
+from areal.api.engine import LossFn, LossWeightFn, PostHook, TrainEngine
+from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from areal.engine import checkpoint
+from areal.engine.lr_schedule import build_lr_scheduler
+from areal.utils.batch import MicroBatches, PackedBatch, split_microbatches
+
+ATTN_IMPL = "areal_varlen"
+DIST_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                     is_causal=None, **kwargs):
+    """Causal attention within each packed sequence; ``cu_seqlens`` [B+1] comes via kwargs.
+
+    query ``[1, Hq, T, D]``, key/value ``[1, Hkv, T, D]``; returns ``[1, T, Hq, D]``.
+    """
+    cu = kwargs.get("cu_seqlens")
+    if cu is None or query.shape[0] != 1:
+        raise ValueError(
+            f"{ATTN_IMPL} attention needs one packed row (got batch {query.shape[0]}) and "
+            "cu_seqlens in the forward kwargs; call the model through FSDPEngine"
+        )
+    bounds = cu.tolist()
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling,
+            dropout_p=dropout if module.training else 0.0, enable_gqa=True,
+        )
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_IMPL, varlen_attention)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+class FSDPEngine(TrainEngine):
+    """FSDP2 engine. ``head="lm"``: causal LM logits ``[T, V]``; ``"value"``: one value ``[T, 1]``."""
+
+    def __init__(self, config: TrainEngineConfig, head: str = "lm"):
+        if head not in ("lm", "value"):
+            raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
+        if not config.path:
+            raise ValueError("TrainEngineConfig.path is empty; set it to a Hugging Face model dir")
+        self.config = config
+        self.head = head
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: Any = None
+        self.version = 0
+        self.global_step = 0  # optimizer steps taken (skipped non-finite steps included)
+        self._owns_process_group = False
+        self._weight_group: dist.ProcessGroup | None = None
+
+    # ------------------------------------------------------------------------------ setup
+
+    def initialize(self, ft_spec: FinetuneSpec | None) -> None:
+        """Join/create the process group, load and shard the model, build AdamW and LR schedule."""
+        self._init_distributed()
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+        self.model = self._build_model()
+        self._shard(self.model)
+        opt = self.config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+            weight_decay=opt.weight_decay,
+        )
+        total = ft_spec.total_train_steps if ft_spec is not None else None
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, opt, total)
+
+    def _init_distributed(self) -> None:
+        backend = self.config.backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        if self.config.cpu_offload and self.device.type != "cuda":
+            raise ValueError("cpu_offload=True needs a GPU (backend nccl); set cpu_offload=false on CPU")
+        if dist.is_initialized():
+            return
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / launcher
+            dist.init_process_group(backend, timeout=DIST_TIMEOUT)
+        else:  # a single process: world size 1, no rendezvous needed
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=DIST_TIMEOUT)
+        self._owns_process_group = True
+
+    def _build_model(self) -> torch.nn.Module:
+        cfg = self.config
+        hf_config = AutoConfig.from_pretrained(cfg.path)
+        if self.head == "value":
+            hf_config.num_labels = 1
+            hf_config.classifier_dropout = 0.0  # a value/reward head must be deterministic
+        hf_config.use_cache = False
+        auto = AutoModelForCausalLM if self.head == "lm" else AutoModelForTokenClassification
+        kwargs = {"attn_implementation": ATTN_IMPL, "dtype": _dtype(cfg.dtype)}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.init_seed)  # every rank builds identical weights before sharding
+            if cfg.init_from_scratch:
+                model = auto.from_config(hf_config, **kwargs)
+            else:
+                model = auto.from_pretrained(cfg.path, config=hf_config, **kwargs)
+        if cfg.gradient_checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        self.hf_config = model.config
+        return model
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        compute = self.config.param_dtype
+        if compute == "auto":
+            compute = "bfloat16" if self.device.type == "cuda" else "float32"
+        mp = MixedPrecisionPolicy(param_dtype=_dtype(compute), reduce_dtype=_dtype(self.config.reduce_dtype))
+        kw: dict[str, Any] = {"mesh": self.mesh, "mp_policy": mp}
+        if self.config.cpu_offload:
+            kw["offload_policy"] = CPUOffloadPolicy()
+        elif self.device.type == "cuda":
+            model.to(self.device)
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None:
+            raise ValueError(f"{type(model).__name__} has no .model.layers; only decoder-only HF models are supported")
+        for layer in layers:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+
+    # ------------------------------------------------------------------------------ compute
+
+    def _logits(self, mb: PackedBatch) -> torch.Tensor:
+        """Packed forward of one micro-batch: fp32 logits ``[T, V]`` (or values ``[T, 1]``)."""
+        mb = mb.to(self.device)
+        out = self.model(
+            input_ids=mb["input_ids"][None], position_ids=mb.position_ids()[None],
+            cu_seqlens=mb.cu_seqlens.cpu(), use_cache=False,
+        )
+        return out.logits[0].float()
+
+    def _split(self, batch: PackedBatch) -> tuple[MicroBatches, int]:
+        """Micro-batches of this rank and the number every rank will run (the max over ranks)."""
+        if batch.n_seqs == 0:
+            raise ValueError("empty batch: every rank needs at least one sequence")
+        spec = self.config.mb_spec
+        mbs = split_microbatches(batch, spec.n_mbs, spec.max_tokens_per_mb, spec.granularity)
+        n = torch.tensor([len(mbs.mbs)], device=self.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        n_run = int(n.item())
+        if n_run > len(mbs.mbs):  # more, smaller micro-batches keep this rank's work even
+            mbs = split_microbatches(batch, n_run, spec.max_tokens_per_mb, spec.granularity)
+        return mbs, n_run
+
+    def _all_reduce_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def train_batch(self, batch: PackedBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        """One optimizer step over ``batch``; returns weighted loss stats, grad_norm, lr, skipped."""
+        self.model.train()
+        mbs, n_run = self._split(batch)
+        weights = [float(loss_weight_fn(mb)) for mb in mbs.mbs]
+        (total,) = self._all_reduce_sum([sum(weights)])
+        if not total > 0:
+            raise ValueError(f"loss_weight_fn sums to {total} over the global batch; "
+                             "the batch has nothing to train on (check loss_mask)")
+        sums: dict[str, float] = defaultdict(float)
+        for i in range(n_run):
+            real = i < len(mbs.mbs)
+            mb = mbs.mbs[i if real else 0]
+            w = weights[i] if real else 0.0
+            loss, stats = loss_fn(self._logits(mb), mb)
+            # FSDP averages gradients over ranks; * world_size turns that into the global sum.
+            (loss * (w * self.world_size / total)).backward()
+            sums["loss"] += w * float(loss.detach())
+            for k, v in stats.items():
+                sums[k] += w * float(v)
+        keys = sorted(sums)
+        reduced = self._all_reduce_sum([sums[k] for k in keys])
+        result = {k: v / total for k, v in zip(keys, reduced)}
+        result.update(self._optimizer_step())
+        result.update(n_mbs=float(n_run), loss_weight=total)
+        return result
+
+    def _optimizer_step(self) -> dict[str, float]:
+        """Clip and step; a non-finite grad norm skips the update (gradients are dropped)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        lr = self.optimizer.param_groups[0]["lr"]
+        finite = bool(torch.isfinite(norm))
+        if finite:
+            max_norm = self.config.optimizer.gradient_clipping
+            if max_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        return {"grad_norm": float(norm), "lr": lr, "update_skipped": float(not finite)}
+
+    @torch.no_grad()
+    def forward(self, batch: PackedBatch, post_hook: PostHook) -> torch.Tensor:
+        """Micro-batched forward; ``post_hook(logits [T_mb, V], mb)`` outputs, in batch order."""
+        self.model.eval()
+        mbs, n_run = self._split(batch)
+        per_seq = []
+        for i in range(n_run):
+            real = i < len(mbs.mbs)
+            mb = mbs.mbs[i if real else 0]
+            out = post_hook(self._logits(mb), mb.to(self.device))
+            if real:
+                per_seq.append(torch.split(out, mb.seqlens.tolist()))
+        return torch.cat(mbs.restore_order(per_seq))
+
+    def step_lr_scheduler(self) -> None:
+        """Advance the LR schedule by one step."""
+        self.lr_scheduler.step()
+
+    # ------------------------------------------------------------------------------ save / load
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        """HF export (``weight_format="hf"``) or sharded DCP checkpoint (``"dcp"``). Collective."""
+        if meta.weight_format == "hf":
+            tok = meta.tokenizer_path or self.config.path
+            checkpoint.save_hf(self.model, self.hf_config, meta.path, tok, {"version": self.version})
+        elif meta.weight_format == "dcp":
+            optim = self.optimizer if meta.with_optim else None
+            sched = self.lr_scheduler if meta.with_optim else None
+            extra = {"version": self.version, "global_step": self.global_step}
+            checkpoint.save_dcp(meta.path, self.model, optim, sched, extra)
+        else:
+            raise ValueError(f"SaveLoadMeta.weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
+
+    def load(self, meta: SaveLoadMeta) -> None:
+        """Load an HF dir (weights only) or a DCP checkpoint saved by :meth:`save`. Collective."""
+        if meta.weight_format == "hf":
+            checkpoint.load_hf_weights(self.model, meta.path, self.hf_config)
+        elif meta.weight_format == "dcp":
+            optim = self.optimizer if meta.with_optim else None
+            sched = self.lr_scheduler if meta.with_optim else None
+            extra = checkpoint.load_dcp(meta.path, self.model, optim, sched)
+            self.version, self.global_step = extra["version"], extra["global_step"]
+        else:
+            raise ValueError(f"SaveLoadMeta.weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
+
+    # ------------------------------------------------------------------------------ weight export
+
+    def init_weight_update_group(self, meta: WeightUpdateMeta, world_size: int) -> None:
+        """Trainer rank 0 joins the broadcast group as group rank 0 (servers are ranks 1..N-1)."""
+        if self.rank == 0:
+            self._weight_group = checkpoint.init_weight_update_group(meta, 0, world_size)
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        """Trainer side of a weight update; telling servers to load/receive is the client's job.
+
+        ``disk``: write an HF dir at ``meta.path`` (atomically; ``areal_meta.json`` holds
+        ``meta.version``). ``distributed``: broadcast every tensor over the group joined with
+        :meth:`init_weight_update_group` (protocol in :mod:`areal.engine.checkpoint`) while the
+        client has the servers call the receiving side. Collective over trainer ranks.
+        """
+        if meta.type == "disk":
+            if not meta.path:
+                raise ValueError("WeightUpdateMeta.path is empty for type='disk'; set the HF dir to write")
+            tok = self.config.path
+            checkpoint.save_hf(self.model, self.hf_config, meta.path, tok, {"version": meta.version})
+        elif meta.type == "distributed":
+            if self.rank == 0 and self._weight_group is None:
+                raise RuntimeError("update_weights(type='distributed') before init_weight_update_group()")
+            state = self.model.state_dict()
+            names = checkpoint.export_names(self.hf_config, state)
+            specs = [checkpoint.tensor_spec(n, state[n]) for n in names]
+            tensors = (self._full_tensor(state[n]) for n in names)
+            checkpoint.broadcast_weights(specs, tensors, self._weight_group, meta.bucket_bytes,
+                                         meta.version, self._comm_device(meta))
+            dist.barrier()
+        else:
+            raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'distributed', got {meta.type!r}")
+
+    def _full_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            return t.to(self.device).full_tensor()
+        return t
+
+    def _comm_device(self, meta: WeightUpdateMeta) -> torch.device:
+        return self.device if meta.backend == "nccl" else torch.device("cpu")
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Full CPU state dict (HF names, tied keys included) on rank 0; ``{}`` elsewhere. Collective."""
+        return checkpoint.full_state_dict(self.model)
+
+    def get_version(self) -> int:
+        """Version of the current weights."""
+        return self.version
+
+    def set_version(self, version: int) -> None:
+        """Set the weight version counter."""
+        self.version = version
+
+    def destroy(self) -> None:
+        """Drop model and optimizer; destroy the process group if this engine created it."""
+        self.model = self.optimizer = self.lr_scheduler = None
+        self._weight_group = None
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
