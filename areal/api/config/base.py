@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator, Literal
 
 from areal.api.config.data import DatasetConfig
+from areal.api.config.launcher import LauncherConfig
 from areal.api.config.loader import param
 
 
@@ -131,11 +132,17 @@ class BaseExperimentConfig:
     evaluator: TimerConfig = param(factory=TimerConfig, help="When to evaluate on valid_dataset.")
     recover: RecoverConfig = param(factory=RecoverConfig, help="Recover checkpoints and relaunch.")
     stats_logger: StatsLoggerConfig = param(factory=StatsLoggerConfig, help="Metric sinks.")
+    launcher: LauncherConfig = param(factory=LauncherConfig, help="Processes of `areal launch`.")
 
     @property
     def run_dir(self) -> Path:
         """RUN_DIR = fileroot/experiment_name/trial_name (logs, checkpoints, config.yaml)."""
         return Path(self.fileroot) / self.experiment_name / self.trial_name
+
+    @property
+    def served_model_path(self) -> str:
+        """The model generation servers load at launch; experiments with servers override it."""
+        return ""
 
 
 from areal.api.config.engine import TrainEngineConfig  # noqa: E402  (engine imports base)
@@ -148,6 +155,8 @@ class SFTConfig(BaseExperimentConfig):
     model: TrainEngineConfig = param(factory=TrainEngineConfig, help="The model being trained.")
 
     def check(self) -> Iterator[str]:
+        if self.launcher.n_servers:
+            yield f"launcher.n_servers: SFT uses no generation servers, got {self.launcher.n_servers}; set 0"
         if self.train_dataset.type != "sft":
             yield (
                 f"train_dataset.type: SFT needs 'sft' data, got {self.train_dataset.type!r}; "
