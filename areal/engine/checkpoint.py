@@ -9,29 +9,19 @@ Three formats, three purposes:
 - **DCP checkpoint** (:func:`save_dcp`, :func:`load_dcp`): sharded ``torch.distributed.checkpoint``
   of model and optimizer (each rank writes its own shards) plus one small per-rank file with the
   LR scheduler, RNG states and engine counters, for exact recovery at the same world size.
-- **Broadcast** (:func:`broadcast_weights` / :func:`receive_weights`) over a process group the
-  inference servers join (:func:`init_weight_update_group`). Protocol, all broadcasts from group
-  rank 0 (the trainer's rank 0):
 
-  1. header length: int64 tensor ``[1]`` = number of bytes of the JSON header;
-  2. header: uint8 tensor of UTF-8 JSON ``{"version": int, "tensors": [{"name", "dtype",
-     "shape"}, ...], "buckets": [[tensor index, ...], ...]}`` (names are HF names, dtypes are
-     ``torch`` dtype names such as ``"float32"``);
-  3. one uint8 tensor per bucket: the raw bytes of its tensors, concatenated in listed order;
-     a bucket holds at most ``bucket_bytes`` unless a single tensor is larger.
-
-  Receivers rebuild every tensor bit for bit (``view(dtype).reshape(shape)``).
+Broadcast to inference servers lives in :mod:`areal.engine.weight_sync` (one protocol for both
+sides); the engine only feeds it full tensors bucket by bucket.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -44,8 +34,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-
-from areal.api.io import WeightUpdateMeta
 
 TIED_KEYS = ("lm_head.weight",)  # dropped from exports when config.tie_word_embeddings
 
@@ -183,100 +171,3 @@ def load_dcp(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         scheduler.load_state_dict(rank_state["scheduler"])
     _set_rng_state(rank_state["rng"])
     return rank_state["extra"]
-
-
-# ------------------------------------------------------------------------------------ broadcast
-
-
-def init_weight_update_group(meta: WeightUpdateMeta, rank: int, world_size: int,
-                             timeout_s: float = 300.0) -> dist.ProcessGroup:
-    """Join the trainer(rank 0)+servers group at ``meta.master_address:master_port``.
-
-    The group is separate from the trainers' default group (a TCPStore hosted by rank 0 and a
-    raw gloo/NCCL process group), so servers never join the trainers' world.
-    """
-    if meta.master_port <= 0:
-        raise ValueError(f"WeightUpdateMeta.master_port must be a free port, got {meta.master_port}")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(meta.master_address, meta.master_port, world_size, is_master=rank == 0,
-                          timeout=timeout, wait_for_workers=True)
-    store = dist.PrefixStore(meta.group_name, store)
-    if meta.backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-
-
-def _bcast(group: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> None:
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    group.broadcast([tensor], opts).wait(datetime.timedelta(seconds=timeout_s))
-
-
-def plan_buckets(specs: list[dict[str, Any]], bucket_bytes: int) -> list[list[int]]:
-    """Consecutive tensor indices grouped into buckets of at most ``bucket_bytes``."""
-    buckets: list[list[int]] = []
-    size = 0
-    for i, s in enumerate(specs):
-        n = int(np.prod(s["shape"], dtype=np.int64)) * torch.empty((), dtype=_dtype(s["dtype"])).element_size()
-        if not buckets or size + n > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(i)
-        size += n
-    return buckets
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in weight header")
-    return dtype
-
-
-def tensor_spec(name: str, t: torch.Tensor) -> dict[str, Any]:
-    """The header entry of one tensor."""
-    return {"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-
-
-def broadcast_weights(specs: list[dict[str, Any]], tensors: Iterator[torch.Tensor],
-                      group: dist.ProcessGroup | None, bucket_bytes: int, version: int,
-                      device: torch.device, timeout_s: float = 300.0) -> None:
-    """Send header then buckets (group rank 0). ``tensors`` yields full tensors in ``specs`` order.
-
-    ``group=None`` consumes ``tensors`` without sending (trainer ranks > 0 still take part in
-    the all-gathers that produce each full tensor).
-    """
-    buckets = plan_buckets(specs, bucket_bytes)
-    if group is not None:
-        header = json.dumps({"version": version, "tensors": specs, "buckets": buckets}).encode()
-        _bcast(group, torch.tensor([len(header)], dtype=torch.int64, device=device), timeout_s)
-        _bcast(group, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), timeout_s)
-    for bucket in buckets:
-        parts = [next(tensors).detach().contiguous().reshape(-1).view(torch.uint8) for _ in bucket]
-        if group is not None:
-            _bcast(group, torch.cat(parts).to(device), timeout_s)
-
-
-def receive_weights(group: dist.ProcessGroup, device: torch.device | str = "cpu",
-                    timeout_s: float = 300.0) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-    """Receiver side: returns (version, iterator of (name, tensor)); consume it fully."""
-    length = torch.zeros(1, dtype=torch.int64, device=device)
-    _bcast(group, length, timeout_s)
-    raw = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
-    _bcast(group, raw, timeout_s)
-    header = json.loads(bytes(raw.cpu().numpy()).decode())
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for bucket in header["buckets"]:
-            specs = [header["tensors"][i] for i in bucket]
-            dtypes = [_dtype(s["dtype"]) for s in specs]
-            sizes = [int(np.prod(s["shape"], dtype=np.int64)) * torch.empty((), dtype=d).element_size()
-                     for s, d in zip(specs, dtypes)]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-            _bcast(group, buf, timeout_s)
-            for s, d, part in zip(specs, dtypes, torch.split(buf, sizes)):
-                yield s["name"], part.clone().view(d).reshape(s["shape"])
-
-    return header["version"], tensors()

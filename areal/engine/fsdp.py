@@ -40,7 +40,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, A
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.engine import LossFn, LossWeightFn, PostHook, TrainEngine
 from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
-from areal.engine import checkpoint
+from areal.engine import checkpoint, weight_sync
 from areal.engine.lr_schedule import build_lr_scheduler
 from areal.utils.batch import MicroBatches, PackedBatch, split_microbatches
 
@@ -292,32 +292,53 @@ class FSDPEngine(TrainEngine):
     # ------------------------------------------------------------------------------ weight export
 
     def init_weight_update_group(self, meta: WeightUpdateMeta, world_size: int) -> None:
-        """Trainer rank 0 joins the broadcast group as group rank 0 (servers are ranks 1..N-1)."""
+        """Trainer rank 0 joins the broadcast group as group rank 0 (servers are ranks 1..N-1).
+
+        Runs concurrently with the client's ``/init_weights_update_group`` calls to the servers.
+        """
         if self.rank == 0:
-            self._weight_group = checkpoint.init_weight_update_group(meta, 0, world_size)
+            self._weight_group = weight_sync.init_weight_update_group(
+                meta.master_address, meta.master_port, 0, world_size, meta.backend)
+
+    def weight_announcement(self) -> dict[str, list]:
+        """``names``/``dtypes``/``shapes`` of what :meth:`update_weights` broadcasts, in order.
+
+        The client sends this with ``/update_weights_from_distributed``; no collective.
+        """
+        return {"names": [s.name for s in self._weight_specs()],
+                "dtypes": [weight_sync.dtype_name(s.dtype) for s in self._weight_specs()],
+                "shapes": [list(s.shape) for s in self._weight_specs()]}
+
+    def _weight_specs(self) -> list[weight_sync.TensorSpec]:
+        state = self.model.state_dict()  # DTensors report global shapes
+        names = checkpoint.export_names(self.hf_config, state)
+        return [weight_sync.TensorSpec(n, state[n].dtype, tuple(state[n].shape)) for n in names]
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         """Trainer side of a weight update; telling servers to load/receive is the client's job.
 
         ``disk``: write an HF dir at ``meta.path`` (atomically; ``areal_meta.json`` holds
-        ``meta.version``). ``distributed``: broadcast every tensor over the group joined with
-        :meth:`init_weight_update_group` (protocol in :mod:`areal.engine.checkpoint`) while the
-        client has the servers call the receiving side. Collective over trainer ranks.
+        ``meta.version``); the client then calls the servers' ``/update_weights_from_disk``.
+        ``distributed``: broadcast every tensor of :meth:`weight_announcement` over the group
+        joined with :meth:`init_weight_update_group`, in the buckets of
+        :func:`areal.engine.weight_sync.plan_buckets`, while the client has the servers receive
+        via ``/update_weights_from_distributed``. Full tensors are all-gathered one bucket at a
+        time, so at most one bucket is unsharded at once. Collective over trainer ranks.
         """
         if meta.type == "disk":
             if not meta.path:
                 raise ValueError("WeightUpdateMeta.path is empty for type='disk'; set the HF dir to write")
-            tok = self.config.path
-            checkpoint.save_hf(self.model, self.hf_config, meta.path, tok, {"version": meta.version})
+            checkpoint.save_hf(self.model, self.hf_config, meta.path, self.config.path, {"version": meta.version})
         elif meta.type == "distributed":
             if self.rank == 0 and self._weight_group is None:
                 raise RuntimeError("update_weights(type='distributed') before init_weight_update_group()")
             state = self.model.state_dict()
-            names = checkpoint.export_names(self.hf_config, state)
-            specs = [checkpoint.tensor_spec(n, state[n]) for n in names]
-            tensors = (self._full_tensor(state[n]) for n in names)
-            checkpoint.broadcast_weights(specs, tensors, self._weight_group, meta.bucket_bytes,
-                                         meta.version, self._comm_device(meta))
+            specs = self._weight_specs()
+            device = self.device if meta.backend == "nccl" else torch.device("cpu")
+            for bucket in weight_sync.plan_buckets(specs, meta.bucket_bytes):
+                named = [(specs[i].name, self._full_tensor(state[specs[i].name]).to(device)) for i in bucket]
+                if self._weight_group is not None:
+                    weight_sync.broadcast_weights(named, self._weight_group, meta.bucket_bytes)
             dist.barrier()
         else:
             raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'distributed', got {meta.type!r}")
@@ -326,9 +347,6 @@ class FSDPEngine(TrainEngine):
         if isinstance(t, DTensor):
             return t.to(self.device).full_tensor()
         return t
-
-    def _comm_device(self, meta: WeightUpdateMeta) -> torch.device:
-        return self.device if meta.backend == "nccl" else torch.device("cpu")
 
     def full_state_dict(self) -> dict[str, Any]:
         """Full CPU state dict (HF names, tied keys included) on rank 0; ``{}`` elsewhere. Collective."""
