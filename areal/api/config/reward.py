@@ -1,0 +1,97 @@
+"""Reward-execution and rollout-workflow config sections (owned by areal.reward / areal.workflow).
+
+Conventions (see loader.py): frozen dataclasses, every field a :func:`param` with help text and a
+real default, bounds on the field, cross-field rules in ``check()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+from areal.api.config.loader import param
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Limits for running model-written code (areal.reward.sandbox)."""
+
+    case_timeout: float = param(
+        4.0, gt=0, help="Wall-clock seconds per test case; the case fails when exceeded."
+    )
+    submission_timeout: float = param(
+        20.0, gt=0, help="Wall-clock seconds for all cases of one submission; later cases fail."
+    )
+    cpu_seconds: int = param(4, ge=1, help="RLIMIT_CPU per case process (seconds of CPU).")
+    memory_mb: int = param(1024, ge=64, help="RLIMIT_AS per case process (MiB of address space).")
+    max_processes: int = param(
+        16, ge=1, help="RLIMIT_NPROC for the sandbox user (processes/threads it may hold)."
+    )
+    max_file_mb: int = param(
+        4, ge=1, help="RLIMIT_FSIZE (MiB): caps every file the code writes, stdout included."
+    )
+    max_output_bytes: int = param(
+        65536, ge=1024, help="Bytes of stdout/stderr read back per case (the rest is dropped)."
+    )
+    python: str = param(
+        "",
+        help="Interpreter for submissions; empty = ours if the sandbox user may execute it, "
+        "else /usr/bin/python3.",
+    )
+    scoring: Literal["fraction", "all_pass"] = param(
+        "fraction", help="fraction: reward = passed / total cases; all_pass: 1.0 only if all pass."
+    )
+
+    def check(self) -> Iterator[str]:
+        if self.case_timeout > self.submission_timeout:
+            yield (
+                f"case_timeout: {self.case_timeout} exceeds submission_timeout "
+                f"{self.submission_timeout}; raise submission_timeout or lower case_timeout"
+            )
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """How reward functions run: a process pool with a deadline per call and a failure policy."""
+
+    timeout: float = param(
+        30.0, gt=0, help="Seconds one reward call may take; a late worker is killed and replaced."
+    )
+    n_workers: int = param(2, ge=1, help="Reward worker processes.")
+    max_failure_fraction: float = param(
+        0.5,
+        ge=0,
+        le=1,
+        help="Stop the run when more than this fraction of a batch's reward calls failed.",
+    )
+    failure_policy: Literal["zero", "raise"] = param(
+        "zero",
+        help="zero: a failed call scores 0, is counted and logged; raise: the first failure "
+        "stops the run.",
+    )
+    sandbox: SandboxConfig = param(factory=SandboxConfig, help="Limits for code rewards.")
+
+    def check(self) -> Iterator[str]:
+        if self.sandbox.submission_timeout + 2.0 > self.timeout:
+            yield (
+                f"timeout: {self.timeout}s leaves no margin over sandbox.submission_timeout "
+                f"{self.sandbox.submission_timeout}s; set timeout >= submission_timeout + 2 so "
+                "the sandbox cleans up its own processes before the worker is killed"
+            )
+
+
+@dataclass(frozen=True)
+class WorkflowConfig:
+    """Rollout-workflow knobs (areal.workflow): multi-turn retries and the rollout dump."""
+
+    max_turns: int = param(1, ge=1, help="Multi-turn: attempts per episode (1 = single turn).")
+    turn_discount: float = param(
+        0.9, ge=0, le=1, help="Multi-turn: reward is multiplied by this per extra turn used."
+    )
+    feedback: str = param(
+        "Your answer is incorrect. Think again and give the final answer.",
+        help="Multi-turn: user message appended after a wrong answer.",
+    )
+    dump_rollouts: bool = param(
+        False, help="Append prompt/completion/reward as JSONL to RUN_DIR/rollouts/<version>.jsonl."
+    )

@@ -1,0 +1,231 @@
+"""Run reward functions in worker processes with a deadline per call, and count failures.
+
+:class:`RewardRunner` keeps ``n_workers`` long-lived processes (``spawn`` by default), each fed
+through its own pipe. A call that misses ``reward.timeout`` gets its worker SIGKILLed and replaced
+(a plain ``future.result(timeout)`` would leave the hung worker running); a call whose worker dies
+(segfault, ``os._exit``) or whose function raises is a failure too. Only the failing call is
+affected: other calls hold other workers.
+
+Failures are data, never silent: each one is logged with its sample id and counted by
+:class:`FailureTracker`, a small pure class. ``failure_policy=zero`` scores a failed call 0.0;
+``commit_batch()`` returns the batch's metrics and raises :class:`RewardFailureError` when more
+than ``max_failure_fraction`` of the batch failed. ``failure_policy=raise`` stops at the first one.
+The trainer calls ``commit_batch()`` once per training batch.
+
+Reward functions must be picklable (module-level functions or ``functools.partial`` of them) and
+return something ``float()`` accepts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import multiprocessing as mp
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from areal.api.config.reward import RewardConfig
+
+logger = logging.getLogger("areal.reward")
+
+
+class RewardFailureError(RuntimeError):
+    """Too many reward calls failed (or one did, under ``failure_policy=raise``)."""
+
+
+@dataclass
+class RewardOutcome:
+    """One scored call: the reward (0.0 when it failed) and the failure, if any."""
+
+    reward: float
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the reward function returned normally within its deadline."""
+        return self.error is None
+
+
+@dataclass
+class FailureTracker:
+    """Counts reward-call outcomes of the current batch and applies the failure policy."""
+
+    max_failure_fraction: float
+    policy: str = "zero"  # "zero" | "raise"
+    n_calls: int = 0
+    n_timeouts: int = 0
+    n_errors: int = 0
+    examples: list[str] = field(default_factory=list)  # "sample_id: error", first few only
+
+    def record(self, sample_id: str, error: str | None, timed_out: bool = False) -> None:
+        """Count one call; ``error`` is None on success. Raises at once under policy ``raise``."""
+        self.n_calls += 1
+        if error is None:
+            return
+        if timed_out:
+            self.n_timeouts += 1
+        else:
+            self.n_errors += 1
+        if len(self.examples) < 5:
+            self.examples.append(f"{sample_id}: {error}")
+        if self.policy == "raise":
+            raise RewardFailureError(
+                f"reward call for sample {sample_id} failed: {error}; reward.failure_policy=raise "
+                "stops the run (set reward.failure_policy=zero to score failures 0 and go on)"
+            )
+
+    @property
+    def n_failed(self) -> int:
+        """Failed calls (timeouts + errors) in the current batch."""
+        return self.n_timeouts + self.n_errors
+
+    def commit(self) -> dict[str, float]:
+        """The batch's metrics; resets the counts; raises if the failed fraction is too high."""
+        n, failed = self.n_calls, self.n_failed
+        frac = failed / n if n else 0.0
+        stats = {
+            "reward/n_calls": float(n),
+            "reward/n_failed": float(failed),
+            "reward/n_timeouts": float(self.n_timeouts),
+            "reward/n_errors": float(self.n_errors),
+            "reward/failure_fraction": frac,
+        }
+        examples = "; ".join(self.examples)
+        self.n_calls = self.n_timeouts = self.n_errors = 0
+        self.examples = []
+        if frac > self.max_failure_fraction:
+            raise RewardFailureError(
+                f"{failed} of {n} reward calls in this batch failed ({frac:.0%}), more than "
+                f"reward.max_failure_fraction={self.max_failure_fraction}; first failures: "
+                f"{examples}. Fix the reward function or raise reward.timeout"
+            )
+        return stats
+
+
+def _worker_main(conn) -> None:
+    """Worker loop: receive (fn, args, kwargs), reply ("ok", float) or ("error", message)."""
+    while True:
+        try:
+            fn, args, kwargs = conn.recv()
+        except (EOFError, OSError):
+            return  # the runner closed the pipe
+        try:
+            reply = ("ok", float(fn(*args, **kwargs)))
+        except BaseException as e:  # reported to the parent, which counts and logs it
+            reply = ("error", f"{type(e).__name__}: {e}")
+        conn.send(reply)
+
+
+class _Worker:
+    """One worker process and the parent's end of its pipe."""
+
+    def __init__(self, ctx: Any):
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child_conn,), daemon=True)
+        self.proc.start()
+        child_conn.close()
+
+    def call(self, payload: tuple, timeout: float) -> tuple[str, Any]:
+        """("ok", value) | ("error", msg) | ("timeout", None) | ("crash", msg)."""
+        try:
+            self.conn.send(payload)
+            if not self.conn.poll(timeout):
+                return "timeout", None
+            return self.conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            self.proc.join(1.0)
+            return "crash", f"reward worker died (exit code {self.proc.exitcode})"
+
+    def kill(self) -> None:
+        """SIGKILL the process and reap it."""
+        self.proc.kill()
+        self.proc.join(5.0)
+        self.conn.close()
+
+
+class RewardRunner:
+    """Scores with ``fn`` in a pool of worker processes; see the module docstring."""
+
+    def __init__(self, fn: Callable[..., float], cfg: RewardConfig, mp_context: str = "spawn"):
+        self.fn = fn
+        self.cfg = cfg
+        self._ctx = mp.get_context(mp_context)
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        for _ in range(cfg.n_workers):
+            self._idle.put(_Worker(self._ctx))
+        self._threads = ThreadPoolExecutor(cfg.n_workers, thread_name_prefix="reward")
+        self._lock = threading.Lock()
+        self.tracker = FailureTracker(cfg.max_failure_fraction, cfg.failure_policy)
+        self._closed = False
+
+    def call(self, sample_id: str, *args: Any, **kwargs: Any) -> float:
+        """Blocking, thread-safe: ``fn(*args, **kwargs)`` in a worker, 0.0 if it failed."""
+        return self.score(sample_id, *args, **kwargs).reward
+
+    def score(self, sample_id: str, *args: Any, **kwargs: Any) -> RewardOutcome:
+        """Like :meth:`call`, but also says whether (and why) the call failed."""
+        if self._closed:
+            raise RuntimeError("RewardRunner.call after close(); create a new runner")
+        worker = self._idle.get()
+        try:
+            status, value = worker.call((self.fn, args, kwargs), self.cfg.timeout)
+            if status in ("timeout", "crash"):
+                worker.kill()
+                worker = _Worker(self._ctx)
+        finally:
+            self._idle.put(worker)
+        return self._settle(sample_id, status, value)
+
+    def _settle(self, sample_id: str, status: str, value: Any) -> RewardOutcome:
+        if status == "ok":
+            error = None
+        elif status == "timeout":
+            error = f"missed the {self.cfg.timeout}s deadline (worker killed and replaced)"
+        else:
+            error = str(value)
+        if error is not None:
+            logger.warning("reward for sample %s failed, scored 0.0: %s", sample_id, error)
+        with self._lock:
+            self.tracker.record(sample_id, error, timed_out=status == "timeout")
+        return RewardOutcome(value if error is None else 0.0, error)
+
+    async def ascore(self, sample_id: str, *args: Any, **kwargs: Any) -> RewardOutcome:
+        """Async :meth:`score`: runs on a thread so the event loop keeps serving rollouts."""
+        loop = asyncio.get_running_loop()
+        call = functools.partial(self.score, sample_id, *args, **kwargs)
+        return await loop.run_in_executor(self._threads, call)
+
+    async def acall(self, sample_id: str, *args: Any, **kwargs: Any) -> float:
+        """Async :meth:`call`."""
+        return (await self.ascore(sample_id, *args, **kwargs)).reward
+
+    def map(self, sample_ids: list[str], *arg_lists: list[Any]) -> list[float]:
+        """Score many calls concurrently (blocking): ``fn(a[i], b[i], ...)`` per sample id."""
+        futures = [
+            self._threads.submit(self.call, sid, *args) for sid, *args in zip(sample_ids, *arg_lists)
+        ]
+        return [f.result() for f in futures]
+
+    def commit_batch(self) -> dict[str, float]:
+        """Failure metrics of the batch so far (then reset); raises past the failure limit."""
+        with self._lock:
+            return self.tracker.commit()
+
+    def close(self) -> None:
+        """Stop the threads and kill every worker process."""
+        if self._closed:
+            return
+        self._closed = True
+        self._threads.shutdown(wait=True)
+        while not self._idle.empty():
+            self._idle.get().kill()
+
+    def __enter__(self) -> RewardRunner:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,94 @@
+"""RewardRunner: deadline kills and replaces a worker, crashes are counted, policy applies."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import pytest
+
+from areal.api.config.reward import RewardConfig
+from areal.reward.runner import FailureTracker, RewardFailureError, RewardRunner
+
+
+def slow_if_negative(x: float) -> float:
+    """Test reward: sleeps forever on negative input, raises on zero, else returns x."""
+    if x < 0:
+        time.sleep(3600)
+    if x == 0:
+        raise ValueError("zero is not allowed")
+    return x
+
+
+def die(_: float) -> float:
+    os._exit(3)
+
+
+# ----------------------------------------------------------------------------- tier 1
+
+
+def test_tracker_counts_and_resets_per_batch():
+    t = FailureTracker(max_failure_fraction=0.5)
+    t.record("a", None)
+    t.record("b", "boom")
+    t.record("c", "late", timed_out=True)
+    t.record("d", None)
+    # 2 failed of 4 = 0.5, not more than 0.5: allowed
+    stats = t.commit()
+    assert stats["reward/n_calls"] == 4 and stats["reward/n_failed"] == 2
+    assert stats["reward/n_timeouts"] == 1 and stats["reward/failure_fraction"] == 0.5
+    assert t.commit()["reward/n_calls"] == 0
+
+
+def test_tracker_stops_the_run_past_the_failure_fraction():
+    t = FailureTracker(max_failure_fraction=0.25)
+    for sid, err in [("a", None), ("b", "boom"), ("c", "boom"), ("d", None)]:
+        t.record(sid, err)
+    with pytest.raises(RewardFailureError, match="2 of 4.*b: boom"):
+        t.commit()  # 2/4 = 0.5 > 0.25
+
+
+def test_tracker_raise_policy_stops_at_the_first_failure():
+    t = FailureTracker(max_failure_fraction=1.0, policy="raise")
+    t.record("a", None)
+    with pytest.raises(RewardFailureError, match="sample b"):
+        t.record("b", "boom")
+
+
+# ----------------------------------------------------------------------------- tier 2
+
+
+def test_hung_call_is_killed_replaced_and_reported(caplog):
+    cfg = RewardConfig(n_workers=2, timeout=3.0, max_failure_fraction=0.3)
+    with RewardRunner(slow_if_negative, cfg) as runner:
+        runner.map(["warm0", "warm1"], [1.0, 1.0])  # workers imported and ready
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="areal.reward"):
+            results = runner.map(["ok", "hung", "bad"], [2.0, -1.0, 0.0])
+        took = time.monotonic() - start
+        assert results == [2.0, 0.0, 0.0]
+        assert took < 10  # the 3 s deadline, not the hour the call asked for
+        assert "hung" in caplog.text and "deadline" in caplog.text
+        assert "bad" in caplog.text and "ValueError" in caplog.text
+        # 2 failed of 5 calls (warm-up included) = 0.4 > 0.3: the run stops with a message
+        with pytest.raises(RewardFailureError, match="2 of 5"):
+            runner.commit_batch()
+        assert runner.call("after", 5.0) == 5.0  # the replacement worker serves
+        assert runner.commit_batch()["reward/n_failed"] == 0
+
+
+def test_worker_crash_scores_zero_and_is_counted():
+    with RewardRunner(die, RewardConfig(n_workers=1, max_failure_fraction=1.0)) as runner:
+        outcome = runner.score("crash", 1.0)
+        assert outcome.reward == 0.0 and "died" in outcome.error
+        assert runner.commit_batch()["reward/n_errors"] == 1
+
+
+def test_async_scoring_runs_calls_concurrently():
+    async def main(runner):
+        return await asyncio.gather(*(runner.acall(f"s{i}", float(i + 1)) for i in range(4)))
+
+    with RewardRunner(slow_if_negative, RewardConfig(n_workers=2)) as runner:
+        assert asyncio.run(main(runner)) == [1.0, 2.0, 3.0, 4.0]

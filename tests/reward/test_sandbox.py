@@ -1,0 +1,173 @@
+"""Sandbox containment: every hostile program is stopped and leaves the machine as it was."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from areal.api.config.reward import SandboxConfig
+from areal.reward.code import code_reward, extract_code, normalize_cases, run_tests
+from areal.reward.sandbox import isolation_mode, run_python
+
+CFG = SandboxConfig(case_timeout=2.0, submission_timeout=10.0, cpu_seconds=2)
+
+
+def _procs_of_uid(uid: int) -> int:
+    n = 0
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if f"\nUid:\t{uid}\t" in status.read_text():
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+def _our_children() -> int:
+    me = str(os.getpid())
+    n = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[1] == me:
+                n += 1
+        except (OSError, IndexError):
+            pass
+    return n
+
+
+@pytest.fixture
+def unharmed():
+    """Yields a checker: no live process of the sandbox uid, none at all (zombies reaped by
+    init) within 10 s, and no new children of this test process."""
+    baseline = _our_children()
+
+    def check(result):
+        if result.uid >= 0:
+            assert _procs_of_uid(result.uid) == 0 or _wait_gone(result.uid)
+        assert _our_children() <= baseline
+
+    return check
+
+
+def _wait_gone(uid: int) -> bool:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if _procs_of_uid(uid) == 0:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+# ----------------------------------------------------------------------------- correct code
+
+
+def test_correct_stdin_and_function_solutions_pass(unharmed):
+    r = run_python("a, b = map(int, input().split())\nprint(a + b)", CFG, stdin="2 3\n")
+    assert (r.status, r.stdout) == ("ok", "5\n")
+    r = run_python("def add(a, b):\n    return [a + b, (a, b)]", CFG, fn_name="add", args=[2, 3])
+    assert r.status == "ok" and r.result == [5, [2, 3]]
+    unharmed(r)
+
+
+def test_code_reward_scores_pass_fraction_or_all_pass():
+    completion = "Here:\n```python\nn = int(input())\nprint(n * 2 if n < 5 else n)\n```\n"
+    tests = {"inputs": ["1\n", "2\n", "7\n"], "outputs": ["2\n", "4\n", "14\n"]}
+    assert code_reward(completion, tests, CFG) == pytest.approx(2 / 3)
+    all_pass = SandboxConfig(**{**CFG.__dict__, "scoring": "all_pass"})
+    assert code_reward(completion, tests, all_pass) == 0.0
+    calls = [{"fn_name": "f", "args": [3], "expected": 9.0}]
+    assert code_reward("def f(x):\n    return x ** 2\n", calls, CFG) == 1.0
+
+
+def test_cases_normalize_from_apps_layout_and_reject_bad_cases():
+    cases = normalize_cases('{"inputs": [[1, 2]], "outputs": [[3]], "fn_name": "add"}')
+    assert cases == [{"fn_name": "add", "args": [1, 2], "expected": 3}]
+    with pytest.raises(ValueError, match="case 0 has keys"):
+        normalize_cases([{"stdin": "1"}])
+    assert extract_code("x\n```py\nprint(1)\n```\n```\nprint(2)\n```") == "print(1)\n"
+
+
+# ----------------------------------------------------------------------------- hostile code
+
+
+def test_infinite_loop_is_stopped_at_the_deadline(unharmed):
+    start = time.monotonic()
+    r = run_python("while True:\n    pass", CFG)
+    assert r.status == "timeout"
+    assert time.monotonic() - start < CFG.case_timeout + 3
+    unharmed(r)
+
+
+def test_fork_bomb_is_capped_and_fully_reaped(unharmed):
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    r = run_python(bomb, CFG)
+    assert r.status == "timeout"
+    unharmed(r)
+
+
+def test_ten_gigabyte_allocation_fails_with_memory_error(unharmed):
+    r = run_python("x = bytearray(10 * 1024**3)\nprint('allocated')", CFG)
+    assert r.status == "memory" and "allocated" not in r.stdout
+    unharmed(r)
+
+
+def test_writes_outside_the_working_dir_are_refused(tmp_path, unharmed):
+    targets = [tmp_path / "escape.txt", Path(f"/tmp/areal_escape_{uuid.uuid4().hex}"),
+               Path(f"/dev/shm/areal_escape_{uuid.uuid4().hex}")]  # fmt: skip
+    for target in targets:
+        code = f"open({str(target)!r}, 'w').write('x')\nprint('wrote')"
+        r = run_python(code, CFG)
+        assert r.status == "runtime_error" and "wrote" not in r.stdout, r
+        assert not target.exists()
+        unharmed(r)
+    r = run_python("import os\nos.system('touch /tmp/areal_escape_sys')\nprint('ran')", CFG)
+    assert r.status == "runtime_error" and not Path("/tmp/areal_escape_sys").exists()
+    r = run_python("open('inside.txt', 'w').write('ok')\nprint(open('inside.txt').read())", CFG)
+    assert r.stdout == "ok\n"  # the working dir itself is writable
+
+
+@pytest.mark.parametrize("audit_network", [True, False], ids=["all-layers", "kernel-only"])
+def test_network_is_unreachable(audit_network, unharmed):
+    if not audit_network and isolation_mode() == "none":
+        pytest.skip("no network namespace here: only the audit-hook layer blocks sockets")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        code = (
+            "import socket\ns = socket.create_connection(('127.0.0.1', %d), timeout=1)\n"
+            "s.sendall(b'leak')\nprint('connected')" % port
+        )
+        r = run_python(code, CFG, audit_network=audit_network)
+        assert r.status == "runtime_error" and "connected" not in r.stdout
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody ever connected
+    if not audit_network:
+        assert "netns" in r.isolation
+    unharmed(r)
+
+
+def test_environment_is_empty(monkeypatch, unharmed):
+    monkeypatch.setenv("AREAL_TEST_SECRET", "hunter2")
+    r = run_python("import os\nprint(sorted(os.environ.items()))", CFG)
+    assert r.status == "ok" and "hunter2" not in r.stdout and "AREAL_TEST_SECRET" not in r.stdout
+    unharmed(r)
+
+
+def test_output_is_capped(unharmed):
+    r = run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", CFG)
+    assert r.status in ("output_limit", "runtime_error", "timeout")
+    assert len(r.stdout) <= CFG.max_output_bytes
+    unharmed(r)
+
+
+def test_submission_deadline_skips_remaining_cases():
+    cfg = SandboxConfig(case_timeout=1.0, submission_timeout=1.5, cpu_seconds=1)
+    res = run_tests("while True:\n    pass", [{"input": "", "output": ""}] * 3, cfg)
+    assert res.passed == 0 and res.statuses[-1] == "skipped_deadline"
