@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Callable
 
@@ -28,6 +29,18 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from areal.api.config import load_config
+    from areal.api.config.server import GenerationServerConfig
+    from areal.engine.generation.server import main as serve_main
+
+    flags = {"model": "model_path", "host": "host", "port": "port", "api_key": "api_key"}
+    argv = ["--config", args.config] if args.config else []
+    argv += args.overrides  # the short flags below win over --config and dotted overrides
+    argv += [f"{k}={json.dumps(getattr(args, f))}" for f, k in flags.items() if getattr(args, f) is not None]
+    return serve_main(load_config(GenerationServerConfig, argv))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="areal", description="Asynchronous RL for LLM post-training on verifiable tasks."
@@ -47,6 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="RUN_DIR holding stats.jsonl")
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/plot.png)")
     p.set_defaults(func=_plot)
+
+    p = sub.add_parser("serve", help="generation server (SGLang native + OpenAI HTTP API)")
+    p.add_argument("--model", help="Hugging Face model dir (= model_path=DIR)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port (default 30000; 0 = any free port)")
+    p.add_argument("--api-key", dest="api_key", help="bearer key for admin endpoints")
+    p.add_argument("--config", help="YAML file of GenerationServerConfig fields")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_batch_size=64")
+    p.set_defaults(func=_serve)
     return parser
 
 

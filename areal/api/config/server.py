@@ -1,0 +1,61 @@
+"""Config of the embedded generation server (``areal serve``)."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+from areal.api.config.loader import param
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and ``localhost``; False for 0.0.0.0 and real interfaces."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class GenerationServerConfig:
+    """An HTTP server speaking SGLang's native API plus OpenAI completions/chat."""
+
+    model_path: str = param("", help="Hugging Face model dir (config, safetensors, tokenizer).")
+    served_model_name: str = param("", help="Name reported by /v1/models; empty = model_path.")
+    host: str = param("127.0.0.1", help="Bind address; a non-loopback bind requires api_key.")
+    port: int = param(30000, ge=0, le=65535, help="TCP port; 0 picks a free one (printed).")
+    api_key: str = param(
+        "", help="Bearer key for admin endpoints (weight updates, pause, flush); empty = none."
+    )
+    device: str = param("cpu", help="torch device: cpu, cuda, cuda:1, ...")
+    dtype: Literal["float32", "bfloat16", "float16"] = param(
+        "float32", help="Weight and KV-cache dtype (fp32 on CPU)."
+    )
+    max_batch_size: int = param(32, ge=1, help="Most requests decoded together (cache slots).")
+    context_length: int = param(
+        0, ge=0, help="Max prompt + completion tokens; 0 = the model's max_position_embeddings."
+    )
+    max_prefill_tokens: int = param(
+        8192, ge=1, help="Padded-token budget of one prefill forward (admission batching)."
+    )
+    seed: int = param(0, ge=0, help="Seed of the shared generator for requests without a seed.")
+    shutdown_timeout: float = param(
+        10.0, gt=0, help="Seconds to finish answering in-flight requests on SIGTERM."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = param("info", help="Log level.")
+
+    def check(self) -> Iterator[str]:
+        if not self.model_path:
+            yield "model_path: empty; pass --model DIR (a Hugging Face model directory)"
+        if not is_loopback(self.host) and not self.api_key:
+            yield (
+                f"api_key: binding non-loopback host {self.host!r} needs an API key for the "
+                "admin endpoints; pass --api-key KEY or bind 127.0.0.1"
+            )
+        if self.dtype != "float32" and self.device == "cpu":
+            yield f"dtype: {self.dtype} on CPU is slow and inexact; use float32 on CPU"

@@ -1,0 +1,406 @@
+"""Continuous-batching generator: one scheduler thread owns the model and its KV cache.
+
+Each loop iteration (1) runs queued control commands (pause, weight load, version set) between
+steps, (2) admits waiting requests into free cache slots with one right-padded prefill forward,
+(3) runs one decode step for every running request, each at its own position, and (4) retires
+finished requests, moving the last slot into the freed one so running requests stay in slots
+``0..B-1``. Requests therefore join and leave the running batch between decode steps.
+
+Every token carries the weight version it was sampled under. A weight update does not drop the
+KV cache of running requests (their earlier keys/values stay from the old weights); trainers that
+need clean behaviour logprobs pause first, which aborts in-flight requests with their partials.
+Thread contract: ``submit`` and the control methods may be called from any thread; only the
+scheduler thread touches the model and cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import torch
+
+from areal.engine.generation.model import KVCache, Qwen2Forward, read_hf_dir
+from areal.engine.generation.sampling import SamplingParams, sample
+
+logger = logging.getLogger(__name__)
+FinishReason = Literal["stop", "length", "abort"]
+COMMAND_TIMEOUT_S = 600.0  # deadline for a control command to run on the scheduler thread
+
+
+@dataclass
+class GenerationResult:
+    """One finished (or aborted) request: tokens, behaviour logprobs and per-token versions."""
+
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    finish_reason: FinishReason
+    matched: int | str | None = None  # the stop token id or stop string that ended it
+    latency: float = 0.0  # seconds, submit -> finish
+    ttft: float = 0.0  # seconds, submit -> first token
+
+
+@dataclass
+class _Seq:
+    prompt: list[int]
+    params: SamplingParams
+    future: concurrent.futures.Future
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    t_submit: float = field(default_factory=time.monotonic)
+    t_first: float = 0.0
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class Generator:
+    """Continuous batching over a :class:`Qwen2Forward`; see the module docstring."""
+
+    def __init__(
+        self,
+        model: Qwen2Forward,
+        *,
+        max_batch_size: int = 32,
+        context_length: int | None = None,
+        max_prefill_tokens: int = 8192,
+        decode: Callable[[list[int]], str] | None = None,
+        version: int = 0,
+    ):
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.context_length = min(context_length or model.spec.max_positions, model.spec.max_positions)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.decode_text = decode
+        self.eos_token_ids = frozenset(model.spec.eos_token_ids)
+        self.cache = KVCache(model.spec, max_batch_size, self.context_length, model.device, model.dtype)
+        self._version = version
+        self._paused = False
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
+        self._running: list[_Seq] = []  # index == cache slot
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
+    ) -> "Generator":
+        """Load an HF Qwen2 dir (weights + tokenizer for stop strings) into a new generator."""
+        from transformers import AutoTokenizer
+
+        model = Qwen2Forward.from_pretrained(path, device=device, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return cls(model, decode=lambda ids: tokenizer.decode(ids), **kwargs)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "Generator":
+        """Start the scheduler thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="areal-generator", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight (answered with finish reason abort) and stop the thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"generator thread did not stop within {timeout}s")
+            self._thread = None
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def version(self) -> int:
+        """The weight version new tokens are generated with."""
+        return self._version
+
+    @property
+    def paused(self) -> bool:
+        """True between :meth:`pause` and :meth:`resume`."""
+        return self._paused
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that stopped the scheduler thread, if any."""
+        return self._error
+
+    def load(self) -> dict[str, int]:
+        """Counts of running and waiting requests."""
+        with self._cv:
+            return {"running": len(self._running), "waiting": len(self._waiting)}
+
+    def check_request(self, input_ids: list[int], params: SamplingParams) -> list[str]:
+        """``"field: problem"`` strings for a request this generator cannot run."""
+        problems = [f"sampling_params.{p}" for p in params.problems()]
+        V = self.model.spec.vocab_size
+        if not input_ids:
+            problems.append("input_ids: the prompt is empty; send at least one token")
+        elif len(input_ids) >= self.context_length:
+            problems.append(
+                f"input_ids: prompt has {len(input_ids)} tokens, the context is "
+                f"{self.context_length}; shorten the prompt"
+            )
+        bad = [t for t in input_ids if not (isinstance(t, int) and 0 <= t < V)]
+        if bad:
+            problems.append(f"input_ids: token ids must be ints in [0, {V}), got {bad[:3]}")
+        if params.stop and self.decode_text is None:
+            problems.append("sampling_params.stop: stop strings need a tokenizer")
+        return problems
+
+    def submit(self, input_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
+        """Queue one request; the future resolves to a :class:`GenerationResult`."""
+        return self.submit_batch([input_ids], [params])[0]
+
+    def submit_batch(
+        self, batch: list[list[int]], params: list[SamplingParams]
+    ) -> list[concurrent.futures.Future]:
+        """Queue several requests at once (so they can share one prefill); one future each."""
+        seqs = [self._make_seq(ids, p) for ids, p in zip(batch, params, strict=True)]
+        with self._cv:
+            if self._error is not None or self._stopping:
+                raise RuntimeError(f"generator is not running: {self._error or 'shutting down'}")
+            for seq in seqs:
+                if seq.params.max_new_tokens == 0:
+                    self._resolve(seq, "length", None)
+                else:
+                    self._waiting.append(seq)
+            self._cv.notify_all()
+        return [s.future for s in seqs]
+
+    def _make_seq(self, input_ids: list[int], params: SamplingParams) -> _Seq:
+        problems = self.check_request(input_ids, params)
+        if problems:
+            raise ValueError("; ".join(problems))
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.model.device).manual_seed(int(params.seed))
+        return _Seq(list(input_ids), params, fut, frozenset(stop_ids), gen)
+
+    def generate(
+        self, batch: list[list[int]], params: SamplingParams | list[SamplingParams], timeout: float = 600.0
+    ) -> list[GenerationResult]:
+        """Blocking convenience: submit all prompts and wait (deadline ``timeout`` seconds)."""
+        plist = params if isinstance(params, list) else [params] * len(batch)
+        futures = self.submit_batch(batch, plist)
+        deadline = time.monotonic() + timeout
+        return [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
+
+    def pause(self) -> int:
+        """Abort running and waiting requests (partials, finish reason abort) and hold new ones.
+
+        Returns how many requests were aborted.
+        """
+
+        def _pause() -> int:
+            self._paused = True
+            return self._abort_all()
+
+        return self._call(_pause)
+
+    def resume(self) -> None:
+        """Accept and schedule work again."""
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def update_weights(self, named: dict[str, torch.Tensor], version: int | None = None) -> int:
+        """Swap in (a subset of) HF-named weights between steps; returns the new version.
+
+        ``version`` sets the version; None bumps it by one.
+        """
+
+        def _update() -> int:
+            self.model.load_state_dict(named)
+            self._version = self._version + 1 if version is None else int(version)
+            return self._version
+
+        return self._call(_update)
+
+    def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> int:
+        """Read an HF dir's safetensors (off the scheduler thread) and swap them in."""
+        _, params = read_hf_dir(path)
+        return self.update_weights(params, version)
+
+    def set_version(self, version: int) -> None:
+        """Set the version stamped on tokens generated from now on."""
+
+        def _set() -> None:
+            self._version = int(version)
+
+        self._call(_set)
+
+    # ------------------------------------------------------------------ scheduler thread
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the scheduler thread between steps and return its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._thread is None or self._error is not None:
+                raise RuntimeError(f"generator is not running: {self._error or 'not started'}")
+            self._commands.append((fn, fut))
+            self._cv.notify_all()
+        return fut.result(timeout=COMMAND_TIMEOUT_S)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not (self._stopping or self._commands or self._running) and (
+                        self._paused or not self._waiting
+                    ):
+                        self._cv.wait(0.5)
+                    if self._stopping:
+                        break
+                    commands, self._commands = self._commands, []
+                for fn, fut in commands:
+                    try:
+                        fut.set_result(fn())
+                    except Exception as e:  # reported to the caller, the loop goes on
+                        fut.set_exception(e)
+                admitted = self._admit()
+                if admitted:
+                    self._prefill(admitted)
+                if self._running:
+                    self._decode_step()
+        except BaseException as e:  # a model/scheduler crash: fail every request loudly
+            logger.exception("generator scheduler crashed")
+            self._error = e
+        finally:
+            with self._cv:
+                commands, self._commands = self._commands, []
+            for _, fut in commands:
+                fut.set_exception(RuntimeError(f"generator stopped: {self._error or 'shutdown'}"))
+            self._abort_all()
+
+    def _admit(self) -> list[_Seq]:
+        """Pop waiting requests into free slots, bounded by the prefill token budget."""
+        admitted: list[_Seq] = []
+        with self._cv:
+            free = self.max_batch_size - len(self._running)
+            longest = 0
+            while self._waiting and not self._paused and len(admitted) < free:
+                seq = self._waiting[0]
+                if seq.future.cancelled():
+                    self._waiting.popleft()
+                    continue
+                longest_if = max(longest, len(seq.prompt))
+                if admitted and longest_if * (len(admitted) + 1) > self.max_prefill_tokens:
+                    break
+                longest = longest_if
+                admitted.append(self._waiting.popleft())
+        return admitted
+
+    def _prefill(self, seqs: list[_Seq]) -> None:
+        dev = self.model.device
+        n, P = len(seqs), max(len(s.prompt) for s in seqs)
+        tokens = torch.zeros(n, P, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s.prompt)] = torch.tensor(s.prompt)
+        lengths = torch.tensor([len(s.prompt) for s in seqs], device=dev)
+        first = len(self._running)
+        slots = torch.arange(first, first + n, device=dev)
+        logits = self.model.prefill(tokens.to(dev), lengths, slots, self.cache)
+        self._running.extend(seqs)
+        self._sample_and_retire(logits, seqs, first)
+
+    def _decode_step(self) -> None:
+        dev = self.model.device
+        seqs = self._running
+        tokens = torch.tensor([s.out[-1] for s in seqs], device=dev)
+        positions = torch.tensor([len(s.prompt) + len(s.out) - 1 for s in seqs], device=dev)
+        logits = self.model.decode(tokens, positions, self.cache)
+        self._sample_and_retire(logits, list(seqs), 0)
+
+    def _sample_and_retire(self, logits: torch.Tensor, seqs: list[_Seq], first_slot: int) -> None:
+        """Sample one token for ``seqs`` (slots ``first_slot..``), then retire finished ones."""
+        suppress = [
+            sorted(s.stop_ids) if len(s.out) < s.params.min_new_tokens else [] for s in seqs
+        ]
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], suppress)
+        now, version = time.monotonic(), self._version
+        finished: list[tuple[int, FinishReason, int | str | None]] = []
+        for i, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
+            if not s.out:
+                s.t_first = now
+            s.out.append(tok)
+            s.logprobs.append(lp)
+            s.versions.append(version)
+            done = self._finish_reason(s, tok)
+            if done is not None:
+                finished.append((first_slot + i, *done))
+            elif s.future.cancelled():  # the client went away
+                finished.append((first_slot + i, "abort", None))
+        for slot, reason, matched in sorted(finished, reverse=True):
+            self._retire(slot, reason, matched)
+
+    def _finish_reason(self, s: _Seq, tok: int) -> tuple[FinishReason, int | str | None] | None:
+        n, p = len(s.out), s.params
+        if n >= p.min_new_tokens:
+            if tok in s.stop_ids:
+                return "stop", tok
+            if p.stop:
+                text = self.decode_text(s.out)  # type: ignore[misc]  (checked at submit)
+                for stop in p.stop:
+                    if stop in text:
+                        return "stop", stop
+        if n >= p.max_new_tokens or len(s.prompt) + n >= self.context_length:
+            return "length", None
+        return None
+
+    def _retire(self, slot: int, reason: FinishReason, matched: int | str | None) -> None:
+        """Answer the request in ``slot`` and move the last running request into the slot."""
+        seq = self._running[slot]
+        last = len(self._running) - 1
+        if slot != last:
+            moved = self._running[last]
+            self.cache.move_slot(last, slot, len(moved.prompt) + len(moved.out) - 1)
+            self._running[slot] = moved
+        self._running.pop()
+        self._resolve(seq, reason, matched)
+
+    def _abort_all(self) -> int:
+        """Answer every running and waiting request with its partial output (finish: abort)."""
+        with self._cv:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        seqs, self._running = self._running + waiting, []
+        for s in seqs:
+            self._resolve(s, "abort", None)
+        return len(seqs)
+
+    @staticmethod
+    def _resolve(s: _Seq, reason: FinishReason, matched: int | str | None) -> None:
+        now = time.monotonic()
+        result = GenerationResult(
+            input_ids=s.prompt,
+            output_ids=s.out,
+            output_logprobs=s.logprobs,
+            output_versions=s.versions,
+            finish_reason=reason,
+            matched=matched,
+            latency=now - s.t_submit,
+            ttft=(s.t_first - s.t_submit) if s.t_first else 0.0,
+        )
+        try:
+            s.future.set_result(result)
+        except concurrent.futures.InvalidStateError:  # cancelled by the caller meanwhile
+            pass

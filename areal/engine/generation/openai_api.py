@@ -1,0 +1,186 @@
+"""OpenAI ``/v1/completions`` and ``/v1/chat/completions``: request parsing, response objects.
+
+Follows OpenAI's published schemas (non-streaming). Extra sampling fields accepted as in vLLM and
+SGLang's OpenAI servers: ``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens``, ``no_stop_trim``. ``finish_reason`` is ``stop`` | ``length`` |
+``abort`` (the last when generation was interrupted by ``/pause_generation``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Callable
+
+from areal.engine.generation.generator import GenerationResult
+from areal.engine.generation.protocol import (
+    NEUTRAL,
+    BadRequest,
+    Job,
+    _bool,
+    _check_known,
+    _float,
+    _int,
+    _stop_strings,
+    _token_list,
+    now,
+    render_text,
+    usage,
+)
+from areal.engine.generation.sampling import SamplingParams
+
+COMMON_KEYS = {
+    "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user",
+    "logit_bias", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+    "no_stop_trim", *NEUTRAL,
+}  # fmt: skip
+COMPLETION_KEYS = COMMON_KEYS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+CHAT_KEYS = COMMON_KEYS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+
+
+def _common(body: dict, max_tokens: int | None) -> tuple[SamplingParams, dict, int]:
+    """Sampling fields shared by completions and chat -> (params, render opts, n)."""
+    if body.get("stream"):
+        raise BadRequest("stream", "streaming is not supported; send stream=false")
+    if body.get("logit_bias"):
+        raise BadRequest("logit_bias", "logit_bias is not supported")
+    n = _int(body, "n", "", 1, lo=1)
+    params = SamplingParams(
+        max_new_tokens=max_tokens if max_tokens is not None else 16,
+        min_new_tokens=_int(body, "min_tokens", "", 0, lo=0),  # type: ignore[arg-type]
+        temperature=_float(body, "temperature", "", 1.0),
+        top_p=_float(body, "top_p", "", 1.0),
+        top_k=_int(body, "top_k", "", -1),  # type: ignore[arg-type]
+        stop=_stop_strings(body.get("stop"), "stop"),
+        stop_token_ids=tuple(_token_list(body.get("stop_token_ids") or [], "stop_token_ids")),
+        ignore_eos=_bool(body, "ignore_eos", "", False),
+        seed=_int(body, "seed", "", None),
+    )
+    for problem in params.problems():
+        name = problem.split(":")[0]
+        name = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}.get(name, name)
+        raise BadRequest(name, problem.split(": ", 1)[1])
+    opts = {
+        "no_stop_trim": _bool(body, "no_stop_trim", "", False),
+        "skip_special_tokens": _bool(body, "skip_special_tokens", "", True),
+    }
+    return params, opts, n  # type: ignore[return-value]
+
+
+def _fan_out(prompt: list[int], params: SamplingParams, opts: dict, n: int, index0: int) -> list[Job]:
+    """``n`` jobs for one prompt; seeded requests get seeds seed, seed+1, ... so samples differ."""
+    jobs = []
+    for i in range(n):
+        p = params
+        if params.seed is not None and i > 0:
+            p = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+        jobs.append(Job(prompt, p, **opts, extra={"index": index0 + i}))
+    return jobs
+
+
+def parse_completions(body: Any, encode: Callable[[str], list[int]]) -> tuple[list[Job], int | None]:
+    """``/v1/completions`` body -> (jobs, logprobs count or None)."""
+    if not isinstance(body, dict):
+        raise BadRequest("body", "expected a JSON object")
+    _check_known(body, COMPLETION_KEYS, "")
+    if body.get("echo"):
+        raise BadRequest("echo", "echo is not supported")
+    if body.get("suffix"):
+        raise BadRequest("suffix", "suffix is not supported")
+    params, opts, n = _common(body, _int(body, "max_tokens", "", None, lo=0))
+    if body.get("best_of") not in (None, n):
+        raise BadRequest("best_of", "best_of must equal n")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [encode(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [_token_list(prompt, "prompt")]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [encode(p) for p in prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [_token_list(p, "prompt") for p in prompt]
+    else:
+        raise BadRequest("prompt", "expected a string, a list of strings or token id list(s)")
+    if any(len(p) == 0 for p in prompts):
+        raise BadRequest("prompt", "empty prompt")
+    jobs: list[Job] = []
+    for p in prompts:
+        jobs += _fan_out(p, params, opts, n, len(jobs))
+    return jobs, _int(body, "logprobs", "", None, lo=0)
+
+
+def parse_chat(
+    body: Any, apply_template: Callable[[list[dict]], list[int]]
+) -> tuple[list[Job], bool]:
+    """``/v1/chat/completions`` body -> (jobs, want logprobs)."""
+    if not isinstance(body, dict):
+        raise BadRequest("body", "expected a JSON object")
+    _check_known(body, CHAT_KEYS, "")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages", "expected a non-empty list of {role, content}")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}]", "expected an object with a string role")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
+                raise BadRequest(f"messages[{i}].content", "only text content parts are supported")
+            content = "".join(str(c.get("text", "")) for c in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content", f"expected a string, got {content!r}")
+        clean.append({"role": m["role"], "content": content})
+    max_tokens = _int(body, "max_completion_tokens", "", None, lo=0)
+    max_tokens = _int(body, "max_tokens", "", None, lo=0) if max_tokens is None else max_tokens
+    params, opts, n = _common(body, max_tokens)
+    return _fan_out(apply_template(clean), params, opts, n, 0), _bool(body, "logprobs", "", False)
+
+
+def completion_response(
+    model: str, jobs: list[Job], results: list[GenerationResult], logprobs: int | None,
+    decode: Callable, token_str: Callable[[int], str],
+) -> dict:  # fmt: skip
+    """OpenAI ``text_completion`` object."""
+    choices = []
+    for job, r in zip(jobs, results):
+        lp = None
+        if logprobs is not None:
+            tokens = [token_str(t) for t in r.output_ids]
+            lp = {
+                "tokens": tokens,
+                "token_logprobs": r.output_logprobs,
+                "top_logprobs": [{t: v} for t, v in zip(tokens, r.output_logprobs)],
+                "text_offset": [],
+            }
+        text = render_text(job, r, decode)
+        choices.append(
+            {"index": job.extra["index"], "text": text, "logprobs": lp, "finish_reason": r.finish_reason}
+        )
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": now(),
+        "model": model, "choices": choices, "usage": usage(results),
+    }  # fmt: skip
+
+
+def chat_response(
+    model: str, jobs: list[Job], results: list[GenerationResult], logprobs: bool,
+    decode: Callable, token_str: Callable[[int], str],
+) -> dict:  # fmt: skip
+    """OpenAI ``chat.completion`` object."""
+    choices = []
+    for job, r in zip(jobs, results):
+        lp = None
+        if logprobs:
+            content = []
+            for t, v in zip(r.output_ids, r.output_logprobs):
+                s = token_str(t)
+                content.append({"token": s, "logprob": v, "bytes": list(s.encode()), "top_logprobs": []})
+            lp = {"content": content}
+        message = {"role": "assistant", "content": render_text(job, r, decode)}
+        choices.append(
+            {"index": job.extra["index"], "message": message, "logprobs": lp, "finish_reason": r.finish_reason}
+        )
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": now(),
+        "model": model, "choices": choices, "usage": usage(results),
+    }  # fmt: skip

@@ -1,0 +1,222 @@
+"""Request parsing and response building for the server: SGLang native and OpenAI schemas.
+
+Pure functions (no sockets): each parser turns a JSON body into generator requests or raises
+:class:`BadRequest` naming the offending field. Schemas follow SGLang's documented ``/generate``
+(``text`` | ``input_ids``, ``sampling_params``, ``return_logprob``; response ``text``,
+``output_ids``, ``meta_info`` with ``finish_reason``, ``prompt_tokens``, ``completion_tokens``,
+``output_token_logprobs`` as ``[logprob, token_id, null]`` triples) and OpenAI's completions and
+chat completions objects. Extensions: ``meta_info.output_token_versions`` (weight version per
+token) and an integer ``meta_info.weight_version``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from areal.engine.generation.generator import GenerationResult
+from areal.engine.generation.sampling import SamplingParams
+
+
+class BadRequest(ValueError):
+    """An invalid request: ``field`` names the offending JSON field (HTTP 400)."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+@dataclass
+class Job:
+    """One generator request plus how to render its answer."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# Parameters accepted only at their neutral value (we do not implement penalties).
+NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
+SGLANG_SAMPLING_KEYS = {
+    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop",
+    "stop_token_ids", "ignore_eos", "seed", "sampling_seed", "no_stop_trim",
+    "skip_special_tokens", "n", *NEUTRAL,
+}  # fmt: skip
+GENERATE_KEYS = {
+    "text", "input_ids", "sampling_params", "return_logprob", "rid", "stream",
+    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+}  # fmt: skip
+
+
+def _int(d: dict, key: str, path: str, default: int | None, lo: int | None = None) -> int | None:
+    v = d.get(key, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"{path}{key}", f"expected an integer, got {v!r}")
+    if lo is not None and v < lo:
+        raise BadRequest(f"{path}{key}", f"must be >= {lo}, got {v}")
+    return v
+
+
+def _float(d: dict, key: str, path: str, default: float) -> float:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise BadRequest(f"{path}{key}", f"expected a number, got {v!r}")
+    return float(v)
+
+
+def _bool(d: dict, key: str, path: str, default: bool) -> bool:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequest(f"{path}{key}", f"expected true/false, got {v!r}")
+    return v
+
+
+def _stop_strings(v: Any, path: str) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        return (v,) if v else ()
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return tuple(s for s in v if s)
+    raise BadRequest(path, f"expected a string or a list of strings, got {v!r}")
+
+
+def _token_list(v: Any, path: str) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise BadRequest(path, f"expected a list of token ids (ints), got {str(v)[:80]}")
+    return v
+
+
+def _check_known(d: dict, known: set[str], path: str) -> None:
+    for key in d:
+        if key not in known:
+            raise BadRequest(f"{path}{key}", f"unknown parameter; supported: {sorted(known)}")
+        if key in NEUTRAL and d[key] not in (None, NEUTRAL[key]):
+            raise BadRequest(f"{path}{key}", f"only {NEUTRAL[key]} is supported, got {d[key]!r}")
+
+
+def sampling_from_sglang(sp: Any, path: str = "sampling_params.") -> tuple[SamplingParams, dict]:
+    """SGLang ``sampling_params`` -> (SamplingParams, {no_stop_trim, skip_special_tokens})."""
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise BadRequest(path.rstrip("."), f"expected an object, got {sp!r}")
+    _check_known(sp, SGLANG_SAMPLING_KEYS, path)
+    if _int(sp, "n", path, 1, lo=1) != 1:
+        raise BadRequest(f"{path}n", "only n=1 is supported on /generate; send several requests")
+    seed = _int(sp, "seed", path, None)
+    seed = _int(sp, "sampling_seed", path, None) if seed is None else seed
+    params = SamplingParams(
+        max_new_tokens=_int(sp, "max_new_tokens", path, 128, lo=0),  # type: ignore[arg-type]
+        min_new_tokens=_int(sp, "min_new_tokens", path, 0, lo=0),  # type: ignore[arg-type]
+        temperature=_float(sp, "temperature", path, 1.0),
+        top_p=_float(sp, "top_p", path, 1.0),
+        top_k=_int(sp, "top_k", path, -1),  # type: ignore[arg-type]
+        stop=_stop_strings(sp.get("stop"), f"{path}stop"),
+        stop_token_ids=tuple(_token_list(sp.get("stop_token_ids") or [], f"{path}stop_token_ids")),
+        ignore_eos=_bool(sp, "ignore_eos", path, False),
+        seed=seed,
+    )
+    for problem in params.problems():
+        raise BadRequest(path + problem.split(":")[0], problem.split(": ", 1)[1])
+    opts = {
+        "no_stop_trim": _bool(sp, "no_stop_trim", path, False),
+        "skip_special_tokens": _bool(sp, "skip_special_tokens", path, True),
+    }
+    return params, opts
+
+
+def parse_generate(body: Any, encode: Callable[[str], list[int]]) -> tuple[list[Job], bool, bool]:
+    """SGLang ``/generate`` body -> (jobs, is_batch, return_logprob)."""
+    if not isinstance(body, dict):
+        raise BadRequest("body", "expected a JSON object")
+    _check_known(body, GENERATE_KEYS, "")
+    if body.get("stream"):
+        raise BadRequest("stream", "streaming is not supported; send stream=false")
+    if (body.get("text") is None) == (body.get("input_ids") is None):
+        raise BadRequest("input_ids", "send exactly one of text or input_ids")
+    if body.get("input_ids") is not None:
+        ids = body["input_ids"]
+        batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        prompts = [_token_list(p, "input_ids") for p in (ids if batch else [ids])]
+    else:
+        text = body["text"]
+        batch = isinstance(text, list)
+        texts = text if batch else [text]
+        if not all(isinstance(t, str) for t in texts):
+            raise BadRequest("text", "expected a string or a list of strings")
+        prompts = [encode(t) for t in texts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise BadRequest("input_ids" if body.get("input_ids") is not None else "text", "empty prompt")
+    params, opts = sampling_from_sglang(body.get("sampling_params"))
+    jobs = [Job(p, params, **opts) for p in prompts]
+    return jobs, batch, _bool(body, "return_logprob", "", False)
+
+
+def finish_reason_obj(r: GenerationResult) -> dict:
+    """SGLang ``meta_info.finish_reason``."""
+    if r.finish_reason == "length":
+        return {"type": "length", "length": len(r.output_ids)}
+    if r.finish_reason == "abort":
+        return {"type": "abort", "message": "aborted (pause_generation or shutdown)"}
+    return {"type": "stop", "matched": r.matched}
+
+
+def render_text(job: Job, r: GenerationResult, decode: Callable[[list[int], bool], str]) -> str:
+    """Decoded completion; a matched stop string and what follows it are cut unless no_stop_trim."""
+    text = decode(r.output_ids, job.skip_special_tokens)
+    if isinstance(r.matched, str) and not job.no_stop_trim:
+        cut = text.find(r.matched)
+        if cut >= 0:
+            text = text[:cut]
+    return text
+
+
+def generate_response(
+    job: Job, r: GenerationResult, version: int, return_logprob: bool, decode: Callable
+) -> dict:
+    """SGLang ``/generate`` response object for one request."""
+    meta: dict[str, Any] = {
+        "id": uuid.uuid4().hex,
+        "finish_reason": finish_reason_obj(r),
+        "prompt_tokens": len(r.input_ids),
+        "completion_tokens": len(r.output_ids),
+        "cached_tokens": 0,
+        "weight_version": version,
+        "output_token_versions": r.output_versions,
+        "e2e_latency": r.latency,
+        "ttft": r.ttft,
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, tok, None] for lp, tok in zip(r.output_logprobs, r.output_ids)
+        ]
+        meta["input_token_logprobs"] = []
+    return {"text": render_text(job, r, decode), "output_ids": r.output_ids, "meta_info": meta}
+
+
+def openai_finish(r: GenerationResult) -> str:
+    """OpenAI finish_reason: stop | length | abort (abort is our extension)."""
+    return r.finish_reason
+
+
+def usage(results: list[GenerationResult]) -> dict:
+    """OpenAI ``usage`` over all choices (prompt counted once)."""
+    prompt = len(results[0].input_ids) if results else 0
+    completion = sum(len(r.output_ids) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def now() -> int:
+    """Unix seconds for ``created`` fields."""
+    return int(time.time())

@@ -1,0 +1,128 @@
+"""Per-request sampling over a batch of logits, and the logprob the server reports.
+
+Logprob definition (the contract with the trainer): for each sampled token ``x`` the server
+reports ``log_softmax(logits / T)[x]`` where ``logits`` are the model's raw fp32 logits and ``T``
+is the request's temperature (``T = 1`` for greedy requests, i.e. ``temperature == 0``). It is
+taken *before* top-k / top-p truncation and before min-new-tokens suppression of stop tokens, so
+a trainer reproduces it from a plain forward pass and the temperature alone. With the default
+``temperature=1`` it equals ``log_softmax`` of the raw logits.
+
+Reproducibility: a request with a ``seed`` draws from its own ``torch.Generator``; its samples
+depend only on its logits and its seed, not on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops (SGLang ``sampling_params`` names)."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0  # stop tokens are suppressed and stop strings ignored before this
+    temperature: float = 1.0  # 0 = greedy (argmax)
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 = no top-k
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # in addition to EOS
+    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (need a tokenizer)
+    ignore_eos: bool = False  # EOS does not stop (stop_token_ids still do)
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy when temperature is 0 or only the top token is allowed."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def problems(self) -> list[str]:
+        """``"field: message"`` for each invalid value (empty when valid)."""
+        out = []
+        if self.max_new_tokens < 0:
+            out.append(f"max_new_tokens: must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            out.append(f"min_new_tokens: must be >= 0, got {self.min_new_tokens}")
+        if self.min_new_tokens > max(self.max_new_tokens, 0):
+            out.append(
+                f"min_new_tokens: {self.min_new_tokens} exceeds max_new_tokens "
+                f"{self.max_new_tokens}"
+            )
+        if self.temperature < 0:
+            out.append(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            out.append(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            out.append(f"top_k: must be -1 (off) or >= 1, got {self.top_k}")
+        return out
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k, then outside its top-p mass, to -inf.
+
+    ``top_k [B]`` uses V for "off"; ``top_p [B]`` uses 1.0 for "off". Top-p is measured on the
+    distribution renormalised after top-k; the most likely token is always kept.
+    """
+    V = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    ranks = torch.arange(V, device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], NEG_INF)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before > top_p[:, None], NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    suppress: list[list[int]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row; returns ``(tokens [B] int64, logprobs [B] fp32)``.
+
+    ``suppress[i]`` lists token ids row ``i`` may not produce now (stop tokens before
+    ``min_new_tokens``). Rows without a generator share torch's default one.
+    """
+    logits = logits.float()
+    B, V = logits.shape
+    dev = logits.device
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+    scaled = logits / temps[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)  # the reported distribution (see module doc)
+    if any(suppress):
+        scaled = scaled.clone()
+        for i, ids in enumerate(suppress):
+            if ids:
+                scaled[i, ids] = NEG_INF
+    tokens = scaled.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=dev)
+        sub = scaled[rows]
+        ks = [params[i].top_k if params[i].top_k > 0 else V for i in sampled_rows]
+        ps = [params[i].top_p for i in sampled_rows]
+        if any(k < V for k in ks) or any(p < 1.0 for p in ps):
+            sub = _top_k_top_p(
+                sub, torch.tensor(ks, device=dev), torch.tensor(ps, device=dev, dtype=sub.dtype)
+            )
+        probs = sub.softmax(dim=-1)
+        picks = _multinomial_rows(probs, [generators[i] for i in sampled_rows])
+        tokens[rows] = picks
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def _multinomial_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row: seeded rows use their own generator, the rest one batched call."""
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        idx = torch.tensor(shared, device=probs.device)
+        out[idx] = torch.multinomial(probs[idx], 1)[:, 0]
+    for i, g in enumerate(generators):
+        if g is not None:
+            out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+    return out

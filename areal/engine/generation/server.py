@@ -1,0 +1,345 @@
+"""``areal serve``: an aiohttp server over :class:`Generator` speaking SGLang's native API and
+OpenAI's completions/chat API.
+
+Endpoints
+- generation: ``POST /generate`` (SGLang), ``POST /v1/completions``, ``POST /v1/chat/completions``,
+  ``GET /v1/models``
+- info: ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info``
+- admin (``Authorization: Bearer <api_key>`` when an api_key is set; a non-loopback bind requires
+  one): ``POST /pause_generation`` (abort in-flight requests, answered with their partial tokens
+  and finish reason ``abort``; hold new ones), ``POST /continue_generation``,
+  ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"?}``,
+  ``POST /init_weights_update_group`` and ``POST /update_weights_from_distributed`` (protocol in
+  :mod:`areal.engine.weight_sync`), ``POST /update_weight_version`` ``{"new_version"}``,
+  ``POST /flush_cache``.
+Invalid requests get HTTP 400 ``{"error": {"message", "type", "param"}}`` where ``param`` names
+the field. SIGTERM/SIGINT: in-flight requests are answered (aborted), the port is closed, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import torch
+from aiohttp import web
+
+from areal.api.config.server import GenerationServerConfig
+from areal.engine import weight_sync
+from areal.engine.generation import openai_api, protocol
+from areal.engine.generation.generator import Generator
+from areal.engine.generation.protocol import BadRequest, Job
+from areal.engine.generation.sampling import SamplingParams
+
+logger = logging.getLogger("areal.serve")
+ADMIN_PATHS = {
+    "/pause_generation", "/continue_generation", "/update_weights_from_disk",
+    "/init_weights_update_group", "/update_weights_from_distributed", "/update_weight_version",
+    "/flush_cache",
+}  # fmt: skip
+HEALTH_GENERATE_TIMEOUT_S = 60.0
+
+
+def _error(status: int, message: str, param: str | None = None) -> web.Response:
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+class GenerationServer:
+    """Owns the generator, tokenizer and weight-update group; builds the aiohttp app."""
+
+    def __init__(self, cfg: GenerationServerConfig):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+        self.generator = Generator.from_pretrained(
+            cfg.model_path,
+            device=cfg.device,
+            dtype=getattr(torch, cfg.dtype),
+            max_batch_size=cfg.max_batch_size,
+            context_length=cfg.context_length or None,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+        )
+        self.model_name = cfg.served_model_name or cfg.model_path
+        self.group: Any = None  # torch.distributed ProcessGroup joined via /init_weights_update_group
+        self.hf_config = json.loads((Path(cfg.model_path) / "config.json").read_text())
+
+    # ------------------------------------------------------------------ helpers
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> token ids (no special tokens added)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Token ids -> text."""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_str(self, tok: int) -> str:
+        """One token as text (for OpenAI logprobs)."""
+        return self.tokenizer.decode([tok])
+
+    def apply_template(self, messages: list[dict]) -> list[int]:
+        """Chat messages -> prompt ids via the tokenizer's chat template."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode(text)
+
+    async def run_jobs(self, jobs: list[Job]):
+        """Validate, submit together, await all results."""
+        for job in jobs:
+            problems = self.generator.check_request(job.input_ids, job.params)
+            if problems:
+                field, message = problems[0].split(": ", 1)
+                raise BadRequest(field, message)
+        futures = self.generator.submit_batch([j.input_ids for j in jobs], [j.params for j in jobs])
+        return await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+
+    # ------------------------------------------------------------------ middleware
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Callable[..., Awaitable]):
+        """API-key check for admin paths; JSON errors -> 400 naming the field."""
+        if request.path in ADMIN_PATHS and self.cfg.api_key:
+            if request.headers.get("Authorization") != f"Bearer {self.cfg.api_key}":
+                return _error(401, "admin endpoint: send 'Authorization: Bearer <api_key>'")
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return _error(400, str(e), e.field)
+        except json.JSONDecodeError as e:
+            return _error(400, f"body: malformed JSON ({e.msg} at position {e.pos})", "body")
+
+    # ------------------------------------------------------------------ generation routes
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """SGLang native ``/generate``."""
+        jobs, batch, want_lp = protocol.parse_generate(await request.json(), self.encode)
+        results = await self.run_jobs(jobs)
+        version = self.generator.version
+        out = [
+            protocol.generate_response(j, r, version, want_lp, self.decode) for j, r in zip(jobs, results)
+        ]
+        return web.json_response(out if batch else out[0])
+
+    async def completions(self, request: web.Request) -> web.Response:
+        """OpenAI ``/v1/completions``."""
+        jobs, logprobs = openai_api.parse_completions(await request.json(), self.encode)
+        results = await self.run_jobs(jobs)
+        body = openai_api.completion_response(
+            self.model_name, jobs, results, logprobs, self.decode, self.token_str
+        )
+        return web.json_response(body)
+
+    async def chat(self, request: web.Request) -> web.Response:
+        """OpenAI ``/v1/chat/completions``."""
+        jobs, logprobs = openai_api.parse_chat(await request.json(), self.apply_template)
+        results = await self.run_jobs(jobs)
+        body = openai_api.chat_response(self.model_name, jobs, results, logprobs, self.decode, self.token_str)
+        return web.json_response(body)
+
+    async def models(self, request: web.Request) -> web.Response:
+        """OpenAI ``/v1/models``."""
+        card = {"id": self.model_name, "object": "model", "created": protocol.now(), "owned_by": "areal"}
+        return web.json_response({"object": "list", "data": [card]})
+
+    # ------------------------------------------------------------------ info routes
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while the scheduler runs; 503 with the cause after a crash."""
+        if self.generator.error is not None:
+            return _error(503, f"generator crashed: {self.generator.error!r}")
+        return web.json_response({"status": "ok"})
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """Generate one token end to end (skipped while paused: work is held, not broken)."""
+        if self.generator.error is not None:
+            return _error(503, f"generator crashed: {self.generator.error!r}")
+        if self.generator.paused:
+            return web.json_response({"status": "paused"})
+        fut = self.generator.submit([0], SamplingParams(max_new_tokens=1, temperature=0.0))
+        await asyncio.wait_for(asyncio.wrap_future(fut), HEALTH_GENERATE_TIMEOUT_S)
+        return web.json_response({"status": "ok"})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """SGLang ``/get_model_info``."""
+        return web.json_response(
+            {
+                "model_path": self.cfg.model_path,
+                "tokenizer_path": self.cfg.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.generator.version,
+                "model_type": self.hf_config.get("model_type"),
+                "architectures": self.hf_config.get("architectures"),
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """SGLang ``/get_server_info``: resolved config plus live state."""
+        info = {k: v for k, v in asdict(self.cfg).items() if k != "api_key"}
+        info.update(
+            status="ready",
+            context_length=self.generator.context_length,
+            weight_version=self.generator.version,
+            paused=self.generator.paused,
+            **self.generator.load(),
+        )
+        return web.json_response(info)
+
+    # ------------------------------------------------------------------ admin routes
+
+    async def _body(self, request: web.Request) -> dict:
+        if not request.can_read_body:
+            return {}
+        body = await request.json()
+        if not isinstance(body, dict):
+            raise BadRequest("body", "expected a JSON object")
+        return body
+
+    @staticmethod
+    def _version_arg(body: dict, key: str = "weight_version") -> int | None:
+        v = body.get(key)
+        if v is None:
+            return None
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            raise BadRequest(key, f"expected an integer version, got {v!r}") from None
+
+    async def pause(self, request: web.Request) -> web.Response:
+        """Abort in-flight requests (answered with partials) and hold new ones."""
+        n = await asyncio.to_thread(self.generator.pause)
+        return web.json_response({"success": True, "num_aborted_requests": n})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        """Accept work again."""
+        self.generator.resume()
+        return web.json_response({"success": True})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """No prefix cache is kept between requests, so there is nothing to flush."""
+        return web.json_response({"success": True, "message": "no prefix cache to flush"})
+
+    async def update_version(self, request: web.Request) -> web.Response:
+        """Set the version stamped on new tokens: ``{"new_version": int}``."""
+        version = self._version_arg(await self._body(request), "new_version")
+        if version is None:
+            raise BadRequest("new_version", "missing")
+        await asyncio.to_thread(self.generator.set_version, version)
+        return web.json_response({"success": True, "weight_version": version})
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        """Load weights from an HF dir: ``{"model_path", "weight_version"?}``."""
+        body = await self._body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not Path(path, "config.json").is_file():
+            raise BadRequest("model_path", f"not a Hugging Face model dir: {path!r}")
+        try:
+            v = await asyncio.to_thread(
+                self.generator.update_weights_from_disk, path, self._version_arg(body)
+            )
+        except ValueError as e:
+            raise BadRequest("model_path", str(e)) from None
+        return web.json_response({"success": True, "message": "loaded", "weight_version": v})
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        """Join the trainer's weight-update group (see :mod:`areal.engine.weight_sync`)."""
+        body = await self._body(request)
+        for key in ("master_address", "master_port", "rank_offset", "world_size"):
+            if key not in body:
+                raise BadRequest(key, "missing")
+        backend = body.get("backend", "gloo")
+        if backend not in ("gloo", "nccl"):
+            raise BadRequest("backend", f"expected 'gloo' or 'nccl', got {backend!r}")
+        self.group = await asyncio.to_thread(
+            weight_sync.init_weight_update_group,
+            str(body["master_address"]),
+            int(body["master_port"]),
+            int(body["rank_offset"]),
+            int(body["world_size"]),
+            backend,
+            float(body.get("timeout", 300.0)),
+        )
+        return web.json_response({"success": True, "message": "joined weight update group"})
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        """Receive announced tensors over the group, then swap them in between steps."""
+        body = await self._body(request)
+        if self.group is None:
+            raise BadRequest("group_name", "no weight update group; call /init_weights_update_group")
+        try:
+            specs = weight_sync.specs_from_announcement(
+                body.get("names"), body.get("dtypes"), body.get("shapes")
+            )
+        except ValueError as e:
+            raise BadRequest(str(e).split(":")[0], str(e)) from None
+        bucket_bytes = body.get("bucket_bytes", 256 << 20)
+        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise BadRequest("bucket_bytes", f"expected a positive integer, got {bucket_bytes!r}")
+        named = await asyncio.to_thread(
+            weight_sync.receive_weights, specs, self.group, bucket_bytes, self.generator.model.device
+        )
+        v = await asyncio.to_thread(self.generator.update_weights, named, self._version_arg(body))
+        return web.json_response({"success": True, "message": "updated", "weight_version": v})
+
+    # ------------------------------------------------------------------ app
+
+    def build_app(self) -> web.Application:
+        """The aiohttp application with every route."""
+        app = web.Application(middlewares=[self.middleware], client_max_size=1 << 30)
+        post, get = web.post, web.get
+        app.add_routes(
+            [
+                post("/generate", self.generate),
+                post("/v1/completions", self.completions),
+                post("/v1/chat/completions", self.chat),
+                get("/v1/models", self.models),
+                get("/health", self.health),
+                get("/health_generate", self.health_generate),
+                get("/get_model_info", self.model_info),
+                get("/get_server_info", self.server_info),
+                post("/pause_generation", self.pause),
+                post("/continue_generation", self.resume),
+                post("/flush_cache", self.flush_cache),
+                post("/update_weight_version", self.update_version),
+                post("/update_weights_from_disk", self.update_from_disk),
+                post("/init_weights_update_group", self.init_group),
+                post("/update_weights_from_distributed", self.update_from_distributed),
+            ]
+        )
+        return app
+
+
+async def serve(cfg: GenerationServerConfig) -> int:
+    """Run until SIGTERM/SIGINT; in-flight requests are answered with abort; returns 0."""
+    server = GenerationServer(cfg)
+    server.generator.start()
+    runner = web.AppRunner(server.build_app(), shutdown_timeout=cfg.shutdown_timeout, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+    await site.start()
+    port = runner.addresses[0][1] if runner.addresses else cfg.port
+    print(f"areal serve: listening on http://{cfg.host}:{port} model={cfg.model_path}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down: aborting in-flight requests")
+    await asyncio.to_thread(server.generator.shutdown)  # answers in-flight requests with abort
+    await runner.cleanup()  # waits (<= shutdown_timeout) for handlers to send those answers
+    print("areal serve: stopped", flush=True)
+    return 0
+
+
+def main(cfg: GenerationServerConfig) -> int:
+    """Entry point used by ``areal serve``."""
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    return asyncio.run(serve(cfg))

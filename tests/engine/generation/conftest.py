@@ -1,0 +1,37 @@
+"""Fixtures: an HF reference model, a started generator, and a second weight set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def other_model_dir(tmp_path_factory) -> str:
+    """Same architecture as tiny_model_dir, different weights (seed 1)."""
+    from areal.utils.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_model_b"), size="tiny", seed=1))
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_model_dir):
+    from areal.engine.generation.generator import Generator
+
+    gen = Generator.from_pretrained(tiny_model_dir, max_batch_size=8).start()
+    yield gen
+    gen.shutdown()
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Reference: HF greedy generate on one prompt (no padding), generated ids only."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()

@@ -1,0 +1,124 @@
+"""Generator vs Hugging Face: greedy equality, logprobs, seeds, joining, stops, pause, reloads."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from areal.engine.generation.sampling import SamplingParams
+from tests.engine.generation.conftest import hf_greedy
+
+PROMPTS = [[5, 17, 99, 200, 3], [42] * 3, list(range(60, 90)), [7]]
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
+
+
+def test_greedy_output_equals_hf_generate(generator, hf_model):
+    results = generator.generate(PROMPTS, GREEDY)
+    for prompt, r in zip(PROMPTS, results):
+        assert r.output_ids == hf_greedy(hf_model, prompt, 24)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_equal_log_softmax_of_hf_forward(generator, hf_model, temperature):
+    # Contract: log_softmax(logits / T)[token], T = 1 for greedy (temperature 0).
+    params = SamplingParams(max_new_tokens=16, temperature=temperature, seed=11)
+    r = generator.generate([PROMPTS[0]], params)[0]
+    ids = torch.tensor([PROMPTS[0] + r.output_ids])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0, len(PROMPTS[0]) - 1 : -1]
+    scale = temperature if temperature > 0 else 1.0
+    ref = torch.log_softmax(logits / scale, -1).gather(1, torch.tensor(r.output_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=1e-4, rtol=0)
+    assert r.output_versions == [generator.version] * len(r.output_ids)
+
+
+def test_seeded_sampling_is_reproducible_regardless_of_batch(generator):
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    alone = generator.generate([PROMPTS[0]], params)[0].output_ids
+    crowd = generator.generate(
+        PROMPTS + [PROMPTS[0]], [SamplingParams(max_new_tokens=20)] * len(PROMPTS) + [params]
+    )[-1].output_ids
+    other_seed = generator.generate([PROMPTS[0]], SamplingParams(max_new_tokens=20, seed=99))[0]
+    assert alone == crowd
+    assert other_seed.output_ids != alone
+
+
+def test_request_joining_mid_run_gets_same_greedy_result_as_alone(generator):
+    alone = generator.generate([PROMPTS[2]], GREEDY)[0].output_ids
+    long_run = generator.submit(PROMPTS[1], SamplingParams(max_new_tokens=300, temperature=0.0, ignore_eos=True))
+    time.sleep(0.2)  # the long request is decoding when the next one joins
+    joined = generator.generate([PROMPTS[2]], GREEDY)[0].output_ids
+    assert not long_run.done() or len(long_run.result().output_ids) == 300
+    long_run.result(timeout=60)
+    assert joined == alone
+
+
+def test_stop_token_ids_stop_at_first_occurrence_after_min_tokens(generator):
+    free = generator.generate([PROMPTS[0]], GREEDY)[0].output_ids
+    stop_tok = free[5]
+    first = free.index(stop_tok)
+    r = generator.generate([PROMPTS[0]], SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=(stop_tok,)))[0]
+    assert r.finish_reason == "stop" and r.matched == stop_tok
+    assert r.output_ids == free[: first + 1]
+    # min_new_tokens suppresses the stop token until that many tokens exist
+    r = generator.generate(
+        [PROMPTS[0]],
+        SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=(stop_tok,), min_new_tokens=first + 2),
+    )[0]
+    assert len(r.output_ids) >= first + 2
+    assert stop_tok not in r.output_ids[: first + 2]
+
+
+def test_stop_string_ends_generation(generator, tiny_tokenizer):
+    free = generator.generate([PROMPTS[3]], GREEDY)[0].output_ids
+    text = tiny_tokenizer.decode(free[3:5])
+    r = generator.generate([PROMPTS[3]], SamplingParams(max_new_tokens=24, temperature=0.0, stop=(text,)))[0]
+    assert r.finish_reason == "stop" and r.matched == text
+    assert text in tiny_tokenizer.decode(r.output_ids)
+    assert len(r.output_ids) <= 5
+
+
+def test_max_new_tokens_and_zero_tokens(generator):
+    r = generator.generate([PROMPTS[0]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    assert r.finish_reason == "length" and len(r.output_ids) == 3
+    r = generator.generate([PROMPTS[0]], SamplingParams(max_new_tokens=0))[0]
+    assert r.finish_reason == "length" and r.output_ids == []
+
+
+def test_pause_aborts_in_flight_with_partials_and_resume_accepts_work(generator):
+    fut = generator.submit(PROMPTS[0], SamplingParams(max_new_tokens=1500, ignore_eos=True))
+    time.sleep(0.3)
+    assert generator.pause() >= 1
+    r = fut.result(timeout=10)
+    assert r.finish_reason == "abort"
+    assert 0 < len(r.output_ids) < 1500 and len(r.output_logprobs) == len(r.output_ids)
+    held = generator.submit(PROMPTS[0], SamplingParams(max_new_tokens=2))
+    time.sleep(0.1)
+    assert not held.done()  # held while paused
+    generator.resume()
+    assert held.result(timeout=10).finish_reason in ("length", "stop")
+
+
+def test_weight_update_makes_outputs_match_new_weights(generator, hf_model, other_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(other_model_dir, dtype=torch.float32).eval()
+    v0 = generator.version
+    assert generator.update_weights_from_disk(other_model_dir) == v0 + 1
+    r = generator.generate([PROMPTS[0]], GREEDY)[0]
+    assert r.output_ids == hf_greedy(other, PROMPTS[0], 24)
+    assert r.output_versions == [v0 + 1] * len(r.output_ids)
+    state = {k: v for k, v in hf_model.state_dict().items()}
+    assert generator.update_weights(state, version=v0) == v0  # set, not bump
+    assert generator.generate([PROMPTS[0]], GREEDY)[0].output_ids == hf_greedy(hf_model, PROMPTS[0], 24)
+
+
+def test_invalid_requests_are_rejected_with_the_field_name(generator):
+    with pytest.raises(ValueError, match="input_ids"):
+        generator.submit([], GREEDY)
+    with pytest.raises(ValueError, match="input_ids"):
+        generator.submit([1] * generator.context_length, GREEDY)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generator.submit([1], SamplingParams(max_new_tokens=-1))
