@@ -1,0 +1,58 @@
+"""Supervised fine-tuning: next-token NLL on the tokens marked by ``loss_mask``.
+
+Batch fields: token ``input_ids`` and ``loss_mask`` (1 where ``input_ids[t]`` is a target
+predicted from the tokens before it; a sequence's first token is never one). The loss is a mean
+over all loss-mask tokens of the *global* batch: each micro-batch's mean is weighted by its
+token count over the all-reduced total, so the split into micro-batches and ranks does not
+change it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from areal.algo.logprob import packed_token_logprobs
+from areal.api.config.engine import TrainEngineConfig
+from areal.engine.fsdp import FSDPEngine
+from areal.utils.batch import PackedBatch
+
+
+def sft_loss(logits: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean NLL over the micro-batch's loss-mask tokens; logits ``[T, V]``."""
+    logp, _ = packed_token_logprobs(logits, mb["input_ids"], mb.cu_seqlens)  # [T]
+    mask = mb["loss_mask"].to(logp.dtype)
+    return -(logp * mask).sum() / mask.sum().clamp(min=1), {}
+
+
+def n_target_tokens(mb: PackedBatch) -> float:
+    """Loss weight of a micro-batch: its number of loss-mask tokens."""
+    return float(mb["loss_mask"].sum())
+
+
+class SFTEngine(FSDPEngine):
+    """An LM trained on NLL of loss-mask tokens."""
+
+    def __init__(self, config: TrainEngineConfig):
+        super().__init__(config, head="lm")
+
+    def train_lm(self, batch: PackedBatch) -> dict[str, float]:
+        """One optimizer step; ``loss`` is the token-mean NLL of the global batch."""
+        _check_fields(batch)
+        return self.train_batch(batch, sft_loss, n_target_tokens)
+
+    def evaluate_lm(self, batch: PackedBatch) -> dict[str, float]:
+        """Token-mean NLL of ``batch`` over loss-mask tokens, all ranks together (no update)."""
+        _check_fields(batch)
+        hook = lambda logits, mb: packed_token_logprobs(logits, mb["input_ids"], mb.cu_seqlens)[0]
+        logp = self.forward(batch, hook)  # [T]
+        mask = batch["loss_mask"].to(logp.device, torch.float64)
+        sums = torch.stack([-(logp.double() * mask).sum(), mask.sum()])
+        dist.all_reduce(sums)
+        return {"loss": float(sums[0] / sums[1].clamp(min=1)), "n_tokens": float(sums[1])}
+
+
+def _check_fields(batch: PackedBatch) -> None:
+    if "loss_mask" not in batch.tokens:
+        raise ValueError(f"SFT batches need token field 'loss_mask', got {sorted(batch.tokens)}; "
+                         "mark the completion tokens with 1")
