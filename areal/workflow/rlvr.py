@@ -1,0 +1,142 @@
+"""Single-turn RL with verifiable rewards (RLVR): one prompt -> ``n_samples`` scored completions.
+
+An episode renders the item's chat messages with the tokenizer's chat template (or takes its
+``prompt_ids``), sends ``n_samples`` requests concurrently (one per sample, same ``group_id`` so
+they share a server and its prefix cache), decodes each completion, scores it through the reward
+runner (worker processes with a deadline), and returns the group as :class:`Trajectory` records.
+Nothing is rejected here: filtering (e.g. all-equal rewards) is the trainer's choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+from areal.api.config.base import GenerationHyperparameters
+from areal.api.config.reward import WorkflowConfig
+from areal.api.engine import InferenceEngine
+from areal.api.io import ModelRequest, ModelResponse, RolloutStatus, Trajectory
+from areal.api.workflow import RolloutWorkflow
+from areal.dataset.chat import prompt_ids
+from areal.reward.runner import RewardOutcome
+
+_STATUS = {
+    "stop": RolloutStatus.COMPLETED,
+    "length": RolloutStatus.TRUNCATED,
+    "abort": RolloutStatus.ABORTED,
+}
+
+
+class Scorer(Protocol):
+    """What workflows need from a reward runner (``areal.reward.runner.RewardRunner`` is one)."""
+
+    async def ascore(self, sample_id: str, completion: str, reference: Any) -> RewardOutcome:
+        """Score one completion against the item's reference."""
+
+
+def rollout_status(response: ModelResponse, reward: RewardOutcome) -> RolloutStatus:
+    """Trajectory status: a failed reward call wins over the generation's stop reason."""
+    if not reward.ok:
+        return RolloutStatus.ERROR_REWARD
+    return _STATUS[response.stop_reason]
+
+
+def item_prompt_ids(item: dict[str, Any], tokenizer: Any) -> list[int]:
+    """The item's ``prompt_ids``, or its ``messages`` through the chat template."""
+    if "prompt_ids" in item:
+        return list(item["prompt_ids"])
+    if "messages" not in item:
+        raise KeyError(
+            f"item {item.get('id', '?')!r} has neither 'prompt_ids' nor 'messages' (keys: "
+            f"{sorted(item)}); load RL data with areal.dataset.load_dataset"
+        )
+    return prompt_ids(tokenizer, item["messages"])
+
+
+class RolloutDumper:
+    """Appends one JSON line per trajectory to ``<dump_dir>/<version>.jsonl``."""
+
+    def __init__(self, dump_dir: str | Path):
+        self.dump_dir = Path(dump_dir)
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+
+    def dump(self, group: list[Trajectory], version: int) -> Path:
+        """Write the group under weight version ``version``; returns the file written."""
+        path = self.dump_dir / f"{version}.jsonl"
+        with open(path, "a", encoding="utf-8") as f:
+            for t in group:
+                record = {
+                    "sample_id": t.sample_id,
+                    "version": version,
+                    "prompt": t.prompt_text,
+                    "completion": t.completion_text,
+                    "reward": t.reward,
+                    "status": t.status.value,
+                    "n_tokens": len(t.completion_ids),
+                }
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        return path
+
+
+def group_version(group: list[Trajectory], engine: InferenceEngine) -> int:
+    """The newest weight version that produced any token of the group (engine's if none)."""
+    versions = [v for t in group for v in t.versions if v >= 0]
+    return max(versions) if versions else engine.get_version()
+
+
+class RLVRWorkflow(RolloutWorkflow):
+    """Single-turn episodes scored by a verifiable reward; see the module docstring."""
+
+    def __init__(
+        self,
+        reward: Scorer,
+        gconfig: GenerationHyperparameters,
+        tokenizer: Any,
+        cfg: WorkflowConfig = WorkflowConfig(),
+        dump_dir: str | Path | None = None,
+    ):
+        self.reward = reward
+        self.gconfig = dataclasses.replace(gconfig, n_samples=1)  # fan-out happens here
+        self.n_samples = gconfig.n_samples
+        self.tokenizer = tokenizer
+        self.dumper = RolloutDumper(dump_dir) if cfg.dump_rollouts and dump_dir else None
+
+    async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> list[Trajectory]:
+        """Generate ``n_samples`` completions concurrently, score them, return the group."""
+        ids = item_prompt_ids(item, self.tokenizer)
+        requests = [
+            ModelRequest(input_ids=ids, gconfig=self.gconfig, group_id=item["id"],
+                         metadata={"sample_id": f"{item['id']}/{k}"})  # fmt: skip
+            for k in range(self.n_samples)
+        ]
+        responses = await asyncio.gather(*(engine.agenerate(r) for r in requests))
+        texts = [self.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in responses]
+        outcomes = await asyncio.gather(
+            *(
+                self.reward.ascore(f"{item['id']}/{k}", text, item["reference"])
+                for k, text in enumerate(texts)
+            )
+        )
+        prompt_text = self.tokenizer.decode(ids)
+        group = [
+            Trajectory(
+                prompt_ids=ids,
+                completion_ids=list(resp.output_ids),
+                logprobs=list(resp.output_logprobs),
+                versions=list(resp.output_versions),
+                loss_mask=[1] * len(resp.output_ids),
+                reward=outcome.reward,
+                status=rollout_status(resp, outcome),
+                sample_id=f"{item['id']}/{k}",
+                group_id=item["id"],
+                prompt_text=prompt_text,
+                completion_text=text,
+            )
+            for k, (resp, text, outcome) in enumerate(zip(responses, texts, outcomes))
+        ]
+        if self.dumper is not None:
+            self.dumper.dump(group, group_version(group, engine))
+        return group
