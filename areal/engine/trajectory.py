@@ -1,0 +1,107 @@
+"""Rollout groups -> a training :class:`PackedBatch`, and per-batch staleness statistics.
+
+Fields of the batch :func:`groups_to_batch` builds (``T`` tokens, ``B`` sequences; a sequence is
+prompt + completion, in group order, groups in the order given):
+
+token fields ``[T]``
+  ``input_ids``  int64    prompt ids then completion ids
+  ``logprobs``   float32  behaviour logprob of each completion token (log pi_behav(x_t | x_<t));
+                          0.0 on prompt tokens
+  ``versions``   int64    weight version that produced each completion token; -1 on prompt
+                          tokens (and on injected, non-model tokens of multi-turn episodes)
+  ``loss_mask``  int64    1 = trained on; 0 on prompt tokens, on injected tokens, and (with
+                          ``mask_untrainable=True``) on every token of a sequence whose status
+                          is not completed/truncated
+
+sequence fields ``[B]``
+  ``rewards``      float32  the trajectory's scalar reward
+  ``group_index``  int64    0..G-1: which group (dataset item) of this batch the sequence is from
+  ``prompt_lens``  int64    prompt tokens of the sequence (completion = seqlen - prompt_len)
+  ``status_code``  int64    index of the trajectory's status in :data:`STATUS_CODES`
+  any key of ``Trajectory.extras`` (float32), when every trajectory of the batch has it
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+from areal.api.io import RolloutStatus, Trajectory
+from areal.utils.batch import PackedBatch
+
+STATUS_CODES: tuple[RolloutStatus, ...] = tuple(RolloutStatus)
+TRAINABLE = (RolloutStatus.COMPLETED, RolloutStatus.TRUNCATED)
+_BUILTIN_FIELDS = {"input_ids", "logprobs", "versions", "loss_mask", "rewards", "group_index",
+                   "prompt_lens", "status_code"}
+
+
+def _extras_keys(trajs: list[Trajectory]) -> list[str]:
+    keys = set(trajs[0].extras)
+    for t in trajs[1:]:
+        if set(t.extras) != keys:
+            raise ValueError(
+                f"trajectory {t.sample_id!r} has extras {sorted(t.extras)} but "
+                f"{trajs[0].sample_id!r} has {sorted(keys)}; every trajectory of a batch must "
+                "carry the same extras keys (set a default in the workflow)"
+            )
+    clash = keys & _BUILTIN_FIELDS
+    if clash:
+        raise ValueError(f"Trajectory.extras keys {sorted(clash)} clash with batch field names")
+    return sorted(keys)
+
+
+def groups_to_batch(
+    groups: Sequence[Sequence[Trajectory]], mask_untrainable: bool = True
+) -> PackedBatch:
+    """Pack rollout groups into one batch with the fields listed in the module docstring."""
+    trajs = [t for g in groups for t in g]
+    if not trajs:
+        raise ValueError("groups_to_batch got no trajectories; wait for at least one group")
+    tok: dict[str, list[list]] = {"input_ids": [], "logprobs": [], "versions": [], "loss_mask": []}
+    for t in trajs:
+        n_prompt = len(t.prompt_ids)
+        trainable = t.status in TRAINABLE or not mask_untrainable
+        tok["input_ids"].append(list(t.prompt_ids) + list(t.completion_ids))
+        tok["logprobs"].append([0.0] * n_prompt + [float(x) for x in t.logprobs])
+        tok["versions"].append([-1] * n_prompt + [int(v) for v in t.versions])
+        mask = [int(m) if trainable else 0 for m in t.loss_mask]
+        tok["loss_mask"].append([0] * n_prompt + mask)
+    seqs = {
+        "rewards": [float(t.reward) for t in trajs],
+        "group_index": [gi for gi, g in enumerate(groups) for _ in g],
+        "prompt_lens": [len(t.prompt_ids) for t in trajs],
+        "status_code": [STATUS_CODES.index(t.status) for t in trajs],
+    }
+    for key in _extras_keys(trajs):
+        seqs[key] = [float(t.extras[key]) for t in trajs]
+    batch = PackedBatch.from_sequences(tok, seqs)
+    # from_sequences infers dtype from the first value; pin the documented dtypes.
+    return batch.with_fields(
+        tokens={"logprobs": batch["logprobs"].float(), "versions": batch["versions"].long(),
+                "loss_mask": batch["loss_mask"].long()},
+        seqs={k: batch[k].float() for k in ["rewards", *_extras_keys(trajs)]},
+    )
+
+
+def staleness_stats(groups: Sequence[Sequence[Trajectory]], current_version: int) -> dict[str, float]:
+    """Staleness of the trained tokens of one batch, relative to the trainer's ``current_version``.
+
+    Over completion tokens with loss_mask 1 and a version >= 0:
+    ``staleness/hist/<d>`` = tokens whose version is ``current_version - d`` (a count);
+    ``staleness/version_share/<v>`` = fraction of tokens produced by weight version ``v``;
+    ``staleness/mean``, ``staleness/max``, ``staleness/n_tokens``.
+    """
+    by_version: Counter[int] = Counter()
+    for g in groups:
+        for t in g:
+            by_version.update(v for v, m in zip(t.versions, t.loss_mask) if m and v >= 0)
+    n = sum(by_version.values())
+    out: dict[str, float] = {"staleness/n_tokens": float(n)}
+    if n == 0:
+        return out
+    out["staleness/mean"] = sum((current_version - v) * c for v, c in by_version.items()) / n
+    out["staleness/max"] = float(max(current_version - v for v in by_version))
+    for v, c in sorted(by_version.items()):
+        out[f"staleness/hist/{current_version - v}"] = float(c)
+        out[f"staleness/version_share/{v}"] = c / n
+    return out
