@@ -1,0 +1,220 @@
+"""``areal serve`` as a real process on a free loopback port: SGLang and OpenAI APIs, 400s,
+API key, pause/continue, weight updates from disk and over gloo, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.engine.generation.conftest import hf_greedy
+
+KEY = "test-key"
+STARTUP_DEADLINE_S = 60.0
+PROMPT = [5, 17, 99, 200, 3]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def call(url: str, body: dict | bytes | None = None, key: str | None = None, timeout: float = 60.0):
+    """POST (body given) or GET; returns (status, parsed JSON)."""
+    data = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None else None)
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def start_server(model_dir: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "areal.cli", "serve", "--model", model_dir, "--port", str(port), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_DEADLINE_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}: {proc.stdout.read().decode()[-2000:]}")
+        try:
+            if call(f"{url}/health", timeout=2)[0] == 200:
+                return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError(f"server did not become healthy within {STARTUP_DEADLINE_S}s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    proc, url = start_server(tiny_model_dir, "--api-key", KEY, "max_batch_size=8")
+    yield url
+    stop_server(proc)
+
+
+def test_sglang_generate_request_in_documented_format(server, hf_model, tiny_tokenizer):
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}, "return_logprob": True}
+    status, out = call(f"{server}/generate", body)
+    assert status == 200
+    assert out["output_ids"] == hf_greedy(hf_model, PROMPT, 12)
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == 12
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert len(meta["output_token_versions"]) == 12
+    status, out = call(f"{server}/generate", {"text": ["ab", "cd"], "sampling_params": {"max_new_tokens": 3}})
+    assert status == 200 and isinstance(out, list) and len(out) == 2 and isinstance(out[0]["text"], str)
+
+
+def test_info_endpoints(server):
+    for path in ("/health", "/health_generate", "/get_model_info", "/get_server_info", "/v1/models"):
+        status, out = call(server + path)
+        assert status == 200, (path, out)
+    assert call(f"{server}/get_model_info")[1]["is_generation"] is True
+    assert "api_key" not in call(f"{server}/get_server_info")[1]
+
+
+def test_openai_client_completions_and_chat(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, timeout=60, max_retries=0)
+    model = client.models.list().data[0].id
+    c = client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=0, logprobs=1)
+    assert c.choices[0].finish_reason in ("length", "stop") and c.usage.completion_tokens <= 6
+    assert len(c.choices[0].logprobs.token_logprobs) == c.usage.completion_tokens
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, n=2, seed=3, logprobs=True
+    )
+    assert len(chat.choices) == 2 and chat.choices[0].message.role == "assistant"
+    assert isinstance(chat.choices[0].message.content, str)
+    assert chat.usage.completion_tokens <= 10
+
+
+@pytest.mark.parametrize(
+    "path,body,field",
+    [
+        ("/generate", {"input_ids": [1] * 5000}, "input_ids"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": -2}}, "sampling_params.max_new_tokens"),
+        ("/generate", {"input_ids": []}, "input_ids"),
+        ("/generate", {"text": ""}, "text"),
+        ("/generate", b"{not json", "body"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ("/v1/chat/completions", {"model": "m", "messages": []}, "messages"),
+    ],
+)
+def test_bad_input_gets_400_naming_the_field(server, path, body, field):
+    status, out = call(server + path, body)
+    assert status == 400
+    assert out["error"]["param"] == field and field in out["error"]["message"]
+
+
+def test_admin_endpoints_need_the_api_key(server):
+    assert call(f"{server}/flush_cache", {})[0] == 401
+    assert call(f"{server}/flush_cache", {}, key="wrong")[0] == 401
+    assert call(f"{server}/flush_cache", {}, key=KEY)[0] == 200
+
+
+def test_non_loopback_bind_without_key_is_a_config_error():
+    from areal.api.config import ConfigError, from_dict
+    from areal.api.config.server import GenerationServerConfig
+
+    with pytest.raises(ConfigError, match="api_key"):
+        from_dict(GenerationServerConfig, {"model_path": "m", "host": "0.0.0.0"})
+
+
+def _generate_in_thread(url: str, body: dict, out: dict) -> threading.Thread:
+    t = threading.Thread(target=lambda: out.update(zip(("status", "body"), call(f"{url}/generate", body))))
+    t.start()
+    return t
+
+
+def test_pause_returns_partials_with_abort_then_continue(server):
+    out: dict = {}
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}, "return_logprob": True}
+    t = _generate_in_thread(server, body, out)
+    time.sleep(1.0)
+    status, paused = call(f"{server}/pause_generation", {}, key=KEY)
+    t.join(30)
+    assert status == 200 and paused["num_aborted_requests"] >= 1
+    meta = out["body"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert 0 < meta["completion_tokens"] < 1500
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    assert call(f"{server}/continue_generation", {}, key=KEY)[0] == 200
+    assert call(f"{server}/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})[0] == 200
+
+
+def _greedy_ids(url: str) -> list[int]:
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    return call(f"{url}/generate", body)[1]["output_ids"]
+
+
+def test_update_weights_from_disk_then_over_gloo(server, hf_model, tiny_model_dir, other_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(other_model_dir, dtype=torch.float32).eval()
+    v0 = call(f"{server}/get_model_info")[1]["weight_version"]
+    status, out = call(f"{server}/update_weights_from_disk", {"model_path": other_model_dir}, key=KEY)
+    assert status == 200 and out["weight_version"] == v0 + 1
+    assert _greedy_ids(server) == hf_greedy(other, PROMPT, 12)
+    status, out = call(f"{server}/update_weights_from_disk", {"model_path": "/nonexistent"}, key=KEY)
+    assert status == 400 and out["error"]["param"] == "model_path"
+    # A separate process plays the trainer: joins the gloo group, broadcasts the original weights.
+    trainer = subprocess.run(
+        [sys.executable, "-m", "tests.engine.generation.trainer_proc", server, tiny_model_dir, str(free_port()), KEY],
+        capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert trainer.returncode == 0, trainer.stdout.decode()[-1500:] + trainer.stderr.decode()[-1500:]
+    assert call(f"{server}/get_model_info")[1]["weight_version"] == 7
+    assert _greedy_ids(server) == hf_greedy(hf_model, PROMPT, 12)
+
+
+def test_sigterm_answers_in_flight_requests_frees_port_and_exits_0(tiny_model_dir):
+    proc, url = start_server(tiny_model_dir)
+    try:
+        out: dict = {}
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+        t = _generate_in_thread(url, body, out)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        t.join(30)
+        assert proc.wait(timeout=30) == 0
+        assert out["status"] == 200 and out["body"]["meta_info"]["finish_reason"]["type"] == "abort"
+        port = int(url.rsplit(":", 1)[1])
+        with socket.socket() as s:
+            # SO_REUSEADDR as every server sets it: TIME_WAIT remnants of the closed client
+            # connection may linger, but nothing listens on the port any more.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
+    finally:
+        stop_server(proc)
