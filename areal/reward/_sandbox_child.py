@@ -105,6 +105,7 @@ def _wait_all(child_pid):
 
 
 def main():
+    """Install the hooks, run the solution in a child, exit with its status."""
     workdir = os.path.realpath(os.getcwd())
     with open("spec.json", encoding="utf-8") as f:
         spec = json.load(f)

@@ -65,12 +65,14 @@ class _Episode:
     loss_mask: list[int] = dataclasses.field(default_factory=list)
 
     def add_model(self, resp: ModelResponse) -> None:
+        """Append the model's tokens: trained on, with their logprobs and versions."""
         self.completion_ids += resp.output_ids
         self.logprobs += resp.output_logprobs
         self.versions += resp.output_versions
         self.loss_mask += [1] * len(resp.output_ids)
 
     def add_injected(self, ids: list[int]) -> None:
+        """Append injected tokens: loss mask 0, logprob 0.0, version -1."""
         self.completion_ids += ids
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)

@@ -171,3 +171,32 @@ def test_submission_deadline_skips_remaining_cases():
     cfg = SandboxConfig(case_timeout=1.0, submission_timeout=1.5, cpu_seconds=1)
     res = run_tests("while True:\n    pass", [{"input": "", "output": ""}] * 3, cfg)
     assert res.passed == 0 and res.statuses[-1] == "skipped_deadline"
+
+
+def test_code_reward_runs_inside_a_reward_worker():
+    from areal.api.config.reward import RewardConfig
+    from areal.reward.runner import RewardRunner
+
+    tests = [{"input": "4\n", "output": "16\n"}, {"fn_name": "sq", "args": [3], "expected": 9}]
+    code = "```python\ndef sq(x):\n    return x * x\nif __name__ == '__main__':\n    print(sq(int(input())))\n```"
+    with RewardRunner(code_reward, RewardConfig(n_workers=1)) as runner:
+        assert runner.call("code-0", code, tests) == 1.0
+        assert runner.commit_batch()["reward/n_failed"] == 0
+
+
+@pytest.mark.parametrize("mode", ["ctypes-netns", "none"])
+def test_fallback_modes_still_contain_and_say_which_layers_are_active(mode, monkeypatch, unharmed):
+    import areal.reward.sandbox as sandbox
+
+    if mode == "ctypes-netns" and sandbox.isolation_mode() == "none":
+        pytest.skip("the kernel refuses network namespaces here")
+    monkeypatch.setattr(sandbox, "isolation_mode", lambda: mode)
+    r = run_python("print(input()[::-1])", CFG, stdin="abc\n")
+    assert r.stdout == "cba\n"
+    assert ("netns" in r.isolation) == (mode == "ctypes-netns") and "pidns" not in r.isolation
+    net = "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)\nprint('connected')"
+    r = run_python(net, CFG, audit_network=(mode == "none"))
+    assert r.status == "runtime_error" and "connected" not in r.stdout
+    r = run_python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", CFG)
+    assert r.status == "timeout"
+    unharmed(r)
