@@ -78,6 +78,8 @@ class EventLoopThread:
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
+            if fut.done():  # the coroutine itself raised TimeoutError (same class since 3.11)
+                raise
             fut.cancel()
             raise TimeoutError(f"{what} did not finish within {timeout} s") from None
 

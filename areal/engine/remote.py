@@ -1,0 +1,426 @@
+"""HTTP client for generation servers (ours, SGLang, vLLM): routing, retries with failover,
+pause/resume with re-submission of interrupted requests, and weight updates on every server.
+
+The client runs its own asyncio loop (and aiohttp session) in a background thread, so the SPMD
+training script can call the synchronous methods (``pause``, ``resume``, ``update_weights``) and
+coroutines on any other loop (the workflow executor's) can ``await agenerate(...)``.
+
+Routing: the first request of a group (``ModelRequest.group_id``) picks a server by
+``rollout.schedule_policy`` (round_robin | least_requests); later samples of the group go to the
+same server (prefix reuse) unless it fails. Failures: a connection error or HTTP 5xx is retried
+on another server after ``retry_backoff * 2**k`` seconds, at most ``request_retries`` times; a
+server with ``server_failure_threshold`` consecutive failures (or one failed control call) is
+declared dead, logged and counted, and never used again in this run; when none is left every
+call raises :class:`AllServersDeadError`. HTTP 4xx is a bug or a bad config and raises at once.
+
+Interruption: ``pause()`` aborts in-flight generations on every server; each answers with its
+partial tokens (finish reason ``abort``). The client waits for ``resume()`` and re-submits
+prompt + partial output with the remaining token budget (and remaining ``min_new_tokens``), then
+joins the parts; every token keeps the version that produced it. A stop string that straddles
+the cut is not detected (stop token ids are).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import json
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import aiohttp
+
+from areal.api.config.rollout import InferenceEngineConfig
+from areal.api.engine import InferenceEngine
+from areal.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
+from areal.engine.backends import HttpCall, make_backend
+from areal.engine.executor import EventLoopThread
+from areal.utils.logging import get_logger
+from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository
+
+logger = get_logger("remote")
+ENV_ADDRS = "AREAL_LLM_SERVER_ADDRS"
+_STICKY_GROUPS = 4096  # remembered group -> server assignments (oldest forgotten first)
+
+
+class RemoteEngineError(RuntimeError):
+    """A generation server call failed for good (the message names server, call and cause)."""
+
+
+class AllServersDeadError(RemoteEngineError):
+    """Every generation server was declared dead; the run cannot continue."""
+
+
+class _Retryable(Exception):
+    """A connection error or HTTP 5xx: try again, elsewhere."""
+
+
+@dataclass
+class _Server:
+    address: str  # host:port
+    alive: bool = True
+    outstanding: int = 0  # requests in flight now
+    failures: int = 0  # consecutive failed calls
+    n_requests: int = 0
+
+    @property
+    def url(self) -> str:
+        return self.address if "://" in self.address else f"http://{self.address}"
+
+
+def resolve_addresses(config: InferenceEngineConfig, registry: NameRepository | None = None) -> list[str]:
+    """Server addresses: ``rollout.addresses``, else env AREAL_LLM_SERVER_ADDRS, else the name
+    registry (waits up to ``setup_timeout`` for at least one entry)."""
+    if config.addresses:
+        return list(config.addresses)
+    env = os.environ.get(ENV_ADDRS, "")
+    if env.strip():
+        return [a.strip() for a in env.split(",") if a.strip()]
+    if config.experiment_name:
+        nr = config.name_resolve
+        repo = registry or make_repository(nr.type, nr.file_root)
+        key = gen_servers_key(config.experiment_name, config.trial_name)
+        deadline = time.monotonic() + config.setup_timeout
+        while time.monotonic() < deadline:
+            found = repo.get_subtree(key)
+            if found:
+                return sorted(found)
+            time.sleep(0.2)
+        raise TimeoutError(
+            f"no generation server registered under {key!r} within {config.setup_timeout} s "
+            "(rollout.setup_timeout); check that the servers started and use the same "
+            "rollout.name_resolve settings"
+        )
+    raise ValueError(
+        "no generation server addresses: set rollout.addresses=[host:port,...], the env var "
+        f"{ENV_ADDRS}, or rollout.experiment_name/trial_name to read the name registry"
+    )
+
+
+class RemoteInferenceEngine(InferenceEngine):
+    """An :class:`InferenceEngine` over HTTP generation servers."""
+
+    def __init__(self, config: InferenceEngineConfig, registry: NameRepository | None = None):
+        self.config = config
+        self.backend = make_backend(config.backend, config.served_model_name)
+        self.registry = registry
+        self.servers: list[_Server] = []
+        self._version = 0
+        self._paused = False
+        self._resumed: asyncio.Event | None = None  # created on the client loop
+        self._session: aiohttp.ClientSession | None = None
+        self._thread: EventLoopThread | None = None
+        self._rr = itertools.count()
+        self._sticky: OrderedDict[str, _Server] = OrderedDict()
+        self.n_dead = 0
+        self.n_failovers = 0
+        self.n_resubmits = 0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def initialize(self, addresses: list[str] | None = None) -> None:
+        """Find the servers, start the client loop and wait until every server is healthy."""
+        addrs = addresses or resolve_addresses(self.config, self.registry)
+        self.servers = [_Server(a.rstrip("/")) for a in addrs]
+        self._thread = EventLoopThread("remote-inference")
+        try:
+            self._thread.run(self._setup(), self.config.setup_timeout + 10, "server health checks")
+        except BaseException:
+            self.destroy()
+            raise
+        logger.info("connected to %d generation server(s): %s", len(self.servers), addrs)
+
+    async def _setup(self) -> None:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        deadline = time.monotonic() + self.config.setup_timeout
+        await asyncio.gather(*(self._wait_healthy(s, deadline) for s in self.servers))
+
+    async def _wait_healthy(self, server: _Server, deadline: float) -> None:
+        call, last = self.backend.health, "no answer"
+        while time.monotonic() < deadline:
+            try:
+                timeout = aiohttp.ClientTimeout(total=max(0.1, min(5.0, deadline - time.monotonic())))
+                async with self._session.get(server.url + call.path, timeout=timeout) as resp:
+                    if resp.status == 200:
+                        return
+                    last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                last = repr(e)
+            await asyncio.sleep(0.2)
+        raise TimeoutError(
+            f"generation server {server.address} did not pass GET {call.path} within "
+            f"{self.config.setup_timeout} s (rollout.setup_timeout); last: {last}. Check the "
+            "server log, or raise rollout.setup_timeout"
+        )
+
+    def destroy(self) -> None:
+        """Close the HTTP session and stop the client loop."""
+        if self._thread is None:
+            return
+        if self._session is not None:
+            self._thread.run(self._session.close(), 10, "closing the HTTP session")
+        self._thread.stop()
+        self._thread = None
+
+    def _loop_thread(self) -> EventLoopThread:
+        if self._thread is None:
+            raise RuntimeError("RemoteInferenceEngine is not running; call initialize() first")
+        return self._thread
+
+    # -- routing and transport ----------------------------------------------------------------
+
+    def _alive(self) -> list[_Server]:
+        alive = [s for s in self.servers if s.alive]
+        if not alive:
+            raise AllServersDeadError(
+                f"all {len(self.servers)} generation servers are dead "
+                f"({', '.join(s.address for s in self.servers)}); the run cannot continue. Check "
+                "their logs, restart them and resume from the last recover checkpoint"
+            )
+        return alive
+
+    def _choose(self, group_id: str | None, exclude: set[str]) -> _Server:
+        alive = self._alive()
+        candidates = [s for s in alive if s.address not in exclude] or alive
+        if group_id is not None and group_id in self._sticky:
+            server = self._sticky[group_id]
+            if server in candidates:
+                self._sticky.move_to_end(group_id)
+                return server
+        if self.config.schedule_policy == "least_requests":
+            server = min(candidates, key=lambda s: (s.outstanding, s.n_requests))
+        else:
+            server = candidates[next(self._rr) % len(candidates)]
+        if group_id is not None:
+            self._sticky[group_id] = server
+            self._sticky.move_to_end(group_id)
+            while len(self._sticky) > _STICKY_GROUPS:
+                self._sticky.popitem(last=False)
+        return server
+
+    def _mark_failure(self, server: _Server, cause: object, fatal: bool = False) -> None:
+        server.failures += 1
+        if server.alive and (fatal or server.failures >= self.config.server_failure_threshold):
+            server.alive = False
+            self.n_dead += 1
+            left = sum(s.alive for s in self.servers)
+            logger.error("generation server %s declared dead after %d failure(s) (last: %s); "
+                         "%d of %d servers left", server.address, server.failures, cause, left,
+                         len(self.servers))
+
+    async def _send(self, server: _Server, call: HttpCall, deadline: float) -> dict:
+        """One HTTP call; raises _Retryable (connection/5xx), RemoteEngineError (4xx) or
+        TimeoutError (``deadline`` passed)."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{call.path} on {server.address}: deadline passed before sending")
+        server.outstanding += 1
+        server.n_requests += 1
+        try:
+            async with self._session.request(
+                call.method, server.url + call.path, json=call.json, params=call.params,
+                timeout=aiohttp.ClientTimeout(total=left),
+            ) as resp:
+                text = await resp.text()
+                if resp.status >= 500:
+                    raise _Retryable(f"HTTP {resp.status}: {text[:300]}")
+                if resp.status >= 400:
+                    raise RemoteEngineError(
+                        f"{server.address} answered {call.method} {call.path} with HTTP "
+                        f"{resp.status}: {text[:500]}"
+                    )
+                server.failures = 0
+                return json.loads(text) if text else {}
+        except asyncio.TimeoutError:
+            if time.monotonic() < deadline:  # a socket-level timeout: the server is stuck
+                raise _Retryable(f"timeout talking to {server.address}") from None
+            raise TimeoutError(
+                f"{call.method} {call.path} on {server.address} got no answer before its deadline; "
+                "raise rollout.request_timeout (generation) or rollout.weight_update_timeout"
+            ) from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+            raise _Retryable(repr(e)) from e
+        finally:
+            server.outstanding -= 1
+
+    async def _send_with_failover(self, call: HttpCall, group_id: str | None, deadline: float,
+                                  what: str) -> dict:
+        tried: set[str] = set()
+        for attempt in itertools.count(1):
+            server = self._choose(group_id, tried)
+            try:
+                return await self._send(server, call, deadline)
+            except _Retryable as e:
+                self._mark_failure(server, e)
+                tried.add(server.address)
+                if attempt > self.config.request_retries:
+                    raise RemoteEngineError(
+                        f"{what} failed {attempt} times (rollout.request_retries="
+                        f"{self.config.request_retries}); last: {server.address}: {e}"
+                    ) from None
+                self.n_failovers += 1
+                backoff = self.config.retry_backoff * 2 ** (attempt - 1)
+                await asyncio.sleep(max(0.0, min(backoff, deadline - time.monotonic())))
+        raise AssertionError("unreachable")
+
+    async def _broadcast(self, calls: dict[str, HttpCall], what: str, timeout: float) -> None:
+        """Send one control call per server (by address) concurrently; a server that cannot be
+        reached is declared dead (it must not serve with the wrong weights or state)."""
+        deadline = time.monotonic() + timeout
+        targets = [s for s in self._alive() if s.address in calls]
+        results = await asyncio.gather(
+            *(self._send(s, calls[s.address], deadline) for s in targets), return_exceptions=True
+        )
+        for server, res in zip(targets, results):
+            if isinstance(res, _Retryable):
+                self._mark_failure(server, f"{what}: {res}", fatal=True)
+            elif isinstance(res, BaseException):
+                raise RemoteEngineError(f"{what} on {server.address} failed: {res}") from res
+        self._alive()
+
+    def _call_all(self, call: HttpCall) -> dict[str, HttpCall]:
+        return {s.address: call for s in self.servers if s.alive}
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate one completion; callable from any event loop."""
+        thread = self._loop_thread()
+        if asyncio.get_running_loop() is thread.loop:
+            return await self._agenerate(req)
+        return await asyncio.wrap_future(thread.submit(self._agenerate(req)))
+
+    async def _wait_resumed(self, deadline: float, rid: str) -> None:
+        if self._resumed.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._resumed.wait(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"request {rid}: the engine stayed paused past rollout.request_timeout="
+                f"{self.config.request_timeout} s; call resume() after the weight update"
+            ) from None
+
+    async def _agenerate(self, req: ModelRequest) -> ModelResponse:
+        g = req.gconfig
+        t0 = time.monotonic()
+        deadline = t0 + self.config.request_timeout
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        ttft, stop, idle_aborts = 0.0, "length", 0
+        while len(ids) < g.max_new_tokens:
+            await self._wait_resumed(deadline, req.rid)
+            call = self.backend.generate(
+                req.input_ids + ids, g, g.max_new_tokens - len(ids),
+                max(0, g.min_new_tokens - len(ids)), req.seed,
+            )
+            body = await self._send_with_failover(call, req.group_id, deadline, f"request {req.rid}")
+            chunk = self.backend.parse_generate(body)
+            if chunk.output_ids and not ids:
+                ttft = time.monotonic() - t0
+            ids += chunk.output_ids
+            logprobs += chunk.logprobs
+            versions += chunk.versions if chunk.versions is not None else [self._version] * len(chunk.output_ids)
+            stop = chunk.stop_reason
+            if stop != "abort":
+                break
+            self.n_resubmits += 1
+            # An abort outside a pause (the server was paused by someone else, or shut down) is
+            # retried too, but not forever when it makes no progress.
+            idle_aborts = 0 if (self._paused or chunk.output_ids) else idle_aborts + 1
+            if idle_aborts > self.config.request_retries:
+                break
+        if stop == "abort" and len(ids) >= g.max_new_tokens:
+            stop = "length"
+        return ModelResponse(list(req.input_ids), ids, logprobs, versions, stop,
+                             latency=time.monotonic() - t0, ttft=ttft)
+
+    # -- control ------------------------------------------------------------------------------
+
+    async def _apause(self) -> None:
+        self._paused = True  # before the servers abort, so aborted requests wait for resume
+        self._resumed.clear()
+        await self._broadcast(self._call_all(self.backend.pause()), "pause", self.config.setup_timeout)
+
+    async def _aresume(self) -> None:
+        await self._broadcast(self._call_all(self.backend.resume()), "resume", self.config.setup_timeout)
+        self._paused = False
+        self._resumed.set()
+
+    def pause(self) -> None:
+        """Abort in-flight generations on every server; they are re-submitted after resume()."""
+        self._loop_thread().run(self._apause(), self.config.setup_timeout + 5, "pause")
+
+    def resume(self) -> None:
+        """Let every server generate again; interrupted requests continue."""
+        self._loop_thread().run(self._aresume(), self.config.setup_timeout + 5, "resume")
+
+    def get_version(self) -> int:
+        """The version the client tags tokens with when a server reports none."""
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        """Set the client's version (servers get theirs with each weight update)."""
+        self._version = version
+
+    async def _aupdate(self, calls: dict[str, HttpCall], version: int | None, what: str) -> None:
+        await self._broadcast(calls, what, self.config.weight_update_timeout)
+        if version is not None:
+            self._version = version
+
+    def update_weights_async(self, meta: WeightUpdateMeta,
+                             announcement: dict[str, list] | None = None) -> concurrent.futures.Future:
+        """Start a weight update on every live server; returns a future (``.result(timeout)``).
+
+        ``disk``: the servers load ``meta.path``. ``distributed``: the servers receive the
+        tensors of ``announcement`` (``actor.weight_announcement()``) while the trainer
+        broadcasts them, so start this first, then call ``actor.update_weights(meta)``. On
+        success the client's version becomes ``meta.version``.
+        """
+        if meta.type == "disk":
+            if not meta.path:
+                raise ValueError("WeightUpdateMeta.path is empty for type='disk'; set the HF dir")
+            call = self.backend.update_from_disk(meta.path, meta.version)
+        elif meta.type == "distributed":
+            if announcement is None:
+                raise ValueError("type='distributed' needs announcement=actor.weight_announcement()")
+            call = self.backend.update_from_distributed(meta, announcement)
+        else:
+            raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'distributed', got {meta.type!r}")
+        what = f"update_weights({meta.type}, version={meta.version})"
+        return self._loop_thread().submit(self._aupdate(self._call_all(call), meta.version, what))
+
+    def update_weights(self, meta: WeightUpdateMeta, announcement: dict[str, list] | None = None) -> None:
+        """Blocking :meth:`update_weights_async` (for ``distributed`` the trainer must broadcast
+        from another thread or process meanwhile)."""
+        fut = self.update_weights_async(meta, announcement)
+        fut.result(self.config.weight_update_timeout + 10)
+
+    def init_weights_update_group_async(self, meta: WeightUpdateMeta) -> concurrent.futures.Future:
+        """Have live server ``i`` join the trainer's weight-update group as rank ``1 + i``
+        (the trainer is rank 0 and joins concurrently with world size :attr:`weight_group_size`)."""
+        alive = self._alive()
+        calls = {s.address: self.backend.init_weight_group(meta, 1 + i, 1 + len(alive))
+                 for i, s in enumerate(alive)}
+        return self._loop_thread().submit(self._aupdate(calls, None, "init_weights_update_group"))
+
+    @property
+    def weight_group_size(self) -> int:
+        """World size of the weight-update group: the trainer plus every live server."""
+        return 1 + len(self._alive())
+
+    def stats(self) -> dict[str, float]:
+        """Server health and failover counters for logging."""
+        alive = sum(s.alive for s in self.servers)
+        return {
+            "remote/servers_alive": float(alive),
+            "remote/servers_dead": float(len(self.servers) - alive),
+            "remote/failovers": float(self.n_failovers),
+            "remote/resubmits": float(self.n_resubmits),
+        }

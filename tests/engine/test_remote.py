@@ -1,0 +1,260 @@
+"""Tier 2: RemoteInferenceEngine against real ``areal serve`` processes on loopback ports.
+
+Covers generation, pause -> partials -> weight update -> resume -> continuation with per-token
+versions, a server killed during a rollout batch (the batch completes on the other one), all
+servers dead (clear error), the /health deadline, address resolution and group-sticky routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from areal.api.config.base import GenerationHyperparameters
+from areal.api.config.rollout import InferenceEngineConfig
+from areal.api.io import ModelRequest, RolloutStatus, Trajectory, WeightUpdateMeta
+from areal.api.workflow import RolloutWorkflow
+from areal.engine.executor import RolloutError, WorkflowExecutor
+from areal.engine.remote import (
+    ENV_ADDRS,
+    AllServersDeadError,
+    RemoteInferenceEngine,
+    _Server,
+    resolve_addresses,
+)
+from areal.utils.name_resolve import MemoryNameRepository, gen_servers_key
+
+pytestmark = pytest.mark.slow
+STARTUP_DEADLINE_S = 90.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def _start(model_dir: str, n: int) -> list[tuple[subprocess.Popen, str]]:
+    """Start ``n`` servers at once; return (process, host:port) when all pass /health."""
+    procs = []
+    for _ in range(n):
+        port = _free_port()
+        cmd = [sys.executable, "-m", "areal.cli", "serve", "--model", model_dir, "--port", str(port)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        procs.append((proc, f"127.0.0.1:{port}"))
+    deadline = time.monotonic() + STARTUP_DEADLINE_S
+    for proc, addr in procs:
+        while True:
+            assert proc.poll() is None, f"server {addr} exited with {proc.returncode}"
+            try:
+                _get(f"http://{addr}/health")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    _stop(procs)
+                    raise TimeoutError(f"server {addr} not healthy within {STARTUP_DEADLINE_S} s")
+                time.sleep(0.2)
+    return procs
+
+
+def _stop(procs) -> None:
+    for proc, _ in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc, _ in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir):
+    procs = _start(tiny_model_dir, 2)
+    yield [addr for _, addr in procs]
+    _stop(procs)
+
+
+@pytest.fixture(scope="module")
+def other_weights_dir(tmp_path_factory) -> str:
+    from areal.utils.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny_b"), size="tiny", seed=1))
+
+
+@pytest.fixture
+def make_engine():
+    engines: list[RemoteInferenceEngine] = []
+
+    def make(addresses, **cfg) -> RemoteInferenceEngine:
+        cfg.setdefault("setup_timeout", 60.0)
+        cfg.setdefault("request_timeout", 120.0)
+        eng = RemoteInferenceEngine(InferenceEngineConfig(addresses=addresses, **cfg))
+        eng.initialize()
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        eng.destroy()
+
+
+class SampleN(RolloutWorkflow):
+    """n samples of one prompt, sharing a group id (so they are routed to one server)."""
+
+    def __init__(self, n: int, max_new_tokens: int):
+        self.n = n
+        self.g = GenerationHyperparameters(max_new_tokens=max_new_tokens, ignore_eos=True)
+
+    async def arun_episode(self, engine, item):
+        gid = f"group-{item['id']}"
+        reqs = [ModelRequest(input_ids=item["prompt"], gconfig=self.g, group_id=gid) for _ in range(self.n)]
+        resps = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
+        return [
+            Trajectory(prompt_ids=r.input_ids, completion_ids=r.output_ids, logprobs=r.output_logprobs,
+                       versions=r.output_versions, loss_mask=[1] * len(r.output_ids), reward=0.0,
+                       status=RolloutStatus.TRUNCATED, sample_id=f"{item['id']}/{i}", group_id=gid)
+            for i, r in enumerate(resps)
+        ]
+
+
+def _gather(coros) -> list:
+    """Run coroutines concurrently on a fresh loop (the engine bridges to its own loop)."""
+
+    async def main():
+        return await asyncio.gather(*coros)
+
+    return asyncio.run(main())
+
+
+def test_agenerate_returns_tokens_logprobs_and_versions(servers, make_engine):
+    eng = make_engine(servers, schedule_policy="least_requests")
+    g = GenerationHyperparameters(max_new_tokens=12, greedy=True, ignore_eos=True)
+    a, b = _gather([eng.agenerate(ModelRequest(input_ids=[5, 17, 99], gconfig=g)) for _ in range(2)])
+    assert len(a.output_ids) == 12 and a.stop_reason == "length" and a.input_ids == [5, 17, 99]
+    assert a.output_ids == b.output_ids  # greedy on identical weights, whichever server
+    assert len(a.output_logprobs) == 12 and all(lp <= 0 for lp in a.output_logprobs)
+    assert a.output_versions == [0] * 12 and a.latency >= a.ttft > 0
+
+
+def test_pause_returns_partials_resumed_on_new_weights_with_per_token_versions(
+    servers, make_engine, other_weights_dir, tiny_model_dir
+):
+    eng = make_engine(servers)
+    g = GenerationHyperparameters(max_new_tokens=400, ignore_eos=True)
+    reqs = [ModelRequest(input_ids=[3, 1, 4, 1, 5], gconfig=g, group_id=f"g{i}") for i in range(4)]
+    results: list = []
+    worker = threading.Thread(target=lambda: results.extend(_gather([eng.agenerate(r) for r in reqs])))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while sum(_get(f"http://{a}/get_server_info")["running"] for a in servers) < 4:
+        assert time.monotonic() < deadline, "requests never started running"
+        time.sleep(0.02)
+    time.sleep(0.3)  # let every request produce some tokens under version 0
+    eng.pause()
+    eng.update_weights(WeightUpdateMeta(type="disk", path=other_weights_dir, version=1))
+    eng.set_version(1)
+    eng.resume()
+    worker.join(timeout=120)
+    assert not worker.is_alive() and len(results) == 4
+    try:
+        for r in results:
+            assert len(r.output_ids) == 400 and r.stop_reason == "length"
+            k = r.output_versions.count(0)
+            assert 0 < k < 400, "each request ran both before and after the update"
+            assert r.output_versions == [0] * k + [1] * (400 - k)
+            assert len(r.output_logprobs) == 400
+        assert eng.stats()["remote/resubmits"] >= 4
+    finally:  # put the original weights back for the other tests
+        eng.update_weights(WeightUpdateMeta(type="disk", path=tiny_model_dir, version=0))
+
+
+def test_killed_server_mid_batch_fails_over_then_all_dead_stops_the_run(tiny_model_dir, make_engine):
+    procs = _start(tiny_model_dir, 2)
+    try:
+        victim, survivor = procs
+        eng = make_engine([victim[1], survivor[1]], request_retries=3, retry_backoff=0.05)
+        ex = WorkflowExecutor(InferenceEngineConfig(max_concurrent_rollouts=8), eng)
+        ex.initialize()
+        items = [{"id": i, "prompt": [7, i + 1, 9]} for i in range(8)]
+        groups: list = []
+        batch = threading.Thread(
+            target=lambda: groups.extend(ex.rollout_batch(items, SampleN(n=2, max_new_tokens=150))))
+        batch.start()
+        deadline = time.monotonic() + 30
+        while _get(f"http://{victim[1]}/get_server_info")["running"] == 0:
+            assert time.monotonic() < deadline, "the victim never got work"
+            time.sleep(0.02)
+        time.sleep(0.1)
+        victim[0].send_signal(signal.SIGKILL)  # dies with requests in flight
+        batch.join(timeout=120)
+        assert not batch.is_alive()
+        assert len(groups) == 8
+        assert all(len(t.completion_ids) == 150 for g in groups for t in g)
+        assert eng.stats()["remote/servers_dead"] == 1 and eng.stats()["remote/failovers"] >= 1
+        survivor[0].send_signal(signal.SIGKILL)
+        survivor[0].wait(timeout=10)
+        with pytest.raises(RolloutError, match="all 2 generation servers are dead") as e:
+            ex.rollout_batch(items[:1], SampleN(n=1, max_new_tokens=5))
+        assert isinstance(e.value.__cause__, AllServersDeadError)
+        ex.destroy()
+    finally:
+        _stop(procs)
+
+
+def test_health_wait_has_a_deadline_naming_the_setting():
+    eng = RemoteInferenceEngine(InferenceEngineConfig(addresses=[f"127.0.0.1:{_free_port()}"],
+                                                      setup_timeout=0.5))
+    with pytest.raises(TimeoutError, match=r"did not pass GET /health within 0.5 s \(rollout.setup_timeout\)"):
+        eng.initialize()
+    eng.destroy()
+
+
+def test_addresses_come_from_config_then_env_then_registry(monkeypatch):
+    cfg = InferenceEngineConfig(addresses=["127.0.0.1:1"])
+    monkeypatch.setenv(ENV_ADDRS, "127.0.0.1:2, 127.0.0.1:3")
+    assert resolve_addresses(cfg) == ["127.0.0.1:1"]
+    assert resolve_addresses(InferenceEngineConfig()) == ["127.0.0.1:2", "127.0.0.1:3"]
+    monkeypatch.delenv(ENV_ADDRS)
+    repo = MemoryNameRepository()
+    repo.add_subentry(gen_servers_key("exp", "t"), "127.0.0.1:4")
+    named = InferenceEngineConfig(experiment_name="exp", trial_name="t", setup_timeout=1)
+    assert resolve_addresses(named, repo) == ["127.0.0.1:4"]
+    with pytest.raises(TimeoutError, match="no generation server registered under 'exp/t2/gen_servers'"):
+        resolve_addresses(InferenceEngineConfig(experiment_name="exp", trial_name="t2",
+                                                setup_timeout=0.2), repo)
+    with pytest.raises(ValueError, match="rollout.addresses"):
+        resolve_addresses(InferenceEngineConfig())
+
+
+def test_group_samples_stick_to_one_server_and_failover_moves_the_group():
+    eng = RemoteInferenceEngine(InferenceEngineConfig(schedule_policy="least_requests"))
+    eng.servers = [_Server("a:1"), _Server("b:1")]
+    eng.servers[0].outstanding = 3
+    first = eng._choose("g1", set())
+    assert first.address == "b:1"  # fewest outstanding requests
+    first.outstanding = 10
+    assert eng._choose("g1", set()) is first  # sticky despite the load
+    assert eng._choose("g2", set()).address == "a:1"
+    assert eng._choose("g1", {"b:1"}).address == "a:1"  # failover re-pins the group
+    assert eng._choose("g1", set()).address == "a:1"
+    eng.servers[0].alive = eng.servers[1].alive = False
+    with pytest.raises(AllServersDeadError, match="all 2 generation servers are dead"):
+        eng._choose("g3", set())
