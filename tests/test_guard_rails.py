@@ -18,7 +18,7 @@ LAYERS = [
     {"engine"},
     {"workflow", "reward", "dataset"},
     {"launcher", "core"},
-    {"cli", "quickstart", "__main__", "examples"},
+    {"cli", "quickstart", "experiment", "__main__", "examples"},
 ]
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 60

@@ -1,0 +1,150 @@
+"""Plumbing every entry script shares, so the scripts themselves read as the algorithm.
+
+:func:`init_run` reads the torchrun environment, seeds, opens the per-process log file, writes the
+resolved config and loads the tokenizer. The returned :class:`Run` holds the periodic timers
+(saver / evaluator / recover), the stats tracker and sinks with a progress bar, and saves / loads
+recover checkpoints: each engine's DCP checkpoint (model, optimizer, scheduler) plus one state
+file per rank (counters, dataloader and executor state, timers, RNG states), published
+atomically by :class:`~areal.utils.recover.RecoverDir`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from areal.api.config import BaseExperimentConfig, save_config
+from areal.api.io import SaveLoadMeta
+from areal.api.engine import TrainEngine
+from areal.utils.logging import add_log_file, get_logger
+from areal.utils.recover import RecoverDir, load_state, save_state
+from areal.utils.stats import StatsTracker
+from areal.utils.stats_logger import StatsLogger
+from areal.utils.timers import FrequencyControl
+
+logger = get_logger("run")
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch RNG states of this process."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state` output."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+@dataclass
+class Run:
+    """One trainer process's view of the run (see the module docstring)."""
+
+    cfg: BaseExperimentConfig
+    rank: int
+    world_size: int
+    tokenizer: Any
+    tracker: StatsTracker = field(default_factory=StatsTracker)
+
+    def __post_init__(self) -> None:
+        cfg = self.cfg
+        self.run_dir = cfg.run_dir
+        self.saver = FrequencyControl.from_config(cfg.saver)
+        self.evaluator = FrequencyControl.from_config(cfg.evaluator)
+        self.recover_timer = FrequencyControl.from_config(cfg.recover)
+        self.recover_dir = RecoverDir(self.run_dir / "recover", self.rank, self.barrier)
+        self.stats_logger = StatsLogger(cfg.stats_logger, self.run_dir, self.rank)
+        self._bar = None
+
+    def barrier(self) -> None:
+        """Wait for every trainer rank (no-op in a single process without a group)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+
+    # -- logging ------------------------------------------------------------------------------
+
+    def commit(self, step: int, total_steps: int, stats: dict[str, float]) -> None:
+        """Log one step's metrics (rank 0) and advance the progress bar (step, ETA)."""
+        if self.rank != 0:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=step - 1, desc="steps", dynamic_ncols=True)
+        self._bar.update(1)
+        self.stats_logger.commit(step, stats)
+
+    def close(self) -> None:
+        """Close the progress bar and stats sinks."""
+        if self._bar is not None:
+            self._bar.close()
+        self.stats_logger.close()
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def export_hf(self, engine: TrainEngine, step: int, name: str = "actor") -> Path:
+        """Save an HF model dir under RUN_DIR/checkpoints/<name>/step<step> (collective)."""
+        path = self.run_dir / "checkpoints" / name / f"step{step}"
+        engine.save(SaveLoadMeta(str(path), weight_format="hf", tokenizer_path=self.tokenizer.name_or_path))
+        return path
+
+    def save_recover(self, step: int, engines: dict[str, TrainEngine], state: dict[str, Any]) -> None:
+        """Write a recover checkpoint atomically: DCP per engine + this rank's ``state``."""
+        timers = {k: t.state_dict() for k, t in self._timers().items()}
+        with self.recover_dir.writing(step) as tmp:
+            for name, engine in engines.items():
+                engine.save(SaveLoadMeta(str(tmp / name), weight_format="dcp", with_optim=True))
+            save_state(tmp, self.rank, {**state, "step": step, "timers": timers, "rng": rng_state()})
+        logger.info(f"recover checkpoint for step {step} in {self.recover_dir.latest()}")
+
+    def load_recover(self, engines: dict[str, TrainEngine]) -> dict[str, Any] | None:
+        """Resume from the newest recover checkpoint when ``recover.mode`` allows; else None."""
+        if self.cfg.recover.mode == "disabled":
+            return None
+        ckpt = self.recover_dir.latest()
+        if ckpt is None:
+            return None
+        for name, engine in engines.items():
+            engine.load(SaveLoadMeta(str(ckpt / name), weight_format="dcp", with_optim=True))
+        state = load_state(ckpt, self.rank)
+        for name, timer in self._timers().items():
+            timer.load_state_dict(state["timers"][name])
+        set_rng_state(state["rng"])
+        logger.info(f"resumed from {ckpt} at step {state['step']}")
+        return state
+
+    def _timers(self) -> dict[str, FrequencyControl]:
+        return {"saver": self.saver, "evaluator": self.evaluator, "recover": self.recover_timer}
+
+
+def init_run(cfg: BaseExperimentConfig, model_path: str) -> Run:
+    """Set up this trainer process: ranks, seeds, log file, resolved config, tokenizer."""
+    from transformers import AutoTokenizer
+
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    threads = int(os.environ.get("AREAL_TORCH_THREADS", "0"))
+    if threads:
+        torch.set_num_threads(threads)
+    random.seed(cfg.seed + rank)
+    np.random.seed(cfg.seed + rank)
+    torch.manual_seed(cfg.seed + rank)
+    add_log_file(cfg.run_dir, f"trainer{rank}")
+    if rank == 0:
+        save_config(cfg, cfg.run_dir / "config.yaml")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or model_path)
+    return Run(cfg, rank, world_size, tokenizer)
+
+
+def total_steps(cfg: BaseExperimentConfig, steps_per_epoch: int) -> int:
+    """Steps of the whole run: epochs x steps per epoch, capped by ``total_train_steps``."""
+    n = cfg.total_train_epochs * steps_per_epoch
+    return min(n, cfg.total_train_steps) if cfg.total_train_steps else n

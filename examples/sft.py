@@ -1,0 +1,87 @@
+"""Supervised fine-tuning, top to bottom.
+
+Run: ``areal launch local examples/sft.py --config examples/sft_arithmetic.yaml`` (or directly:
+``python examples/sft.py --config ...``, or ``torchrun --nproc_per_node N examples/sft.py ...``).
+
+Each step: batch of (prompt, completion) items -> token-weighted NLL on completion tokens ->
+optimizer step -> LR step -> save (HF) -> evaluate held-out NLL -> recover checkpoint -> stats.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from areal.api.config import SFTConfig, load_config
+from areal.api.io import FinetuneSpec
+from areal.dataset import create_dataloader, load_dataset
+from areal.engine.sft import SFTEngine
+from areal.experiment import init_run, total_steps
+from areal.utils.batch import PackedBatch
+
+CONFIG = SFTConfig
+
+
+def to_batch(items: list[dict]) -> PackedBatch:
+    """Pack tokenized SFT items (``input_ids``, ``loss_mask``) into one batch."""
+    return PackedBatch.from_sequences(
+        {"input_ids": [it["input_ids"] for it in items], "loss_mask": [it["loss_mask"] for it in items]}
+    )
+
+
+def evaluate(engine: SFTEngine, valid_loader) -> dict[str, float]:
+    """Held-out token-mean NLL over the whole validation set."""
+    total, n = 0.0, 0.0
+    for items in valid_loader:
+        out = engine.evaluate_lm(to_batch(items))
+        total, n = total + out["loss"] * out["n_tokens"], n + out["n_tokens"]
+    return {"eval/loss": total / max(n, 1.0)}
+
+
+def main(argv: list[str]) -> int:
+    cfg = load_config(SFTConfig, argv)
+    run = init_run(cfg, cfg.model.path)
+    train = load_dataset(cfg.train_dataset, run.tokenizer, cfg.seed)
+    loader = create_dataloader(train, cfg.train_dataset, cfg.seed, run.rank, run.world_size)
+    valid_loader = None
+    if cfg.valid_dataset is not None:
+        valid = load_dataset(cfg.valid_dataset, run.tokenizer, cfg.seed)
+        valid_loader = create_dataloader(valid, cfg.valid_dataset, cfg.seed, run.rank, run.world_size)
+    steps_per_epoch = len(loader)
+    n_steps = total_steps(cfg, steps_per_epoch)
+    engine = SFTEngine(cfg.model)
+    engine.initialize(FinetuneSpec(cfg.total_train_epochs, len(train), cfg.train_dataset.batch_size))
+
+    step = 0
+    state = run.load_recover({"model": engine})
+    if state is not None:
+        step = state["step"]
+        loader.load_state_dict(state["dataloader"])
+    data = iter(loader)
+    while step < n_steps:
+        step += 1
+        epoch_done = step % steps_per_epoch == 0
+        with run.tracker.timer("data"):
+            try:
+                items = next(data)
+            except StopIteration:  # next epoch
+                data = iter(loader)
+                items = next(data)
+        with run.tracker.timer("train"):
+            stats = engine.train_lm(to_batch(items))
+            engine.step_lr_scheduler()
+        if run.saver.check(step, epoch_done) or step == n_steps:
+            run.export_hf(engine, step, "model")
+        if valid_loader is not None and (run.evaluator.check(step, epoch_done) or step == n_steps):
+            with run.tracker.timer("eval"):
+                stats.update(evaluate(engine, valid_loader))
+        if run.recover_timer.check(step, epoch_done):
+            run.save_recover(step, {"model": engine}, {"dataloader": loader.state_dict()})
+        stats.update(run.tracker.export())
+        run.commit(step, n_steps, {f"loss/{k}" if "/" not in k else k: v for k, v in stats.items()})
+    run.close()
+    engine.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
