@@ -30,7 +30,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from areal.api.config import load_config
+    from areal.api.config import ConfigError, load_config
     from areal.api.config.server import GenerationServerConfig
     from areal.engine.generation.server import main as serve_main
 
@@ -38,7 +38,10 @@ def _serve(args: argparse.Namespace) -> int:
     argv = ["--config", args.config] if args.config else []
     argv += args.overrides  # the short flags below win over --config and dotted overrides
     argv += [f"{k}={json.dumps(getattr(args, f))}" for f, k in flags.items() if getattr(args, f) is not None]
-    return serve_main(load_config(GenerationServerConfig, argv))
+    cfg = load_config(GenerationServerConfig, argv)
+    if not cfg.model_path:
+        raise ConfigError(["model_path: empty; pass --model DIR (a Hugging Face model directory)"])
+    return serve_main(cfg)
 
 
 def build_parser() -> argparse.ArgumentParser:

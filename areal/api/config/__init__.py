@@ -11,12 +11,12 @@ from areal.api.config.base import (
     MicroBatchSpec,
     OptimizerConfig,
     RecoverConfig,
-    SFTConfig,
     StatsLoggerConfig,
     TimerConfig,
 )
 from areal.api.config.data import DatasetConfig
 from areal.api.config.engine import TrainEngineConfig
+from areal.api.config.experiments import GRPOConfig, RWConfig, SFTConfig
 from areal.api.config.loader import (
     ConfigError,
     from_dict,
@@ -33,9 +33,11 @@ __all__ = [
     "BaseExperimentConfig",
     "ConfigError",
     "DatasetConfig",
+    "GRPOConfig",
     "GenerationHyperparameters",
     "MicroBatchSpec",
     "OptimizerConfig",
+    "RWConfig",
     "RecoverConfig",
     "SFTConfig",
     "StatsLoggerConfig",

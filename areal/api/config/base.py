@@ -143,22 +143,3 @@ class BaseExperimentConfig:
     def served_model_path(self) -> str:
         """The model generation servers load at launch; experiments with servers override it."""
         return ""
-
-
-from areal.api.config.engine import TrainEngineConfig  # noqa: E402  (engine imports base)
-
-
-@dataclass(frozen=True)
-class SFTConfig(BaseExperimentConfig):
-    """Supervised fine-tuning."""
-
-    model: TrainEngineConfig = param(factory=TrainEngineConfig, help="The model being trained.")
-
-    def check(self) -> Iterator[str]:
-        if self.launcher.n_servers:
-            yield f"launcher.n_servers: SFT uses no generation servers, got {self.launcher.n_servers}; set 0"
-        if self.train_dataset.type != "sft":
-            yield (
-                f"train_dataset.type: SFT needs 'sft' data, got {self.train_dataset.type!r}; "
-                "set train_dataset.type=sft"
-            )

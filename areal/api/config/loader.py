@@ -179,9 +179,22 @@ def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
         if len(problems) == n_before:
             problems.append(f"{prefix or cls.__name__}: {e}")
         return cls()
+    for name in fields.keys() - data.keys():  # default sections obey their rules too
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(value):
+            _check_tree(value, _join(prefix, name), problems)
     if hasattr(obj, "check") and len(problems) == n_before:
         problems.extend(f"{_join(prefix, p)}" for p in obj.check())
     return obj
+
+
+def _check_tree(obj: Any, prefix: str, problems: list[str]) -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_tree(value, _join(prefix, f.name), problems)
+    if hasattr(obj, "check"):
+        problems.extend(_join(prefix, p) for p in obj.check())
 
 
 def _join(prefix: str, key: str) -> str:

@@ -25,7 +25,10 @@ def is_loopback(host: str) -> bool:
 class GenerationServerConfig:
     """An HTTP server speaking SGLang's native API plus OpenAI completions/chat."""
 
-    model_path: str = param("", help="Hugging Face model dir (config, safetensors, tokenizer).")
+    model_path: str = param(
+        "", help="Hugging Face model dir (config, safetensors, tokenizer); required by `areal serve` "
+        "(the launcher passes the actor's path)."
+    )
     served_model_name: str = param("", help="Name reported by /v1/models; empty = model_path.")
     host: str = param("127.0.0.1", help="Bind address; a non-loopback bind requires api_key.")
     port: int = param(30000, ge=0, le=65535, help="TCP port; 0 picks a free one (printed).")
@@ -50,8 +53,6 @@ class GenerationServerConfig:
     log_level: Literal["debug", "info", "warning", "error"] = param("info", help="Log level.")
 
     def check(self) -> Iterator[str]:
-        if not self.model_path:
-            yield "model_path: empty; pass --model DIR (a Hugging Face model directory)"
         if not is_loopback(self.host) and not self.api_key:
             yield (
                 f"api_key: binding non-loopback host {self.host!r} needs an API key for the "
