@@ -347,7 +347,8 @@ class WorkflowExecutor:
 
         Keeps pulling items from ``dataloader`` (which yields lists of items; it is restarted at
         the end of an epoch) so rollouts stay in flight across training steps, as far as the
-        staleness bound allows. Sets :attr:`last_batch_stats` (staleness and executor counters).
+        staleness bound allows. Pass the same dataloader object every step: its iterator is kept
+        between calls, and a different object starts a new iteration. Sets :attr:`last_batch_stats` (staleness and executor counters).
         """
         self._loop_thread()
         for seq, item in self._recovered:

@@ -404,7 +404,11 @@ class RemoteInferenceEngine(InferenceEngine):
 
     def init_weights_update_group_async(self, meta: WeightUpdateMeta) -> concurrent.futures.Future:
         """Have live server ``i`` join the trainer's weight-update group as rank ``1 + i``
-        (the trainer is rank 0 and joins concurrently with world size :attr:`weight_group_size`)."""
+        (the trainer is rank 0 and joins concurrently with world size :attr:`weight_group_size`).
+
+        A server that dies after joining breaks the group: the trainer's next broadcast fails,
+        an infrastructure error that stops the run (restart servers, resume from a checkpoint).
+        """
         alive = self._alive()
         calls = {s.address: self.backend.init_weight_group(meta, 1 + i, 1 + len(alive))
                  for i, s in enumerate(alive)}

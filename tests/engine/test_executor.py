@@ -280,8 +280,9 @@ def test_state_dict_roundtrip_loses_no_item(make_executor):
     ex2.load_state_dict(state)
     assert ex2.staleness.accepted == 3
     wf2 = GatedWorkflow(gated=False)
-    second = ex2.prepare_batch(data[pulled:], wf2)
-    third = ex2.prepare_batch(data[pulled:], wf2)
+    rest = data[pulled:]  # the dataloader resumes where the checkpoint left it
+    second = ex2.prepare_batch(rest, wf2)
+    third = ex2.prepare_batch(rest, wf2)
     ids = _ids(first) + _ids(second) + _ids(third)
     assert ids[:4] == [0, 1, 2, 3]  # the restored buffer and re-issued items come first
     assert sorted(ids) == list(range(6)) and len(set(ids)) == 6

@@ -258,3 +258,60 @@ def test_group_samples_stick_to_one_server_and_failover_moves_the_group():
     eng.servers[0].alive = eng.servers[1].alive = False
     with pytest.raises(AllServersDeadError, match="all 2 generation servers are dead"):
         eng._choose("g3", set())
+
+
+def test_distributed_update_over_gloo_matches_a_disk_update(servers, make_engine, other_weights_dir,
+                                                            tiny_model_dir):
+    """The test process plays trainer rank 0; both servers join the group through the client."""
+    from areal.engine.generation.model import read_hf_dir
+    from areal.engine.weight_sync import announcement, broadcast_weights, init_weight_update_group
+
+    eng = make_engine(servers)
+    g = GenerationHyperparameters(max_new_tokens=10, greedy=True, ignore_eos=True)
+    (before,) = _gather([eng.agenerate(ModelRequest(input_ids=[2, 7, 1], gconfig=g))])
+    meta = WeightUpdateMeta(type="distributed", master_port=_free_port(), version=2, bucket_bytes=64 << 10)
+    joined = eng.init_weights_update_group_async(meta)
+    group = init_weight_update_group("127.0.0.1", meta.master_port, 0, eng.weight_group_size, "gloo", 60)
+    joined.result(60)
+    named = sorted(read_hf_dir(other_weights_dir)[1].items())
+    updated = eng.update_weights_async(meta, announcement(named))
+    broadcast_weights(named, group, meta.bucket_bytes, timeout=60)
+    updated.result(60)
+    assert eng.get_version() == 2
+    try:
+        over_gloo = _gather([eng.agenerate(ModelRequest(input_ids=[2, 7, 1], gconfig=g)) for _ in range(2)])
+        assert all(r.output_versions == [2] * 10 for r in over_gloo)
+        assert over_gloo[0].output_ids != before.output_ids  # the new weights are in use
+        eng.update_weights(WeightUpdateMeta(type="disk", path=other_weights_dir, version=3))
+        from_disk = _gather([eng.agenerate(ModelRequest(input_ids=[2, 7, 1], gconfig=g)) for _ in range(2)])
+        assert [r.output_ids for r in over_gloo] == [r.output_ids for r in from_disk]
+        assert all(r.output_versions == [3] * 10 for r in from_disk)
+    finally:
+        eng.update_weights(WeightUpdateMeta(type="disk", path=tiny_model_dir, version=0))
+
+
+def test_async_training_loop_keeps_staleness_within_the_bound(servers, make_engine, other_weights_dir,
+                                                               tiny_model_dir):
+    """prepare_batch -> pause -> update -> set_version -> resume, as a training script does."""
+    eng = make_engine(servers)
+    cfg = InferenceEngineConfig(max_staleness=1, consumer_batch_size=2, max_concurrent_rollouts=4)
+    ex = WorkflowExecutor(cfg, eng)
+    ex.initialize()
+    data = [[{"id": i, "prompt": [4, i % 50 + 1, 2]}] for i in range(64)]
+    wf = SampleN(n=2, max_new_tokens=80)
+    seen_versions: set[int] = set()
+    try:
+        for step in range(3):
+            batch = ex.prepare_batch(data, wf)
+            assert len(batch) == 2 and all(len(t.completion_ids) == 80 for grp in batch for t in grp)
+            assert ex.last_batch_stats["staleness/max"] <= 1
+            seen_versions |= {v for grp in batch for t in grp for v in t.versions}
+            ex.pause()
+            path = other_weights_dir if step % 2 == 0 else tiny_model_dir
+            eng.update_weights(WeightUpdateMeta(type="disk", path=path, version=step + 1))
+            eng.set_version(step + 1)
+            ex.resume()
+        assert len(seen_versions) >= 2  # rollouts spanned weight updates
+    finally:
+        ex.destroy()
+        eng.update_weights(WeightUpdateMeta(type="disk", path=tiny_model_dir, version=0))
