@@ -132,13 +132,17 @@ class WorkflowExecutor:
         engine: InferenceEngine,
         should_accept: ShouldAccept | None = None,
         poll_interval: float = 0.02,  # seconds between admission/watchdog checks
+        consumer_batch_size: int | None = None,
     ):
+        """``consumer_batch_size``: groups per training batch when the script derives it (e.g.
+        dataset batch size / trainer ranks); None = ``config.consumer_batch_size``."""
         self.config = config
         self.engine = engine
         self.should_accept = should_accept
         self.poll_interval = poll_interval
+        self.batch_size = consumer_batch_size or config.consumer_batch_size
         self.staleness = StalenessManager(
-            config.max_staleness, config.consumer_batch_size, config.max_concurrent_rollouts
+            config.max_staleness, self.batch_size, config.max_concurrent_rollouts
         )
         self.last_batch_stats: dict[str, float] = {}
         self._cond = threading.Condition()
@@ -343,7 +347,7 @@ class WorkflowExecutor:
 
     def prepare_batch(self, dataloader: Iterable, workflow: RolloutWorkflow,
                       should_accept: ShouldAccept | None = None) -> list[Group]:
-        """One training batch (``rollout.consumer_batch_size`` groups), oldest first.
+        """One training batch (:attr:`batch_size` groups), oldest first.
 
         Keeps pulling items from ``dataloader`` (which yields lists of items; it is restarted at
         the end of an epoch) so rollouts stay in flight across training steps, as far as the
@@ -363,7 +367,7 @@ class WorkflowExecutor:
                 want = room - len(self._pending)
             for _ in range(want):
                 self.submit(next(self._data[1]), workflow, should_accept)
-            got = self._take(self.config.consumer_batch_size, 5 * self.poll_interval, strict=False)
+            got = self._take(self.batch_size, 5 * self.poll_interval, strict=False)
             if got is not None:
                 stats = staleness_stats(got, self.engine.get_version())
                 self.last_batch_stats = {**stats, **self.stats()}

@@ -92,12 +92,12 @@ def _until(pred, timeout: float = 5.0) -> None:
 def make_executor():
     made: list[WorkflowExecutor] = []
 
-    def make(engine=None, **cfg) -> WorkflowExecutor:
+    def make(engine=None, batch_size_override=None, **cfg) -> WorkflowExecutor:
         cfg.setdefault("max_concurrent_rollouts", 8)
         cfg.setdefault("consumer_batch_size", 4)
         cfg.setdefault("max_staleness", 4)
         ex = WorkflowExecutor(InferenceEngineConfig(**cfg), engine or FakeEngine(),
-                              poll_interval=0.005)
+                              poll_interval=0.005, consumer_batch_size=batch_size_override)
         ex.initialize()
         made.append(ex)
         return ex
@@ -163,7 +163,7 @@ def test_concurrency_cap_bounds_running_rollouts(make_executor):
 
 def test_rejected_groups_are_replaced_so_the_batch_size_stays_fixed(make_executor):
     engine = FakeEngine()
-    ex = make_executor(engine, max_staleness=0, consumer_batch_size=3)
+    ex = make_executor(engine, max_staleness=0, consumer_batch_size=1, batch_size_override=3)
     wf = GatedWorkflow(gated=False)
     data = [[{"id": i} for i in range(j, j + 3)] for j in range(0, 30, 3)]  # batches of 3 items
 
