@@ -1,0 +1,261 @@
+"""Policy losses for packed batches, and the one entry point :func:`policy_loss`.
+
+Per-token objectives (``A`` = advantage, ``r`` = importance ratio pi_theta / pi_old):
+
+- PPO clipped surrogate (Schulman et al. 2017): ``max(-A r, -A clip(r, 1-eps, 1+eps_high))``;
+  ``eps_high`` != ``eps`` is DAPO's clip-higher. Dual clip (Ye et al. 2020): for ``A < 0`` the
+  loss is further capped at ``-c_clip * A``.
+- Decoupled PPO (Fu et al. 2025, AReaL): ``pi_old`` is the proximal policy (the trainer's
+  weights before this update) and the loss is multiplied by the detached behaviour weight
+  ``w = pi_prox / pi_behav`` (pi_behav: the possibly stale policy that generated the tokens).
+  ``w`` above ``behav_imp_weight_cap`` is masked (token dropped) or clamped.
+- GSPO (Zheng et al. 2025): ``r`` = per-sequence geometric mean of token ratios, used through
+  ``sg[s] * pi_t / sg[pi_t]`` (the paper's GSPO-token form: value s, gradient of s).
+- CISPO (MiniMax 2025): ``-sg[clip(r, 1-eps, 1+eps_high)] * A * log pi_theta``: the IS weight
+  is clipped but every token keeps its gradient.
+- Truncated IS (non-decoupled path): the loss is multiplied by ``min(pi_old / pi_behav, tis_cap)``
+  when the trainer's recomputed logprobs and the server's differ.
+
+Departures: the sequence-level behaviour weight (``behav_imp_weight_level=sequence``) is the
+geometric mean of token weights, like GSPO's ratio, not their product; tokens dropped by the
+behaviour cap still count in the loss normaliser, so the engine can compute it up front.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from areal.algo.kl import kl_estimate
+from areal.algo.segments import all_reduce_sum, masked_max, masked_mean, segment_sum, seq_ids
+from areal.api.config.actor import PPOActorConfig
+
+
+def seq_mean(x: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[T] each token gets the masked mean of ``x`` [T] over its own sequence (differentiable)."""
+    m = mask.to(x.dtype)
+    means = segment_sum(x * m, cu_seqlens) / segment_sum(m, cu_seqlens).clamp(min=1)  # [B]
+    return means[seq_ids(cu_seqlens)]
+
+
+def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+                     cu_seqlens: torch.Tensor, level: str) -> torch.Tensor:
+    """[T] pi_theta / pi_old per token, or GSPO's per-sequence geometric mean (token form)."""
+    log_ratio = logp - old_logp.detach()  # [T]
+    if level == "token":
+        return torch.exp(log_ratio)
+    seq_log_ratio = seq_mean(log_ratio, mask, cu_seqlens).detach()  # [T] log s_i
+    return torch.exp(seq_log_ratio + logp - logp.detach())  # value s_i, gradient s_i*dlogp
+
+
+def behaviour_weight(
+    old_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor,
+    cu_seqlens: torch.Tensor, cap: float | None, mode: str, level: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Detached weight pi_old/pi_behav [T] and [T] bool ``over_cap`` (weight above ``cap``).
+
+    ``mode=mask``: over-cap tokens get weight 0 (dropped); ``mode=clamp``: weight ``cap``.
+    ``level=sequence`` uses each sequence's geometric-mean weight. ``cap=None`` = no cap.
+    """
+    log_w = (old_logp - behav_logp).detach().float()  # [T]
+    if level == "sequence":
+        log_w = seq_mean(log_w, mask, cu_seqlens)
+    weight = torch.exp(log_w)
+    if cap is None:
+        return weight, torch.zeros_like(weight, dtype=torch.bool)
+    over_cap = weight > cap
+    if mode == "mask":
+        return torch.where(over_cap, torch.zeros_like(weight), weight), over_cap
+    return weight.clamp(max=cap), over_cap
+
+
+def ppo_clip_loss(
+    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
+    c_clip: float | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """[T] PPO clipped-surrogate loss (asymmetric, optional dual clip) and [T] bool flags
+    ``clip_low``, ``clip_high``, ``dual_clip`` (the branch that set each token's loss)."""
+    a = advantages.detach()
+    unclipped = -a * ratio
+    clipped = -a * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    flags = {"clip_low": clip_active & (ratio < 1.0 - eps_low),
+             "clip_high": clip_active & (ratio > 1.0 + eps_high)}
+    if c_clip is not None:
+        dual = (a < 0) & (loss > -c_clip * a)
+        loss = torch.where(dual, (-c_clip * a).expand_as(loss), loss)
+        flags["dual_clip"] = dual
+    return loss, flags
+
+
+def cispo_loss(
+    logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,
+    eps_high: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """[T] CISPO loss ``-sg[clip(r)] * A * logp`` and [T] flags ``clip_low``, ``clip_high``."""
+    r = ratio.detach()
+    weight = r.clamp(1.0 - eps_low, 1.0 + eps_high)
+    flags = {"clip_low": r < 1.0 - eps_low, "clip_high": r > 1.0 + eps_high}
+    return -weight * advantages.detach() * logp, flags
+
+
+def loss_normalisers(
+    loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, dp_group: dist.ProcessGroup | None = None
+) -> tuple[int, int]:
+    """(tokens, sequences) with a trained token, summed over ``dp_group``.
+
+    The engine calls this once per minibatch (before the micro-batch loop) and passes the
+    results to :func:`policy_loss` as ``global_n_tokens`` / ``global_n_seqs``, so that summing
+    micro-batch losses over micro-batches and ranks gives the minibatch's loss.
+    """
+    m = loss_mask.float()
+    counts = torch.stack([m.sum(), (segment_sum(m, cu_seqlens) > 0).float().sum()])
+    counts = all_reduce_sum(counts, dp_group)
+    return int(counts[0].item()), int(counts[1].item())
+
+
+def aggregate_loss(
+    per_token: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    mode: str,
+    *,
+    global_n_tokens: int | None = None,
+    global_n_seqs: int | None = None,
+    max_new_tokens: int | None = None,
+) -> torch.Tensor:
+    """Scalar loss from per-token losses [T] over the loss mask.
+
+    - ``token-mean``: sum / global_n_tokens (every token weighs the same, DAPO);
+    - ``seq-mean-token-mean``: each sequence's token mean, summed, / global_n_seqs (GRPO);
+    - ``seq-mean-token-sum``: each sequence's token sum, summed, / global_n_seqs;
+    - ``seq-mean-token-sum-norm``: token sum / (global_n_seqs * max_new_tokens) (Dr.GRPO's
+      constant normaliser).
+
+    ``global_n_*`` default to this micro-batch's own counts (one micro-batch, one rank).
+    """
+    m = loss_mask.to(per_token.dtype)
+    if mode == "token-mean":
+        n_tokens = m.sum() if global_n_tokens is None else torch.tensor(float(global_n_tokens))
+        return (per_token * m).sum() / n_tokens.clamp(min=1)
+    seq_sum = segment_sum(per_token * m, cu_seqlens)  # [B]
+    seq_cnt = segment_sum(m, cu_seqlens)  # [B]
+    n_seqs = (seq_cnt > 0).sum() if global_n_seqs is None else torch.tensor(global_n_seqs)
+    n_seqs = n_seqs.clamp(min=1).to(per_token.dtype)
+    if mode == "seq-mean-token-mean":
+        return (seq_sum / seq_cnt.clamp(min=1)).sum() / n_seqs
+    if mode == "seq-mean-token-sum":
+        return seq_sum.sum() / n_seqs
+    if mode == "seq-mean-token-sum-norm":
+        if max_new_tokens is None or max_new_tokens < 1:
+            raise ValueError(f"loss_agg_mode=seq-mean-token-sum-norm needs max_new_tokens >= 1, "
+                             f"got {max_new_tokens}; pass gconfig.max_new_tokens")
+        return seq_sum.sum() / (n_seqs * max_new_tokens)
+    raise ValueError(f"loss_agg_mode: got {mode!r}; use token-mean, seq-mean-token-mean, "
+                     "seq-mean-token-sum or seq-mean-token-sum-norm")
+
+
+def _off_policy_weight(cfg: PPOActorConfig, prox_logp, behav_logp, mask, cu_seqlens):
+    """(old_logp, weight [T] or None, over_cap [T]) for the decoupled / truncated-IS / plain
+    paths."""
+    no_cap = torch.zeros_like(mask, dtype=torch.bool)
+    if cfg.use_decoupled_loss:
+        if prox_logp is None or behav_logp is None:
+            raise ValueError("actor.use_decoupled_loss=true needs prox_logp (recomputed by the "
+                             "trainer) and behav_logp (from the rollout); pass both")
+        weight, over_cap = behaviour_weight(
+            prox_logp, behav_logp, mask, cu_seqlens, cfg.behav_imp_weight_cap,
+            cfg.behav_imp_weight_mode, cfg.behav_imp_weight_level)
+        return prox_logp, weight, over_cap
+    old_logp = prox_logp if prox_logp is not None else behav_logp
+    if old_logp is None:
+        raise ValueError("policy_loss needs prox_logp or behav_logp as the old policy; got None")
+    if cfg.tis_cap is not None and prox_logp is not None and behav_logp is not None:
+        weight, over_cap = behaviour_weight(prox_logp, behav_logp, mask, cu_seqlens,
+                                            cfg.tis_cap, "clamp", "token")
+        return old_logp, weight, over_cap
+    return old_logp, None, no_cap
+
+
+def _policy_stats(pg_loss, logprobs, old_logp, ratio, flags, weight, over_cap, mask):
+    """Detached scalar stats of the policy-gradient term (see :func:`policy_loss`)."""
+    approx_kl = kl_estimate(old_logp.detach(), logprobs.detach(), "k3")  # KL(old || new)
+    stats = {"pg_loss": pg_loss.detach(), "ratio_mean": masked_mean(ratio, mask),
+             "ratio_max": masked_max(ratio, mask), "approx_kl": masked_mean(approx_kl, mask)}
+    stats.update({f"{k}_frac": masked_mean(v, mask) for k, v in flags.items()})
+    if weight is not None:
+        stats.update(behav_imp_weight_mean=masked_mean(weight, mask),
+                     behav_imp_weight_max=masked_max(weight, mask),
+                     over_cap_frac=masked_mean(over_cap, mask))
+    return stats
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    prox_logp: torch.Tensor | None,
+    behav_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cfg: PPOActorConfig,
+    *,
+    entropy: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    global_n_tokens: int | None = None,
+    global_n_seqs: int | None = None,
+    max_new_tokens: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Scalar actor loss for one micro-batch and detached scalar stats (the engine's entry point).
+
+    Args:
+        logprobs: [T] current policy logprobs (with grad), PackedBatch-aligned.
+        prox_logp: [T] proximal policy logprobs (the trainer's, before this update); the old
+            policy of the ratio. May be None off the decoupled path (behav_logp is used).
+        behav_logp: [T] logprobs from the rollout (behaviour policy), or None.
+        advantages: [T] from :func:`areal.algo.advantages.compute_advantages`.
+        loss_mask, cu_seqlens: [T], [B+1].
+        cfg: dispatches PPO / CISPO, token / sequence ratio (GSPO), decoupled weight, truncated
+            IS, KL loss term, entropy bonus and aggregation.
+        entropy: [T] (with grad) needed when ``cfg.entropy_coeff > 0``; logged when given.
+        ref_logp: [T] reference logprobs, needed for the KL loss term (kl_in_reward=false).
+        global_n_tokens, global_n_seqs: normalisers from :func:`loss_normalisers`, all-reduced
+            over DP ranks and the minibatch's micro-batches by the engine; default = local.
+        max_new_tokens: the constant normaliser of ``seq-mean-token-sum-norm``.
+    Stats: pg_loss, ratio_mean/max, approx_kl, clip_frac_low/high, dual_clip_frac,
+    behav_imp_weight_mean/max and over_cap_frac (when a behaviour weight applies), kl_ref,
+    entropy. All are means over this micro-batch's loss-mask tokens.
+    """
+    mask = loss_mask.bool()
+    old_logp, weight, over_cap = _off_policy_weight(cfg, prox_logp, behav_logp, mask, cu_seqlens)
+    ratio = importance_ratio(logprobs, old_logp, mask, cu_seqlens, cfg.importance_sampling_level)
+    eps_high = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
+    if cfg.policy_loss_type == "cispo":
+        per_token, flags = cispo_loss(logprobs, ratio, advantages, cfg.eps_clip, eps_high)
+    else:
+        per_token, flags = ppo_clip_loss(ratio, advantages, cfg.eps_clip, eps_high, cfg.c_clip)
+    if weight is not None:
+        per_token = per_token * weight
+
+    def agg(x: torch.Tensor) -> torch.Tensor:
+        return aggregate_loss(x, mask, cu_seqlens, cfg.loss_agg_mode,
+                              global_n_tokens=global_n_tokens, global_n_seqs=global_n_seqs,
+                              max_new_tokens=max_new_tokens)
+
+    loss = agg(per_token)
+    stats = _policy_stats(loss, logprobs, old_logp, ratio, flags, weight, over_cap, mask)
+    if not cfg.kl_in_reward and cfg.kl_ctl > 0:
+        if ref_logp is None:
+            raise ValueError("actor.kl_in_reward=false with kl_ctl>0 adds a KL loss term and "
+                             "needs ref_logp; pass it, or set kl_ctl=0")
+        kl = kl_estimate(logprobs, ref_logp.detach(), cfg.kl_estimator)  # [T]
+        loss = loss + cfg.kl_ctl * agg(kl)
+        stats["kl_ref"] = masked_mean(kl, mask)
+    if cfg.entropy_coeff > 0:
+        if entropy is None:
+            raise ValueError("actor.entropy_coeff>0 needs entropy [T] (logprob."
+                             "packed_token_logprobs returns it); pass it, or set entropy_coeff=0")
+        loss = loss - cfg.entropy_coeff * agg(entropy)
+    if entropy is not None:
+        stats["entropy"] = masked_mean(entropy, mask)
+    return loss, stats

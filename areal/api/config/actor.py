@@ -1,0 +1,278 @@
+"""RL actor and critic config sections (owned by areal.algo).
+
+``actor.algorithm`` names a preset (ppo, grpo, dapo, ...) that fills the knobs listed in
+:data:`PRESETS`; any knob given explicitly (YAML, ``a.b=c`` override, or a keyword in Python)
+wins. A frozen dataclass cannot tell "set" from "left at default" once built, so the preset is
+applied in ``__init__``: the loader passes only the keys it was given, so those are exactly the
+explicit ones. ``PPOActorConfig(algorithm="dapo", eps_clip=0.1)`` is DAPO with eps_clip 0.1.
+The plain defaults are the ``ppo`` preset (a test keeps them equal); docs/algorithms.md holds
+the preset table. A subclass of PPOActorConfig must wrap its own ``__init__`` with
+``_fill_preset`` to keep this behaviour.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal
+
+from areal.api.config.engine import TrainEngineConfig
+from areal.api.config.loader import param
+
+Algorithm = Literal[
+    "ppo", "grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax",
+    "gspo", "cispo",
+]
+NormLevel = Literal["batch", "group", "none"]
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                      "seq-mean-token-sum-norm"]
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """One normalisation, read from the flat ``reward_norm_*`` / ``adv_norm_*`` knobs."""
+
+    mean_level: str  # batch | group | none
+    std_level: str  # batch | group | none
+    leave_one_out: bool
+    std_unbiased: bool
+    eps: float
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this normalisation changes anything."""
+        return self.mean_level != "none" or self.std_level != "none"
+
+
+# Each preset sets every key below (a test checks the key sets are equal), so the table in
+# docs/algorithms.md is complete and the order in which presets were tried never matters.
+def _preset(**over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "use_critic": False, "gamma": 1.0, "lam": 1.0,
+        "reward_norm_mean_level": "none", "reward_norm_std_level": "none",
+        "reward_norm_leave_one_out": False,
+        "adv_norm_mean_level": "none", "adv_norm_std_level": "none",
+        "remax_baseline": False, "kl_in_reward": False, "kl_estimator": "k3",
+        "policy_loss_type": "ppo", "importance_sampling_level": "token",
+        "eps_clip": 0.2, "eps_clip_higher": None, "loss_agg_mode": "token-mean",
+        "overlong_reward_penalty": False, "dynamic_sampling": False,
+    }
+    unknown = set(over) - set(base)
+    assert not unknown, f"preset keys {unknown} are not preset-controlled"
+    return {**base, **over}
+
+
+_GROUP_MEAN_STD = {"reward_norm_mean_level": "group", "reward_norm_std_level": "group"}
+_GROUP_MEAN = {"reward_norm_mean_level": "group"}
+_ADV_BATCH = {"adv_norm_mean_level": "batch", "adv_norm_std_level": "batch"}
+_KL_REWARD = {"kl_in_reward": True, "kl_estimator": "k1"}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "ppo": _preset(use_critic=True, lam=0.95, **_ADV_BATCH, **_KL_REWARD),
+    "grpo": _preset(**_GROUP_MEAN_STD, loss_agg_mode="seq-mean-token-mean"),
+    "dapo": _preset(**_GROUP_MEAN_STD, eps_clip_higher=0.28, overlong_reward_penalty=True,
+                    dynamic_sampling=True),
+    "dr_grpo": _preset(**_GROUP_MEAN, loss_agg_mode="seq-mean-token-sum-norm"),
+    "rloo": _preset(**_GROUP_MEAN, reward_norm_leave_one_out=True, **_KL_REWARD),
+    "reinforce_pp": _preset(**_ADV_BATCH, **_KL_REWARD),
+    "reinforce_pp_baseline": _preset(**_GROUP_MEAN, **_ADV_BATCH),
+    "remax": _preset(remax_baseline=True, **_KL_REWARD, loss_agg_mode="seq-mean-token-sum"),
+    "gspo": _preset(**_GROUP_MEAN_STD, importance_sampling_level="sequence", eps_clip=3e-4,
+                    eps_clip_higher=4e-4, loss_agg_mode="seq-mean-token-mean"),
+    "cispo": _preset(**_GROUP_MEAN_STD, policy_loss_type="cispo", eps_clip=1.0,
+                     eps_clip_higher=4.0),
+}
+
+
+@dataclass(frozen=True)
+class PPOActorConfig(TrainEngineConfig):
+    """The policy trained by PPO-family algorithms: preset, advantages, loss and reward knobs."""
+
+    algorithm: Algorithm = param(
+        "ppo", help="Preset filling the knobs listed in docs/algorithms.md; explicit knobs win."
+    )
+    group_size: int = param(
+        1, ge=1, help="Consecutive sequences sharing a prompt (= gconfig.n_samples); group-level "
+        "normalisation and dynamic sampling use it."
+    )
+    ppo_n_minibatches: int = param(1, ge=1, help="Optimizer steps per batch (PPO minibatches).")
+    temperature: float = param(
+        1.0, gt=0, help="Logits are divided by this before log-softmax; match the rollout's."
+    )
+    logprob_chunk_size: int = param(
+        1024, ge=1, help="Tokens per chunk when computing logprobs/entropy from logits."
+    )
+    # -- advantages --------------------------------------------------------------------------
+    use_critic: bool = param(
+        True, help="Train a critic (PPOCriticConfig) and use its values in GAE; false = no critic "
+        "(values 0)."
+    )
+    gamma: float = param(1.0, ge=0, le=1, help="Discount factor (GAE and returns).")
+    lam: float = param(0.95, ge=0, le=1, help="GAE lambda; 1 with no critic = return-to-go.")
+    reward_norm_mean_level: NormLevel = param(
+        "none", help="Mean subtracted from per-sequence rewards: over the batch (all DP ranks), "
+        "the prompt's group, or none."
+    )
+    reward_norm_std_level: NormLevel = param(
+        "none", help="Std the rewards are divided by: over the batch, the group, or none."
+    )
+    reward_norm_leave_one_out: bool = param(
+        False, help="Reward mean excludes the sequence itself (RLOO baseline); std includes it."
+    )
+    reward_norm_std_unbiased: bool = param(False, help="Bessel-corrected reward std (n-1).")
+    reward_norm_eps: float = param(1e-5, gt=0, help="Added to the reward std before dividing.")
+    adv_norm_mean_level: NormLevel = param(
+        "batch", help="Mean subtracted from advantages (over loss-mask tokens): batch, group, "
+        "or none."
+    )
+    adv_norm_std_level: NormLevel = param(
+        "batch", help="Std the advantages are divided by: over the batch, the group, or none."
+    )
+    adv_norm_leave_one_out: bool = param(
+        False, help="Advantage mean excludes the tokens of the token's own sequence."
+    )
+    adv_norm_std_unbiased: bool = param(False, help="Bessel-corrected advantage std (n-1).")
+    adv_norm_eps: float = param(1e-5, gt=0, help="Added to the advantage std before dividing.")
+    remax_baseline: bool = param(
+        False, help="Subtract the reward of a greedy rollout of the same prompt (ReMax); the "
+        "workflow supplies it."
+    )
+    # -- reward shaping ----------------------------------------------------------------------
+    reward_bias: float = param(0.0, help="Added to every reward (before scaling).")
+    reward_scaling: float = param(1.0, help="Rewards are multiplied by this (after the bias).")
+    reward_clip: float | None = param(
+        None, gt=0, help="Clip rewards to [-c, c] after bias and scaling; null = no clip."
+    )
+    overlong_reward_penalty: bool = param(
+        False, help="DAPO soft overlong punishment: a penalty linear in tokens beyond "
+        "max_new_tokens - overlong_tokens."
+    )
+    overlong_tokens: int = param(
+        64, ge=1, help="Length of the soft-punishment interval before max_new_tokens (tokens)."
+    )
+    overlong_penalty_factor: float = param(
+        1.0, ge=0, help="Penalty at max_new_tokens; it grows linearly from 0 over the interval."
+    )
+    mask_no_eos_with_zero: bool = param(
+        False, help="Reward 0 for sequences that ended without EOS (truncated)."
+    )
+    dynamic_sampling: bool = param(
+        False, help="Reject groups whose rewards are all equal (the rollout executor refills "
+        "the batch)."
+    )
+    # -- KL to the reference policy ------------------------------------------------------------
+    kl_ctl: float = param(0.0, ge=0, help="KL coefficient beta; 0 = no reference model needed.")
+    kl_estimator: Literal["k1", "k2", "k3"] = param(
+        "k1", help="KL estimator: k1 = log ratio, k2 = half squared log ratio, k3 = low-variance."
+    )
+    kl_in_reward: bool = param(
+        True, help="Per-token -beta*KL in the reward (PPO style); false = beta*KL loss term "
+        "(GRPO style)."
+    )
+    # -- policy loss ---------------------------------------------------------------------------
+    policy_loss_type: Literal["ppo", "cispo"] = param(
+        "ppo", help="ppo: clipped surrogate; cispo: clipped stop-gradient IS weight times logp."
+    )
+    importance_sampling_level: Literal["token", "sequence"] = param(
+        "token", help="Ratio per token, or per sequence as a geometric mean (GSPO)."
+    )
+    eps_clip: float = param(0.2, gt=0, le=1, help="Lower clip: the ratio is kept >= 1-eps_clip.")
+    eps_clip_higher: float | None = param(
+        None, gt=0, help="Upper clip: ratio <= 1+eps_clip_higher (DAPO clip-higher); "
+        "null = eps_clip."
+    )
+    c_clip: float | None = param(
+        None, gt=1, help="Dual clip: for negative advantages the loss is capped at c_clip*|A|; "
+        "null = off."
+    )
+    loss_agg_mode: LossAggMode = param(
+        "token-mean", help="How token losses are averaged; see docs/algorithms.md."
+    )
+    entropy_coeff: float = param(0.0, ge=0, help="Entropy bonus weight (subtracted from loss).")
+    use_decoupled_loss: bool = param(
+        False, help="Decoupled PPO: ratio against the proximal policy, times the behaviour "
+        "weight pi_prox/pi_behav."
+    )
+    behav_imp_weight_cap: float | None = param(
+        None, gt=1, help="Cap on pi_prox/pi_behav in the decoupled loss; null = uncapped."
+    )
+    behav_imp_weight_mode: Literal["mask", "clamp"] = param(
+        "mask", help="Tokens whose behaviour weight exceeds the cap: drop them, or clamp weight."
+    )
+    behav_imp_weight_level: Literal["token", "sequence"] = param(
+        "token", help="Behaviour weight per token, or per sequence (geometric mean)."
+    )
+    tis_cap: float | None = param(
+        None, gt=1, help="Non-decoupled path: truncated IS weight min(pi_old/pi_behav, cap) on "
+        "each token; null = off."
+    )
+
+    @property
+    def reward_norm(self) -> NormSpec:
+        """The per-sequence reward normalisation."""
+        return NormSpec(self.reward_norm_mean_level, self.reward_norm_std_level,
+                        self.reward_norm_leave_one_out, self.reward_norm_std_unbiased,
+                        self.reward_norm_eps)
+
+    @property
+    def adv_norm(self) -> NormSpec:
+        """The per-token advantage normalisation."""
+        return NormSpec(self.adv_norm_mean_level, self.adv_norm_std_level,
+                        self.adv_norm_leave_one_out, self.adv_norm_std_unbiased,
+                        self.adv_norm_eps)
+
+    def check(self) -> Iterator[str]:
+        levels = [n.mean_level for n in (self.reward_norm, self.adv_norm)]
+        levels += [n.std_level for n in (self.reward_norm, self.adv_norm)]
+        if "group" in levels and self.group_size < 2:
+            yield (
+                f"group_size: {self.group_size} with group-level normalisation (algorithm="
+                f"{self.algorithm}) leaves nothing to compare; set group_size to n_samples (>= 2)"
+            )
+        if self.dynamic_sampling and self.group_size < 2:
+            yield (f"group_size: {self.group_size} with dynamic_sampling; set group_size to "
+                   "n_samples (>= 2) or dynamic_sampling=false")
+        if self.use_decoupled_loss and self.tis_cap is not None:
+            yield (f"tis_cap: {self.tis_cap} with use_decoupled_loss=true; the decoupled loss "
+                   "caps with behav_imp_weight_cap, set tis_cap=null")
+        if self.behav_imp_weight_cap is not None and not self.use_decoupled_loss:
+            yield (f"behav_imp_weight_cap: {self.behav_imp_weight_cap} needs "
+                   "use_decoupled_loss=true; use tis_cap for the non-decoupled path")
+        if self.remax_baseline and self.use_critic:
+            yield ("remax_baseline: true with use_critic=true; ReMax replaces the critic, "
+                   "set use_critic=false")
+        upper = self.eps_clip if self.eps_clip_higher is None else self.eps_clip_higher
+        if self.policy_loss_type == "ppo" and self.eps_clip >= 1 and upper >= 1:
+            yield (f"eps_clip: {self.eps_clip} with eps_clip_higher={upper} clips nothing in PPO; "
+                   "use values below 1 (0.2 is usual)")
+
+
+def _fill_preset(init):
+    """Wrap the dataclass __init__: knobs not passed explicitly come from the named preset."""
+
+    @functools.wraps(init)
+    def __init__(self, **kwargs: Any) -> None:
+        preset = PRESETS.get(kwargs.get("algorithm", "ppo"), {})  # bad names: loader reports
+        init(self, **{**preset, **kwargs})
+
+    return __init__
+
+
+# The loader passes only the keys present in YAML/overrides, so "explicitly set" is exactly
+# "passed to __init__"; dataclasses.replace() passes every field, so it never re-applies a preset.
+PPOActorConfig.__init__ = _fill_preset(PPOActorConfig.__init__)  # type: ignore[method-assign]
+
+
+@dataclass(frozen=True)
+class PPOCriticConfig(TrainEngineConfig):
+    """The value model trained alongside a PPO actor (actor.use_critic=true)."""
+
+    ppo_n_minibatches: int = param(1, ge=1, help="Optimizer steps per batch (PPO minibatches).")
+    value_eps_clip: float | None = param(
+        0.2, gt=0, help="Clip new values to old +- this (clipped value loss); null = unclipped."
+    )
+    value_norm: bool = param(
+        False, help="Train on returns normalised by running mean/std; values are de-normalised "
+        "for GAE."
+    )
+    loss_agg_mode: LossAggMode = param("token-mean", help="How token value losses are averaged.")
