@@ -14,7 +14,7 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -63,6 +63,19 @@ class Run:
         self.recover_dir = RecoverDir(self.run_dir / "recover", self.rank, self.barrier)
         self.stats_logger = StatsLogger(cfg.stats_logger, self.run_dir, self.rank)
         self._bar = None
+
+    def batches(self, loader, n_steps: int, start_step: int = 0) -> Iterator[tuple[int, bool, Any]]:
+        """Yield ``(step, epoch_done, batch)`` for steps ``start_step + 1 .. n_steps``, starting
+        a new epoch of ``loader`` whenever one runs out (resumes where ``loader``'s state is)."""
+        steps_per_epoch = len(loader)
+        data = iter(loader)
+        for step in range(start_step + 1, n_steps + 1):
+            try:
+                batch = next(data)
+            except StopIteration:  # next epoch
+                data = iter(loader)
+                batch = next(data)
+            yield step, step % steps_per_epoch == 0, batch
 
     def barrier(self) -> None:
         """Wait for every trainer rank (no-op in a single process without a group)."""

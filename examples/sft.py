@@ -46,8 +46,7 @@ def main(argv: list[str]) -> int:
     if cfg.valid_dataset is not None:
         valid = load_dataset(cfg.valid_dataset, run.tokenizer, cfg.seed)
         valid_loader = create_dataloader(valid, cfg.valid_dataset, cfg.seed, run.rank, run.world_size)
-    steps_per_epoch = len(loader)
-    n_steps = total_steps(cfg, steps_per_epoch)
+    n_steps = total_steps(cfg, len(loader))
     engine = SFTEngine(cfg.model)
     engine.initialize(FinetuneSpec(cfg.total_train_epochs, len(train), cfg.train_dataset.batch_size))
 
@@ -56,18 +55,9 @@ def main(argv: list[str]) -> int:
     if state is not None:
         step = state["step"]
         loader.load_state_dict(state["dataloader"])
-    data = iter(loader)
-    while step < n_steps:
-        step += 1
-        epoch_done = step % steps_per_epoch == 0
-        with run.tracker.timer("data"):
-            try:
-                items = next(data)
-            except StopIteration:  # next epoch
-                data = iter(loader)
-                items = next(data)
+    for step, epoch_done, items in run.batches(loader, n_steps, step):
         with run.tracker.timer("train"):
-            stats = engine.train_lm(to_batch(items))
+            stats = {f"loss/{k}": v for k, v in engine.train_lm(to_batch(items)).items()}
             engine.step_lr_scheduler()
         if run.saver.check(step, epoch_done) or step == n_steps:
             run.export_hf(engine, step, "model")
@@ -76,8 +66,7 @@ def main(argv: list[str]) -> int:
                 stats.update(evaluate(engine, valid_loader))
         if run.recover_timer.check(step, epoch_done):
             run.save_recover(step, {"model": engine}, {"dataloader": loader.state_dict()})
-        stats.update(run.tracker.export())
-        run.commit(step, n_steps, {f"loss/{k}" if "/" not in k else k: v for k, v in stats.items()})
+        run.commit(step, n_steps, {**stats, **run.tracker.export()})
     run.close()
     engine.destroy()
     return 0

@@ -10,6 +10,8 @@ put the sampler state ahead of what the trainer consumed.
 
 from __future__ import annotations
 
+import random
+
 import itertools
 import logging
 from typing import Any, Iterator
@@ -67,6 +69,12 @@ def _raw_items(cfg: DatasetConfig, seed: int) -> list[dict[str, Any]]:
                 item["messages"] = item["messages"] + [
                     {"role": "assistant", "content": item["solution"]}
                 ]
+        if cfg.type == "rw":  # preference pairs: the right answer over a near miss
+            rng = random.Random(seed)
+            for item in items:
+                wrong = int(item["reference"]) + rng.choice((-2, -1, 1, 2))
+                item.update(prompt=item["messages"][-1]["content"], chosen=item["solution"],
+                            rejected=str(wrong))
         return items
     if fmt == "gsm8k":
         items = load_gsm8k(cfg.path, cfg.split, cfg.instruction)
