@@ -141,6 +141,22 @@ class Advantages:
     seq_rewards: torch.Tensor  # [B] rewards after shaping, baseline and normalisation
 
 
+def _token_rewards(seq_rewards, loss_mask, cu_seqlens, cfg: PPOActorConfig, logprobs, ref_logp):
+    """[T] -kl_ctl * KL per trained token (when kl_in_reward) + each sequence's reward on its
+    last trained token (a sequence with none has nothing to train and its reward is dropped)."""
+    m = loss_mask.float()
+    token_rewards = torch.zeros_like(m)  # [T]
+    if cfg.kl_in_reward and cfg.kl_ctl > 0:
+        if logprobs is None or ref_logp is None:
+            raise ValueError("actor.kl_in_reward=true with kl_ctl>0 needs logprobs and ref_logp;"
+                             " pass them, or set kl_ctl=0")
+        kl = kl_estimate(logprobs.detach().float(), ref_logp.detach().float(), cfg.kl_estimator)
+        token_rewards = -cfg.kl_ctl * kl * m
+    last = last_true_index(loss_mask, cu_seqlens)  # [B], -1 = no trained token
+    has = last >= 0
+    return token_rewards.index_add(0, last[has], seq_rewards[has].to(m.dtype))
+
+
 def compute_advantages(
     rewards: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -184,17 +200,7 @@ def compute_advantages(
     seq_rewards = normalize(seq_rewards, (lens > 0).float(), seq_cu, cfg.reward_norm,
                             cfg.group_size, dp_group)
 
-    token_rewards = torch.zeros_like(m)  # [T]
-    if cfg.kl_in_reward and cfg.kl_ctl > 0:
-        if logprobs is None or ref_logp is None:
-            raise ValueError("actor.kl_in_reward=true with kl_ctl>0 needs logprobs and ref_logp;"
-                             " pass them, or set kl_ctl=0")
-        kl = kl_estimate(logprobs.detach().float(), ref_logp.detach().float(), cfg.kl_estimator)
-        token_rewards = -cfg.kl_ctl * kl * m
-    last = last_true_index(loss_mask, cu_seqlens)  # [B]; -1 = no trained token, reward dropped
-    has = last >= 0
-    token_rewards = token_rewards.index_add(0, last[has], seq_rewards[has])
-
+    token_rewards = _token_rewards(seq_rewards, loss_mask, cu_seqlens, cfg, logprobs, ref_logp)
     if cfg.use_critic and values is None:
         raise ValueError(f"actor.use_critic=true (algorithm={cfg.algorithm}) needs critic values;"
                          " pass values, or set use_critic=false")

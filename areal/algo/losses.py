@@ -244,6 +244,12 @@ def policy_loss(
 
     loss = agg(per_token)
     stats = _policy_stats(loss, logprobs, old_logp, ratio, flags, weight, over_cap, mask)
+    return _add_kl_and_entropy(loss, stats, agg, cfg, logprobs, ref_logp, entropy, mask)
+
+
+def _add_kl_and_entropy(loss, stats, agg, cfg: PPOActorConfig, logprobs, ref_logp, entropy,
+                        mask):
+    """``loss + kl_ctl * KL(ref) - entropy_coeff * entropy`` (each when configured), and stats."""
     if not cfg.kl_in_reward and cfg.kl_ctl > 0:
         if ref_logp is None:
             raise ValueError("actor.kl_in_reward=false with kl_ctl>0 adds a KL loss term and "

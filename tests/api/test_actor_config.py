@@ -92,11 +92,15 @@ def test_cross_field_errors_name_the_field_and_the_fix():
 
 @pytest.mark.parametrize("name", list(PRESETS))
 @pytest.mark.parametrize("decoupled", [False, True])
-def test_preset_gives_finite_loss_and_gradient_on_a_random_batch(name, decoupled):
+def test_preset_from_yaml_gives_finite_loss_and_gradient_on_a_random_batch(
+    tmp_path, name, decoupled
+):
     torch.manual_seed(0)
-    over = {"use_decoupled_loss": True, "behav_imp_weight_cap": 2.0} if decoupled else {}
-    cfg = PPOActorConfig(algorithm=name, group_size=2, kl_ctl=0.05, entropy_coeff=0.01,
-                         overlong_tokens=4, **over)
+    path = tmp_path / "actor.yaml"
+    path.write_text(f"algorithm: {name}\ngroup_size: 2\nkl_ctl: 0.05\nentropy_coeff: 0.01\n"
+                    "overlong_tokens: 4\n")
+    over = ["use_decoupled_loss=true", "behav_imp_weight_cap=2.0"] if decoupled else []
+    cfg = load_config(PPOActorConfig, ["--config", str(path), *over])
     cu = torch.tensor([0, 6, 11, 19, 24])
     n, vocab = int(cu[-1]), 13
     input_ids = torch.randint(0, vocab, (n,))
