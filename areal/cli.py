@@ -44,6 +44,14 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_main(cfg)
 
 
+def _launch(args: argparse.Namespace) -> int:
+    if args.mode == "local":
+        from areal.launcher.local import launch_local
+
+        return launch_local(args.script, args.rest)
+    raise SystemExit(f"areal launch {args.mode}: unknown mode; use local")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="areal", description="Asynchronous RL for LLM post-training on verifiable tasks."
@@ -59,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quickstart", help="the embedded demo on this machine (CPU, no network)")
     p.add_argument("--out", default="runs/quickstart", help="output directory")
     p.set_defaults(func=_quickstart)
+    p = sub.add_parser("launch", help="start servers and trainers for an entry script")
+    p.add_argument("mode", choices=["local"], help="where: local (this machine)")
+    p.add_argument("script", help="entry script, e.g. examples/gsm8k_grpo.py")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="--config YAML and key=value overrides")
+    p.set_defaults(func=_launch)
+
     p = sub.add_parser("plot", help="plot reward, held-out accuracy and stage times of a run")
     p.add_argument("run_dir", help="RUN_DIR holding stats.jsonl")
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/plot.png)")

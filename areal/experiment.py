@@ -88,11 +88,12 @@ class Run:
         """Log one step's metrics (rank 0) and advance the progress bar (step, ETA)."""
         if self.rank != 0:
             return
-        if self._bar is None:
+        if self._bar is None and step > 0:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=step - 1, desc="steps", dynamic_ncols=True)
-        self._bar.update(1)
+        if self._bar is not None:
+            self._bar.update(1)
         self.stats_logger.commit(step, stats)
 
     def close(self) -> None:

@@ -111,14 +111,18 @@ def _describe(job: _Job) -> str:
     return f"{type(job.workflow).__name__} on item #{job.seq} {text}"
 
 
-def _iter_items(dataloader: Iterable) -> Iterator[Any]:
-    """Items of a dataloader that yields lists of items (or single items), epoch after epoch."""
+def _iter_batches(dataloader: Iterable) -> Iterator[list[Any]]:
+    """Batches (lists of items) of a dataloader, epoch after epoch.
+
+    Whole batches are handed out so the executor submits every item of a batch at once: the
+    dataloader's state then never counts an item that is neither submitted nor recorded.
+    """
     while True:
         n = 0
         for batch in dataloader:
-            for item in batch if isinstance(batch, (list, tuple)) else [batch]:
-                n += 1
-                yield item
+            items = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+            n += len(items)
+            yield items
         if n == 0:
             raise ValueError("prepare_batch: the dataloader yielded no items; check the dataset")
 
@@ -359,14 +363,17 @@ class WorkflowExecutor:
             self._enqueue(item, workflow, should_accept, exempt=False, seq=seq)
         self._recovered = []
         if self._data is None or self._data[0] is not dataloader:
-            self._data = (dataloader, _iter_items(dataloader))
+            self._data = (dataloader, _iter_batches(dataloader))
         while True:
             with self._cond:
                 self._raise_if_failed()
                 room = max(1, self.staleness.capacity(self.engine.get_version()))
                 want = room - len(self._pending)
-            for _ in range(want):
-                self.submit(next(self._data[1]), workflow, should_accept)
+            while want > 0:  # whole batches; extras wait in the (checkpointed) queue
+                items = next(self._data[1])
+                for item in items:
+                    self.submit(item, workflow, should_accept)
+                want -= len(items)
             got = self._take(self.batch_size, 5 * self.poll_interval, strict=False)
             if got is not None:
                 stats = staleness_stats(got, self.engine.get_version())

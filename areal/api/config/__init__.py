@@ -14,9 +14,14 @@ from areal.api.config.base import (
     StatsLoggerConfig,
     TimerConfig,
 )
-from areal.api.config.data import DatasetConfig
+from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
+from areal.api.config.data import ArithmeticConfig, DatasetConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.experiments import GRPOConfig, RWConfig, SFTConfig
+from areal.api.config.launcher import LauncherConfig
+from areal.api.config.reward import RewardConfig, SandboxConfig, WorkflowConfig
+from areal.api.config.rollout import InferenceEngineConfig, NameResolveConfig
+from areal.api.config.server import GenerationServerConfig
 from areal.api.config.loader import (
     ConfigError,
     from_dict,
@@ -30,19 +35,29 @@ from areal.api.config.loader import (
 )
 
 __all__ = [
+    "ArithmeticConfig",
     "BaseExperimentConfig",
     "ConfigError",
     "DatasetConfig",
     "GRPOConfig",
     "GenerationHyperparameters",
+    "GenerationServerConfig",
+    "InferenceEngineConfig",
+    "LauncherConfig",
     "MicroBatchSpec",
+    "NameResolveConfig",
     "OptimizerConfig",
+    "PPOActorConfig",
+    "PPOCriticConfig",
     "RWConfig",
     "RecoverConfig",
+    "RewardConfig",
     "SFTConfig",
+    "SandboxConfig",
     "StatsLoggerConfig",
     "TimerConfig",
     "TrainEngineConfig",
+    "WorkflowConfig",
     "from_dict",
     "iter_fields",
     "load_config",
