@@ -10,6 +10,7 @@ atomically by :class:`~areal.utils.recover.RecoverDir`.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from dataclasses import dataclass, field
@@ -95,6 +96,13 @@ class Run:
         if self._bar is not None:
             self._bar.update(1)
         self.stats_logger.commit(step, stats)
+
+    def log_trained(self, step: int, sample_ids: list[str]) -> None:
+        """Append the ids trained at ``step`` to RUN_DIR/trained_samples-rank<r>.jsonl (the
+        launch attempt is recorded, so a resumed run's effective sequence can be checked)."""
+        attempt = int(os.environ.get("AREAL_LAUNCH_ATTEMPT", "0"))
+        with open(self.run_dir / f"trained_samples-rank{self.rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "attempt": attempt, "ids": sample_ids}) + "\n")
 
     def close(self) -> None:
         """Close the progress bar and stats sinks."""

@@ -67,19 +67,8 @@ def evaluate(executor, valid_loader, workflow, run) -> None:
                 run.tracker.mean("eval/accuracy", torch.tensor([t.reward for t in group]))
 
 
-def main(argv: list[str]) -> int:
-    cfg = load_config(GRPOConfig, argv)
-    run = init_run(cfg, cfg.actor.path)
-    train = load_dataset(cfg.train_dataset, run.tokenizer, cfg.seed)
-    loader = create_dataloader(train, cfg.train_dataset, cfg.seed, run.rank, run.world_size)
-    valid_loader = None
-    if cfg.valid_dataset is not None:
-        valid = load_dataset(cfg.valid_dataset, run.tokenizer, cfg.seed)
-        valid_loader = create_dataloader(valid, cfg.valid_dataset, cfg.seed, run.rank, run.world_size)
-    n_steps = total_steps(cfg, len(loader))
-    ft_spec = FinetuneSpec(cfg.total_train_epochs, len(train), cfg.train_dataset.batch_size)
-
-    # Rollout side: servers (started by the launcher), reward workers, workflows, executor.
+def setup_rollout(cfg: GRPOConfig, run):
+    """Client to the servers (started by the launcher), reward workers, workflows, executor."""
     rollout = RemoteInferenceEngine(cfg.rollout)
     rollout.initialize()
     reward = RewardRunner(math_reward if cfg.reward_fn == "math" else code_reward, cfg.reward)
@@ -88,8 +77,11 @@ def main(argv: list[str]) -> int:
     per_rank_batch = cfg.train_dataset.batch_size // run.world_size
     executor = WorkflowExecutor(cfg.rollout, rollout, consumer_batch_size=per_rank_batch)
     executor.initialize()
+    return rollout, reward, workflow, eval_workflow, executor
 
-    # Training side: actor, optional critic and reference (all FSDP2 over the trainer ranks).
+
+def setup_trainers(cfg: GRPOConfig, run, rollout, ft_spec: FinetuneSpec):
+    """Actor, optional critic and reference (FSDP2 over the trainer ranks); weight-sync group."""
     actor = PPOActor(cfg.actor, max_new_tokens=cfg.gconfig.max_new_tokens)
     actor.initialize(ft_spec)
     critic = PPOCritic(cfg.critic) if cfg.actor.use_critic else None
@@ -105,10 +97,53 @@ def main(argv: list[str]) -> int:
         actor.init_weight_update_group(dist_meta, rollout.weight_group_size)
         if future is not None:
             future.result(cfg.rollout.setup_timeout)
+    return actor, critic, ref, dist_meta
 
+
+def train_step(cfg: GRPOConfig, run, actor, critic, ref, batch) -> None:
+    """Proximal logp -> reference logp -> values -> advantages -> PPO update (actor, critic)."""
+    with run.tracker.timer("prox_logp"):
+        prox_logp = actor.compute_logp(batch)  # [T] current weights, before the update
+        run.tracker.mean("rollout/logp_mismatch", (prox_logp - batch["logprobs"]).abs(), batch["loss_mask"])
+        if cfg.actor.use_decoupled_loss:
+            batch = batch.with_fields(tokens={"prox_logp": prox_logp})
+    if ref is not None:
+        with run.tracker.timer("ref_logp"):
+            hook = lambda logits, mb: packed_token_logprobs(  # noqa: E731
+                logits, mb["input_ids"], mb.cu_seqlens, cfg.actor.temperature, cfg.actor.logprob_chunk_size)[0]
+            batch = batch.with_fields(tokens={"ref_logp": ref.forward(batch, hook)})
+    if critic is not None:
+        with run.tracker.timer("values"):
+            batch = batch.with_fields(tokens={"values": critic.compute_values(batch)})
+    with run.tracker.timer("advantages"):
+        batch = actor.compute_advantages(batch)
+    with run.tracker.timer("train"), run.tracker.scope("loss"):  # means over PPO minibatches
+        for stats in actor.ppo_update(batch):
+            run.tracker.scalars(**stats)
+        actor.step_lr_scheduler()
+        if critic is not None:
+            with run.tracker.scope("critic"):
+                for stats in critic.ppo_update(batch, cfg.actor.group_size):
+                    run.tracker.scalars(**stats)
+            critic.step_lr_scheduler()
+
+
+def main(argv: list[str]) -> int:
+    cfg = load_config(GRPOConfig, argv)
+    run = init_run(cfg, cfg.actor.path)
+    train = load_dataset(cfg.train_dataset, run.tokenizer, cfg.seed)
+    loader = create_dataloader(train, cfg.train_dataset, cfg.seed, run.rank, run.world_size)
+    valid_loader = None
+    if cfg.valid_dataset is not None:
+        valid = load_dataset(cfg.valid_dataset, run.tokenizer, cfg.seed)
+        valid_loader = create_dataloader(valid, cfg.valid_dataset, cfg.seed, run.rank, run.world_size)
+    n_steps = total_steps(cfg, len(loader))
+    rollout, reward, workflow, eval_workflow, executor = setup_rollout(cfg, run)
+    ft_spec = FinetuneSpec(cfg.total_train_epochs, len(train), cfg.train_dataset.batch_size)
+    actor, critic, ref, dist_meta = setup_trainers(cfg, run, rollout, ft_spec)
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
-    step = 0
-    state = run.load_recover(engines)
+
+    step, state = 0, run.load_recover(engines)
     if state is not None:  # servers get the checkpoint's weights and version
         step = state["step"]
         loader.load_state_dict(state["dataloader"])
@@ -117,49 +152,24 @@ def main(argv: list[str]) -> int:
     elif valid_loader is not None:  # step 0: the starting model's held-out accuracy
         evaluate(executor, valid_loader, eval_workflow, run)
         run.commit(0, n_steps, run.tracker.export())
-    logp_hook = lambda logits, mb: packed_token_logprobs(  # noqa: E731
-        logits, mb["input_ids"], mb.cu_seqlens, cfg.actor.temperature, cfg.actor.logprob_chunk_size)[0]
     sync = cfg.rollout.max_staleness == 0
-    batches = run.batches(loader, n_steps, step) if sync else None
-
+    batches = run.batches(loader, n_steps, step) if sync else None  # sync: we feed rollout_batch
     while step < n_steps:
-        if sync:
-            step, epoch_done, items = next(batches)
-        else:
-            step += 1
-            epoch_done = step % len(loader) == 0
         with run.tracker.timer("rollout"):
-            groups = executor.rollout_batch(items, workflow) if sync else executor.prepare_batch(loader, workflow)
+            if sync:
+                step, epoch_done, items = next(batches)
+                groups = executor.rollout_batch(items, workflow)
+            else:  # async: the executor pulls from the loader, rollouts stay in flight
+                step, epoch_done = step + 1, (step + 1) % len(loader) == 0
+                groups = executor.prepare_batch(loader, workflow)
             batch = groups_to_batch(groups)
-        stats = {**executor.last_batch_stats, **reward.commit_batch(), **rollout.stats()}
-        with run.tracker.timer("prox_logp"):
-            prox_logp = actor.compute_logp(batch)  # [T] current weights, before the update
-            mask = batch["loss_mask"].bool()
-            run.tracker.mean("rollout/logp_mismatch", (prox_logp - batch["logprobs"]).abs(), mask)
-            if cfg.actor.use_decoupled_loss:
-                batch = batch.with_fields(tokens={"prox_logp": prox_logp})
-        if ref is not None:
-            with run.tracker.timer("ref_logp"):
-                batch = batch.with_fields(tokens={"ref_logp": ref.forward(batch, logp_hook)})
-        if critic is not None:
-            with run.tracker.timer("values"):
-                batch = batch.with_fields(tokens={"values": critic.compute_values(batch)})
-        with run.tracker.timer("advantages"):
-            batch = actor.compute_advantages(batch)
-        with run.tracker.timer("train"):
-            with run.tracker.scope("loss"):  # means over the PPO minibatches
-                for s in actor.ppo_update(batch):
-                    run.tracker.scalars(**s)
-                actor.step_lr_scheduler()
-                if critic is not None:
-                    with run.tracker.scope("critic"):
-                        for s in critic.ppo_update(batch, cfg.actor.group_size):
-                            run.tracker.scalars(**s)
-                    critic.step_lr_scheduler()
-        with run.tracker.timer("update_weights"):
-            push_weights(cfg, run, actor, rollout, executor, step, dist_meta)
+        run.log_trained(step, [g[0].group_id for g in groups])
         run.tracker.mean("reward/mean", batch["rewards"])
         run.tracker.sum("perf/n_tokens", batch["loss_mask"].sum())
+        stats = {**executor.last_batch_stats, **reward.commit_batch(), **rollout.stats()}
+        train_step(cfg, run, actor, critic, ref, batch)
+        with run.tracker.timer("update_weights"):
+            push_weights(cfg, run, actor, rollout, executor, step, dist_meta)
         if run.saver.check(step, epoch_done) or step == n_steps:
             run.export_hf(actor, step)
         if valid_loader is not None and (run.evaluator.check(step, epoch_done) or step == n_steps):
