@@ -44,6 +44,16 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_main(cfg)
 
 
+def _config_docs(args: argparse.Namespace) -> int:
+    from areal.api.config.docs import render_config_docs, write_config_docs
+
+    if args.out == "-":
+        sys.stdout.write(render_config_docs())
+    else:
+        print(f"wrote {write_config_docs(args.out)}")
+    return 0
+
+
 def _launch(args: argparse.Namespace) -> int:
     if args.mode == "local":
         from areal.launcher.local import launch_local
@@ -77,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="RUN_DIR holding stats.jsonl")
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/plot.png)")
     p.set_defaults(func=_plot)
+
+    p = sub.add_parser("config-docs", help="write the config reference (Markdown) from the dataclasses")
+    p.add_argument("--out", default="docs/config.md", help="output path; - for stdout")
+    p.set_defaults(func=_config_docs)
 
     p = sub.add_parser("serve", help="generation server (SGLang native + OpenAI HTTP API)")
     p.add_argument("--model", help="Hugging Face model dir (= model_path=DIR)")
