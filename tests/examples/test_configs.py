@@ -1,0 +1,52 @@
+"""Every YAML in examples/ loads with its entry script's CONFIG class (tier 1: no model needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from areal.api.config import GRPOConfig, load_config
+from areal.launcher.local import load_script_config_class
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+YAMLS = sorted(EXAMPLES.glob("*.yaml"))
+
+# A YAML names its script by a word in its file name: *_grpo / *_ppo -> gsm8k_grpo.py (every RL
+# algorithm), sft* -> sft.py, rm* -> rm.py.
+SCRIPT_BY_WORD = {"grpo": "gsm8k_grpo.py", "ppo": "gsm8k_grpo.py", "sft": "sft.py", "rm": "rm.py"}
+
+
+def script_for(yaml_path: Path) -> Path:
+    """The entry script a YAML in examples/ is written for."""
+    scripts = {SCRIPT_BY_WORD[w] for w in yaml_path.stem.split("_") if w in SCRIPT_BY_WORD}
+    assert len(scripts) == 1, (
+        f"{yaml_path.name}: cannot tell its entry script from the name (words {sorted(SCRIPT_BY_WORD)}); "
+        "rename it or extend SCRIPT_BY_WORD in this test"
+    )
+    return EXAMPLES / scripts.pop()
+
+
+def test_examples_hold_the_expected_configs():
+    names = {p.name for p in YAMLS}
+    assert {"gsm8k_grpo.yaml", "arithmetic_grpo.yaml", "sft_arithmetic.yaml", "rm.yaml"} <= names
+
+
+@pytest.mark.parametrize("yaml_path", YAMLS, ids=lambda p: p.name)
+def test_example_yaml_loads_with_its_script_config_class(yaml_path):
+    config_cls = load_script_config_class(script_for(yaml_path))
+    cfg = load_config(config_cls, ["--config", str(yaml_path)])
+    assert isinstance(cfg, config_cls)
+
+
+def test_gsm8k_recipe_is_the_async_gpu_layout_it_documents():
+    cfg = load_config(GRPOConfig, ["--config", str(EXAMPLES / "gsm8k_grpo.yaml")])
+    assert cfg.actor.algorithm == "grpo" and not cfg.actor.use_critic
+    assert cfg.actor.group_size == cfg.gconfig.n_samples == 8
+    assert cfg.rollout.max_staleness > 0 and cfg.actor.use_decoupled_loss
+    assert cfg.eval_gconfig.greedy and cfg.eval_gconfig.max_new_tokens == cfg.gconfig.max_new_tokens
+    # one server on the GPU after the trainer ranks (rank r uses cuda:r)
+    assert cfg.server.device == f"cuda:{cfg.launcher.trainer_nprocs}"
+    assert cfg.launcher.n_servers == 1 and cfg.launcher.trainer_nprocs + 1 == 8
+    assert cfg.train_dataset.batch_size % cfg.launcher.trainer_nprocs == 0
+    assert cfg.train_dataset.format == cfg.valid_dataset.format == "gsm8k"
