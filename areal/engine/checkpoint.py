@@ -9,6 +9,9 @@ Three formats, three purposes:
 - **DCP checkpoint** (:func:`save_dcp`, :func:`load_dcp`): sharded ``torch.distributed.checkpoint``
   of model and optimizer (each rank writes its own shards) plus one small per-rank file with the
   LR scheduler, RNG states and engine counters, for exact recovery at the same world size.
+  State that every rank holds identically and that only a subclass knows about (e.g. the
+  critic's value-normaliser moments) goes next to it as a small JSON file
+  (:func:`save_replicated_state`, :func:`load_replicated_state`).
 
 Broadcast to inference servers lives in :mod:`areal.engine.weight_sync` (one protocol for both
 sides); the engine only feeds it full tensors bucket by bucket.
@@ -171,3 +174,25 @@ def load_dcp(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         scheduler.load_state_dict(rank_state["scheduler"])
     _set_rng_state(rank_state["rng"])
     return rank_state["extra"]
+
+
+def save_replicated_state(path: str, name: str, state: dict[str, Any]) -> None:
+    """Write ``state`` (the same on every rank) as ``path/name`` from rank 0. Collective."""
+    if dist.get_rank() == 0:
+        out = Path(path) / name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, out)  # a reader never sees half a file
+    dist.barrier()
+
+
+def load_replicated_state(path: str, name: str) -> dict[str, Any]:
+    """Read what :func:`save_replicated_state` wrote (every rank reads the same file)."""
+    file = Path(path) / name
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{file} is missing: checkpoint {path!r} was saved without this state (e.g. by an "
+            "engine configured differently); load it with the same config it was saved with"
+        )
+    return json.loads(file.read_text())

@@ -29,6 +29,8 @@ from areal.algo.logprob import packed_token_logprobs
 from areal.algo.losses import policy_loss
 from areal.algo.segments import segment_sum
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
+from areal.api.io import SaveLoadMeta
+from areal.engine import checkpoint
 from areal.engine.fsdp import FSDPEngine
 from areal.utils.batch import PackedBatch, split_microbatches
 
@@ -120,6 +122,9 @@ class PPOActor(FSDPEngine):
         return [self.train_batch(mb, self._loss, weight) for mb in parts]
 
 
+VALUE_NORM_FILE = "value_normalizer.json"  # inside a DCP checkpoint dir, when value_norm
+
+
 class PPOCritic(FSDPEngine):
     """The value model: backbone + one-output head, clipped value loss."""
 
@@ -144,6 +149,19 @@ class PPOCritic(FSDPEngine):
         loss, stats = value_loss(values, old, returns, mb["loss_mask"], mb.cu_seqlens,
                                  self.config.value_eps_clip, self.config.loss_agg_mode)
         return loss, {k: float(v) for k, v in stats.items()}
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        """The engine's save; a DCP checkpoint also keeps the value normaliser's moments."""
+        super().save(meta)
+        if meta.weight_format == "dcp" and self.value_normalizer is not None:
+            checkpoint.save_replicated_state(meta.path, VALUE_NORM_FILE, self.value_normalizer.state_dict())
+
+    def load(self, meta: SaveLoadMeta) -> None:
+        """The engine's load; from a DCP checkpoint also the value normaliser's moments."""
+        super().load(meta)
+        if meta.weight_format == "dcp" and self.value_normalizer is not None:
+            state = checkpoint.load_replicated_state(meta.path, VALUE_NORM_FILE)
+            self.value_normalizer.load_state_dict(state)
 
     def ppo_update(self, batch: PackedBatch, group_size: int = 1) -> list[dict[str, float]]:
         """``ppo_n_minibatches`` steps regressing ``values`` toward ``returns``; stats per step."""

@@ -95,3 +95,36 @@ def test_critic_values_move_toward_returns(tiny_model_dir):
     critic.destroy()
     after = (after_values - returns)[mask].square().mean()
     assert after < 0.6 * before and "value_error" in stats[0]
+
+
+def test_critic_value_normalizer_survives_a_dcp_round_trip(tiny_model_dir, tmp_path):
+    from areal.api.io import SaveLoadMeta
+    from areal.engine.ppo import VALUE_NORM_FILE
+
+    def critic(value_norm: bool) -> PPOCritic:
+        c = PPOCritic(PPOCriticConfig(path=tiny_model_dir, value_norm=value_norm,
+                                      mb_spec=MicroBatchSpec(max_tokens_per_mb=64)))
+        c.initialize(None)
+        return c
+
+    a = critic(True)
+    batch = rollout_batch()
+    returns = batch["loss_mask"].float() * 3.0 + 1.0  # moments far from the initial (0, 1)
+    a.ppo_update(batch.with_fields(tokens={"values": a.compute_values(batch), "returns": returns}))
+    saved = a.value_normalizer.state_dict()
+    assert saved["count"] > 0 and saved["mean"] != 0.0
+    meta = SaveLoadMeta(path=str(tmp_path / "dcp"), weight_format="dcp", with_optim=True)
+    a.save(meta)
+    assert (tmp_path / "dcp" / VALUE_NORM_FILE).is_file()
+
+    b = critic(True)
+    b.load(meta)
+    assert b.value_normalizer.state_dict() == saved
+    assert torch.equal(a.compute_values(batch), b.compute_values(batch))  # de-normalised alike
+
+    plain = critic(False)  # saved without value_norm: loading with it names the missing state
+    plain.save(SaveLoadMeta(path=str(tmp_path / "plain"), weight_format="dcp", with_optim=True))
+    with pytest.raises(FileNotFoundError, match="value_normalizer.json"):
+        b.load(SaveLoadMeta(path=str(tmp_path / "plain"), weight_format="dcp", with_optim=True))
+    for engine in (plain, b, a):
+        engine.destroy()
