@@ -29,7 +29,8 @@ def bradley_terry_loss(logits: torch.Tensor, mb: PackedBatch) -> tuple[torch.Ten
     """Mean BT loss over the micro-batch's pairs; ``logits`` are values ``[T, 1]``."""
     scores = last_token_scores(logits, mb.cu_seqlens)  # [B]
     margin = scores[0::2] - scores[1::2]  # [B/2] chosen - rejected
-    stats = {"pair_acc": float((margin > 0).float().mean()), "margin": float(margin.detach().mean())}
+    seen = margin.detach()  # stats only: float() on a tensor that requires grad warns
+    stats = {"pair_acc": float((seen > 0).float().mean()), "margin": float(seen.mean())}
     return -F.logsigmoid(margin).mean(), stats
 
 

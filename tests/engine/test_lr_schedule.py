@@ -35,6 +35,7 @@ def test_scheduler_steps_the_optimizer_lr_and_needs_total_steps_for_decay():
     sched = build_lr_scheduler(opt, cfg, total_steps=2)
     lrs = [opt.param_groups[0]["lr"]]
     for _ in range(2):
+        opt.step()  # no gradient: parameters stay put; the order matches a real training step
         sched.step()
         lrs.append(opt.param_groups[0]["lr"])
     assert lrs == pytest.approx([2.0, 1.0, 0.0])  # cos(0), cos(pi/2), cos(pi)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -32,6 +34,16 @@ def test_bradley_terry_loss_by_hand():
     loss, stats = bradley_terry_loss(values, mb)
     assert loss.item() == pytest.approx(0.126928, abs=1e-6)
     assert stats == {"pair_acc": 1.0, "margin": 2.0}
+
+
+def test_bradley_terry_stats_of_values_with_grad_raise_no_warning():
+    values = torch.tensor([[9.0], [2.0], [5.0], [0.0]], requires_grad=True)
+    mb = PackedBatch.from_sequences({"input_ids": [[1, 2], [3, 4]]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss, stats = bradley_terry_loss(values, mb)
+    loss.backward()  # the loss keeps its graph
+    assert stats["margin"] == 2.0 and values.grad[1, 0] < 0 < values.grad[3, 0]
 
 
 def test_reward_model_reaches_90_percent_pair_accuracy(tiny_model_dir):
