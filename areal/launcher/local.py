@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from areal.api.config import load_config, save_config
+from areal.api.config import ConfigError, load_config, save_config
 from areal.launcher.procs import ProcessSupervisor, free_port
 from areal.launcher.servers import server_command
 from areal.utils.logging import add_log_file, get_logger
@@ -97,7 +97,11 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
 
 def launch_local(script: str, argv: list[str]) -> int:
     """Validate the config, then run (and, with recover.mode=auto, relaunch) the job."""
-    cfg = load_config(load_script_config_class(script), argv)
+    try:
+        cfg = load_config(load_script_config_class(script), argv)
+    except ConfigError as e:  # a message for the user, not a crash: nothing was started
+        print(f"areal launch: {e}", file=sys.stderr)
+        return 2
     save_config(cfg, cfg.run_dir / "config.yaml")
     add_log_file(cfg.run_dir, "launcher")
     retries = cfg.recover.retries if cfg.recover.mode == "auto" else 0

@@ -128,17 +128,25 @@ class ProcessSupervisor:
         )
 
     def stop_all(self) -> None:
-        """SIGTERM every child's process group, wait up to stop_timeout, then SIGKILL."""
+        """SIGTERM every child's process group and every descendant (torchrun starts its
+        workers in sessions of their own), wait up to stop_timeout, then SIGKILL what is left."""
+        tree = self._descendants()  # taken first: once torchrun dies its workers are orphans
         for child in self.children:
             _signal_group(child.proc, signal.SIGTERM)
+        _signal_pids(tree, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_timeout
         for child in self.children:
             try:
                 child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 logger.warning(f"{child.name} ignored SIGTERM for {self.stop_timeout}s; killing it")
+        tree.update(self._descendants())
+        while _live(tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
         for child in self.children:
             _signal_group(child.proc, signal.SIGKILL)  # also reaps leftover descendants
+        _signal_pids(tree, signal.SIGKILL)
+        for child in self.children:
             try:
                 child.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -146,6 +154,12 @@ class ProcessSupervisor:
             if child._pump is not None:
                 child._pump.join(timeout=2)
         self.children.clear()
+
+    def _descendants(self) -> dict[int, int]:
+        tree: dict[int, int] = {}
+        for child in self.children:
+            tree.update(descendants(child.proc.pid))
+        return tree
 
     def __enter__(self) -> ProcessSupervisor:
         return self
@@ -159,3 +173,43 @@ def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _proc_stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live, non-zombie ``pid``; None otherwise."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return None if fields[0] in ("Z", "X") else (int(fields[1]), int(fields[19]))
+
+
+def descendants(root: int) -> dict[int, int]:
+    """pid -> start time of every live descendant of ``root`` (from /proc; empty without it)."""
+    if not os.path.isdir("/proc"):
+        return {}
+    stats = {pid: st for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+             if (st := _proc_stat(pid)) is not None}
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found[pid] = stats[pid][1]
+        todo += children.get(pid, [])
+    return found
+
+
+def _live(tree: dict[int, int]) -> list[int]:
+    """The pids of ``tree`` that still run (same start time, so a reused pid does not count)."""
+    return [pid for pid, start in tree.items() if (st := _proc_stat(pid)) is not None and st[1] == start]
+
+
+def _signal_pids(tree: dict[int, int], sig: signal.Signals) -> None:
+    for pid in _live(tree):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,56 @@
+"""A launcher entry script for tests: records itself, then behaves as AREAL_TEST_BEHAVIOUR says.
+
+``AREAL_TEST_CONFIG``: ``grpo`` (servers; the default) or ``sft`` (no servers).
+``AREAL_TEST_BEHAVIOUR``:
+  ok          every server in AREAL_LLM_SERVER_ADDRS answers /health; exit 0
+  exit3       exit with code 3
+  raise       raise an exception (torchrun reports a failed worker)
+  sleep       sleep until killed
+  stubborn    ignore SIGTERM, sleep until SIGKILLed
+  fail_first  exit 3 on launch attempt 0, exit 0 on later attempts
+Each start appends {"attempt", "pid", "ppid", "addrs"} to RUN_DIR/entry.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import urllib.request
+
+from areal.api.config import GRPOConfig, SFTConfig, load_config
+
+CONFIG = SFTConfig if os.environ.get("AREAL_TEST_CONFIG") == "sft" else GRPOConfig
+
+
+def main(argv: list[str]) -> int:
+    cfg = load_config(CONFIG, argv)
+    behaviour = os.environ["AREAL_TEST_BEHAVIOUR"]
+    attempt = int(os.environ["AREAL_LAUNCH_ATTEMPT"])
+    addrs = [a for a in os.environ.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a]
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    with open(cfg.run_dir / "entry.jsonl", "a") as f:
+        f.write(json.dumps({"attempt": attempt, "pid": os.getpid(), "ppid": os.getppid(), "addrs": addrs}) + "\n")
+    if behaviour == "ok":
+        for addr in addrs:
+            with urllib.request.urlopen(f"http://{addr}/health", timeout=10) as r:
+                assert r.status == 200, f"{addr}/health answered {r.status}"
+        return 0
+    if behaviour == "exit3" or (behaviour == "fail_first" and attempt == 0):
+        return 3
+    if behaviour == "fail_first":
+        return 0
+    if behaviour == "raise":
+        raise RuntimeError("entry script failed on purpose")
+    if behaviour == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if behaviour in ("sleep", "stubborn"):
+        time.sleep(600)
+        return 0
+    raise ValueError(f"unknown AREAL_TEST_BEHAVIOUR={behaviour!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,110 @@
+"""Tier 2: ``areal launch local`` with real processes (servers, torchrun, a test entry script).
+
+Every run must leave nothing behind: no process of the run (servers, torchrun, its workers) and
+no bound server port, whether the trainer finishes, fails, or the launcher is interrupted.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from launch_harness import Launch, assert_ports_free, read_jsonl, server_ports, start_launch
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).parent / "entry_script.py"
+RUN_TIMEOUT = 120.0  # seconds; a run here takes a few seconds on a quiet machine
+
+
+@pytest.fixture
+def launch(tmp_path, tiny_model_dir):
+    """``launch(behaviour, *overrides, config="grpo")`` -> (Launch, RUN_DIR); killed at teardown."""
+    made: list[Launch] = []
+
+    def start(behaviour: str, *overrides: str, config: str = "grpo") -> tuple[Launch, Path]:
+        model = ([f"actor.path={tiny_model_dir}", "actor.use_critic=false"] if config == "grpo"
+                 else [f"model.path={tiny_model_dir}"])
+        common = ["experiment_name=e", "trial_name=t", "launcher.server_threads=1", "launcher.stop_timeout=3"]
+        env = {"AREAL_TEST_BEHAVIOUR": behaviour, "AREAL_TEST_CONFIG": config}
+        run = start_launch(SCRIPT, None, [*model, *common, *overrides], tmp_path / "root", env)
+        made.append(run)
+        return run, tmp_path / "root" / "e" / "t"
+
+    yield start
+    for run in made:
+        run.cleanup()
+
+
+def _started_entries(run_dir: Path, n: int = 1):
+    return lambda: len(read_jsonl(run_dir / "entry.jsonl")) >= n
+
+
+def test_finished_run_exits_zero_and_leaves_no_process_or_port(launch):
+    run, run_dir = launch("ok", "launcher.n_servers=2")
+    assert run.wait(RUN_TIMEOUT) == 0, run.output()
+    [entry] = read_jsonl(run_dir / "entry.jsonl")
+    assert len(entry["addrs"]) == 2  # the script saw both servers' addresses
+    assert {entry["pid"], entry["ppid"]} <= set(run.seen)  # worker and torchrun were tracked
+    run.assert_no_survivors()
+    assert_ports_free(server_ports(run_dir))
+
+
+def test_failed_trainer_stops_the_run_and_tears_everything_down(launch):
+    run, run_dir = launch("exit3", "launcher.n_servers=1")
+    assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()  # torchrun's code for a failed worker
+    assert "trainer exited with code" in run.output()
+    assert "exitcode  : 3" in (run_dir / "logs" / "trainer.log").read_text()  # the cause is logged
+    run.assert_no_survivors()
+    assert_ports_free(server_ports(run_dir))
+
+
+@pytest.mark.parametrize("sig, behaviour", [(signal.SIGINT, "sleep"), (signal.SIGTERM, "stubborn")])
+def test_interrupted_launcher_stops_every_process_even_one_ignoring_sigterm(launch, sig, behaviour):
+    run, run_dir = launch(behaviour, "launcher.n_servers=1")
+    assert run.wait(RUN_TIMEOUT, until=_started_entries(run_dir)) is None, run.output()
+    [entry] = read_jsonl(run_dir / "entry.jsonl")
+    run.snapshot()
+    assert entry["pid"] in run.seen
+    run.proc.send_signal(sig)
+    assert run.wait(30) == 130, run.output()
+    assert "interrupted" in run.output()
+    run.assert_no_survivors()
+    assert_ports_free(server_ports(run_dir))
+
+
+def test_bad_config_fails_before_any_process_starts_and_names_every_problem(launch):
+    run, run_dir = launch("ok", "rollout.max_staleness=-1", "launcher.trainer_nprocs=0", "launcher.n_servers=1")
+    code = run.wait(RUN_TIMEOUT)
+    out = run.output()
+    assert code == 2
+    assert "rollout.max_staleness" in out and "launcher.trainer_nprocs" in out, out
+    assert "Traceback" not in out, f"a config error is a message, not a crash:\n{out}"
+    assert not run.seen, f"processes started despite the bad config: {run.seen}"
+    assert not (run_dir / "logs").exists()
+
+
+def test_auto_recover_relaunches_a_failing_run_up_to_the_retry_limit(launch):
+    run, run_dir = launch("exit3", "recover.mode=auto", "recover.retries=2", "launcher.n_servers=0",
+                          "train_dataset.type=sft", config="sft")
+    assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()
+    assert [e["attempt"] for e in read_jsonl(run_dir / "entry.jsonl")] == [0, 1, 2]
+    assert run.output().count("relaunching") == 2
+    run.assert_no_survivors()
+
+
+def test_auto_recover_stops_relaunching_once_an_attempt_succeeds(launch):
+    run, run_dir = launch("fail_first", "recover.mode=auto", "recover.retries=3", "launcher.n_servers=1")
+    assert run.wait(RUN_TIMEOUT) == 0, run.output()
+    entries = read_jsonl(run_dir / "entry.jsonl")
+    assert [e["attempt"] for e in entries] == [0, 1]
+    assert len(server_ports(run_dir)) == 2  # each attempt started its own server
+    run.assert_no_survivors()
+    assert_ports_free(server_ports(run_dir))
+
+
+def test_recover_disabled_does_not_relaunch(launch):
+    run, run_dir = launch("fail_first", "launcher.n_servers=0", "train_dataset.type=sft", config="sft")
+    assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()
+    assert [e["attempt"] for e in read_jsonl(run_dir / "entry.jsonl")] == [0]
