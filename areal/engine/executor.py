@@ -301,10 +301,13 @@ class WorkflowExecutor:
         if self._error is not None:
             raise self._error
 
-    def _take(self, count: int, timeout: float | None, strict: bool) -> list[Group] | None:
+    def _take(self, count: int, timeout: float | None, strict: bool,
+              in_order: bool = False) -> list[Group] | None:
         """Up to ``timeout`` seconds for ``count`` accepted groups; None on timeout.
 
         ``strict``: raise when nothing is running or queued (the wait could never end).
+        ``in_order``: also wait until every older staleness-bound rollout has finished, so the
+        groups are the ``count`` oldest-submitted accepted ones whatever the completion order.
         """
         self._loop_thread()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -312,7 +315,9 @@ class WorkflowExecutor:
             while True:
                 self._raise_if_failed()
                 if len(self._finished) >= count:
-                    return [self._finished.pop(s) for s in sorted(self._finished)[:count]]
+                    seqs = sorted(self._finished)[:count]
+                    if not in_order or self._oldest_unfinished() > seqs[-1]:
+                        return [self._finished.pop(s) for s in seqs]
                 idle = not (self._running or self._pending or self._pending_exempt)
                 if strict and idle and not self._paused:
                     raise RuntimeError(
@@ -323,6 +328,11 @@ class WorkflowExecutor:
                 if left <= 0:
                     return None
                 self._cond.wait(min(left, 1.0))
+
+    def _oldest_unfinished(self) -> float:
+        """Smallest seq of a staleness-bound rollout still running or queued (inf if none)."""
+        running = (s for s, j in self._running.items() if not j.exempt)
+        return min((*running, *(j.seq for j in self._pending)), default=float("inf"))
 
     def wait(self, count: int, timeout: float | None = None) -> list[Group]:
         """The ``count`` oldest-submitted accepted groups, blocking up to ``timeout`` seconds."""
@@ -339,24 +349,32 @@ class WorkflowExecutor:
         """Run one episode per item now and return the accepted groups in item order.
 
         Not bound by staleness (the caller blocks, so no weight update can happen meanwhile);
-        bound by ``max_concurrent_rollouts``. Rejected items are dropped, not replaced.
+        bound by ``max_concurrent_rollouts``. Rejected items are dropped, not replaced. Sets
+        :attr:`last_batch_stats`, as :meth:`prepare_batch` does (synchronous training logs them).
         """
         seqs = [self._enqueue(item, workflow, should_accept, exempt=True) for item in items]
         with self._cond:
             while not all(s in self._exempt_done for s in seqs):
                 self._raise_if_failed()
                 self._cond.wait(1.0)
-            groups = [self._exempt_done.pop(s) for s in seqs]
-        return [g for g in groups if g is not None]
+            groups = [g for g in (self._exempt_done.pop(s) for s in seqs) if g is not None]
+        self.last_batch_stats = {**staleness_stats(groups, self.engine.get_version()), **self.stats()}
+        return groups
 
     def prepare_batch(self, dataloader: Iterable, workflow: RolloutWorkflow,
                       should_accept: ShouldAccept | None = None) -> list[Group]:
-        """One training batch (:attr:`batch_size` groups), oldest first.
+        """One training batch: the :attr:`batch_size` oldest-submitted accepted groups.
 
         Keeps pulling items from ``dataloader`` (which yields lists of items; it is restarted at
         the end of an epoch) so rollouts stay in flight across training steps, as far as the
         staleness bound allows. Pass the same dataloader object every step: its iterator is kept
-        between calls, and a different object starts a new iteration. Sets :attr:`last_batch_stats` (staleness and executor counters).
+        between calls, and a different object starts a new iteration. Sets
+        :attr:`last_batch_stats` (staleness and executor counters).
+
+        Groups are delivered in submission order even when younger rollouts finish first, so the
+        trained sequence of items depends on the data order only, not on completion timing: a
+        resumed run trains exactly what the uninterrupted one would, and the n-th admitted
+        rollout is trained in batch n // B, which is what the staleness bound assumes.
         """
         self._loop_thread()
         for seq, item in self._recovered:
@@ -374,7 +392,7 @@ class WorkflowExecutor:
                 for item in items:
                     self.submit(item, workflow, should_accept)
                 want -= len(items)
-            got = self._take(self.batch_size, 5 * self.poll_interval, strict=False)
+            got = self._take(self.batch_size, 5 * self.poll_interval, strict=False, in_order=True)
             if got is not None:
                 stats = staleness_stats(got, self.engine.get_version())
                 self.last_batch_stats = {**stats, **self.stats()}

@@ -196,6 +196,22 @@ def test_prepare_batch_keeps_rollouts_in_flight_within_the_staleness_bound(make_
         engine.set_version(step + 1)
 
 
+def test_prepare_batch_delivers_in_submission_order_whatever_finishes_first(make_executor):
+    # The trained sequence must not depend on completion timing (lossless resume compares it).
+    ex = make_executor(max_staleness=1, consumer_batch_size=2, max_concurrent_rollouts=4)
+    wf = GatedWorkflow()
+    wf.release(1, 2, 3)  # item 0 is the slow one
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(ex.prepare_batch([[{"id": i}] for i in range(8)], wf)))
+    t.start()
+    _until(lambda: ex.stats()["rollout/buffered"] == 3)
+    time.sleep(0.05)
+    assert not result, "prepare_batch returned before the oldest rollout finished"
+    wf.release(0)
+    t.join(timeout=5)
+    assert _ids(result[0]) == [0, 1]
+
+
 def test_workflow_exception_reaches_wait_with_the_item(make_executor):
     ex = make_executor()
     wf = GatedWorkflow(gated=False, fail_on=3)

@@ -1,0 +1,75 @@
+"""Fixtures for end-to-end runs through ``areal launch local``: a launcher factory that kills
+everything it started at teardown, and the reference async GRPO run the resume tests compare to."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launcher"))  # launch_harness
+
+from launch_harness import REPO, Launch, start_launch  # noqa: E402
+
+RUN_TIMEOUT = 180.0  # seconds; each run takes ~10-30 s on a quiet 2-core machine
+GRPO_SCRIPT = REPO / "examples" / "gsm8k_grpo.py"
+GRPO_YAML = REPO / "examples" / "arithmetic_grpo.yaml"
+# A few-second RL step on CPU: 2 prompts x 4 samples x 4 new tokens.
+SMALL_RL = [
+    "train_dataset.batch_size=2", "actor.group_size=4", "gconfig.n_samples=4",
+    "gconfig.max_new_tokens=4", "eval_gconfig.max_new_tokens=4", "rollout.max_concurrent_rollouts=4",
+]  # fmt: skip
+# The resume tests' run: async GRPO, a recover checkpoint every step, relaunch on failure.
+RESUMABLE = [*SMALL_RL, "total_train_steps=6", "rollout.max_staleness=1", "valid_dataset=null",
+             "recover.mode=auto", "recover.freq_steps=1", "recover.retries=2", "seed=7"]
+
+
+class Launcher:
+    """Starts runs under one root; :meth:`cleanup` kills every process any of them left."""
+
+    def __init__(self, root: Path, model_dir: str):
+        self.root = root
+        self.model_dir = model_dir
+        self.runs: list[Launch] = []
+
+    def start(self, name: str, script: Path, config: Path, overrides: list[str]) -> tuple[Launch, Path]:
+        """Run ``script`` with ``config`` as experiment ``name`` (trial t); returns RUN_DIR too."""
+        fileroot = self.root / name
+        run = start_launch(script, config, [f"experiment_name={name}", "trial_name=t", *overrides], fileroot)
+        self.runs.append(run)
+        return run, fileroot / name / "t"
+
+    def run(self, name: str, script: Path, config: Path, overrides: list[str]) -> Path:
+        """Run to the end; assert exit 0 and that no process of the run is left."""
+        run, run_dir = self.start(name, script, config, overrides)
+        code = run.wait(RUN_TIMEOUT)
+        assert code == 0, f"{name} exited with {code}:\n{run.output()}\n{_trainer_tail(run_dir)}"
+        run.assert_no_survivors()
+        return run_dir
+
+    def cleanup(self) -> None:
+        for run in self.runs:
+            run.cleanup()
+
+
+def _trainer_tail(run_dir: Path, n: int = 40) -> str:
+    log = run_dir / "logs" / "trainer.log"
+    return "\n".join(log.read_text(errors="replace").splitlines()[-n:]) if log.is_file() else ""
+
+
+@pytest.fixture
+def launcher(tmp_path, tiny_model_dir):
+    made = Launcher(tmp_path, tiny_model_dir)
+    yield made
+    made.cleanup()
+
+
+@pytest.fixture(scope="session")
+def async_grpo_reference(tmp_path_factory, tiny_model_dir) -> Path:
+    """RUN_DIR of an uninterrupted resumable async GRPO run (shared by several tests)."""
+    made = Launcher(tmp_path_factory.mktemp("reference"), tiny_model_dir)
+    try:
+        yield made.run("ref", GRPO_SCRIPT, GRPO_YAML, [f"actor.path={tiny_model_dir}", *RESUMABLE])
+    finally:
+        made.cleanup()
