@@ -32,6 +32,7 @@ from areal.launcher.procs import free_port
 from areal.reward.code import code_reward
 from areal.reward.math import math_reward
 from areal.reward.runner import RewardRunner
+from areal.workflow.filters import DynamicSamplingFilter
 from areal.workflow.rlvr import RLVRWorkflow
 
 CONFIG = GRPOConfig
@@ -153,15 +154,17 @@ def main(argv: list[str]) -> int:
         evaluate(executor, valid_loader, eval_workflow, run)
         run.commit(0, n_steps, run.tracker.export())
     sync = cfg.rollout.max_staleness == 0
+    # DAPO dynamic sampling (training rollouts only, never eval); stops after an epoch of rejects
+    accept = DynamicSamplingFilter(len(train)) if cfg.actor.dynamic_sampling else None
     batches = run.batches(loader, n_steps, step) if sync else None  # sync: we feed rollout_batch
     while step < n_steps:
         with run.tracker.timer("rollout"):
             if sync:
                 step, epoch_done, items = next(batches)
-                groups = executor.rollout_batch(items, workflow)
+                groups = executor.rollout_batch(items, workflow, accept)
             else:  # async: the executor pulls from the loader, rollouts stay in flight
                 step, epoch_done = step + 1, (step + 1) % len(loader) == 0
-                groups = executor.prepare_batch(loader, workflow)
+                groups = executor.prepare_batch(loader, workflow, accept)
             batch = groups_to_batch(groups)
         run.log_trained(step, [g[0].group_id for g in groups])
         run.tracker.mean("reward/mean", batch["rewards"])
