@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -64,6 +66,7 @@ class Run:
         self.recover_dir = RecoverDir(self.run_dir / "recover", self.rank, self.barrier)
         self.stats_logger = StatsLogger(cfg.stats_logger, self.run_dir, self.rank)
         self._bar = None
+        self._last_commit: float | None = None
 
     def batches(self, loader, n_steps: int, start_step: int = 0) -> Iterator[tuple[int, bool, Any]]:
         """Yield ``(step, epoch_done, batch)`` for steps ``start_step + 1 .. n_steps``, starting
@@ -86,7 +89,16 @@ class Run:
     # -- logging ------------------------------------------------------------------------------
 
     def commit(self, step: int, total_steps: int, stats: dict[str, float]) -> None:
-        """Log one step's metrics (rank 0) and advance the progress bar (step, ETA)."""
+        """Log one step's metrics (rank 0) with step time, tokens/s and memory added, and
+        advance the progress bar (step, ETA)."""
+        now = time.perf_counter()
+        stats = {**stats, **_memory_stats()}
+        if self._last_commit is not None and step > 0:
+            seconds = now - self._last_commit
+            stats["perf/step_seconds"] = seconds
+            if "perf/n_tokens" in stats:
+                stats["perf/tokens_per_second"] = stats["perf/n_tokens"] / seconds
+        self._last_commit = now
         if self.rank != 0:
             return
         if self._bar is None and step > 0:
@@ -145,6 +157,18 @@ class Run:
 
     def _timers(self) -> dict[str, FrequencyControl]:
         return {"saver": self.saver, "evaluator": self.evaluator, "recover": self.recover_timer}
+
+
+def _memory_stats() -> dict[str, float]:
+    """Resident memory of this process now and at its peak (GiB), plus CUDA peak if used."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * page
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    out = {"perf/memory_rss_gib": rss / 2**30, "perf/memory_peak_rss_gib": peak / 2**30}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["perf/cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
 
 
 def init_run(cfg: BaseExperimentConfig, model_path: str) -> Run:

@@ -168,7 +168,8 @@ def main(argv: list[str]) -> int:
             batch = groups_to_batch(groups)
         run.log_trained(step, [g[0].group_id for g in groups])
         run.tracker.mean("reward/mean", batch["rewards"])
-        run.tracker.sum("perf/n_tokens", batch["loss_mask"].sum())
+        run.tracker.sum("perf/n_tokens", batch.n_tokens)
+        run.tracker.sum("perf/n_trained_tokens", batch["loss_mask"].sum())
         stats = {**executor.last_batch_stats, **reward.commit_batch(), **rollout.stats()}
         train_step(cfg, run, actor, critic, ref, batch)
         with run.tracker.timer("update_weights"):

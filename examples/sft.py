@@ -56,8 +56,10 @@ def main(argv: list[str]) -> int:
         step = state["step"]
         loader.load_state_dict(state["dataloader"])
     for step, epoch_done, items in run.batches(loader, n_steps, step):
+        batch = to_batch(items)
+        run.tracker.sum("perf/n_tokens", batch.n_tokens)
         with run.tracker.timer("train"):
-            stats = {f"loss/{k}": v for k, v in engine.train_lm(to_batch(items)).items()}
+            stats = {f"loss/{k}": v for k, v in engine.train_lm(batch).items()}
             engine.step_lr_scheduler()
         if run.saver.check(step, epoch_done) or step == n_steps:
             run.export_hf(engine, step, "model")
