@@ -3,7 +3,9 @@
 Starts ``launcher.n_servers`` generation servers (ours, or SGLang / vLLM when
 ``rollout.backend`` says so and they are installed), waits for each ``/health`` with a deadline,
 then runs SCRIPT under ``torchrun`` on ``launcher.trainer_nprocs`` ranks with the server addresses
-in ``AREAL_LLM_SERVER_ADDRS``. Logs go to RUN_DIR/logs/<process>.log and to the console with a
+in ``AREAL_LLM_SERVER_ADDRS``. On a GPU machine the trainer ranks get GPUs
+``0..trainer_nprocs-1`` and server ``i`` the GPU after them (``CUDA_VISIBLE_DEVICES``; inside a
+server its GPU is ``cuda``). Logs go to RUN_DIR/logs/<process>.log and to the console with a
 prefix. Everything is torn down on exit, on Ctrl-C / SIGTERM, and when the trainer fails. A
 server that dies alone is logged; the trainer's client fails over to the others and stops the
 run only if all are gone. With ``recover.mode=auto`` a failed run is relaunched up to
@@ -50,17 +52,44 @@ def _threads_env(n: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(n), "AREAL_TORCH_THREADS": str(n)} if n else {}
 
 
-def _start_servers(sup: ProcessSupervisor, cfg) -> list[str]:
+def gpu_layout(n_gpus: int, trainer_nprocs: int, n_servers: int) -> tuple[str | None, list[str | None]]:
+    """CUDA_VISIBLE_DEVICES for the trainer and for each server: trainers take GPUs
+    0..trainer_nprocs-1 (torchrun's LOCAL_RANK picks one each), server i the next free GPU.
+    None everywhere on a machine without GPUs (CPU run)."""
+    if n_gpus == 0:
+        return None, [None] * n_servers
+    need = trainer_nprocs + n_servers
+    if n_gpus < need:
+        raise ValueError(
+            f"launcher: {trainer_nprocs} trainer ranks + {n_servers} servers need {need} GPUs, this "
+            f"machine has {n_gpus}; lower launcher.trainer_nprocs or launcher.n_servers"
+        )
+    trainer = ",".join(str(g) for g in range(trainer_nprocs))
+    return trainer, [str(trainer_nprocs + i) for i in range(n_servers)]
+
+
+def _gpu_env(devices: str | None) -> dict[str, str]:
+    return {"CUDA_VISIBLE_DEVICES": devices} if devices is not None else {}
+
+
+def _start_servers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) -> list[str]:
     lc = cfg.launcher
     children = []
     for i in range(lc.n_servers):
         port = free_port()
         cmd = server_command(cfg, port, cfg.run_dir / f"server{i}.yaml")
-        child = sup.start(f"server{i}", cmd, env=_threads_env(lc.server_threads))
+        env = {**_threads_env(lc.server_threads), **_gpu_env(server_gpus[i])}
+        child = sup.start(f"server{i}", cmd, env=env)
         children.append((child, f"127.0.0.1:{port}"))
     for child, addr in children:
         sup.wait_http_ok(child, f"http://{addr}/health", lc.server_setup_timeout)
     return [addr for _, addr in children]
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _trainer_command(script: str, argv: list[str], nprocs: int) -> list[str]:
@@ -76,8 +105,10 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
     """Start servers and trainer, wait for the trainer, tear everything down; trainer's code."""
     lc = cfg.launcher
     with ProcessSupervisor(cfg.run_dir / "logs", echo=lc.echo, stop_timeout=lc.stop_timeout) as sup:
-        addrs = _start_servers(sup, cfg)
-        env = {ADDRS_ENV: ",".join(addrs), ATTEMPT_ENV: str(attempt), **_threads_env(lc.trainer_threads)}
+        trainer_gpus, server_gpus = gpu_layout(_cuda_device_count(), lc.trainer_nprocs, lc.n_servers)
+        addrs = _start_servers(sup, cfg, server_gpus)
+        env = {ADDRS_ENV: ",".join(addrs), ATTEMPT_ENV: str(attempt),
+               **_threads_env(lc.trainer_threads), **_gpu_env(trainer_gpus)}
         trainer = sup.start("trainer", _trainer_command(script, argv, lc.trainer_nprocs), env=env)
         dead_servers: set[str] = set()
         while trainer.proc.poll() is None:

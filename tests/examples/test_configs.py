@@ -45,8 +45,8 @@ def test_gsm8k_recipe_is_the_async_gpu_layout_it_documents():
     assert cfg.actor.group_size == cfg.gconfig.n_samples == 8
     assert cfg.rollout.max_staleness > 0 and cfg.actor.use_decoupled_loss
     assert cfg.eval_gconfig.greedy and cfg.eval_gconfig.max_new_tokens == cfg.gconfig.max_new_tokens
-    # one server on the GPU after the trainer ranks (rank r uses cuda:r)
-    assert cfg.server.device == f"cuda:{cfg.launcher.trainer_nprocs}"
+    # the launcher pins the one server to the GPU after the trainer ranks; inside it is `cuda`
+    assert cfg.server.device == "cuda"
     assert cfg.launcher.n_servers == 1 and cfg.launcher.trainer_nprocs + 1 == 8
     assert cfg.train_dataset.batch_size % cfg.launcher.trainer_nprocs == 0
     assert cfg.train_dataset.format == cfg.valid_dataset.format == "gsm8k"

@@ -108,3 +108,13 @@ def test_recover_disabled_does_not_relaunch(launch):
     run, run_dir = launch("fail_first", "launcher.n_servers=0", "train_dataset.type=sft", config="sft")
     assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()
     assert [e["attempt"] for e in read_jsonl(run_dir / "entry.jsonl")] == [0]
+
+
+def test_gpu_layout_gives_trainers_and_servers_disjoint_gpus():
+    from areal.launcher.local import gpu_layout
+
+    assert gpu_layout(0, 2, 1) == (None, [None])  # CPU machine: nothing pinned
+    assert gpu_layout(8, 7, 1) == ("0,1,2,3,4,5,6", ["7"])
+    assert gpu_layout(4, 2, 2) == ("0,1", ["2", "3"])
+    with pytest.raises(ValueError, match="need 9 GPUs, this machine has 8"):
+        gpu_layout(8, 8, 1)
