@@ -103,6 +103,9 @@ def setup_trainers(cfg: GRPOConfig, run, rollout, ft_spec: FinetuneSpec):
 
 def train_step(cfg: GRPOConfig, run, actor, critic, ref, batch) -> None:
     """Proximal logp -> reference logp -> values -> advantages -> PPO update (actor, critic)."""
+    run.tracker.mean("reward/mean", batch["rewards"])
+    run.tracker.sum("perf/n_tokens", batch.n_tokens)
+    run.tracker.sum("perf/n_trained_tokens", batch["loss_mask"].sum())
     with run.tracker.timer("prox_logp"):
         prox_logp = actor.compute_logp(batch)  # [T] current weights, before the update
         run.tracker.mean("rollout/logp_mismatch", (prox_logp - batch["logprobs"]).abs(), batch["loss_mask"])
@@ -167,9 +170,6 @@ def main(argv: list[str]) -> int:
                 groups = executor.prepare_batch(loader, workflow, accept)
             batch = groups_to_batch(groups)
         run.log_trained(step, [g[0].group_id for g in groups])
-        run.tracker.mean("reward/mean", batch["rewards"])
-        run.tracker.sum("perf/n_tokens", batch.n_tokens)
-        run.tracker.sum("perf/n_trained_tokens", batch["loss_mask"].sum())
         stats = {**executor.last_batch_stats, **reward.commit_batch(), **rollout.stats()}
         train_step(cfg, run, actor, critic, ref, batch)
         with run.tracker.timer("update_weights"):
