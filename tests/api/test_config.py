@@ -73,3 +73,16 @@ def test_every_field_has_help_and_a_default(cls):
     for path, f, _ in iter_fields(cls):
         assert f.metadata.get("help"), f"{path} has no help string"
         assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, path
+
+
+def test_grpo_cross_section_rules_are_reported_together():
+    from areal.api.config import GRPOConfig
+
+    argv = ["actor.path=m", "launcher.n_servers=1", "actor.algorithm=dapo", "actor.group_size=8",
+            "gconfig.n_samples=4",
+            "gconfig.max_new_tokens=6"]  # dapo turns the overlong penalty on (64 tokens)
+    with pytest.raises(ConfigError) as e:
+        load_config(GRPOConfig, argv)
+    msg = str(e.value)
+    assert "actor.overlong_tokens: 64 must be in (0, gconfig.max_new_tokens=6)" in msg
+    assert "gconfig.n_samples: 4 differs from actor.group_size=" in msg

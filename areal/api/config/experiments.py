@@ -96,6 +96,12 @@ class GRPOConfig(BaseExperimentConfig):
                 f"gconfig.n_samples: {self.gconfig.n_samples} differs from actor.group_size="
                 f"{self.actor.group_size}; set both to the group size"
             )
+        a = self.actor
+        if a.overlong_reward_penalty and not 0 < a.overlong_tokens < self.gconfig.max_new_tokens:
+            yield (
+                f"actor.overlong_tokens: {a.overlong_tokens} must be in (0, gconfig.max_new_tokens="
+                f"{self.gconfig.max_new_tokens}); lower it or set actor.overlong_reward_penalty=false"
+            )
         if self.actor.use_critic and self.critic is None:
             yield "critic: actor.use_critic=true needs a critic section; set critic.path=MODEL_DIR"
         if self.actor.kl_ctl > 0 and self.ref is None:
