@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from areal.api.config import BaseExperimentConfig, save_config
-from areal.api.io import SaveLoadMeta
+from areal.api.io import FinetuneSpec, SaveLoadMeta
 from areal.api.engine import TrainEngine
+from areal.dataset import create_dataloader, load_dataset
 from areal.utils.logging import add_log_file, get_logger
 from areal.utils.recover import RecoverDir, load_state, save_state
 from areal.utils.stats import StatsTracker
@@ -48,6 +49,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 @dataclass
+class Data:
+    """This rank's training loader (and held-out loader), with the sizes schedules need."""
+
+    loader: Any  # StatefulDataLoader over this rank's shard; its state resumes mid-epoch
+    valid_loader: Any | None
+    n_train: int  # items in the training set (all ranks)
+    n_steps: int  # steps of the whole run
+    ft_spec: FinetuneSpec
+
+
+@dataclass
 class Run:
     """One trainer process's view of the run (see the module docstring)."""
 
@@ -67,6 +79,18 @@ class Run:
         self.stats_logger = StatsLogger(cfg.stats_logger, self.run_dir, self.rank)
         self._bar = None
         self._last_commit: float | None = None
+
+    def load_data(self) -> Data:
+        """Tokenized train (and valid) datasets, sharded over the trainer ranks."""
+        cfg, tok = self.cfg, self.tokenizer
+        train = load_dataset(cfg.train_dataset, tok, cfg.seed)
+        loader = create_dataloader(train, cfg.train_dataset, cfg.seed, self.rank, self.world_size)
+        valid_loader = None
+        if cfg.valid_dataset is not None:
+            valid = load_dataset(cfg.valid_dataset, tok, cfg.seed)
+            valid_loader = create_dataloader(valid, cfg.valid_dataset, cfg.seed, self.rank, self.world_size)
+        ft_spec = FinetuneSpec(cfg.total_train_epochs, len(train), cfg.train_dataset.batch_size)
+        return Data(loader, valid_loader, len(train), total_steps(cfg, len(loader)), ft_spec)
 
     def batches(self, loader, n_steps: int, start_step: int = 0) -> Iterator[tuple[int, bool, Any]]:
         """Yield ``(step, epoch_done, batch)`` for steps ``start_step + 1 .. n_steps``, starting

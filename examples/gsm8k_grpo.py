@@ -21,13 +21,12 @@ import torch
 from areal.algo.logprob import packed_token_logprobs
 from areal.api.config import GRPOConfig, load_config
 from areal.api.io import FinetuneSpec, WeightUpdateMeta
-from areal.dataset import create_dataloader, load_dataset
 from areal.engine.executor import WorkflowExecutor
 from areal.engine.fsdp import FSDPEngine
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.engine.remote import RemoteInferenceEngine
 from areal.engine.trajectory import groups_to_batch
-from areal.experiment import init_run, total_steps
+from areal.experiment import init_run
 from areal.launcher.procs import free_port
 from areal.reward.code import code_reward
 from areal.reward.math import math_reward
@@ -135,16 +134,10 @@ def train_step(cfg: GRPOConfig, run, actor, critic, ref, batch) -> None:
 def main(argv: list[str]) -> int:
     cfg = load_config(GRPOConfig, argv)
     run = init_run(cfg, cfg.actor.path)
-    train = load_dataset(cfg.train_dataset, run.tokenizer, cfg.seed)
-    loader = create_dataloader(train, cfg.train_dataset, cfg.seed, run.rank, run.world_size)
-    valid_loader = None
-    if cfg.valid_dataset is not None:
-        valid = load_dataset(cfg.valid_dataset, run.tokenizer, cfg.seed)
-        valid_loader = create_dataloader(valid, cfg.valid_dataset, cfg.seed, run.rank, run.world_size)
-    n_steps = total_steps(cfg, len(loader))
+    data = run.load_data()
+    loader, valid_loader, n_steps = data.loader, data.valid_loader, data.n_steps
     rollout, reward, workflow, eval_workflow, executor = setup_rollout(cfg, run)
-    ft_spec = FinetuneSpec(cfg.total_train_epochs, len(train), cfg.train_dataset.batch_size)
-    actor, critic, ref, dist_meta = setup_trainers(cfg, run, rollout, ft_spec)
+    actor, critic, ref, dist_meta = setup_trainers(cfg, run, rollout, data.ft_spec)
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
 
     step, state = 0, run.load_recover(engines)
@@ -158,7 +151,7 @@ def main(argv: list[str]) -> int:
         run.commit(0, n_steps, run.tracker.export())
     sync = cfg.rollout.max_staleness == 0
     # DAPO dynamic sampling (training rollouts only, never eval); stops after an epoch of rejects
-    accept = DynamicSamplingFilter(len(train)) if cfg.actor.dynamic_sampling else None
+    accept = DynamicSamplingFilter(data.n_train) if cfg.actor.dynamic_sampling else None
     batches = run.batches(loader, n_steps, step) if sync else None  # sync: we feed rollout_batch
     while step < n_steps:
         with run.tracker.timer("rollout"):

@@ -12,10 +12,8 @@ from __future__ import annotations
 import sys
 
 from areal.api.config import RWConfig, load_config
-from areal.api.io import FinetuneSpec
-from areal.dataset import create_dataloader, load_dataset
 from areal.engine.rw import RWEngine
-from areal.experiment import init_run, total_steps
+from areal.experiment import init_run
 from areal.utils.batch import PackedBatch
 
 CONFIG = RWConfig
@@ -42,15 +40,10 @@ def evaluate(engine: RWEngine, valid_loader) -> dict[str, float]:
 def main(argv: list[str]) -> int:
     cfg = load_config(RWConfig, argv)
     run = init_run(cfg, cfg.model.path)
-    train = load_dataset(cfg.train_dataset, run.tokenizer, cfg.seed)
-    loader = create_dataloader(train, cfg.train_dataset, cfg.seed, run.rank, run.world_size)
-    valid_loader = None
-    if cfg.valid_dataset is not None:
-        valid = load_dataset(cfg.valid_dataset, run.tokenizer, cfg.seed)
-        valid_loader = create_dataloader(valid, cfg.valid_dataset, cfg.seed, run.rank, run.world_size)
-    n_steps = total_steps(cfg, len(loader))
+    data = run.load_data()
+    loader, valid_loader, n_steps = data.loader, data.valid_loader, data.n_steps
     engine = RWEngine(cfg.model)
-    engine.initialize(FinetuneSpec(cfg.total_train_epochs, len(train), cfg.train_dataset.batch_size))
+    engine.initialize(data.ft_spec)
 
     step = 0
     state = run.load_recover({"model": engine})
