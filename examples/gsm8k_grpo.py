@@ -72,7 +72,8 @@ def setup_rollout(cfg: GRPOConfig, run):
     rollout = RemoteInferenceEngine(cfg.rollout)
     rollout.initialize()
     reward = RewardRunner(math_reward if cfg.reward_fn == "math" else code_reward, cfg.reward)
-    workflow = RLVRWorkflow(reward, cfg.gconfig, run.tokenizer, cfg.workflow, run.run_dir / "rollouts")
+    workflow = RLVRWorkflow(reward, cfg.gconfig, run.tokenizer, cfg.workflow, run.run_dir / "rollouts",
+                            greedy_baseline=cfg.actor.remax_baseline)
     eval_workflow = RLVRWorkflow(reward, cfg.eval_gconfig, run.tokenizer)
     per_rank_batch = cfg.train_dataset.batch_size // run.world_size
     executor = WorkflowExecutor(cfg.rollout, rollout, consumer_batch_size=per_rank_batch)

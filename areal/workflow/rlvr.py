@@ -97,12 +97,15 @@ class RLVRWorkflow(RolloutWorkflow):
         tokenizer: Any,
         cfg: WorkflowConfig = WorkflowConfig(),
         dump_dir: str | Path | None = None,
+        greedy_baseline: bool = False,
     ):
         self.reward = reward
         self.gconfig = dataclasses.replace(gconfig, n_samples=1)  # fan-out happens here
         self.n_samples = gconfig.n_samples
         self.tokenizer = tokenizer
         self.dumper = RolloutDumper(dump_dir) if cfg.dump_rollouts and dump_dir else None
+        # ReMax: one extra greedy rollout per prompt; its reward is every sample's baseline
+        self.greedy_baseline = greedy_baseline
 
     async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> list[Trajectory]:
         """Generate ``n_samples`` completions concurrently, score them, return the group."""
@@ -137,6 +140,18 @@ class RLVRWorkflow(RolloutWorkflow):
             )
             for k, (resp, text, outcome) in enumerate(zip(responses, texts, outcomes))
         ]
+        if self.greedy_baseline:
+            baseline = await self._greedy_reward(engine, ids, item)
+            for t in group:
+                t.extras["baseline_rewards"] = baseline
         if self.dumper is not None:
             self.dumper.dump(group, group_version(group, engine))
         return group
+
+    async def _greedy_reward(self, engine: InferenceEngine, ids: list[int], item: dict[str, Any]) -> float:
+        """Reward of the greedy completion of the prompt (ReMax's baseline; not trained on)."""
+        greedy = dataclasses.replace(self.gconfig, greedy=True)
+        resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=greedy, group_id=item["id"]))
+        text = self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
+        # a failed baseline reward scores 0 (and is counted by the runner like any other)
+        return (await self.reward.ascore(f"{item['id']}/greedy", text, item["reference"])).reward

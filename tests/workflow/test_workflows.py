@@ -50,6 +50,16 @@ def test_rlvr_scores_each_sample_and_dumps_per_version(tiny_tokenizer, math_runn
     assert [r["reward"] for r in rows] == [1.0, 0.0, 1.0] and rows[0]["prompt"] == prompt
 
 
+def test_remax_greedy_baseline_reward_is_attached_to_every_sample(tiny_tokenizer, math_runner, scripted):
+    # 3 sampled replies, then the greedy one ("7", correct): baseline reward 1.0 for each sample
+    engine = scripted(["7", "8", "9", "7"])
+    wf = RLVRWorkflow(math_runner, G3, tiny_tokenizer, greedy_baseline=True)
+    group = asyncio.run(wf.arun_episode(engine, ITEM))
+    assert [t.reward for t in group] == [1.0, 0.0, 0.0]
+    assert [t.extras["baseline_rewards"] for t in group] == [1.0, 1.0, 1.0]
+    assert [r.gconfig.greedy for r in engine.requests] == [False, False, False, True]
+
+
 def test_reward_crash_marks_trajectories_error_reward_with_zero(tiny_tokenizer, scripted):
     with RewardRunner(broken_reward, RewardConfig(n_workers=1, max_failure_fraction=1.0)) as runner:
         wf = RLVRWorkflow(runner, GenerationHyperparameters(n_samples=2), tiny_tokenizer)
