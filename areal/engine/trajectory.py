@@ -18,6 +18,8 @@ sequence fields ``[B]``
   ``group_index``  int64    0..G-1: which group (dataset item) of this batch the sequence is from
   ``prompt_lens``  int64    prompt tokens of the sequence (completion = seqlen - prompt_len)
   ``status_code``  int64    index of the trajectory's status in :data:`STATUS_CODES`
+  ``no_eos``       bool     the sequence stopped at max_new_tokens, not at EOS / a stop
+                            condition (for ``actor.mask_no_eos_with_zero``)
   any key of ``Trajectory.extras`` (float32), when every trajectory of the batch has it
 """
 
@@ -32,7 +34,7 @@ from areal.utils.batch import PackedBatch
 STATUS_CODES: tuple[RolloutStatus, ...] = tuple(RolloutStatus)
 TRAINABLE = (RolloutStatus.COMPLETED, RolloutStatus.TRUNCATED)
 _BUILTIN_FIELDS = {"input_ids", "logprobs", "versions", "loss_mask", "rewards", "group_index",
-                   "prompt_lens", "status_code"}
+                   "prompt_lens", "status_code", "no_eos"}
 
 
 def _extras_keys(trajs: list[Trajectory]) -> list[str]:
@@ -71,6 +73,7 @@ def groups_to_batch(
         "group_index": [gi for gi, g in enumerate(groups) for _ in g],
         "prompt_lens": [len(t.prompt_ids) for t in trajs],
         "status_code": [STATUS_CODES.index(t.status) for t in trajs],
+        "no_eos": [t.status == RolloutStatus.TRUNCATED for t in trajs],  # hit max_new_tokens
     }
     for key in _extras_keys(trajs):
         seqs[key] = [float(t.extras[key]) for t in trajs]

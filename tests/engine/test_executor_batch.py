@@ -36,6 +36,9 @@ def test_groups_become_one_packed_batch_with_documented_fields():
     assert b["logprobs"].dtype == torch.float32 and b["rewards"].dtype == torch.float32
     assert b["versions"].dtype == torch.int64 and b["loss_mask"].dtype == torch.int64
     assert groups_to_batch(groups, mask_untrainable=False)["loss_mask"][-3:].tolist() == [1, 1, 1]
+    assert b["no_eos"].tolist() == [False, False, False]
+    truncated = groups_to_batch([[_traj([1], [2, 3], [0, 0], 0.0, status=RolloutStatus.TRUNCATED)]])
+    assert truncated["no_eos"].tolist() == [True]  # stopped at max_new_tokens, not EOS
 
 
 def test_extras_become_sequence_fields_only_when_every_trajectory_has_them():
