@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -32,16 +28,11 @@ from areal.engine.remote import (
     _Server,
     resolve_addresses,
 )
+from areal.launcher.procs import free_port
 from areal.utils.name_resolve import MemoryNameRepository, gen_servers_key
+from tests.engine.serving import start_servers, stop_servers
 
 pytestmark = pytest.mark.slow
-STARTUP_DEADLINE_S = 90.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> dict:
@@ -49,47 +40,11 @@ def _get(url: str) -> dict:
         return json.loads(resp.read())
 
 
-def _start(model_dir: str, n: int) -> list[tuple[subprocess.Popen, str]]:
-    """Start ``n`` servers at once; return (process, host:port) when all pass /health."""
-    procs = []
-    for _ in range(n):
-        port = _free_port()
-        cmd = [sys.executable, "-m", "areal.cli", "serve", "--model", model_dir, "--port", str(port)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        procs.append((proc, f"127.0.0.1:{port}"))
-    deadline = time.monotonic() + STARTUP_DEADLINE_S
-    for proc, addr in procs:
-        while True:
-            assert proc.poll() is None, f"server {addr} exited with {proc.returncode}"
-            try:
-                _get(f"http://{addr}/health")
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    _stop(procs)
-                    raise TimeoutError(f"server {addr} not healthy within {STARTUP_DEADLINE_S} s")
-                time.sleep(0.2)
-    return procs
-
-
-def _stop(procs) -> None:
-    for proc, _ in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc, _ in procs:
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir):
-    procs = _start(tiny_model_dir, 2)
+    procs = start_servers(tiny_model_dir, 2)
     yield [addr for _, addr in procs]
-    _stop(procs)
+    stop_servers(procs)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +142,7 @@ def test_pause_returns_partials_resumed_on_new_weights_with_per_token_versions(
 
 
 def test_killed_server_mid_batch_fails_over_then_all_dead_stops_the_run(tiny_model_dir, make_engine):
-    procs = _start(tiny_model_dir, 2)
+    procs = start_servers(tiny_model_dir, 2)
     try:
         victim, survivor = procs
         eng = make_engine([victim[1], survivor[1]], request_retries=3, retry_backoff=0.05)
@@ -216,11 +171,11 @@ def test_killed_server_mid_batch_fails_over_then_all_dead_stops_the_run(tiny_mod
         assert isinstance(e.value.__cause__, AllServersDeadError)
         ex.destroy()
     finally:
-        _stop(procs)
+        stop_servers(procs)
 
 
 def test_health_wait_has_a_deadline_naming_the_setting():
-    eng = RemoteInferenceEngine(InferenceEngineConfig(addresses=[f"127.0.0.1:{_free_port()}"],
+    eng = RemoteInferenceEngine(InferenceEngineConfig(addresses=[f"127.0.0.1:{free_port()}"],
                                                       setup_timeout=0.5))
     with pytest.raises(TimeoutError, match=r"did not pass GET /health within 0.5 s \(rollout.setup_timeout\)"):
         eng.initialize()
@@ -269,7 +224,7 @@ def test_distributed_update_over_gloo_matches_a_disk_update(servers, make_engine
     eng = make_engine(servers)
     g = GenerationHyperparameters(max_new_tokens=10, greedy=True, ignore_eos=True)
     (before,) = _gather([eng.agenerate(ModelRequest(input_ids=[2, 7, 1], gconfig=g))])
-    meta = WeightUpdateMeta(type="distributed", master_port=_free_port(), version=2, bucket_bytes=64 << 10)
+    meta = WeightUpdateMeta(type="distributed", master_port=free_port(), version=2, bucket_bytes=64 << 10)
     joined = eng.init_weights_update_group_async(meta)
     group = init_weight_update_group("127.0.0.1", meta.master_port, 0, eng.weight_group_size, "gloo", 60)
     joined.result(60)

@@ -16,17 +16,12 @@ import urllib.request
 
 import pytest
 
+from areal.launcher.procs import free_port
 from tests.engine.generation.conftest import hf_greedy
+from tests.engine.serving import start_servers, stop_servers
 
 KEY = "test-key"
-STARTUP_DEADLINE_S = 60.0
 PROMPT = [5, 17, 99, 200, 3]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def call(url: str, body: dict | bytes | None = None, key: str | None = None, timeout: float = 60.0):
@@ -43,40 +38,11 @@ def call(url: str, body: dict | bytes | None = None, key: str | None = None, tim
         return e.code, json.loads(e.read())
 
 
-def start_server(model_dir: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "areal.cli", "serve", "--model", model_dir, "--port", str(port), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_DEADLINE_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}: {proc.stdout.read().decode()[-2000:]}")
-        try:
-            if call(f"{url}/health", timeout=2)[0] == 200:
-                return proc, url
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError(f"server did not become healthy within {STARTUP_DEADLINE_S}s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    proc, url = start_server(tiny_model_dir, "--api-key", KEY, "max_batch_size=8")
-    yield url
-    stop_server(proc)
+    procs = start_servers(tiny_model_dir, 1, "--api-key", KEY, "max_batch_size=8")
+    yield f"http://{procs[0][1]}"
+    stop_servers(procs)
 
 
 def test_sglang_generate_request_in_documented_format(server, hf_model, tiny_tokenizer):
@@ -199,7 +165,8 @@ def test_update_weights_from_disk_then_over_gloo(server, hf_model, tiny_model_di
 
 
 def test_sigterm_answers_in_flight_requests_frees_port_and_exits_0(tiny_model_dir):
-    proc, url = start_server(tiny_model_dir)
+    procs = start_servers(tiny_model_dir)
+    proc, url = procs[0][0], f"http://{procs[0][1]}"
     try:
         out: dict = {}
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
@@ -217,4 +184,4 @@ def test_sigterm_answers_in_flight_requests_frees_port_and_exits_0(tiny_model_di
             s.bind(("127.0.0.1", port))
             s.listen()
     finally:
-        stop_server(proc)
+        stop_servers(procs)
