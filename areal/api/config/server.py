@@ -44,7 +44,7 @@ class GenerationServerConfig:
         0, ge=0, help="Max prompt + completion tokens; 0 = the model's max_position_embeddings."
     )
     max_prefill_tokens: int = param(
-        8192, ge=1, help="Padded-token budget of one prefill forward (admission batching)."
+        8192, ge=1, help="Prompt-token budget admitted into one step (the first prompt always fits)."
     )
     seed: int = param(0, ge=0, help="Seed of the shared generator for requests without a seed.")
     shutdown_timeout: float = param(

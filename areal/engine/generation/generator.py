@@ -1,8 +1,9 @@
 """Continuous-batching generator: one scheduler thread owns the model and its KV cache.
 
 Each loop iteration (1) runs queued control commands (pause, weight load, version set) between
-steps, (2) admits waiting requests into free cache slots with one right-padded prefill forward,
-(3) runs one decode step for every running request, each at its own position, and (4) retires
+steps, (2) admits waiting requests into free cache slots, (3) runs one packed forward holding a
+decode token for every running request (each at its own position) and the whole prompts of the
+admitted ones, so prefill shares the step's pass over the weights, and (4) retires
 finished requests, moving the last slot into the freed one so running requests stay in slots
 ``0..B-1``. Requests therefore join and leave the running batch between decode steps.
 
@@ -11,6 +12,12 @@ KV cache of running requests (their earlier keys/values stay from the old weight
 need clean behaviour logprobs pause first, which aborts in-flight requests with their partials.
 Thread contract: ``submit`` and the control methods may be called from any thread; only the
 scheduler thread touches the model and cache.
+
+CPU threads: ``num_threads`` sets the scheduler thread's torch thread count. A process that
+serves should run its other threads single-threaded (``torch.set_num_threads(1)`` before any
+torch work, as ``areal serve`` does): each thread that runs a multi-threaded op owns an OpenMP
+team, and with more team threads than cores libgomp stops spin-waiting between ops, which made
+a tiny-model decode step 1.45x slower here.
 """
 
 from __future__ import annotations
@@ -74,12 +81,14 @@ class Generator:
         max_prefill_tokens: int = 8192,
         decode: Callable[[list[int]], str] | None = None,
         version: int = 0,
+        num_threads: int = 0,
     ):
         self.model = model
         self.max_batch_size = max_batch_size
         self.context_length = min(context_length or model.spec.max_positions, model.spec.max_positions)
         self.max_prefill_tokens = max_prefill_tokens
         self.decode_text = decode
+        self.num_threads = num_threads
         self.eos_token_ids = frozenset(model.spec.eos_token_ids)
         self.cache = KVCache(model.spec, max_batch_size, self.context_length, model.device, model.dtype)
         self._version = version
@@ -262,6 +271,8 @@ class Generator:
         return fut.result(timeout=COMMAND_TIMEOUT_S)
 
     def _loop(self) -> None:
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
         try:
             while True:
                 with self._cv:
@@ -278,10 +289,8 @@ class Generator:
                     except Exception as e:  # reported to the caller, the loop goes on
                         fut.set_exception(e)
                 admitted = self._admit()
-                if admitted:
-                    self._prefill(admitted)
-                if self._running:
-                    self._decode_step()
+                if admitted or self._running:
+                    self._step(admitted)
         except BaseException as e:  # a model/scheduler crash: fail every request loudly
             logger.exception("generator scheduler crashed")
             self._error = e
@@ -297,39 +306,30 @@ class Generator:
         admitted: list[_Seq] = []
         with self._cv:
             free = self.max_batch_size - len(self._running)
-            longest = 0
+            budget = self.max_prefill_tokens
             while self._waiting and not self._paused and len(admitted) < free:
                 seq = self._waiting[0]
                 if seq.future.cancelled():
                     self._waiting.popleft()
                     continue
-                longest_if = max(longest, len(seq.prompt))
-                if admitted and longest_if * (len(admitted) + 1) > self.max_prefill_tokens:
+                if admitted and len(seq.prompt) > budget:
                     break
-                longest = longest_if
+                budget -= len(seq.prompt)
                 admitted.append(self._waiting.popleft())
         return admitted
 
-    def _prefill(self, seqs: list[_Seq]) -> None:
+    def _step(self, admitted: list[_Seq]) -> None:
+        """One packed forward: a decode token for every running request plus new prompts."""
         dev = self.model.device
-        n, P = len(seqs), max(len(s.prompt) for s in seqs)
-        tokens = torch.zeros(n, P, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            tokens[i, : len(s.prompt)] = torch.tensor(s.prompt)
-        lengths = torch.tensor([len(s.prompt) for s in seqs], device=dev)
-        first = len(self._running)
-        slots = torch.arange(first, first + n, device=dev)
-        logits = self.model.prefill(tokens.to(dev), lengths, slots, self.cache)
-        self._running.extend(seqs)
-        self._sample_and_retire(logits, seqs, first)
-
-    def _decode_step(self) -> None:
-        dev = self.model.device
-        seqs = self._running
-        tokens = torch.tensor([s.out[-1] for s in seqs], device=dev)
-        positions = torch.tensor([len(s.prompt) + len(s.out) - 1 for s in seqs], device=dev)
-        logits = self.model.decode(tokens, positions, self.cache)
-        self._sample_and_retire(logits, list(seqs), 0)
+        running = self._running
+        tokens = torch.tensor([s.out[-1] for s in running], dtype=torch.long, device=dev)
+        positions = torch.tensor(
+            [len(s.prompt) + len(s.out) - 1 for s in running], dtype=torch.long, device=dev
+        )
+        prompts = [torch.tensor(s.prompt, dtype=torch.long, device=dev) for s in admitted]
+        logits = self.model.step(tokens, positions, prompts, self.cache)
+        self._running.extend(admitted)
+        self._sample_and_retire(logits, list(self._running), 0)
 
     def _sample_and_retire(self, logits: torch.Tensor, seqs: list[_Seq], first_slot: int) -> None:
         """Sample one token for ``seqs`` (slots ``first_slot..``), then retire finished ones."""

@@ -7,7 +7,8 @@ matches ``Qwen2ForCausalLM`` logits to ~1e-6 in fp32 (tested against HF).
 
 Cache layout (per layer): ``k[layer]``, ``v[layer]`` of shape ``[max_batch, kv_heads, capacity,
 head_dim]``. Running sequences always occupy slots ``0..B-1`` (the generator compacts slots when
-one leaves), so a decode step attends over the plain view ``k[:B, :, :L]``. ``capacity`` grows by
+one leaves), so a decode step attends over the plain view ``k[:B, :, :L]``. New prompts join in
+the same packed forward as the decode tokens (one pass over the weights per step). ``capacity`` grows by
 doubling up to the context length, so memory follows the longest live sequence.
 """
 
@@ -73,11 +74,6 @@ def read_hf_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, params
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class KVCache:
     """Per-layer key/value tensors ``[max_batch, kv_heads, capacity, head_dim]``."""
 
@@ -130,8 +126,12 @@ class Qwen2Forward:
         )
         freqs = torch.outer(torch.arange(s.max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        # RoPE as x * cos + roll(x, d/2) * sin_signed: roll swaps the halves, and the sign of
+        # rotate_half's negated half moves into the first half of sin.
+        half = s.head_dim // 2
+        sin = emb.sin()
         self.cos = emb.cos().to(self.device, dtype)
-        self.sin = emb.sin().to(self.device, dtype)
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.device, dtype)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32) -> "Qwen2Forward":
@@ -140,8 +140,12 @@ class Qwen2Forward:
         return cls(config, params, device, dtype)
 
     def _build_fused(self) -> None:
-        """Concatenate q/k/v and gate/up weights so each is one matmul per layer."""
+        """Concatenate q/k/v and gate/up weights so each is one matmul per layer.
+
+        The q rows carry attention's 1/sqrt(head_dim) (RoPE is linear, so scaling first is exact).
+        """
         p = self.params
+        scale = self.spec.head_dim**-0.5
         self.layers = []
         for i in range(self.spec.n_layers):
             pre = f"model.layers.{i}."
@@ -150,8 +154,10 @@ class Qwen2Forward:
                 dict(
                     ln1=p[pre + "input_layernorm.weight"],
                     ln2=p[pre + "post_attention_layernorm.weight"],
-                    qkv_w=torch.cat([p[att + f"{x}_proj.weight"] for x in "qkv"]),
-                    qkv_b=torch.cat([p[att + f"{x}_proj.bias"] for x in "qkv"]),
+                    qkv_w=torch.cat([p[att + "q_proj.weight"] * scale]
+                                    + [p[att + f"{x}_proj.weight"] for x in "kv"]),
+                    qkv_b=torch.cat([p[att + "q_proj.bias"] * scale]
+                                    + [p[att + f"{x}_proj.bias"] for x in "kv"]),
                     o_w=p[att + "o_proj.weight"],
                     gate_up_w=torch.cat([p[mlp + "gate_proj.weight"], p[mlp + "up_proj.weight"]]),
                     down_w=p[mlp + "down_proj.weight"],
@@ -185,73 +191,92 @@ class Qwen2Forward:
         var = x.pow(2).mean(-1, keepdim=True)
         return w * (x * torch.rsqrt(var + self.spec.eps))
 
-    def _qkv(self, x: torch.Tensor, layer: dict, cos: torch.Tensor, sin: torch.Tensor):
-        """x [N, T, H] -> q [N, h, T, d], k/v [N, kvh, T, d] with RoPE applied to q and k."""
-        s = self.spec
-        n, t, _ = x.shape
-        qkv = F.linear(x, layer["qkv_w"], layer["qkv_b"])
-        q_size, kv_size = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(n, t, s.n_heads, s.head_dim).transpose(1, 2)
-        k = k.view(n, t, s.n_kv_heads, s.head_dim).transpose(1, 2)
-        v = v.view(n, t, s.n_kv_heads, s.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v
-
     def _mlp_block(self, h: torch.Tensor, layer: dict) -> torch.Tensor:
         x = self._rms_norm(h, layer["ln2"])
         gate, up = F.linear(x, layer["gate_up_w"]).chunk(2, dim=-1)
         return h + F.linear(F.silu(gate) * up, layer["down_w"])
 
-    @torch.no_grad()
-    def prefill(
-        self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: KVCache
-    ) -> torch.Tensor:
-        """Right-padded prompts ``tokens [n, P]`` into cache ``slots``; logits [n, V] at each end.
+    def _decode_attention(self, q, i: int, cache: KVCache, bias: torch.Tensor) -> torch.Tensor:
+        """Rows ``0..B-1`` (one query each, slot == row) attend over their cached keys.
 
-        Padding sits after each prompt, so causal attention keeps real tokens exact; the padding's
-        keys land beyond each sequence's length and are overwritten by later decode steps.
-        """
-        n, P = tokens.shape
-        cache.ensure_capacity(P)
-        cos, sin = self.cos[:P], self.sin[:P]  # [P, d], broadcast over [n, heads]
-        h = F.embedding(tokens, self.embed)  # [n, P, H]
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(self._rms_norm(h, layer["ln1"]), layer, cos, sin)
-            cache.k[i][slots, :, :P] = k
-            cache.v[i][slots, :, :P] = v
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            h = h + F.linear(att.transpose(1, 2).reshape(n, P, -1), layer["o_w"])
-            h = self._mlp_block(h, layer)
-        last = h[torch.arange(n, device=h.device), lengths - 1]  # [n, H]
-        return F.linear(self._rms_norm(last, self.final_norm), self.lm_head)
-
-    @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token per running slot ``0..B-1`` at its own position; returns logits [B, V].
-
-        Query heads sharing a KV head are laid out as extra query rows of that head, so grouped
-        attention needs no repeat of the cache (the mask depends only on the key position).
+        ``bias [B, 1, 1, L]`` is 0 up to each row's position and -inf after. Query heads sharing
+        a KV head are laid out as extra query rows of that head, so grouped attention needs no
+        repeat of the cache; two matmuls beat SDPA's masked CPU kernel here.
         """
         s = self.spec
-        B = tokens.shape[0]
-        L = int(positions.max()) + 1
-        cache.ensure_capacity(L)
-        rows = torch.arange(B, device=tokens.device)
-        cos = self.cos[positions][:, None, None, :]  # [B, 1, 1, d]
-        sin = self.sin[positions][:, None, None, :]
-        mask = (torch.arange(L, device=tokens.device)[None, :] <= positions[:, None])[:, None, None]
-        group = s.n_heads // s.n_kv_heads
-        h = F.embedding(tokens[:, None], self.embed)  # [B, 1, H]
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(self._rms_norm(h, layer["ln1"]), layer, cos, sin)
-            cache.k[i][rows, :, positions] = k[:, :, 0]
-            cache.v[i][rows, :, positions] = v[:, :, 0]
-            q = q.reshape(B, s.n_kv_heads, group, s.head_dim)
+        B, L = bias.shape[0], bias.shape[-1]
+        q = q.reshape(B, s.n_kv_heads, s.n_heads // s.n_kv_heads, s.head_dim)
+        k, v = cache.k[i][:B, :, :L], cache.v[i][:B, :, :L]
+        scores = torch.matmul(q, k.transpose(-1, -2)).add_(bias)  # [B, kvh, g, L], q pre-scaled
+        return torch.matmul(scores.softmax(-1), v).reshape(B, -1)  # [B, h*d]
+
+    def _prompt_attention(self, q, k, v, lens: list[int]) -> list[torch.Tensor]:
+        """Causal attention within each new prompt (packed after the decode rows).
+
+        Prompts of equal length share one SDPA call. Returns ``[n, h*d]`` per prompt, in order.
+        """
+        starts = [sum(lens[:j]) for j in range(len(lens))]
+        by_len: dict[int, list[int]] = {}
+        for j, n in enumerate(lens):
+            by_len.setdefault(n, []).append(j)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(lens)
+        for n, js in by_len.items():
+            idx = torch.cat([torch.arange(starts[j], starts[j] + n) for j in js]).to(q.device)
+            qs, ks, vs = (t[idx].view(len(js), n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
             att = F.scaled_dot_product_attention(
-                q, cache.k[i][:B, :, :L], cache.v[i][:B, :, :L], attn_mask=mask
-            )  # [B, kvh, group, d]
-            h = h + F.linear(att.reshape(B, 1, -1), layer["o_w"])
+                qs, ks, vs, is_causal=True, enable_gqa=True, scale=1.0  # q pre-scaled
+            )
+            att = att.transpose(1, 2).reshape(len(js), n, -1)  # [prompts, n, h*d]
+            for r, j in enumerate(js):
+                out[j] = att[r]
+        return out
+
+    @torch.no_grad()
+    def step(
+        self,
+        decode_tokens: torch.Tensor,
+        decode_positions: torch.Tensor,
+        prompts: list[torch.Tensor],
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """One packed forward: a decode token for each running slot plus whole new prompts.
+
+        ``decode_tokens[b]`` sits at ``decode_positions[b]`` in slot ``b`` (slots ``0..B-1``);
+        prompt ``j`` fills slot ``B + j`` from position 0. All tokens share each weight matmul
+        (one pass over the weights per step); attention is per row. Returns logits
+        ``[B + len(prompts), V]``: the next-token logits of each decode row, then of each
+        prompt's last token.
+        """
+        s, dev = self.spec, decode_tokens.device
+        B = decode_tokens.shape[0]
+        lens = [int(p.shape[0]) for p in prompts]
+        tokens = torch.cat([decode_tokens, *prompts])
+        positions = torch.cat([decode_positions, *(torch.arange(n, device=dev) for n in lens)])
+        slots = torch.cat(
+            [torch.arange(B, device=dev)]
+            + [torch.full((n,), B + j, dtype=torch.long, device=dev) for j, n in enumerate(lens)]
+        )
+        cache.ensure_capacity(int(positions.max()) + 1)
+        T, nq, nkv = tokens.shape[0], s.n_heads, s.n_kv_heads
+        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [T, 1, d]
+        L = int(decode_positions.max()) + 1 if B else 0
+        future = torch.arange(L, device=dev)[None, :] > decode_positions[:, None]  # [B, L]
+        bias = torch.zeros(B, 1, 1, L, device=dev, dtype=self.dtype).masked_fill_(
+            future[:, None, None], float("-inf")
+        )
+        h = F.embedding(tokens, self.embed)  # [T, H]
+        for i, layer in enumerate(self.layers):
+            qkv = F.linear(self._rms_norm(h, layer["ln1"]), layer["qkv_w"], layer["qkv_b"])
+            qk = qkv[:, : (nq + nkv) * s.head_dim].view(T, nq + nkv, s.head_dim)
+            qk = qk * cos + qk.roll(s.head_dim // 2, dims=-1) * sin  # RoPE on q and k at once
+            q, k = qk[:, :nq], qk[:, nq:]
+            v = qkv[:, (nq + nkv) * s.head_dim :].view(T, nkv, s.head_dim)
+            cache.k[i][slots, :, positions] = k
+            cache.v[i][slots, :, positions] = v
+            parts = [self._decode_attention(q[:B], i, cache, bias)] if B else []
+            parts += self._prompt_attention(q[B:], k[B:], v[B:], lens)
+            h = h + F.linear(torch.cat(parts) if len(parts) > 1 else parts[0], layer["o_w"])
             h = self._mlp_block(h, layer)
-        return F.linear(self._rms_norm(h[:, 0], self.final_norm), self.lm_head)
+        ends = torch.tensor(lens, dtype=torch.long, device=dev).cumsum(0) + (B - 1)
+        last = h[torch.cat([torch.arange(B, device=dev), ends])]
+        return F.linear(self._rms_norm(last, self.final_norm), self.lm_head)

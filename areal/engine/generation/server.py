@@ -54,7 +54,7 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
 class GenerationServer:
     """Owns the generator, tokenizer and weight-update group; builds the aiohttp app."""
 
-    def __init__(self, cfg: GenerationServerConfig):
+    def __init__(self, cfg: GenerationServerConfig, num_threads: int = 0):
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -67,6 +67,7 @@ class GenerationServer:
             max_batch_size=cfg.max_batch_size,
             context_length=cfg.context_length or None,
             max_prefill_tokens=cfg.max_prefill_tokens,
+            num_threads=num_threads,
         )
         self.model_name = cfg.served_model_name or cfg.model_path
         self.group: Any = None  # torch.distributed ProcessGroup joined via /init_weights_update_group
@@ -317,9 +318,9 @@ class GenerationServer:
         return app
 
 
-async def serve(cfg: GenerationServerConfig) -> int:
+async def serve(cfg: GenerationServerConfig, num_threads: int = 0) -> int:
     """Run until SIGTERM/SIGINT; in-flight requests are answered with abort; returns 0."""
-    server = GenerationServer(cfg)
+    server = GenerationServer(cfg, num_threads)
     server.generator.start()
     runner = web.AppRunner(server.build_app(), shutdown_timeout=cfg.shutdown_timeout, access_log=None)
     await runner.setup()
@@ -342,4 +343,8 @@ async def serve(cfg: GenerationServerConfig) -> int:
 def main(cfg: GenerationServerConfig) -> int:
     """Entry point used by ``areal serve``."""
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    return asyncio.run(serve(cfg))
+    # Model compute gets torch's threads on the generator thread; this one (HTTP, loading) runs
+    # single-threaded so only one OpenMP team competes for the cores (see generator.py).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return asyncio.run(serve(cfg, threads))

@@ -14,6 +14,25 @@ PROMPTS = [[5, 17, 99, 200, 3], [42] * 3, list(range(60, 90)), [7]]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
 
 
+def test_packed_step_logits_equal_hf_forward(tiny_model_dir, hf_model):
+    # One step holding 2 decode rows and 3 new prompts (two of equal length share an SDPA call).
+    from areal.engine.generation.model import KVCache, Qwen2Forward
+
+    model = Qwen2Forward.from_pretrained(tiny_model_dir)
+    cache = KVCache(model.spec, 8, 128, model.device, model.dtype)
+    first, later = [[5, 17, 99, 200, 3], [42] * 3], [list(range(60, 90)), [7, 8, 9], [1, 2, 3]]
+    empty = torch.zeros(0, dtype=torch.long)
+    model.step(empty, empty, [torch.tensor(p) for p in first], cache)
+    nxt = torch.tensor([11, 12])
+    logits = model.step(
+        nxt, torch.tensor([len(p) for p in first]), [torch.tensor(p) for p in later], cache
+    )
+    seqs = [first[0] + [11], first[1] + [12], *later]
+    with torch.no_grad():
+        ref = torch.stack([hf_model(torch.tensor([q])).logits[0, -1] for q in seqs])
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+
+
 def test_greedy_output_equals_hf_generate(generator, hf_model):
     results = generator.generate(PROMPTS, GREEDY)
     for prompt, r in zip(PROMPTS, results):
