@@ -89,7 +89,9 @@ class Run:
         if cfg.valid_dataset is not None:
             valid = load_dataset(cfg.valid_dataset, tok, cfg.seed)
             valid_loader = create_dataloader(valid, cfg.valid_dataset, cfg.seed, self.rank, self.world_size)
-        ft_spec = FinetuneSpec(cfg.total_train_epochs, len(train), cfg.train_dataset.batch_size)
+        ft_spec = FinetuneSpec(
+            cfg.total_train_epochs, len(train), cfg.train_dataset.batch_size, cfg.total_train_steps
+        )
         return Data(loader, valid_loader, len(train), total_steps(cfg, len(loader)), ft_spec)
 
     def batches(self, loader, n_steps: int, start_step: int = 0) -> Iterator[tuple[int, bool, Any]]:

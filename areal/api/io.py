@@ -125,6 +125,7 @@ class FinetuneSpec:
     total_train_epochs: int
     dataset_size: int
     train_batch_size: int
+    max_train_steps: int | None = None  # the config's total_train_steps cap, if any
 
     @property
     def steps_per_epoch(self) -> int:
@@ -132,4 +133,6 @@ class FinetuneSpec:
 
     @property
     def total_train_steps(self) -> int:
-        return self.total_train_epochs * self.steps_per_epoch
+        """Epochs x steps per epoch, capped by ``max_train_steps`` (what the run will do)."""
+        n = self.total_train_epochs * self.steps_per_epoch
+        return min(n, self.max_train_steps) if self.max_train_steps else n

@@ -42,3 +42,14 @@ def test_scheduler_steps_the_optimizer_lr_and_needs_total_steps_for_decay():
     assert math.isclose(sched.state_dict()["lr_lambdas"][0]["min_lr_ratio"], 0.0)
     with pytest.raises(ValueError, match="FinetuneSpec"):
         build_lr_scheduler(opt, cfg, total_steps=None)
+
+
+def test_schedule_length_is_capped_by_total_train_steps():
+    # 100 epochs x 3 steps would be 300 steps; the run stops at 150, so warmup 4% = 6 steps.
+    from areal.api.io import FinetuneSpec
+
+    spec = FinetuneSpec(total_train_epochs=100, dataset_size=124, train_batch_size=32)
+    assert spec.total_train_steps == 300
+    capped = FinetuneSpec(100, 124, 32, max_train_steps=150)
+    assert capped.total_train_steps == 150
+    assert FinetuneSpec(1, 124, 32, max_train_steps=150).total_train_steps == 3
