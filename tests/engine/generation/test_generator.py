@@ -33,6 +33,19 @@ def test_packed_step_logits_equal_hf_forward(tiny_model_dir, hf_model):
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
 
 
+def test_linear_kernel_is_onednn_on_cpu_fp32_and_matches_f_linear():
+    import torch.nn.functional as F
+
+    from areal.engine.generation.model import select_linear
+
+    linear = select_linear(torch.device("cpu"), torch.float32)
+    assert linear is not F.linear  # oneDNN is in every torch CPU build this project installs
+    assert select_linear(torch.device("cpu"), torch.bfloat16) is F.linear
+    x, w, b = torch.randn(37, 64), torch.randn(96, 64), torch.randn(96)
+    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
 def test_greedy_output_equals_hf_generate(generator, hf_model):
     results = generator.generate(PROMPTS, GREEDY)
     for prompt, r in zip(PROMPTS, results):
