@@ -8,8 +8,8 @@ matches ``Qwen2ForCausalLM`` logits to ~1e-6 in fp32 (tested against HF).
 Cache layout (per layer): ``k[layer]``, ``v[layer]`` of shape ``[max_batch, kv_heads, capacity,
 head_dim]``. Running sequences always occupy slots ``0..B-1`` (the generator compacts slots when
 one leaves), so a decode step attends over the plain view ``k[:B, :, :L]``. New prompts join in
-the same packed forward as the decode tokens (one pass over the weights per step). ``capacity`` grows by
-doubling up to the context length, so memory follows the longest live sequence.
+the same packed forward as the decode tokens (one pass over the weights per step). ``capacity``
+grows by doubling up to the context length, so memory follows the longest live sequence.
 """
 
 from __future__ import annotations
