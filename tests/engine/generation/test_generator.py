@@ -15,7 +15,8 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
 
 
 def test_packed_step_logits_equal_hf_forward(tiny_model_dir, hf_model):
-    # One step holding 2 decode rows and 3 new prompts (two of equal length share an SDPA call).
+    # One step holding 2 decode rows and 3 new prompts (the adjacent two of equal length share
+    # an SDPA call).
     from areal.engine.generation.model import KVCache, Qwen2Forward
 
     model = Qwen2Forward.from_pretrained(tiny_model_dir)
@@ -33,17 +34,22 @@ def test_packed_step_logits_equal_hf_forward(tiny_model_dir, hf_model):
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
 
 
-def test_linear_kernel_is_onednn_on_cpu_fp32_and_matches_f_linear():
+def test_fused_dense_ops_are_onednn_on_cpu_fp32_and_match_unfused_torch():
     import torch.nn.functional as F
 
-    from areal.engine.generation.model import select_linear
+    from areal.engine.generation.model import DenseOps
 
-    linear = select_linear(torch.device("cpu"), torch.float32)
-    assert linear is not F.linear  # oneDNN is in every torch CPU build this project installs
-    assert select_linear(torch.device("cpu"), torch.bfloat16) is F.linear
+    fused = DenseOps(torch.device("cpu"), torch.float32)
+    plain = DenseOps(torch.device("cpu"), torch.bfloat16)
+    assert fused.fused  # oneDNN is in every torch CPU build this project installs
+    assert not plain.fused
     x, w, b = torch.randn(37, 64), torch.randn(96, 64), torch.randn(96)
-    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    res = torch.randn(37, 96)
+    close = dict(atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(fused.linear(x, w, b), F.linear(x, w, b), **close)
+    torch.testing.assert_close(fused.linear(x, w), x @ w.T, **close)
+    torch.testing.assert_close(fused.linear_add(x, w, res), res + x @ w.T, **close)
+    torch.testing.assert_close(plain.linear_add(x, w, res), res + x @ w.T, **close)
 
 
 def test_greedy_output_equals_hf_generate(generator, hf_model):
