@@ -114,15 +114,24 @@ class DenseOps:
     On CPU, torch's oneDNN linear ran the decode-step shapes (64..104 rows) ~25% faster than
     ``F.linear``'s MKL path (168 vs 134 GFLOP/s on 2 cores), and its binary post-op folds the
     residual add into the matmul (one pass over the activations and one op dispatch fewer).
-    Results agree with the unfused ops to fp32 rounding (tested). Folding SiLU and the gate
-    product in as well (two matmuls instead of one fused gate/up) measured slower end to end.
+    Weights are reordered into oneDNN's blocked layout once (:meth:`pack`) instead of at every
+    call: 10-35% faster matmuls at 8..200 rows, +6-11% generation tokens/s end to end. Results
+    agree with the unfused ops to fp32 rounding (tested). Folding SiLU and the gate product in
+    as well (two matmuls instead of one fused gate/up) measured slower end to end.
     """
+
+    ROWS_HINT = 64  # the row count oneDNN tunes the packed layout for: a full decode batch
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+        reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
         cpu_fp32 = device.type == "cpu" and dtype == torch.float32
-        self.fused = bool(cpu_fp32 and torch.backends.mkldnn.is_available() and op)
-        self._op = op
+        self.fused = bool(cpu_fp32 and torch.backends.mkldnn.is_available() and op and reorder)
+        self._op, self._reorder = op, reorder
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        """``w`` for :meth:`linear`: reordered once into oneDNN's blocked layout where fused."""
+        return self._reorder(w.contiguous(), self.ROWS_HINT) if self.fused else w
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
         """``x @ w.T + b``."""
@@ -168,11 +177,11 @@ class Qwen2Forward:
         return cls(config, params, device, dtype)
 
     def _build_fused(self) -> None:
-        """Concatenate q/k/v and gate/up weights so each is one matmul per layer.
+        """Concatenate q/k/v and gate/up weights so each is one matmul per layer, then pack them.
 
         The q rows carry attention's 1/sqrt(head_dim) (RoPE is linear, so scaling first is exact).
         """
-        p = self.params
+        p, pack = self.params, self.ops.pack
         scale = self.spec.head_dim**-0.5
         self.layers = []
         for i in range(self.spec.n_layers):
@@ -182,18 +191,18 @@ class Qwen2Forward:
                 dict(
                     ln1=p[pre + "input_layernorm.weight"],
                     ln2=p[pre + "post_attention_layernorm.weight"],
-                    qkv_w=torch.cat([p[att + "q_proj.weight"] * scale]
-                                    + [p[att + f"{x}_proj.weight"] for x in "kv"]),
+                    qkv_w=pack(torch.cat([p[att + "q_proj.weight"] * scale]
+                                         + [p[att + f"{x}_proj.weight"] for x in "kv"])),
                     qkv_b=torch.cat([p[att + "q_proj.bias"] * scale]
                                     + [p[att + f"{x}_proj.bias"] for x in "kv"]),
-                    o_w=p[att + "o_proj.weight"],
-                    gate_up_w=torch.cat([p[mlp + "gate_proj.weight"], p[mlp + "up_proj.weight"]]),
-                    down_w=p[mlp + "down_proj.weight"],
+                    o_w=pack(p[att + "o_proj.weight"]),
+                    gate_up_w=pack(torch.cat([p[mlp + f"{x}_proj.weight"] for x in ("gate", "up")])),
+                    down_w=pack(p[mlp + "down_proj.weight"]),
                 )
             )
         self.embed = p["model.embed_tokens.weight"]
         self.final_norm = p["model.norm.weight"]
-        self.lm_head = p.get("lm_head.weight", self.embed)
+        self.lm_head = pack(p.get("lm_head.weight", self.embed))
 
     @torch.no_grad()
     def load_state_dict(self, named: dict[str, torch.Tensor]) -> None:

@@ -46,9 +46,12 @@ def test_fused_dense_ops_are_onednn_on_cpu_fp32_and_match_unfused_torch():
     x, w, b = torch.randn(37, 64), torch.randn(96, 64), torch.randn(96)
     res = torch.randn(37, 96)
     close = dict(atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(fused.linear(x, w, b), F.linear(x, w, b), **close)
-    torch.testing.assert_close(fused.linear(x, w), x @ w.T, **close)
-    torch.testing.assert_close(fused.linear_add(x, w, res), res + x @ w.T, **close)
+    packed = fused.pack(w)
+    assert packed.is_mkldnn and plain.pack(w) is w  # packed once into oneDNN's layout
+    for weight in (w, packed):
+        torch.testing.assert_close(fused.linear(x, weight, b), F.linear(x, w, b), **close)
+        torch.testing.assert_close(fused.linear(x, weight), x @ w.T, **close)
+        torch.testing.assert_close(fused.linear_add(x, weight, res), res + x @ w.T, **close)
     torch.testing.assert_close(plain.linear_add(x, w, res), res + x @ w.T, **close)
 
 
