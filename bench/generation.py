@@ -1,6 +1,6 @@
 """Tokens/s of the embedded continuous-batching generator vs Hugging Face ``model.generate``.
 
-Run: ``python bench/generation.py [--sizes tiny small] [--threads 2] [--repeats 2]``. Prints, per
+Run: ``python bench/generation.py [--sizes tiny small] [--threads 2] [--repeats 3]``. Prints, per
 model size:
 
 (a) uniform: 64 prompts of 32 tokens, 16 new tokens each (EOS ignored), one batch of 64 on both
@@ -11,11 +11,11 @@ model size:
     request ends. Only useful tokens count on both sides (up to each request's own limit or its
     first EOS). Target ratio >= 2.5x.
 
-Each side runs in its own fresh process with the same thread count, as it would be deployed:
-ours like ``areal serve`` (model compute on the generator thread, the main thread single-threaded),
-HF in the main thread. Each figure is the best of ``--repeats`` runs (the least disturbed one on
-a shared host). Ratios are measured in one run on the same machine; absolute numbers depend on
-the host.
+Each side runs in its own process with the same thread count, as it would be deployed: ours
+like ``areal serve`` (model compute on the generator thread, the main thread single-threaded), HF
+in the main thread. The two sides' timed runs alternate, ``--repeats`` each, and each figure is
+the best of its side's runs (the least disturbed one on a shared host). Ratios are measured in
+one run on the same machine; absolute numbers depend on the host.
 """
 
 from __future__ import annotations
@@ -68,47 +68,79 @@ def _useful(tokens: list[int], limit: int, eos: int | None) -> int:
     return tokens.index(eos) + 1 if eos is not None and eos in tokens else len(tokens)
 
 
-def run_hf(model_dir: str, work, threads: int, repeats: int) -> float:
-    """Child process: best tokens/s of HF generate in static batches of 64."""
-    from transformers import AutoModelForCausalLM
+class _HFSide:
+    """HF generate in static batches of 64 (left-padded, each batch runs to its longest)."""
 
-    torch.set_num_threads(threads)
-    prompts, limits, ignore_eos = work
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    pad = model.generation_config.pad_token_id
-    eos = None if ignore_eos else model.generation_config.eos_token_id
-    _hf_generate(model, prompts[:4], 2, pad, ignore_eos)  # warm-up
-    best = 0.0
-    for _ in range(repeats):
+    def __init__(self, model_dir: str, work, threads: int):
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        self.prompts, self.limits, self.ignore_eos = work
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.pad = self.model.generation_config.pad_token_id
+        self.eos = None if self.ignore_eos else self.model.generation_config.eos_token_id
+        _hf_generate(self.model, self.prompts[:4], 2, self.pad, self.ignore_eos)  # warm-up
+
+    def run(self) -> float:
         t0, useful = time.perf_counter(), 0
-        for b in range(0, len(prompts), BATCH):
-            batch, lims = prompts[b : b + BATCH], limits[b : b + BATCH]
-            outs = _hf_generate(model, batch, max(lims), pad, ignore_eos)
-            useful += sum(_useful(o, n, eos) for o, n in zip(outs, lims))
-        best = max(best, useful / (time.perf_counter() - t0))
-    return best
+        for b in range(0, len(self.prompts), BATCH):
+            batch, lims = self.prompts[b : b + BATCH], self.limits[b : b + BATCH]
+            outs = _hf_generate(self.model, batch, max(lims), self.pad, self.ignore_eos)
+            useful += sum(_useful(o, n, self.eos) for o, n in zip(outs, lims))
+        return useful / (time.perf_counter() - t0)
 
 
-def run_ours(model_dir: str, work, threads: int, repeats: int) -> float:
-    """Child process: best tokens/s of our generator, everything submitted at once."""
-    torch.set_num_threads(1)  # as `areal serve`: compute threads belong to the generator thread
-    prompts, limits, ignore_eos = work
-    gen = Generator.from_pretrained(model_dir, max_batch_size=BATCH, num_threads=threads).start()
-    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=ignore_eos) for n in limits]
-    gen.generate(prompts[:4], params[:4])  # warm-up
-    best = 0.0
-    for _ in range(repeats):
+class _OurSide:
+    """Our generator with every request submitted at once, at most 64 running."""
+
+    def __init__(self, model_dir: str, work, threads: int):
+        torch.set_num_threads(1)  # as `areal serve`: compute threads belong to the generator thread
+        self.prompts, limits, ignore_eos = work
+        self.gen = Generator.from_pretrained(model_dir, max_batch_size=BATCH, num_threads=threads)
+        self.gen.start()
+        self.params = [
+            SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=ignore_eos) for n in limits
+        ]
+        self.gen.generate(self.prompts[:4], self.params[:4])  # warm-up
+
+    def run(self) -> float:
         t0 = time.perf_counter()
-        res = gen.generate(prompts, params)
-        best = max(best, sum(len(r.output_ids) for r in res) / (time.perf_counter() - t0))
-    gen.shutdown()
-    return best
+        res = self.gen.generate(self.prompts, self.params)
+        return sum(len(r.output_ids) for r in res) / (time.perf_counter() - t0)
 
 
-def _in_fresh_process(fn, *args) -> float:
+_SIDE = None  # the one side a worker process runs
+
+
+def _start_side(cls, *args) -> None:
+    global _SIDE
+    _SIDE = cls(*args)
+
+
+def _run_side() -> float:
+    return _SIDE.run()
+
+
+def compare(model_dir: str, work, threads: int, repeats: int) -> tuple[float, float]:
+    """Best tokens/s of (ours, HF): each side in its own process, timed runs alternating.
+
+    Alternating puts both sides in the same stretches of a shared host's load, so a quiet or a
+    busy minute does not fall on one side only.
+    """
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-        return pool.submit(fn, *args).result()
+    pools = [
+        ProcessPoolExecutor(1, ctx, initializer=_start_side, initargs=(cls, model_dir, work, threads))
+        for cls in (_OurSide, _HFSide)
+    ]
+    try:
+        best = [0.0, 0.0]
+        for _ in range(repeats):
+            for i, pool in enumerate(pools):
+                best[i] = max(best[i], pool.submit(_run_side).result())
+        return best[0], best[1]
+    finally:
+        for pool in pools:
+            pool.shutdown()
 
 
 def main() -> None:
@@ -116,15 +148,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {args.threads} threads, fp32 CPU")
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
             model_dir = str(build_tiny_model(f"{tmp}/{size}", size=size, seed=0))
             for (name, work), target in zip(_workloads(random.Random(0)).items(), (1.0, 2.5)):
-                ours = _in_fresh_process(run_ours, model_dir, work, args.threads, args.repeats)
-                hf = _in_fresh_process(run_hf, model_dir, work, args.threads, args.repeats)
+                ours, hf = compare(model_dir, work, args.threads, args.repeats)
                 print(
                     f"{size:5s} {name:22s} ours {ours:8.0f} tok/s  hf {hf:8.0f} tok/s  "
                     f"ratio {ours / hf:5.2f}x (target >= {target}x)",

@@ -4,8 +4,9 @@ Each loop iteration (1) runs queued control commands (pause, weight load, versio
 steps, (2) admits waiting requests into free cache slots, (3) runs one packed forward holding a
 decode token for every running request (each at its own position) and the whole prompts of the
 admitted ones, so prefill shares the step's pass over the weights, and (4) retires
-finished requests, moving the last slot into the freed one so running requests stay in slots
-``0..B-1``. Requests therefore join and leave the running batch between decode steps.
+finished requests, refilling freed slots so running requests stay in slots ``0..B-1`` with the
+longer ones in earlier attention runs (see ``_retire``). Requests therefore join and leave the
+running batch between decode steps.
 
 Every token carries the weight version it was sampled under. A weight update does not drop the
 KV cache of running requests (their earlier keys/values stay from the old weights); trainers that
@@ -368,15 +369,29 @@ class Generator:
         return None
 
     def _retire(self, slot: int, reason: FinishReason, matched: int | str | None) -> None:
-        """Answer the request in ``slot`` and move the last running request into the slot."""
-        seq = self._running[slot]
-        last = len(self._running) - 1
-        if slot != last:
-            moved = self._running[last]
-            self.cache.move_slot(last, slot, len(moved.prompt) + len(moved.out) - 1)
-            self._running[slot] = moved
-        self._running.pop()
+        """Answer the request in ``slot`` and refill the slot so running requests stay compact.
+
+        The hole in one attention run is filled by the longest request of the next run, whose
+        hole is filled the same way, down to the last run, whose hole takes the last slot. Runs
+        thus keep longer requests first, and each reads keys only up to its own longest row.
+        """
+        running, run = self._running, self.model.attention_chunk
+        seq, hole, last = running[slot], slot, len(running) - 1
+        while (start := (hole // run + 1) * run) < last:
+            nxt = range(start, min(start + run, last + 1))
+            longest = max(nxt, key=lambda j: len(running[j].prompt) + len(running[j].out))
+            hole = self._move(longest, hole)
+        if hole != last:
+            self._move(last, hole)
+        running.pop()
         self._resolve(seq, reason, matched)
+
+    def _move(self, src: int, dst: int) -> int:
+        """Move the request in slot ``src`` (and its cache) to slot ``dst``; returns ``src``."""
+        moved = self._running[src]
+        self.cache.move_slot(src, dst, len(moved.prompt) + len(moved.out) - 1)
+        self._running[dst] = moved
+        return src
 
     def _abort_all(self) -> int:
         """Answer every running and waiting request with its partial output (finish: abort)."""

@@ -7,7 +7,8 @@ matches ``Qwen2ForCausalLM`` logits to ~1e-6 in fp32 (tested against HF).
 
 Cache layout (per layer): ``k[layer]``, ``v[layer]`` of shape ``[max_batch, kv_heads, capacity,
 head_dim]``. Running sequences always occupy slots ``0..B-1`` (the generator compacts slots when
-one leaves), so a decode step attends over the plain view ``k[:B, :, :L]``. New prompts join in
+one leaves), so a decode step attends over plain views ``k[a:b, :, :L]``: one per run of
+``ATTENTION_CHUNK`` slots, each with its own longest row as ``L``. New prompts join in
 the same packed forward as the decode tokens (one pass over the weights per step). ``capacity``
 grows by doubling up to the context length, so memory follows the longest live sequence.
 """
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("qwen2",)
+ATTENTION_CHUNK = 16  # decode rows per attention run (see Qwen2Forward._decode_chunks)
 
 
 class ModelSpec:
@@ -151,6 +153,7 @@ class Qwen2Forward:
         self.spec = ModelSpec(config)
         self.device, self.dtype = torch.device(device), dtype
         self.ops = DenseOps(self.device, dtype)
+        self.attention_chunk = ATTENTION_CHUNK
         self.params: dict[str, torch.Tensor] = {}
         for name, t in params.items():
             self.params[name] = t.to(device=self.device, dtype=dtype).contiguous()
@@ -233,23 +236,50 @@ class Qwen2Forward:
         gate, up = self.ops.linear(x, layer["gate_up_w"]).chunk(2, dim=-1)
         return self.ops.linear_add(F.silu(gate) * up, layer["down_w"], h)
 
-    def _decode_attention(self, q, i: int, cache: KVCache, bias: torch.Tensor) -> torch.Tensor:
+    def _decode_chunks(self, positions: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+        """Split decode rows into runs of ``attention_chunk`` slots, each with its own key length.
+
+        Returns ``(first_row, end_row, bias)`` per run; ``bias [rows * kv_heads, group, L_run]``
+        is 0 up to each row's position and -inf after, with ``L_run`` the run's longest row.
+        """
+        s, n = self.spec, self.attention_chunk
+        group = s.n_heads // s.n_kv_heads
+        pos = positions.tolist()
+        chunks = []
+        for a in range(0, len(pos), n):
+            b = min(a + n, len(pos))
+            L = max(pos[a:b]) + 1
+            future = torch.arange(L, device=positions.device)[None, :] > positions[a:b, None]
+            bias = (
+                torch.zeros(b - a, 1, 1, L, device=positions.device, dtype=self.dtype)
+                .masked_fill_(future[:, None, None], float("-inf"))
+                .expand(b - a, s.n_kv_heads, group, L)
+                .reshape((b - a) * s.n_kv_heads, group, L)
+            )
+            chunks.append((a, b, bias))
+        return chunks
+
+    def _decode_attention(self, q, i: int, cache: KVCache, chunks) -> torch.Tensor:
         """Rows ``0..B-1`` (one query each, slot == row) attend over their cached keys.
 
-        ``bias [B * kv_heads, group, L]`` is 0 up to each row's position and -inf after. Query
-        heads sharing a KV head are laid out as extra query rows of that head, so grouped
-        attention needs no repeat of the cache, and ``[B, kv_heads]`` of the cache view merge
-        into one batch dimension without a copy. Two batched matmuls (the first adding the
-        bias) beat SDPA's masked CPU kernel here.
+        Each run of rows from :meth:`_decode_chunks` reads keys only up to its own longest row
+        (the generator keeps longer rows in earlier runs, so runs differ in length). Query heads
+        sharing a KV head are laid out as extra query rows of that head, so grouped attention
+        needs no repeat of the cache, and ``[rows, kv_heads]`` of the cache view merge into one
+        batch dimension without a copy. Two batched matmuls (the first adding the bias) beat
+        SDPA's masked CPU kernel here.
         """
         s = self.spec
-        B = q.shape[0]
-        L = bias.shape[-1]
-        q = q.reshape(B * s.n_kv_heads, s.n_heads // s.n_kv_heads, s.head_dim)
-        k = cache.k[i][:B, :, :L].reshape(B * s.n_kv_heads, L, s.head_dim)
-        v = cache.v[i][:B, :, :L].reshape(B * s.n_kv_heads, L, s.head_dim)
-        scores = torch.baddbmm(bias, q, k.transpose(1, 2))  # q pre-scaled
-        return torch.bmm(scores.softmax(-1), v).view(B, -1)  # [B, h*d]
+        B, nkv = q.shape[0], s.n_kv_heads
+        q = q.reshape(B * nkv, s.n_heads // nkv, s.head_dim)
+        out = torch.empty_like(q)
+        for a, b, bias in chunks:
+            L = bias.shape[-1]
+            k = cache.k[i][a:b, :, :L].reshape((b - a) * nkv, L, s.head_dim)
+            v = cache.v[i][a:b, :, :L].reshape((b - a) * nkv, L, s.head_dim)
+            scores = torch.baddbmm(bias, q[a * nkv : b * nkv], k.transpose(1, 2))  # q pre-scaled
+            torch.bmm(scores.softmax(-1), v, out=out[a * nkv : b * nkv])
+        return out.view(B, -1)  # [B, h*d]
 
     def _prompt_attention(self, q, k, v, lens: list[int]) -> list[torch.Tensor]:
         """Causal attention within each new prompt (packed after the decode rows).
@@ -301,15 +331,7 @@ class Qwen2Forward:
         cache.ensure_capacity(int(positions.max()) + 1)
         T, nq, nkv = tokens.shape[0], s.n_heads, s.n_kv_heads
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [T, 1, d]
-        L = int(decode_positions.max()) + 1 if B else 0
-        future = torch.arange(L, device=dev)[None, :] > decode_positions[:, None]  # [B, L]
-        group = s.n_heads // s.n_kv_heads
-        bias = (
-            torch.zeros(B, 1, 1, L, device=dev, dtype=self.dtype)
-            .masked_fill_(future[:, None, None], float("-inf"))
-            .expand(B, nkv, group, L)
-            .reshape(B * nkv, group, L)
-        )
+        chunks = self._decode_chunks(decode_positions)
         h = F.embedding(tokens, self.embed)  # [T, H]
         for i, layer in enumerate(self.layers):
             qkv = self.ops.linear(self._rms_norm(h, layer["ln1"]), layer["qkv_w"], layer["qkv_b"])
@@ -319,7 +341,7 @@ class Qwen2Forward:
             v = qkv[:, (nq + nkv) * s.head_dim :].view(T, nkv, s.head_dim)
             cache.k[i][slots, :, positions] = k
             cache.v[i][slots, :, positions] = v
-            parts = [self._decode_attention(q[:B], i, cache, bias)] if B else []
+            parts = [self._decode_attention(q[:B], i, cache, chunks)] if B else []
             parts += self._prompt_attention(q[B:], k[B:], v[B:], lens)
             att = torch.cat(parts) if len(parts) > 1 else parts[0]
             h = self.ops.linear_add(att, layer["o_w"], h)

@@ -34,6 +34,58 @@ def test_packed_step_logits_equal_hf_forward(tiny_model_dir, hf_model):
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
 
 
+def test_decode_attention_runs_read_their_own_length_and_match_one_run(tiny_model_dir):
+    from areal.engine.generation.model import KVCache, Qwen2Forward
+
+    model = Qwen2Forward.from_pretrained(tiny_model_dir)
+    s = model.spec
+    cache = KVCache(model.spec, 8, 64, model.device, model.dtype)
+    for t in cache.k + cache.v:
+        t.normal_()
+    positions = torch.tensor([9, 3, 5, 7, 2])
+    q = torch.randn(5, s.n_heads, s.head_dim)
+    model.attention_chunk = 2
+    runs = model._decode_chunks(positions)
+    assert [(a, b, bias.shape[-1]) for a, b, bias in runs] == [(0, 2, 10), (2, 4, 8), (4, 5, 3)]
+    assert runs[0][2][s.n_kv_heads, 0].isinf().tolist() == [False] * 4 + [True] * 6  # row 1: 0..3
+    chunked = model._decode_attention(q, 1, cache, runs)
+    model.attention_chunk = 64
+    one_run = model._decode_attention(q, 1, cache, model._decode_chunks(positions))
+    torch.testing.assert_close(chunked, one_run, atol=1e-5, rtol=0)  # fp32 summation order
+
+
+def test_retire_refills_holes_run_by_run_and_logprobs_stay_exact(tiny_model_dir, hf_model):
+    # 4 attention runs of 2 slots: every retirement refills holes run by run (cache rows move
+    # between slots), and each request's logprobs still equal HF's forward on its tokens.
+    from areal.engine.generation.generator import Generator
+
+    gen = Generator.from_pretrained(tiny_model_dir, max_batch_size=8)
+    gen.model.attention_chunk = 2
+    moves = []
+    move_slot = gen.cache.move_slot
+
+
+    def record(src, dst, n):
+        moves.append(src != len(gen._running) - 1)  # True: a middle row refilled a hole
+        move_slot(src, dst, n)
+
+    gen.cache.move_slot = record
+    prompts = [[(7 * i + j) % 250 for j in range(3 + 5 * i % 17)] for i in range(14)]
+    limits = [2 + (11 * i) % 19 for i in range(14)]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in limits]
+    try:
+        results = gen.start().generate(prompts, params)
+    finally:
+        gen.shutdown()
+    assert any(moves) and not all(moves)
+    for prompt, n, r in zip(prompts, limits, results):
+        assert len(r.output_ids) == n
+        with torch.no_grad():  # logprobs see every cached key, so a bad move would show here
+            logits = hf_model(torch.tensor([prompt + r.output_ids])).logits[0, len(prompt) - 1 : -1]
+        ref = logits.log_softmax(-1).gather(-1, torch.tensor(r.output_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=1e-4, rtol=0)
+
+
 def test_fused_dense_ops_are_onednn_on_cpu_fp32_and_match_unfused_torch():
     import torch.nn.functional as F
 
