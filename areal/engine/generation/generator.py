@@ -42,6 +42,10 @@ FinishReason = Literal["stop", "length", "abort"]
 COMMAND_TIMEOUT_S = 600.0  # deadline for a control command to run on the scheduler thread
 
 
+class GeneratorStopped(RuntimeError):
+    """The scheduler is not running (crashed, stopped or not started); the message says why."""
+
+
 @dataclass
 class GenerationResult:
     """One finished (or aborted) request: tokens, behaviour logprobs and per-token versions."""
@@ -184,7 +188,7 @@ class Generator:
         seqs = [self._make_seq(ids, p) for ids, p in zip(batch, params, strict=True)]
         with self._cv:
             if self._error is not None or self._stopping:
-                raise RuntimeError(f"generator is not running: {self._error or 'shutting down'}")
+                raise GeneratorStopped(f"generator is not running: {self._error or 'shutting down'}")
             for seq in seqs:
                 if seq.params.max_new_tokens == 0:
                     self._resolve(seq, "length", None)
@@ -266,7 +270,7 @@ class Generator:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
             if self._thread is None or self._error is not None:
-                raise RuntimeError(f"generator is not running: {self._error or 'not started'}")
+                raise GeneratorStopped(f"generator is not running: {self._error or 'not started'}")
             self._commands.append((fn, fut))
             self._cv.notify_all()
         return fut.result(timeout=COMMAND_TIMEOUT_S)
@@ -299,8 +303,11 @@ class Generator:
             with self._cv:
                 commands, self._commands = self._commands, []
             for _, fut in commands:
-                fut.set_exception(RuntimeError(f"generator stopped: {self._error or 'shutdown'}"))
-            self._abort_all()
+                fut.set_exception(GeneratorStopped(f"generator stopped: {self._error or 'shutdown'}"))
+            if self._error is None:
+                self._abort_all()  # shutdown: partial outputs, finish reason abort
+            else:
+                self._fail_all(GeneratorStopped(f"generator crashed: {self._error!r}"))
 
     def _admit(self) -> list[_Seq]:
         """Pop waiting requests into free slots, bounded by the prefill token budget."""
@@ -328,8 +335,8 @@ class Generator:
             [len(s.prompt) + len(s.out) - 1 for s in running], dtype=torch.long, device=dev
         )
         prompts = [torch.tensor(s.prompt, dtype=torch.long, device=dev) for s in admitted]
+        self._running.extend(admitted)  # first, so a crash in the step answers them too
         logits = self.model.step(tokens, positions, prompts, self.cache)
-        self._running.extend(admitted)
         self._sample_and_retire(logits, list(self._running), 0)
 
     def _sample_and_retire(self, logits: torch.Tensor, seqs: list[_Seq], first_slot: int) -> None:
@@ -393,14 +400,27 @@ class Generator:
         self._running[dst] = moved
         return src
 
-    def _abort_all(self) -> int:
-        """Answer every running and waiting request with its partial output (finish: abort)."""
+    def _take_all(self) -> list[_Seq]:
+        """Remove and return every running and waiting request."""
         with self._cv:
             waiting, self._waiting = list(self._waiting), collections.deque()
         seqs, self._running = self._running + waiting, []
+        return seqs
+
+    def _abort_all(self) -> int:
+        """Answer every running and waiting request with its partial output (finish: abort)."""
+        seqs = self._take_all()
         for s in seqs:
             self._resolve(s, "abort", None)
         return len(seqs)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Raise ``error`` in every running and waiting request's future."""
+        for s in self._take_all():
+            try:
+                s.future.set_exception(error)
+            except concurrent.futures.InvalidStateError:  # cancelled by the caller meanwhile
+                pass
 
     @staticmethod
     def _resolve(s: _Seq, reason: FinishReason, matched: int | str | None) -> None:

@@ -240,24 +240,26 @@ class Qwen2Forward:
         """Split decode rows into runs of ``attention_chunk`` slots, each with its own key length.
 
         Returns ``(first_row, end_row, bias)`` per run; ``bias [rows * kv_heads, group, L_run]``
-        is 0 up to each row's position and -inf after, with ``L_run`` the run's longest row.
+        is 0 up to each row's position and -inf after, with ``L_run`` the run's longest row
+        (views into one bias built for the whole batch).
         """
-        s, n = self.spec, self.attention_chunk
-        group = s.n_heads // s.n_kv_heads
+        s, n, dev = self.spec, self.attention_chunk, positions.device
+        B, nkv, group = positions.shape[0], s.n_kv_heads, s.n_heads // s.n_kv_heads
         pos = positions.tolist()
-        chunks = []
-        for a in range(0, len(pos), n):
-            b = min(a + n, len(pos))
-            L = max(pos[a:b]) + 1
-            future = torch.arange(L, device=positions.device)[None, :] > positions[a:b, None]
-            bias = (
-                torch.zeros(b - a, 1, 1, L, device=positions.device, dtype=self.dtype)
-                .masked_fill_(future[:, None, None], float("-inf"))
-                .expand(b - a, s.n_kv_heads, group, L)
-                .reshape((b - a) * s.n_kv_heads, group, L)
-            )
-            chunks.append((a, b, bias))
-        return chunks
+        if not pos:
+            return []
+        L = max(pos) + 1
+        future = torch.arange(L, device=dev)[None, :] > positions[:, None]  # [B, L]
+        bias = (
+            torch.zeros(B, 1, 1, L, device=dev, dtype=self.dtype)
+            .masked_fill_(future[:, None, None], float("-inf"))
+            .expand(B, nkv, group, L)
+            .reshape(B * nkv, group, L)
+        )
+        return [
+            (a, min(a + n, B), bias[a * nkv : min(a + n, B) * nkv, :, : max(pos[a : a + n]) + 1])
+            for a in range(0, B, n)
+        ]
 
     def _decode_attention(self, q, i: int, cache: KVCache, chunks) -> torch.Tensor:
         """Rows ``0..B-1`` (one query each, slot == row) attend over their cached keys.
@@ -265,20 +267,21 @@ class Qwen2Forward:
         Each run of rows from :meth:`_decode_chunks` reads keys only up to its own longest row
         (the generator keeps longer rows in earlier runs, so runs differ in length). Query heads
         sharing a KV head are laid out as extra query rows of that head, so grouped attention
-        needs no repeat of the cache, and ``[rows, kv_heads]`` of the cache view merge into one
-        batch dimension without a copy. Two batched matmuls (the first adding the bias) beat
-        SDPA's masked CPU kernel here.
+        needs no repeat of the cache, and ``[rows, kv_heads]`` of the cache merge into one batch
+        dimension of a strided view (no copy). Two batched matmuls (the first adding the bias)
+        beat SDPA's masked CPU kernel here.
         """
         s = self.spec
-        B, nkv = q.shape[0], s.n_kv_heads
-        q = q.reshape(B * nkv, s.n_heads // nkv, s.head_dim)
+        B, nkv, d = q.shape[0], s.n_kv_heads, s.head_dim
+        q = q.reshape(B * nkv, s.n_heads // nkv, d)
         out = torch.empty_like(q)
+        k, v = cache.k[i], cache.v[i]
+        step = cache.capacity * d  # elements between consecutive (slot, kv_head) blocks
         for a, b, bias in chunks:
-            L = bias.shape[-1]
-            k = cache.k[i][a:b, :, :L].reshape((b - a) * nkv, L, s.head_dim)
-            v = cache.v[i][a:b, :, :L].reshape((b - a) * nkv, L, s.head_dim)
-            scores = torch.baddbmm(bias, q[a * nkv : b * nkv], k.transpose(1, 2))  # q pre-scaled
-            torch.bmm(scores.softmax(-1), v, out=out[a * nkv : b * nkv])
+            rows, L, at = slice(a * nkv, b * nkv), bias.shape[-1], a * nkv * step
+            k_t = k.as_strided(((b - a) * nkv, d, L), (step, 1, d), at)  # keys, transposed
+            scores = torch.baddbmm(bias, q[rows], k_t)  # q pre-scaled
+            torch.bmm(scores.softmax(-1), v.as_strided(((b - a) * nkv, L, d), (step, d, 1), at), out=out[rows])
         return out.view(B, -1)  # [B, h*d]
 
     def _prompt_attention(self, q, k, v, lens: list[int]) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ Endpoints
   :mod:`areal.engine.weight_sync`), ``POST /update_weight_version`` ``{"new_version"}``,
   ``POST /flush_cache``.
 Invalid requests get HTTP 400 ``{"error": {"message", "type", "param"}}`` where ``param`` names
-the field. SIGTERM/SIGINT: in-flight requests are answered (aborted), the port is closed, exit 0.
+the field. After a generator crash, requests (in flight or new) get HTTP 503 naming the cause. SIGTERM/SIGINT: in-flight requests are answered (aborted), the port is closed, exit 0.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from aiohttp import web
 from areal.api.config.server import GenerationServerConfig
 from areal.engine import weight_sync
 from areal.engine.generation import openai_api, protocol
-from areal.engine.generation.generator import Generator
+from areal.engine.generation.generator import Generator, GeneratorStopped
 from areal.engine.generation.protocol import BadRequest, Job
 from areal.engine.generation.sampling import SamplingParams
 
@@ -106,7 +106,8 @@ class GenerationServer:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Callable[..., Awaitable]):
-        """API-key check for admin paths; JSON errors -> 400 naming the field."""
+        """API-key check for admin paths; JSON errors -> 400 naming the field; a stopped or
+        crashed generator -> 503 with the cause (clients fail over on 5xx)."""
         if request.path in ADMIN_PATHS and self.cfg.api_key:
             if request.headers.get("Authorization") != f"Bearer {self.cfg.api_key}":
                 return _error(401, "admin endpoint: send 'Authorization: Bearer <api_key>'")
@@ -116,6 +117,8 @@ class GenerationServer:
             return _error(400, str(e), e.field)
         except json.JSONDecodeError as e:
             return _error(400, f"body: malformed JSON ({e.msg} at position {e.pos})", "body")
+        except GeneratorStopped as e:
+            return _error(503, str(e))
 
     # ------------------------------------------------------------------ generation routes
 

@@ -215,3 +215,24 @@ def test_invalid_requests_are_rejected_with_the_field_name(generator):
         generator.submit([1] * generator.context_length, GREEDY)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generator.submit([1], SamplingParams(max_new_tokens=-1))
+
+
+def test_a_crash_in_the_step_fails_every_request_with_the_cause(tiny_model_dir):
+    from areal.engine.generation.generator import Generator, GeneratorStopped
+
+    gen = Generator.from_pretrained(tiny_model_dir, max_batch_size=2)
+
+    def broken_step(*args):
+        raise FloatingPointError("bad kernel")
+
+    gen.model.step = broken_step
+    try:
+        futures = gen.start().submit_batch(PROMPTS, [GREEDY] * len(PROMPTS))  # 2 admitted, 2 wait
+        for f in futures:
+            with pytest.raises(GeneratorStopped, match="generator crashed: FloatingPointError"):
+                f.result(timeout=30)
+        assert isinstance(gen.error, FloatingPointError)
+        with pytest.raises(GeneratorStopped, match="not running"):
+            gen.submit(PROMPTS[0], GREEDY)
+    finally:
+        gen.shutdown()
