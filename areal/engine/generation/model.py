@@ -103,6 +103,19 @@ class KVCache:
                     store.append(fresh)
         self.capacity = new_cap
 
+    def rows_of(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Row indices ``[T * kv_heads]`` of (slot, head, position) in a layer's ``[-1, head_dim]``
+        view, for :meth:`write` (valid until the capacity grows)."""
+        heads = torch.arange(self.spec.n_kv_heads, device=slots.device)
+        rows = (slots[:, None] * self.spec.n_kv_heads + heads) * self.capacity + positions[:, None]
+        return rows.flatten()
+
+    def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``, ``v [T, kv_heads, head_dim]`` at ``rows`` (from :meth:`rows_of`)."""
+        d = self.spec.head_dim
+        self.k[layer].view(-1, d).index_copy_(0, rows, k.reshape(-1, d))
+        self.v[layer].view(-1, d).index_copy_(0, rows, v.reshape(-1, d))
+
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` cached positions of slot ``src`` into slot ``dst``."""
         for store in (self.k, self.v):
@@ -284,12 +297,13 @@ class Qwen2Forward:
             torch.bmm(scores.softmax(-1), v.as_strided(((b - a) * nkv, L, d), (step, d, 1), at), out=out[rows])
         return out.view(B, -1)  # [B, h*d]
 
-    def _prompt_attention(self, q, k, v, lens: list[int]) -> list[torch.Tensor]:
+    def _prompt_attention(self, q, k, v, lens: list[int], last_only: bool) -> list[torch.Tensor]:
         """Causal attention within each new prompt (packed after the decode rows).
 
         A run of consecutive prompts of equal length (e.g. a group's samples of one prompt) is
         one contiguous block, viewed as a batch for one SDPA call. Returns ``[tokens, h*d]``
-        per run, in order.
+        per run, in order; with ``last_only``, ``[prompts, h*d]``: each prompt's last token only
+        (it sees every key of its prompt, so no mask).
         """
         out: list[torch.Tensor] = []
         start, j = 0, 0
@@ -299,10 +313,12 @@ class Qwen2Forward:
                 m += 1
             block = slice(start, start + m * n)
             qs, ks, vs = (t[block].view(m, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+            if last_only:
+                qs = qs[:, :, -1:]
             att = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, enable_gqa=True, scale=1.0  # q pre-scaled
+                qs, ks, vs, is_causal=not last_only, enable_gqa=True, scale=1.0  # q pre-scaled
             )
-            out.append(att.transpose(1, 2).reshape(m * n, -1))
+            out.append(att.transpose(1, 2).reshape(-1, qs.shape[1] * qs.shape[3]))
             start, j = start + m * n, j + m
         return out
 
@@ -320,7 +336,9 @@ class Qwen2Forward:
         prompt ``j`` fills slot ``B + j`` from position 0. All tokens share each weight matmul
         (one pass over the weights per step); attention is per row. Returns logits
         ``[B + len(prompts), V]``: the next-token logits of each decode row, then of each
-        prompt's last token.
+        prompt's last token. The last layer's attention output, o_proj and MLP run on those rows
+        only (a prompt's other tokens feed the cache alone, and the last layer's keys and values
+        come from its input).
         """
         s, dev = self.spec, decode_tokens.device
         B = decode_tokens.shape[0]
@@ -332,23 +350,24 @@ class Qwen2Forward:
             + [torch.full((n,), B + j, dtype=torch.long, device=dev) for j, n in enumerate(lens)]
         )
         cache.ensure_capacity(int(positions.max()) + 1)
+        rows = cache.rows_of(slots, positions)
         T, nq, nkv = tokens.shape[0], s.n_heads, s.n_kv_heads
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [T, 1, d]
         chunks = self._decode_chunks(decode_positions)
         h = F.embedding(tokens, self.embed)  # [T, H]
+        ends = torch.tensor(lens, dtype=torch.long, device=dev).cumsum(0) + (B - 1)
+        wanted = torch.cat([torch.arange(B, device=dev), ends])  # rows whose logits are returned
         for i, layer in enumerate(self.layers):
+            last = i == s.n_layers - 1  # other rows only feed the cache: skip their o_proj and MLP
             qkv = self.ops.linear(self._rms_norm(h, layer["ln1"]), layer["qkv_w"], layer["qkv_b"])
             qk = qkv[:, : (nq + nkv) * s.head_dim].view(T, nq + nkv, s.head_dim)
-            qk = qk * cos + qk.roll(s.head_dim // 2, dims=-1) * sin  # RoPE on q and k at once
+            qk = torch.addcmul(qk * cos, qk.roll(s.head_dim // 2, dims=-1), sin)  # RoPE: q and k
             q, k = qk[:, :nq], qk[:, nq:]
             v = qkv[:, (nq + nkv) * s.head_dim :].view(T, nkv, s.head_dim)
-            cache.k[i][slots, :, positions] = k
-            cache.v[i][slots, :, positions] = v
+            cache.write(i, rows, k, v)
             parts = [self._decode_attention(q[:B], i, cache, chunks)] if B else []
-            parts += self._prompt_attention(q[B:], k[B:], v[B:], lens)
+            parts += self._prompt_attention(q[B:], k[B:], v[B:], lens, last_only=last)
             att = torch.cat(parts) if len(parts) > 1 else parts[0]
-            h = self.ops.linear_add(att, layer["o_w"], h)
+            h = self.ops.linear_add(att, layer["o_w"], h[wanted] if last and lens else h)
             h = self._mlp_block(h, layer)
-        ends = torch.tensor(lens, dtype=torch.long, device=dev).cumsum(0) + (B - 1)
-        last = h[torch.cat([torch.arange(B, device=dev), ends])]
-        return self.ops.linear(self._rms_norm(last, self.final_norm), self.lm_head)
+        return self.ops.linear(self._rms_norm(h, self.final_norm), self.lm_head)
