@@ -23,15 +23,15 @@ def test_packed_step_logits_equal_hf_forward(tiny_model_dir, hf_model):
     cache = KVCache(model.spec, 8, 128, model.device, model.dtype)
     first, later = [[5, 17, 99, 200, 3], [42] * 3], [list(range(60, 90)), [7, 8, 9], [1, 2, 3]]
     empty = torch.zeros(0, dtype=torch.long)
-    model.step(empty, empty, [torch.tensor(p) for p in first], cache)
+    prefill = model.step(empty, empty, [torch.tensor(p) for p in first], cache)
     nxt = torch.tensor([11, 12])
     logits = model.step(
         nxt, torch.tensor([len(p) for p in first]), [torch.tensor(p) for p in later], cache
     )
     seqs = [first[0] + [11], first[1] + [12], *later]
     with torch.no_grad():
-        ref = torch.stack([hf_model(torch.tensor([q])).logits[0, -1] for q in seqs])
-    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+        ref = torch.stack([hf_model(torch.tensor([q])).logits[0, -1] for q in first + seqs])
+    torch.testing.assert_close(torch.cat([prefill, logits]), ref, atol=1e-4, rtol=0)
 
 
 def test_decode_attention_runs_read_their_own_length_and_match_one_run(tiny_model_dir):
