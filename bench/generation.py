@@ -1,6 +1,6 @@
 """Tokens/s of the embedded continuous-batching generator vs Hugging Face ``model.generate``.
 
-Run: ``python bench/generation.py [--sizes tiny small] [--threads 2] [--repeats 3]``. Prints, per
+Run: ``python bench/generation.py [--sizes tiny small] [--threads 2] [--repeats 5]``. Prints, per
 model size:
 
 (a) uniform: 64 prompts of 32 tokens, 16 new tokens each (EOS ignored), one batch of 64 on both
@@ -148,7 +148,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {args.threads} threads, fp32 CPU")
     with tempfile.TemporaryDirectory() as tmp:

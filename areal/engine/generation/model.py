@@ -291,10 +291,11 @@ class Qwen2Forward:
         k, v = cache.k[i], cache.v[i]
         step = cache.capacity * d  # elements between consecutive (slot, kv_head) blocks
         for a, b, bias in chunks:
-            rows, L, at = slice(a * nkv, b * nkv), bias.shape[-1], a * nkv * step
-            k_t = k.as_strided(((b - a) * nkv, d, L), (step, 1, d), at)  # keys, transposed
+            n, L, rows, at = (b - a) * nkv, bias.shape[-1], slice(a * nkv, b * nkv), a * nkv * step
+            k_t = k.as_strided((n, d, L), (step, 1, d), k.storage_offset() + at)  # transposed
+            v_run = v.as_strided((n, L, d), (step, d, 1), v.storage_offset() + at)
             scores = torch.baddbmm(bias, q[rows], k_t)  # q pre-scaled
-            torch.bmm(scores.softmax(-1), v.as_strided(((b - a) * nkv, L, d), (step, d, 1), at), out=out[rows])
+            torch.bmm(scores.softmax(-1), v_run, out=out[rows])
         return out.view(B, -1)  # [B, h*d]
 
     def _prompt_attention(self, q, k, v, lens: list[int], last_only: bool) -> list[torch.Tensor]:
