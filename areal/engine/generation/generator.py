@@ -382,7 +382,7 @@ class Generator:
         hole is filled the same way, down to the last run, whose hole takes the last slot. Runs
         thus keep longer requests first, and each reads keys only up to its own longest row.
         """
-        running, run = self._running, self.model.attention_chunk
+        running, run = self._running, self.model.attention_run
         seq, hole, last = running[slot], slot, len(running) - 1
         while (start := (hole // run + 1) * run) < last:
             nxt = range(start, min(start + run, last + 1))

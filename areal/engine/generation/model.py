@@ -8,7 +8,7 @@ matches ``Qwen2ForCausalLM`` logits to ~1e-6 in fp32 (tested against HF).
 Cache layout (per layer): ``k[layer]``, ``v[layer]`` of shape ``[max_batch, kv_heads, capacity,
 head_dim]``. Running sequences always occupy slots ``0..B-1`` (the generator compacts slots when
 one leaves), so a decode step attends over plain views ``k[a:b, :, :L]``: one per run of
-``ATTENTION_CHUNK`` slots, each with its own longest row as ``L``. New prompts join in
+``ATTENTION_RUN`` slots, each with its own longest row as ``L``. New prompts join in
 the same packed forward as the decode tokens (one pass over the weights per step). ``capacity``
 grows by doubling up to the context length, so memory follows the longest live sequence.
 """
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("qwen2",)
-ATTENTION_CHUNK = 16  # decode rows per attention run (see Qwen2Forward._decode_chunks)
+ATTENTION_RUN = 16  # slots per decode-attention run (see Qwen2Forward._decode_runs)
 
 
 class ModelSpec:
@@ -166,7 +166,7 @@ class Qwen2Forward:
         self.spec = ModelSpec(config)
         self.device, self.dtype = torch.device(device), dtype
         self.ops = DenseOps(self.device, dtype)
-        self.attention_chunk = ATTENTION_CHUNK
+        self.attention_run = ATTENTION_RUN
         self.params: dict[str, torch.Tensor] = {}
         for name, t in params.items():
             self.params[name] = t.to(device=self.device, dtype=dtype).contiguous()
@@ -249,14 +249,14 @@ class Qwen2Forward:
         gate, up = self.ops.linear(x, layer["gate_up_w"]).chunk(2, dim=-1)
         return self.ops.linear_add(F.silu(gate) * up, layer["down_w"], h)
 
-    def _decode_chunks(self, positions: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
-        """Split decode rows into runs of ``attention_chunk`` slots, each with its own key length.
+    def _decode_runs(self, positions: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+        """Split decode rows into runs of ``attention_run`` slots, each with its own key length.
 
         Returns ``(first_row, end_row, bias)`` per run; ``bias [rows * kv_heads, group, L_run]``
         is 0 up to each row's position and -inf after, with ``L_run`` the run's longest row
         (views into one bias built for the whole batch).
         """
-        s, n, dev = self.spec, self.attention_chunk, positions.device
+        s, n, dev = self.spec, self.attention_run, positions.device
         B, nkv, group = positions.shape[0], s.n_kv_heads, s.n_heads // s.n_kv_heads
         pos = positions.tolist()
         if not pos:
@@ -274,10 +274,10 @@ class Qwen2Forward:
             for a in range(0, B, n)
         ]
 
-    def _decode_attention(self, q, i: int, cache: KVCache, chunks) -> torch.Tensor:
+    def _decode_attention(self, q, i: int, cache: KVCache, runs) -> torch.Tensor:
         """Rows ``0..B-1`` (one query each, slot == row) attend over their cached keys.
 
-        Each run of rows from :meth:`_decode_chunks` reads keys only up to its own longest row
+        Each run of rows from :meth:`_decode_runs` reads keys only up to its own longest row
         (the generator keeps longer rows in earlier runs, so runs differ in length). Query heads
         sharing a KV head are laid out as extra query rows of that head, so grouped attention
         needs no repeat of the cache, and ``[rows, kv_heads]`` of the cache merge into one batch
@@ -290,7 +290,7 @@ class Qwen2Forward:
         out = torch.empty_like(q)
         k, v = cache.k[i], cache.v[i]
         step = cache.capacity * d  # elements between consecutive (slot, kv_head) blocks
-        for a, b, bias in chunks:
+        for a, b, bias in runs:
             n, L, rows, at = (b - a) * nkv, bias.shape[-1], slice(a * nkv, b * nkv), a * nkv * step
             k_t = k.as_strided((n, d, L), (step, 1, d), k.storage_offset() + at)  # transposed
             v_run = v.as_strided((n, L, d), (step, d, 1), v.storage_offset() + at)
@@ -354,7 +354,7 @@ class Qwen2Forward:
         rows = cache.rows_of(slots, positions)
         T, nq, nkv = tokens.shape[0], s.n_heads, s.n_kv_heads
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [T, 1, d]
-        chunks = self._decode_chunks(decode_positions)
+        runs = self._decode_runs(decode_positions)
         h = F.embedding(tokens, self.embed)  # [T, H]
         ends = torch.tensor(lens, dtype=torch.long, device=dev).cumsum(0) + (B - 1)
         wanted = torch.cat([torch.arange(B, device=dev), ends])  # rows whose logits are returned
@@ -366,7 +366,7 @@ class Qwen2Forward:
             q, k = qk[:, :nq], qk[:, nq:]
             v = qkv[:, (nq + nkv) * s.head_dim :].view(T, nkv, s.head_dim)
             cache.write(i, rows, k, v)
-            parts = [self._decode_attention(q[:B], i, cache, chunks)] if B else []
+            parts = [self._decode_attention(q[:B], i, cache, runs)] if B else []
             parts += self._prompt_attention(q[B:], k[B:], v[B:], lens, last_only=last)
             att = torch.cat(parts) if len(parts) > 1 else parts[0]
             h = self.ops.linear_add(att, layer["o_w"], h[wanted] if last and lens else h)
