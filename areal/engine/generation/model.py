@@ -130,7 +130,9 @@ class DenseOps:
     ``F.linear``'s MKL path (168 vs 134 GFLOP/s on 2 cores), and its binary post-op folds the
     residual add into the matmul (one pass over the activations and one op dispatch fewer).
     Weights are reordered into oneDNN's blocked layout once (:meth:`pack`) instead of at every
-    call: 10-35% faster matmuls at 8..200 rows, +6-11% generation tokens/s end to end. Results
+    call: 10-35% faster matmuls at 8..200 rows, +6-11% generation tokens/s end to end (at the
+    cost of a packed copy of o_proj, down_proj and lm_head next to the HF-named weights, which
+    partial weight updates need; q/k/v and gate/up were copies already). Results
     agree with the unfused ops to fp32 rounding (tested). Folding SiLU and the gate product in
     as well (two matmuls instead of one fused gate/up) measured slower end to end.
     """
