@@ -13,7 +13,8 @@ Endpoints
   :mod:`areal.engine.weight_sync`), ``POST /update_weight_version`` ``{"new_version"}``,
   ``POST /flush_cache``.
 Invalid requests get HTTP 400 ``{"error": {"message", "type", "param"}}`` where ``param`` names
-the field. After a generator crash, requests (in flight or new) get HTTP 503 naming the cause. SIGTERM/SIGINT: in-flight requests are answered (aborted), the port is closed, exit 0.
+the field. After a generator crash, requests (in flight or new) get HTTP 503 naming the cause.
+SIGTERM/SIGINT: in-flight requests are answered (aborted), the port is closed, exit 0.
 """
 
 from __future__ import annotations
@@ -162,9 +163,9 @@ class GenerationServer:
         return web.json_response({"status": "ok"})
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        """Generate one token end to end (skipped while paused: work is held, not broken)."""
-        if self.generator.error is not None:
-            return _error(503, f"generator crashed: {self.generator.error!r}")
+        """Generate one token end to end (skipped while paused: work is held, not broken).
+
+        A crashed generator refuses the request: 503 with the cause (see ``middleware``)."""
         if self.generator.paused:
             return web.json_response({"status": "paused"})
         fut = self.generator.submit([0], SamplingParams(max_new_tokens=1, temperature=0.0))

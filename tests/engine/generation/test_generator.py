@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from areal.engine.generation.sampling import SamplingParams
-from tests.engine.generation.conftest import hf_greedy
+from tests.engine.generation.conftest import hf_greedy, hf_logprobs
 
 PROMPTS = [[5, 17, 99, 200, 3], [42] * 3, list(range(60, 90)), [7]]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
@@ -64,7 +64,6 @@ def test_retire_refills_holes_run_by_run_and_logprobs_stay_exact(tiny_model_dir,
     moves = []
     move_slot = gen.cache.move_slot
 
-
     def record(src, dst, n):
         moves.append(src != len(gen._running) - 1)  # True: a middle row refilled a hole
         move_slot(src, dst, n)
@@ -80,9 +79,7 @@ def test_retire_refills_holes_run_by_run_and_logprobs_stay_exact(tiny_model_dir,
     assert any(moves) and not all(moves)
     for prompt, n, r in zip(prompts, limits, results):
         assert len(r.output_ids) == n
-        with torch.no_grad():  # logprobs see every cached key, so a bad move would show here
-            logits = hf_model(torch.tensor([prompt + r.output_ids])).logits[0, len(prompt) - 1 : -1]
-        ref = logits.log_softmax(-1).gather(-1, torch.tensor(r.output_ids)[:, None])[:, 0]
+        ref = hf_logprobs(hf_model, prompt, r.output_ids)  # sees every cached key: a bad move shows
         torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=1e-4, rtol=0)
 
 
@@ -118,11 +115,7 @@ def test_logprobs_equal_log_softmax_of_hf_forward(generator, hf_model, temperatu
     # Contract: log_softmax(logits / T)[token], T = 1 for greedy (temperature 0).
     params = SamplingParams(max_new_tokens=16, temperature=temperature, seed=11)
     r = generator.generate([PROMPTS[0]], params)[0]
-    ids = torch.tensor([PROMPTS[0] + r.output_ids])
-    with torch.no_grad():
-        logits = hf_model(ids).logits[0, len(PROMPTS[0]) - 1 : -1]
-    scale = temperature if temperature > 0 else 1.0
-    ref = torch.log_softmax(logits / scale, -1).gather(1, torch.tensor(r.output_ids)[:, None])[:, 0]
+    ref = hf_logprobs(hf_model, PROMPTS[0], r.output_ids, temperature if temperature > 0 else 1.0)
     torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=1e-4, rtol=0)
     assert r.output_versions == [generator.version] * len(r.output_ids)
 

@@ -138,16 +138,19 @@ def test_a_generator_crash_answers_503_naming_the_cause(tiny_model_dir):
     async def run() -> list[tuple[int, dict]]:
         async with TestClient(TestServer(srv.build_app(), host="127.0.0.1")) as client:
             answers = []
-            for method, path in [("POST", "/generate"), ("POST", "/generate"), ("GET", "/health")]:
+            calls = [("POST", "/generate"), ("POST", "/generate"), ("GET", "/health"),
+                     ("GET", "/health_generate")]
+            for method, path in calls:
                 resp = await client.request(method, path, json=body if method == "POST" else None)
                 answers.append((resp.status, await resp.json()))
             return answers
 
     try:
-        (s1, crashed), (s2, after), (s3, health) = asyncio.run(run())
+        (s1, crashed), (s2, after), (s3, health), (s4, health_gen) = asyncio.run(run())
     finally:
         srv.generator.shutdown()
-    assert (s1, s2, s3) == (503, 503, 503)
+    assert (s1, s2, s3, s4) == (503, 503, 503, 503)
+    assert "bad kernel" in health_gen["error"]["message"]
     assert "generator crashed: FloatingPointError('bad kernel')" in crashed["error"]["message"]
     assert "not running" in after["error"]["message"] and "bad kernel" in after["error"]["message"]
     assert "bad kernel" in health["error"]["message"]
