@@ -1,7 +1,7 @@
 """Tokens/s of the embedded continuous-batching generator vs Hugging Face ``model.generate``.
 
-Run: ``python bench/generation.py [--sizes tiny small] [--threads 2] [--repeats 5]``. Prints, per
-model size:
+Run: ``python bench/generation.py [--sizes tiny small] [--threads 2] [--repeats 5]
+[--cpu-attention compiled|torch]``. Prints, per model size:
 
 (a) uniform: 64 prompts of 32 tokens, 16 new tokens each (EOS ignored), one batch of 64 on both
     sides. Target ratio >= 1.0x.
@@ -15,7 +15,9 @@ Each side runs in its own process with the same thread count, as it would be dep
 like ``areal serve`` (model compute on the generator thread, the main thread single-threaded), HF
 in the main thread. The two sides' timed runs alternate, ``--repeats`` each, and each figure is
 the best of its side's runs (the least disturbed one on a shared host). Ratios are measured in
-one run on the same machine; absolute numbers depend on the host.
+one run on the same machine; absolute numbers depend on the host. Ours uses the compiled
+decode-attention kernel by default (an error if it cannot be built); ``--cpu-attention torch``
+measures the batched-matmul path instead.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def _useful(tokens: list[int], limit: int, eos: int | None) -> int:
 class _HFSide:
     """HF generate in static batches of 64 (left-padded, each batch runs to its longest)."""
 
-    def __init__(self, model_dir: str, work, threads: int):
+    def __init__(self, model_dir: str, work, threads: int, attention: str):
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
@@ -93,10 +95,12 @@ class _HFSide:
 class _OurSide:
     """Our generator with every request submitted at once, at most 64 running."""
 
-    def __init__(self, model_dir: str, work, threads: int):
+    def __init__(self, model_dir: str, work, threads: int, attention: str):
         torch.set_num_threads(1)  # as `areal serve`: compute threads belong to the generator thread
         self.prompts, limits, ignore_eos = work
-        self.gen = Generator.from_pretrained(model_dir, max_batch_size=BATCH, num_threads=threads)
+        self.gen = Generator.from_pretrained(
+            model_dir, cpu_attention=attention, max_batch_size=BATCH, num_threads=threads
+        )
         self.gen.start()
         self.params = [
             SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=ignore_eos) for n in limits
@@ -121,7 +125,7 @@ def _run_side() -> float:
     return _SIDE.run()
 
 
-def compare(model_dir: str, work, threads: int, repeats: int) -> tuple[float, float]:
+def compare(model_dir: str, work, threads: int, repeats: int, attention: str) -> tuple[float, float]:
     """Best tokens/s of (ours, HF): each side in its own process, timed runs alternating.
 
     Alternating puts both sides in the same stretches of a shared host's load, so a quiet or a
@@ -129,7 +133,9 @@ def compare(model_dir: str, work, threads: int, repeats: int) -> tuple[float, fl
     """
     ctx = multiprocessing.get_context("spawn")
     pools = [
-        ProcessPoolExecutor(1, ctx, initializer=_start_side, initargs=(cls, model_dir, work, threads))
+        ProcessPoolExecutor(
+            1, ctx, initializer=_start_side, initargs=(cls, model_dir, work, threads, attention)
+        )
         for cls in (_OurSide, _HFSide)
     ]
     try:
@@ -149,13 +155,14 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cpu-attention", choices=["compiled", "torch"], default="compiled")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {args.threads} threads, fp32 CPU")
+    print(f"torch {torch.__version__}, {args.threads} threads, fp32 CPU, {args.cpu_attention} attention")
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
             model_dir = str(build_tiny_model(f"{tmp}/{size}", size=size, seed=0))
             for (name, work), target in zip(_workloads(random.Random(0)).items(), (1.0, 2.5)):
-                ours, hf = compare(model_dir, work, args.threads, args.repeats)
+                ours, hf = compare(model_dir, work, args.threads, args.repeats, args.cpu_attention)
                 print(
                     f"{size:5s} {name:22s} ours {ours:8.0f} tok/s  hf {hf:8.0f} tok/s  "
                     f"ratio {ours / hf:5.2f}x (target >= {target}x)",

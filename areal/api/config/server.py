@@ -46,6 +46,12 @@ class GenerationServerConfig:
     max_prefill_tokens: int = param(
         8192, ge=1, help="Prompt-token budget admitted into one step (the first prompt always fits)."
     )
+    cpu_attention: Literal["auto", "compiled", "torch"] = param(
+        "auto",
+        help="Decode attention on CPU fp32: compiled = a C kernel built with $CC (default cc) at "
+        "start, an error if it cannot be built; torch = batched matmuls; auto = compiled if it "
+        "builds, else torch with a warning. /get_server_info reports decode_attention.",
+    )
     seed: int = param(0, ge=0, help="Seed of the shared generator for requests without a seed.")
     shutdown_timeout: float = param(
         10.0, gt=0, help="Seconds to finish answering in-flight requests on SIGTERM."

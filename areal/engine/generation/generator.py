@@ -34,6 +34,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from areal.engine.generation.cpu_attention import Mode
 from areal.engine.generation.model import KVCache, Qwen2Forward, read_hf_dir
 from areal.engine.generation.sampling import SamplingParams, sample
 
@@ -108,12 +109,17 @@ class Generator:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
+        cls,
+        path: str | Path,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        cpu_attention: Mode = "auto",
+        **kwargs,
     ) -> "Generator":
         """Load an HF Qwen2 dir (weights + tokenizer for stop strings) into a new generator."""
         from transformers import AutoTokenizer
 
-        model = Qwen2Forward.from_pretrained(path, device=device, dtype=dtype)
+        model = Qwen2Forward.from_pretrained(path, device, dtype, cpu_attention)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return cls(model, decode=lambda ids: tokenizer.decode(ids), **kwargs)
 
@@ -381,10 +387,11 @@ class Generator:
         The hole in one attention run is filled by the longest request of the next run, whose
         hole is filled the same way, down to the last run, whose hole takes the last slot. Runs
         thus keep longer requests first, and each reads keys only up to its own longest row.
+        Without runs (the compiled attention kernel reads exact lengths) the last slot fills it.
         """
         running, run = self._running, self.model.attention_run
         seq, hole, last = running[slot], slot, len(running) - 1
-        while (start := (hole // run + 1) * run) < last:
+        while run and (start := (hole // run + 1) * run) < last:
             nxt = range(start, min(start + run, last + 1))
             longest = max(nxt, key=lambda j: len(running[j].prompt) + len(running[j].out))
             hole = self._move(longest, hole)

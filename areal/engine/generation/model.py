@@ -7,8 +7,9 @@ matches ``Qwen2ForCausalLM`` logits to ~1e-6 in fp32 (tested against HF).
 
 Cache layout (per layer): ``k[layer]``, ``v[layer]`` of shape ``[max_batch, kv_heads, capacity,
 head_dim]``. Running sequences always occupy slots ``0..B-1`` (the generator compacts slots when
-one leaves), so a decode step attends over plain views ``k[a:b, :, :L]``: one per run of
-``ATTENTION_RUN`` slots, each with its own longest row as ``L``. New prompts join in
+one leaves). On CPU fp32 a compiled kernel (:mod:`.cpu_attention`) reads each row's cache up
+to its own length; otherwise a decode step attends over plain views ``k[a:b, :, :L]``: one per
+run of ``ATTENTION_RUN`` slots, each with its own longest row as ``L``. New prompts join in
 the same packed forward as the decode tokens (one pass over the weights per step). ``capacity``
 grows by doubling up to the context length, so memory follows the longest live sequence.
 """
@@ -21,8 +22,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from areal.engine.generation.cpu_attention import Mode, load_decode_attention
+
 SUPPORTED_MODEL_TYPES = ("qwen2",)
-ATTENTION_RUN = 16  # slots per decode-attention run (see Qwen2Forward._decode_runs)
+ATTENTION_RUN = 16  # slots per decode-attention run of the matmul path (Qwen2Forward._decode_runs)
 
 
 class ModelSpec:
@@ -164,11 +167,15 @@ class DenseOps:
 class Qwen2Forward:
     """Qwen2 decoder over a dict of HF-named tensors; weights replaceable in place."""
 
-    def __init__(self, config: dict, params: dict[str, torch.Tensor], device, dtype):
+    def __init__(
+        self, config: dict, params: dict[str, torch.Tensor], device, dtype, cpu_attention: Mode = "auto"
+    ):
         self.spec = ModelSpec(config)
         self.device, self.dtype = torch.device(device), dtype
         self.ops = DenseOps(self.device, dtype)
-        self.attention_run = ATTENTION_RUN
+        self.kernel = load_decode_attention(cpu_attention, self.device, dtype)
+        # Slots per attention run; None = one run per step (the kernel reads exact lengths).
+        self.attention_run: int | None = None if self.kernel else ATTENTION_RUN
         self.params: dict[str, torch.Tensor] = {}
         for name, t in params.items():
             self.params[name] = t.to(device=self.device, dtype=dtype).contiguous()
@@ -188,11 +195,18 @@ class Qwen2Forward:
         self.cos = emb.cos().to(self.device, dtype)
         self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.device, dtype)
 
+    @property
+    def attention_impl(self) -> str:
+        """Which decode attention runs: ``compiled`` (the C kernel) or ``torch`` (matmuls)."""
+        return "compiled" if self.kernel else "torch"
+
     @classmethod
-    def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32) -> "Qwen2Forward":
+    def from_pretrained(
+        cls, path: str | Path, device="cpu", dtype=torch.float32, cpu_attention: Mode = "auto"
+    ) -> "Qwen2Forward":
         """Load config and safetensors weights of an HF Qwen2 model directory."""
         config, params = read_hf_dir(path)
-        return cls(config, params, device, dtype)
+        return cls(config, params, device, dtype, cpu_attention)
 
     def _build_fused(self) -> None:
         """Concatenate q/k/v and gate/up weights so each is one matmul per layer, then pack them.
@@ -279,13 +293,16 @@ class Qwen2Forward:
     def _decode_attention(self, q, i: int, cache: KVCache, runs) -> torch.Tensor:
         """Rows ``0..B-1`` (one query each, slot == row) attend over their cached keys.
 
-        Each run of rows from :meth:`_decode_runs` reads keys only up to its own longest row
+        With the compiled kernel, ``runs`` is each row's key count and the kernel reads exactly
+        that. Otherwise each run of rows from :meth:`_decode_runs` reads keys only up to its own longest row
         (the generator keeps longer rows in earlier runs, so runs differ in length). Query heads
         sharing a KV head are laid out as extra query rows of that head, so grouped attention
         needs no repeat of the cache, and ``[rows, kv_heads]`` of the cache merge into one batch
         dimension of a strided view (no copy). Two batched matmuls (the first adding the bias)
         beat SDPA's masked CPU kernel here.
         """
+        if self.kernel:
+            return self.kernel(q.flatten(1), cache.k[i], cache.v[i], runs)
         s = self.spec
         B, nkv, d = q.shape[0], s.n_kv_heads, s.head_dim
         q = q.reshape(B * nkv, s.n_heads // nkv, d)
@@ -356,7 +373,7 @@ class Qwen2Forward:
         rows = cache.rows_of(slots, positions)
         T, nq, nkv = tokens.shape[0], s.n_heads, s.n_kv_heads
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [T, 1, d]
-        runs = self._decode_runs(decode_positions)
+        runs = decode_positions + 1 if self.kernel else self._decode_runs(decode_positions)
         h = F.embedding(tokens, self.embed)  # [T, H]
         ends = torch.tensor(lens, dtype=torch.long, device=dev).cumsum(0) + (B - 1)
         wanted = torch.cat([torch.arange(B, device=dev), ends])  # rows whose logits are returned

@@ -65,6 +65,7 @@ class GenerationServer:
             cfg.model_path,
             device=cfg.device,
             dtype=getattr(torch, cfg.dtype),
+            cpu_attention=cfg.cpu_attention,
             max_batch_size=cfg.max_batch_size,
             context_length=cfg.context_length or None,
             max_prefill_tokens=cfg.max_prefill_tokens,
@@ -194,6 +195,7 @@ class GenerationServer:
             context_length=self.generator.context_length,
             weight_version=self.generator.version,
             paused=self.generator.paused,
+            decode_attention=self.generator.model.attention_impl,
             **self.generator.load(),
         )
         return web.json_response(info)

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
+
+needs_cc = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None,
+    reason="the compiled decode-attention kernel needs a C compiler ($CC, default cc)",
+)
 
 
 @pytest.fixture(scope="session")

@@ -8,18 +8,20 @@ import pytest
 import torch
 
 from areal.engine.generation.sampling import SamplingParams
-from tests.engine.generation.conftest import hf_greedy, hf_logprobs
+from tests.engine.generation.conftest import hf_greedy, hf_logprobs, needs_cc
 
 PROMPTS = [[5, 17, 99, 200, 3], [42] * 3, list(range(60, 90)), [7]]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
 
 
-def test_packed_step_logits_equal_hf_forward(tiny_model_dir, hf_model):
+@pytest.mark.parametrize("attention", [pytest.param("compiled", marks=needs_cc), "torch"])
+def test_packed_step_logits_equal_hf_forward(tiny_model_dir, hf_model, attention):
     # One step holding 2 decode rows and 3 new prompts (the adjacent two of equal length share
-    # an SDPA call).
+    # an SDPA call), with either decode-attention path.
     from areal.engine.generation.model import KVCache, Qwen2Forward
 
-    model = Qwen2Forward.from_pretrained(tiny_model_dir)
+    model = Qwen2Forward.from_pretrained(tiny_model_dir, cpu_attention=attention)
+    assert model.attention_impl == attention
     cache = KVCache(model.spec, 8, 128, model.device, model.dtype)
     first, later = [[5, 17, 99, 200, 3], [42] * 3], [list(range(60, 90)), [7, 8, 9], [1, 2, 3]]
     empty = torch.zeros(0, dtype=torch.long)
@@ -37,7 +39,7 @@ def test_packed_step_logits_equal_hf_forward(tiny_model_dir, hf_model):
 def test_decode_attention_runs_read_their_own_length_and_match_one_run(tiny_model_dir):
     from areal.engine.generation.model import KVCache, Qwen2Forward
 
-    model = Qwen2Forward.from_pretrained(tiny_model_dir)
+    model = Qwen2Forward.from_pretrained(tiny_model_dir, cpu_attention="torch")
     s = model.spec
     cache = KVCache(model.spec, 8, 64, model.device, model.dtype)
     for t in cache.k + cache.v:
@@ -54,13 +56,16 @@ def test_decode_attention_runs_read_their_own_length_and_match_one_run(tiny_mode
     torch.testing.assert_close(in_runs, one_run, atol=1e-5, rtol=0)  # fp32 summation order
 
 
-def test_retire_refills_holes_run_by_run_and_logprobs_stay_exact(tiny_model_dir, hf_model):
-    # 4 attention runs of 2 slots: every retirement refills holes run by run (cache rows move
-    # between slots), and each request's logprobs still equal HF's forward on its tokens.
+@pytest.mark.parametrize("attention", [pytest.param("compiled", marks=needs_cc), "torch"])
+def test_retire_refills_holes_and_logprobs_stay_exact(tiny_model_dir, hf_model, attention):
+    # torch: 4 attention runs of 2 slots, so retirements refill holes run by run (middle rows
+    # move); compiled: no runs, the last row fills each hole. Either way cache rows move between
+    # slots, and each request's logprobs still equal HF's forward on its tokens.
     from areal.engine.generation.generator import Generator
 
-    gen = Generator.from_pretrained(tiny_model_dir, max_batch_size=8)
-    gen.model.attention_run = 2
+    gen = Generator.from_pretrained(tiny_model_dir, cpu_attention=attention, max_batch_size=8)
+    if attention == "torch":
+        gen.model.attention_run = 2
     moves = []
     move_slot = gen.cache.move_slot
 
@@ -76,7 +81,8 @@ def test_retire_refills_holes_run_by_run_and_logprobs_stay_exact(tiny_model_dir,
         results = gen.start().generate(prompts, params)
     finally:
         gen.shutdown()
-    assert any(moves) and not all(moves)
+    assert moves and not all(moves)
+    assert any(moves) == (attention == "torch")
     for prompt, n, r in zip(prompts, limits, results):
         assert len(r.output_ids) == n
         ref = hf_logprobs(hf_model, prompt, r.output_ids)  # sees every cached key: a bad move shows

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -64,7 +65,10 @@ def test_info_endpoints(server):
         status, out = call(server + path)
         assert status == 200, (path, out)
     assert call(f"{server}/get_model_info")[1]["is_generation"] is True
-    assert "api_key" not in call(f"{server}/get_server_info")[1]
+    info = call(f"{server}/get_server_info")[1]
+    assert "api_key" not in info and info["cpu_attention"] == "auto"
+    has_cc = shutil.which(os.environ.get("CC", "cc")) is not None
+    assert info["decode_attention"] == ("compiled" if has_cc else "torch")
 
 
 def test_openai_client_completions_and_chat(server):

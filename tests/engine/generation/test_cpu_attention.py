@@ -1,0 +1,95 @@
+"""The compiled CPU decode-attention kernel: equal to softmax attention, and its build modes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from areal.engine.generation.cpu_attention import DecodeAttentionKernel, load_decode_attention
+from tests.engine.generation.conftest import needs_cc
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return DecodeAttentionKernel.build()
+
+
+def reference(q, k, v, lengths):
+    """Plain softmax attention per (row, query head) over the row's first ``lengths[b]`` keys."""
+    B, (S, H, C, D) = q.shape[0], k.shape
+    G = q.shape[1] // (H * D)
+    out = torch.empty(B, H, G, D, dtype=torch.float64)
+    for b in range(B):
+        n = int(lengths[b])
+        for h in range(H):
+            qs = q[b].view(H, G, D)[h].double()
+            w = torch.softmax(qs @ k[b, h, :n].double().T, -1)
+            out[b, h] = w @ v[b, h, :n].double()
+    return out.view(B, -1).float()
+
+
+@needs_cc
+@pytest.mark.parametrize(("H", "G", "D"), [(2, 2, 64), (8, 1, 64), (2, 4, 128), (3, 2, 48)])
+def test_kernel_equals_softmax_attention(kernel, H, G, D):
+    # Lengths 1, exactly one softmax block (128), one past it, and several blocks; the cache has
+    # more slots and capacity than the rows use, and q rows are strided (a slice of a wider qkv).
+    gen = torch.Generator().manual_seed(H * 100 + G * 10 + D)
+    S, C = 7, 320
+    k, v = (torch.randn(S, H, C, D, generator=gen) for _ in range(2))
+    lengths = torch.tensor([1, 128, 129, 300, 57])
+    qkv = torch.randn(len(lengths), H * G * D + 3 * D, generator=gen) * D**-0.5
+    q = qkv[:, : H * G * D]
+    assert not q.is_contiguous()
+    torch.testing.assert_close(kernel(q, k, v, lengths), reference(q, k, v, lengths), atol=2e-6, rtol=1e-5)
+
+
+@needs_cc
+def test_kernel_softmax_holds_at_extreme_score_ranges(kernel):
+    # Scores spanning ~+-400: most weights underflow to 0 and the later blocks raise the running
+    # max (the rescaling path); the result still equals softmax attention.
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 2, 400, 64, generator=gen), torch.randn(2, 2, 400, 64, generator=gen)
+    k[:, :, 200:] *= 3  # later keys score higher: the max moves up block by block
+    q = torch.randn(2, 2 * 2 * 64, generator=gen) * 8
+    lengths = torch.tensor([400, 333])
+    torch.testing.assert_close(kernel(q, k, v, lengths), reference(q, k, v, lengths), atol=2e-6, rtol=1e-5)
+
+
+@needs_cc
+def test_kernel_rejects_operands_it_cannot_read(kernel):
+    k = v = torch.zeros(4, 2, 16, 64)
+    q, lengths = torch.zeros(3, 256), torch.ones(3, dtype=torch.long)
+    with pytest.raises(ValueError, match="decode_attention: bad operands"):
+        kernel(q.double(), k, v, lengths)
+    with pytest.raises(ValueError, match="decode_attention: bad operands"):
+        kernel(q, k, v, lengths.int())
+    with pytest.raises(ValueError, match="decode_attention: bad operands"):
+        kernel(q, k.transpose(2, 3), v, lengths)  # a non-contiguous cache
+
+
+def test_modes_when_no_compiler_is_found(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "no-such-compiler-areal")
+    with pytest.raises(RuntimeError, match="could not be built.*'no-such-compiler-areal' not found"):
+        load_decode_attention("compiled", CPU, torch.float32)
+    with caplog.at_level(logging.WARNING, logger="areal.engine.generation.cpu_attention"):
+        assert load_decode_attention("auto", CPU, torch.float32) is None
+    assert "using batched matmuls" in caplog.text and "no-such-compiler-areal" in caplog.text
+    caplog.clear()
+    assert load_decode_attention("torch", CPU, torch.float32) is None
+    assert load_decode_attention("compiled", CPU, torch.bfloat16) is None  # CPU fp32 only
+    assert not caplog.text  # neither tried to build
+    with pytest.raises(ValueError, match="cpu_attention: 'fast' is not one of"):
+        load_decode_attention("fast", CPU, torch.float32)  # type: ignore[arg-type]
+
+
+def test_a_compile_error_is_reported_with_the_compiler_output(monkeypatch, tmp_path):
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho 'omp.h: No such file or directory' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    with pytest.raises(RuntimeError, match="failed: omp.h: No such file or directory"):
+        DecodeAttentionKernel.build()
