@@ -9,8 +9,8 @@ its own length (so the generator needs no attention runs), with the softmax done
 L1 (an online softmax over blocks of ``BLOCK`` keys): ~2x faster than the matmuls at 64 rows.
 
 How: the C source below is compiled with ``$CC`` (default ``cc``) into a temporary shared
-library, loaded with ``ctypes`` (which drops the GIL for the call) and deleted; ~0.3 s per
-process. ``-march=native`` is safe because each process builds for the machine it runs on.
+library, loaded with ``ctypes`` (which drops the GIL for the call) and deleted; ~0.3 s, once
+per process. ``-march=native`` is safe because each process builds for the machine it runs on.
 OpenMP is linked by soname, so the loader binds it to the ``libgomp`` torch already loaded: the
 kernel shares torch's thread team and follows ``torch.set_num_threads`` of the calling thread.
 ``exp`` is a degree-7 polynomial on ``[-ln2/2, ln2/2]`` times ``2^k`` (relative error < 1e-7,
@@ -25,6 +25,7 @@ reports which one runs (``/get_server_info``: ``decode_attention``).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import shutil
@@ -152,9 +153,10 @@ class DecodeAttentionKernel:
         self._fn = fn
 
     @classmethod
-    def build(cls) -> "DecodeAttentionKernel":
-        """Compile :data:`SOURCE` with ``$CC`` and load it; raises ``RuntimeError`` saying why not."""
-        cc = os.environ.get("CC", "cc")
+    def build(cls, cc: str | None = None) -> "DecodeAttentionKernel":
+        """Compile :data:`SOURCE` with ``cc`` (default ``$CC`` or ``cc``) and load it; raises
+        ``RuntimeError`` saying why not."""
+        cc = cc or os.environ.get("CC", "cc")
         if shutil.which(cc) is None:
             raise RuntimeError(f"C compiler {cc!r} not found (set CC or install gcc)")
         with tempfile.TemporaryDirectory(prefix="areal-kernel-") as tmp:
@@ -201,6 +203,12 @@ class DecodeAttentionKernel:
         return out
 
 
+@functools.cache
+def _built(cc: str) -> DecodeAttentionKernel:
+    """One build per compiler per process: the kernel holds no state."""
+    return DecodeAttentionKernel.build(cc)
+
+
 def load_decode_attention(
     mode: Mode, device: torch.device, dtype: torch.dtype
 ) -> DecodeAttentionKernel | None:
@@ -213,16 +221,16 @@ def load_decode_attention(
     if mode == "torch" or device.type != "cpu" or dtype != torch.float32:
         return None
     try:
-        return DecodeAttentionKernel.build()
+        return _built(os.environ.get("CC", "cc"))
     except RuntimeError as e:
         if mode == "compiled":
             raise RuntimeError(
                 f"cpu_attention=compiled: the decode-attention kernel could not be built: {e}. "
-                "Install a C compiler with OpenMP (gcc) or pass --cpu-attention torch"
+                "Install a C compiler with OpenMP (gcc) or set cpu_attention=torch"
             ) from None
         logger.warning(
             "decode attention: the compiled CPU kernel could not be built (%s); using batched "
-            "matmuls (~2x slower attention). Install gcc, or pass --cpu-attention torch to "
+            "matmuls (~2x slower attention). Install gcc, or set cpu_attention=torch to "
             "choose that path explicitly.",
             e,
         )

@@ -290,26 +290,26 @@ class Qwen2Forward:
             for a in range(0, B, n)
         ]
 
-    def _decode_attention(self, q, i: int, cache: KVCache, runs) -> torch.Tensor:
+    def _decode_attention(self, q, i: int, cache: KVCache, layout) -> torch.Tensor:
         """Rows ``0..B-1`` (one query each, slot == row) attend over their cached keys.
 
-        With the compiled kernel, ``runs`` is each row's key count and the kernel reads exactly
-        that. Otherwise each run of rows from :meth:`_decode_runs` reads keys only up to its own longest row
-        (the generator keeps longer rows in earlier runs, so runs differ in length). Query heads
+        With the compiled kernel, ``layout`` is each row's key count ``[B]`` and the kernel reads
+        exactly that. Otherwise it is the runs of :meth:`_decode_runs`, each reading keys only up
+        to its own longest row (the generator keeps longer rows in earlier runs). Query heads
         sharing a KV head are laid out as extra query rows of that head, so grouped attention
         needs no repeat of the cache, and ``[rows, kv_heads]`` of the cache merge into one batch
         dimension of a strided view (no copy). Two batched matmuls (the first adding the bias)
         beat SDPA's masked CPU kernel here.
         """
         if self.kernel:
-            return self.kernel(q.flatten(1), cache.k[i], cache.v[i], runs)
+            return self.kernel(q.flatten(1), cache.k[i], cache.v[i], layout)
         s = self.spec
         B, nkv, d = q.shape[0], s.n_kv_heads, s.head_dim
         q = q.reshape(B * nkv, s.n_heads // nkv, d)
         out = torch.empty_like(q)
         k, v = cache.k[i], cache.v[i]
         step = cache.capacity * d  # elements between consecutive (slot, kv_head) blocks
-        for a, b, bias in runs:
+        for a, b, bias in layout:
             n, L, rows, at = (b - a) * nkv, bias.shape[-1], slice(a * nkv, b * nkv), a * nkv * step
             k_t = k.as_strided((n, d, L), (step, 1, d), k.storage_offset() + at)  # transposed
             v_run = v.as_strided((n, L, d), (step, d, 1), v.storage_offset() + at)
@@ -373,7 +373,7 @@ class Qwen2Forward:
         rows = cache.rows_of(slots, positions)
         T, nq, nkv = tokens.shape[0], s.n_heads, s.n_kv_heads
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [T, 1, d]
-        runs = decode_positions + 1 if self.kernel else self._decode_runs(decode_positions)
+        layout = decode_positions + 1 if self.kernel else self._decode_runs(decode_positions)
         h = F.embedding(tokens, self.embed)  # [T, H]
         ends = torch.tensor(lens, dtype=torch.long, device=dev).cumsum(0) + (B - 1)
         wanted = torch.cat([torch.arange(B, device=dev), ends])  # rows whose logits are returned
@@ -385,7 +385,7 @@ class Qwen2Forward:
             q, k = qk[:, :nq], qk[:, nq:]
             v = qkv[:, (nq + nkv) * s.head_dim :].view(T, nkv, s.head_dim)
             cache.write(i, rows, k, v)
-            parts = [self._decode_attention(q[:B], i, cache, runs)] if B else []
+            parts = [self._decode_attention(q[:B], i, cache, layout)] if B else []
             parts += self._prompt_attention(q[B:], k[B:], v[B:], lens, last_only=last)
             att = torch.cat(parts) if len(parts) > 1 else parts[0]
             h = self.ops.linear_add(att, layer["o_w"], h[wanted] if last and lens else h)
