@@ -121,10 +121,13 @@ static inline __attribute__((always_inline)) void attend(
 /* q: row b's query heads at q + b * q_row_stride, [H, G, D]; k, v: [S, H, C, D] caches whose
    slot b holds row b; lengths[b] keys are valid; out: [B, H, G, D]. The (row, head) items are
    dealt round-robin over the team, so rows of unequal lengths spread evenly. Common head
-   sizes get a constant D (fully unrolled loops). */
-void decode_attention(const float *q, int64_t q_row_stride, const float *k, const float *v,
-                      const int64_t *lengths, int64_t B, int64_t H, int64_t G, int64_t D,
-                      int64_t C, float *out) {
+   sizes get a constant D (fully unrolled loops). Returns -1, or the first row whose length is
+   outside 1..C (nothing computed). */
+int64_t decode_attention(const float *q, int64_t q_row_stride, const float *k, const float *v,
+                         const int64_t *lengths, int64_t B, int64_t H, int64_t G, int64_t D,
+                         int64_t C, float *out) {
+  for (int64_t b = 0; b < B; ++b)
+    if (lengths[b] < 1 || lengths[b] > C) return b;
   const int64_t N = B * H;
 #pragma omp parallel
   {
@@ -138,6 +141,7 @@ void decode_attention(const float *q, int64_t q_row_stride, const float *k, cons
       else attend(qi, ki, vi, n, G, D, oi);
     }
   }
+  return -1;
 }
 """
 
@@ -149,7 +153,7 @@ class DecodeAttentionKernel:
         fn = library.decode_attention
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i64, p]
-        fn.restype = None
+        fn.restype = i64
         self._fn = fn
 
     @classmethod
@@ -197,9 +201,12 @@ class DecodeAttentionKernel:
                 f"{lengths.dtype}"
             )
         out = torch.empty(B, width, dtype=q.dtype)
-        if B:
-            self._fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), lengths.data_ptr(),
-                     B, H, width // (H * D), D, C, out.data_ptr())  # fmt: skip
+        bad = self._fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), lengths.data_ptr(),
+                       B, H, width // (H * D), D, C, out.data_ptr())  # fmt: skip
+        if bad >= 0:
+            raise ValueError(
+                f"decode_attention: row {bad} has {int(lengths[bad])} keys; the cache holds 1..{C}"
+            )
         return out
 
 

@@ -69,6 +69,9 @@ def test_kernel_rejects_operands_it_cannot_read(kernel):
         kernel(q, k, v, lengths.int())
     with pytest.raises(ValueError, match="decode_attention: bad operands"):
         kernel(q, k.transpose(2, 3), v, lengths)  # a non-contiguous cache
+    for n in (0, 17):  # no key, or more keys than the cache's 16 positions: nothing is read
+        with pytest.raises(ValueError, match=f"row 1 has {n} keys; the cache holds 1..16"):
+            kernel(q, k, v, torch.tensor([3, n, 5]))
 
 
 def test_modes_when_no_compiler_is_found(monkeypatch, caplog):
