@@ -333,7 +333,11 @@ async def serve(cfg: GenerationServerConfig, num_threads: int = 0) -> int:
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
     await site.start()
     port = runner.addresses[0][1] if runner.addresses else cfg.port
-    print(f"areal serve: listening on http://{cfg.host}:{port} model={cfg.model_path}", flush=True)
+    print(
+        f"areal serve: listening on http://{cfg.host}:{port} model={cfg.model_path} "
+        f"decode_attention={server.generator.model.attention_impl}",
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
