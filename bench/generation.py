@@ -73,7 +73,7 @@ def _useful(tokens: list[int], limit: int, eos: int | None) -> int:
 class _HFSide:
     """HF generate in static batches of 64 (left-padded, each batch runs to its longest)."""
 
-    def __init__(self, model_dir: str, work, threads: int, attention: str):
+    def __init__(self, model_dir: str, work, threads: int):
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
@@ -132,12 +132,8 @@ def compare(model_dir: str, work, threads: int, repeats: int, attention: str) ->
     busy minute does not fall on one side only.
     """
     ctx = multiprocessing.get_context("spawn")
-    pools = [
-        ProcessPoolExecutor(
-            1, ctx, initializer=_start_side, initargs=(cls, model_dir, work, threads, attention)
-        )
-        for cls in (_OurSide, _HFSide)
-    ]
+    sides = [(_OurSide, model_dir, work, threads, attention), (_HFSide, model_dir, work, threads)]
+    pools = [ProcessPoolExecutor(1, ctx, initializer=_start_side, initargs=args) for args in sides]
     try:
         best = [0.0, 0.0]
         for _ in range(repeats):
@@ -157,7 +153,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cpu-attention", choices=["compiled", "torch"], default="compiled")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {args.threads} threads, fp32 CPU, {args.cpu_attention} attention")
+    print(f"torch {torch.__version__}, {args.threads} threads, fp32 CPU, "
+          f"{args.cpu_attention} attention")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
             model_dir = str(build_tiny_model(f"{tmp}/{size}", size=size, seed=0))

@@ -158,9 +158,9 @@ class DecodeAttentionKernel:
 
     @classmethod
     def build(cls, cc: str | None = None) -> "DecodeAttentionKernel":
-        """Compile :data:`SOURCE` with ``cc`` (default ``$CC`` or ``cc``) and load it; raises
+        """Compile :data:`SOURCE` with ``cc`` (default :func:`compiler`) and load it; raises
         ``RuntimeError`` saying why not."""
-        cc = cc or os.environ.get("CC", "cc")
+        cc = cc or compiler()
         if shutil.which(cc) is None:
             raise RuntimeError(f"C compiler {cc!r} not found (set CC or install gcc)")
         with tempfile.TemporaryDirectory(prefix="areal-kernel-") as tmp:
@@ -210,6 +210,11 @@ class DecodeAttentionKernel:
         return out
 
 
+def compiler() -> str:
+    """The C compiler the kernel is built with: ``$CC``, default ``cc``."""
+    return os.environ.get("CC", "cc")
+
+
 @functools.cache
 def _built(cc: str) -> DecodeAttentionKernel:
     """One build per compiler per process: the kernel holds no state."""
@@ -228,7 +233,7 @@ def load_decode_attention(
     if mode == "torch" or device.type != "cpu" or dtype != torch.float32:
         return None
     try:
-        return _built(os.environ.get("CC", "cc"))
+        return _built(compiler())
     except RuntimeError as e:
         if mode == "compiled":
             raise RuntimeError(

@@ -4,9 +4,9 @@ Each loop iteration (1) runs queued control commands (pause, weight load, versio
 steps, (2) admits waiting requests into free cache slots, (3) runs one packed forward holding a
 decode token for every running request (each at its own position) and the whole prompts of the
 admitted ones, so prefill shares the step's pass over the weights, and (4) retires
-finished requests, refilling freed slots so running requests stay in slots ``0..B-1`` (with the
-longer ones in earlier attention runs on the matmul attention path; see ``_retire``). Requests therefore join and leave the
-running batch between decode steps.
+finished requests, refilling freed slots so running requests stay in slots ``0..B-1`` (on the
+matmul attention path with the longer ones in earlier attention runs; see ``_retire``).
+Requests therefore join and leave the running batch between decode steps.
 
 Every token carries the weight version it was sampled under. A weight update does not drop the
 KV cache of running requests (their earlier keys/values stay from the old weights); trainers that

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +17,7 @@ import urllib.request
 import pytest
 
 from areal.launcher.procs import free_port
-from tests.engine.generation.conftest import hf_greedy
+from tests.engine.generation.conftest import HAS_CC, hf_greedy
 from tests.engine.serving import start_servers, stop_servers
 
 KEY = "test-key"
@@ -67,8 +66,7 @@ def test_info_endpoints(server):
     assert call(f"{server}/get_model_info")[1]["is_generation"] is True
     info = call(f"{server}/get_server_info")[1]
     assert "api_key" not in info and info["cpu_attention"] == "auto"
-    has_cc = shutil.which(os.environ.get("CC", "cc")) is not None
-    assert info["decode_attention"] == ("compiled" if has_cc else "torch")
+    assert info["decode_attention"] == ("compiled" if HAS_CC else "torch")
 
 
 def test_openai_client_completions_and_chat(server):
