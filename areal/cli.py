@@ -32,7 +32,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from areal.api.config import ConfigError, load_config
     from areal.api.config.server import GenerationServerConfig
-    from areal.engine.generation.server import main as serve_main
+    from areal.serving.server import main as serve_main
 
     flags = {"model": "model_path", "host": "host", "port": "port", "api_key": "api_key"}
     argv = ["--config", args.config] if args.config else []

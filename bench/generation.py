@@ -31,8 +31,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from areal.engine.generation.generator import Generator
-from areal.engine.generation.sampling import SamplingParams
+from areal.serving.generator import Generator
+from areal.serving.sampling import SamplingParams
 from areal.utils.tiny_model import build_tiny_model
 
 BATCH = 64

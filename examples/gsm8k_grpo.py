@@ -21,13 +21,13 @@ import torch
 from areal.algo.logprob import packed_token_logprobs
 from areal.api.config import GRPOConfig, load_config
 from areal.api.io import FinetuneSpec, WeightUpdateMeta
-from areal.engine.executor import WorkflowExecutor
+from areal.rollout.executor import WorkflowExecutor
 from areal.engine.fsdp import FSDPEngine
 from areal.engine.ppo import PPOActor, PPOCritic
-from areal.engine.remote import RemoteInferenceEngine
-from areal.engine.trajectory import groups_to_batch
-from areal.experiment import init_run
-from areal.launcher.procs import free_port
+from areal.rollout.remote import RemoteInferenceEngine
+from areal.rollout.trajectory import groups_to_batch
+from areal.runtime.run import init_run
+from areal.utils.network import free_port
 from areal.reward.code import code_reward
 from areal.reward.math import math_reward
 from areal.reward.runner import RewardRunner

@@ -13,7 +13,7 @@ import sys
 
 from areal.api.config import RWConfig, load_config
 from areal.engine.rw import RWEngine
-from areal.experiment import init_run
+from areal.runtime.run import init_run
 from areal.utils.batch import PackedBatch
 
 CONFIG = RWConfig

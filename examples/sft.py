@@ -13,7 +13,7 @@ import sys
 
 from areal.api.config import SFTConfig, load_config
 from areal.engine.sft import SFTEngine
-from areal.experiment import init_run
+from areal.runtime.run import init_run
 from areal.utils.batch import PackedBatch
 
 CONFIG = SFTConfig

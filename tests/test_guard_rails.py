@@ -15,20 +15,33 @@ LAYERS = [
     {"utils"},
     {"api"},
     {"algo"},
-    {"engine"},
+    {"engine", "rollout", "serving"},  # trainer side, rollout client, generation server
     {"workflow", "reward", "dataset"},
+    {"runtime"},
     {"launcher", "core"},
-    {"cli", "quickstart", "experiment", "__main__", "examples"},
+    {"cli", "quickstart", "__main__", "examples"},
 ]
+# Imports forbidden even where the layers allow them: the three programs of the middle layer
+# stay apart, and workflows see only the InferenceEngine protocol (areal.api.engine).
+NEVER: dict[str, set[str]] = {
+    "engine": {"rollout", "serving"},
+    "rollout": {"engine", "serving"},
+    "serving": {"engine", "rollout"},
+    "workflow": {"rollout"},
+}
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 60
 # "path" or "path::function" -> the written reason it may exceed its budget.
 EXEMPT: dict[str, str] = {}
 
 
-def _layer(module: str) -> int:
+def _package(module: str) -> str:
     parts = module.split(".")
-    top = "examples" if parts[0] == "examples" else (parts[1] if len(parts) > 1 else "__init__")
+    return "examples" if parts[0] == "examples" else (parts[1] if len(parts) > 1 else "__init__")
+
+
+def _layer(module: str) -> int:
+    top = _package(module)
     for i, names in enumerate(LAYERS):
         if top in names:
             return i
@@ -84,6 +97,16 @@ def test_imports_point_down_the_layers(path):
             f"{path.relative_to(ROOT)}:{line} imports {name} (layer {sorted(LAYERS[theirs])}) "
             f"from layer {sorted(LAYERS[mine])}: imports must point down (see ARCHITECTURE.md)"
         )
+        assert _package(name) not in NEVER.get(_package(module), set()), (
+            f"{path.relative_to(ROOT)}:{line} imports {name}: areal.{_package(module)} never imports "
+            f"areal.{_package(name)} (see NEVER and ARCHITECTURE.md)"
+        )
+
+
+def test_never_rules_name_real_packages():
+    known = set().union(*LAYERS)
+    for pkg, banned in NEVER.items():
+        assert {pkg, *banned} <= known, f"NEVER[{pkg!r}] names a package in no layer"
 
 
 def test_files_and_functions_stay_within_budget():

@@ -13,7 +13,7 @@ Three formats, three purposes:
   critic's value-normaliser moments) goes next to it as a small JSON file
   (:func:`save_replicated_state`, :func:`load_replicated_state`).
 
-Broadcast to inference servers lives in :mod:`areal.engine.weight_sync` (one protocol for both
+Broadcast to inference servers lives in :mod:`areal.utils.weight_sync` (one protocol for both
 sides); the engine only feeds it full tensors bucket by bucket.
 """
 

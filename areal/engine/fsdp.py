@@ -40,7 +40,8 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, A
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.engine import LossFn, LossWeightFn, PostHook, TrainEngine
 from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
-from areal.engine import checkpoint, weight_sync
+from areal.engine import checkpoint
+from areal.utils import weight_sync
 from areal.engine.lr_schedule import build_lr_scheduler
 from areal.utils.batch import MicroBatches, PackedBatch, split_microbatches
 
@@ -321,7 +322,7 @@ class FSDPEngine(TrainEngine):
         ``meta.version``); the client then calls the servers' ``/update_weights_from_disk``.
         ``distributed``: broadcast every tensor of :meth:`weight_announcement` over the group
         joined with :meth:`init_weight_update_group`, in the buckets of
-        :func:`areal.engine.weight_sync.plan_buckets`, while the client has the servers receive
+        :func:`areal.utils.weight_sync.plan_buckets`, while the client has the servers receive
         via ``/update_weights_from_distributed``. Full tensors are all-gathered one bucket at a
         time, so at most one bucket is unsharded at once. Collective over trainer ranks.
         """

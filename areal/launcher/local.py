@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from areal.api.config import ConfigError, load_config, save_config
-from areal.launcher.procs import ProcessSupervisor, free_port
+from areal.launcher.procs import ProcessSupervisor
+from areal.utils.network import free_port
 from areal.launcher.servers import server_command
 from areal.utils.logging import add_log_file, get_logger
 

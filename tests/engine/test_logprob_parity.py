@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from areal.api.config import PPOActorConfig
-from areal.engine.generation.generator import Generator
-from areal.engine.generation.sampling import SamplingParams
+from areal.serving.generator import Generator
+from areal.serving.sampling import SamplingParams
 from areal.engine.ppo import PPOActor
 from areal.utils.batch import PackedBatch
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from areal.api.io import WeightUpdateMeta
-from areal.engine import weight_sync
+from areal.utils import weight_sync
 from test_fsdp import (
     free_port, make_engine, n_loss_tokens, nll_loss, random_batch, run_processes, set_dist_env,
 )

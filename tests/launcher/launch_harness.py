@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal.launcher.procs import port_is_free
+from areal.utils.network import port_is_free
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ The executor owns an asyncio loop in a background thread. The trainer thread cal
 :meth:`WorkflowExecutor.submit`, :meth:`~WorkflowExecutor.wait`,
 :meth:`~WorkflowExecutor.rollout_batch` (synchronous: evaluation, or synchronous training) and
 :meth:`~WorkflowExecutor.prepare_batch` (asynchronous: rollouts stay in flight across training
-steps). Admission is decided by :class:`~areal.engine.staleness.StalenessManager`; results come
+steps). Admission is decided by :class:`~areal.rollout.staleness.StalenessManager`; results come
 back oldest-submitted first; nothing finished is discarded; a group the ``should_accept`` filter
 rejects frees its slot so a replacement item is admitted and the batch size stays fixed.
 
@@ -32,8 +32,8 @@ from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.engine import InferenceEngine
 from areal.api.io import Trajectory
 from areal.api.workflow import RolloutWorkflow
-from areal.engine.staleness import StalenessManager
-from areal.engine.trajectory import staleness_stats
+from areal.rollout.staleness import StalenessManager
+from areal.rollout.trajectory import staleness_stats
 from areal.utils.logging import get_logger
 
 logger = get_logger("executor")

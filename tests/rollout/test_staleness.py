@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal.engine.staleness import StalenessManager
+from areal.rollout.staleness import StalenessManager
 
 
 def _start(sm: StalenessManager, n: int) -> None:

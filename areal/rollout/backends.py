@@ -1,6 +1,6 @@
 """The one place where our server, SGLang and vLLM differ: which HTTP call does what, and how a
 generation answer maps to tokens, logprobs, versions and a stop reason. Pure functions only; the
-client (:mod:`areal.engine.remote`) sends the calls.
+client (:mod:`areal.rollout.remote`) sends the calls.
 
 Coverage, plainly:
 
@@ -8,13 +8,13 @@ Coverage, plainly:
   (``meta_info.output_token_versions``), ``/pause_generation`` (in-flight requests answer with
   their partial tokens and finish reason ``abort``), ``/continue_generation``,
   ``/update_weights_from_disk`` and the bucketed torch.distributed protocol of
-  :mod:`areal.engine.weight_sync` (``/init_weights_update_group``,
+  :mod:`areal.utils.weight_sync` (``/init_weights_update_group``,
   ``/update_weights_from_distributed``).
 - ``sglang`` -- the same native schema: ``/generate``, ``/pause_generation`` with
   ``{"mode": "abort"}``, ``/continue_generation``, ``/update_weights_from_disk``. Per-token
   versions are taken from ``meta_info.weight_version`` when the server sends it, else the
   client's version. Distributed updates are refused: SGLang receives one broadcast per tensor,
-  while our trainer broadcasts byte buckets (areal.engine.weight_sync) -- use disk updates.
+  while our trainer broadcasts byte buckets (areal.utils.weight_sync) -- use disk updates.
 - ``vllm`` -- generation through the OpenAI ``/v1/completions`` endpoint with a token-id
   ``prompt``, ``logprobs=0``, ``return_token_ids`` and ``return_tokens_as_token_ids``; pause and
   resume through ``POST /pause?mode=abort`` / ``POST /resume`` (vLLM's dev-mode RL routes,
@@ -23,7 +23,7 @@ Coverage, plainly:
   HTTP weight transfer uses its own NCCL rendezvous and there is no documented reload-from-disk
   route, so use vllm for evaluation/generation, or areal/sglang for training. vLLM reports
   logprobs of the raw logits unless started with ``--logprobs-mode processed_logprobs``; our
-  trainer expects temperature-scaled logprobs (see areal/engine/generation/sampling.py).
+  trainer expects temperature-scaled logprobs (see areal/serving/sampling.py).
 
 Not exercised against real SGLang/vLLM servers here (CPU machine, no network): the request and
 response mappings are unit-tested against the documented shapes.
@@ -182,7 +182,7 @@ class NativeBackend(Backend):
             )
 
     def init_weight_group(self, meta, rank_offset, world_size) -> HttpCall:
-        """``/init_weights_update_group`` (areal.engine.weight_sync protocol)."""
+        """``/init_weights_update_group`` (areal.utils.weight_sync protocol)."""
         self._check_distributed()
         body = {
             "master_address": meta.master_address, "master_port": meta.master_port,

@@ -16,9 +16,9 @@ import urllib.request
 
 import pytest
 
-from areal.launcher.procs import free_port
-from tests.engine.generation.conftest import HAS_CC, hf_greedy
-from tests.engine.serving import start_servers, stop_servers
+from areal.utils.network import free_port
+from tests.serving.conftest import HAS_CC, hf_greedy
+from tests.serving.servers import start_servers, stop_servers
 
 KEY = "test-key"
 PROMPT = [5, 17, 99, 200, 3]
@@ -126,7 +126,7 @@ def test_a_generator_crash_answers_503_naming_the_cause(tiny_model_dir):
 
     from areal.api.config import from_dict
     from areal.api.config.server import GenerationServerConfig
-    from areal.engine.generation.server import GenerationServer
+    from areal.serving.server import GenerationServer
 
     srv = GenerationServer(from_dict(GenerationServerConfig, {"model_path": str(tiny_model_dir)}))
 
@@ -198,7 +198,7 @@ def test_update_weights_from_disk_then_over_gloo(server, hf_model, tiny_model_di
     assert status == 400 and out["error"]["param"] == "model_path"
     # A separate process plays the trainer: joins the gloo group, broadcasts the original weights.
     trainer = subprocess.run(
-        [sys.executable, "-m", "tests.engine.generation.trainer_proc", server, tiny_model_dir, str(free_port()), KEY],
+        [sys.executable, "-m", "tests.serving.trainer_proc", server, tiny_model_dir, str(free_port()), KEY],
         capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert trainer.returncode == 0, trainer.stdout.decode()[-1500:] + trainer.stderr.decode()[-1500:]

@@ -6,7 +6,7 @@ import pytest
 
 from areal.api.config.base import GenerationHyperparameters
 from areal.api.io import WeightUpdateMeta
-from areal.engine.backends import (
+from areal.rollout.backends import (
     BadServerResponse,
     NativeBackend,
     UnsupportedByBackend,

@@ -1,6 +1,6 @@
 """Plays the trainer in the gloo weight-update test: joins the group as rank 0 and broadcasts.
 
-Usage: ``python -m tests.engine.generation.trainer_proc URL WEIGHTS_DIR MASTER_PORT API_KEY``.
+Usage: ``python -m tests.serving.trainer_proc URL WEIGHTS_DIR MASTER_PORT API_KEY``.
 Every HTTP call and collective has a deadline; exit 0 only when the server reports success.
 """
 
@@ -11,8 +11,8 @@ import sys
 import threading
 import urllib.request
 
-from areal.engine.generation.model import read_hf_dir
-from areal.engine.weight_sync import announcement, broadcast_weights, init_weight_update_group
+from areal.serving.model import read_hf_dir
+from areal.utils.weight_sync import announcement, broadcast_weights, init_weight_update_group
 
 DEADLINE_S = 60.0
 

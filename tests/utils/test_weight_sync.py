@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from areal.engine.weight_sync import (
+from areal.utils.weight_sync import (
     TensorSpec,
     announcement,
     broadcast_weights,

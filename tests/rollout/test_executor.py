@@ -13,7 +13,7 @@ from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.engine import InferenceEngine
 from areal.api.io import ModelRequest, ModelResponse, RolloutStatus, Trajectory
 from areal.api.workflow import RolloutWorkflow
-from areal.engine.executor import RolloutError, RolloutWatchdogError, WorkflowExecutor
+from areal.rollout.executor import RolloutError, RolloutWatchdogError, WorkflowExecutor
 
 
 class FakeEngine(InferenceEngine):

@@ -10,7 +10,7 @@ Endpoints
   and finish reason ``abort``; hold new ones), ``POST /continue_generation``,
   ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"?}``,
   ``POST /init_weights_update_group`` and ``POST /update_weights_from_distributed`` (protocol in
-  :mod:`areal.engine.weight_sync`), ``POST /update_weight_version`` ``{"new_version"}``,
+  :mod:`areal.utils.weight_sync`), ``POST /update_weight_version`` ``{"new_version"}``,
   ``POST /flush_cache``.
 Invalid requests get HTTP 400 ``{"error": {"message", "type", "param"}}`` where ``param`` names
 the field. After a generator crash, requests (in flight or new) get HTTP 503 naming the cause.
@@ -31,11 +31,11 @@ import torch
 from aiohttp import web
 
 from areal.api.config.server import GenerationServerConfig
-from areal.engine import weight_sync
-from areal.engine.generation import openai_api, protocol
-from areal.engine.generation.generator import Generator, GeneratorStopped
-from areal.engine.generation.protocol import BadRequest, Job
-from areal.engine.generation.sampling import SamplingParams
+from areal.utils import weight_sync
+from areal.serving import openai_api, protocol
+from areal.serving.generator import Generator, GeneratorStopped
+from areal.serving.protocol import BadRequest, Job
+from areal.serving.sampling import SamplingParams
 
 logger = logging.getLogger("areal.serve")
 ADMIN_PATHS = {
@@ -257,7 +257,7 @@ class GenerationServer:
         return web.json_response({"success": True, "message": "loaded", "weight_version": v})
 
     async def init_group(self, request: web.Request) -> web.Response:
-        """Join the trainer's weight-update group (see :mod:`areal.engine.weight_sync`)."""
+        """Join the trainer's weight-update group (see :mod:`areal.utils.weight_sync`)."""
         body = await self._body(request)
         for key in ("master_address", "master_port", "rank_offset", "world_size"):
             if key not in body:

@@ -20,17 +20,17 @@ from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.io import ModelRequest, RolloutStatus, Trajectory, WeightUpdateMeta
 from areal.api.workflow import RolloutWorkflow
-from areal.engine.executor import RolloutError, WorkflowExecutor
-from areal.engine.remote import (
+from areal.rollout.executor import RolloutError, WorkflowExecutor
+from areal.rollout.remote import (
     ENV_ADDRS,
     AllServersDeadError,
     RemoteInferenceEngine,
     _Server,
     resolve_addresses,
 )
-from areal.launcher.procs import free_port
+from areal.utils.network import free_port
 from areal.utils.name_resolve import MemoryNameRepository, gen_servers_key
-from tests.engine.serving import start_servers, stop_servers
+from tests.serving.servers import start_servers, stop_servers
 
 pytestmark = pytest.mark.slow
 
@@ -218,8 +218,8 @@ def test_group_samples_stick_to_one_server_and_failover_moves_the_group():
 def test_distributed_update_over_gloo_matches_a_disk_update(servers, make_engine, other_weights_dir,
                                                             tiny_model_dir):
     """The test process plays trainer rank 0; both servers join the group through the client."""
-    from areal.engine.generation.model import read_hf_dir
-    from areal.engine.weight_sync import announcement, broadcast_weights, init_weight_update_group
+    from areal.serving.model import read_hf_dir
+    from areal.utils.weight_sync import announcement, broadcast_weights, init_weight_update_group
 
     eng = make_engine(servers)
     g = GenerationHyperparameters(max_new_tokens=10, greedy=True, ignore_eos=True)

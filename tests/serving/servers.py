@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from areal.launcher.procs import free_port
+from areal.utils.network import free_port
 
 STARTUP_DEADLINE_S = 90.0
 

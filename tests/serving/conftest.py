@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from areal.engine.generation.cpu_attention import compiler
+from areal.serving.cpu_attention import compiler
 
 HAS_CC = shutil.which(compiler()) is not None
 needs_cc = pytest.mark.skipif(
@@ -32,7 +32,7 @@ def other_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def generator(tiny_model_dir):
-    from areal.engine.generation.generator import Generator
+    from areal.serving.generator import Generator
 
     gen = Generator.from_pretrained(tiny_model_dir, max_batch_size=8).start()
     yield gen

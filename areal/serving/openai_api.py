@@ -11,8 +11,8 @@ from __future__ import annotations
 import uuid
 from typing import Any, Callable
 
-from areal.engine.generation.generator import GenerationResult
-from areal.engine.generation.protocol import (
+from areal.serving.generator import GenerationResult
+from areal.serving.protocol import (
     NEUTRAL,
     BadRequest,
     Job,
@@ -26,7 +26,7 @@ from areal.engine.generation.protocol import (
     render_text,
     usage,
 )
-from areal.engine.generation.sampling import SamplingParams
+from areal.serving.sampling import SamplingParams
 
 COMMON_KEYS = {
     "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user",

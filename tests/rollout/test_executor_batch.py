@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from areal.api.io import RolloutStatus, Trajectory
-from areal.engine.trajectory import STATUS_CODES, groups_to_batch, staleness_stats
+from areal.rollout.trajectory import STATUS_CODES, groups_to_batch, staleness_stats
 
 
 def _traj(prompt, completion, versions, reward, status=RolloutStatus.COMPLETED, mask=None, **kw):

@@ -34,9 +34,9 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from areal.engine.generation.cpu_attention import Mode
-from areal.engine.generation.model import KVCache, Qwen2Forward, read_hf_dir
-from areal.engine.generation.sampling import SamplingParams, sample
+from areal.serving.cpu_attention import Mode
+from areal.serving.model import KVCache, Qwen2Forward, read_hf_dir
+from areal.serving.sampling import SamplingParams, sample
 
 logger = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length", "abort"]

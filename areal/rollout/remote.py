@@ -36,8 +36,8 @@ import aiohttp
 from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.engine import InferenceEngine
 from areal.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
-from areal.engine.backends import HttpCall, make_backend
-from areal.engine.executor import EventLoopThread
+from areal.rollout.backends import HttpCall, make_backend
+from areal.rollout.executor import EventLoopThread
 from areal.utils.logging import get_logger
 from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository
 

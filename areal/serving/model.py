@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from areal.engine.generation.cpu_attention import Mode, load_decode_attention
+from areal.serving.cpu_attention import Mode, load_decode_attention
 
 SUPPORTED_MODEL_TYPES = ("qwen2",)
 ATTENTION_RUN = 16  # slots per decode-attention run of the matmul path (Qwen2Forward._decode_runs)

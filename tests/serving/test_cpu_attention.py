@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from areal.engine.generation.cpu_attention import DecodeAttentionKernel, load_decode_attention
-from tests.engine.generation.conftest import needs_cc
+from areal.serving.cpu_attention import DecodeAttentionKernel, load_decode_attention
+from tests.serving.conftest import needs_cc
 
 CPU = torch.device("cpu")
 
@@ -78,7 +78,7 @@ def test_modes_when_no_compiler_is_found(monkeypatch, caplog):
     monkeypatch.setenv("CC", "no-such-compiler-areal")
     with pytest.raises(RuntimeError, match="could not be built.*'no-such-compiler-areal' not found"):
         load_decode_attention("compiled", CPU, torch.float32)
-    with caplog.at_level(logging.WARNING, logger="areal.engine.generation.cpu_attention"):
+    with caplog.at_level(logging.WARNING, logger="areal.serving.cpu_attention"):
         assert load_decode_attention("auto", CPU, torch.float32) is None
     assert "using batched matmuls" in caplog.text and "no-such-compiler-areal" in caplog.text
     caplog.clear()

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from areal.engine.generation.sampling import SamplingParams
-from tests.engine.generation.conftest import hf_greedy, hf_logprobs, needs_cc
+from areal.serving.sampling import SamplingParams
+from tests.serving.conftest import hf_greedy, hf_logprobs, needs_cc
 
 PROMPTS = [[5, 17, 99, 200, 3], [42] * 3, list(range(60, 90)), [7]]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
@@ -18,7 +18,7 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
 def test_packed_step_logits_equal_hf_forward(tiny_model_dir, hf_model, attention):
     # One step holding 2 decode rows and 3 new prompts (the adjacent two of equal length share
     # an SDPA call), with either decode-attention path.
-    from areal.engine.generation.model import KVCache, Qwen2Forward
+    from areal.serving.model import KVCache, Qwen2Forward
 
     model = Qwen2Forward.from_pretrained(tiny_model_dir, cpu_attention=attention)
     assert model.attention_impl == attention
@@ -37,7 +37,7 @@ def test_packed_step_logits_equal_hf_forward(tiny_model_dir, hf_model, attention
 
 
 def test_decode_attention_runs_read_their_own_length_and_match_one_run(tiny_model_dir):
-    from areal.engine.generation.model import KVCache, Qwen2Forward
+    from areal.serving.model import KVCache, Qwen2Forward
 
     model = Qwen2Forward.from_pretrained(tiny_model_dir, cpu_attention="torch")
     s = model.spec
@@ -61,7 +61,7 @@ def test_retire_refills_holes_and_logprobs_stay_exact(tiny_model_dir, hf_model, 
     # torch: 4 attention runs of 2 slots, so retirements refill holes run by run (middle rows
     # move); compiled: no runs, the last row fills each hole. Either way cache rows move between
     # slots, and each request's logprobs still equal HF's forward on its tokens.
-    from areal.engine.generation.generator import Generator
+    from areal.serving.generator import Generator
 
     gen = Generator.from_pretrained(tiny_model_dir, cpu_attention=attention, max_batch_size=8)
     if attention == "torch":
@@ -92,7 +92,7 @@ def test_retire_refills_holes_and_logprobs_stay_exact(tiny_model_dir, hf_model, 
 def test_fused_dense_ops_are_onednn_on_cpu_fp32_and_match_unfused_torch():
     import torch.nn.functional as F
 
-    from areal.engine.generation.model import DenseOps
+    from areal.serving.model import DenseOps
 
     fused = DenseOps(torch.device("cpu"), torch.float32)
     plain = DenseOps(torch.device("cpu"), torch.bfloat16)
@@ -217,7 +217,7 @@ def test_invalid_requests_are_rejected_with_the_field_name(generator):
 
 
 def test_a_crash_in_the_step_fails_every_request_with_the_cause(tiny_model_dir):
-    from areal.engine.generation.generator import Generator, GeneratorStopped
+    from areal.serving.generator import Generator, GeneratorStopped
 
     gen = Generator.from_pretrained(tiny_model_dir, max_batch_size=2)
 

@@ -16,8 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from areal.engine.generation.generator import GenerationResult
-from areal.engine.generation.sampling import SamplingParams
+from areal.serving.generator import GenerationResult
+from areal.serving.sampling import SamplingParams
 
 
 class BadRequest(ValueError):

@@ -1,0 +1,2 @@
+"""The run context of a trainer process: the distributed context (process group, device mesh),
+seeds, timers, stats, recover checkpoints (``run``) and the weight publisher (``publisher``)."""
