@@ -22,7 +22,7 @@ def _load(tmp_path, text: str, *overrides: str):
 def test_defaults_load_with_overrides_and_yaml(tmp_path):
     cfg = _load(tmp_path, "train_dataset:\n  type: sft\nseed: 7\n", "model.optimizer.lr=3e-4")
     assert cfg.seed == 7 and cfg.train_dataset.type == "sft"
-    assert cfg.model.optimizer.lr == pytest.approx(3e-4)  # "3e-4" is a YAML string: coerced
+    assert cfg.model.optimizer.lr == pytest.approx(3e-4)  # YAML 1.2: 3e-4 is a float
 
 
 def test_malformed_yaml_names_the_line(tmp_path):

@@ -7,12 +7,20 @@ the whole tree and raises one :class:`ConfigError` listing *every* problem (unkn
 "did you mean", wrong types, out-of-range values, cross-field rules from each section's
 ``check()``), each with the dotted path, the bad value and the fix. The result is frozen; derived
 values live in the code that derives them, never back in the config.
+
+YAML is read the YAML 1.2 way (:class:`Yaml12Loader`), in files and in override values alike:
+only ``true``/``false`` are booleans (``yes``, ``no``, ``on``, ``off`` are strings, so a bool
+field given one is an error, not a silent ``True``), and ``1e-5`` is a float. Float fields reject
+NaN and +-inf unless declared with ``param(..., allow_nonfinite=True)``: a ``lr: .nan`` typo
+would otherwise only surface as a NaN loss hours into a run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -42,16 +50,86 @@ def param(
     gt: float | None = None,
     le: float | None = None,
     lt: float | None = None,
+    allow_nonfinite: bool = False,
 ) -> Any:
-    """A config field: ``help`` is required; bounds are checked at load (``ge`` = ">=")."""
+    """A config field: ``help`` is required; bounds are checked at load (``ge`` = ">=").
+
+    Float values (also inside unions and lists) must be finite unless ``allow_nonfinite=True``;
+    with it, ``.inf``/``.nan`` load as given and the bounds still apply (NaN fails every bound).
+    """
     if (default is _MISSING) == (factory is _MISSING):
         raise TypeError("param() needs exactly one of default= or factory=")
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    meta["allow_nonfinite"] = allow_nonfinite
     if factory is not _MISSING:
         return dataclasses.field(default_factory=factory, metadata=meta)
     if isinstance(default, list):  # mutable default: copy per instance
         return dataclasses.field(default_factory=lambda d=tuple(default): list(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+# ----------------------------------------------------------------------------- YAML 1.2
+
+# YAML 1.2 core schema (https://yaml.org/spec/1.2.2/#1032-tag-resolution) as
+# (tag, regexp, first characters). int comes before float: "1" matches both and is an int.
+_CORE_SCHEMA = [
+    ("null", r"~|null|Null|NULL|", ["~", "n", "N", ""]),
+    ("bool", r"true|True|TRUE|false|False|FALSE", list("tTfF")),
+    ("int", r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", list("-+0123456789")),
+    ("float", r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+              r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)", list("-+0123456789.")),
+]
+
+
+class Yaml12Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` resolving plain scalars by the YAML 1.2 core schema.
+
+    PyYAML implements YAML 1.1, where ``yes``/``no``/``on``/``off``/``y``/``n`` are booleans,
+    ``1e-5`` (no dot) is a string, ``012`` is octal and ``2024-01-01`` a date. Here they are a
+    string, a float, twelve and a string. ``yaml.SafeLoader`` itself is left unchanged.
+    """
+
+    # A dict of our own, so the resolvers below replace the YAML 1.1 ones instead of being
+    # appended to a copy of them (add_implicit_resolver copies the parent's dict when the class
+    # has none); SafeLoader's dict is never touched.
+    yaml_implicit_resolvers: dict = {}
+
+
+def _construct_int(loader: Yaml12Loader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    try:
+        if text[:2] in ("0x", "0o"):
+            return int(text[2:], 16 if text[1] == "x" else 8)
+        return int(text)  # YAML 1.2: a leading zero is decimal (012 == 12), not octal as in 1.1
+    except ValueError:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text!r} is not an integer", node.start_mark) from None
+
+
+def _construct_float(loader: Yaml12Loader, node: yaml.ScalarNode) -> float:
+    text = loader.construct_scalar(node)
+    try:  # float() spells .inf / .nan without the dot
+        return float(text.lower().replace(".inf", "inf").replace(".nan", "nan"))
+    except ValueError:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text!r} is not a number", node.start_mark) from None
+
+
+class Yaml12Dumper(yaml.SafeDumper):
+    """``yaml.SafeDumper`` that quotes every string a YAML 1.1 *or* 1.2 reader would take for
+    something else (``'on'``, ``'1e5'``, ``'0o17'``), so what :func:`save_config` writes reads
+    back the same with :class:`Yaml12Loader` and with plain ``yaml.safe_load``."""
+
+
+for _tag, _regexp, _first in _CORE_SCHEMA:
+    _resolver = (f"tag:yaml.org,2002:{_tag}", re.compile(f"^(?:{_regexp})$"), _first)
+    Yaml12Loader.add_implicit_resolver(*_resolver)
+    Yaml12Dumper.add_implicit_resolver(*_resolver)  # added to (a copy of) the YAML 1.1 ones
+# Merge keys (<<: *base) are YAML 1.1 only, but kept: sharing a block between sections is useful
+# and a key spelled "<<" has no other sensible meaning in a config.
+Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:merge", re.compile(r"^(?:<<)$"), ["<"])
+Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+Yaml12Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 
 
 # ----------------------------------------------------------------------------- coercion
@@ -110,7 +188,9 @@ def _coerce_scalar(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        problems.append(f"{path}: expected true/false, got {value!r}")
+        yaml11 = isinstance(value, str) and value.lower() in ("yes", "no", "on", "off", "y", "n")
+        note = " (YAML 1.2 reads yes/no/on/off as strings)" if yaml11 else ""
+        problems.append(f"{path}: expected true/false, got {value!r}; write true or false{note}")
         return value
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -121,8 +201,11 @@ def _coerce_scalar(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
         return value
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
+            try:
+                return float(value)
+            except OverflowError:  # an int past 1.8e308: +-inf, which _nonfinite then reports
+                return math.inf if value > 0 else -math.inf
+        if isinstance(value, str):  # a quoted number, lr: "1e-5"; "nan" / "1e400" parse too
             try:
                 return float(value)
             except ValueError:
@@ -137,6 +220,22 @@ def _coerce_scalar(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
         problems.append(f"{path}: expected a string, got {value!r}")
         return value
     return value
+
+
+def _nonfinite(raw: Any, value: Any, path: str) -> list[tuple[str, str]]:
+    """(path, what the user wrote) for each NaN / +-inf float in a coerced ``value``.
+
+    Only a float-typed field (or float option of a union, or float list item) coerces to a
+    float, so a str field given ``.nan`` (now ``"nan"``) is not flagged.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return [(path, f"an integer of {len(str(abs(raw)))} digits (too large for a float)")]
+        return [(path, repr(raw))]
+    if isinstance(value, list) and isinstance(raw, (list, tuple)) and len(raw) == len(value):
+        return [hit for i, (r, v) in enumerate(zip(raw, value))
+                for hit in _nonfinite(r, v, f"{path}[{i}]")]
+    return []
 
 
 def _check_bounds(f: dataclasses.Field, value: Any, path: str, problems: list[str]) -> None:
@@ -170,9 +269,16 @@ def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
     for name, f in fields.items():
         path = _join(prefix, name)
         if name in data:
+            n_field = len(problems)
             value = _coerce(data[name], hints[name], path, problems)
-            _check_bounds(f, value, path, problems)
             kwargs[name] = value
+            if len(problems) > n_field:  # wrong type: already reported, range checks moot
+                continue
+            bad = [] if f.metadata.get("allow_nonfinite") else _nonfinite(data[name], value, path)
+            fix = f.metadata.get("help") or "write a finite number"
+            problems.extend(f"{p}: must be a finite number, got {shown}; {fix}" for p, shown in bad)
+            if not bad:  # NaN fails every bound: one problem per field is enough
+                _check_bounds(f, value, path, problems)
     try:
         obj = cls(**kwargs)
     except (TypeError, ValueError) as e:  # a type problem above already made it unbuildable
@@ -183,9 +289,25 @@ def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
         value = getattr(obj, name)
         if dataclasses.is_dataclass(value):
             _check_tree(value, _join(prefix, name), problems)
-    if hasattr(obj, "check") and len(problems) == n_before:
-        problems.extend(f"{_join(prefix, p)}" for p in obj.check())
+    if hasattr(obj, "check"):
+        _run_check(obj, prefix, problems, field_problems=len(problems) > n_before)
     return obj
+
+
+def _run_check(obj: Any, prefix: str, problems: list[str], field_problems: bool) -> None:
+    """Add ``obj.check()``'s cross-field problems, even when some fields were bad.
+
+    A field that failed coercion keeps its raw value in ``obj`` (``'abc'`` for an int), so a rule
+    comparing it may raise. That field's own problem is already reported, so the rule is dropped
+    (keeping what it yielded before) rather than the load crashing; with no field problem in
+    this section the crash is a bug in ``check()`` and propagates.
+    """
+    try:
+        for p in obj.check():
+            problems.append(_join(prefix, p))
+    except (TypeError, ValueError, AttributeError):
+        if not field_problems:
+            raise
 
 
 def _check_tree(obj: Any, prefix: str, problems: list[str]) -> None:
@@ -205,7 +327,7 @@ def _join(prefix: str, key: str) -> str:
 
 
 def parse_overrides(overrides: list[str]) -> tuple[dict, list[str]]:
-    """Turn ``["a.b=1", "c=[1, 2]"]`` into a nested dict; values are parsed as YAML scalars."""
+    """Turn ``["a.b=1", "c=[1, 2]"]`` into a nested dict; values are parsed as YAML 1.2 scalars."""
     tree: dict = {}
     problems = []
     for item in overrides:
@@ -214,7 +336,7 @@ def parse_overrides(overrides: list[str]) -> tuple[dict, list[str]]:
             continue
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = yaml.load(raw, Loader=Yaml12Loader) if raw != "" else ""
         except yaml.YAMLError as e:
             problems.append(f"override {item!r}: value is not valid YAML ({e.problem})")
             continue
@@ -238,12 +360,12 @@ def _merge(base: dict, top: dict) -> dict:
 
 
 def read_yaml(path: str | Path) -> dict:
-    """Read a YAML mapping, turning parse errors into a ConfigError with line and column."""
+    """Read a YAML 1.2 mapping, turning parse errors into a ConfigError with line and column."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError([f"--config {path}: no such file"], str(path))
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=Yaml12Loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -299,7 +421,7 @@ def save_config(cfg: Any, path: str | Path) -> Path:
     """Write the resolved config as YAML (so a run can be repeated with ``--config`` on it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    path.write_text(yaml.dump(to_dict(cfg), Dumper=Yaml12Dumper, sort_keys=False))
     return path
 
 
