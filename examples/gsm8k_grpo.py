@@ -2,61 +2,38 @@
 
 Run: ``areal launch local examples/gsm8k_grpo.py --config examples/gsm8k_grpo.yaml``
 (``examples/arithmetic_grpo.yaml`` is the CPU demo; ``examples/arithmetic_ppo.yaml`` adds a
-critic). The launcher starts the generation servers and passes their addresses.
+critic). The launcher starts the generation servers; they register in the trial's registry,
+where this script finds them.
 
-One step: rollout (``rollout_batch`` when ``rollout.max_staleness=0``, else ``prepare_batch``,
-which keeps rollouts in flight across steps) -> proximal logp (decoupled PPO) -> reference logp
-(KL) -> values (critic) -> advantages -> PPO update -> pause, weight update, version bump,
-resume -> save -> eval -> recover checkpoint -> stats.
+One step: rollout (``prepare_batch`` keeps rollouts in flight across steps, at most
+``rollout.max_staleness`` versions behind; 0 = on-policy) -> proximal logp (decoupled PPO) ->
+reference logp (KL) -> values (critic) -> advantages -> PPO update -> weight update (pause, push,
+version bump, resume) -> save -> eval -> recover checkpoint -> stats.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import shutil
 import sys
 
 import torch
 
-from areal.algo.logprob import packed_token_logprobs
 from areal.api.config import GRPOConfig, load_config
-from areal.api.io import FinetuneSpec, WeightUpdateMeta
-from areal.rollout.executor import WorkflowExecutor
+from areal.api.io import FinetuneSpec
 from areal.engine.fsdp import FSDPEngine
 from areal.engine.ppo import PPOActor, PPOCritic
-from areal.rollout.remote import RemoteInferenceEngine
-from areal.rollout.trajectory import groups_to_batch
-from areal.runtime.run import init_run
-from areal.utils.network import free_port
 from areal.reward.code import code_reward
 from areal.reward.math import math_reward
 from areal.reward.runner import RewardRunner
+from areal.rollout.executor import WorkflowExecutor
+from areal.rollout.remote import RemoteInferenceEngine, discover_servers
+from areal.rollout.trajectory import groups_to_batch
+from areal.runtime.publisher import WeightPublisher
+from areal.runtime.run import init_run
 from areal.workflow.filters import DynamicSamplingFilter
+from areal.workflow.multi_turn import MultiTurnWorkflow
 from areal.workflow.rlvr import RLVRWorkflow
 
 CONFIG = GRPOConfig
-
-
-def push_weights(cfg, run, actor, rollout, executor, version: int, dist_meta: WeightUpdateMeta | None) -> None:
-    """Pause rollouts, hand ``actor``'s weights to every server as ``version``, resume."""
-    executor.pause()
-    if cfg.weight_update_mode == "disk":
-        path = run.run_dir / "weights" / f"v{version}"
-        meta = WeightUpdateMeta("disk", path=str(path), version=version)
-        actor.update_weights(meta)  # collective: writes the HF dir
-        if run.rank == 0:
-            rollout.update_weights(meta)
-            shutil.rmtree(path.parent / f"v{version - 2}", ignore_errors=True)  # keep two
-    else:
-        meta = dataclasses.replace(dist_meta, version=version)
-        future = rollout.update_weights_async(meta, actor.weight_announcement()) if run.rank == 0 else None
-        actor.update_weights(meta)  # collective: broadcast in buckets from rank 0
-        if future is not None:
-            future.result(cfg.rollout.weight_update_timeout + 10)
-    run.barrier()
-    actor.set_version(version)
-    rollout.set_version(version)
-    executor.resume()
 
 
 def evaluate(executor, valid_loader, workflow, run) -> None:
@@ -68,37 +45,35 @@ def evaluate(executor, valid_loader, workflow, run) -> None:
 
 
 def setup_rollout(cfg: GRPOConfig, run):
-    """Client to the servers (started by the launcher), reward workers, workflows, executor."""
+    """Client to the registered servers, reward workers, workflows, executor."""
     rollout = RemoteInferenceEngine(cfg.rollout)
-    rollout.initialize()
+    rollout.initialize(discover_servers(cfg.rollout, run.registry(), run.servers_key, cfg.cluster.n_servers))
     reward = RewardRunner(math_reward if cfg.reward_fn == "math" else code_reward, cfg.reward)
-    workflow = RLVRWorkflow(reward, cfg.gconfig, run.tokenizer, cfg.workflow, run.run_dir / "rollouts",
-                            greedy_baseline=cfg.actor.remax_baseline)
+    if cfg.workflow.type == "multi_turn":
+        workflow = MultiTurnWorkflow(reward, cfg.gconfig, run.tokenizer, cfg.workflow, run.run_dir / "rollouts")
+    else:
+        workflow = RLVRWorkflow(reward, cfg.gconfig, run.tokenizer, cfg.workflow, run.run_dir / "rollouts",
+                                greedy_baseline=cfg.actor.remax_baseline)
     eval_workflow = RLVRWorkflow(reward, cfg.eval_gconfig, run.tokenizer)
-    per_rank_batch = cfg.train_dataset.batch_size // run.world_size
-    executor = WorkflowExecutor(cfg.rollout, rollout, consumer_batch_size=per_rank_batch)
+    executor = WorkflowExecutor(cfg.rollout, rollout, batch_size=cfg.train_dataset.batch_size // run.world_size)
     executor.initialize()
     return rollout, reward, workflow, eval_workflow, executor
 
 
-def setup_trainers(cfg: GRPOConfig, run, rollout, ft_spec: FinetuneSpec):
-    """Actor, optional critic and reference (FSDP2 over the trainer ranks); weight-sync group."""
-    actor = PPOActor(cfg.actor, max_new_tokens=cfg.gconfig.max_new_tokens)
+def setup_trainers(cfg: GRPOConfig, run, ft_spec: FinetuneSpec):
+    """Actor, optional critic and reference, each sharded over the trainer ranks' mesh. The
+    group size and the logprob temperature are the rollout's (``gconfig``)."""
+    g, mesh = cfg.gconfig, run.dist.mesh
+    actor = PPOActor(cfg.actor, mesh, temperature=g.temperature, group_size=g.n_samples,
+                     max_new_tokens=g.max_new_tokens)
     actor.initialize(ft_spec)
-    critic = PPOCritic(cfg.critic) if cfg.actor.use_critic else None
+    critic = PPOCritic(cfg.critic, mesh, group_size=g.n_samples) if cfg.actor.use_critic else None
     if critic is not None:
         critic.initialize(ft_spec)
-    ref = FSDPEngine(cfg.ref) if cfg.ref is not None and cfg.actor.kl_ctl > 0 else None
+    ref = FSDPEngine(cfg.ref, mesh, temperature=g.temperature) if cfg.ref is not None and cfg.actor.kl_ctl > 0 else None
     if ref is not None:
         ref.initialize(None)
-    dist_meta = None
-    if cfg.weight_update_mode == "distributed":
-        dist_meta = WeightUpdateMeta("distributed", master_port=free_port() if run.rank == 0 else 0)
-        future = rollout.init_weights_update_group_async(dist_meta) if run.rank == 0 else None
-        actor.init_weight_update_group(dist_meta, rollout.weight_group_size)
-        if future is not None:
-            future.result(cfg.rollout.setup_timeout)
-    return actor, critic, ref, dist_meta
+    return actor, critic, ref
 
 
 def train_step(cfg: GRPOConfig, run, actor, critic, ref, batch) -> None:
@@ -107,28 +82,27 @@ def train_step(cfg: GRPOConfig, run, actor, critic, ref, batch) -> None:
     run.tracker.sum("perf/n_tokens", batch.n_tokens)
     run.tracker.sum("perf/n_trained_tokens", batch["loss_mask"].sum())
     with run.tracker.timer("prox_logp"):
-        prox_logp = actor.compute_logp(batch)  # [T] current weights, before the update
-        run.tracker.mean("rollout/logp_mismatch", (prox_logp - batch["logprobs"]).abs(), batch["loss_mask"])
+        with_prox, _ = actor.compute_logp(batch, out="prox_logp")  # current weights, before the update
+        gap = (with_prox["prox_logp"] - batch["logprobs"]).abs()
+        run.tracker.mean("rollout/logp_mismatch", gap, batch["loss_mask"])
         if cfg.actor.use_decoupled_loss:
-            batch = batch.with_fields(tokens={"prox_logp": prox_logp})
+            batch = with_prox
     if ref is not None:
         with run.tracker.timer("ref_logp"):
-            hook = lambda logits, mb: packed_token_logprobs(  # noqa: E731
-                logits, mb["input_ids"], mb.cu_seqlens, cfg.actor.temperature, cfg.actor.logprob_chunk_size)[0]
-            batch = batch.with_fields(tokens={"ref_logp": ref.forward(batch, hook)})
+            batch, _ = ref.compute_logp(batch, out="ref_logp")
     if critic is not None:
         with run.tracker.timer("values"):
-            batch = batch.with_fields(tokens={"values": critic.compute_values(batch)})
+            batch, _ = critic.compute_values(batch)
     with run.tracker.timer("advantages"):
-        batch = actor.compute_advantages(batch)
-    with run.tracker.timer("train"), run.tracker.scope("loss"):  # means over PPO minibatches
-        for stats in actor.ppo_update(batch):
-            run.tracker.scalars(**stats)
+        batch, _ = actor.compute_advantages(batch)
+    with run.tracker.timer("train"), run.tracker.scope("loss"):
+        _, stats = actor.ppo_update(batch)
+        run.tracker.scalars(**stats)
         actor.step_lr_scheduler()
         if critic is not None:
             with run.tracker.scope("critic"):
-                for stats in critic.ppo_update(batch, cfg.actor.group_size):
-                    run.tracker.scalars(**stats)
+                _, stats = critic.ppo_update(batch)
+                run.tracker.scalars(**stats)
             critic.step_lr_scheduler()
 
 
@@ -138,51 +112,48 @@ def main(argv: list[str]) -> int:
     data = run.load_data()
     loader, valid_loader, n_steps = data.loader, data.valid_loader, data.n_steps
     rollout, reward, workflow, eval_workflow, executor = setup_rollout(cfg, run)
-    actor, critic, ref, dist_meta = setup_trainers(cfg, run, rollout, data.ft_spec)
+    actor, critic, ref = setup_trainers(cfg, run, data.ft_spec)
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
+    publisher = WeightPublisher(cfg.weight_update_mode, actor, rollout, executor, run.dist, run.run_dir / "weights")
+    publisher.connect()
 
     step, state = 0, run.load_recover(engines)
     if state is not None:  # servers get the checkpoint's weights and version
         step = state["step"]
         loader.load_state_dict(state["dataloader"])
         executor.load_state_dict(state["executor"])
-        push_weights(cfg, run, actor, rollout, executor, state["version"], dist_meta)
+        publisher.publish(state["version"])
     elif valid_loader is not None:  # step 0: the starting model's held-out accuracy
         evaluate(executor, valid_loader, eval_workflow, run)
         run.commit(0, n_steps, run.tracker.export())
-    sync = cfg.rollout.max_staleness == 0
     # DAPO dynamic sampling (training rollouts only, never eval); stops after an epoch of rejects
     accept = DynamicSamplingFilter(data.n_train) if cfg.actor.dynamic_sampling else None
-    batches = run.batches(loader, n_steps, step) if sync else None  # sync: we feed rollout_batch
     while step < n_steps:
-        with run.tracker.timer("rollout"):
-            if sync:
-                step, epoch_done, items = next(batches)
-                groups = executor.rollout_batch(items, workflow, accept)
-            else:  # async: the executor pulls from the loader, rollouts stay in flight
-                step, epoch_done = step + 1, (step + 1) % len(loader) == 0
-                groups = executor.prepare_batch(loader, workflow, accept)
+        step, epoch_done = step + 1, (step + 1) % len(loader) == 0
+        with run.tracker.timer("rollout"):  # the executor pulls items from the loader
+            groups = executor.prepare_batch(loader, workflow, accept)
             batch = groups_to_batch(groups)
         run.log_trained(step, [g[0].group_id for g in groups])
         stats = {**executor.last_batch_stats, **reward.commit_batch(), **rollout.stats()}
         train_step(cfg, run, actor, critic, ref, batch)
         with run.tracker.timer("update_weights"):
-            push_weights(cfg, run, actor, rollout, executor, step, dist_meta)
+            publisher.publish()
         if run.saver.check(step, epoch_done) or step == n_steps:
             run.export_hf(actor, step)
         if valid_loader is not None and (run.evaluator.check(step, epoch_done) or step == n_steps):
             evaluate(executor, valid_loader, eval_workflow, run)
         if run.recover_timer.check(step, epoch_done):
-            state = {"dataloader": loader.state_dict(), "executor": executor.state_dict(), "version": step}
+            state = {"dataloader": loader.state_dict(), "executor": executor.state_dict(),
+                     "version": publisher.version}
             run.save_recover(step, engines, state)
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
-    run.close()
     executor.destroy()
     rollout.destroy()
     reward.close()
     for engine in (actor, critic, ref):
         if engine is not None:
             engine.destroy()
+    run.close()
     return 0
 
 

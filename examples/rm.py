@@ -30,7 +30,7 @@ def evaluate(engine: RWEngine, valid_loader) -> dict[str, float]:
     sums = {"loss": 0.0, "pair_acc": 0.0}
     n = 0
     for items in valid_loader:
-        out = engine.evaluate_rw(to_batch(items))
+        _, out = engine.evaluate_rw(to_batch(items))
         for k in sums:
             sums[k] += out[k] * len(items)
         n += len(items)
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     run = init_run(cfg, cfg.model.path)
     data = run.load_data()
     loader, valid_loader, n_steps = data.loader, data.valid_loader, data.n_steps
-    engine = RWEngine(cfg.model)
+    engine = RWEngine(cfg.model, run.dist.mesh)
     engine.initialize(data.ft_spec)
 
     step = 0
@@ -54,7 +54,8 @@ def main(argv: list[str]) -> int:
         batch = to_batch(items)
         run.tracker.sum("perf/n_tokens", batch.n_tokens)
         with run.tracker.timer("train"):
-            stats = {f"loss/{k}": v for k, v in engine.train_rw(batch).items()}
+            _, stats = engine.train_rw(batch)
+            stats = {f"loss/{k}": v for k, v in stats.items()}
             engine.step_lr_scheduler()
         if run.saver.check(step, epoch_done) or step == n_steps:
             run.export_hf(engine, step, "reward_model")
@@ -64,8 +65,8 @@ def main(argv: list[str]) -> int:
         if run.recover_timer.check(step, epoch_done):
             run.save_recover(step, {"model": engine}, {"dataloader": loader.state_dict()})
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
-    run.close()
     engine.destroy()
+    run.close()
     return 0
 
 

@@ -30,7 +30,7 @@ def evaluate(engine: SFTEngine, valid_loader) -> dict[str, float]:
     """Held-out token-mean NLL over the whole validation set."""
     total, n = 0.0, 0.0
     for items in valid_loader:
-        out = engine.evaluate_lm(to_batch(items))
+        _, out = engine.evaluate_lm(to_batch(items))
         total, n = total + out["loss"] * out["n_tokens"], n + out["n_tokens"]
     return {"eval/loss": total / max(n, 1.0)}
 
@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     run = init_run(cfg, cfg.model.path)
     data = run.load_data()
     loader, valid_loader, n_steps = data.loader, data.valid_loader, data.n_steps
-    engine = SFTEngine(cfg.model)
+    engine = SFTEngine(cfg.model, run.dist.mesh)
     engine.initialize(data.ft_spec)
 
     step = 0
@@ -52,7 +52,8 @@ def main(argv: list[str]) -> int:
         batch = to_batch(items)
         run.tracker.sum("perf/n_tokens", batch.n_tokens)
         with run.tracker.timer("train"):
-            stats = {f"loss/{k}": v for k, v in engine.train_lm(batch).items()}
+            _, stats = engine.train_lm(batch)
+            stats = {f"loss/{k}": v for k, v in stats.items()}
             engine.step_lr_scheduler()
         if run.saver.check(step, epoch_done) or step == n_steps:
             run.export_hf(engine, step, "model")
@@ -62,8 +63,8 @@ def main(argv: list[str]) -> int:
         if run.recover_timer.check(step, epoch_done):
             run.save_recover(step, {"model": engine}, {"dataloader": loader.state_dict()})
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
-    run.close()
     engine.destroy()
+    run.close()
     return 0
 
 

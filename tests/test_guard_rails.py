@@ -137,3 +137,19 @@ def test_every_module_imports():
     for path in SOURCES:
         if path.parts[len(ROOT.parts)] == "areal":
             importlib.import_module(_module_name(path))
+
+
+def test_launch_env_variables_are_named_only_in_the_launch_contract():
+    from areal.api import launch
+
+    names = {v for k, v in vars(launch).items() if k.isupper() and isinstance(v, str)}
+    assert {"RANK", "AREAL_LAUNCH_ATTEMPT", "CUDA_VISIBLE_DEVICES"} <= names
+    contract = ROOT / "areal" / "api" / "launch.py"
+    found = []
+    for path in SOURCES:
+        if path == contract:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} names {node.value!r}")
+    assert not found, "use the names in areal/api/launch.py:\n" + "\n".join(found)

@@ -169,6 +169,7 @@ def compute_advantages(
     baseline_rewards: torch.Tensor | None = None,
     no_eos: torch.Tensor | None = None,
     max_new_tokens: int | None = None,
+    group_size: int = 1,
     dp_group: dist.ProcessGroup | None = None,
 ) -> Advantages:
     """Advantages for a packed batch, as configured by ``cfg`` (the engine's entry point).
@@ -176,8 +177,8 @@ def compute_advantages(
     Args:
         rewards: [B] one scalar reward per sequence (from the reward function).
         loss_mask: [T] 1 on generated tokens that are trained on.
-        cu_seqlens: [B+1] sequence boundaries; consecutive runs of ``cfg.group_size``
-            sequences share a prompt.
+        cu_seqlens: [B+1] sequence boundaries; consecutive runs of ``group_size`` sequences
+            share a prompt (the rollout's ``n_samples``).
         values: [T] critic values, ``values[t]`` = V(input_ids[:t]); required iff
             ``cfg.use_critic``.
         logprobs, ref_logp: [T] policy (behaviour or proximal) and reference logprobs; needed
@@ -198,7 +199,7 @@ def compute_advantages(
                              "rollout rewards from the workflow); pass them or use another preset")
         seq_rewards = seq_rewards - scale_rewards(baseline_rewards.float(), cfg)
     seq_rewards = normalize(seq_rewards, (lens > 0).float(), seq_cu, cfg.reward_norm,
-                            cfg.group_size, dp_group)
+                            group_size, dp_group)
 
     token_rewards = _token_rewards(seq_rewards, loss_mask, cu_seqlens, cfg, logprobs, ref_logp)
     if cfg.use_critic and values is None:
@@ -209,5 +210,5 @@ def compute_advantages(
                          "use the critic in GAE")
     values = torch.zeros_like(m) if values is None else values.detach().float()
     advantages, returns = gae(token_rewards, values, loss_mask, cu_seqlens, cfg.gamma, cfg.lam)
-    advantages = normalize(advantages, m, cu_seqlens, cfg.adv_norm, cfg.group_size, dp_group)
+    advantages = normalize(advantages, m, cu_seqlens, cfg.adv_norm, group_size, dp_group)
     return Advantages(advantages, returns, token_rewards, seq_rewards.detach())

@@ -20,6 +20,10 @@ LossFn = Callable[[torch.Tensor, PackedBatch], tuple[torch.Tensor, dict[str, flo
 LossWeightFn = Callable[[PackedBatch], float]
 # post_hook(logits [T, V], micro_batch) -> per-token tensor [T, ...] (logprobs, values, entropy)
 PostHook = Callable[[torch.Tensor, PackedBatch], torch.Tensor]
+# What every model function returns (compute_logp, compute_values, compute_advantages,
+# ppo_update, train_lm, ...): the input batch with its named fields added, and stats. This
+# uniform shape is what a dataflow graph of model function calls (Core mode) names.
+ModelFnResult = tuple[PackedBatch, dict[str, float]]
 
 
 class InferenceEngine(abc.ABC):

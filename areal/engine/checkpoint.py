@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -44,10 +45,17 @@ TIED_KEYS = ("lm_head.weight",)  # dropped from exports when config.tie_word_emb
 # ------------------------------------------------------------------------------------ HF format
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded CPU state dict on rank 0 (other ranks get ``{}``). Collective."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+def full_state_dict(model: torch.nn.Module, group: dist.ProcessGroup,
+                    device: torch.device) -> dict[str, torch.Tensor]:
+    """Unsharded CPU state dict on ``group``'s first rank (other ranks get ``{}``); one full
+    tensor at a time is gathered (on ``device``, the collective's). Collective over ``group``."""
+    first = dist.get_rank(group) == 0
+    out = {}
+    for name, t in model.state_dict().items():
+        full = t.to(device).full_tensor() if isinstance(t, DTensor) else t  # all-gather
+        if first:
+            out[name] = full.detach().to("cpu", copy=True)
+    return out
 
 
 def export_names(hf_config: Any, names: Iterable[str]) -> list[str]:
@@ -56,14 +64,13 @@ def export_names(hf_config: Any, names: Iterable[str]) -> list[str]:
     return [n for n in names if not (tied and n in TIED_KEYS)]
 
 
-def save_hf(
-    model: torch.nn.Module, hf_config: Any, path: str, tokenizer_path: str | None, extra: dict | None = None
-) -> None:
-    """Write an HF dir at ``path`` (collective; rank 0 writes). ``extra`` goes to areal_meta.json."""
+def save_hf(state: dict[str, torch.Tensor], hf_config: Any, path: str, tokenizer_path: str | None,
+            extra: dict | None, group: dist.ProcessGroup) -> None:
+    """Write an HF dir at ``path`` from ``state`` (:func:`full_state_dict`'s, so full on the
+    first rank of ``group``, which writes). ``extra`` goes to areal_meta.json. Collective."""
     from safetensors.torch import save_file
 
-    state = full_state_dict(model)
-    if dist.get_rank() == 0:
+    if dist.get_rank(group) == 0:
         out = Path(path)
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -76,7 +83,7 @@ def save_hf(
         (tmp / "areal_meta.json").write_text(json.dumps(extra or {}))
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
-    dist.barrier()
+    dist.barrier(group=group)
 
 
 def _copy_tokenizer(src: str | None, dst: Path) -> None:
@@ -136,38 +143,39 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_dcp(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-             scheduler: Any, extra: dict[str, Any]) -> None:
-    """Sharded checkpoint of model (+ optimizer), plus scheduler/RNG/``extra`` per rank."""
+             scheduler: Any, extra: dict[str, Any], group: dist.ProcessGroup) -> None:
+    """Sharded checkpoint of model (+ optimizer), plus scheduler/RNG/``extra`` per rank of
+    ``group`` (the model's mesh). Collective over ``group``."""
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-    dcp.save(state, checkpoint_id=path)
-    rank_state = {"rng": _rng_state(), "extra": extra, "world_size": dist.get_world_size(),
+    dcp.save(state, checkpoint_id=path, process_group=group)
+    rank_state = {"rng": _rng_state(), "extra": extra, "world_size": dist.get_world_size(group),
                   "scheduler": scheduler.state_dict() if scheduler is not None else None}
-    torch.save(rank_state, Path(path) / f"areal_rank{dist.get_rank()}.pt")
-    dist.barrier()
+    torch.save(rank_state, Path(path) / f"areal_rank{dist.get_rank(group)}.pt")
+    dist.barrier(group=group)
 
 
 def load_dcp(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-             scheduler: Any) -> dict[str, Any]:
-    """Load what :func:`save_dcp` wrote (same world size); returns the saved ``extra``."""
-    rank_file = Path(path) / f"areal_rank{dist.get_rank()}.pt"
+             scheduler: Any, group: dist.ProcessGroup) -> dict[str, Any]:
+    """Load what :func:`save_dcp` wrote (same mesh size); returns the saved ``extra``."""
+    rank_file = Path(path) / f"areal_rank{dist.get_rank(group)}.pt"
     if not rank_file.exists():
         raise FileNotFoundError(
             f"{rank_file} is missing: DCP checkpoint {path!r} was saved at another world size "
-            f"(this run has {dist.get_world_size()} ranks); resume with the saved world size"
+            f"(this model's mesh has {dist.get_world_size(group)} ranks); resume with the saved world size"
         )
     rank_state = torch.load(rank_file, weights_only=False)
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, process_group=group)
         set_model_state_dict(model, state["model"])
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, process_group=group)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
     if scheduler is not None and rank_state["scheduler"] is not None:
@@ -176,15 +184,16 @@ def load_dcp(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return rank_state["extra"]
 
 
-def save_replicated_state(path: str, name: str, state: dict[str, Any]) -> None:
-    """Write ``state`` (the same on every rank) as ``path/name`` from rank 0. Collective."""
-    if dist.get_rank() == 0:
+def save_replicated_state(path: str, name: str, state: dict[str, Any], group: dist.ProcessGroup) -> None:
+    """Write ``state`` (the same on every rank) as ``path/name`` from ``group``'s first rank.
+    Collective over ``group``."""
+    if dist.get_rank(group) == 0:
         out = Path(path) / name
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, out)  # a reader never sees half a file
-    dist.barrier()
+    dist.barrier(group=group)
 
 
 def load_replicated_state(path: str, name: str) -> dict[str, Any]:

@@ -24,21 +24,20 @@ in the loss. Logits of the whole batch are never held: ``forward`` reduces each 
 
 from __future__ import annotations
 
-import datetime
-import os
 from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from areal.api.config.engine import TrainEngineConfig
-from areal.api.engine import LossFn, LossWeightFn, PostHook, TrainEngine
+from areal.algo.logprob import packed_token_logprobs
+from areal.api.engine import LossFn, LossWeightFn, ModelFnResult, PostHook, TrainEngine
 from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal.engine import checkpoint
 from areal.utils import weight_sync
@@ -46,7 +45,6 @@ from areal.engine.lr_schedule import build_lr_scheduler
 from areal.utils.batch import MicroBatches, PackedBatch, split_microbatches
 
 ATTN_IMPL = "areal_varlen"
-DIST_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -80,30 +78,44 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class FSDPEngine(TrainEngine):
-    """FSDP2 engine. ``head="lm"``: causal LM logits ``[T, V]``; ``"value"``: one value ``[T, 1]``."""
+    """FSDP2 engine. ``head="lm"``: causal LM logits ``[T, V]``; ``"value"``: one value ``[T, 1]``.
 
-    def __init__(self, config: TrainEngineConfig, head: str = "lm"):
+    ``mesh`` is this engine's 1-D data-parallel device mesh (from
+    :mod:`areal.runtime.dist`): the model is sharded over it, and every collective of the engine
+    (micro-batch agreement, loss normalisers, checkpoints, weight export) runs on its group,
+    never on the default one. ``temperature`` divides the logits in :meth:`compute_logp`.
+    """
+
+    def __init__(self, config: TrainEngineConfig, mesh: DeviceMesh, head: str = "lm",
+                 temperature: float = 1.0):
         if head not in ("lm", "value"):
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
         if not config.path:
             raise ValueError("TrainEngineConfig.path is empty; set it to a Hugging Face model dir")
+        if mesh.ndim != 1:
+            raise ValueError(f"FSDPEngine needs a 1-D data-parallel mesh, got {mesh.ndim}-D {mesh}; "
+                             "slice the data-parallel dimension (mesh['dp'])")
         self.config = config
         self.head = head
+        self.temperature = temperature
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.rank, self.world_size = mesh.get_local_rank(), mesh.size()
+        cuda = mesh.device_type == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        if config.cpu_offload and not cuda:
+            raise ValueError("cpu_offload=True needs a GPU (backend nccl); set cpu_offload=false on CPU")
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
         self.version = 0
         self.global_step = 0  # optimizer steps taken (skipped non-finite steps included)
-        self._owns_process_group = False
         self._weight_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------------------ setup
 
     def initialize(self, ft_spec: FinetuneSpec | None) -> None:
-        """Join/create the process group, load and shard the model, build AdamW and LR schedule."""
-        self._init_distributed()
-        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+        """Load and shard the model over the mesh, build AdamW and the LR schedule."""
         self.model = self._build_model()
         self._shard(self.model)
         opt = self.config.optimizer
@@ -113,26 +125,6 @@ class FSDPEngine(TrainEngine):
         )
         total = ft_spec.total_train_steps if ft_spec is not None else None
         self.lr_scheduler = build_lr_scheduler(self.optimizer, opt, total)
-
-    def _init_distributed(self) -> None:
-        backend = self.config.backend
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
-        if self.config.cpu_offload and self.device.type != "cuda":
-            raise ValueError("cpu_offload=True needs a GPU (backend nccl); set cpu_offload=false on CPU")
-        if dist.is_initialized():
-            return
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / launcher
-            dist.init_process_group(backend, timeout=DIST_TIMEOUT)
-        else:  # a single process: world size 1, no rendezvous needed
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=DIST_TIMEOUT)
-        self._owns_process_group = True
 
     def _build_model(self) -> torch.nn.Module:
         cfg = self.config
@@ -189,7 +181,7 @@ class FSDPEngine(TrainEngine):
         spec = self.config.mb_spec
         mbs = split_microbatches(batch, spec.n_mbs, spec.max_tokens_per_mb, spec.granularity)
         n = torch.tensor([len(mbs.mbs)], device=self.device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
         n_run = int(n.item())
         if n_run > len(mbs.mbs):  # more, smaller micro-batches keep this rank's work even
             mbs = split_microbatches(batch, n_run, spec.max_tokens_per_mb, spec.granularity)
@@ -197,7 +189,7 @@ class FSDPEngine(TrainEngine):
 
     def _all_reduce_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return t.tolist()
 
     def train_batch(self, batch: PackedBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
@@ -259,6 +251,19 @@ class FSDPEngine(TrainEngine):
                 per_seq.append(torch.split(out, mb.seqlens.tolist()))
         return torch.cat(mbs.restore_order(per_seq))
 
+    @torch.no_grad()
+    def compute_logp(self, batch: PackedBatch, out: str = "logp") -> ModelFnResult:
+        """``batch`` plus token field ``out`` [T]: logprobs of ``input_ids`` under the current
+        weights at this engine's temperature (0 at each sequence's first token)."""
+        if self.head != "lm":
+            raise ValueError(f"compute_logp needs an LM head; this engine has head={self.head!r}")
+        chunk = self.config.logprob_chunk_size
+
+        def hook(logits: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
+            return packed_token_logprobs(logits, mb["input_ids"], mb.cu_seqlens, self.temperature, chunk)[0]
+
+        return batch.with_fields(tokens={out: self.forward(batch, hook)}), {}
+
     def step_lr_scheduler(self) -> None:
         """Advance the LR schedule by one step."""
         self.lr_scheduler.step()
@@ -269,12 +274,12 @@ class FSDPEngine(TrainEngine):
         """HF export (``weight_format="hf"``) or sharded DCP checkpoint (``"dcp"``). Collective."""
         if meta.weight_format == "hf":
             tok = meta.tokenizer_path or self.config.path
-            checkpoint.save_hf(self.model, self.hf_config, meta.path, tok, {"version": self.version})
+            checkpoint.save_hf(self.full_state_dict(), self.hf_config, meta.path, tok, {"version": self.version}, self.group)
         elif meta.weight_format == "dcp":
             optim = self.optimizer if meta.with_optim else None
             sched = self.lr_scheduler if meta.with_optim else None
             extra = {"version": self.version, "global_step": self.global_step}
-            checkpoint.save_dcp(meta.path, self.model, optim, sched, extra)
+            checkpoint.save_dcp(meta.path, self.model, optim, sched, extra, self.group)
         else:
             raise ValueError(f"SaveLoadMeta.weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
 
@@ -285,7 +290,7 @@ class FSDPEngine(TrainEngine):
         elif meta.weight_format == "dcp":
             optim = self.optimizer if meta.with_optim else None
             sched = self.lr_scheduler if meta.with_optim else None
-            extra = checkpoint.load_dcp(meta.path, self.model, optim, sched)
+            extra = checkpoint.load_dcp(meta.path, self.model, optim, sched, self.group)
             self.version, self.global_step = extra["version"], extra["global_step"]
         else:
             raise ValueError(f"SaveLoadMeta.weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
@@ -329,7 +334,8 @@ class FSDPEngine(TrainEngine):
         if meta.type == "disk":
             if not meta.path:
                 raise ValueError("WeightUpdateMeta.path is empty for type='disk'; set the HF dir to write")
-            checkpoint.save_hf(self.model, self.hf_config, meta.path, self.config.path, {"version": meta.version})
+            checkpoint.save_hf(self.full_state_dict(), self.hf_config, meta.path, self.config.path,
+                               {"version": meta.version}, self.group)
         elif meta.type == "distributed":
             if self.rank == 0 and self._weight_group is None:
                 raise RuntimeError("update_weights(type='distributed') before init_weight_update_group()")
@@ -340,7 +346,7 @@ class FSDPEngine(TrainEngine):
                 named = [(specs[i].name, self._full_tensor(state[specs[i].name]).to(device)) for i in bucket]
                 if self._weight_group is not None:
                     weight_sync.broadcast_weights(named, self._weight_group, meta.bucket_bytes)
-            dist.barrier()
+            dist.barrier(group=self.group)
         else:
             raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'distributed', got {meta.type!r}")
 
@@ -350,8 +356,9 @@ class FSDPEngine(TrainEngine):
         return t
 
     def full_state_dict(self) -> dict[str, Any]:
-        """Full CPU state dict (HF names, tied keys included) on rank 0; ``{}`` elsewhere. Collective."""
-        return checkpoint.full_state_dict(self.model)
+        """Full CPU state dict (HF names, tied keys included) on the mesh's first rank; ``{}``
+        elsewhere. Collective over the mesh."""
+        return checkpoint.full_state_dict(self.model, self.group, self.device)
 
     def get_version(self) -> int:
         """Version of the current weights."""
@@ -362,9 +369,6 @@ class FSDPEngine(TrainEngine):
         self.version = version
 
     def destroy(self) -> None:
-        """Drop model and optimizer; destroy the process group if this engine created it."""
+        """Drop model, optimizer and the weight-update group (the mesh belongs to the caller)."""
         self.model = self.optimizer = self.lr_scheduler = None
         self._weight_group = None
-        if self._owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
-        self._owns_process_group = False

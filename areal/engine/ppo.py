@@ -1,12 +1,15 @@
 """PPO actor and critic on the FSDP engine; the maths lives in :mod:`areal.algo`.
 
-Batch fields (a :class:`PackedBatch`, one rank's share; groups of ``actor.group_size``
-consecutive sequences share a prompt):
+Every model function has one shape: a batch in, the batch with named fields added out, plus a
+dict of stats (:data:`~areal.api.engine.ModelFnResult`). Batch fields (a :class:`PackedBatch`,
+one rank's share; groups of ``group_size`` (= ``gconfig.n_samples``) consecutive sequences
+share a prompt):
 
 - token fields: ``input_ids``, ``loss_mask`` (1 on generated tokens trained on), ``logprobs``
-  (behaviour policy, from the rollout; 0 off the mask); optional ``prox_logp`` (set from
-  :meth:`PPOActor.compute_logp` before the update; required for ``use_decoupled_loss``),
-  ``ref_logp`` (reference model's ``compute_logp``, for KL), ``values`` (critic's
+  (behaviour policy, from the rollout; 0 off the mask); optional ``prox_logp`` (the actor's
+  ``compute_logp(batch, out="prox_logp")`` before the update; required for
+  ``use_decoupled_loss``), ``ref_logp`` (the reference model's ``compute_logp(batch,
+  out="ref_logp")``, for KL), ``values`` (critic's
   :meth:`PPOCritic.compute_values`, when ``use_critic``);
 - sequence fields: ``rewards`` [B]; optional ``baseline_rewards`` (ReMax) and ``no_eos``;
 - :meth:`PPOActor.compute_advantages` adds token fields ``advantages``, ``returns``,
@@ -21,7 +24,7 @@ and ranks this equals calling them with the global normalisers of ``loss_normali
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from areal.algo.advantages import compute_advantages
 from areal.algo.critic import ValueNormalizer, value_loss
@@ -29,6 +32,7 @@ from areal.algo.logprob import packed_token_logprobs
 from areal.algo.losses import policy_loss
 from areal.algo.segments import segment_sum
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
+from areal.api.engine import ModelFnResult
 from areal.api.io import SaveLoadMeta
 from areal.engine import checkpoint
 from areal.engine.fsdp import FSDPEngine
@@ -63,30 +67,30 @@ def shift_to_state_values(head: torch.Tensor, cu_seqlens: torch.Tensor) -> torch
     return values
 
 
-class PPOActor(FSDPEngine):
-    """The policy: logprobs, advantages and the clipped-surrogate update (PPO family)."""
+def mean_stats(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Per-key mean of the stats of several optimizer steps."""
+    return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} if steps else {}
 
-    def __init__(self, config: PPOActorConfig, max_new_tokens: int | None = None):
-        super().__init__(config, head="lm")
+
+class PPOActor(FSDPEngine):
+    """The policy: logprobs, advantages and the clipped-surrogate update (PPO family).
+
+    ``temperature``, ``group_size`` and ``max_new_tokens`` come from the rollout's sampling
+    settings (``gconfig``), so the importance ratio uses the behaviour policy's temperature.
+    """
+
+    def __init__(self, config: PPOActorConfig, mesh: DeviceMesh, *, temperature: float = 1.0,
+                 group_size: int = 1, max_new_tokens: int | None = None):
+        super().__init__(config, mesh, head="lm", temperature=temperature)
         self.config: PPOActorConfig = config
+        self.group_size = group_size
         self.max_new_tokens = max_new_tokens  # for overlong penalty / seq-mean-token-sum-norm
 
-    def _dp_group(self) -> dist.ProcessGroup | None:
-        return dist.group.WORLD if dist.get_world_size() > 1 else None
+    def _dp_group(self):
+        return self.group if self.world_size > 1 else None
 
     @torch.no_grad()
-    def compute_logp(self, batch: PackedBatch) -> torch.Tensor:
-        """[T] logprobs of ``input_ids`` under the current weights at ``actor.temperature``."""
-        cfg = self.config
-
-        def hook(logits: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
-            return packed_token_logprobs(logits, mb["input_ids"], mb.cu_seqlens, cfg.temperature,
-                                         cfg.logprob_chunk_size)[0]
-
-        return self.forward(batch, hook)
-
-    @torch.no_grad()
-    def compute_advantages(self, batch: PackedBatch) -> PackedBatch:
+    def compute_advantages(self, batch: PackedBatch) -> ModelFnResult:
         """``batch`` plus ``advantages``/``returns``/``token_rewards`` [T] and ``seq_rewards`` [B]."""
         old_logp = batch["prox_logp"] if "prox_logp" in batch else batch["logprobs"]
         optional = {k: batch[k] for k in ("values", "ref_logp", "baseline_rewards", "no_eos") if k in batch}
@@ -95,17 +99,17 @@ class PPOActor(FSDPEngine):
             values=optional.get("values") if self.config.use_critic else None,
             logprobs=old_logp, ref_logp=optional.get("ref_logp"),
             baseline_rewards=optional.get("baseline_rewards"), no_eos=optional.get("no_eos"),
-            max_new_tokens=self.max_new_tokens, dp_group=self._dp_group(),
+            max_new_tokens=self.max_new_tokens, group_size=self.group_size, dp_group=self._dp_group(),
         )
         return batch.with_fields(
             tokens={"advantages": adv.advantages, "returns": adv.returns, "token_rewards": adv.token_rewards},
             seqs={"seq_rewards": adv.seq_rewards},
-        )
+        ), {}
 
     def _loss(self, logits: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
         logp, entropy = packed_token_logprobs(logits, mb["input_ids"], mb.cu_seqlens,
-                                              cfg.temperature, cfg.logprob_chunk_size)
+                                              self.temperature, cfg.logprob_chunk_size)
         loss, stats = policy_loss(
             logp, mb["prox_logp"] if "prox_logp" in mb else None, mb["logprobs"], mb["advantages"],
             mb["loss_mask"], mb.cu_seqlens, cfg, entropy=entropy,
@@ -113,13 +117,13 @@ class PPOActor(FSDPEngine):
         )
         return loss, {k: float(v) for k, v in stats.items()}
 
-    def ppo_update(self, batch: PackedBatch) -> list[dict[str, float]]:
-        """``ppo_n_minibatches`` optimizer steps over ``batch``; stats of each step."""
+    def ppo_update(self, batch: PackedBatch) -> ModelFnResult:
+        """``ppo_n_minibatches`` optimizer steps over ``batch``; stats are means over the steps."""
         if "advantages" not in batch.tokens:
             raise ValueError("ppo_update needs token field 'advantages'; call compute_advantages first")
         weight = loss_weight_for(self.config.loss_agg_mode)
-        parts = minibatches(batch, self.config.ppo_n_minibatches, self.config.group_size)
-        return [self.train_batch(mb, self._loss, weight) for mb in parts]
+        parts = minibatches(batch, self.config.ppo_n_minibatches, self.group_size)
+        return batch, mean_stats([self.train_batch(mb, self._loss, weight) for mb in parts])
 
 
 VALUE_NORM_FILE = "value_normalizer.json"  # inside a DCP checkpoint dir, when value_norm
@@ -128,18 +132,20 @@ VALUE_NORM_FILE = "value_normalizer.json"  # inside a DCP checkpoint dir, when v
 class PPOCritic(FSDPEngine):
     """The value model: backbone + one-output head, clipped value loss."""
 
-    def __init__(self, config: PPOCriticConfig):
-        super().__init__(config, head="value")
+    def __init__(self, config: PPOCriticConfig, mesh: DeviceMesh, group_size: int = 1):
+        super().__init__(config, mesh, head="value")
         self.config: PPOCriticConfig = config
+        self.group_size = group_size  # minibatches keep whole groups, as the actor's do
         self.value_normalizer = ValueNormalizer() if config.value_norm else None
 
     @torch.no_grad()
-    def compute_values(self, batch: PackedBatch) -> torch.Tensor:
-        """[T] ``values[t] = V(input_ids[:t])`` (de-normalised), 0 at each first token."""
+    def compute_values(self, batch: PackedBatch) -> ModelFnResult:
+        """``batch`` plus token field ``values`` [T]: ``values[t] = V(input_ids[:t])``
+        (de-normalised), 0 at each first token."""
         head = self.forward(batch, lambda logits, mb: logits[:, 0])  # [T]
         if self.value_normalizer is not None:
             head = self.value_normalizer.denormalize(head)
-        return shift_to_state_values(head, batch.cu_seqlens)
+        return batch.with_fields(tokens={"values": shift_to_state_values(head, batch.cu_seqlens)}), {}
 
     def _loss(self, logits: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
         values = shift_to_state_values(logits[:, 0], mb.cu_seqlens)  # [T], with grad
@@ -154,7 +160,8 @@ class PPOCritic(FSDPEngine):
         """The engine's save; a DCP checkpoint also keeps the value normaliser's moments."""
         super().save(meta)
         if meta.weight_format == "dcp" and self.value_normalizer is not None:
-            checkpoint.save_replicated_state(meta.path, VALUE_NORM_FILE, self.value_normalizer.state_dict())
+            checkpoint.save_replicated_state(meta.path, VALUE_NORM_FILE, self.value_normalizer.state_dict(),
+                                             self.group)
 
     def load(self, meta: SaveLoadMeta) -> None:
         """The engine's load; from a DCP checkpoint also the value normaliser's moments."""
@@ -163,15 +170,15 @@ class PPOCritic(FSDPEngine):
             state = checkpoint.load_replicated_state(meta.path, VALUE_NORM_FILE)
             self.value_normalizer.load_state_dict(state)
 
-    def ppo_update(self, batch: PackedBatch, group_size: int = 1) -> list[dict[str, float]]:
-        """``ppo_n_minibatches`` steps regressing ``values`` toward ``returns``; stats per step."""
+    def ppo_update(self, batch: PackedBatch) -> ModelFnResult:
+        """``ppo_n_minibatches`` steps regressing ``values`` toward ``returns``; mean stats."""
         for key in ("values", "returns"):
             if key not in batch.tokens:
                 raise ValueError(f"critic ppo_update needs token field {key!r}; set values from "
                                  "compute_values and returns from the actor's compute_advantages")
         if self.value_normalizer is not None:
-            group = dist.group.WORLD if dist.get_world_size() > 1 else None
+            group = self.group if self.world_size > 1 else None
             self.value_normalizer.update(batch["returns"], batch["loss_mask"], group)
         weight = loss_weight_for(self.config.loss_agg_mode)
-        parts = minibatches(batch, self.config.ppo_n_minibatches, group_size)
-        return [self.train_batch(mb, self._loss, weight) for mb in parts]
+        parts = minibatches(batch, self.config.ppo_n_minibatches, self.group_size)
+        return batch, mean_stats([self.train_batch(mb, self._loss, weight) for mb in parts])

@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 
 from areal.api.config.engine import TrainEngineConfig
+from areal.api.engine import ModelFnResult
 from areal.engine.fsdp import FSDPEngine
 from areal.utils.batch import PackedBatch
 
@@ -42,33 +44,35 @@ def n_pairs(mb: PackedBatch) -> float:
 class RWEngine(FSDPEngine):
     """A reward model: backbone + value head trained on preference pairs."""
 
-    def __init__(self, config: TrainEngineConfig):
+    def __init__(self, config: TrainEngineConfig, mesh: DeviceMesh):
         if config.mb_spec.granularity % 2:
             raise ValueError(
                 f"mb_spec.granularity must be even for pairs, got {config.mb_spec.granularity}; "
                 "set mb_spec.granularity=2"
             )
-        super().__init__(config, head="value")
+        super().__init__(config, mesh, head="value")
 
-    def train_rw(self, batch: PackedBatch) -> dict[str, float]:
-        """One optimizer step on pairs; returns loss, pair_acc, margin, grad_norm, lr."""
+    def train_rw(self, batch: PackedBatch) -> ModelFnResult:
+        """One optimizer step on pairs; stats loss, pair_acc, margin, grad_norm, lr."""
         _check_pairs(batch)
-        return self.train_batch(batch, bradley_terry_loss, n_pairs)
+        return batch, self.train_batch(batch, bradley_terry_loss, n_pairs)
 
-    def score(self, batch: PackedBatch) -> torch.Tensor:
-        """[B] reward of each sequence (no gradient)."""
+    @torch.no_grad()
+    def score(self, batch: PackedBatch) -> ModelFnResult:
+        """``batch`` plus sequence field ``scores`` [B]: the reward of each sequence."""
         values = self.forward(batch, lambda logits, mb: logits[:, 0])  # [T]
-        return last_token_scores(values, batch.cu_seqlens)
+        return batch.with_fields(seqs={"scores": last_token_scores(values, batch.cu_seqlens)}), {}
 
-    def evaluate_rw(self, batch: PackedBatch) -> dict[str, float]:
-        """BT loss and pair accuracy of ``batch``, all ranks together (no update)."""
+    def evaluate_rw(self, batch: PackedBatch) -> ModelFnResult:
+        """Stats: BT loss and pair accuracy of ``batch``, all ranks together (no update)."""
         _check_pairs(batch)
-        scores = self.score(batch).double()
+        batch, _ = self.score(batch)
+        scores = batch["scores"].double()
         margin = scores[0::2] - scores[1::2]
         sums = torch.stack([-F.logsigmoid(margin).sum(), (margin > 0).double().sum(),
                             torch.tensor(float(len(margin)), dtype=torch.float64, device=margin.device)])
-        dist.all_reduce(sums)
-        return {"loss": float(sums[0] / sums[2]), "pair_acc": float(sums[1] / sums[2])}
+        dist.all_reduce(sums, group=self.group)
+        return batch, {"loss": float(sums[0] / sums[2]), "pair_acc": float(sums[1] / sums[2])}
 
 
 def _check_pairs(batch: PackedBatch) -> None:

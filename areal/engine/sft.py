@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from areal.algo.logprob import packed_token_logprobs
 from areal.api.config.engine import TrainEngineConfig
+from areal.api.engine import ModelFnResult
 from areal.engine.fsdp import FSDPEngine
 from areal.utils.batch import PackedBatch
 
@@ -33,23 +35,24 @@ def n_target_tokens(mb: PackedBatch) -> float:
 class SFTEngine(FSDPEngine):
     """An LM trained on NLL of loss-mask tokens."""
 
-    def __init__(self, config: TrainEngineConfig):
-        super().__init__(config, head="lm")
+    def __init__(self, config: TrainEngineConfig, mesh: DeviceMesh):
+        super().__init__(config, mesh, head="lm")
 
-    def train_lm(self, batch: PackedBatch) -> dict[str, float]:
-        """One optimizer step; ``loss`` is the token-mean NLL of the global batch."""
+    def train_lm(self, batch: PackedBatch) -> ModelFnResult:
+        """One optimizer step; stat ``loss`` is the token-mean NLL of the global batch."""
         _check_fields(batch)
-        return self.train_batch(batch, sft_loss, n_target_tokens)
+        return batch, self.train_batch(batch, sft_loss, n_target_tokens)
 
-    def evaluate_lm(self, batch: PackedBatch) -> dict[str, float]:
-        """Token-mean NLL of ``batch`` over loss-mask tokens, all ranks together (no update)."""
+    def evaluate_lm(self, batch: PackedBatch) -> ModelFnResult:
+        """Stats ``loss`` (token-mean NLL over loss-mask tokens, all ranks together) and
+        ``n_tokens``; ``batch`` gains token field ``logp``. No update."""
         _check_fields(batch)
-        hook = lambda logits, mb: packed_token_logprobs(logits, mb["input_ids"], mb.cu_seqlens)[0]
-        logp = self.forward(batch, hook)  # [T]
+        batch, _ = self.compute_logp(batch)
+        logp = batch["logp"]  # [T]
         mask = batch["loss_mask"].to(logp.device, torch.float64)
         sums = torch.stack([-(logp.double() * mask).sum(), mask.sum()])
-        dist.all_reduce(sums)
-        return {"loss": float(sums[0] / sums[1].clamp(min=1)), "n_tokens": float(sums[1])}
+        dist.all_reduce(sums, group=self.group)
+        return batch, {"loss": float(sums[0] / sums[1].clamp(min=1)), "n_tokens": float(sums[1])}
 
 
 def _check_fields(batch: PackedBatch) -> None:

@@ -1,9 +1,10 @@
 """``areal launch local SCRIPT --config YAML [overrides]``: one machine, real processes.
 
-Starts ``launcher.n_servers`` generation servers (ours, or SGLang / vLLM when
-``rollout.backend`` says so and they are installed), waits for each ``/health`` with a deadline,
-then runs SCRIPT under ``torchrun`` on ``launcher.trainer_nprocs`` ranks with the server addresses
-in ``AREAL_LLM_SERVER_ADDRS``. On a GPU machine the trainer ranks get GPUs
+Clears the trial's registry, starts ``cluster.n_servers`` generation servers (ours, or SGLang /
+vLLM when ``rollout.backend`` says so and they are installed), registers each in the registry
+once it answers ``/health`` (with a deadline), then runs SCRIPT under ``torchrun`` on
+``cluster.trainer_nprocs`` ranks with the launch env contract (:mod:`areal.api.launch`); the
+trainers find the servers in the registry. On a GPU machine the trainer ranks get GPUs
 ``0..trainer_nprocs-1`` and server ``i`` the GPU after them (``CUDA_VISIBLE_DEVICES``; inside a
 server its GPU is ``cuda``). Logs go to RUN_DIR/logs/<process>.log and to the console with a
 prefix. Everything is torn down on exit, on Ctrl-C / SIGTERM, and when the trainer fails. A
@@ -17,40 +18,17 @@ whole config before starting anything.
 
 from __future__ import annotations
 
-import importlib.util
-import signal
 import sys
 import time
-from pathlib import Path
 
-from areal.api.config import ConfigError, load_config, save_config
+from areal.api.launch import devices_env, threads_env, trainer_env
+from areal.launcher.common import launch, register_server, reset_trial, wait_for_servers
 from areal.launcher.procs import ProcessSupervisor
-from areal.utils.network import free_port
 from areal.launcher.servers import server_command
-from areal.utils.logging import add_log_file, get_logger
+from areal.utils.logging import get_logger
+from areal.utils.network import free_port
 
 logger = get_logger("launcher")
-ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
-ATTEMPT_ENV = "AREAL_LAUNCH_ATTEMPT"
-
-
-def load_script_config_class(script: str | Path) -> type:
-    """Import SCRIPT (its ``__main__`` guard keeps it from running) and return its ``CONFIG``."""
-    path = Path(script)
-    if not path.is_file():
-        raise FileNotFoundError(f"launch script {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"_areal_script_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "CONFIG"):
-        raise AttributeError(
-            f"{path} defines no CONFIG; add `CONFIG = GRPOConfig` (its config class) at module level"
-        )
-    return module.CONFIG
-
-
-def _threads_env(n: int) -> dict[str, str]:
-    return {"OMP_NUM_THREADS": str(n), "AREAL_TORCH_THREADS": str(n)} if n else {}
 
 
 def gpu_layout(n_gpus: int, trainer_nprocs: int, n_servers: int) -> tuple[str | None, list[str | None]]:
@@ -63,31 +41,32 @@ def gpu_layout(n_gpus: int, trainer_nprocs: int, n_servers: int) -> tuple[str | 
     if n_gpus < need:
         raise ValueError(
             f"launcher: {trainer_nprocs} trainer ranks + {n_servers} servers need {need} GPUs, this "
-            f"machine has {n_gpus}; lower launcher.trainer_nprocs or launcher.n_servers"
+            f"machine has {n_gpus}; lower cluster.trainer_nprocs or cluster.n_servers"
         )
     trainer = ",".join(str(g) for g in range(trainer_nprocs))
     return trainer, [str(trainer_nprocs + i) for i in range(n_servers)]
 
 
-def _gpu_env(devices: str | None) -> dict[str, str]:
-    return {"CUDA_VISIBLE_DEVICES": devices} if devices is not None else {}
-
-
 def _start_servers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) -> list[str]:
+    """Start the servers, register each once healthy; their addresses."""
     lc = cfg.launcher
+    registry = reset_trial(cfg)
     children = []
-    for i in range(lc.n_servers):
+    for i in range(cfg.cluster.n_servers):
         port = free_port()
         cmd = server_command(cfg, port, cfg.run_dir / f"server{i}.yaml")
-        env = {**_threads_env(lc.server_threads), **_gpu_env(server_gpus[i])}
-        child = sup.start(f"server{i}", cmd, env=env)
+        child = sup.start(f"server{i}", cmd, env={**threads_env(lc.server_threads), **devices_env(server_gpus[i])})
         children.append((child, f"127.0.0.1:{port}"))
     for child, addr in children:
         sup.wait_http_ok(child, f"http://{addr}/health", lc.server_setup_timeout)
-    return [addr for _, addr in children]
+        register_server(registry, cfg, addr)
+    return wait_for_servers(registry, cfg, lc.server_setup_timeout)
 
 
-def _cuda_device_count() -> int:
+def _device_count(cfg) -> int:
+    """``cluster.devices_per_node``, or the GPUs this machine has."""
+    if cfg.cluster.devices_per_node is not None:
+        return cfg.cluster.devices_per_node
     import torch
 
     return torch.cuda.device_count()
@@ -104,13 +83,12 @@ def _trainer_command(script: str, argv: list[str], nprocs: int) -> list[str]:
 
 def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
     """Start servers and trainer, wait for the trainer, tear everything down; trainer's code."""
-    lc = cfg.launcher
+    lc, cluster = cfg.launcher, cfg.cluster
     with ProcessSupervisor(cfg.run_dir / "logs", echo=lc.echo, stop_timeout=lc.stop_timeout) as sup:
-        trainer_gpus, server_gpus = gpu_layout(_cuda_device_count(), lc.trainer_nprocs, lc.n_servers)
-        addrs = _start_servers(sup, cfg, server_gpus)
-        env = {ADDRS_ENV: ",".join(addrs), ATTEMPT_ENV: str(attempt),
-               **_threads_env(lc.trainer_threads), **_gpu_env(trainer_gpus)}
-        trainer = sup.start("trainer", _trainer_command(script, argv, lc.trainer_nprocs), env=env)
+        trainer_gpus, server_gpus = gpu_layout(_device_count(cfg), cluster.trainer_nprocs, cluster.n_servers)
+        _start_servers(sup, cfg, server_gpus)
+        env = {**trainer_env(attempt), **threads_env(lc.trainer_threads), **devices_env(trainer_gpus)}
+        trainer = sup.start("trainer", _trainer_command(script, argv, cluster.trainer_nprocs), env=env)
         dead_servers: set[str] = set()
         while trainer.proc.poll() is None:
             for child in sup.children:
@@ -128,34 +106,16 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
 
 
 def launch_local(script: str, argv: list[str]) -> int:
-    """Validate the config, then run (and, with recover.mode=auto, relaunch) the job."""
-    try:
-        cfg = load_config(load_script_config_class(script), argv)
-    except ConfigError as e:  # a message for the user, not a crash: nothing was started
-        print(f"areal launch: {e}", file=sys.stderr)
-        return 2
-    save_config(cfg, cfg.run_dir / "config.yaml")
-    add_log_file(cfg.run_dir, "launcher")
-    retries = cfg.recover.retries if cfg.recover.mode == "auto" else 0
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        for attempt in range(retries + 1):
-            code = run_once(script, argv, cfg, attempt)
-            if code == 0:
-                logger.info(f"run finished; logs and outputs in {cfg.run_dir}")
-                return 0
-            if attempt < retries:
-                logger.warning(f"attempt {attempt + 1} failed (code {code}); relaunching (recover.mode=auto)")
-        return code
-    except KeyboardInterrupt:
-        logger.warning("interrupted: every process was stopped")
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    """Validate the config, then run (and, with recover.mode=auto, relaunch) the job here."""
 
+    def run_local(cfg, attempt: int) -> int:
+        if cfg.cluster.n_nodes != 1:
+            logger.error(f"cluster.n_nodes={cfg.cluster.n_nodes}: `areal launch local` runs one "
+                         "machine; set cluster.n_nodes=1")
+            return 2
+        return run_once(script, argv, cfg, attempt)
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    return launch(script, argv, run_local)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,6 @@ import asyncio
 import concurrent.futures
 import itertools
 import json
-import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -39,10 +38,9 @@ from areal.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
 from areal.rollout.backends import HttpCall, make_backend
 from areal.rollout.executor import EventLoopThread
 from areal.utils.logging import get_logger
-from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository
+from areal.utils.name_resolve import NameRepository
 
 logger = get_logger("remote")
-ENV_ADDRS = "AREAL_LLM_SERVER_ADDRS"
 _STICKY_GROUPS = 4096  # remembered group -> server assignments (oldest forgotten first)
 
 
@@ -71,42 +69,25 @@ class _Server:
         return self.address if "://" in self.address else f"http://{self.address}"
 
 
-def resolve_addresses(config: InferenceEngineConfig, registry: NameRepository | None = None) -> list[str]:
-    """Server addresses: ``rollout.addresses``, else env AREAL_LLM_SERVER_ADDRS, else the name
-    registry (waits up to ``setup_timeout`` for at least one entry)."""
+def discover_servers(config: InferenceEngineConfig, registry: NameRepository | None, key: str,
+                     n_servers: int) -> list[str]:
+    """Server addresses: ``rollout.addresses`` when set (servers started by hand), else the
+    ``n_servers`` (at least one) entries registered under ``key``, waiting up to
+    ``rollout.setup_timeout`` seconds for them."""
     if config.addresses:
         return list(config.addresses)
-    env = os.environ.get(ENV_ADDRS, "")
-    if env.strip():
-        return [a.strip() for a in env.split(",") if a.strip()]
-    if config.experiment_name:
-        nr = config.name_resolve
-        repo = registry or make_repository(nr.type, nr.file_root)
-        key = gen_servers_key(config.experiment_name, config.trial_name)
-        deadline = time.monotonic() + config.setup_timeout
-        while time.monotonic() < deadline:
-            found = repo.get_subtree(key)
-            if found:
-                return sorted(found)
-            time.sleep(0.2)
-        raise TimeoutError(
-            f"no generation server registered under {key!r} within {config.setup_timeout} s "
-            "(rollout.setup_timeout); check that the servers started and use the same "
-            "rollout.name_resolve settings"
-        )
-    raise ValueError(
-        "no generation server addresses: set rollout.addresses=[host:port,...], the env var "
-        f"{ENV_ADDRS}, or rollout.experiment_name/trial_name to read the name registry"
-    )
+    if registry is None:
+        raise ValueError("no generation server addresses: set rollout.addresses=[host:port,...] "
+                         "or start the run with `areal launch`, which registers its servers")
+    return sorted(registry.wait_subtree(key, max(1, n_servers), config.setup_timeout))
 
 
 class RemoteInferenceEngine(InferenceEngine):
     """An :class:`InferenceEngine` over HTTP generation servers."""
 
-    def __init__(self, config: InferenceEngineConfig, registry: NameRepository | None = None):
+    def __init__(self, config: InferenceEngineConfig):
         self.config = config
         self.backend = make_backend(config.backend, config.served_model_name)
-        self.registry = registry
         self.servers: list[_Server] = []
         self._version = 0
         self._paused = False
@@ -121,9 +102,11 @@ class RemoteInferenceEngine(InferenceEngine):
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    def initialize(self, addresses: list[str] | None = None) -> None:
-        """Find the servers, start the client loop and wait until every server is healthy."""
-        addrs = addresses or resolve_addresses(self.config, self.registry)
+    def initialize(self, addresses: list[str]) -> None:
+        """Start the client loop and wait until every server at ``addresses`` is healthy."""
+        addrs = list(addresses)
+        if not addrs:
+            raise ValueError("RemoteInferenceEngine.initialize needs at least one server address")
         self.servers = [_Server(a.rstrip("/")) for a in addrs]
         self._thread = EventLoopThread("remote-inference")
         try:
@@ -369,10 +352,8 @@ class RemoteInferenceEngine(InferenceEngine):
         """Set the client's version (servers get theirs with each weight update)."""
         self._version = version
 
-    async def _aupdate(self, calls: dict[str, HttpCall], version: int | None, what: str) -> None:
+    async def _aupdate(self, calls: dict[str, HttpCall], what: str) -> None:
         await self._broadcast(calls, what, self.config.weight_update_timeout)
-        if version is not None:
-            self._version = version
 
     def update_weights_async(self, meta: WeightUpdateMeta,
                              announcement: dict[str, list] | None = None) -> concurrent.futures.Future:
@@ -380,8 +361,8 @@ class RemoteInferenceEngine(InferenceEngine):
 
         ``disk``: the servers load ``meta.path``. ``distributed``: the servers receive the
         tensors of ``announcement`` (``actor.weight_announcement()``) while the trainer
-        broadcasts them, so start this first, then call ``actor.update_weights(meta)``. On
-        success the client's version becomes ``meta.version``.
+        broadcasts them, so start this first, then call ``actor.update_weights(meta)``. The
+        client's own version is set by whoever owns the update (``set_version``).
         """
         if meta.type == "disk":
             if not meta.path:
@@ -394,7 +375,7 @@ class RemoteInferenceEngine(InferenceEngine):
         else:
             raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'distributed', got {meta.type!r}")
         what = f"update_weights({meta.type}, version={meta.version})"
-        return self._loop_thread().submit(self._aupdate(self._call_all(call), meta.version, what))
+        return self._loop_thread().submit(self._aupdate(self._call_all(call), what))
 
     def update_weights(self, meta: WeightUpdateMeta, announcement: dict[str, list] | None = None) -> None:
         """Blocking :meth:`update_weights_async` (for ``distributed`` the trainer must broadcast
@@ -412,7 +393,7 @@ class RemoteInferenceEngine(InferenceEngine):
         alive = self._alive()
         calls = {s.address: self.backend.init_weight_group(meta, 1 + i, 1 + len(alive))
                  for i, s in enumerate(alive)}
-        return self._loop_thread().submit(self._aupdate(calls, None, "init_weights_update_group"))
+        return self._loop_thread().submit(self._aupdate(calls, "init_weights_update_group"))
 
     @property
     def weight_group_size(self) -> int:

@@ -96,8 +96,9 @@ class StalenessManager:
             )
         if state["consumer_batch_size"] != self.consumer_batch_size:
             raise ValueError(
-                f"rollout.consumer_batch_size is {self.consumer_batch_size} but the checkpoint "
-                f"was saved with {state['consumer_batch_size']}; resume with the same batch size"
+                f"groups per rank and batch (train_dataset.batch_size / trainer ranks) are "
+                f"{self.consumer_batch_size} but the checkpoint was saved with "
+                f"{state['consumer_batch_size']}; resume with the same batch size and ranks"
             )
         self.accepted = int(state["accepted"])
         self.rejected = int(state["rejected"])

@@ -1,7 +1,8 @@
-"""Plumbing every entry script shares, so the scripts themselves read as the algorithm.
+"""The run context every entry script shares, so the scripts themselves read as the algorithm.
 
-:func:`init_run` reads the torchrun environment, seeds, opens the per-process log file, writes the
-resolved config and loads the tokenizer. The returned :class:`Run` holds the periodic timers
+:func:`init_run` reads the launch env contract (:mod:`areal.api.launch`), initialises
+``torch.distributed`` once (:mod:`areal.runtime.dist`), seeds, opens the per-process log file,
+writes the resolved config and loads the tokenizer. The returned :class:`Run` holds the periodic timers
 (saver / evaluator / recover), the stats tracker and sinks with a progress bar, and saves / loads
 recover checkpoints: each engine's DCP checkpoint (model, optimizer, scheduler) plus one state
 file per rank (counters, dataloader and executor state, timers, RNG states), published
@@ -21,13 +22,15 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from areal.api.config import BaseExperimentConfig, save_config
-from areal.api.io import FinetuneSpec, SaveLoadMeta
 from areal.api.engine import TrainEngine
+from areal.api.io import FinetuneSpec, SaveLoadMeta
+from areal.api.launch import LaunchEnv
 from areal.dataset import create_dataloader, load_dataset
+from areal.runtime.dist import DistContext, close_distributed, init_distributed
 from areal.utils.logging import add_log_file, get_logger
+from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository
 from areal.utils.recover import RecoverDir, load_state, save_state
 from areal.utils.stats import StatsTracker
 from areal.utils.stats_logger import StatsLogger
@@ -64,10 +67,20 @@ class Run:
     """One trainer process's view of the run (see the module docstring)."""
 
     cfg: BaseExperimentConfig
-    rank: int
-    world_size: int
+    dist: DistContext
+    env: LaunchEnv
     tokenizer: Any
     tracker: StatsTracker = field(default_factory=StatsTracker)
+
+    @property
+    def rank(self) -> int:
+        """This trainer rank."""
+        return self.dist.rank
+
+    @property
+    def world_size(self) -> int:
+        """Trainer ranks of the job."""
+        return self.dist.world_size
 
     def __post_init__(self) -> None:
         cfg = self.cfg
@@ -108,9 +121,17 @@ class Run:
             yield step, step % steps_per_epoch == 0, batch
 
     def barrier(self) -> None:
-        """Wait for every trainer rank (no-op in a single process without a group)."""
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+        """Wait for every trainer rank (no-op with one rank)."""
+        self.dist.barrier()
+
+    def registry(self) -> NameRepository:
+        """The trial's name registry (``cluster.name_resolve``)."""
+        return make_repository(self.cfg.cluster.name_resolve.type, self.cfg.name_resolve_root)
+
+    @property
+    def servers_key(self) -> str:
+        """Registry prefix under which this trial's generation servers are registered."""
+        return gen_servers_key(self.cfg.experiment_name, self.cfg.trial_name)
 
     # -- logging ------------------------------------------------------------------------------
 
@@ -138,15 +159,16 @@ class Run:
     def log_trained(self, step: int, sample_ids: list[str]) -> None:
         """Append the ids trained at ``step`` to RUN_DIR/trained_samples-rank<r>.jsonl (the
         launch attempt is recorded, so a resumed run's effective sequence can be checked)."""
-        attempt = int(os.environ.get("AREAL_LAUNCH_ATTEMPT", "0"))
+        attempt = self.env.attempt
         with open(self.run_dir / f"trained_samples-rank{self.rank}.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "attempt": attempt, "ids": sample_ids}) + "\n")
 
     def close(self) -> None:
-        """Close the progress bar and stats sinks."""
+        """Close the progress bar and stats sinks, then the process groups (end of the run)."""
         if self._bar is not None:
             self._bar.close()
         self.stats_logger.close()
+        close_distributed()
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -198,14 +220,15 @@ def _memory_stats() -> dict[str, float]:
 
 
 def init_run(cfg: BaseExperimentConfig, model_path: str) -> Run:
-    """Set up this trainer process: ranks, seeds, log file, resolved config, tokenizer."""
+    """Set up this trainer process: process group and mesh, seeds, log file, resolved config,
+    tokenizer."""
     from transformers import AutoTokenizer
 
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    threads = int(os.environ.get("AREAL_TORCH_THREADS", "0"))
-    if threads:
-        torch.set_num_threads(threads)
+    env = LaunchEnv.read()
+    if env.torch_threads:
+        torch.set_num_threads(env.torch_threads)
+    dist_ctx = init_distributed(cfg.cluster.dist_backend, env)
+    rank = dist_ctx.rank
     random.seed(cfg.seed + rank)
     np.random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)
@@ -213,7 +236,7 @@ def init_run(cfg: BaseExperimentConfig, model_path: str) -> Run:
     if rank == 0:
         save_config(cfg, cfg.run_dir / "config.yaml")
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or model_path)
-    return Run(cfg, rank, world_size, tokenizer)
+    return Run(cfg, dist_ctx, env, tokenizer)
 
 
 def total_steps(cfg: BaseExperimentConfig, steps_per_epoch: int) -> int:

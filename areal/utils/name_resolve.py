@@ -1,21 +1,17 @@
 """A small key-value registry through which the processes of one trial find each other
 (generation servers publish ``host:port``; clients list them).
 
-Keys are ``/``-separated paths; a *subtree* is every key under a prefix. Two backends:
-
-- :class:`MemoryNameRepository`: a dict in this process (tests, single-process runs).
-- :class:`FileNameRepository`: one file per key under a root directory; on a shared filesystem
-  (NFS) every machine sees the same registry. Writes are atomic (write to a temp file, rename).
-
-etcd3 and Ray backends are not provided: their client libraries are not installed here and a
-backend that cannot be tested is not shipped. Use the file backend on a shared filesystem.
+Keys are ``/``-separated paths; a *subtree* is every key under a prefix. The keys of one trial
+live under :func:`trial_key`; a launcher clears that subtree before it starts anything, so a
+relaunched or repeated trial never sees the addresses of dead servers. Backend:
+:class:`FileNameRepository`, one file per key under a root directory; on a shared filesystem
+(NFS) every machine sees the same registry. Writes are atomic (write to a temp file, rename).
 """
 
 from __future__ import annotations
 
 import abc
 import os
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -80,6 +76,22 @@ class NameRepository(abc.ABC):
             except NameEntryNotFoundError:
                 continue
 
+    def wait_subtree(self, prefix: str, count: int, timeout: float, poll_interval: float = 0.1) -> list[str]:
+        """Block until at least ``count`` values are under ``prefix`` (at most ``timeout``
+        seconds) and return all of them, ordered by key."""
+        deadline = time.monotonic() + timeout
+        while True:
+            values = self.get_subtree(prefix)
+            if len(values) >= count:
+                return values
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"registry key {_clean(prefix)!r} holds {len(values)} of {count} entries after "
+                    f"{timeout} s; check that the processes that register there started (their "
+                    "logs under RUN_DIR/logs) and use the same cluster.name_resolve settings"
+                )
+            time.sleep(poll_interval)
+
     def wait(self, name: str, timeout: float, poll_interval: float = 0.1) -> str:
         """Block until ``name`` is set (at most ``timeout`` seconds) and return its value."""
         deadline = time.monotonic() + timeout
@@ -93,43 +105,6 @@ class NameRepository(abc.ABC):
                         "process that publishes it is running and uses the same registry root"
                     ) from None
                 time.sleep(poll_interval)
-
-
-class MemoryNameRepository(NameRepository):
-    """A registry that lives in this process only."""
-
-    def __init__(self) -> None:
-        self._store: dict[str, str] = {}
-        self._lock = threading.Lock()
-
-    def add(self, name: str, value: str, replace: bool = False) -> None:
-        """Register ``value`` under ``name``."""
-        key = _clean(name)
-        with self._lock:
-            if key in self._store and not replace:
-                raise NameEntryExistsError(f"registry key {key!r} is already set; pass replace=True")
-            self._store[key] = str(value)
-
-    def get(self, name: str) -> str:
-        """The value under ``name``."""
-        key = _clean(name)
-        with self._lock:
-            if key not in self._store:
-                raise NameEntryNotFoundError(f"registry key {key!r} is not set")
-            return self._store[key]
-
-    def delete(self, name: str) -> None:
-        """Remove ``name``."""
-        key = _clean(name)
-        with self._lock:
-            if self._store.pop(key, None) is None:
-                raise NameEntryNotFoundError(f"registry key {key!r} is not set")
-
-    def find_subtree(self, prefix: str) -> list[str]:
-        """Keys under ``prefix``."""
-        root = _clean(prefix)
-        with self._lock:
-            return sorted(k for k in self._store if k == root or k.startswith(root + "/"))
 
 
 class FileNameRepository(NameRepository):
@@ -182,17 +157,20 @@ class FileNameRepository(NameRepository):
         return sorted(keys)
 
 
-def make_repository(kind: Literal["memory", "file"], file_root: str = "") -> NameRepository:
-    """The registry of ``kind`` (``rollout.name_resolve.type``); ``file_root`` for kind=file."""
-    if kind == "memory":
-        return MemoryNameRepository()
+def make_repository(kind: Literal["file"], file_root: str | os.PathLike) -> NameRepository:
+    """The registry of ``kind`` (``cluster.name_resolve.type``) rooted at ``file_root``."""
     if kind == "file":
-        if not file_root:
-            raise ValueError("name_resolve.type=file needs name_resolve.file_root, got ''")
+        if not str(file_root):
+            raise ValueError("name_resolve.type=file needs a root directory, got ''")
         return FileNameRepository(file_root)
-    raise ValueError(f"name_resolve.type must be 'memory' or 'file', got {kind!r}")
+    raise ValueError(f"cluster.name_resolve.type must be 'file', got {kind!r}")
+
+
+def trial_key(experiment_name: str, trial_name: str) -> str:
+    """Prefix of every key of one trial."""
+    return f"{experiment_name}/{trial_name}"
 
 
 def gen_servers_key(experiment_name: str, trial_name: str) -> str:
     """Prefix under which generation servers of one trial publish ``host:port``."""
-    return f"{experiment_name}/{trial_name}/gen_servers"
+    return f"{trial_key(experiment_name, trial_name)}/gen_servers"

@@ -84,7 +84,7 @@ def load_state(ckpt_dir: Path, rank: int) -> dict[str, Any]:
     if not path.is_file():
         raise RuntimeError(
             f"{path} is missing: the checkpoint was written by a run with a different number of "
-            "trainer ranks; resume with the same launcher.trainer_nprocs"
+            "trainer ranks; resume with the same cluster.trainer_nprocs"
         )
     return torch.load(path, weights_only=False)
 

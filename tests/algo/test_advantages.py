@@ -118,10 +118,10 @@ def test_gae_matches_a_plain_loop_on_random_masked_inputs(lens, gamma, lam, seed
 
 
 def test_grpo_broadcasts_the_group_normalised_reward_to_every_trained_token():
-    cfg = PPOActorConfig(algorithm="grpo", group_size=2, reward_norm_eps=1e-6)
+    cfg = PPOActorConfig(algorithm="grpo", reward_norm_eps=1e-6)
     cu = torch.tensor([0, 3, 5])
     mask = torch.tensor([0.0, 1, 1, 0, 1])
-    out = compute_advantages(torch.tensor([1.0, 0.0]), mask, cu, cfg)
+    out = compute_advantages(torch.tensor([1.0, 0.0]), mask, cu, cfg, group_size=2)
     # group [1, 0]: mean 0.5, std 0.5 -> [1, -1]; gamma = lam = 1, no critic -> broadcast
     assert torch.allclose(out.advantages, torch.tensor([0.0, 1, 1, 0, -1]))
     assert torch.allclose(out.seq_rewards, torch.tensor([1.0, -1.0]))

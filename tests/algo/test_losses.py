@@ -133,7 +133,7 @@ def test_micro_batch_losses_with_global_normalisers_sum_to_the_full_batch_loss(m
 @given(st.integers(0, 2**31 - 1), st.sampled_from(["ppo", "gspo", "cispo", "dapo"]))
 def test_decoupled_loss_equals_standard_ppo_when_behaviour_is_proximal(seed, algorithm):
     b = _random_batch(seed)
-    base = dict(algorithm=algorithm, group_size=2)
+    base = dict(algorithm=algorithm)
     plain = PPOActorConfig(**base)
     decoupled = PPOActorConfig(**base, use_decoupled_loss=True, behav_imp_weight_cap=2.0)
     l1, _ = policy_loss(b["logp"], b["old"], None, b["adv"], b["mask"], b["cu"], plain)

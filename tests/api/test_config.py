@@ -78,11 +78,10 @@ def test_every_field_has_help_and_a_default(cls):
 def test_grpo_cross_section_rules_are_reported_together():
     from areal.api.config import GRPOConfig
 
-    argv = ["actor.path=m", "launcher.n_servers=1", "actor.algorithm=dapo", "actor.group_size=8",
-            "gconfig.n_samples=4",
+    argv = ["actor.path=m", "cluster.n_servers=1", "actor.algorithm=dapo", "gconfig.n_samples=1",
             "gconfig.max_new_tokens=6"]  # dapo turns the overlong penalty on (64 tokens)
     with pytest.raises(ConfigError) as e:
         load_config(GRPOConfig, argv)
     msg = str(e.value)
     assert "actor.overlong_tokens: 64 must be in (0, gconfig.max_new_tokens=6)" in msg
-    assert "gconfig.n_samples: 4 differs from actor.group_size=" in msg
+    assert "gconfig.n_samples: 1 with group-level normalisation or dynamic sampling" in msg

@@ -161,7 +161,7 @@ def test_non_finite_float_is_rejected_with_path_value_and_help(tmp_path, raw, sh
 
 
 def test_grpo_actor_learning_rate_nan_is_rejected():
-    argv = ["actor.path=m", "launcher.n_servers=1", "actor.optimizer.lr=.nan"]
+    argv = ["actor.path=m", "cluster.n_servers=1", "actor.optimizer.lr=.nan"]
     problems = _problems(GRPOConfig, argv)
     assert any(p.startswith("actor.optimizer.lr: must be a finite number, got nan")
                for p in problems), problems

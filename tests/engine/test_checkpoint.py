@@ -12,7 +12,7 @@ from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.io import FinetuneSpec, SaveLoadMeta
 from areal.engine.fsdp import FSDPEngine
-from test_fsdp import LENGTHS, n_loss_tokens, nll_loss, random_batch
+from test_fsdp import LENGTHS, n_loss_tokens, nll_loss, random_batch, world_mesh
 
 pytestmark = pytest.mark.slow
 SCHEDULE = OptimizerConfig(lr=1e-3, lr_scheduler_type="cosine", warmup_steps_proportion=0.2)
@@ -20,7 +20,7 @@ SCHEDULE = OptimizerConfig(lr=1e-3, lr_scheduler_type="cosine", warmup_steps_pro
 
 def build(path: str) -> FSDPEngine:
     cfg = TrainEngineConfig(path=path, mb_spec=MicroBatchSpec(max_tokens_per_mb=40), optimizer=SCHEDULE)
-    engine = FSDPEngine(cfg)
+    engine = FSDPEngine(cfg, world_mesh())
     engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=10, train_batch_size=1))
     return engine
 

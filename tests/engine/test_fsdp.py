@@ -14,6 +14,7 @@ from areal.algo.logprob import packed_token_logprobs
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.engine.fsdp import FSDPEngine
+from areal.runtime.dist import init_distributed
 from areal.utils.batch import PackedBatch, balance_across_ranks
 
 pytestmark = pytest.mark.slow
@@ -45,9 +46,14 @@ def n_loss_tokens(mb) -> float:
 LINEAR_ADAM = OptimizerConfig(lr=1e-2, eps=1.0)
 
 
-def make_engine(path, mb_spec=MicroBatchSpec(), optimizer=LINEAR_ADAM, **kw) -> FSDPEngine:
+def world_mesh():
+    """The data-parallel mesh over this process's job (one rank unless launched with more)."""
+    return init_distributed("gloo").mesh
+
+
+def make_engine(path, mb_spec=MicroBatchSpec(), optimizer=LINEAR_ADAM, mesh=None, **kw) -> FSDPEngine:
     cfg = TrainEngineConfig(path=path, mb_spec=mb_spec, optimizer=optimizer, **kw)
-    engine = FSDPEngine(cfg)
+    engine = FSDPEngine(cfg, mesh if mesh is not None else world_mesh())
     engine.initialize(None)
     return engine
 

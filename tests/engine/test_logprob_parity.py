@@ -11,6 +11,7 @@ from areal.serving.generator import Generator
 from areal.serving.sampling import SamplingParams
 from areal.engine.ppo import PPOActor
 from areal.utils.batch import PackedBatch
+from test_fsdp import world_mesh
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +26,11 @@ def test_server_logprobs_equal_trainer_compute_logp(tiny_model_dir, generator, t
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
     params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=3, ignore_eos=True)
     results = generator.generate(prompts, params)
-    actor = PPOActor(PPOActorConfig(path=tiny_model_dir, temperature=temperature))
+    actor = PPOActor(PPOActorConfig(path=tiny_model_dir), world_mesh(), temperature=temperature)
     actor.initialize(None)
     try:
         batch = PackedBatch.from_sequences({"input_ids": [r.input_ids + r.output_ids for r in results]})
-        logp = actor.compute_logp(batch)  # [T]
+        logp = actor.compute_logp(batch)[0]["logp"]  # [T]
         for i, r in enumerate(results):
             start = int(batch.cu_seqlens[i]) + len(r.input_ids)
             trainer = logp[start : start + len(r.output_ids)]

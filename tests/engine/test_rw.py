@@ -11,6 +11,7 @@ from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.engine.rw import RWEngine, bradley_terry_loss
 from areal.utils.batch import PackedBatch
+from test_fsdp import world_mesh
 
 pytestmark = pytest.mark.slow
 
@@ -51,13 +52,13 @@ def test_reward_model_reaches_90_percent_pair_accuracy(tiny_model_dir):
         path=tiny_model_dir, mb_spec=MicroBatchSpec(max_tokens_per_mb=128, granularity=2),
         optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0),
     )
-    engine = RWEngine(cfg)
+    engine = RWEngine(cfg, world_mesh())
     engine.initialize(None)
     held_out = preference_pairs(32, seed=999)
     for step in range(15):
         engine.train_rw(preference_pairs(8, seed=step))
-    result = engine.evaluate_rw(held_out)
-    scores = engine.score(held_out)
+    _, result = engine.evaluate_rw(held_out)
+    scores = engine.score(held_out)[0]["scores"]
     engine.destroy()
     assert result["pair_acc"] > 0.9, result
     assert scores.shape == (64,)
@@ -65,4 +66,4 @@ def test_reward_model_reaches_90_percent_pair_accuracy(tiny_model_dir):
 
 def test_reward_model_needs_even_granularity(tiny_model_dir):
     with pytest.raises(ValueError, match="granularity"):
-        RWEngine(TrainEngineConfig(path=tiny_model_dir, mb_spec=MicroBatchSpec(granularity=1)))
+        RWEngine(TrainEngineConfig(path=tiny_model_dir, mb_spec=MicroBatchSpec(granularity=1)), world_mesh())

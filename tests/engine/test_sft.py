@@ -9,6 +9,7 @@ from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.engine.sft import SFTEngine
 from areal.utils.batch import PackedBatch
+from test_fsdp import world_mesh
 
 pytestmark = pytest.mark.slow
 
@@ -29,19 +30,19 @@ def pattern_batch(n: int, seed: int) -> PackedBatch:
 def test_sft_lowers_held_out_loss(tiny_model_dir):
     cfg = TrainEngineConfig(path=tiny_model_dir, mb_spec=MicroBatchSpec(max_tokens_per_mb=96),
                             optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.0))
-    engine = SFTEngine(cfg)
+    engine = SFTEngine(cfg, world_mesh())
     engine.initialize(None)
     held_out = pattern_batch(16, seed=1000)
-    before = engine.evaluate_lm(held_out)["loss"]
+    before = engine.evaluate_lm(held_out)[1]["loss"]
     for step in range(12):
-        stats = engine.train_lm(pattern_batch(16, seed=step))
+        _, stats = engine.train_lm(pattern_batch(16, seed=step))
         assert stats["update_skipped"] == 0.0
-    after = engine.evaluate_lm(held_out)["loss"]
+    after = engine.evaluate_lm(held_out)[1]["loss"]
     engine.destroy()
     assert after < before - 0.5, (before, after)  # nats per token; ~1.2 seen at this seed
 
 
 def test_sft_rejects_batches_without_loss_mask(tiny_model_dir):
-    engine = SFTEngine(TrainEngineConfig(path=tiny_model_dir))
+    engine = SFTEngine(TrainEngineConfig(path=tiny_model_dir), world_mesh())
     with pytest.raises(ValueError, match="loss_mask"):
         engine.train_lm(PackedBatch.from_sequences({"input_ids": [[1, 2, 3]]}))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from areal.api.config import GRPOConfig, load_config
-from areal.launcher.local import load_script_config_class
+from areal.launcher.common import load_script_config_class
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 YAMLS = sorted(EXAMPLES.glob("*.yaml"))
@@ -42,11 +42,11 @@ def test_example_yaml_loads_with_its_script_config_class(yaml_path):
 def test_gsm8k_recipe_is_the_async_gpu_layout_it_documents():
     cfg = load_config(GRPOConfig, ["--config", str(EXAMPLES / "gsm8k_grpo.yaml")])
     assert cfg.actor.algorithm == "grpo" and not cfg.actor.use_critic
-    assert cfg.actor.group_size == cfg.gconfig.n_samples == 8
+    assert cfg.gconfig.n_samples == 8
     assert cfg.rollout.max_staleness > 0 and cfg.actor.use_decoupled_loss
     assert cfg.eval_gconfig.greedy and cfg.eval_gconfig.max_new_tokens == cfg.gconfig.max_new_tokens
     # the launcher pins the one server to the GPU after the trainer ranks; inside it is `cuda`
     assert cfg.server.device == "cuda"
-    assert cfg.launcher.n_servers == 1 and cfg.launcher.trainer_nprocs + 1 == 8
-    assert cfg.train_dataset.batch_size % cfg.launcher.trainer_nprocs == 0
+    assert cfg.cluster.n_servers == 1 and cfg.cluster.trainer_nprocs + 1 == 8
+    assert cfg.train_dataset.batch_size % cfg.cluster.trainer_nprocs == 0
     assert cfg.train_dataset.format == cfg.valid_dataset.format == "gsm8k"

@@ -42,7 +42,7 @@ def _started_entries(run_dir: Path, n: int = 1):
 
 
 def test_finished_run_exits_zero_and_leaves_no_process_or_port(launch):
-    run, run_dir = launch("ok", "launcher.n_servers=2")
+    run, run_dir = launch("ok", "cluster.n_servers=2")
     assert run.wait(RUN_TIMEOUT) == 0, run.output()
     [entry] = read_jsonl(run_dir / "entry.jsonl")
     assert len(entry["addrs"]) == 2  # the script saw both servers' addresses
@@ -52,7 +52,7 @@ def test_finished_run_exits_zero_and_leaves_no_process_or_port(launch):
 
 
 def test_failed_trainer_stops_the_run_and_tears_everything_down(launch):
-    run, run_dir = launch("exit3", "launcher.n_servers=1")
+    run, run_dir = launch("exit3", "cluster.n_servers=1")
     assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()  # torchrun's code for a failed worker
     assert "trainer exited with code" in run.output()
     assert "exitcode  : 3" in (run_dir / "logs" / "trainer.log").read_text()  # the cause is logged
@@ -62,7 +62,7 @@ def test_failed_trainer_stops_the_run_and_tears_everything_down(launch):
 
 @pytest.mark.parametrize("sig, behaviour", [(signal.SIGINT, "sleep"), (signal.SIGTERM, "stubborn")])
 def test_interrupted_launcher_stops_every_process_even_one_ignoring_sigterm(launch, sig, behaviour):
-    run, run_dir = launch(behaviour, "launcher.n_servers=1")
+    run, run_dir = launch(behaviour, "cluster.n_servers=1")
     assert run.wait(RUN_TIMEOUT, until=_started_entries(run_dir)) is None, run.output()
     [entry] = read_jsonl(run_dir / "entry.jsonl")
     run.snapshot()
@@ -75,18 +75,18 @@ def test_interrupted_launcher_stops_every_process_even_one_ignoring_sigterm(laun
 
 
 def test_bad_config_fails_before_any_process_starts_and_names_every_problem(launch):
-    run, run_dir = launch("ok", "rollout.max_staleness=-1", "launcher.trainer_nprocs=0", "launcher.n_servers=1")
+    run, run_dir = launch("ok", "rollout.max_staleness=-1", "cluster.trainer_nprocs=0", "cluster.n_servers=1")
     code = run.wait(RUN_TIMEOUT)
     out = run.output()
     assert code == 2
-    assert "rollout.max_staleness" in out and "launcher.trainer_nprocs" in out, out
+    assert "rollout.max_staleness" in out and "cluster.trainer_nprocs" in out, out
     assert "Traceback" not in out, f"a config error is a message, not a crash:\n{out}"
     assert not run.seen, f"processes started despite the bad config: {run.seen}"
     assert not (run_dir / "logs").exists()
 
 
 def test_auto_recover_relaunches_a_failing_run_up_to_the_retry_limit(launch):
-    run, run_dir = launch("exit3", "recover.mode=auto", "recover.retries=2", "launcher.n_servers=0",
+    run, run_dir = launch("exit3", "recover.mode=auto", "recover.retries=2", "cluster.n_servers=0",
                           "train_dataset.type=sft", config="sft")
     assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()
     assert [e["attempt"] for e in read_jsonl(run_dir / "entry.jsonl")] == [0, 1, 2]
@@ -95,7 +95,7 @@ def test_auto_recover_relaunches_a_failing_run_up_to_the_retry_limit(launch):
 
 
 def test_auto_recover_stops_relaunching_once_an_attempt_succeeds(launch):
-    run, run_dir = launch("fail_first", "recover.mode=auto", "recover.retries=3", "launcher.n_servers=1")
+    run, run_dir = launch("fail_first", "recover.mode=auto", "recover.retries=3", "cluster.n_servers=1")
     assert run.wait(RUN_TIMEOUT) == 0, run.output()
     entries = read_jsonl(run_dir / "entry.jsonl")
     assert [e["attempt"] for e in entries] == [0, 1]
@@ -105,7 +105,7 @@ def test_auto_recover_stops_relaunching_once_an_attempt_succeeds(launch):
 
 
 def test_recover_disabled_does_not_relaunch(launch):
-    run, run_dir = launch("fail_first", "launcher.n_servers=0", "train_dataset.type=sft", config="sft")
+    run, run_dir = launch("fail_first", "cluster.n_servers=0", "train_dataset.type=sft", config="sft")
     assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()
     assert [e["attempt"] for e in read_jsonl(run_dir / "entry.jsonl")] == [0]
 

@@ -92,12 +92,11 @@ def _until(pred, timeout: float = 5.0) -> None:
 def make_executor():
     made: list[WorkflowExecutor] = []
 
-    def make(engine=None, batch_size_override=None, **cfg) -> WorkflowExecutor:
+    def make(engine=None, batch_size=4, **cfg) -> WorkflowExecutor:
         cfg.setdefault("max_concurrent_rollouts", 8)
-        cfg.setdefault("consumer_batch_size", 4)
         cfg.setdefault("max_staleness", 4)
-        ex = WorkflowExecutor(InferenceEngineConfig(**cfg), engine or FakeEngine(),
-                              poll_interval=0.005, consumer_batch_size=batch_size_override)
+        ex = WorkflowExecutor(InferenceEngineConfig(**cfg), engine or FakeEngine(), batch_size,
+                              poll_interval=0.005)
         ex.initialize()
         made.append(ex)
         return ex
@@ -121,7 +120,7 @@ def test_results_come_back_oldest_submitted_first(make_executor):
 
 def test_nothing_finished_is_discarded_in_synchronous_mode(make_executor):
     engine = FakeEngine()
-    ex = make_executor(engine, max_staleness=0, consumer_batch_size=2)
+    ex = make_executor(engine, max_staleness=0, batch_size=2)
     wf = GatedWorkflow(gated=False)
     for i in range(6):
         ex.submit({"id": i}, wf)
@@ -136,7 +135,7 @@ def test_nothing_finished_is_discarded_in_synchronous_mode(make_executor):
 
 def test_admission_stops_at_the_staleness_bound_until_the_version_moves(make_executor):
     engine = FakeEngine()
-    ex = make_executor(engine, max_staleness=1, consumer_batch_size=2)
+    ex = make_executor(engine, max_staleness=1, batch_size=2)
     wf = GatedWorkflow(gated=False)
     for i in range(8):
         ex.submit({"id": i}, wf)
@@ -163,7 +162,7 @@ def test_concurrency_cap_bounds_running_rollouts(make_executor):
 
 def test_rejected_groups_are_replaced_so_the_batch_size_stays_fixed(make_executor):
     engine = FakeEngine()
-    ex = make_executor(engine, max_staleness=0, consumer_batch_size=1, batch_size_override=3)
+    ex = make_executor(engine, max_staleness=0, batch_size=3)
     wf = GatedWorkflow(gated=False)
     data = [[{"id": i} for i in range(j, j + 3)] for j in range(0, 30, 3)]  # batches of 3 items
 
@@ -180,7 +179,7 @@ def test_rejected_groups_are_replaced_so_the_batch_size_stays_fixed(make_executo
 
 def test_prepare_batch_keeps_rollouts_in_flight_within_the_staleness_bound(make_executor):
     engine = FakeEngine()
-    ex = make_executor(engine, max_staleness=1, consumer_batch_size=2, max_concurrent_rollouts=4)
+    ex = make_executor(engine, max_staleness=1, batch_size=2, max_concurrent_rollouts=4)
     wf = GatedWorkflow(gated=False)
     data = [[{"id": i}] for i in range(100)]
     first = ex.prepare_batch(data, wf)
@@ -196,9 +195,28 @@ def test_prepare_batch_keeps_rollouts_in_flight_within_the_staleness_bound(make_
         engine.set_version(step + 1)
 
 
+def test_prepare_batch_at_staleness_zero_trains_only_tokens_of_the_current_version(make_executor):
+    # The one training path: max_staleness=0 gives on-policy batches, with rejections refilled.
+    engine = FakeEngine()
+    ex = make_executor(engine, max_staleness=0, batch_size=3, max_concurrent_rollouts=8)
+    wf = GatedWorkflow(gated=False)
+    data = [[{"id": i} for i in range(j, j + 2)] for j in range(0, 200, 2)]
+    for step in range(4):
+        batch = ex.prepare_batch(data, wf, should_accept=lambda g: int(g[0].sample_id) % 3 != 1)
+        assert len(batch) == 3
+        assert {v for g in batch for t in g for v in t.versions} == {engine.version}
+        assert ex.last_batch_stats["staleness/max"] == 0
+        started = len(wf.started)
+        time.sleep(0.02)  # nothing may start at the old version while the "trainer" works
+        assert len(wf.started) == started
+        ex.pause()
+        engine.set_version(step + 1)
+        ex.resume()
+
+
 def test_prepare_batch_delivers_in_submission_order_whatever_finishes_first(make_executor):
     # The trained sequence must not depend on completion timing (lossless resume compares it).
-    ex = make_executor(max_staleness=1, consumer_batch_size=2, max_concurrent_rollouts=4)
+    ex = make_executor(max_staleness=1, batch_size=2, max_concurrent_rollouts=4)
     wf = GatedWorkflow()
     wf.release(1, 2, 3)  # item 0 is the slow one
     result: list = []
@@ -269,7 +287,7 @@ def test_wait_that_can_never_return_says_so(make_executor):
 
 
 def test_rollout_batch_returns_accepted_groups_in_item_order(make_executor):
-    ex = make_executor(max_staleness=0, consumer_batch_size=1, max_concurrent_rollouts=3)
+    ex = make_executor(max_staleness=0, batch_size=1, max_concurrent_rollouts=3)
     wf = GatedWorkflow(gated=False)
     groups = ex.rollout_batch([{"id": i} for i in range(7)], wf,
                               should_accept=lambda g: g[0].sample_id != "4")
@@ -279,7 +297,7 @@ def test_rollout_batch_returns_accepted_groups_in_item_order(make_executor):
 
 def test_state_dict_roundtrip_loses_no_item(make_executor):
     engine = FakeEngine()
-    ex = make_executor(engine, max_staleness=1, consumer_batch_size=2)
+    ex = make_executor(engine, max_staleness=1, batch_size=2)
     wf = GatedWorkflow()
     data = [[{"id": i}] for i in range(100)]
     wf.release(0, 1)
@@ -292,7 +310,7 @@ def test_state_dict_roundtrip_loses_no_item(make_executor):
 
     engine2 = FakeEngine()
     engine2.set_version(1)
-    ex2 = make_executor(engine2, max_staleness=1, consumer_batch_size=2)
+    ex2 = make_executor(engine2, max_staleness=1, batch_size=2)
     ex2.load_state_dict(state)
     assert ex2.staleness.accepted == 3
     wf2 = GatedWorkflow(gated=False)

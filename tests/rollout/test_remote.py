@@ -22,14 +22,13 @@ from areal.api.io import ModelRequest, RolloutStatus, Trajectory, WeightUpdateMe
 from areal.api.workflow import RolloutWorkflow
 from areal.rollout.executor import RolloutError, WorkflowExecutor
 from areal.rollout.remote import (
-    ENV_ADDRS,
     AllServersDeadError,
     RemoteInferenceEngine,
     _Server,
-    resolve_addresses,
+    discover_servers,
 )
 from areal.utils.network import free_port
-from areal.utils.name_resolve import MemoryNameRepository, gen_servers_key
+from areal.utils.name_resolve import FileNameRepository, gen_servers_key
 from tests.serving.servers import start_servers, stop_servers
 
 pytestmark = pytest.mark.slow
@@ -61,8 +60,8 @@ def make_engine():
     def make(addresses, **cfg) -> RemoteInferenceEngine:
         cfg.setdefault("setup_timeout", 60.0)
         cfg.setdefault("request_timeout", 120.0)
-        eng = RemoteInferenceEngine(InferenceEngineConfig(addresses=addresses, **cfg))
-        eng.initialize()
+        eng = RemoteInferenceEngine(InferenceEngineConfig(**cfg))
+        eng.initialize(addresses)
         engines.append(eng)
         return eng
 
@@ -146,7 +145,7 @@ def test_killed_server_mid_batch_fails_over_then_all_dead_stops_the_run(tiny_mod
     try:
         victim, survivor = procs
         eng = make_engine([victim[1], survivor[1]], request_retries=3, retry_backoff=0.05)
-        ex = WorkflowExecutor(InferenceEngineConfig(max_concurrent_rollouts=8), eng)
+        ex = WorkflowExecutor(InferenceEngineConfig(max_concurrent_rollouts=8), eng, batch_size=1)
         ex.initialize()
         items = [{"id": i, "prompt": [7, i + 1, 9]} for i in range(8)]
         groups: list = []
@@ -175,28 +174,25 @@ def test_killed_server_mid_batch_fails_over_then_all_dead_stops_the_run(tiny_mod
 
 
 def test_health_wait_has_a_deadline_naming_the_setting():
-    eng = RemoteInferenceEngine(InferenceEngineConfig(addresses=[f"127.0.0.1:{free_port()}"],
-                                                      setup_timeout=0.5))
+    eng = RemoteInferenceEngine(InferenceEngineConfig(setup_timeout=0.5))
     with pytest.raises(TimeoutError, match=r"did not pass GET /health within 0.5 s \(rollout.setup_timeout\)"):
-        eng.initialize()
+        eng.initialize([f"127.0.0.1:{free_port()}"])
     eng.destroy()
 
 
-def test_addresses_come_from_config_then_env_then_registry(monkeypatch):
+def test_servers_come_from_config_else_the_trial_registry(tmp_path):
     cfg = InferenceEngineConfig(addresses=["127.0.0.1:1"])
-    monkeypatch.setenv(ENV_ADDRS, "127.0.0.1:2, 127.0.0.1:3")
-    assert resolve_addresses(cfg) == ["127.0.0.1:1"]
-    assert resolve_addresses(InferenceEngineConfig()) == ["127.0.0.1:2", "127.0.0.1:3"]
-    monkeypatch.delenv(ENV_ADDRS)
-    repo = MemoryNameRepository()
+    repo = FileNameRepository(tmp_path)
+    assert discover_servers(cfg, repo, gen_servers_key("exp", "t"), 1) == ["127.0.0.1:1"]
     repo.add_subentry(gen_servers_key("exp", "t"), "127.0.0.1:4")
-    named = InferenceEngineConfig(experiment_name="exp", trial_name="t", setup_timeout=1)
-    assert resolve_addresses(named, repo) == ["127.0.0.1:4"]
-    with pytest.raises(TimeoutError, match="no generation server registered under 'exp/t2/gen_servers'"):
-        resolve_addresses(InferenceEngineConfig(experiment_name="exp", trial_name="t2",
-                                                setup_timeout=0.2), repo)
+    quick = InferenceEngineConfig(setup_timeout=0.2)
+    assert discover_servers(quick, repo, gen_servers_key("exp", "t"), 1) == ["127.0.0.1:4"]
+    with pytest.raises(TimeoutError, match="'exp/t/gen_servers' holds 1 of 2 entries"):
+        discover_servers(quick, repo, gen_servers_key("exp", "t"), 2)
+    with pytest.raises(TimeoutError, match="'exp/t2/gen_servers' holds 0 of 1"):
+        discover_servers(quick, repo, gen_servers_key("exp", "t2"), 1)
     with pytest.raises(ValueError, match="rollout.addresses"):
-        resolve_addresses(InferenceEngineConfig())
+        discover_servers(InferenceEngineConfig(), None, gen_servers_key("exp", "t"), 1)
 
 
 def test_group_samples_stick_to_one_server_and_failover_moves_the_group():
@@ -232,7 +228,7 @@ def test_distributed_update_over_gloo_matches_a_disk_update(servers, make_engine
     updated = eng.update_weights_async(meta, announcement(named))
     broadcast_weights(named, group, meta.bucket_bytes, timeout=60)
     updated.result(60)
-    assert eng.get_version() == 2
+    assert eng.get_version() == 0  # the client's version has one writer: the weight publisher
     try:
         over_gloo = _gather([eng.agenerate(ModelRequest(input_ids=[2, 7, 1], gconfig=g)) for _ in range(2)])
         assert all(r.output_versions == [2] * 10 for r in over_gloo)
@@ -249,8 +245,8 @@ def test_async_training_loop_keeps_staleness_within_the_bound(servers, make_engi
                                                                tiny_model_dir):
     """prepare_batch -> pause -> update -> set_version -> resume, as a training script does."""
     eng = make_engine(servers)
-    cfg = InferenceEngineConfig(max_staleness=1, consumer_batch_size=2, max_concurrent_rollouts=4)
-    ex = WorkflowExecutor(cfg, eng)
+    cfg = InferenceEngineConfig(max_staleness=1, max_concurrent_rollouts=4)
+    ex = WorkflowExecutor(cfg, eng, batch_size=2)
     ex.initialize()
     data = [[{"id": i, "prompt": [4, i % 50 + 1, 2]}] for i in range(64)]
     wf = SampleN(n=2, max_new_tokens=80)

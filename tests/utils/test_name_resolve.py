@@ -1,4 +1,4 @@
-"""Tier 1/2: the name registry backends behave the same (memory, file)."""
+"""Tier 1/2: the file name registry: keys, subtrees, waits, sharing between processes."""
 
 from __future__ import annotations
 
@@ -9,18 +9,16 @@ import pytest
 
 from areal.utils.name_resolve import (
     FileNameRepository,
-    MemoryNameRepository,
     NameEntryExistsError,
     NameEntryNotFoundError,
     gen_servers_key,
     make_repository,
+    trial_key,
 )
 
 
-@pytest.fixture(params=["memory", "file"])
-def repo(request, tmp_path):
-    if request.param == "memory":
-        return MemoryNameRepository()
+@pytest.fixture
+def repo(tmp_path):
     return FileNameRepository(tmp_path / "registry")
 
 
@@ -59,6 +57,24 @@ def test_wait_returns_a_value_set_later_and_times_out_otherwise(repo):
         repo.wait("k/never", timeout=0.05, poll_interval=0.01)
 
 
+def test_wait_subtree_returns_once_enough_entries_are_registered(repo):
+    key = gen_servers_key("exp", "t0")
+    repo.add_subentry(key, "h:1")
+    timer = threading.Timer(0.05, lambda: repo.add_subentry(key, "h:2"))
+    timer.start()
+    assert sorted(repo.wait_subtree(key, 2, timeout=5, poll_interval=0.01)) == ["h:1", "h:2"]
+    with pytest.raises(TimeoutError, match=r"'exp/t0/gen_servers' holds 2 of 3 entries after 0.05 s"):
+        repo.wait_subtree(key, 3, timeout=0.05, poll_interval=0.01)
+
+
+def test_clearing_a_trial_leaves_other_trials_alone(repo):
+    repo.add_subentry(gen_servers_key("exp", "t0"), "h:1")
+    repo.add_subentry(gen_servers_key("exp", "t1"), "h:2")
+    repo.clear_subtree(trial_key("exp", "t0"))
+    assert repo.get_subtree(gen_servers_key("exp", "t0")) == []
+    assert repo.get_subtree(gen_servers_key("exp", "t1")) == ["h:2"]
+
+
 def test_bad_keys_are_refused(repo):
     with pytest.raises(ValueError, match="no '.' or '..'"):
         repo.add("a/../b", "x")
@@ -83,8 +99,7 @@ def test_file_backend_is_shared_between_processes(tmp_path):
 
 
 def test_make_repository_follows_the_config(tmp_path):
-    assert isinstance(make_repository("memory"), MemoryNameRepository)
     repo = make_repository("file", str(tmp_path))
     assert isinstance(repo, FileNameRepository) and repo.root == tmp_path
-    with pytest.raises(ValueError, match="must be 'memory' or 'file', got 'etcd3'"):
-        make_repository("etcd3")
+    with pytest.raises(ValueError, match="must be 'file', got 'etcd3'"):
+        make_repository("etcd3", str(tmp_path))

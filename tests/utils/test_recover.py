@@ -35,5 +35,5 @@ def test_missing_rank_state_names_the_fix(tmp_path):
     rd = RecoverDir(tmp_path / "recover")
     with rd.writing(1) as d:
         save_state(d, 0, {})
-    with pytest.raises(RuntimeError, match="same launcher.trainer_nprocs"):
+    with pytest.raises(RuntimeError, match="same cluster.trainer_nprocs"):
         load_state(rd.latest(), 1)

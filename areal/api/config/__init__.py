@@ -18,9 +18,9 @@ from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.config.data import ArithmeticConfig, DatasetConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.experiments import GRPOConfig, RWConfig, SFTConfig
-from areal.api.config.launcher import LauncherConfig
+from areal.api.config.launcher import ClusterConfig, LauncherConfig, NameResolveConfig
 from areal.api.config.reward import RewardConfig, SandboxConfig, WorkflowConfig
-from areal.api.config.rollout import InferenceEngineConfig, NameResolveConfig
+from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.config.server import GenerationServerConfig
 from areal.api.config.loader import (
     ConfigError,
@@ -37,6 +37,7 @@ from areal.api.config.loader import (
 __all__ = [
     "ArithmeticConfig",
     "BaseExperimentConfig",
+    "ClusterConfig",
     "ConfigError",
     "DatasetConfig",
     "GRPOConfig",

@@ -91,17 +91,7 @@ class PPOActorConfig(TrainEngineConfig):
     algorithm: Algorithm = param(
         "ppo", help="Preset filling the knobs listed in docs/algorithms.md; explicit knobs win."
     )
-    group_size: int = param(
-        1, ge=1, help="Consecutive sequences sharing a prompt (= gconfig.n_samples); group-level "
-        "normalisation and dynamic sampling use it."
-    )
     ppo_n_minibatches: int = param(1, ge=1, help="Optimizer steps per batch (PPO minibatches).")
-    temperature: float = param(
-        1.0, gt=0, help="Logits are divided by this before log-softmax; match the rollout's."
-    )
-    logprob_chunk_size: int = param(
-        1024, ge=1, help="Tokens per chunk when computing logprobs/entropy from logits."
-    )
     # -- advantages --------------------------------------------------------------------------
     use_critic: bool = param(
         True, help="Train a critic (PPOCriticConfig) and use its values in GAE; false = no critic "
@@ -215,6 +205,13 @@ class PPOActorConfig(TrainEngineConfig):
                         self.reward_norm_eps)
 
     @property
+    def uses_groups(self) -> bool:
+        """Whether a normalisation or the sampling filter compares a group's samples."""
+        levels = [n.mean_level for n in (self.reward_norm, self.adv_norm)]
+        levels += [n.std_level for n in (self.reward_norm, self.adv_norm)]
+        return "group" in levels or self.dynamic_sampling
+
+    @property
     def adv_norm(self) -> NormSpec:
         """The per-token advantage normalisation."""
         return NormSpec(self.adv_norm_mean_level, self.adv_norm_std_level,
@@ -222,16 +219,6 @@ class PPOActorConfig(TrainEngineConfig):
                         self.adv_norm_eps)
 
     def check(self) -> Iterator[str]:
-        levels = [n.mean_level for n in (self.reward_norm, self.adv_norm)]
-        levels += [n.std_level for n in (self.reward_norm, self.adv_norm)]
-        if "group" in levels and self.group_size < 2:
-            yield (
-                f"group_size: {self.group_size} with group-level normalisation (algorithm="
-                f"{self.algorithm}) leaves nothing to compare; set group_size to n_samples (>= 2)"
-            )
-        if self.dynamic_sampling and self.group_size < 2:
-            yield (f"group_size: {self.group_size} with dynamic_sampling; set group_size to "
-                   "n_samples (>= 2) or dynamic_sampling=false")
         if self.use_decoupled_loss and self.tis_cap is not None:
             yield (f"tis_cap: {self.tis_cap} with use_decoupled_loss=true; the decoupled loss "
                    "caps with behav_imp_weight_cap, set tis_cap=null")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterator, Literal
 
 from areal.api.config.data import DatasetConfig
-from areal.api.config.launcher import LauncherConfig
+from areal.api.config.launcher import ClusterConfig, LauncherConfig
 from areal.api.config.loader import param
 
 
@@ -132,12 +132,19 @@ class BaseExperimentConfig:
     evaluator: TimerConfig = param(factory=TimerConfig, help="When to evaluate on valid_dataset.")
     recover: RecoverConfig = param(factory=RecoverConfig, help="Recover checkpoints and relaunch.")
     stats_logger: StatsLoggerConfig = param(factory=StatsLoggerConfig, help="Metric sinks.")
-    launcher: LauncherConfig = param(factory=LauncherConfig, help="Processes of `areal launch`.")
+    cluster: ClusterConfig = param(factory=ClusterConfig, help="Machines, devices, servers vs trainers.")
+    launcher: LauncherConfig = param(factory=LauncherConfig, help="How `areal launch` runs the processes.")
 
     @property
     def run_dir(self) -> Path:
         """RUN_DIR = fileroot/experiment_name/trial_name (logs, checkpoints, config.yaml)."""
         return Path(self.fileroot) / self.experiment_name / self.trial_name
+
+    @property
+    def name_resolve_root(self) -> Path:
+        """Root of the trial registry: ``cluster.name_resolve.file_root`` or FILEROOT/name_resolve."""
+        root = self.cluster.name_resolve.file_root
+        return Path(root) if root else Path(self.fileroot) / "name_resolve"
 
     @property
     def served_model_path(self) -> str:

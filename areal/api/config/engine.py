@@ -28,14 +28,14 @@ class TrainEngineConfig:
     reduce_dtype: Literal["float32", "bfloat16"] = param(
         "float32", help="Dtype gradients are reduce-scattered in."
     )
-    backend: Literal["auto", "gloo", "nccl"] = param(
-        "auto", help="torch.distributed backend; auto = nccl on GPU, gloo on CPU."
-    )
     cpu_offload: bool = param(
         False, help="GPU only: keep sharded parameters, gradients and optimizer state in CPU memory."
     )
     gradient_checkpointing: bool = param(False, help="Recompute activations in backward.")
     init_seed: int = param(1, ge=0, help="Seed for from-scratch init and new heads (same on every rank).")
+    logprob_chunk_size: int = param(
+        1024, ge=1, help="Tokens per chunk when computing logprobs/entropy from logits."
+    )
     mb_spec: MicroBatchSpec = param(factory=MicroBatchSpec, help="Micro-batch split.")
     optimizer: OptimizerConfig = param(factory=OptimizerConfig, help="Optimizer and schedule.")
 

@@ -25,8 +25,8 @@ class SFTConfig(BaseExperimentConfig):
     model: TrainEngineConfig = param(factory=TrainEngineConfig, help="The model being trained.")
 
     def check(self) -> Iterator[str]:
-        if self.launcher.n_servers:
-            yield f"launcher.n_servers: SFT uses no generation servers, got {self.launcher.n_servers}; set 0"
+        if self.cluster.n_servers:
+            yield f"cluster.n_servers: SFT uses no generation servers, got {self.cluster.n_servers}; set 0"
         if self.train_dataset.type != "sft":
             yield (
                 f"train_dataset.type: SFT needs 'sft' data, got {self.train_dataset.type!r}; "
@@ -55,8 +55,9 @@ class GRPOConfig(BaseExperimentConfig):
     """RL with verifiable rewards: GRPO and every preset of ``actor.algorithm`` (PPO with a
     critic when ``actor.use_critic``), synchronous (``rollout.max_staleness=0``) or async.
 
-    ``rollout.consumer_batch_size`` is derived by the script (``train_dataset.batch_size`` /
-    trainer ranks): the value in the config is not used.
+    Derived, never set twice: the group size is ``gconfig.n_samples``; the temperature of the
+    trainer's logprobs is ``gconfig.temperature`` (the behaviour policy's); groups per batch on
+    each rank are ``train_dataset.batch_size / (cluster.trainer_nprocs * cluster.n_nodes)``.
     """
 
     actor: PPOActorConfig = param(factory=PPOActorConfig, help="The policy being trained.")
@@ -91,12 +92,13 @@ class GRPOConfig(BaseExperimentConfig):
         return self.actor.path
 
     def check(self) -> Iterator[str]:
-        if self.actor.group_size != self.gconfig.n_samples:
-            yield (
-                f"gconfig.n_samples: {self.gconfig.n_samples} differs from actor.group_size="
-                f"{self.actor.group_size}; set both to the group size"
-            )
         a = self.actor
+        if a.uses_groups and self.gconfig.n_samples < 2:
+            yield (
+                f"gconfig.n_samples: {self.gconfig.n_samples} with group-level normalisation or "
+                f"dynamic sampling (actor.algorithm={a.algorithm}) leaves nothing to compare; "
+                "set gconfig.n_samples >= 2"
+            )
         if a.overlong_reward_penalty and not 0 < a.overlong_tokens < self.gconfig.max_new_tokens:
             yield (
                 f"actor.overlong_tokens: {a.overlong_tokens} must be in (0, gconfig.max_new_tokens="
@@ -106,12 +108,13 @@ class GRPOConfig(BaseExperimentConfig):
             yield "critic: actor.use_critic=true needs a critic section; set critic.path=MODEL_DIR"
         if self.actor.kl_ctl > 0 and self.ref is None:
             yield f"ref: actor.kl_ctl={self.actor.kl_ctl} needs a reference model; set ref.path=MODEL_DIR"
-        if self.launcher.n_servers == 0 and not self.rollout.addresses:
-            yield "launcher.n_servers: 0 and no rollout.addresses; RL needs servers (set 1 or more)"
+        if self.cluster.n_servers == 0 and not self.rollout.addresses:
+            yield "cluster.n_servers: 0 and no rollout.addresses; RL needs servers (set 1 or more)"
         if self.train_dataset.type != "rl":
             yield f"train_dataset.type: RL needs 'rl' data, got {self.train_dataset.type!r}; set train_dataset.type=rl"
-        if self.train_dataset.batch_size % self.launcher.trainer_nprocs:
+        ranks = self.cluster.trainer_nprocs * self.cluster.n_nodes
+        if self.train_dataset.batch_size % ranks:
             yield (
-                f"train_dataset.batch_size: {self.train_dataset.batch_size} is not divisible by "
-                f"launcher.trainer_nprocs={self.launcher.trainer_nprocs}"
+                f"train_dataset.batch_size: {self.train_dataset.batch_size} is not divisible by the "
+                f"{ranks} trainer ranks (cluster.trainer_nprocs x cluster.n_nodes)"
             )

@@ -1,20 +1,62 @@
-"""Launcher config section: how many servers and trainer processes, and their deadlines."""
+"""Cluster and launcher config sections: where the job's processes run (``cluster``) and how the
+launcher starts, watches and stops them (``launcher``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator, Literal
 
 from areal.api.config.loader import param
 
 
 @dataclass(frozen=True)
-class LauncherConfig:
-    """Process layout of one run on one machine (``areal launch local``)."""
+class NameResolveConfig:
+    """Key-value registry shared by the processes of one trial (servers publish addresses)."""
 
-    n_servers: int = param(0, ge=0, help="Generation servers to start (RL runs need >= 1).")
-    trainer_nprocs: int = param(1, ge=1, help="Trainer ranks started by torchrun (data parallel).")
+    type: Literal["file"] = param(
+        "file", help="file: a directory every process can see (local disk for one machine, a "
+        "shared filesystem such as NFS for several)."
+    )
+    file_root: str = param(
+        "", help="Root directory of the file registry; empty = FILEROOT/name_resolve."
+    )
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The machines of one job and how their devices split between servers and trainers."""
+
+    n_nodes: int = param(1, ge=1, help="Machines of the job (`areal launch local`: 1).")
+    devices_per_node: int | None = param(
+        None, ge=0, help="Accelerators per machine; null = what the launch machine has (0 on CPU)."
+    )
+    n_servers: int = param(0, ge=0, help="Generation servers to start (RL runs need >= 1); one "
+                           "device each on GPU machines.")
+    trainer_nprocs: int = param(
+        1, ge=1, help="Trainer ranks per node (data parallel); one device each on GPU machines."
+    )
+    dist_backend: Literal["auto", "gloo", "nccl"] = param(
+        "auto", help="torch.distributed backend of the trainer ranks; auto = nccl on GPU, gloo on CPU."
+    )
+    name_resolve: NameResolveConfig = param(
+        factory=NameResolveConfig, help="Where servers register their addresses for the trainers."
+    )
+
+    def check(self) -> Iterator[str]:
+        if self.devices_per_node and self.trainer_nprocs + self.n_servers > self.devices_per_node * self.n_nodes:
+            yield (
+                f"devices_per_node: {self.devices_per_node} x {self.n_nodes} node(s) cannot hold "
+                f"{self.trainer_nprocs} trainer ranks + {self.n_servers} servers; lower "
+                "cluster.trainer_nprocs or cluster.n_servers"
+            )
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """How `areal launch` starts, watches and stops the job's processes."""
+
     server_setup_timeout: float = param(
-        180.0, gt=0, help="Seconds each server gets to answer /health before the launch fails."
+        180.0, gt=0, help="Seconds each server gets to answer /health and register before the launch fails."
     )
     stop_timeout: float = param(
         20.0, gt=0, help="Seconds processes get after SIGTERM before they are killed."

@@ -82,8 +82,12 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class WorkflowConfig:
-    """Rollout-workflow knobs (areal.workflow): multi-turn retries and the rollout dump."""
+    """Rollout-workflow knobs (areal.workflow): which workflow, multi-turn retries, the dump."""
 
+    type: Literal["rlvr", "multi_turn"] = param(
+        "rlvr", help="rlvr: one answer per sample (RLVRWorkflow); multi_turn: retry with feedback "
+        "after a wrong answer, up to max_turns (MultiTurnWorkflow)."
+    )
     max_turns: int = param(1, ge=1, help="Multi-turn: attempts per episode (1 = single turn).")
     turn_discount: float = param(
         0.9, ge=0, le=1, help="Multi-turn: reward is multiplied by this per extra turn used."
@@ -95,3 +99,8 @@ class WorkflowConfig:
     dump_rollouts: bool = param(
         False, help="Append prompt/completion/reward as JSONL to RUN_DIR/rollouts/<version>.jsonl."
     )
+
+    def check(self) -> Iterator[str]:
+        if self.type == "rlvr" and self.max_turns > 1:
+            yield (f"max_turns: {self.max_turns} has no effect with type=rlvr (one turn); set "
+                   "workflow.type=multi_turn or max_turns=1")

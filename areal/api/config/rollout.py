@@ -1,5 +1,4 @@
-"""Rollout config sections: the remote inference client, the workflow executor and the name
-registry through which generation servers announce their addresses.
+"""Rollout config section: the remote inference client and the workflow executor's admission.
 
 Field paths in an experiment config are ``rollout.<field>`` (e.g. ``rollout.max_staleness``).
 """
@@ -13,34 +12,13 @@ from areal.api.config.loader import param
 
 
 @dataclass(frozen=True)
-class NameResolveConfig:
-    """Key-value registry shared by the processes of one trial (servers publish addresses)."""
-
-    type: Literal["memory", "file"] = param(
-        "file",
-        help="memory: one process only (tests); file: a directory every process can see "
-        "(local disk for one machine, NFS for several).",
-    )
-    file_root: str = param(
-        "/tmp/areal/name_resolve", help="Root directory of the file registry (type=file)."
-    )
-
-
-@dataclass(frozen=True)
 class InferenceEngineConfig:
     """The HTTP client for generation servers plus the rollout executor's admission policy."""
 
-    experiment_name: str = param(
-        "", help="Experiment whose servers to find in the name registry; empty = not used."
-    )
-    trial_name: str = param("", help="Trial whose servers to find in the name registry.")
-    name_resolve: NameResolveConfig = param(
-        factory=NameResolveConfig, help="Where server addresses are registered."
-    )
     addresses: list[str] = param(
         [],
-        help="Server addresses host:port. Empty = env AREAL_LLM_SERVER_ADDRS (comma-separated), "
-        "then the name registry.",
+        help="Addresses host:port of servers started by hand; empty = the servers registered in "
+        "the trial's name registry (cluster.name_resolve) by the launcher.",
     )
     backend: Literal["areal", "sglang", "vllm"] = param(
         "areal", help="Server kind: areal (ours, `areal serve`), sglang, or vllm."
@@ -53,7 +31,7 @@ class InferenceEngineConfig:
         help="How a new group picks a server; all samples of one group stay on one server.",
     )
     setup_timeout: float = param(
-        120.0, gt=0, help="Seconds to wait for server addresses and for every /health to pass."
+        120.0, gt=0, help="Seconds to wait for servers to register and for every /health to pass."
     )
     request_timeout: float = param(
         3600.0, gt=0, help="Seconds one agenerate call may take end to end (pauses included)."
@@ -78,9 +56,6 @@ class InferenceEngineConfig:
         ge=0,
         help="Most weight versions a trained token may lag behind the trainer; 0 = synchronous.",
     )
-    consumer_batch_size: int = param(
-        1, ge=1, help="Groups (dataset items) per training batch; the staleness unit."
-    )
     watchdog_timeout: float = param(
         600.0,
         gt=0,
@@ -92,11 +67,6 @@ class InferenceEngineConfig:
             yield (
                 "served_model_name: backend=vllm needs the served model name, got ''; set "
                 "rollout.served_model_name to the name given to `vllm serve`"
-            )
-        if bool(self.experiment_name) != bool(self.trial_name):
-            yield (
-                f"trial_name: experiment_name={self.experiment_name!r} and trial_name="
-                f"{self.trial_name!r} must be set together (name registry lookup) or both empty"
             )
         for i, addr in enumerate(self.addresses):
             host, sep, port = addr.split("://", 1)[-1].rpartition(":")

@@ -1,0 +1,73 @@
+"""The launch env contract: every environment variable a launcher sets for the processes it
+starts, and that those processes read. No other module names one of these variables (a guard-rail
+test checks), so a new launcher (Ray, Slurm) implements this module's contract and nothing else.
+
+A trainer rank is started with torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``) plus ours: which launch attempt this is (0 first; a relaunch
+with ``recover.mode=auto`` counts up) and how many torch threads to use. Servers and trainers
+may get ``CUDA_VISIBLE_DEVICES`` and ``OMP_NUM_THREADS``. Generation servers are not passed by
+env: they register ``host:port`` in the trial's name registry and trainers read it there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_RANK = "LOCAL_RANK"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+LAUNCH_ATTEMPT = "AREAL_LAUNCH_ATTEMPT"
+TORCH_THREADS = "AREAL_TORCH_THREADS"
+OMP_THREADS = "OMP_NUM_THREADS"
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What a started process learns from its environment (defaults: one process, attempt 0)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    attempt: int = 0
+    torch_threads: int = 0  # 0 = torch's default
+    launched: bool = False  # RANK and WORLD_SIZE are set: a rendezvous (env://) is expected
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] = os.environ) -> LaunchEnv:
+        """Parse ``environ``; a malformed value raises naming the variable and the value."""
+
+        def number(name: str, default: int) -> int:
+            raw = environ.get(name, "")
+            if raw == "":
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"environment variable {name}={raw!r} is not an integer; "
+                                 "it is set by the launcher (torchrun / areal launch)") from None
+
+        return cls(
+            rank=number(RANK, 0), world_size=number(WORLD_SIZE, 1), local_rank=number(LOCAL_RANK, 0),
+            attempt=number(LAUNCH_ATTEMPT, 0), torch_threads=number(TORCH_THREADS, 0),
+            launched=RANK in environ and WORLD_SIZE in environ,
+        )
+
+
+def threads_env(n: int) -> dict[str, str]:
+    """Env for a process limited to ``n`` OpenMP/torch threads (``{}`` for 0 = default)."""
+    return {OMP_THREADS: str(n), TORCH_THREADS: str(n)} if n else {}
+
+
+def devices_env(devices: str | None) -> dict[str, str]:
+    """Env pinning a process to accelerators ``devices`` (``"0,1"``); ``{}`` for None (CPU)."""
+    return {VISIBLE_DEVICES: devices} if devices is not None else {}
+
+
+def trainer_env(attempt: int) -> dict[str, str]:
+    """Our variables for the trainer ranks of launch attempt ``attempt``."""
+    return {LAUNCH_ATTEMPT: str(attempt)}

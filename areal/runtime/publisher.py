@@ -1,0 +1,96 @@
+"""The weight publisher: the one owner of a weight update and the only writer of the version.
+
+An update is: pause rollouts (in-flight generations are aborted and re-submitted later) ->
+hand the actor's weights to every generation server (``disk``: an HF dir the servers load;
+``distributed``: a bucketed broadcast from trainer rank 0) -> every trainer rank waits for the
+push -> actor, client and executor move to the new version -> resume. Only the first trainer
+rank talks to the servers; every rank runs the collective parts. ``disk`` keeps the newest
+``keep`` weight dirs under RUN_DIR/weights and deletes older ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Literal
+
+from areal.api.io import WeightUpdateMeta
+from areal.engine.fsdp import FSDPEngine
+from areal.rollout.executor import WorkflowExecutor
+from areal.rollout.remote import RemoteInferenceEngine
+from areal.runtime.dist import DistContext
+from areal.utils.network import free_port
+
+
+class WeightPublisher:
+    """Pushes ``actor``'s weights to the servers behind ``rollout`` (see the module docstring)."""
+
+    def __init__(self, mode: Literal["disk", "distributed"], actor: FSDPEngine,
+                 rollout: RemoteInferenceEngine, executor: WorkflowExecutor, dist_ctx: DistContext,
+                 weights_dir: Path, keep: int = 2):
+        if mode not in ("disk", "distributed"):
+            raise ValueError(f"weight_update_mode must be 'disk' or 'distributed', got {mode!r}")
+        if keep < 1:
+            raise ValueError(f"keep={keep}: the dir the servers are loading must be kept; use >= 1")
+        self.mode = mode
+        self.actor, self.rollout, self.executor, self.dist = actor, rollout, executor, dist_ctx
+        self.weights_dir = Path(weights_dir)
+        self.keep = keep
+        self._group_meta: WeightUpdateMeta | None = None
+        self._version = actor.get_version()
+
+    @property
+    def version(self) -> int:
+        """The version of the weights the servers generate with."""
+        return self._version
+
+    @property
+    def _leader(self) -> bool:
+        return self.dist.rank == 0
+
+    def connect(self) -> None:
+        """``distributed`` mode: form the broadcast group of trainer rank 0 and every server
+        (collective over the trainer ranks; a no-op for ``disk``)."""
+        if self.mode != "distributed" or self._group_meta is not None:
+            return
+        meta = WeightUpdateMeta("distributed", master_port=free_port() if self._leader else 0)
+        future = self.rollout.init_weights_update_group_async(meta) if self._leader else None
+        self.actor.init_weight_update_group(meta, self.rollout.weight_group_size)
+        if future is not None:
+            future.result(self.rollout.config.setup_timeout)
+        self._group_meta = meta
+
+    def publish(self, version: int | None = None) -> int:
+        """Push the actor's weights as ``version`` (default: the current one + 1; a resume
+        passes the checkpoint's) and move everything to it. Returns the new version."""
+        version = self._version + 1 if version is None else version
+        self.executor.pause()
+        if self.mode == "disk":
+            self._push_disk(version)
+        else:
+            self._push_broadcast(version)
+        self.dist.barrier()
+        self._version = version
+        self.actor.set_version(version)
+        self.rollout.set_version(version)
+        self.executor.resume()
+        return version
+
+    def _push_disk(self, version: int) -> None:
+        path = self.weights_dir / f"v{version}"
+        meta = WeightUpdateMeta("disk", path=str(path), version=version)
+        self.actor.update_weights(meta)  # collective: the first rank writes the HF dir
+        if self._leader:
+            self.rollout.update_weights(meta)
+            for old in self.weights_dir.glob("v*"):
+                if old.name[1:].isdigit() and int(old.name[1:]) <= version - self.keep:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def _push_broadcast(self, version: int) -> None:
+        self.connect()
+        meta = dataclasses.replace(self._group_meta, version=version)
+        future = self.rollout.update_weights_async(meta, self.actor.weight_announcement()) if self._leader else None
+        self.actor.update_weights(meta)  # collective: broadcast in buckets from rank 0
+        if future is not None:
+            future.result(self.rollout.config.weight_update_timeout + 10)
