@@ -78,13 +78,6 @@ def logprobs_and_entropy(
     return _ChunkedLogprobEntropy.apply(logits, labels.long(), float(temperature), chunk_size)
 
 
-def logprobs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
-) -> torch.Tensor:
-    """[T] log p(labels[t]) under ``softmax(logits[t] / temperature)``, computed in chunks."""
-    return logprobs_and_entropy(logits, labels, temperature, chunk_size)[0]
-
-
 def packed_token_logprobs(
     logits: torch.Tensor,
     input_ids: torch.Tensor,

@@ -58,7 +58,6 @@ class RolloutStatus(str, enum.Enum):
     TRUNCATED = "truncated"  # hit max_new_tokens
     ABORTED = "aborted"  # generation aborted and not resumed
     ERROR_REWARD = "error_reward"  # reward function crashed or missed its deadline (reward 0)
-    ERROR_GENERATION = "error_generation"  # the server returned an error for this sample
 
 
 @dataclass

@@ -274,7 +274,8 @@ class FSDPEngine(TrainEngine):
         """HF export (``weight_format="hf"``) or sharded DCP checkpoint (``"dcp"``). Collective."""
         if meta.weight_format == "hf":
             tok = meta.tokenizer_path or self.config.path
-            checkpoint.save_hf(self.full_state_dict(), self.hf_config, meta.path, tok, {"version": self.version}, self.group)
+            checkpoint.save_hf(self.full_state_dict(), self.hf_config, meta.path, tok,
+                               {"version": self.version}, self.group)
         elif meta.weight_format == "dcp":
             optim = self.optimizer if meta.with_optim else None
             sched = self.lr_scheduler if meta.with_optim else None

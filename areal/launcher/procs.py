@@ -83,10 +83,6 @@ class ProcessSupervisor:
         logger.info(f"started {name} (pid {proc.pid}); log {log_path}")
         return child
 
-    def first_failure(self) -> Child | None:
-        """A child that exited with a non-zero code, if any."""
-        return next((c for c in self.children if c.proc.poll() not in (None, 0)), None)
-
     def wait_http_ok(self, child: Child, url: str, timeout: float) -> None:
         """Poll ``url`` until it answers 200; raise naming the child if it dies or time runs out."""
         deadline = time.monotonic() + timeout

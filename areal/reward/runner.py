@@ -199,10 +199,6 @@ class RewardRunner:
         call = functools.partial(self.score, sample_id, *args, **kwargs)
         return await loop.run_in_executor(self._threads, call)
 
-    async def acall(self, sample_id: str, *args: Any, **kwargs: Any) -> float:
-        """Async :meth:`call`."""
-        return (await self.ascore(sample_id, *args, **kwargs)).reward
-
     def map(self, sample_ids: list[str], *arg_lists: list[Any]) -> list[float]:
         """Score many calls concurrently (blocking): ``fn(a[i], b[i], ...)`` per sample id."""
         futures = [

@@ -96,7 +96,6 @@ class RemoteInferenceEngine(InferenceEngine):
         self._thread: EventLoopThread | None = None
         self._rr = itertools.count()
         self._sticky: OrderedDict[str, _Server] = OrderedDict()
-        self.n_dead = 0
         self.n_failovers = 0
         self.n_resubmits = 0
 
@@ -190,7 +189,6 @@ class RemoteInferenceEngine(InferenceEngine):
         server.failures += 1
         if server.alive and (fatal or server.failures >= self.config.server_failure_threshold):
             server.alive = False
-            self.n_dead += 1
             left = sum(s.alive for s in self.servers)
             logger.error("generation server %s declared dead after %d failure(s) (last: %s); "
                          "%d of %d servers left", server.address, server.failures, cause, left,

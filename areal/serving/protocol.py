@@ -205,11 +205,6 @@ def generate_response(
     return {"text": render_text(job, r, decode), "output_ids": r.output_ids, "meta_info": meta}
 
 
-def openai_finish(r: GenerationResult) -> str:
-    """OpenAI finish_reason: stop | length | abort (abort is our extension)."""
-    return r.finish_reason
-
-
 def usage(results: list[GenerationResult]) -> dict:
     """OpenAI ``usage`` over all choices (prompt counted once)."""
     prompt = len(results[0].input_ids) if results else 0

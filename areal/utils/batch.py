@@ -67,22 +67,6 @@ class PackedBatch:
         seqs = {k: torch.as_tensor(v) for k, v in (seq_fields or {}).items()}
         return cls(cu, tokens, seqs)
 
-    @classmethod
-    def concat(cls, batches: Sequence[PackedBatch]) -> PackedBatch:
-        """Concatenate batches with identical field names, in order."""
-        if not batches:
-            raise ValueError("concat needs at least one batch")
-        keys = (set(batches[0].tokens), set(batches[0].seqs))
-        for b in batches[1:]:
-            if (set(b.tokens), set(b.seqs)) != keys:
-                raise ValueError(f"cannot concat batches with fields {keys} and {b.keys()}")
-        lens = torch.cat([b.seqlens for b in batches])
-        cu = torch.zeros(len(lens) + 1, dtype=torch.long)
-        cu[1:] = lens.cumsum(0)
-        tokens = {k: torch.cat([b.tokens[k] for b in batches]) for k in keys[0]}
-        seqs = {k: torch.cat([b.seqs[k] for b in batches]) for k in keys[1]}
-        return cls(cu, tokens, seqs)
-
     # -- access -------------------------------------------------------------------------------
 
     @property

@@ -2,7 +2,7 @@
 
 ``AREAL_TEST_CONFIG``: ``grpo`` (servers; the default) or ``sft`` (no servers).
 ``AREAL_TEST_BEHAVIOUR``:
-  ok          every server in AREAL_LLM_SERVER_ADDRS answers /health; exit 0
+  ok          every server registered for the trial answers /health; exit 0
   exit3       exit with code 3
   raise       raise an exception (torchrun reports a failed worker)
   sleep       sleep until killed
@@ -21,6 +21,8 @@ import time
 import urllib.request
 
 from areal.api.config import GRPOConfig, SFTConfig, load_config
+from areal.api.launch import LaunchEnv
+from areal.utils.name_resolve import gen_servers_key, make_repository
 
 CONFIG = SFTConfig if os.environ.get("AREAL_TEST_CONFIG") == "sft" else GRPOConfig
 
@@ -28,8 +30,9 @@ CONFIG = SFTConfig if os.environ.get("AREAL_TEST_CONFIG") == "sft" else GRPOConf
 def main(argv: list[str]) -> int:
     cfg = load_config(CONFIG, argv)
     behaviour = os.environ["AREAL_TEST_BEHAVIOUR"]
-    attempt = int(os.environ["AREAL_LAUNCH_ATTEMPT"])
-    addrs = [a for a in os.environ.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a]
+    attempt = LaunchEnv.read().attempt
+    registry = make_repository(cfg.cluster.name_resolve.type, cfg.name_resolve_root)
+    addrs = registry.get_subtree(gen_servers_key(cfg.experiment_name, cfg.trial_name))
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     with open(cfg.run_dir / "entry.jsonl", "a") as f:
         f.write(json.dumps({"attempt": attempt, "pid": os.getpid(), "ppid": os.getppid(), "addrs": addrs}) + "\n")

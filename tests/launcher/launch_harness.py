@@ -14,16 +14,27 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal.utils.network import port_is_free
 
 REPO = Path(__file__).resolve().parents[2]
 
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True if nothing listens on ``host:port``."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
 
 def _stat(pid: int) -> tuple[str, int, int] | None:
     """(state, ppid, start time in clock ticks) of ``pid``, or None if it is gone."""

@@ -41,11 +41,16 @@ def _started_entries(run_dir: Path, n: int = 1):
     return lambda: len(read_jsonl(run_dir / "entry.jsonl")) >= n
 
 
-def test_finished_run_exits_zero_and_leaves_no_process_or_port(launch):
+def test_finished_run_exits_zero_and_leaves_no_process_or_port(launch, tmp_path):
+    from areal.utils.name_resolve import FileNameRepository, gen_servers_key
+
+    stale = "127.0.0.1:1"  # a dead server of an earlier launch of the same trial
+    FileNameRepository(tmp_path / "root" / "name_resolve").add_subentry(gen_servers_key("e", "t"), stale)
     run, run_dir = launch("ok", "cluster.n_servers=2")
     assert run.wait(RUN_TIMEOUT) == 0, run.output()
     [entry] = read_jsonl(run_dir / "entry.jsonl")
-    assert len(entry["addrs"]) == 2  # the script saw both servers' addresses
+    # the script found both servers in the trial's registry, cleared of the stale entry at launch
+    assert len(entry["addrs"]) == 2 and stale not in entry["addrs"]
     assert {entry["pid"], entry["ppid"]} <= set(run.seen)  # worker and torchrun were tracked
     run.assert_no_survivors()
     assert_ports_free(server_ports(run_dir))

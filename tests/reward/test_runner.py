@@ -88,7 +88,7 @@ def test_worker_crash_scores_zero_and_is_counted():
 
 def test_async_scoring_runs_calls_concurrently():
     async def main(runner):
-        return await asyncio.gather(*(runner.acall(f"s{i}", float(i + 1)) for i in range(4)))
+        return await asyncio.gather(*(runner.ascore(f"s{i}", float(i + 1)) for i in range(4)))
 
     with RewardRunner(slow_if_negative, RewardConfig(n_workers=2)) as runner:
         assert asyncio.run(main(runner)) == [1.0, 2.0, 3.0, 4.0]

@@ -19,20 +19,20 @@ def _traj(prompt, completion, versions, reward, status=RolloutStatus.COMPLETED, 
 def test_groups_become_one_packed_batch_with_documented_fields():
     groups = [
         [_traj([1, 2], [3, 4], [0, 1], 1.0), _traj([1, 2], [5], [1], 0.0)],
-        [_traj([9], [8, 7, 6], [1, 1, 1], 0.5, status=RolloutStatus.ERROR_GENERATION)],
+        [_traj([9], [8, 7, 6], [1, 1, 1], 0.5, status=RolloutStatus.ERROR_REWARD)],
     ]
     b = groups_to_batch(groups)
     assert b.cu_seqlens.tolist() == [0, 4, 7, 11]
     assert b["input_ids"].tolist() == [1, 2, 3, 4, 1, 2, 5, 9, 8, 7, 6]
     assert b["logprobs"].tolist() == [0.0, 0.0, -0.5, -1.0, 0.0, 0.0, -0.5, 0.0, -0.5, -1.0, -1.5]
     assert b["versions"].tolist() == [-1, -1, 0, 1, -1, -1, 1, -1, 1, 1, 1]
-    # The error_generation sequence is kept (group structure) but masked out of the loss.
+    # The error_reward sequence is kept (group structure) but masked out of the loss.
     assert b["loss_mask"].tolist() == [0, 0, 1, 1, 0, 0, 1, 0, 0, 0, 0]
     assert b["rewards"].tolist() == [1.0, 0.0, 0.5]
     assert b["group_index"].tolist() == [0, 0, 1]
     assert b["prompt_lens"].tolist() == [2, 2, 1]
     assert [STATUS_CODES[i] for i in b["status_code"].tolist()] == [
-        RolloutStatus.COMPLETED, RolloutStatus.COMPLETED, RolloutStatus.ERROR_GENERATION]
+        RolloutStatus.COMPLETED, RolloutStatus.COMPLETED, RolloutStatus.ERROR_REWARD]
     assert b["logprobs"].dtype == torch.float32 and b["rewards"].dtype == torch.float32
     assert b["versions"].dtype == torch.int64 and b["loss_mask"].dtype == torch.int64
     assert groups_to_batch(groups, mask_untrainable=False)["loss_mask"][-3:].tolist() == [1, 1, 1]

@@ -113,7 +113,7 @@ class GRPOConfig(BaseExperimentConfig):
         if self.train_dataset.type != "rl":
             yield f"train_dataset.type: RL needs 'rl' data, got {self.train_dataset.type!r}; set train_dataset.type=rl"
         ranks = self.cluster.trainer_nprocs * self.cluster.n_nodes
-        if self.train_dataset.batch_size % ranks:
+        if ranks > 0 and self.train_dataset.batch_size % ranks:
             yield (
                 f"train_dataset.batch_size: {self.train_dataset.batch_size} is not divisible by the "
                 f"{ranks} trainer ranks (cluster.trainer_nprocs x cluster.n_nodes)"

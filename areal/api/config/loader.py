@@ -305,7 +305,7 @@ def _run_check(obj: Any, prefix: str, problems: list[str], field_problems: bool)
     try:
         for p in obj.check():
             problems.append(_join(prefix, p))
-    except (TypeError, ValueError, AttributeError):
+    except (TypeError, ValueError, AttributeError, ArithmeticError):
         if not field_problems:
             raise
 
