@@ -24,6 +24,7 @@ from areal.algo.logprob import packed_token_logprobs
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.engine.fsdp import FSDPEngine
+from areal.runtime.dist import init_distributed
 from areal.utils.batch import PackedBatch
 from areal.utils.tiny_model import build_tiny_model
 
@@ -67,7 +68,7 @@ def run_packed(path: str, batch: PackedBatch, budget: int, steps: int) -> float:
     """Seconds per train_batch over the whole batch (after one warm-up step)."""
     cfg = TrainEngineConfig(path=path, mb_spec=MicroBatchSpec(max_tokens_per_mb=budget),
                             optimizer=OptimizerConfig(lr=1e-5))
-    engine = FSDPEngine(cfg)
+    engine = FSDPEngine(cfg, init_distributed().mesh)  # one process: a 1-rank mesh
     engine.initialize(None)
     weight = lambda mb: float(mb.n_tokens - mb.n_seqs)
     engine.train_batch(batch, nll, weight)

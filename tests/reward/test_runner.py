@@ -91,4 +91,4 @@ def test_async_scoring_runs_calls_concurrently():
         return await asyncio.gather(*(runner.ascore(f"s{i}", float(i + 1)) for i in range(4)))
 
     with RewardRunner(slow_if_negative, RewardConfig(n_workers=2)) as runner:
-        assert asyncio.run(main(runner)) == [1.0, 2.0, 3.0, 4.0]
+        assert [o.reward for o in asyncio.run(main(runner))] == [1.0, 2.0, 3.0, 4.0]
