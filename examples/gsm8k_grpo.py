@@ -44,16 +44,20 @@ def evaluate(executor, valid_loader, workflow, run) -> None:
                 run.tracker.mean("eval/accuracy", torch.tensor([t.reward for t in group]))
 
 
+def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RLVRWorkflow | MultiTurnWorkflow:
+    """The training workflow ``workflow.type`` names."""
+    if cfg.workflow.type == "multi_turn":
+        return MultiTurnWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir)
+    return RLVRWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir,
+                        greedy_baseline=cfg.actor.remax_baseline)
+
+
 def setup_rollout(cfg: GRPOConfig, run):
     """Client to the registered servers, reward workers, workflows, executor."""
     rollout = RemoteInferenceEngine(cfg.rollout)
     rollout.initialize(discover_servers(cfg.rollout, run.registry(), run.servers_key, cfg.cluster.n_servers))
     reward = RewardRunner(math_reward if cfg.reward_fn == "math" else code_reward, cfg.reward)
-    if cfg.workflow.type == "multi_turn":
-        workflow = MultiTurnWorkflow(reward, cfg.gconfig, run.tokenizer, cfg.workflow, run.run_dir / "rollouts")
-    else:
-        workflow = RLVRWorkflow(reward, cfg.gconfig, run.tokenizer, cfg.workflow, run.run_dir / "rollouts",
-                                greedy_baseline=cfg.actor.remax_baseline)
+    workflow = make_workflow(cfg, reward, run.tokenizer, run.run_dir / "rollouts")
     eval_workflow = RLVRWorkflow(reward, cfg.eval_gconfig, run.tokenizer)
     executor = WorkflowExecutor(cfg.rollout, rollout, batch_size=cfg.train_dataset.batch_size // run.world_size)
     executor.initialize()

@@ -50,3 +50,31 @@ def test_gsm8k_recipe_is_the_async_gpu_layout_it_documents():
     assert cfg.cluster.n_servers == 1 and cfg.cluster.trainer_nprocs + 1 == 8
     assert cfg.train_dataset.batch_size % cfg.cluster.trainer_nprocs == 0
     assert cfg.train_dataset.format == cfg.valid_dataset.format == "gsm8k"
+
+
+@pytest.mark.parametrize("kind", ["rlvr", "multi_turn"])
+def test_grpo_script_trains_the_workflow_the_config_names(kind, tiny_tokenizer, tmp_path):
+    import importlib.util
+
+    from areal.workflow.multi_turn import MultiTurnWorkflow
+    from areal.workflow.rlvr import RLVRWorkflow
+
+    spec = importlib.util.spec_from_file_location("_grpo_script", EXAMPLES / "gsm8k_grpo.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    overrides = [f"workflow.type={kind}", "gconfig.n_samples=3", "gconfig.temperature=0.7"]
+    if kind == "multi_turn":
+        overrides.append("workflow.max_turns=3")
+    cfg = load_config(GRPOConfig, ["--config", str(EXAMPLES / "arithmetic_grpo.yaml"), *overrides])
+    workflow = script.make_workflow(cfg, reward=None, tokenizer=tiny_tokenizer, dump_dir=tmp_path)
+    assert type(workflow) is {"rlvr": RLVRWorkflow, "multi_turn": MultiTurnWorkflow}[kind]
+    assert workflow.n_samples == 3 and workflow.gconfig.temperature == 0.7
+    if kind == "multi_turn":
+        assert workflow.cfg.max_turns == 3
+
+
+def test_multi_turn_knobs_without_the_multi_turn_workflow_are_an_error():
+    from areal.api.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_turns: 3 has no effect with type=rlvr"):
+        load_config(GRPOConfig, ["--config", str(EXAMPLES / "arithmetic_grpo.yaml"), "workflow.max_turns=3"])

@@ -1,8 +1,8 @@
 """Tier 2: engines run their collectives on their own mesh, never on the default group.
 
 Four gloo ranks host two different models, each on a disjoint 2-rank sub-mesh, training at the
-same time; each model's loss trace, exported checkpoint and final weights must equal a standalone
-2-rank job's. A collective on the wrong group (the default one, or the other model's) would mix
+same time; each model's loss trace, HF export and final weights must equal a standalone 2-rank
+job's, and its DCP checkpoint must reload exactly on its own sub-mesh. A collective on the wrong group (the default one, or the other model's) would mix
 the two models' numbers or hang, and fails this test.
 """
 
@@ -30,25 +30,31 @@ STEPS = 3
 SPEC = MicroBatchSpec(max_tokens_per_mb=40)
 
 
-def _train(path: str, model: int, mesh, export: Path) -> dict:
-    """STEPS steps of one model on ``mesh``; each model sees its own batches."""
+def _train(path: str, model: int, mesh, out: Path) -> dict:
+    """STEPS steps of one model on ``mesh`` (each model sees its own batches), then an HF export
+    and a DCP checkpoint reloaded into a fresh engine, all on the mesh's own group."""
     engine = make_engine(path, SPEC, mesh=mesh)
     losses = []
     for step in range(STEPS):
         batch = random_batch(seed=100 * model + step)
         mine = batch.select(balance_across_ranks(batch, mesh.size())[mesh.get_local_rank()])
         losses.append(engine.train_batch(mine, nll_loss, n_loss_tokens)["loss"])
-    engine.save(SaveLoadMeta(str(export), weight_format="hf"))  # on the mesh's own group
+    engine.save(SaveLoadMeta(str(out / "hf"), weight_format="hf"))
+    engine.save(SaveLoadMeta(str(out / "dcp"), weight_format="dcp", with_optim=True))
     state = engine.full_state_dict()
     engine.destroy()
-    return {"losses": losses, "state": state}
+    fresh = make_engine(path, SPEC, mesh=mesh)
+    fresh.load(SaveLoadMeta(str(out / "dcp"), weight_format="dcp", with_optim=True))
+    restored = fresh.full_state_dict()
+    fresh.destroy()
+    return {"losses": losses, "state": state, "restored": restored}
 
 
 def _shared_job(rank: int, paths: list[str], port: int, out: str) -> None:
     set_dist_env(rank, 4, port)
     ctx = init_distributed("gloo")
     model, mesh = ctx.split(2)  # ranks 0-1 train model 0, ranks 2-3 model 1, concurrently
-    result = _train(paths[model], model, mesh, Path(out) / f"shared_hf{model}")
+    result = _train(paths[model], model, mesh, Path(out) / f"shared{model}")
     if mesh.get_local_rank() == 0:
         torch.save(result, Path(out) / f"shared{model}.pt")
     close_distributed()
@@ -58,7 +64,7 @@ def _standalone_jobs(rank: int, paths: list[str], port: int, out: str) -> None:
     set_dist_env(rank, 2, port)
     ctx = init_distributed("gloo")
     for model, path in enumerate(paths):  # one 2-rank run per model, one after the other
-        result = _train(path, model, ctx.mesh, Path(out) / f"alone_hf{model}")
+        result = _train(path, model, ctx.mesh, Path(out) / f"alone{model}")
         if rank == 0:
             torch.save(result, Path(out) / f"alone{model}.pt")
     close_distributed()
@@ -80,8 +86,9 @@ def test_two_models_on_disjoint_sub_meshes_train_as_two_standalone_jobs(tiny_mod
         assert shared["state"].keys() == alone["state"].keys()
         worst = max((shared["state"][k] - alone["state"][k]).abs().max().item() for k in alone["state"])
         assert worst <= 1e-6, f"model {model}: max parameter difference {worst}"
-        exported = load_file(tmp_path / f"shared_hf{model}" / "model.safetensors")
-        reference = load_file(tmp_path / f"alone_hf{model}" / "model.safetensors")
+        exported = load_file(tmp_path / f"shared{model}" / "hf" / "model.safetensors")
+        reference = load_file(tmp_path / f"alone{model}" / "hf" / "model.safetensors")
         assert all(torch.allclose(exported[k], reference[k], atol=1e-6) for k in reference)
+        assert all(torch.equal(shared["restored"][k], shared["state"][k]) for k in shared["state"])
         finals.append(shared["losses"])
     assert finals[0] != finals[1]  # two different models really trained
