@@ -85,12 +85,9 @@ def train_step(cfg: GRPOConfig, run, actor, critic, ref, batch) -> None:
     run.tracker.mean("reward/mean", batch["rewards"])
     run.tracker.sum("perf/n_tokens", batch.n_tokens)
     run.tracker.sum("perf/n_trained_tokens", batch["loss_mask"].sum())
-    with run.tracker.timer("prox_logp"):
-        with_prox, _ = actor.compute_logp(batch, out="prox_logp")  # current weights, before the update
-        gap = (with_prox["prox_logp"] - batch["logprobs"]).abs()
-        run.tracker.mean("rollout/logp_mismatch", gap, batch["loss_mask"])
-        if cfg.actor.use_decoupled_loss:
-            batch = with_prox
+    if actor.needs_prox_pass:  # else the update's own forward gives them (one minibatch)
+        with run.tracker.timer("prox_logp"):
+            batch, _ = actor.compute_logp(batch, out="prox_logp")  # weights before the update
     if ref is not None:
         with run.tracker.timer("ref_logp"):
             batch, _ = ref.compute_logp(batch, out="ref_logp")

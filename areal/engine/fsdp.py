@@ -43,29 +43,35 @@ from areal.engine import checkpoint
 from areal.utils import weight_sync
 from areal.engine.lr_schedule import build_lr_scheduler
 from areal.utils.batch import MicroBatches, PackedBatch, split_microbatches
+from areal.utils.prefix import share_prefixes
 
 ATTN_IMPL = "areal_varlen"
 
 
 def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                      is_causal=None, **kwargs):
-    """Causal attention within each packed sequence; ``cu_seqlens`` [B+1] comes via kwargs.
+    """Attention within each segment of one packed row; the segments come via the forward
+    kwargs: ``areal_segments`` ``[(start, end, mask)]`` (mask ``[n, n]`` bool, or None for
+    causal; the shared-prefix layout) or else ``cu_seqlens`` ``[B+1]`` (one causal segment per
+    sequence).
 
     query ``[1, Hq, T, D]``, key/value ``[1, Hkv, T, D]``; returns ``[1, T, Hq, D]``.
     """
-    cu = kwargs.get("cu_seqlens")
-    if cu is None or query.shape[0] != 1:
+    segments = kwargs.get("areal_segments")
+    if segments is None and kwargs.get("cu_seqlens") is not None:
+        bounds = kwargs["cu_seqlens"].tolist()
+        segments = [(s, e, None) for s, e in zip(bounds[:-1], bounds[1:])]
+    if segments is None or query.shape[0] != 1:
         raise ValueError(
             f"{ATTN_IMPL} attention needs one packed row (got batch {query.shape[0]}) and "
             "cu_seqlens in the forward kwargs; call the model through FSDPEngine"
         )
-    bounds = cu.tolist()
     outs = [
         F.scaled_dot_product_attention(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling,
-            dropout_p=dropout if module.training else 0.0, enable_gqa=True,
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], attn_mask=mask, is_causal=mask is None,
+            scale=scaling, dropout_p=dropout if module.training else 0.0, enable_gqa=True,
         )
-        for s, e in zip(bounds[:-1], bounds[1:])
+        for s, e, mask in segments
     ]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
@@ -166,13 +172,24 @@ class FSDPEngine(TrainEngine):
     # ------------------------------------------------------------------------------ compute
 
     def _logits(self, mb: PackedBatch) -> torch.Tensor:
-        """Packed forward of one micro-batch: fp32 logits ``[T, V]`` (or values ``[T, 1]``)."""
-        mb = mb.to(self.device)
+        """Packed forward of one micro-batch: fp32 logits ``[T, V]`` (or values ``[T, 1]``).
+
+        With ``shared_prefix`` a group's shared prompt runs once (:mod:`areal.utils.prefix`);
+        the logits come back in the plain layout either way."""
+        row = share_prefixes(mb) if self.config.shared_prefix else None
+        if row is None:
+            mb = mb.to(self.device)
+            out = self.model(
+                input_ids=mb["input_ids"][None], position_ids=mb.position_ids()[None],
+                cu_seqlens=mb.cu_seqlens.cpu(), use_cache=False,
+            )
+            return out.logits[0].float()
+        segments = [(s, e, None if m is None else m.to(self.device)) for (s, e), m in zip(row.bounds, row.masks)]
         out = self.model(
-            input_ids=mb["input_ids"][None], position_ids=mb.position_ids()[None],
-            cu_seqlens=mb.cu_seqlens.cpu(), use_cache=False,
+            input_ids=row.input_ids.to(self.device)[None], position_ids=row.position_ids.to(self.device)[None],
+            areal_segments=segments, use_cache=False,
         )
-        return out.logits[0].float()
+        return out.logits[0].float()[row.index.to(self.device)]
 
     def _split(self, batch: PackedBatch) -> tuple[MicroBatches, int]:
         """Micro-batches of this rank and the number every rank will run (the max over ranks)."""

@@ -89,6 +89,20 @@ class PPOActor(FSDPEngine):
     def _dp_group(self):
         return self.group if self.world_size > 1 else None
 
+    @property
+    def needs_prox_pass(self) -> bool:
+        """Whether ``prox_logp`` needs its own forward before the update.
+
+        The proximal policy is the weights before this step's update. With one PPO minibatch
+        every micro-batch's training forward still runs those weights (the optimizer steps once,
+        after all of them), so the loss takes the proximal logprobs from its own forward,
+        detached, and the separate pass is redundant. It is needed with several minibatches
+        (later ones run updated weights) and when the advantages' KL-in-reward uses them.
+        """
+        cfg = self.config
+        kl_in_advantages = cfg.kl_ctl > 0 and cfg.kl_in_reward
+        return cfg.use_decoupled_loss and (cfg.ppo_n_minibatches > 1 or kl_in_advantages)
+
     @torch.no_grad()
     def compute_advantages(self, batch: PackedBatch) -> ModelFnResult:
         """``batch`` plus ``advantages``/``returns``/``token_rewards`` [T] and ``seq_rewards`` [B]."""
@@ -110,12 +124,21 @@ class PPOActor(FSDPEngine):
         cfg = self.config
         logp, entropy = packed_token_logprobs(logits, mb["input_ids"], mb.cu_seqlens,
                                               self.temperature, cfg.logprob_chunk_size)
+        if "prox_logp" in mb:
+            prox = mb["prox_logp"]
+        else:  # one minibatch: these weights are the proximal policy (see needs_prox_pass)
+            if self.needs_prox_pass:
+                raise ValueError("the decoupled loss with several minibatches or KL in the reward "
+                                 "needs prox_logp; call compute_logp(batch, out='prox_logp') first")
+            prox = logp.detach()
         loss, stats = policy_loss(
-            logp, mb["prox_logp"] if "prox_logp" in mb else None, mb["logprobs"], mb["advantages"],
+            logp, prox if cfg.use_decoupled_loss else None, mb["logprobs"], mb["advantages"],
             mb["loss_mask"], mb.cu_seqlens, cfg, entropy=entropy,
             ref_logp=mb["ref_logp"] if "ref_logp" in mb else None, max_new_tokens=self.max_new_tokens,
         )
-        return loss, {k: float(v) for k, v in stats.items()}
+        mask = mb["loss_mask"].to(prox.device, prox.dtype)  # trainer's proximal vs server's logprobs
+        gap = ((prox - mb["logprobs"].to(prox.device)).abs() * mask).sum() / mask.sum().clamp(min=1)
+        return loss, {**{k: float(v) for k, v in stats.items()}, "logp_mismatch": float(gap)}
 
     def ppo_update(self, batch: PackedBatch) -> ModelFnResult:
         """``ppo_n_minibatches`` optimizer steps over ``batch``; stats are means over the steps."""

@@ -128,3 +128,67 @@ def test_critic_value_normalizer_survives_a_dcp_round_trip(tiny_model_dir, tmp_p
         b.load(SaveLoadMeta(path=str(tmp_path / "plain"), weight_format="dcp", with_optim=True))
     for engine in (plain, b, a):
         engine.destroy()
+
+
+def _decoupled_step(path, prox_pass: bool) -> tuple[dict, dict]:
+    actor = PPOActor(actor_config(path, lr=1e-2, eps=1.0, use_decoupled_loss=True, behav_imp_weight_cap=5.0),
+                     world_mesh(), group_size=GROUP)
+    actor.initialize(None)
+    batch = rollout_batch(n_groups=4)
+    behav = actor.compute_logp(batch)[0]["logp"] + 0.05 * torch.randn(batch.n_tokens, generator=torch.Generator().manual_seed(1))
+    batch = batch.with_fields(tokens={"logprobs": behav * batch["loss_mask"]})  # a stale behaviour policy
+    if prox_pass:
+        batch, _ = actor.compute_logp(batch, out="prox_logp")
+    batch, _ = actor.compute_advantages(batch)
+    _, stats = actor.ppo_update(batch)
+    state = {k: v.clone() for k, v in actor.full_state_dict().items()}
+    actor.destroy()
+    return stats, state
+
+
+def test_one_minibatch_update_without_the_prox_pass_equals_the_update_with_it(tiny_model_dir):
+    with_pass, state_a = _decoupled_step(tiny_model_dir, prox_pass=True)
+    without, state_b = _decoupled_step(tiny_model_dir, prox_pass=False)
+    for key in ("loss", "pg_loss", "behav_imp_weight_mean", "logp_mismatch", "grad_norm"):
+        assert without[key] == pytest.approx(with_pass[key], rel=1e-5, abs=1e-6), key
+    assert with_pass["logp_mismatch"] > 0.01  # the behaviour policy really differed
+    worst = max((state_a[k] - state_b[k]).abs().max().item() for k in state_a)
+    assert worst < 1e-6
+
+
+def test_several_minibatches_demand_the_prox_pass(tiny_model_dir):
+    actor = PPOActor(actor_config(tiny_model_dir, ppo_n_minibatches=2, use_decoupled_loss=True),
+                     world_mesh(), group_size=GROUP)
+    assert actor.needs_prox_pass
+    actor.initialize(None)
+    batch = rollout_batch()
+    batch = batch.with_fields(tokens={"logprobs": actor.compute_logp(batch)[0]["logp"]})
+    batch, _ = actor.compute_advantages(batch)
+    with pytest.raises(ValueError, match="needs prox_logp"):
+        actor.ppo_update(batch)
+    actor.destroy()
+
+
+def _grpo_step(path, shared: bool, budget: int) -> tuple[torch.Tensor, dict, dict]:
+    actor = PPOActor(actor_config(path, budget=budget, lr=1e-2, eps=1.0, shared_prefix=shared),
+                     world_mesh(), group_size=GROUP)
+    actor.initialize(None)
+    batch = rollout_batch(n_groups=4).with_fields(seqs={"group_index": torch.arange(8) // GROUP,
+                                                        "prompt_lens": torch.full((8,), 4)})
+    logp = actor.compute_logp(batch)[0]["logp"]
+    batch, _ = actor.compute_advantages(batch.with_fields(tokens={"logprobs": logp}))
+    _, stats = actor.ppo_update(batch)
+    state = {k: v.clone() for k, v in actor.full_state_dict().items()}
+    actor.destroy()
+    return logp, stats, state
+
+
+@pytest.mark.parametrize("budget", [1000, 24])  # one micro-batch; groups split over several
+def test_shared_prefix_training_equals_running_every_prompt_per_sample(tiny_model_dir, budget):
+    logp_a, stats_a, state_a = _grpo_step(tiny_model_dir, shared=False, budget=budget)
+    logp_b, stats_b, state_b = _grpo_step(tiny_model_dir, shared=True, budget=budget)
+    assert (logp_a - logp_b).abs().max() < 1e-5
+    for key in ("loss", "pg_loss", "grad_norm", "entropy"):
+        assert stats_b[key] == pytest.approx(stats_a[key], rel=1e-5, abs=1e-6), key
+    worst = max((state_a[k] - state_b[k]).abs().max().item() for k in state_a)
+    assert worst < 1e-5

@@ -33,6 +33,10 @@ class TrainEngineConfig:
     )
     gradient_checkpointing: bool = param(False, help="Recompute activations in backward.")
     init_seed: int = param(1, ge=0, help="Seed for from-scratch init and new heads (same on every rank).")
+    shared_prefix: bool = param(
+        True, help="Run a group's shared prompt once per forward/backward (RL batches with "
+        "group_index/prompt_lens); the same logits and gradients as running it per sample."
+    )
     logprob_chunk_size: int = param(
         1024, ge=1, help="Tokens per chunk when computing logprobs/entropy from logits."
     )
