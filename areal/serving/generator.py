@@ -88,8 +88,10 @@ class Generator:
         decode: Callable[[list[int]], str] | None = None,
         version: int = 0,
         num_threads: int = 0,
+        share_prompts: bool = True,
     ):
         self.model = model
+        self.share_prompts = share_prompts  # one prefill for identical prompts admitted together
         self.max_batch_size = max_batch_size
         self.context_length = min(context_length or model.spec.max_positions, model.spec.max_positions)
         self.max_prefill_tokens = max_prefill_tokens
@@ -333,16 +335,35 @@ class Generator:
         return admitted
 
     def _step(self, admitted: list[_Seq]) -> None:
-        """One packed forward: a decode token for every running request plus new prompts."""
+        """One packed forward: a decode token for every running request plus new prompts.
+
+        Requests admitted together with the same prompt (the samples of one group) share its
+        prefill: the prompt runs once, its cache rows are copied to the others' slots and its
+        last-token logits serve each of them (each samples on its own)."""
         dev = self.model.device
         running = self._running
         tokens = torch.tensor([s.out[-1] for s in running], dtype=torch.long, device=dev)
         positions = torch.tensor(
             [len(s.prompt) + len(s.out) - 1 for s in running], dtype=torch.long, device=dev
         )
-        prompts = [torch.tensor(s.prompt, dtype=torch.long, device=dev) for s in admitted]
-        self._running.extend(admitted)  # first, so a crash in the step answers them too
-        logits = self.model.step(tokens, positions, prompts, self.cache)
+        first: dict[tuple[int, ...], int] = {}  # prompt -> index among the unique prompts
+        leaders, followers, follows = [], [], []
+        for seq in admitted:
+            key = tuple(seq.prompt) if self.share_prompts else (id(seq),)
+            if key in first:
+                followers.append(seq)
+                follows.append(first[key])
+            else:
+                first[key] = len(leaders)
+                leaders.append(seq)
+        prompts = [torch.tensor(s.prompt, dtype=torch.long, device=dev) for s in leaders]
+        B = len(running)
+        self._running.extend(leaders + followers)  # first, so a crash in the step answers them too
+        logits = self.model.step(tokens, positions, prompts, self.cache)  # [B + len(leaders), V]
+        for f, (seq, j) in enumerate(zip(followers, follows)):
+            self.cache.move_slot(B + j, B + len(leaders) + f, len(seq.prompt))
+        if followers:
+            logits = torch.cat([logits, logits[[B + j for j in follows]]])
         self._sample_and_retire(logits, list(self._running), 0)
 
     def _sample_and_retire(self, logits: torch.Tensor, seqs: list[_Seq], first_slot: int) -> None:

@@ -137,6 +137,20 @@ def test_seeded_sampling_is_reproducible_regardless_of_batch(generator):
     assert other_seed.output_ids != alone
 
 
+def test_a_group_sharing_one_prefill_samples_as_if_each_ran_alone(generator, hf_model):
+    # 4 samples of one prompt admitted together (one prefill, cache copied) beside another prompt
+    seeds = [3, 4, 5, 6]
+    group = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=s) for s in seeds]
+    shared = generator.generate([PROMPTS[2]] * 4 + [PROMPTS[0]], group + [GREEDY])
+    for seed, r in zip(seeds, shared[:4]):
+        alone = generator.generate([PROMPTS[2]], SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed))[0]
+        assert r.output_ids == alone.output_ids
+        ref = hf_logprobs(hf_model, PROMPTS[2], r.output_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=1e-4, rtol=0)
+    assert len({tuple(r.output_ids) for r in shared[:4]}) > 1  # independent samples, not copies
+    assert shared[4].output_ids == hf_greedy(hf_model, PROMPTS[0], 24)
+
+
 def test_request_joining_mid_run_gets_same_greedy_result_as_alone(generator):
     alone = generator.generate([PROMPTS[2]], GREEDY)[0].output_ids
     long_run = generator.submit(PROMPTS[1], SamplingParams(max_new_tokens=300, temperature=0.0, ignore_eos=True))
