@@ -17,8 +17,10 @@ loss, no KL, no dynamic sampling (the baseline has none), areal's ``math_reward`
 
 Held-out greedy accuracy (200 problems) of the SFT model and of each side's final model is
 measured by one evaluator (our generator, greedy, ``math_reward``). Prints s/step (median over
-steps after the first 3), trained samples/s, the gains and the ratio, our per-stage breakdown,
-and writes ``OUT/e2e.json``.
+steps after the first 3), trained samples/s, the gains and the ratio, and our per-stage
+breakdown after and before the throughput levers (``--before-steps`` steps with the separate
+proximal-logp pass, no shared-prefix training and one prefill per request in the server), and
+writes ``OUT/e2e.json``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 TRL_VENV = REPO / "bench" / ".venv-trl"
 GRPO_YAML = REPO / "examples" / "arithmetic_grpo.yaml"
 SAME = ["actor.dynamic_sampling=false", "valid_dataset=null", "saver.freq_steps=null", "launcher.echo=false"]
+LEVERS_OFF = ["actor.recompute_prox_logp=true", "actor.shared_prefix=false", "server.share_prompts=false"]
 
 
 def _run(cmd: list[str], log: Path, timeout: float) -> None:
@@ -126,6 +129,10 @@ def run_trl(py: str, sft: str, out: Path, steps: int, train: list[dict]) -> tupl
     return result["step_seconds"][3:], str(out / "final")
 
 
+def _stages(stages: dict[str, float]) -> str:
+    return ", ".join(f"{k.removeprefix('timing/')} {v:.3f}" for k, v in stages.items())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sft", default=str(REPO / "runs/quickstart/sft/run/checkpoints/model/step300"),
@@ -133,6 +140,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--baseline", choices=["trl", "sync"], default="trl")
     p.add_argument("--out", default=str(REPO / "runs" / "bench_e2e"))
+    p.add_argument("--before-steps", type=int, default=20,
+                   help="steps of our stack with the throughput levers off (0 = skip)")
     a = p.parse_args()
     if not Path(a.sft, "config.json").is_file():
         raise SystemExit(f"--sft {a.sft} is not an HF model dir; run `make demo` first or pass --sft DIR")
@@ -147,6 +156,10 @@ def main() -> int:
         base_steps, base_model = run_trl(py, a.sft, out / "trl", a.steps, train)
     else:
         base_steps, _, base_model = run_ours(a.sft, out / "sync", a.steps, ["rollout.max_staleness=0"])
+    before = None
+    if a.before_steps:
+        steps_before, stages_before, _ = run_ours(a.sft, out / "before", a.before_steps, LEVERS_OFF)
+        before = {"s_per_step": statistics.median(steps_before), "stage_seconds": stages_before}
     acc = {name: held_out_accuracy(m, valid) for name, m in (("sft", a.sft), ("ours", ours_model),
                                                              ("baseline", base_model))}
     s_ours, s_base = statistics.median(ours_steps), statistics.median(base_steps)
@@ -155,7 +168,7 @@ def main() -> int:
         "ours_samples_per_s": 64 / s_ours, "baseline_samples_per_s": 64 / s_base, "ratio": s_base / s_ours,
         "acc_sft": acc["sft"], "acc_ours": acc["ours"], "acc_baseline": acc["baseline"],
         "gain_ours": acc["ours"] - acc["sft"], "gain_baseline": acc["baseline"] - acc["sft"],
-        "ours_stage_seconds": stages,
+        "ours_stage_seconds": stages, "ours_before_levers": before,
     }
     (out / "e2e.json").write_text(json.dumps(result, indent=2))
     print(f"[e2e] ours {s_ours:.3f} s/step ({64 / s_ours:.1f} samples/s), {baseline} {s_base:.3f} s/step "
@@ -163,8 +176,11 @@ def main() -> int:
           f"[e2e] held-out greedy accuracy: SFT {acc['sft']:.3f}, ours {acc['ours']:.3f} "
           f"({result['gain_ours'] * 100:+.1f} points), {baseline} {acc['baseline']:.3f} "
           f"({result['gain_baseline'] * 100:+.1f} points)\n"
-          f"[e2e] our stages (s/step): " + ", ".join(f"{k[7:]} {v:.3f}" for k, v in stages.items())
-          + f"\n[e2e] {out / 'e2e.json'}")
+          f"[e2e] our stages (s/step): " + _stages(stages))
+    if before is not None:
+        print(f"[e2e] before the levers: {before['s_per_step']:.3f} s/step; stages: "
+              + _stages(before["stage_seconds"]))
+    print(f"[e2e] {out / 'e2e.json'}")
     return 0
 
 

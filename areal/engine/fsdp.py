@@ -6,7 +6,10 @@ Packed forward. A micro-batch is one 1-D row of concatenated sequences with per-
 position ids and no padding. Attention is restricted to each sequence by the ``areal_varlen``
 attention function registered with transformers below (one causal SDPA call per sequence, like
 flash-attention's varlen kernel), so no ``[T, T]`` mask is ever built; it is numerically the
-same as running each sequence alone.
+same as running each sequence alone. With ``shared_prefix`` (RL batches whose groups share a
+prompt) a group's prompt runs once and its completions attend to it through a small per-group
+mask (:mod:`areal.utils.prefix`); the logits are gathered back into the plain layout, so losses
+and hooks never see the difference, and a group's ``n`` prompt copies cost one.
 
 Gradient accumulation. ``train_batch`` weights micro-batch ``i`` on rank ``r`` by
 ``w_ri / sum_{r,i} w_ri`` (``w = loss_weight_fn(mb)``, summed with an all-reduce), so a loss that
@@ -18,7 +21,8 @@ Peak memory per micro-batch of ``T`` tokens (fp32, ``L`` layers, hidden ``H``, v
 sharded parameters + gradients + 2 AdamW moments (``16 * N / world`` bytes), one all-gathered
 layer at a time, activations ``~ L * T * (c * H)`` (``c`` ~ 20 without gradient checkpointing;
 only layer inputs ``L * T * H`` with it), and the logits ``T * V * 4`` bytes plus their softmax
-in the loss. Logits of the whole batch are never held: ``forward`` reduces each micro-batch's
+in the loss (with ``shared_prefix`` also the row's own ``S * V * 4``, ``S <= T``). Logits of the
+whole batch are never held: ``forward`` reduces each micro-batch's
 ``[T, V]`` logits through ``post_hook`` before the next micro-batch runs.
 """
 
@@ -35,13 +39,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from areal.api.config.engine import TrainEngineConfig
 from areal.algo.logprob import packed_token_logprobs
+from areal.api.config.engine import TrainEngineConfig
 from areal.api.engine import LossFn, LossWeightFn, ModelFnResult, PostHook, TrainEngine
 from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal.engine import checkpoint
-from areal.utils import weight_sync
 from areal.engine.lr_schedule import build_lr_scheduler
+from areal.utils import weight_sync
 from areal.utils.batch import MicroBatches, PackedBatch, split_microbatches
 from areal.utils.prefix import share_prefixes
 
@@ -64,7 +68,7 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if segments is None or query.shape[0] != 1:
         raise ValueError(
             f"{ATTN_IMPL} attention needs one packed row (got batch {query.shape[0]}) and "
-            "cu_seqlens in the forward kwargs; call the model through FSDPEngine"
+            "areal_segments or cu_seqlens in the forward kwargs; call the model through FSDPEngine"
         )
     outs = [
         F.scaled_dot_product_attention(

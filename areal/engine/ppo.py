@@ -97,11 +97,13 @@ class PPOActor(FSDPEngine):
         every micro-batch's training forward still runs those weights (the optimizer steps once,
         after all of them), so the loss takes the proximal logprobs from its own forward,
         detached, and the separate pass is redundant. It is needed with several minibatches
-        (later ones run updated weights) and when the advantages' KL-in-reward uses them.
+        (later ones run updated weights), when the advantages' KL-in-reward uses them, and
+        when ``recompute_prox_logp`` asks for it.
         """
         cfg = self.config
         kl_in_advantages = cfg.kl_ctl > 0 and cfg.kl_in_reward
-        return cfg.use_decoupled_loss and (cfg.ppo_n_minibatches > 1 or kl_in_advantages)
+        needed = cfg.ppo_n_minibatches > 1 or kl_in_advantages or cfg.recompute_prox_logp
+        return cfg.use_decoupled_loss and needed
 
     @torch.no_grad()
     def compute_advantages(self, batch: PackedBatch) -> ModelFnResult:
@@ -128,8 +130,9 @@ class PPOActor(FSDPEngine):
             prox = mb["prox_logp"]
         else:  # one minibatch: these weights are the proximal policy (see needs_prox_pass)
             if self.needs_prox_pass:
-                raise ValueError("the decoupled loss with several minibatches or KL in the reward "
-                                 "needs prox_logp; call compute_logp(batch, out='prox_logp') first")
+                raise ValueError("the decoupled loss with several minibatches, KL in the reward or "
+                                 "recompute_prox_logp needs prox_logp; call "
+                                 "compute_logp(batch, out='prox_logp') first")
             prox = logp.detach()
         loss, stats = policy_loss(
             logp, prox if cfg.use_decoupled_loss else None, mb["logprobs"], mb["advantages"],

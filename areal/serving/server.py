@@ -69,6 +69,7 @@ class GenerationServer:
             max_batch_size=cfg.max_batch_size,
             context_length=cfg.context_length or None,
             max_prefill_tokens=cfg.max_prefill_tokens,
+            share_prompts=cfg.share_prompts,
             num_threads=num_threads,
         )
         self.model_name = cfg.served_model_name or cfg.model_path

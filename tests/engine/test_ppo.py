@@ -156,6 +156,14 @@ def test_one_minibatch_update_without_the_prox_pass_equals_the_update_with_it(ti
     assert worst < 1e-6
 
 
+def test_the_prox_pass_runs_only_where_needed_or_asked_for(tiny_model_dir):
+    def needs(**kw) -> bool:
+        return PPOActor(actor_config(tiny_model_dir, use_decoupled_loss=True, **kw), world_mesh()).needs_prox_pass
+
+    assert not needs() and needs(recompute_prox_logp=True) and needs(ppo_n_minibatches=2)
+    assert needs(kl_ctl=0.1, kl_in_reward=True) and not needs(kl_ctl=0.1, kl_in_reward=False)
+
+
 def test_several_minibatches_demand_the_prox_pass(tiny_model_dir):
     actor = PPOActor(actor_config(tiny_model_dir, ppo_n_minibatches=2, use_decoupled_loss=True),
                      world_mesh(), group_size=GROUP)

@@ -183,6 +183,11 @@ class PPOActorConfig(TrainEngineConfig):
         False, help="Decoupled PPO: ratio against the proximal policy, times the behaviour "
         "weight pi_prox/pi_behav."
     )
+    recompute_prox_logp: bool = param(
+        False, help="Decoupled loss: always run a separate forward for the proximal logprobs; "
+        "false = only when needed (several PPO minibatches, or KL in the reward), else the "
+        "update's own forward gives the same values."
+    )
     behav_imp_weight_cap: float | None = param(
         None, gt=1, help="Cap on pi_prox/pi_behav in the decoupled loss; null = uncapped."
     )

@@ -46,6 +46,10 @@ class GenerationServerConfig:
     max_prefill_tokens: int = param(
         8192, ge=1, help="Prompt-token budget admitted into one step (the first prompt always fits)."
     )
+    share_prompts: bool = param(
+        True, help="Requests admitted in one step with the same prompt (a group's samples) prefill "
+        "it once and copy its cache rows; false = one prefill per request (same outputs, slower)."
+    )
     cpu_attention: Literal["auto", "compiled", "torch"] = param(
         "auto",
         help="Decode attention on CPU fp32: compiled = a C kernel built with $CC (default cc) at "
