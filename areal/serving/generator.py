@@ -181,6 +181,9 @@ class Generator:
         bad = [t for t in input_ids if not (isinstance(t, int) and 0 <= t < V)]
         if bad:
             problems.append(f"input_ids: token ids must be ints in [0, {V}), got {bad[:3]}")
+        bad = [t for t in params.stop_token_ids if not (isinstance(t, int) and 0 <= t < V)]
+        if bad:
+            problems.append(f"sampling_params.stop_token_ids: token ids must be ints in [0, {V}), got {bad[:3]}")
         if params.stop and self.decode_text is None:
             problems.append("sampling_params.stop: stop strings need a tokenizer")
         return problems

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 NEG_INF = float("-inf")
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4  # logits / T stays finite in fp32 inside these
+MAX_INT = 2**31 - 1  # counts and top_k fit an int32 tensor
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range
 
 
 @dataclass(frozen=True)
@@ -51,12 +54,19 @@ class SamplingParams:
                 f"min_new_tokens: {self.min_new_tokens} exceeds max_new_tokens "
                 f"{self.max_new_tokens}"
             )
-        if self.temperature < 0:
-            out.append(f"temperature: must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        for name in ("max_new_tokens", "min_new_tokens"):
+            if getattr(self, name) > MAX_INT:
+                out.append(f"{name}: must be <= {MAX_INT}, got {getattr(self, name)}")
+        t = self.temperature
+        if not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):  # NaN fails both
+            out.append(f"temperature: must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                       f"got {t}")
+        if not 0 < self.top_p <= 1:  # NaN fails too
             out.append(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            out.append(f"top_k: must be -1 (off) or >= 1, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_INT:
+            out.append(f"top_k: must be -1 or 0 (off) or in [1, {MAX_INT}], got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            out.append(f"seed: must be in [0, {MAX_SEED}], got {self.seed}")
         return out
 
 
@@ -103,7 +113,7 @@ def sample(
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=dev)
         sub = scaled[rows]
-        ks = [params[i].top_k if params[i].top_k > 0 else V for i in sampled_rows]
+        ks = [min(params[i].top_k, V) if params[i].top_k > 0 else V for i in sampled_rows]
         ps = [params[i].top_p for i in sampled_rows]
         if any(k < V for k in ks) or any(p < 1.0 for p in ps):
             sub = _top_k_top_p(

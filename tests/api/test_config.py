@@ -85,3 +85,16 @@ def test_grpo_cross_section_rules_are_reported_together():
     msg = str(e.value)
     assert "actor.overlong_tokens: 64 must be in (0, gconfig.max_new_tokens=6)" in msg
     assert "gconfig.n_samples: 1 with group-level normalisation or dynamic sampling" in msg
+
+
+def test_sampling_values_a_server_refuses_are_refused_at_load():
+    from areal.api.config import GRPOConfig
+
+    argv = ["actor.path=m", "cluster.n_servers=1", "actor.algorithm=grpo", "gconfig.n_samples=2",
+            "gconfig.temperature=1e-45", "gconfig.top_k=100000000000000000000", "eval_gconfig.temperature=.nan"]
+    with pytest.raises(ConfigError) as e:
+        load_config(GRPOConfig, argv)
+    msg = str(e.value)
+    assert "gconfig.temperature must be >= 0.0001, got 1e-45" in msg
+    assert "gconfig.top_k must be <= 2147483647" in msg
+    assert "eval_gconfig.temperature: must be a finite number, got nan" in msg

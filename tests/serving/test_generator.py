@@ -228,6 +228,13 @@ def test_invalid_requests_are_rejected_with_the_field_name(generator):
         generator.submit([1] * generator.context_length, GREEDY)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generator.submit([1], SamplingParams(max_new_tokens=-1))
+    hostile = {"temperature": SamplingParams(temperature=float("nan")),
+               "top_k": SamplingParams(top_k=10**20), "seed": SamplingParams(seed=-1),
+               "stop_token_ids": SamplingParams(stop_token_ids=(generator.model.spec.vocab_size,))}
+    for field, params in hostile.items():
+        with pytest.raises(ValueError, match=f"sampling_params.{field}"):
+            generator.submit([1], params)
+    assert generator.generate([PROMPTS[0]], GREEDY)[0].finish_reason in ("stop", "length")
 
 
 def test_a_crash_in_the_step_fails_every_request_with_the_cause(tiny_model_dir):

@@ -104,6 +104,26 @@ def test_bad_input_gets_400_naming_the_field(server, path, body, field):
     assert out["error"]["param"] == field and field in out["error"]["message"]
 
 
+HOSTILE = [  # each once left the server answering 503 for every later request
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": 1e-45}, "temperature"),
+    ({"top_k": 10**20, "top_p": 0.9}, "top_k"),
+    ({"min_new_tokens": 2, "max_new_tokens": 4, "stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"seed": 2**70}, "seed"),
+    ({"top_p": float("nan")}, "top_p"),
+]
+
+
+@pytest.mark.parametrize("sampling,field", HOSTILE, ids=[f for _, f in HOSTILE])
+def test_hostile_sampling_values_get_400_and_the_server_keeps_serving(server, sampling, field):
+    status, out = call(f"{server}/generate", {"input_ids": [5, 17, 99], "sampling_params": sampling})
+    assert status == 400 and out["error"]["param"] == f"sampling_params.{field}", out
+    body = {"input_ids": [5, 17, 99], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    status, out = call(f"{server}/generate", body)
+    assert status == 200 and len(out["output_ids"]) == 4
+    assert call(f"{server}/health")[0] == 200
+
+
 def test_admin_endpoints_need_the_api_key(server):
     assert call(f"{server}/flush_cache", {})[0] == 401
     assert call(f"{server}/flush_cache", {}, key="wrong")[0] == 401

@@ -63,9 +63,13 @@ class GenerationHyperparameters:
     n_samples: int = param(1, ge=1, help="Completions per prompt (the group size in GRPO).")
     max_new_tokens: int = param(256, ge=1, help="Maximum tokens generated per completion.")
     min_new_tokens: int = param(0, ge=0, help="EOS and stop strings are ignored before this many.")
-    temperature: float = param(1.0, gt=0, help="Sampling temperature (ignored when greedy).")
+    temperature: float = param(
+        1.0, ge=1e-4, le=1e4, help="Sampling temperature (ignored when greedy); the servers' range."
+    )
     top_p: float = param(1.0, gt=0, le=1, help="Nucleus sampling mass; 1.0 disables it.")
-    top_k: int = param(-1, ge=-1, help="Sample from the k most likely tokens; -1 disables it.")
+    top_k: int = param(
+        -1, ge=-1, le=2**31 - 1, help="Sample from the k most likely tokens; -1 disables it."
+    )
     greedy: bool = param(False, help="Take the argmax token (temperature/top_p/top_k ignored).")
     stop_token_ids: list[int] = param([], help="Token ids that end a completion besides EOS.")
     stop: list[str] = param([], help="Strings that end a completion (the string is kept).")
