@@ -98,3 +98,13 @@ def test_sampling_values_a_server_refuses_are_refused_at_load():
     assert "gconfig.temperature must be >= 0.0001, got 1e-45" in msg
     assert "gconfig.top_k must be <= 2147483647" in msg
     assert "eval_gconfig.temperature: must be a finite number, got nan" in msg
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "..", "run 1"])
+def test_experiment_and_trial_names_must_be_plain_folder_names(name):
+    from areal.api.config import SFTConfig
+
+    with pytest.raises(ConfigError) as e:
+        load_config(SFTConfig, [f"trial_name={name}", "train_dataset.type=sft"])
+    assert "trial_name:" in str(e.value) and "folder name" in str(e.value)
+    assert load_config(SFTConfig, ["trial_name=run-1.b_2", "train_dataset.type=sft"]).trial_name == "run-1.b_2"

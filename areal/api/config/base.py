@@ -8,6 +8,7 @@ real default, bounds declared on the field, cross-field rules in ``check()`` whi
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal
@@ -138,6 +139,13 @@ class BaseExperimentConfig:
     stats_logger: StatsLoggerConfig = param(factory=StatsLoggerConfig, help="Metric sinks.")
     cluster: ClusterConfig = param(factory=ClusterConfig, help="Machines, devices, servers vs trainers.")
     launcher: LauncherConfig = param(factory=LauncherConfig, help="How `areal launch` runs the processes.")
+
+    def check(self) -> Iterator[str]:
+        for name in ("experiment_name", "trial_name"):
+            value = getattr(self, name)
+            if not re.fullmatch(r"[A-Za-z0-9._-]+", value) or value in (".", ".."):
+                yield (f"{name}: {value!r} must be a non-empty folder name of letters, digits, '.', "
+                       "'_' or '-' (it names RUN_DIR and the trial's registry keys)")
 
     @property
     def run_dir(self) -> Path:

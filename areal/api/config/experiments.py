@@ -25,6 +25,7 @@ class SFTConfig(BaseExperimentConfig):
     model: TrainEngineConfig = param(factory=TrainEngineConfig, help="The model being trained.")
 
     def check(self) -> Iterator[str]:
+        yield from super().check()
         if self.cluster.n_servers:
             yield f"cluster.n_servers: SFT uses no generation servers, got {self.cluster.n_servers}; set 0"
         if self.train_dataset.type != "sft":
@@ -41,6 +42,7 @@ class RWConfig(BaseExperimentConfig):
     model: TrainEngineConfig = param(factory=TrainEngineConfig, help="Backbone + value head.")
 
     def check(self) -> Iterator[str]:
+        yield from super().check()
         if self.train_dataset.type != "rw":
             yield f"train_dataset.type: RM needs 'rw' data, got {self.train_dataset.type!r}; set train_dataset.type=rw"
         if self.model.mb_spec.granularity % 2:
@@ -92,6 +94,7 @@ class GRPOConfig(BaseExperimentConfig):
         return self.actor.path
 
     def check(self) -> Iterator[str]:
+        yield from super().check()
         a = self.actor
         if a.uses_groups and self.gconfig.n_samples < 2:
             yield (
