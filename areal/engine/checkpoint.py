@@ -30,7 +30,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -45,19 +44,6 @@ TIED_KEYS = ("lm_head.weight",)  # dropped from exports when config.tie_word_emb
 # ------------------------------------------------------------------------------------ HF format
 
 
-def full_state_dict(model: torch.nn.Module, group: dist.ProcessGroup,
-                    device: torch.device) -> dict[str, torch.Tensor]:
-    """Unsharded CPU state dict on ``group``'s first rank (other ranks get ``{}``); one full
-    tensor at a time is gathered (on ``device``, the collective's). Collective over ``group``."""
-    first = dist.get_rank(group) == 0
-    out = {}
-    for name, t in model.state_dict().items():
-        full = t.to(device).full_tensor() if isinstance(t, DTensor) else t  # all-gather
-        if first:
-            out[name] = full.detach().to("cpu", copy=True)
-    return out
-
-
 def export_names(hf_config: Any, names: Iterable[str]) -> list[str]:
     """``names`` minus the tied duplicates HF does not store."""
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -66,8 +52,8 @@ def export_names(hf_config: Any, names: Iterable[str]) -> list[str]:
 
 def save_hf(state: dict[str, torch.Tensor], hf_config: Any, path: str, tokenizer_path: str | None,
             extra: dict | None, group: dist.ProcessGroup) -> None:
-    """Write an HF dir at ``path`` from ``state`` (:func:`full_state_dict`'s, so full on the
-    first rank of ``group``, which writes). ``extra`` goes to areal_meta.json. Collective."""
+    """Write an HF dir at ``path`` from ``state`` (the engine's ``full_state_dict``: full on
+    the first rank of ``group``, which writes). ``extra`` goes to areal_meta.json. Collective."""
     from safetensors.torch import save_file
 
     if dist.get_rank(group) == 0:

@@ -380,7 +380,13 @@ class FSDPEngine(TrainEngine):
     def full_state_dict(self) -> dict[str, Any]:
         """Full CPU state dict (HF names, tied keys included) on the mesh's first rank; ``{}``
         elsewhere. Collective over the mesh."""
-        return checkpoint.full_state_dict(self.model, self.group, self.device)
+        first = self.rank == 0
+        out = {}
+        for name, t in self.model.state_dict().items():
+            full = self._full_tensor(t)  # all-gather over the mesh, one tensor at a time
+            if first:
+                out[name] = full.detach().to("cpu", copy=True)
+        return out
 
     def get_version(self) -> int:
         """Version of the current weights."""
