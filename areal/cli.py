@@ -32,12 +32,15 @@ def _plot(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from areal.api.config import ConfigError, load_config
     from areal.api.config.server import GenerationServerConfig
+    from areal.api.launch import server_api_key
     from areal.serving.server import main as serve_main
 
     flags = {"model": "model_path", "host": "host", "port": "port", "api_key": "api_key"}
     argv = ["--config", args.config] if args.config else []
     argv += args.overrides  # the short flags below win over --config and dotted overrides
     argv += [f"{k}={json.dumps(getattr(args, f))}" for f, k in flags.items() if getattr(args, f) is not None]
+    if args.api_key is None and server_api_key():  # the key by env: kept off the command line
+        argv.append(f"api_key={json.dumps(server_api_key())}")
     cfg = load_config(GenerationServerConfig, argv)
     if not cfg.model_path:
         raise ConfigError(["model_path: empty; pass --model DIR (a Hugging Face model directory)"])
@@ -96,7 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="Hugging Face model dir (= model_path=DIR)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="TCP port (default 30000; 0 = any free port)")
-    p.add_argument("--api-key", dest="api_key", help="bearer key for admin endpoints")
+    p.add_argument(
+        "--api-key", dest="api_key",
+        help="bearer key for admin endpoints; prefer the AREAL_SERVER_API_KEY env variable "
+        "(a command line is visible to every user of the machine)",
+    )
     p.add_argument("--config", help="YAML file of GenerationServerConfig fields")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_batch_size=64")
     p.set_defaults(func=_serve)

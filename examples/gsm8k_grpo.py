@@ -54,7 +54,7 @@ def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RLVRWorkflow 
 
 def setup_rollout(cfg: GRPOConfig, run):
     """Client to the registered servers, reward workers, workflows, executor."""
-    rollout = RemoteInferenceEngine(cfg.rollout)
+    rollout = RemoteInferenceEngine(cfg.rollout, api_key=cfg.server.api_key)
     rollout.initialize(discover_servers(cfg.rollout, run.registry(), run.servers_key, cfg.cluster.n_servers))
     reward = RewardRunner(math_reward if cfg.reward_fn == "math" else code_reward, cfg.reward)
     workflow = make_workflow(cfg, reward, run.tokenizer, run.run_dir / "rollouts")

@@ -5,7 +5,8 @@ test checks), so a new launcher (Ray, Slurm) implements this module's contract a
 A trainer rank is started with torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``) plus ours: which launch attempt this is (0 first; a relaunch
 with ``recover.mode=auto`` counts up) and how many torch threads to use. Servers and trainers
-may get ``CUDA_VISIBLE_DEVICES`` and ``OMP_NUM_THREADS``. Generation servers are not passed by
+may get ``CUDA_VISIBLE_DEVICES`` and ``OMP_NUM_THREADS``, and both the servers' admin key
+(``AREAL_SERVER_API_KEY``: by env, never on a command line, where every user can read it). Generation servers are not passed by
 env: they register ``host:port`` in the trial's name registry and trainers read it there.
 """
 
@@ -24,6 +25,7 @@ LAUNCH_ATTEMPT = "AREAL_LAUNCH_ATTEMPT"
 TORCH_THREADS = "AREAL_TORCH_THREADS"
 OMP_THREADS = "OMP_NUM_THREADS"
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+SERVER_API_KEY = "AREAL_SERVER_API_KEY"  # servers and trainers get the admin key by env, not argv
 
 
 @dataclass(frozen=True)
@@ -71,3 +73,13 @@ def devices_env(devices: str | None) -> dict[str, str]:
 def trainer_env(attempt: int) -> dict[str, str]:
     """Our variables for the trainer ranks of launch attempt ``attempt``."""
     return {LAUNCH_ATTEMPT: str(attempt)}
+
+
+def api_key_env(key: str) -> dict[str, str]:
+    """Env carrying the servers' admin key (``{}`` for no key)."""
+    return {SERVER_API_KEY: key} if key else {}
+
+
+def server_api_key(configured: str = "", environ: Mapping[str, str] = os.environ) -> str:
+    """The admin key: ``configured`` if set, else the one a launcher passed by env ('' = none)."""
+    return configured or environ.get(SERVER_API_KEY, "")

@@ -21,7 +21,8 @@ from __future__ import annotations
 import sys
 import time
 
-from areal.api.launch import devices_env, threads_env, trainer_env
+from areal.api.config.loader import iter_fields
+from areal.api.launch import api_key_env, devices_env, threads_env, trainer_env
 from areal.launcher.common import launch, register_server, reset_trial, wait_for_servers
 from areal.launcher.procs import ProcessSupervisor
 from areal.launcher.servers import server_command
@@ -55,7 +56,8 @@ def _start_servers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) -
     for i in range(cfg.cluster.n_servers):
         port = free_port()
         cmd = server_command(cfg, port, cfg.run_dir / f"server{i}.yaml")
-        child = sup.start(f"server{i}", cmd, env={**threads_env(lc.server_threads), **devices_env(server_gpus[i])})
+        env = {**threads_env(lc.server_threads), **devices_env(server_gpus[i]), **api_key_env(cfg.server.api_key)}
+        child = sup.start(f"server{i}", cmd, env=env)
         children.append((child, f"127.0.0.1:{port}"))
     for child, addr in children:
         sup.wait_http_ok(child, f"http://{addr}/health", lc.server_setup_timeout)
@@ -70,6 +72,12 @@ def _device_count(cfg) -> int:
     import torch
 
     return torch.cuda.device_count()
+
+
+def without_secrets(argv: list[str], cfg) -> list[str]:
+    """``argv`` less the overrides of ``secret`` fields (they travel by env, not command line)."""
+    secret = {path for path, f, _ in iter_fields(type(cfg)) if f.metadata.get("secret")}
+    return [a for a in argv if a.split("=", 1)[0].lstrip("-") not in secret]
 
 
 def _trainer_command(script: str, argv: list[str], nprocs: int) -> list[str]:
@@ -87,8 +95,10 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
     with ProcessSupervisor(cfg.run_dir / "logs", echo=lc.echo, stop_timeout=lc.stop_timeout) as sup:
         trainer_gpus, server_gpus = gpu_layout(_device_count(cfg), cluster.trainer_nprocs, cluster.n_servers)
         _start_servers(sup, cfg, server_gpus)
-        env = {**trainer_env(attempt), **threads_env(lc.trainer_threads), **devices_env(trainer_gpus)}
-        trainer = sup.start("trainer", _trainer_command(script, argv, cluster.trainer_nprocs), env=env)
+        env = {**trainer_env(attempt), **threads_env(lc.trainer_threads), **devices_env(trainer_gpus),
+               **api_key_env(cfg.server.api_key)}
+        cmd = _trainer_command(script, without_secrets(argv, cfg), cluster.trainer_nprocs)
+        trainer = sup.start("trainer", cmd, env=env)
         dead_servers: set[str] = set()
         while trainer.proc.poll() is None:
             for child in sup.children:

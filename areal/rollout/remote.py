@@ -35,6 +35,7 @@ import aiohttp
 from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.engine import InferenceEngine
 from areal.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
+from areal.api.launch import server_api_key
 from areal.rollout.backends import HttpCall, make_backend
 from areal.rollout.executor import EventLoopThread
 from areal.utils.logging import get_logger
@@ -85,8 +86,11 @@ def discover_servers(config: InferenceEngineConfig, registry: NameRepository | N
 class RemoteInferenceEngine(InferenceEngine):
     """An :class:`InferenceEngine` over HTTP generation servers."""
 
-    def __init__(self, config: InferenceEngineConfig):
+    def __init__(self, config: InferenceEngineConfig, api_key: str = ""):
+        """``api_key``: the servers' admin key (``server.api_key``); empty = the one a launcher
+        passed by env, if any. Sent as ``Authorization: Bearer`` on every call."""
         self.config = config
+        self._api_key = server_api_key(api_key)
         self.backend = make_backend(config.backend, config.served_model_name)
         self.servers: list[_Server] = []
         self._version = 0
@@ -116,7 +120,8 @@ class RemoteInferenceEngine(InferenceEngine):
         logger.info("connected to %d generation server(s): %s", len(self.servers), addrs)
 
     async def _setup(self) -> None:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else None
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
         self._resumed = asyncio.Event()
         self._resumed.set()
         deadline = time.monotonic() + self.config.setup_timeout

@@ -41,10 +41,15 @@ from areal.serving.sampling import SamplingParams, sample
 logger = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length", "abort"]
 COMMAND_TIMEOUT_S = 600.0  # deadline for a control command to run on the scheduler thread
+MAX_FAILED_STEPS = 3  # consecutive failed steps after which the generator counts as broken
 
 
 class GeneratorStopped(RuntimeError):
     """The scheduler is not running (crashed, stopped or not started); the message says why."""
+
+
+class StepFailed(RuntimeError):
+    """One generation step raised: its requests fail with this, the generator goes on."""
 
 
 @dataclass
@@ -103,6 +108,8 @@ class Generator:
         self._paused = False
         self._stopping = False
         self._error: BaseException | None = None
+        self.n_failed_steps = 0  # steps that raised (their requests failed, the loop went on)
+        self._failed_in_a_row = 0
         self._cv = threading.Condition()
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
@@ -165,7 +172,8 @@ class Generator:
     def load(self) -> dict[str, int]:
         """Counts of running and waiting requests."""
         with self._cv:
-            return {"running": len(self._running), "waiting": len(self._waiting)}
+            return {"running": len(self._running), "waiting": len(self._waiting),
+                    "failed_steps": self.n_failed_steps}
 
     def check_request(self, input_ids: list[int], params: SamplingParams) -> list[str]:
         """``"field: problem"`` strings for a request this generator cannot run."""
@@ -248,11 +256,18 @@ class Generator:
             self._paused = False
             self._cv.notify_all()
 
-    def update_weights(self, named: dict[str, torch.Tensor], version: int | None = None) -> int:
+    def update_weights(
+        self, named: dict[str, torch.Tensor], version: int | None = None, complete: bool = False
+    ) -> int:
         """Swap in (a subset of) HF-named weights between steps; returns the new version.
 
-        ``version`` sets the version; None bumps it by one.
+        ``version`` sets the version; None bumps it by one. Unknown names, wrong shapes, NaN/inf
+        values and (``complete``) missing weights raise ValueError and keep the old weights; the
+        check runs on the caller's thread, so generation goes on meanwhile.
         """
+        problems = self.model.check_weights(named, complete)
+        if problems:
+            raise ValueError("; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
 
         def _update() -> int:
             self.model.load_state_dict(named)
@@ -262,9 +277,15 @@ class Generator:
         return self._call(_update)
 
     def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> int:
-        """Read an HF dir's safetensors (off the scheduler thread) and swap them in."""
-        _, params = read_hf_dir(path)
-        return self.update_weights(params, version)
+        """Read an HF dir's safetensors (off the scheduler thread) and swap them all in.
+
+        An unreadable dir or file, or a partial or non-finite state dict, raises ValueError and
+        keeps the old weights."""
+        try:
+            _, params = read_hf_dir(path)
+        except Exception as e:  # missing, truncated or corrupt files: safetensors' own errors
+            raise ValueError(f"{path}: cannot read the weights: {e}") from e
+        return self.update_weights(params, version, complete=True)
 
     def set_version(self, version: int) -> None:
         """Set the version stamped on tokens generated from now on."""
@@ -306,7 +327,7 @@ class Generator:
                         fut.set_exception(e)
                 admitted = self._admit()
                 if admitted or self._running:
-                    self._step(admitted)
+                    self._guarded_step(admitted)
         except BaseException as e:  # a model/scheduler crash: fail every request loudly
             logger.exception("generator scheduler crashed")
             self._error = e
@@ -318,7 +339,7 @@ class Generator:
             if self._error is None:
                 self._abort_all()  # shutdown: partial outputs, finish reason abort
             else:
-                self._fail_all(GeneratorStopped(f"generator crashed: {self._error!r}"))
+                self._fail(self._take_all(), GeneratorStopped(f"generator crashed: {self._error!r}"))
 
     def _admit(self) -> list[_Seq]:
         """Pop waiting requests into free slots, bounded by the prefill token budget."""
@@ -336,6 +357,23 @@ class Generator:
                 budget -= len(seq.prompt)
                 admitted.append(self._waiting.popleft())
         return admitted
+
+    def _guarded_step(self, admitted: list[_Seq]) -> None:
+        """Run one step; if it raises, fail the requests of that step and go on.
+
+        After ``MAX_FAILED_STEPS`` failed steps in a row the error propagates: the generator
+        counts as broken (``error`` set, ``/health`` 503) and fails every request."""
+        try:
+            self._step(admitted)
+            self._failed_in_a_row = 0
+        except Exception as e:
+            self.n_failed_steps += 1
+            self._failed_in_a_row += 1
+            if self._failed_in_a_row >= MAX_FAILED_STEPS:
+                raise
+            logger.exception("generation step failed; failing its %d request(s)", len(self._running))
+            failed, self._running = self._running, []  # their cache slots are free again
+            self._fail(failed, StepFailed(f"generation step failed: {e!r}"))
 
     def _step(self, admitted: list[_Seq]) -> None:
         """One packed forward: a decode token for every running request plus new prompts.
@@ -445,9 +483,10 @@ class Generator:
             self._resolve(s, "abort", None)
         return len(seqs)
 
-    def _fail_all(self, error: BaseException) -> None:
-        """Raise ``error`` in every running and waiting request's future."""
-        for s in self._take_all():
+    @staticmethod
+    def _fail(seqs: list[_Seq], error: BaseException) -> None:
+        """Raise ``error`` in each of ``seqs``' futures."""
+        for s in seqs:
             try:
                 s.future.set_exception(error)
             except concurrent.futures.InvalidStateError:  # cancelled by the caller meanwhile

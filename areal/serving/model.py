@@ -237,8 +237,9 @@ class Qwen2Forward:
         self.lm_head = pack(p.get("lm_head.weight", self.embed))
 
     @torch.no_grad()
-    def load_state_dict(self, named: dict[str, torch.Tensor]) -> None:
-        """Replace (a subset of) weights by HF name; unknown names or wrong shapes raise."""
+    def check_weights(self, named: dict[str, torch.Tensor], complete: bool = False) -> list[str]:
+        """Problems that make ``named`` unloadable: unknown names, wrong shapes, NaN/inf values,
+        and with ``complete`` the weights it lacks (a partial state dict)."""
         problems = []
         for name, t in named.items():
             if name == "lm_head.weight" and name not in self.params and self.spec.tie_word_embeddings:
@@ -246,9 +247,19 @@ class Qwen2Forward:
             if name not in self.params:
                 problems.append(f"unknown weight {name!r}")
             elif tuple(t.shape) != tuple(self.params[name].shape):
-                problems.append(
-                    f"{name}: shape {tuple(t.shape)} != {tuple(self.params[name].shape)}"
-                )
+                problems.append(f"{name}: shape {tuple(t.shape)} != {tuple(self.params[name].shape)}")
+            elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                problems.append(f"{name}: holds NaN or inf values")
+        if complete:
+            missing = sorted(set(self.params) - set(named))
+            if missing:
+                problems.append(f"missing {len(missing)} weight(s), e.g. {missing[:3]}")
+        return problems
+
+    def load_state_dict(self, named: dict[str, torch.Tensor], complete: bool = False) -> None:
+        """Replace (a subset of) weights by HF name; raises ValueError (weights unchanged) on any
+        problem :meth:`check_weights` finds."""
+        problems = self.check_weights(named, complete)
         if problems:
             raise ValueError("; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
         for name, t in named.items():

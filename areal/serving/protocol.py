@@ -53,9 +53,9 @@ GENERATE_KEYS = {
 
 
 def _int(d: dict, key: str, path: str, default: int | None, lo: int | None = None) -> int | None:
-    v = d.get(key, default)
-    if v is None:
-        return None
+    v = d.get(key)
+    if v is None:  # absent or null: the default
+        return default
     if isinstance(v, bool) or not isinstance(v, int):
         raise BadRequest(f"{path}{key}", f"expected an integer, got {v!r}")
     if lo is not None and v < lo:
@@ -69,7 +69,10 @@ def _float(d: dict, key: str, path: str, default: float) -> float:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise BadRequest(f"{path}{key}", f"expected a number, got {v!r}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an int past float's range
+        raise BadRequest(f"{path}{key}", f"{str(v)[:20]}... is out of range") from None
 
 
 def _bool(d: dict, key: str, path: str, default: bool) -> bool:

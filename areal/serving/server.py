@@ -13,13 +13,18 @@ Endpoints
   :mod:`areal.utils.weight_sync`), ``POST /update_weight_version`` ``{"new_version"}``,
   ``POST /flush_cache``.
 Invalid requests get HTTP 400 ``{"error": {"message", "type", "param"}}`` where ``param`` names
-the field. After a generator crash, requests (in flight or new) get HTTP 503 naming the cause.
-SIGTERM/SIGINT: in-flight requests are answered (aborted), the port is closed, exit 0.
+the field. A generation step that raises fails only its requests (HTTP 500 naming the cause) and
+the server goes on; after several failed steps in a row the generator counts as broken: requests
+get HTTP 503 naming the cause and the process exits with code 1, so its supervisor sees it. A
+client that disconnects cancels its generation (its slot is freed at the next step). Weight
+updates with NaN/inf, missing or unknown tensors, or unreadable files get 400 and keep the old
+weights. SIGTERM/SIGINT: in-flight requests are answered (aborted), the port is closed, exit 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import signal
@@ -33,7 +38,7 @@ from aiohttp import web
 from areal.api.config.server import GenerationServerConfig
 from areal.utils import weight_sync
 from areal.serving import openai_api, protocol
-from areal.serving.generator import Generator, GeneratorStopped
+from areal.serving.generator import Generator, GeneratorStopped, StepFailed
 from areal.serving.protocol import BadRequest, Job
 from areal.serving.sampling import SamplingParams
 
@@ -44,12 +49,20 @@ ADMIN_PATHS = {
     "/flush_cache",
 }  # fmt: skip
 HEALTH_GENERATE_TIMEOUT_S = 60.0
+GENERATOR_WATCH_S = 0.5  # how often serve() checks that the generator is still running
 
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
     kind = "invalid_request_error" if status == 400 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return web.json_response(body, status=status)
+
+
+def _bounded_int(body: dict, key: str, lo: int, hi: int) -> int:
+    v = body.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise BadRequest(key, f"expected an integer in [{lo}, {hi}], got {v!r}")
+    return v
 
 
 class GenerationServer:
@@ -96,7 +109,11 @@ class GenerationServer:
         return self.encode(text)
 
     async def run_jobs(self, jobs: list[Job]):
-        """Validate, submit together, await all results."""
+        """Validate, submit together, await all results (a client that goes away cancels them:
+        the generator frees their slots at its next step)."""
+        if len(jobs) > self.cfg.max_n:
+            raise BadRequest("n", f"{len(jobs)} completions asked in one request (prompts x n); "
+                             f"this server allows {self.cfg.max_n} (server.max_n)")
         for job in jobs:
             problems = self.generator.check_request(job.input_ids, job.params)
             if problems:
@@ -112,7 +129,8 @@ class GenerationServer:
         """API-key check for admin paths; JSON errors -> 400 naming the field; a stopped or
         crashed generator -> 503 with the cause (clients fail over on 5xx)."""
         if request.path in ADMIN_PATHS and self.cfg.api_key:
-            if request.headers.get("Authorization") != f"Bearer {self.cfg.api_key}":
+            sent = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(sent, f"Bearer {self.cfg.api_key}".encode()):
                 return _error(401, "admin endpoint: send 'Authorization: Bearer <api_key>'")
         try:
             return await handler(request)
@@ -120,8 +138,12 @@ class GenerationServer:
             return _error(400, str(e), e.field)
         except json.JSONDecodeError as e:
             return _error(400, f"body: malformed JSON ({e.msg} at position {e.pos})", "body")
+        except UnicodeDecodeError as e:
+            return _error(400, f"body: not UTF-8 ({e.reason} at byte {e.start})", "body")
         except GeneratorStopped as e:
             return _error(503, str(e))
+        except StepFailed as e:
+            return _error(500, str(e))
 
     # ------------------------------------------------------------------ generation routes
 
@@ -213,13 +235,7 @@ class GenerationServer:
 
     @staticmethod
     def _version_arg(body: dict, key: str = "weight_version") -> int | None:
-        v = body.get(key)
-        if v is None:
-            return None
-        try:
-            return int(v)
-        except (TypeError, ValueError):
-            raise BadRequest(key, f"expected an integer version, got {v!r}") from None
+        return None if body.get(key) is None else _bounded_int(body, key, 0, (1 << 63) - 1)
 
     async def pause(self, request: web.Request) -> web.Response:
         """Abort in-flight requests (answered with partials) and hold new ones."""
@@ -253,27 +269,27 @@ class GenerationServer:
             v = await asyncio.to_thread(
                 self.generator.update_weights_from_disk, path, self._version_arg(body)
             )
-        except ValueError as e:
+        except ValueError as e:  # unreadable, partial or non-finite: the old weights stay
             raise BadRequest("model_path", str(e)) from None
         return web.json_response({"success": True, "message": "loaded", "weight_version": v})
 
     async def init_group(self, request: web.Request) -> web.Response:
         """Join the trainer's weight-update group (see :mod:`areal.utils.weight_sync`)."""
         body = await self._body(request)
-        for key in ("master_address", "master_port", "rank_offset", "world_size"):
-            if key not in body:
-                raise BadRequest(key, "missing")
+        address = body.get("master_address")
+        if not isinstance(address, str) or not address:
+            raise BadRequest("master_address", f"expected a host name or IP, got {address!r}")
+        port = _bounded_int(body, "master_port", 1, 65535)
+        world = _bounded_int(body, "world_size", 2, 1 << 16)
+        offset = _bounded_int(body, "rank_offset", 1, world - 1)
+        timeout = body.get("timeout", 300.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+            raise BadRequest("timeout", f"expected seconds in (0, 86400], got {timeout!r}")
         backend = body.get("backend", "gloo")
         if backend not in ("gloo", "nccl"):
             raise BadRequest("backend", f"expected 'gloo' or 'nccl', got {backend!r}")
         self.group = await asyncio.to_thread(
-            weight_sync.init_weight_update_group,
-            str(body["master_address"]),
-            int(body["master_port"]),
-            int(body["rank_offset"]),
-            int(body["world_size"]),
-            backend,
-            float(body.get("timeout", 300.0)),
+            weight_sync.init_weight_update_group, address, port, offset, world, backend, float(timeout)
         )
         return web.json_response({"success": True, "message": "joined weight update group"})
 
@@ -294,7 +310,10 @@ class GenerationServer:
         named = await asyncio.to_thread(
             weight_sync.receive_weights, specs, self.group, bucket_bytes, self.generator.model.device
         )
-        v = await asyncio.to_thread(self.generator.update_weights, named, self._version_arg(body))
+        try:
+            v = await asyncio.to_thread(self.generator.update_weights, named, self._version_arg(body))
+        except ValueError as e:  # NaN/inf or wrong tensors: the old weights stay
+            raise BadRequest("names", str(e)) from None
         return web.json_response({"success": True, "message": "updated", "weight_version": v})
 
     # ------------------------------------------------------------------ app
@@ -329,7 +348,10 @@ async def serve(cfg: GenerationServerConfig, num_threads: int = 0) -> int:
     """Run until SIGTERM/SIGINT; in-flight requests are answered with abort; returns 0."""
     server = GenerationServer(cfg, num_threads)
     server.generator.start()
-    runner = web.AppRunner(server.build_app(), shutdown_timeout=cfg.shutdown_timeout, access_log=None)
+    runner = web.AppRunner(
+        server.build_app(), shutdown_timeout=cfg.shutdown_timeout, access_log=None,
+        handler_cancellation=True,  # a client that goes away cancels its generation
+    )
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
     await site.start()
@@ -343,7 +365,15 @@ async def serve(cfg: GenerationServerConfig, num_threads: int = 0) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    while not stop.is_set() and server.generator.error is None:
+        try:
+            await asyncio.wait_for(stop.wait(), GENERATOR_WATCH_S)
+        except asyncio.TimeoutError:
+            pass
+    if server.generator.error is not None:  # broken past recovery: exit so a supervisor sees it
+        print(f"areal serve: generator broken, exiting: {server.generator.error!r}", flush=True)
+        await runner.cleanup()
+        return 1
     logger.info("shutting down: aborting in-flight requests")
     await asyncio.to_thread(server.generator.shutdown)  # answers in-flight requests with abort
     await runner.cleanup()  # waits (<= shutdown_timeout) for handlers to send those answers

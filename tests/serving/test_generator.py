@@ -237,21 +237,25 @@ def test_invalid_requests_are_rejected_with_the_field_name(generator):
     assert generator.generate([PROMPTS[0]], GREEDY)[0].finish_reason in ("stop", "length")
 
 
-def test_a_crash_in_the_step_fails_every_request_with_the_cause(tiny_model_dir):
-    from areal.serving.generator import Generator, GeneratorStopped
+def test_failed_steps_fail_their_requests_until_too_many_in_a_row_stop_the_generator(tiny_model_dir):
+    from areal.serving.generator import MAX_FAILED_STEPS, Generator, GeneratorStopped, StepFailed
 
-    gen = Generator.from_pretrained(tiny_model_dir, max_batch_size=2)
+    gen = Generator.from_pretrained(tiny_model_dir, max_batch_size=1)  # one request per step
 
     def broken_step(*args):
         raise FloatingPointError("bad kernel")
 
     gen.model.step = broken_step
+    prompts = [PROMPTS[0]] * (MAX_FAILED_STEPS + 1)
     try:
-        futures = gen.start().submit_batch(PROMPTS, [GREEDY] * len(PROMPTS))  # 2 admitted, 2 wait
-        for f in futures:
+        futures = gen.start().submit_batch(prompts, [GREEDY] * len(prompts))
+        for f in futures[: MAX_FAILED_STEPS - 1]:  # each failed step fails only its own request
+            with pytest.raises(StepFailed, match="generation step failed: FloatingPointError"):
+                f.result(timeout=30)
+        for f in futures[MAX_FAILED_STEPS - 1 :]:  # then the generator counts as broken
             with pytest.raises(GeneratorStopped, match="generator crashed: FloatingPointError"):
                 f.result(timeout=30)
-        assert isinstance(gen.error, FloatingPointError)
+        assert isinstance(gen.error, FloatingPointError) and gen.n_failed_steps == MAX_FAILED_STEPS
         with pytest.raises(GeneratorStopped, match="not running"):
             gen.submit(PROMPTS[0], GREEDY)
     finally:

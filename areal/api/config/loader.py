@@ -17,6 +17,7 @@ would otherwise only surface as a NaN loss hours into a run.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -51,16 +52,19 @@ def param(
     le: float | None = None,
     lt: float | None = None,
     allow_nonfinite: bool = False,
+    secret: bool = False,
 ) -> Any:
     """A config field: ``help`` is required; bounds are checked at load (``ge`` = ">=").
 
     Float values (also inside unions and lists) must be finite unless ``allow_nonfinite=True``;
     with it, ``.inf``/``.nan`` load as given and the bounds still apply (NaN fails every bound).
+    ``secret`` fields (keys) are left out of the configs written to disk (:func:`to_dict`).
     """
     if (default is _MISSING) == (factory is _MISSING):
         raise TypeError("param() needs exactly one of default= or factory=")
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt}
     meta["allow_nonfinite"] = allow_nonfinite
+    meta["secret"] = secret
     if factory is not _MISSING:
         return dataclasses.field(default_factory=factory, metadata=meta)
     if isinstance(default, list):  # mutable default: copy per instance
@@ -413,8 +417,19 @@ def load_config(cls: type[T], argv: list[str]) -> T:
 
 
 def to_dict(cfg: Any) -> dict:
-    """The resolved config as plain data (what gets written to the run directory)."""
-    return dataclasses.asdict(cfg)
+    """The resolved config as plain data (what gets written to the run directory); ``secret``
+    fields are emptied, so no key lands in a file other users may read."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.metadata.get("secret"):
+            value = type(value)()
+        elif dataclasses.is_dataclass(value):
+            value = to_dict(value)
+        else:
+            value = copy.deepcopy(value)
+        out[f.name] = value
+    return out
 
 
 def save_config(cfg: Any, path: str | Path) -> Path:

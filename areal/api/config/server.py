@@ -33,13 +33,20 @@ class GenerationServerConfig:
     host: str = param("127.0.0.1", help="Bind address; a non-loopback bind requires api_key.")
     port: int = param(30000, ge=0, le=65535, help="TCP port; 0 picks a free one (printed).")
     api_key: str = param(
-        "", help="Bearer key for admin endpoints (weight updates, pause, flush); empty = none."
+        "", secret=True,
+        help="Bearer key for admin endpoints (weight updates, pause, flush); empty = none. Prefer "
+        "the AREAL_SERVER_API_KEY env variable (read when this is empty): a key on a command "
+        "line is visible to every user of the machine. Never written to RUN_DIR.",
     )
     device: str = param("cpu", help="torch device: cpu, cuda, cuda:1, ...")
     dtype: Literal["float32", "bfloat16", "float16"] = param(
         "float32", help="Weight and KV-cache dtype (fp32 on CPU)."
     )
     max_batch_size: int = param(32, ge=1, help="Most requests decoded together (cache slots).")
+    max_n: int = param(
+        256, ge=1, help="Most completions one HTTP request may ask for (prompts x n); more gets "
+        "HTTP 400 naming n."
+    )
     context_length: int = param(
         0, ge=0, help="Max prompt + completion tokens; 0 = the model's max_position_embeddings."
     )

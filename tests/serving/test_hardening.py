@@ -1,0 +1,361 @@
+"""One request never takes the server down: failed steps, weight updates that must be refused,
+admin-argument validation, request caps, client disconnects, the admin key, and a fuzz run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.serving.servers import start_servers, stop_servers
+from tests.serving.test_server import KEY, PROMPT, call
+
+GREEDY = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    procs = start_servers(tiny_model_dir, 1, "--api-key", KEY, "max_batch_size=8", "max_n=16")
+    yield f"http://{procs[0][1]}"
+    stop_servers(procs)
+
+
+def _in_process(tiny_model_dir, step, requests: list[tuple[str, str]]) -> list[tuple[int, dict]]:
+    """Our server in this process with ``model.step`` replaced; answers to ``requests``."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from areal.api.config import from_dict
+    from areal.api.config.server import GenerationServerConfig
+    from areal.serving.server import GenerationServer
+
+    srv = GenerationServer(from_dict(GenerationServerConfig, {"model_path": str(tiny_model_dir)}))
+    srv.generator.model.step = step(srv.generator.model.step)
+    srv.generator.start()
+
+    async def run() -> list[tuple[int, dict]]:
+        async with TestClient(TestServer(srv.build_app(), host="127.0.0.1")) as client:
+            answers = []
+            for method, path in requests:
+                resp = await client.request(method, path, json=GREEDY if method == "POST" else None)
+                answers.append((resp.status, await resp.json()))
+            return answers
+
+    try:
+        return asyncio.run(run())
+    finally:
+        srv.generator.shutdown()
+
+
+def test_a_failed_step_fails_its_requests_with_500_and_the_server_goes_on(tiny_model_dir):
+    def fail_once(real):
+        calls = []
+
+        def step(*args):
+            calls.append(1)
+            if len(calls) == 1:
+                raise FloatingPointError("bad kernel")
+            return real(*args)
+
+        return step
+
+    requests = [("POST", "/generate"), ("POST", "/generate"), ("GET", "/health"), ("GET", "/get_server_info")]
+    (s1, failed), (s2, ok), (s3, _), (_, info) = _in_process(tiny_model_dir, fail_once, requests)
+    assert s1 == 500 and "generation step failed: FloatingPointError('bad kernel')" in failed["error"]["message"]
+    assert s2 == 200 and len(ok["output_ids"]) == 8
+    assert s3 == 200 and info["failed_steps"] == 1
+
+
+def test_a_generator_that_keeps_failing_counts_as_broken_503_naming_the_cause(tiny_model_dir):
+    from areal.serving.generator import MAX_FAILED_STEPS
+
+    def always(real):
+        def step(*args):
+            raise FloatingPointError("bad kernel")
+
+        return step
+
+    requests = [("POST", "/generate")] * (MAX_FAILED_STEPS + 1) + [("GET", "/health"), ("GET", "/health_generate")]
+    answers = _in_process(tiny_model_dir, always, requests)
+    statuses = [s for s, _ in answers]
+    assert statuses == [500] * (MAX_FAILED_STEPS - 1) + [503] * 4
+    assert "generator crashed: FloatingPointError('bad kernel')" in answers[MAX_FAILED_STEPS - 1][1]["error"]["message"]
+    assert all("bad kernel" in body["error"]["message"] for _, body in answers[MAX_FAILED_STEPS:])
+
+
+def test_a_broken_generator_makes_areal_serve_exit_1(tiny_model_dir, tmp_path):
+    # The step breaks for good (a sitecustomize in the server process patches the forward).
+    hook = tmp_path / "sitecustomize.py"
+    hook.write_text(
+        "import areal.serving.model as m\n"
+        "def step(self, *a):\n    raise FloatingPointError('bad kernel')\n"
+        "m.Qwen2Forward.step = step\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    port = _free()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal.cli", "serve", "--model", tiny_model_dir, "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while call_or_none(f"{url}/health") is None:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-2000:]
+            time.sleep(0.2)
+        from areal.serving.generator import MAX_FAILED_STEPS
+
+        for _ in range(MAX_FAILED_STEPS):
+            call_or_none(f"{url}/generate", GREEDY)
+        assert proc.wait(timeout=30) == 1
+        assert "generator broken, exiting: FloatingPointError('bad kernel')" in proc.stdout.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def call_or_none(url: str, body: dict | None = None):
+    try:
+        return call(url, body, timeout=10)
+    except OSError:
+        return None
+
+
+def _free() -> int:
+    from areal.utils.network import free_port
+
+    return free_port()
+
+
+# ------------------------------------------------------------------ weight updates
+
+
+def _bad_dirs(tiny_model_dir: str, root: Path) -> dict[str, Path]:
+    """Model dirs a weight update must refuse: NaN weights, a missing tensor, a truncated file."""
+    from safetensors.torch import load_file, save_file
+
+    src = Path(tiny_model_dir)
+    (weights,) = src.glob("*.safetensors")
+    tensors = load_file(str(weights))
+    out = {}
+    for kind in ("nan", "partial", "truncated", "empty"):
+        d = root / kind
+        shutil.copytree(src, d)
+        target = d / weights.name
+        if kind == "nan":
+            name = next(n for n in tensors if n.endswith("mlp.down_proj.weight"))
+            save_file({**tensors, name: torch.full_like(tensors[name], float("nan"))}, str(target))
+        elif kind == "partial":
+            save_file({n: t for n, t in tensors.items() if "layers.0.self_attn.q_proj" not in n}, str(target))
+        elif kind == "truncated":
+            data = target.read_bytes()
+            target.write_bytes(data[: len(data) // 2])
+        else:
+            target.write_bytes(b"")
+        out[kind] = d
+    return out
+
+
+def test_weight_updates_refuse_nan_partial_and_unreadable_weights_and_keep_the_old_ones(
+    server, tiny_model_dir, tmp_path
+):
+    before = call(f"{server}/generate", GREEDY)[1]["output_ids"]
+    version = call(f"{server}/get_model_info")[1]["weight_version"]
+    expected = {"nan": "NaN or inf", "partial": "missing 2 weight(s)", "truncated": "cannot read",
+                "empty": "cannot read"}
+    for kind, path in _bad_dirs(tiny_model_dir, tmp_path).items():
+        status, out = call(f"{server}/update_weights_from_disk", {"model_path": str(path)}, key=KEY)
+        assert status == 400 and out["error"]["param"] == "model_path", (kind, out)
+        assert expected[kind] in out["error"]["message"], (kind, out)
+        assert call(f"{server}/generate", GREEDY)[1]["output_ids"] == before, kind
+    assert call(f"{server}/get_model_info")[1]["weight_version"] == version
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"master_address": "127.0.0.1", "master_port": "abc", "rank_offset": 1, "world_size": 2}, "master_port"),
+        ({"master_address": "127.0.0.1", "master_port": 70000, "rank_offset": 1, "world_size": 2}, "master_port"),
+        ({"master_address": "127.0.0.1", "master_port": 1e20, "rank_offset": 1, "world_size": 2}, "master_port"),
+        ({"master_address": "127.0.0.1", "master_port": 2000, "rank_offset": 5, "world_size": 2}, "rank_offset"),
+        ({"master_address": 7, "master_port": 2000, "rank_offset": 1, "world_size": 2}, "master_address"),
+        ({"master_address": "h", "master_port": 2000, "rank_offset": 1, "world_size": 2, "timeout": float("inf")}, "timeout"),
+    ],
+)
+def test_bad_weight_group_arguments_get_400(server, body, field):
+    status, out = call(f"{server}/init_weights_update_group", body, key=KEY)
+    assert status == 400 and out["error"]["param"] == field, out
+
+
+def test_bad_versions_and_n_above_the_cap_get_400(server):
+    status, out = call(f"{server}/update_weight_version", {"new_version": float("inf")}, key=KEY)
+    assert status == 400 and out["error"]["param"] == "new_version"
+    status, out = call(f"{server}/update_weight_version", {"new_version": 2**80}, key=KEY)
+    assert status == 400 and out["error"]["param"] == "new_version"
+    status, out = call(f"{server}/v1/completions", {"model": "m", "prompt": [5, 6], "n": 17, "max_tokens": 1})
+    assert status == 400 and out["error"]["param"] == "n" and "server.max_n" in out["error"]["message"]
+    status, out = call(f"{server}/v1/completions", {"model": "m", "prompt": [5, 6], "temperature": 10**400})
+    assert status == 400 and out["error"]["param"] == "temperature"
+    assert call(f"{server}/health")[0] == 200
+
+
+# ------------------------------------------------------------------ disconnects
+
+
+def _load(url: str) -> int:
+    return call(f"{url}/get_server_info")[1]["running"]
+
+
+def test_a_client_that_disconnects_frees_its_slot(server):
+    body = json.dumps({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}})
+    host, port = server.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(
+        f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+    )
+    deadline = time.monotonic() + 20
+    while _load(server) != 1:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+    sock.close()
+    deadline = time.monotonic() + 5
+    while _load(server) != 0:
+        assert time.monotonic() < deadline, "the disconnected request still holds its slot"
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------ admin key
+
+
+def test_the_key_by_env_is_off_the_command_line_and_the_trainer_client_sends_it(tiny_model_dir):
+    from areal.api.config.rollout import InferenceEngineConfig
+    from areal.api.launch import api_key_env
+    from areal.rollout.remote import RemoteEngineError, RemoteInferenceEngine
+
+    secret = "env-secret-123"
+    saved = dict(os.environ)
+    os.environ.update(api_key_env(secret))  # start_servers passes os.environ on
+    try:
+        procs = start_servers(tiny_model_dir, 1)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    proc, addr = procs[0]
+    try:
+        assert secret not in Path(f"/proc/{proc.pid}/cmdline").read_text()
+        assert call(f"http://{addr}/pause_generation", {})[0] == 401
+        keyed = RemoteInferenceEngine(InferenceEngineConfig(setup_timeout=10), api_key=secret)
+        keyed.initialize([addr])
+        try:
+            keyed.pause()
+            keyed.resume()
+        finally:
+            keyed.destroy()
+        bare = RemoteInferenceEngine(InferenceEngineConfig(setup_timeout=10))
+        bare.initialize([addr])
+        try:
+            with pytest.raises(RemoteEngineError, match="401"):
+                bare.pause()
+        finally:
+            bare.destroy()
+    finally:
+        stop_servers(procs)
+
+
+def test_secret_fields_stay_out_of_written_configs_and_trainer_argv(tmp_path):
+    from areal.api.config import load_config
+    from areal.api.config.experiments import GRPOConfig
+    from areal.api.config.loader import save_config
+    from areal.launcher.local import without_secrets
+
+    argv = [f"fileroot={tmp_path}", "server.api_key=s3cret", "actor.path=m", "actor.use_critic=false",
+            "cluster.n_servers=1"]
+    cfg = load_config(GRPOConfig, argv)
+    assert cfg.server.api_key == "s3cret"
+    assert "s3cret" not in save_config(cfg, tmp_path / "config.yaml").read_text()
+    assert without_secrets(argv, cfg) == [a for a in argv if "api_key" not in a]
+
+
+# ------------------------------------------------------------------ fuzz
+
+VALUES = [None, 0, 1, -1, 2, 7, 2**31, 2**63, 10**30, -(10**30), 0.5, -0.0, 1e-45, 1e308, float("nan"),
+          float("inf"), "", "x", "1", [], [1], [-1, 2**40], {}, {"a": 1}, True, False, [5, 17, 99]]
+SAMPLING_KEYS = ["max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
+                 "seed", "n", "ignore_eos", "skip_special_tokens", "no_stop_trim", "frequency_penalty", "bogus"]
+TOP_KEYS = {
+    "/generate": ["input_ids", "text", "sampling_params", "return_logprob", "rid", "stream", "bogus"],
+    "/v1/completions": ["model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs",
+                        "echo", "stream", "min_tokens", "top_k", "stop_token_ids", "best_of", "bogus"],
+    "/v1/chat/completions": ["model", "messages", "max_tokens", "temperature", "n", "stop", "seed", "logprobs",
+                             "top_logprobs", "max_completion_tokens", "bogus"],
+}
+
+
+def _value(rng: random.Random, depth: int = 0):
+    r = rng.random()
+    if r < 0.6 or depth > 1:
+        v = rng.choice(VALUES)
+        return list(v) if isinstance(v, list) else v
+    if r < 0.8:
+        return [_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {rng.choice(SAMPLING_KEYS): _value(rng, depth + 1) for _ in range(rng.randint(0, 3))}
+
+
+def _body(rng: random.Random) -> tuple[str, bytes]:
+    path = rng.choice(list(TOP_KEYS))
+    if rng.random() < 0.05:  # not JSON or not UTF-8 at all
+        return path, rng.choice([b"{", b"\xff\xfe", b"[]", b"null", b'"x"', bytes(rng.randrange(256) for _ in range(20))])
+    body: dict = {}
+    for key in rng.sample(TOP_KEYS[path], rng.randint(0, 4)):
+        body[key] = _value(rng)
+    if path == "/generate":
+        body.setdefault("input_ids", rng.choice([PROMPT, [1], [], [10**9], "x"]))
+        sp = {k: _value(rng) for k in rng.sample(SAMPLING_KEYS, rng.randint(0, 5))}
+        body["sampling_params"] = {**sp, "max_new_tokens": rng.choice([0, 1, 3, 8, -1, 2**40, None])}
+    else:
+        body.setdefault("max_tokens", rng.choice([0, 1, 4, -3, 10**20, "4"]))
+        if path == "/v1/chat/completions":
+            body.setdefault("messages", rng.choice([[{"role": "user", "content": "hi"}], [{"role": 1}], "x"]))
+        else:
+            body.setdefault("prompt", rng.choice(["1+1=", [5, 6], [[5], [6]], [], [2**70]]))
+    text = json.dumps(body, allow_nan=True).encode()
+    return path, text
+
+
+def test_fuzz_thousands_of_random_bodies_leave_the_server_as_it_was(server):
+    before = call(f"{server}/generate", GREEDY)[1]["output_ids"]
+    rng = random.Random(1234)
+    bodies = [_body(rng) for _ in range(2500)]
+
+    def send(item: tuple[str, bytes]) -> int:
+        path, data = item
+        req = urllib.request.Request(server + path, data=data, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return resp.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(send, bodies))
+    counts = {s: statuses.count(s) for s in set(statuses)}
+    bad = [b for b, s in zip(bodies, statuses) if s not in (200, 400)]
+    assert not bad, (counts, bad[:5])  # no 500s, no 503s: every request was answered cleanly
+    assert counts.get(200, 0) > 50 and counts.get(400, 0) > 500, counts  # both paths were exercised
+    assert call(f"{server}/health")[0] == 200
+    assert call(f"{server}/get_server_info")[1]["failed_steps"] == 0
+    assert call(f"{server}/generate", GREEDY)[1]["output_ids"] == before
