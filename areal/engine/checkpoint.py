@@ -13,6 +13,11 @@ Three formats, three purposes:
   critic's value-normaliser moments) goes next to it as a small JSON file
   (:func:`save_replicated_state`, :func:`load_replicated_state`).
 
+A DCP checkpoint or replicated-state file that cannot be read raises
+:class:`~areal.utils.recover.CheckpointError` naming the checkpoint and the file (torch's own
+errors name neither); recover checkpoints are also verified against their manifest first
+(:mod:`areal.utils.recover`).
+
 Broadcast to inference servers lives in :mod:`areal.utils.weight_sync` (one protocol for both
 sides); the engine only feeds it full tensors bucket by bucket.
 """
@@ -30,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,6 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+
+from areal.utils.recover import CheckpointError, read_torch_file
 
 TIED_KEYS = ("lm_head.weight",)  # dropped from exports when config.tie_word_embeddings
 
@@ -146,28 +154,46 @@ def save_dcp(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 
 def load_dcp(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
              scheduler: Any, group: dist.ProcessGroup) -> dict[str, Any]:
-    """Load what :func:`save_dcp` wrote (same mesh size); returns the saved ``extra``."""
+    """Load what :func:`save_dcp` wrote (same mesh size); returns the saved ``extra``. A file
+    that cannot be read raises :class:`~areal.utils.recover.CheckpointError` naming the
+    checkpoint and the file. Collective over ``group``."""
     rank_file = Path(path) / f"areal_rank{dist.get_rank(group)}.pt"
     if not rank_file.exists():
         raise FileNotFoundError(
             f"{rank_file} is missing: DCP checkpoint {path!r} was saved at another world size "
             f"(this model's mesh has {dist.get_world_size(group)} ranks); resume with the saved world size"
         )
-    rank_state = torch.load(rank_file, weights_only=False)
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=path, process_group=group)
+        _dcp_load(state, path, group)
         set_model_state_dict(model, state["model"])
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path, process_group=group)
+        _dcp_load(state, path, group)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
+    rank_state = read_torch_file(rank_file)  # after the collective read: a bad file fails one rank alone
     if scheduler is not None and rank_state["scheduler"] is not None:
         scheduler.load_state_dict(rank_state["scheduler"])
     _set_rng_state(rank_state["rng"])
     return rank_state["extra"]
+
+
+def _dcp_load(state: dict[str, Any], path: str, group: dist.ProcessGroup) -> None:
+    """``dcp.load`` whose failure names the checkpoint and its files (DCP's own error names
+    neither; every rank of ``group`` raises it)."""
+    try:
+        dcp.load(state, checkpoint_id=path, process_group=group)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised with the checkpoint named
+        if isinstance(e, CheckpointException):  # one per failed rank, each with its traceback
+            cause = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
+        else:
+            cause = f"{type(e).__name__}: {e}"
+        files = sorted(p.name for p in Path(path).iterdir()) if Path(path).is_dir() else []
+        raise CheckpointError(
+            f"DCP checkpoint {path} is unreadable (its files: {', '.join(files) or 'none'}): {cause}"
+        ) from e
 
 
 def save_replicated_state(path: str, name: str, state: dict[str, Any], group: dist.ProcessGroup) -> None:
@@ -190,4 +216,7 @@ def load_replicated_state(path: str, name: str) -> dict[str, Any]:
             f"{file} is missing: checkpoint {path!r} was saved without this state (e.g. by an "
             "engine configured differently); load it with the same config it was saved with"
         )
-    return json.loads(file.read_text())
+    try:
+        return json.loads(file.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{file} is unreadable ({type(e).__name__}: {e})") from e

@@ -6,7 +6,9 @@ writes the resolved config and loads the tokenizer. The returned :class:`Run` ho
 (saver / evaluator / recover), the stats tracker and sinks with a progress bar, and saves / loads
 recover checkpoints: each engine's DCP checkpoint (model, optimizer, scheduler) plus one state
 file per rank (counters, dataloader and executor state, timers, RNG states), published
-atomically by :class:`~areal.utils.recover.RecoverDir`.
+atomically with a manifest and verified before a resume by :class:`~areal.utils.recover.RecoverDir`.
+When a resume is pending, RUN_DIR/config.yaml is written only once it is accepted, so a refused
+resume leaves the config of the run it refused to continue as it was.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+import torch.distributed as torch_dist
 
 from areal.api.config import BaseExperimentConfig, save_config
 from areal.api.engine import TrainEngine
@@ -31,7 +34,7 @@ from areal.dataset import create_dataloader, load_dataset
 from areal.runtime.dist import DistContext, close_distributed, init_distributed
 from areal.utils.logging import add_log_file, get_logger
 from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository
-from areal.utils.recover import RecoverDir, load_state, save_state
+from areal.utils.recover import Ranks, RecoverDir, load_state, resume_pending, save_state
 from areal.utils.stats import StatsTracker
 from areal.utils.stats_logger import StatsLogger
 from areal.utils.timers import FrequencyControl
@@ -88,7 +91,8 @@ class Run:
         self.saver = FrequencyControl.from_config(cfg.saver)
         self.evaluator = FrequencyControl.from_config(cfg.evaluator)
         self.recover_timer = FrequencyControl.from_config(cfg.recover)
-        self.recover_dir = RecoverDir(self.run_dir / "recover", self.rank, self.barrier)
+        ranks = Ranks(self.rank, self.world_size, self._all_gather)
+        self.recover_dir = RecoverDir(self.run_dir / "recover", ranks, keep=cfg.recover.keep)
         self.stats_logger = StatsLogger(cfg.stats_logger, self.run_dir, self.rank)
         self._bar = None
         self._last_commit: float | None = None
@@ -123,6 +127,14 @@ class Run:
     def barrier(self) -> None:
         """Wait for every trainer rank (no-op with one rank)."""
         self.dist.barrier()
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        """Every trainer rank's ``obj`` in rank order (the process group's timeout bounds it)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        torch_dist.all_gather_object(out, obj, group=self.dist.mesh.get_group())
+        return out
 
     def registry(self) -> NameRepository:
         """The trial's name registry (``cluster.name_resolve``)."""
@@ -185,22 +197,39 @@ class Run:
             for name, engine in engines.items():
                 engine.save(SaveLoadMeta(str(tmp / name), weight_format="dcp", with_optim=True))
             save_state(tmp, self.rank, {**state, "step": step, "timers": timers, "rng": rng_state()})
-        logger.info(f"recover checkpoint for step {step} in {self.recover_dir.latest()}")
+        logger.info(f"recover checkpoint for step {step} in {self.recover_dir.root / f'ckpt-{step}'}")
 
     def load_recover(self, engines: dict[str, TrainEngine]) -> dict[str, Any] | None:
-        """Resume from the newest recover checkpoint when ``recover.mode`` allows; else None."""
+        """Resume from the newest usable recover checkpoint when ``recover.mode`` allows (a
+        corrupt one is named in a warning and the previous one tried); None when there is none.
+        Writes RUN_DIR/config.yaml once the resume is accepted; a refused resume raises
+        :class:`~areal.utils.recover.RecoverError` and leaves it as it was. Collective."""
         if self.cfg.recover.mode == "disabled":
             return None
-        ckpt = self.recover_dir.latest()
-        if ckpt is None:
+        found = self.recover_dir.resume(lambda ckpt: self._load_checkpoint(ckpt, engines))
+        if found is None:
             return None
-        for name, engine in engines.items():
-            engine.load(SaveLoadMeta(str(ckpt / name), weight_format="dcp", with_optim=True))
-        state = load_state(ckpt, self.rank)
-        for name, timer in self._timers().items():
-            timer.load_state_dict(state["timers"][name])
-        set_rng_state(state["rng"])
+        ckpt, state = found
+        if self.rank == 0:
+            save_config(self.cfg, self.run_dir / "config.yaml")
         logger.info(f"resumed from {ckpt} at step {state['step']}")
+        return state
+
+    def _load_checkpoint(self, ckpt: Path, engines: dict[str, TrainEngine]) -> dict[str, Any]:
+        """Every engine's DCP state, then this rank's state, timers and RNG from ``ckpt``; each
+        part agreed by all ranks (a failure anywhere raises CheckpointError everywhere)."""
+        agreed = self.recover_dir.agreed
+        for name, engine in engines.items():
+            meta = SaveLoadMeta(str(ckpt / name), weight_format="dcp", with_optim=True)
+            agreed(lambda: engine.load(meta), f"loading {name} from {ckpt / name}")  # noqa: B023 - called at once
+        state = agreed(lambda: load_state(ckpt, self.rank), f"loading {ckpt / f'state-rank{self.rank}.pt'}")
+
+        def restore() -> None:
+            for name, timer in self._timers().items():
+                timer.load_state_dict(state["timers"][name])
+            set_rng_state(state["rng"])
+
+        agreed(restore, f"restoring timers and RNG from {ckpt}")
         return state
 
     def _timers(self) -> dict[str, FrequencyControl]:
@@ -233,8 +262,8 @@ def init_run(cfg: BaseExperimentConfig, model_path: str) -> Run:
     np.random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)
     add_log_file(cfg.run_dir, f"trainer{rank}")
-    if rank == 0:
-        save_config(cfg, cfg.run_dir / "config.yaml")
+    if rank == 0 and not resume_pending(cfg.run_dir / "recover", cfg.recover.mode):
+        save_config(cfg, cfg.run_dir / "config.yaml")  # else written once the resume is accepted
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or model_path)
     return Run(cfg, dist_ctx, env, tokenizer)
 

@@ -95,3 +95,101 @@ def test_hf_load_into_a_fresh_engine_restores_the_weights(tiny_model_dir, tmp_pa
     loaded = b.full_state_dict()
     b.destroy()
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+# ----------------------------------------------------------------- recover checkpoints of a run
+
+
+@pytest.fixture
+def make_run(tmp_path, tiny_model_dir):
+    """``make_run(*overrides)`` -> a :class:`Run` over RUN_DIR=tmp_path/e/t (recover.mode=resume);
+    the log files its ``init_run`` opened are closed at teardown."""
+    import logging
+
+    from areal.api.config import SFTConfig, load_config
+    from areal.runtime.run import init_run
+
+    def make(*overrides: str):
+        base = [f"fileroot={tmp_path}", "experiment_name=e", "trial_name=t", "recover.mode=resume",
+                f"model.path={tiny_model_dir}", "cluster.n_servers=0", "train_dataset.type=sft",
+                "stats_logger.console=false"]
+        return init_run(load_config(SFTConfig, [*base, *overrides]), tiny_model_dir)
+
+    yield make
+    root = logging.getLogger("areal")
+    for handler in [h for h in root.handlers if str(tmp_path) in getattr(h, "baseFilename", "")]:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def test_dcp_shard_with_4kib_overwritten_resumes_from_the_previous_checkpoint(tiny_model_dir, make_run, caplog):
+    import logging
+
+    run = make_run()
+    a = build(tiny_model_dir)
+    a.train_batch(random_batch(seed=0), nll_loss, n_loss_tokens)
+    run.save_recover(1, {"actor": a}, {"note": "one"})
+    params_1 = [local(p).clone() for p in a.model.parameters()]
+    optim_1 = [t.clone() for t in optimizer_tensors(a)]
+    a.train_batch(random_batch(seed=1), nll_loss, n_loss_tokens)
+    run.save_recover(2, {"actor": a}, {"note": "two"})
+    a.destroy()
+    shard = next((run.run_dir / "recover" / "ckpt-2" / "actor").glob("*.distcp"))
+    with open(shard, "r+b") as f:  # the size stays: today this loads, with garbage in the state
+        f.seek(shard.stat().st_size // 2)
+        f.write(b"\xff" * 4096)
+
+    b = build(tiny_model_dir)
+    with caplog.at_level(logging.WARNING, logger="areal.recover"):
+        state = run.load_recover({"actor": b})
+    assert state["step"] == 1 and state["note"] == "one"
+    assert f"ckpt-2 is corrupt: actor/{shard.name}: content does not match" in caplog.text
+    assert all(torch.equal(local(p), q) for p, q in zip(b.model.parameters(), params_1))
+    assert all(torch.equal(x, y) for x, y in zip(optimizer_tensors(b), optim_1))
+    b.destroy()
+
+
+def test_truncated_dcp_files_fail_with_an_error_naming_the_checkpoint_and_file(tiny_model_dir, tmp_path):
+    from areal.utils.recover import CheckpointError
+
+    a = build(tiny_model_dir)
+    for name in ("shard", "rank"):
+        a.save(SaveLoadMeta(path=str(tmp_path / name), weight_format="dcp", with_optim=True))
+    a.destroy()
+    shard = next((tmp_path / "shard").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    rank_file = tmp_path / "rank" / "areal_rank0.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:100])
+
+    b = build(tiny_model_dir)
+    with pytest.raises(CheckpointError, match=f"DCP checkpoint {tmp_path / 'shard'} is unreadable "
+                                              f"\\(its files: .*{shard.name}"):
+        b.load(SaveLoadMeta(path=str(tmp_path / "shard"), weight_format="dcp", with_optim=True))
+    with pytest.raises(CheckpointError, match=f"{rank_file} is unreadable"):
+        b.load(SaveLoadMeta(path=str(tmp_path / "rank"), weight_format="dcp", with_optim=True))
+    b.destroy()
+
+
+def test_refused_resume_leaves_config_yaml_byte_identical(make_run):
+    from areal.utils.recover import RecoverError
+
+    first = make_run("seed=1")
+    first.save_recover(1, {}, {"note": "one"})
+    config = first.run_dir / "config.yaml"
+    original = config.read_bytes()
+    state_file = first.run_dir / "recover" / "ckpt-1" / "state-rank0.pt"
+    state_file.write_bytes(state_file.read_bytes()[:10])  # the only checkpoint is corrupt
+
+    second = make_run("seed=2")  # today: config.yaml is rewritten here, before the resume
+    with pytest.raises(RecoverError, match="ckpt-1: state-rank0.pt: 10 bytes"):
+        second.load_recover({})
+    assert config.read_bytes() == original
+
+
+def test_accepted_resume_writes_the_new_config_yaml(make_run):
+    first = make_run("seed=1")
+    first.save_recover(1, {}, {"note": "one"})
+    second = make_run("seed=2")
+    assert "seed: 1" in (second.run_dir / "config.yaml").read_text()  # not before the resume
+    assert second.load_recover({})["note"] == "one"
+    assert "seed: 2" in (second.run_dir / "config.yaml").read_text()

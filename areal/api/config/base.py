@@ -102,7 +102,16 @@ class RecoverConfig(TimerConfig):
         help="disabled: no recover; resume: resume if a checkpoint exists; "
         "auto: resume and relaunch a failed run up to `retries` times.",
     )
-    retries: int = param(3, ge=0, help="Relaunches after a failure when mode=auto.")
+    retries: int = param(
+        3, ge=0,
+        help="Relaunches after a failure when mode=auto; a failure whose cause repeats that of "
+        "the attempt before is not relaunched.",
+    )
+    keep: int = param(
+        2, ge=1,
+        help="Recover checkpoints kept on disk, newest first; a resume falls back to an older "
+        "one when a newer one is corrupt.",
+    )
 
 
 @dataclass(frozen=True)
