@@ -33,6 +33,7 @@ def _serve(args: argparse.Namespace) -> int:
     from areal.api.config import ConfigError, load_config
     from areal.api.config.server import GenerationServerConfig
     from areal.api.launch import server_api_key
+    from areal.runtime.preflight import model_dir_problem
     from areal.serving.server import main as serve_main
 
     flags = {"model": "model_path", "host": "host", "port": "port", "api_key": "api_key"}
@@ -44,6 +45,9 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = load_config(GenerationServerConfig, argv)
     if not cfg.model_path:
         raise ConfigError(["model_path: empty; pass --model DIR (a Hugging Face model directory)"])
+    problem = model_dir_problem("model_path", cfg.model_path)
+    if problem:
+        raise ConfigError([problem])
     return serve_main(cfg)
 
 
@@ -111,9 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; a user error (bad config, a path that is not there) is one message
+    and exit code 2, not a traceback."""
+    from areal.api.config import ConfigError
+
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
-    return func(args)
+    try:
+        return func(args)
+    except (ConfigError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+        print(f"areal {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

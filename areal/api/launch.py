@@ -6,8 +6,10 @@ A trainer rank is started with torchrun's variables (``RANK``, ``WORLD_SIZE``, `
 ``MASTER_ADDR``, ``MASTER_PORT``) plus ours: which launch attempt this is (0 first; a relaunch
 with ``recover.mode=auto`` counts up) and how many torch threads to use. Servers and trainers
 may get ``CUDA_VISIBLE_DEVICES`` and ``OMP_NUM_THREADS``, and both the servers' admin key
-(``AREAL_SERVER_API_KEY``: by env, never on a command line, where every user can read it). Generation servers are not passed by
-env: they register ``host:port`` in the trial's name registry and trainers read it there.
+(``AREAL_SERVER_API_KEY``: by env, never on a command line, where every user can read it).
+Every process a launcher starts gets ``AREAL_LAUNCHER_PID`` and exits when that process does.
+Generation servers are not passed by env: they register ``host:port`` in the trial's name
+registry and trainers read it there.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ TORCH_THREADS = "AREAL_TORCH_THREADS"
 OMP_THREADS = "OMP_NUM_THREADS"
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 SERVER_API_KEY = "AREAL_SERVER_API_KEY"  # servers and trainers get the admin key by env, not argv
+LAUNCHER_PID = "AREAL_LAUNCHER_PID"  # every started process dies when this process exits
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class LaunchEnv:
     local_rank: int = 0
     attempt: int = 0
     torch_threads: int = 0  # 0 = torch's default
+    launcher_pid: int = 0  # 0 = not started by an areal launcher
     launched: bool = False  # RANK and WORLD_SIZE are set: a rendezvous (env://) is expected
 
     @classmethod
@@ -56,6 +60,7 @@ class LaunchEnv:
         return cls(
             rank=number(RANK, 0), world_size=number(WORLD_SIZE, 1), local_rank=number(LOCAL_RANK, 0),
             attempt=number(LAUNCH_ATTEMPT, 0), torch_threads=number(TORCH_THREADS, 0),
+            launcher_pid=number(LAUNCHER_PID, 0),
             launched=RANK in environ and WORLD_SIZE in environ,
         )
 
@@ -68,6 +73,11 @@ def threads_env(n: int) -> dict[str, str]:
 def devices_env(devices: str | None) -> dict[str, str]:
     """Env pinning a process to accelerators ``devices`` (``"0,1"``); ``{}`` for None (CPU)."""
     return {VISIBLE_DEVICES: devices} if devices is not None else {}
+
+
+def launcher_env() -> dict[str, str]:
+    """Env naming this process as the launcher its children must die with."""
+    return {LAUNCHER_PID: str(os.getpid())}
 
 
 def trainer_env(attempt: int) -> dict[str, str]:

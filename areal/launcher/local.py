@@ -26,6 +26,7 @@ from areal.api.launch import api_key_env, devices_env, threads_env, trainer_env
 from areal.launcher.common import launch, register_server, reset_trial, wait_for_servers
 from areal.launcher.procs import ProcessSupervisor
 from areal.launcher.servers import server_command
+from areal.runtime.preflight import preflight
 from areal.utils.logging import get_logger
 from areal.utils.network import free_port
 
@@ -119,9 +120,12 @@ def launch_local(script: str, argv: list[str]) -> int:
     """Validate the config, then run (and, with recover.mode=auto, relaunch) the job here."""
 
     def run_local(cfg, attempt: int) -> int:
+        problems = preflight(cfg)
         if cfg.cluster.n_nodes != 1:
-            logger.error(f"cluster.n_nodes={cfg.cluster.n_nodes}: `areal launch local` runs one "
-                         "machine; set cluster.n_nodes=1")
+            problems.append(f"cluster.n_nodes={cfg.cluster.n_nodes}: `areal launch local` runs one "
+                            "machine; set cluster.n_nodes=1")
+        if problems:  # nothing was started
+            print("areal launch: " + "\n  - ".join([f"{len(problems)} problem(s):", *problems]), file=sys.stderr)
             return 2
         return run_once(script, argv, cfg, attempt)
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from areal.api.launch import LaunchEnv
+from areal.utils.process import die_with
 
 TIMEOUT = datetime.timedelta(minutes=10)  # any collective that waits longer fails the run
 
@@ -52,8 +53,11 @@ def init_distributed(backend: Literal["auto", "gloo", "nccl"] = "auto",
                      env: LaunchEnv | None = None) -> DistContext:
     """Initialise ``torch.distributed`` for this process (a later call joins what is already
     initialised). Under torchrun the ranks rendezvous through ``MASTER_ADDR``/``MASTER_PORT``; a
-    process started without them is a job of one rank. ``auto`` = NCCL on GPU, gloo on CPU."""
+    process started without them is a job of one rank. ``auto`` = NCCL on GPU, gloo on CPU.
+    Under an areal launcher the rank exits once the launcher has (see :mod:`areal.utils.process`)."""
     env = env or LaunchEnv.read()
+    if env.launcher_pid:  # a rank outlives neither the launcher nor torchrun (our parent)
+        die_with(env.launcher_pid)
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

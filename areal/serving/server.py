@@ -36,7 +36,9 @@ import torch
 from aiohttp import web
 
 from areal.api.config.server import GenerationServerConfig
+from areal.api.launch import LaunchEnv
 from areal.utils import weight_sync
+from areal.utils.process import die_with
 from areal.serving import openai_api, protocol
 from areal.serving.generator import Generator, GeneratorStopped, StepFailed
 from areal.serving.protocol import BadRequest, Job
@@ -388,4 +390,7 @@ def main(cfg: GenerationServerConfig) -> int:
     # single-threaded so only one OpenMP team competes for the cores (see generator.py).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    launcher = LaunchEnv.read().launcher_pid
+    if launcher:  # started by a launcher: SIGTERM (a clean stop) once it is gone
+        die_with(launcher)
     return asyncio.run(serve(cfg, threads))

@@ -1,0 +1,73 @@
+"""Checks of what a config points at, run before any process starts: model dirs, dataset files,
+and stop token ids against the model's vocabulary. Each problem names the field, the value and
+the fix (a missing model dir otherwise costs a minute of hub retries and a torch traceback)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from areal.api.config.base import GenerationHyperparameters
+from areal.api.config.data import DatasetConfig
+from areal.api.config.engine import TrainEngineConfig
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+def _sections(cfg: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted path, value) of every dataclass section in the config tree, ``cfg`` included."""
+    yield prefix, cfg
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _sections(value, f"{prefix}{f.name}.")
+
+
+def model_dir_problem(field: str, path: str) -> str | None:
+    """Why ``path`` (config field ``field``) is not a local HF model dir; None if it is."""
+    if not path:
+        return None
+    d = Path(path).expanduser()
+    if not (d / "config.json").is_file():
+        what = "does not exist" if not d.exists() else "has no config.json"
+        return (f"{field}: {path!r} {what}; it must be a local Hugging Face model directory "
+                "(download one with `hf download ORG/NAME --local-dir DIR` and pass DIR)")
+    if not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
+        return f"{field}: {path!r} has config.json but no *.safetensors or *.bin weights"
+    return None
+
+
+def _vocab_size(path: str) -> int | None:
+    try:
+        return int(json.loads((Path(path).expanduser() / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def preflight(cfg: Any) -> list[str]:
+    """Every problem with the paths and token ids ``cfg`` names (empty when it can start)."""
+    problems: list[str] = []
+    for prefix, section in _sections(cfg):
+        if isinstance(section, TrainEngineConfig):
+            problems.append(model_dir_problem(f"{prefix}path", section.path))
+        elif isinstance(section, DatasetConfig):
+            p = section.path
+            file_like = p.endswith(DATA_SUFFIXES) or p.startswith(("/", "./", "../", "~"))
+            if p != "arithmetic" and file_like and not Path(p).expanduser().exists():
+                problems.append(f"{prefix}path: {p!r} does not exist; pass an existing .jsonl/.parquet "
+                                "file, 'arithmetic', or a dataset id")
+    tok = getattr(cfg, "tokenizer_path", "")
+    if tok and not (Path(tok).expanduser() / "tokenizer_config.json").is_file():
+        problems.append(f"tokenizer_path: {tok!r} has no tokenizer_config.json; pass a local "
+                        "tokenizer (or model) directory, or leave it empty to use the model's")
+    vocab = _vocab_size(getattr(cfg, "served_model_path", "") or "")
+    if vocab is not None:
+        for prefix, section in _sections(cfg):
+            if isinstance(section, GenerationHyperparameters):
+                bad = [t for t in section.stop_token_ids if not 0 <= t < vocab]
+                if bad:
+                    problems.append(f"{prefix}stop_token_ids: {bad[:3]} outside the model's vocabulary "
+                                    f"[0, {vocab}); use ids of the actor's tokenizer")
+    return [p for p in problems if p]

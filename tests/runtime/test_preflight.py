@@ -1,0 +1,64 @@
+"""Paths and token ids a config names are checked before anything starts; user errors of every
+``areal`` command are one message and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from areal.api.config import GRPOConfig, load_config
+from areal.runtime.preflight import preflight
+
+BASE = ["actor.use_critic=false", "cluster.n_servers=1"]
+
+
+def _problems(tmp_path, *overrides: str) -> list[str]:
+    return preflight(load_config(GRPOConfig, [f"fileroot={tmp_path}", *BASE, *overrides]))
+
+
+def test_a_good_config_has_no_problems(tmp_path, tiny_model_dir):
+    assert _problems(tmp_path, f"actor.path={tiny_model_dir}") == []
+
+
+def test_missing_model_dirs_datasets_and_tokenizers_are_named(tmp_path, tiny_model_dir):
+    (tmp_path / "no_weights").mkdir()
+    (tmp_path / "no_weights" / "config.json").write_text("{}")
+    problems = _problems(
+        tmp_path, "actor.path=/nonexistent/model", f"ref.path={tmp_path / 'no_weights'}", "actor.kl_ctl=0.1",
+        "train_dataset.path=/nonexistent/train.jsonl", f"tokenizer_path={tmp_path}",
+    )
+    by_field = {p.split(":")[0]: p for p in problems}
+    assert sorted(by_field) == ["actor.path", "ref.path", "tokenizer_path", "train_dataset.path"], problems
+    assert "'/nonexistent/model' does not exist" in by_field["actor.path"] and "hf download" in by_field["actor.path"]
+    assert "no *.safetensors" in by_field["ref.path"]
+    assert "'/nonexistent/train.jsonl' does not exist" in by_field["train_dataset.path"]
+    assert "no tokenizer_config.json" in by_field["tokenizer_path"]
+
+
+def test_stop_token_ids_outside_the_models_vocabulary_are_refused(tmp_path, tiny_model_dir):
+    import json
+    from pathlib import Path
+
+    vocab = json.loads((Path(tiny_model_dir) / "config.json").read_text())["vocab_size"]
+    problems = _problems(tmp_path, f"actor.path={tiny_model_dir}", f"gconfig.stop_token_ids=[1, {vocab}]",
+                         "eval_gconfig.stop_token_ids=[-1]")
+    assert [p.split(":")[0] for p in problems] == ["gconfig.stop_token_ids", "eval_gconfig.stop_token_ids"]
+    assert f"[{vocab}] outside the model's vocabulary [0, {vocab})" in problems[0]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["serve", "--model", "/nonexistent"], "model_path: '/nonexistent' does not exist"),
+        (["plot", "/nonexistent"], "stats.jsonl not found"),
+        (["tiny-model", "--out", "/proc/no/such"], "No such file or directory"),
+        (["launch", "local", "/nonexistent.py"], "launch script /nonexistent.py does not exist"),
+    ],
+)
+def test_user_errors_of_every_command_are_one_message_and_exit_2(argv, message):
+    out = subprocess.run([sys.executable, "-m", "areal.cli", *argv], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith(f"areal {argv[0]}: ")
