@@ -11,6 +11,10 @@ $(VPY):
 	$(PY) -m venv $(VENV)
 
 $(STAMP): $(VPY) pyproject.toml
+	@# bubblewrap: the code sandbox's namespaces (areal/reward/sandbox.py, docs/sandbox.md)
+	command -v bwrap >/dev/null || (test "$$(id -u)" = 0 && (apt-get install -y -q bubblewrap \
+		|| (apt-get update -q && apt-get install -y -q bubblewrap))) \
+		|| echo 'bubblewrap missing: run apt-get install bubblewrap as root, or set reward.sandbox.isolation=best_effort'
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m pip install -q -e '.[test]'

@@ -1,62 +1,67 @@
-"""Runs inside the sandbox (stdlib only, copied into the case's working directory).
+"""Runs inside the sandbox (stdlib only, copied next to the case's inputs).
 
-It is started as ``python -I -B _runner.py`` by :func:`areal.reward.sandbox.run_python` with the
-limits already applied (rlimits, unprivileged uid, namespaces). It installs audit hooks, then
-forks: the child runs ``solution.py`` (as ``__main__`` with the case's stdin, or imports it and
-calls ``spec["fn_name"](*spec["args"])``, writing the JSON result to ``result.json``); the parent
-waits for it and for every orphan (it is PID 1 when a PID namespace is active) and exits with the
-child's code, or ``128 + signal`` when the child was killed by a signal.
+Started as ``python -I -B <inputs>/_runner.py`` by :func:`areal.reward.sandbox.run_python`, with
+the writable working directory as cwd and the outer limits already applied (rlimits, uid,
+namespaces). It reads ``spec.json``, ``solution.py`` and ``seccomp.bpf`` from its own directory,
+then, before any submitted code runs:
 
-The audit hooks are a second layer under the kernel limits: they refuse sockets, running other
-programs, loading native code through ctypes, and writes, renames or deletes outside the working
-directory. Python code can evade audit hooks only through native code, which is why ctypes is
-refused; the kernel layer (uid, rlimits, namespaces) does not depend on them.
+1. sets RLIMIT_NPROC when the spec asks (inside the sandbox's user namespace, where the kernel
+   counts only this sandbox's processes and threads);
+2. installs the seccomp filter (``no_new_privs`` first); from then on the kernel enforces it
+   and nothing in this process tree can remove it.
+
+Any failure there ends the case with an ``areal-sandbox:`` line on stderr and exit code 125:
+the solution never runs with fewer layers than the parent reported.
+
+It then forks: the child runs ``solution.py`` (as ``__main__`` with the case's stdin, or calls
+``spec["fn_name"](*spec["args"])`` and writes the JSON result to the result descriptor); the
+parent waits for it and exits with its code, or ``128 + signal`` when it was killed by a signal.
 """
 
+import ctypes
 import json
 import os
+import resource
 import sys
 
-_PATH_EVENTS = {
-    "os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os.chown": 1,
-    "os.truncate": 1, "os.utime": 1, "os.rename": 2, "os.symlink": 2, "os.link": 2,
-    "shutil.rmtree": 1, "shutil.move": 2, "shutil.copyfile": 2,
-}  # fmt: skip
-_REFUSED_EVENTS = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-                   "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "os.forkpty", "pty.spawn")  # fmt: skip
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_SECCOMP = 22
+_SECCOMP_MODE_FILTER = 2
+_SETUP_FAILED = 125
 
 
-def _install_hooks(workdir, block_network):
-    realpath, sep = os.path.realpath, os.sep
-
-    def inside(path):
-        if isinstance(path, int):
-            return True  # an already-open file descriptor
-        path = realpath(os.fsdecode(path))
-        return path == workdir or path.startswith(workdir + sep) or path == "/dev/null"
-
-    def hook(event, args):
-        if event.startswith("socket.") and block_network:
-            raise PermissionError(f"sandbox: network access is disabled ({event})")
-        if event in _REFUSED_EVENTS:
-            raise PermissionError(f"sandbox: {event} is not allowed")
-        if event == "open" and args[0] is not None:
-            mode, flags = args[1] or "", args[2] or 0
-            writing = any(c in mode for c in "wax+") or flags & _WRITE_FLAGS
-            if writing and not inside(args[0]):
-                raise PermissionError(f"sandbox: writing outside the working dir: {args[0]!r}")
-        n_paths = _PATH_EVENTS.get(event, 0)
-        for path in args[:n_paths]:
-            if not inside(path):
-                raise PermissionError(f"sandbox: {event} outside the working dir: {path!r}")
-
-    sys.addaudithook(hook)
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
-def _run_solution(spec):
-    with open("solution.py", encoding="utf-8") as f:
+def _install_seccomp(program):
+    """Load a BPF program (8-byte instructions) as this process's seccomp filter."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(program, len(program))
+    prog = _SockFprog(len(program) // 8, ctypes.addressof(buf))
+    ul = ctypes.c_ulong
+    if libc.prctl(ctypes.c_int(_PR_SET_NO_NEW_PRIVS), ul(1), ul(0), ul(0), ul(0)) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    filter_mode = ul(_SECCOMP_MODE_FILTER)
+    if libc.prctl(ctypes.c_int(_PR_SET_SECCOMP), filter_mode, ctypes.byref(prog), ul(0), ul(0)):
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+
+
+def _setup(inputs):
+    """Read the case and apply the inner layers; returns (spec, solution source)."""
+    with open(os.path.join(inputs, "spec.json"), encoding="utf-8") as f:
+        spec = json.load(f)
+    with open(os.path.join(inputs, "solution.py"), encoding="utf-8") as f:
         source = f.read()
+    if spec["nproc"]:
+        resource.setrlimit(resource.RLIMIT_NPROC, (spec["nproc"], spec["nproc"]))
+    if spec["seccomp"]:
+        with open(os.path.join(inputs, "seccomp.bpf"), "rb") as f:
+            _install_seccomp(f.read())
+    return spec, source
+
+
+def _run_solution(spec, source):
     code = compile(source, "solution.py", "exec")
     if spec["fn_name"] is None:
         exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
@@ -69,13 +74,13 @@ def _run_solution(spec):
     if fn is None:
         raise NameError(f"solution.py defines no function {spec['fn_name']!r}")
     result = fn(*spec["args"])
-    with open("result.json", "w", encoding="utf-8") as f:
+    with os.fdopen(spec["result_fd"], "w", encoding="utf-8") as f:
         json.dump({"result": result}, f, default=repr)
 
 
-def _child(spec):
+def _child(spec, source):
     try:
-        _run_solution(spec)
+        _run_solution(spec, source)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -92,28 +97,29 @@ def _child(spec):
     os._exit(code)
 
 
-def _wait_all(child_pid):
-    status = 1
+def _wait_child(child_pid):
     while True:
         try:
-            pid, raw = os.wait()
+            pid, raw = os.waitpid(child_pid, 0)
         except ChildProcessError:
-            return status  # no children left (orphans included)
+            return 1
         if pid == child_pid:
             sig = os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else 0
-            status = 128 + sig if sig else os.WEXITSTATUS(raw)
+            return 128 + sig if sig else os.WEXITSTATUS(raw)
 
 
 def main():
-    """Install the hooks, run the solution in a child, exit with its status."""
-    workdir = os.path.realpath(os.getcwd())
-    with open("spec.json", encoding="utf-8") as f:
-        spec = json.load(f)
-    _install_hooks(workdir, spec["block_network"])
+    """Apply the inner layers, run the solution in a child, exit with its status."""
+    try:
+        spec, source = _setup(os.path.dirname(os.path.abspath(__file__)))
+    except BaseException as e:
+        sys.stderr.write(f"areal-sandbox: setup failed before the solution ran: {e!r}\n")
+        sys.stderr.flush()
+        os._exit(_SETUP_FAILED)
     child_pid = os.fork()
     if child_pid == 0:
-        _child(spec)
-    os._exit(_wait_all(child_pid))
+        _child(spec, source)
+    os._exit(_wait_child(child_pid))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,10 @@ class SandboxConfig:
     cpu_seconds: int = param(4, ge=1, help="RLIMIT_CPU per case process (seconds of CPU).")
     memory_mb: int = param(1024, ge=64, help="RLIMIT_AS per case process (MiB of address space).")
     max_processes: int = param(
-        16, ge=1, help="RLIMIT_NPROC for the sandbox user (processes/threads it may hold)."
+        16,
+        ge=1,
+        help="Processes + threads one submission may hold, counted per sandbox (its own user "
+        "namespace), never against the user's other processes.",
     )
     max_file_mb: int = param(
         4, ge=1, help="RLIMIT_FSIZE (MiB): caps every file the code writes, stdout included."
@@ -33,10 +36,22 @@ class SandboxConfig:
     max_output_bytes: int = param(
         65536, ge=1024, help="Bytes of stdout/stderr read back per case (the rest is dropped)."
     )
+    tmpfs_mb: int = param(
+        64,
+        ge=1,
+        help="Size cap (MiB) of each private tmpfs the code sees: its working dir, /tmp and "
+        "/dev/shm (RAM, freed when the case ends).",
+    )
     python: str = param(
         "",
         help="Interpreter for submissions; empty = ours if the sandbox user may execute it, "
-        "else /usr/bin/python3.",
+        "else /usr/bin/python3. Its prefix is mounted read-only inside the sandbox.",
+    )
+    isolation: Literal["required", "best_effort"] = param(
+        "required",
+        help="required: refuse to run (naming the missing layer and its fix) unless namespaces "
+        "(bubblewrap) and seccomp both hold; best_effort: run with the layers this machine "
+        "gives, logged once and named in each result (see docs/sandbox.md).",
     )
     scoring: Literal["fraction", "all_pass"] = param(
         "fraction", help="fraction: reward = passed / total cases; all_pass: 1.0 only if all pass."
