@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
     rollout, reward, workflow, eval_workflow, executor = setup_rollout(cfg, run)
     actor, critic, ref = setup_trainers(cfg, run, data.ft_spec)
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
-    publisher = WeightPublisher(cfg.weight_update_mode, actor, rollout, executor, run.dist, run.run_dir / "weights")
+    publisher = WeightPublisher(cfg.weight_update_mode, actor, rollout, executor, run.dist, cfg.weights_dir)
     publisher.connect()
 
     step, state = 0, run.load_recover(engines)

@@ -12,17 +12,32 @@ import yaml
 from areal.api.config import to_dict
 
 
-def server_command(cfg, port: int, config_path: Path) -> list[str]:
-    """Command line for one server on 127.0.0.1:``port`` serving ``cfg.served_model_path``.
+def newest_weights(weights_dir: str | Path) -> tuple[str, int] | None:
+    """(path, version) of the newest ``v<version>`` HF dir under ``weights_dir`` holding a
+    config.json and safetensors (what disk weight updates publish); None if there is none."""
+    found = []
+    for d in Path(weights_dir).glob("v*"):
+        if d.name[1:].isdigit() and (d / "config.json").is_file() and any(d.glob("*.safetensors")):
+            found.append((int(d.name[1:]), str(d)))
+    if not found:
+        return None
+    version, path = max(found)
+    return path, version
+
+
+def server_command(cfg, port: int, config_path: Path, model: str = "", version: int = 0) -> list[str]:
+    """Command line for one server on 127.0.0.1:``port`` serving ``model`` (default
+    ``cfg.served_model_path``) whose tokens carry ``version`` until the first weight update.
 
     For our server the experiment's ``server`` section is written to ``config_path`` and passed
     with ``--config``; SGLang and vLLM get their documented CLI flags.
     """
     backend = cfg.rollout.backend
-    model = cfg.served_model_path
+    model = model or cfg.served_model_path
     if backend == "areal":
         config_path.parent.mkdir(parents=True, exist_ok=True)
-        config_path.write_text(yaml.safe_dump(to_dict(cfg.server), sort_keys=False))
+        section = {**to_dict(cfg.server), "weight_version": version}
+        config_path.write_text(yaml.safe_dump(section, sort_keys=False))
         return [
             sys.executable, "-m", "areal.cli", "serve", "--config", str(config_path),
             "--model", model, "--host", "127.0.0.1", "--port", str(port),

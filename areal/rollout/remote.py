@@ -43,6 +43,7 @@ from areal.utils.name_resolve import NameRepository
 
 logger = get_logger("remote")
 _STICKY_GROUPS = 4096  # remembered group -> server assignments (oldest forgotten first)
+REVIVE_PROBE_S = 2.0  # health probe of a dead server before a disk weight update
 
 
 class RemoteEngineError(RuntimeError):
@@ -102,6 +103,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self._sticky: OrderedDict[str, _Server] = OrderedDict()
         self.n_failovers = 0
         self.n_resubmits = 0
+        self.n_revived = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -358,6 +360,28 @@ class RemoteInferenceEngine(InferenceEngine):
     async def _aupdate(self, calls: dict[str, HttpCall], what: str) -> None:
         await self._broadcast(calls, what, self.config.weight_update_timeout)
 
+    async def _arevive(self) -> None:
+        """Servers declared dead that answer health again (a launcher restarted them) are live
+        again; the disk update that follows gives them the current weights and version."""
+        for server in self.servers:
+            if server.alive:
+                continue
+            try:
+                timeout = aiohttp.ClientTimeout(total=REVIVE_PROBE_S)
+                async with self._session.get(server.url + self.backend.health.path, timeout=timeout) as resp:
+                    healthy = resp.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                healthy = False
+            if healthy:
+                server.alive, server.failures = True, 0
+                self.n_revived += 1
+                logger.warning("generation server %s answers again; it gets this weight update and "
+                               "serves again", server.address)
+
+    async def _aupdate_disk(self, call: HttpCall, what: str) -> None:
+        await self._arevive()
+        await self._aupdate(self._call_all(call), what)
+
     def update_weights_async(self, meta: WeightUpdateMeta,
                              announcement: dict[str, list] | None = None) -> concurrent.futures.Future:
         """Start a weight update on every live server; returns a future (``.result(timeout)``).
@@ -367,17 +391,18 @@ class RemoteInferenceEngine(InferenceEngine):
         broadcasts them, so start this first, then call ``actor.update_weights(meta)``. The
         client's own version is set by whoever owns the update (``set_version``).
         """
-        if meta.type == "disk":
+        what = f"update_weights({meta.type}, version={meta.version})"
+        if meta.type == "disk":  # a restarted server can load it too: dead ones are probed first
             if not meta.path:
                 raise ValueError("WeightUpdateMeta.path is empty for type='disk'; set the HF dir")
             call = self.backend.update_from_disk(meta.path, meta.version)
-        elif meta.type == "distributed":
+            return self._loop_thread().submit(self._aupdate_disk(call, what))
+        if meta.type == "distributed":
             if announcement is None:
                 raise ValueError("type='distributed' needs announcement=actor.weight_announcement()")
             call = self.backend.update_from_distributed(meta, announcement)
         else:
             raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'distributed', got {meta.type!r}")
-        what = f"update_weights({meta.type}, version={meta.version})"
         return self._loop_thread().submit(self._aupdate(self._call_all(call), what))
 
     def update_weights(self, meta: WeightUpdateMeta, announcement: dict[str, list] | None = None) -> None:
@@ -411,4 +436,5 @@ class RemoteInferenceEngine(InferenceEngine):
             "remote/servers_dead": float(len(self.servers) - alive),
             "remote/failovers": float(self.n_failovers),
             "remote/resubmits": float(self.n_resubmits),
+            "remote/revived": float(self.n_revived),
         }

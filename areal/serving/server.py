@@ -86,6 +86,7 @@ class GenerationServer:
             max_prefill_tokens=cfg.max_prefill_tokens,
             share_prompts=cfg.share_prompts,
             num_threads=num_threads,
+            version=cfg.weight_version,
         )
         self.model_name = cfg.served_model_name or cfg.model_path
         self.group: Any = None  # torch.distributed ProcessGroup joined via /init_weights_update_group

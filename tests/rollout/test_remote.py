@@ -266,3 +266,52 @@ def test_async_training_loop_keeps_staleness_within_the_bound(servers, make_engi
     finally:
         ex.destroy()
         eng.update_weights(WeightUpdateMeta(type="disk", path=tiny_model_dir, version=0))
+
+
+def _serve_on(model_dir: str, port: int, version: int = 0):
+    """``areal serve`` on a given port (a launcher's restart), healthy within the deadline."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal.cli", "serve", "--model", model_dir, "--port", str(port),
+         f"weight_version={version}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            _get(f"http://127.0.0.1:{port}/health")
+            return proc
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+
+
+def test_a_restarted_server_rejoins_at_the_next_disk_update_with_its_weights(make_engine, tiny_model_dir,
+                                                                              other_weights_dir):
+    port = free_port()
+    proc = _serve_on(tiny_model_dir, port)
+    addr = f"127.0.0.1:{port}"
+    restarted = None
+    try:
+        eng = make_engine([addr], server_failure_threshold=1, request_retries=0)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        req = ModelRequest(input_ids=[5, 17, 99], gconfig=GenerationHyperparameters(max_new_tokens=2))
+        with pytest.raises(Exception):
+            asyncio.run(eng.agenerate(req))
+        assert eng.stats()["remote/servers_alive"] == 0
+        restarted = _serve_on(tiny_model_dir, port, version=3)  # the launcher's restart
+        assert _get(f"http://{addr}/get_model_info")["weight_version"] == 3
+        eng.update_weights(WeightUpdateMeta("disk", path=other_weights_dir, version=4))
+        assert eng.stats()["remote/servers_alive"] == 1 and eng.stats()["remote/revived"] == 1
+        assert _get(f"http://{addr}/get_model_info")["weight_version"] == 4
+        resp = asyncio.run(eng.agenerate(req))
+        assert resp.output_versions == [4, 4]
+    finally:
+        for p in (proc, restarted):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)

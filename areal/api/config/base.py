@@ -162,6 +162,12 @@ class BaseExperimentConfig:
         return Path(self.fileroot) / self.experiment_name / self.trial_name
 
     @property
+    def weights_dir(self) -> Path:
+        """RUN_DIR/weights: the HF dirs ``v<version>`` of disk weight updates; a generation
+        server the launcher restarts loads the newest of them."""
+        return self.run_dir / "weights"
+
+    @property
     def name_resolve_root(self) -> Path:
         """Root of the trial registry: ``cluster.name_resolve.file_root`` or FILEROOT/name_resolve."""
         root = self.cluster.name_resolve.file_root

@@ -68,3 +68,8 @@ class LauncherConfig:
         0, ge=0, help="OMP/torch threads per trainer rank; 0 = torch's default."
     )
     echo: bool = param(True, help="Echo every process's output to the console with a prefix.")
+    server_restarts: int = param(
+        2, ge=0, help="Times a generation server that dies is restarted (same port, newest "
+        "published weights and their version; weight_update_mode=disk only); then the trainer "
+        "goes on with the others."
+    )

@@ -64,6 +64,10 @@ class GenerationServerConfig:
         "builds, else torch with a warning. /get_server_info reports decode_attention.",
     )
     seed: int = param(0, ge=0, help="Seed of the shared generator for requests without a seed.")
+    weight_version: int = param(
+        0, ge=0, help="Version stamped on tokens until the first weight update (a restarted "
+        "server passes the version of the weights it loads)."
+    )
     shutdown_timeout: float = param(
         10.0, gt=0, help="Seconds to finish answering in-flight requests on SIGTERM."
     )
