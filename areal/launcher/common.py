@@ -8,21 +8,26 @@
   until ``cluster.n_servers`` are registered. Trainers find the servers in the same place
   (:func:`areal.rollout.remote.discover_servers`).
 - :func:`launch`: config errors become a message and exit code 2; the job runs once per attempt
-  and, with ``recover.mode=auto``, is relaunched after a failure up to ``recover.retries`` times;
+  and, with ``recover.mode=auto``, is relaunched after a failure up to ``recover.retries`` times,
+  unless the failure repeats the previous attempt's cause (the root-cause line the supervisor
+  recorded in RUN_DIR/logs/failures.jsonl): a deterministic failure is reported, not retried.
   Ctrl-C or SIGTERM stops it (exit 130) after the attempt tore its processes down.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from areal.api.config import ConfigError, load_config, save_config
+from areal.launcher.procs import read_failures
 from areal.utils.logging import add_log_file, get_logger
 from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository, trial_key
+from areal.utils.recover import resume_pending
 
 logger = get_logger("launcher")
 
@@ -62,30 +67,59 @@ def wait_for_servers(registry: NameRepository, cfg: Any, timeout: float) -> list
 
 def launch(script: str, argv: list[str], run_once: Callable[[Any, int], int]) -> int:
     """Validate SCRIPT's config, then ``run_once(cfg, attempt)`` until it returns 0 or the
-    relaunches allowed by ``recover.mode=auto`` are spent; returns the last exit code."""
+    relaunches allowed by ``recover.mode=auto`` are spent, or a failure repeats the cause of the
+    one before (``run_once`` records causes with :func:`areal.launcher.procs.record_failure`);
+    returns the last exit code. RUN_DIR/config.yaml is written here only for a fresh run: when a
+    recover checkpoint is there, the trainer writes it once it accepted the resume."""
     try:
         cfg = load_config(load_script_config_class(script), argv)
     except ConfigError as e:  # a message for the user, not a crash: nothing was started
         print(f"areal launch: {e}", file=sys.stderr)
         return 2
-    save_config(cfg, cfg.run_dir / "config.yaml")
+    if not resume_pending(cfg.run_dir / "recover", cfg.recover.mode):
+        save_config(cfg, cfg.run_dir / "config.yaml")
     add_log_file(cfg.run_dir, "launcher")
     retries = cfg.recover.retries if cfg.recover.mode == "auto" else 0
+    logs = cfg.run_dir / "logs"
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
+        last_cause = ""
         for attempt in range(retries + 1):
+            seen = len(read_failures(logs))
             code = run_once(cfg, attempt)
             if code == 0:
                 logger.info(f"run finished; logs and outputs in {cfg.run_dir}")
                 return 0
-            if attempt < retries:
-                logger.warning(f"attempt {attempt + 1} failed (code {code}); relaunching (recover.mode=auto)")
+            recorded = read_failures(logs)[seen:]
+            cause = recorded[-1]["cause"] if recorded else ""
+            if attempt == retries:
+                break
+            if same_cause(cause, last_cause):
+                logger.error(
+                    f"attempt {attempt + 1} failed with the same cause as attempt {attempt}: {cause}; "
+                    f"not relaunching (recover.mode=auto retries only failures whose cause changes: "
+                    f"fix the cause, then launch again to resume). Logs in {logs}"
+                )
+                break
+            last_cause = cause
+            logger.warning(f"attempt {attempt + 1} failed (code {code}: {cause or 'cause unknown'}); "
+                           "relaunching (recover.mode=auto)")
         return code
     except KeyboardInterrupt:
         logger.warning("interrupted: every process was stopped")
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def same_cause(cause: str, previous: str) -> bool:
+    """True when ``cause`` repeats ``previous`` (both known), hex addresses and numbers of four
+    digits or more (pids, ports, timestamps) masked; shorter numbers such as exit codes or steps
+    still tell causes apart."""
+    def key(text: str) -> str:
+        return re.sub(r"0x[0-9a-fA-F]+|\d{4,}", "#", text.strip())
+
+    return bool(cause) and bool(previous) and key(cause) == key(previous)
 
 
 def _raise_interrupt(signum, frame) -> None:

@@ -3,11 +3,18 @@
 Every child runs in its own session (process group), so teardown reaches its descendants too
 (torchrun's workers, a server's helpers): SIGTERM to the group, a deadline, then SIGKILL. Each
 child's output goes to ``RUN_DIR/logs/<name>.log`` and to the console with a ``[name]`` prefix.
+A write to the log that fails (a full disk) does not stop the copy: the child's pipe keeps being
+drained, so the child never blocks, and the closing excerpt names the error. At teardown the
+child whose failure ended the attempt (the last one that exited non-zero on its own) is recorded
+with its root cause (the last exception line of its output) in ``RUN_DIR/logs/failures.jsonl``,
+where the relaunch loop reads it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -24,6 +32,57 @@ from areal.utils.logging import get_logger
 logger = get_logger("launcher")
 
 
+FAILURES = "failures.jsonl"  # under the log dir: one record per failed launch attempt
+_EXCEPTION = re.compile(r"([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(?::.*)?")
+_TORCHRUN_EXIT = re.compile(r"\s*exitcode\s*:\s*(-?\d+)")
+
+
+class LogPump(threading.Thread):
+    """Copies a child's output, line by line until EOF, to its log file and the console, and
+    keeps the last lines in memory. The first failed write to the log (e.g. ENOSPC) is kept in
+    ``error`` and ends writing to the file, never the draining of the pipe."""
+
+    def __init__(self, stream: IO[bytes], log: IO[bytes], prefix: str, echo: bool, header: bytes = b"",
+                 keep: int = 400):
+        super().__init__(daemon=True, name=f"log-pump-{prefix}")
+        self.stream, self.log, self.prefix, self.echo = stream, log, prefix, echo
+        self.header = header  # written to the log before the child's output
+        self.recent: deque[str] = deque(maxlen=keep)  # the child's last lines, decoded
+        self.error: OSError | None = None  # the failed write to the log, if any
+        self.ended_at: float | None = None  # time.monotonic() at EOF: the child is gone
+
+    def run(self) -> None:
+        self._write(self.header)
+        for line in iter(self.stream.readline, b""):
+            self.recent.append(line.decode(errors="replace").rstrip("\n"))
+            self._write(line)
+            if self.echo:
+                try:
+                    sys.stdout.write(f"[{self.prefix}] {line.decode(errors='replace')}")
+                    sys.stdout.flush()
+                except OSError:  # the console is gone or full: the log and memory still have it
+                    self.echo = False
+        self.ended_at = time.monotonic()
+        self._write(None)
+
+    def _write(self, line: bytes | None) -> None:
+        """Append ``line`` to the log (None: close it) unless a write already failed."""
+        if self.error is not None:
+            return
+        try:
+            if line is None:
+                self.log.close()
+            else:
+                self.log.write(line)
+                self.log.flush()
+        except OSError as e:
+            self.error = e
+            try:
+                self.log.close()
+            except OSError:
+                pass  # the buffered bytes it could not write either: the same error, kept above
+
+
 @dataclass
 class Child:
     """One supervised process."""
@@ -31,26 +90,57 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: Path
-    _pump: threading.Thread | None = field(default=None, repr=False)
+    _pump: LogPump | None = field(default=None, repr=False)
 
     def tail(self, n: int = 30) -> str:
-        """The last ``n`` lines of the child's log (for error messages)."""
+        """The last ``n`` lines of the child's log (for error messages); when writing the log
+        failed, the last lines kept in memory and the error."""
         if self._pump is not None:
             self._pump.join(timeout=2)
+        if self._pump is not None and self._pump.error is not None:
+            lines = list(self._pump.recent)[-n:]
+            note = (f"(writing {self.log_path} failed: {self._pump.error}; these last lines were kept "
+                    "in memory and the rest of the output is lost; free space on that disk)")
+            return "\n".join([*lines, note])
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except FileNotFoundError:
             return "(no log)"
 
+    def root_cause(self) -> str:
+        """The line that says why the child failed (see :func:`root_cause`)."""
+        lines = list(self._pump.recent) if self._pump is not None else []
+        return root_cause(lines, self.proc.returncode)
 
-def _pump(stream: IO[bytes], log: IO[bytes], prefix: str, echo: bool) -> None:
-    for line in iter(stream.readline, b""):
-        log.write(line)
-        log.flush()
-        if echo:
-            sys.stdout.write(f"[{prefix}] {line.decode(errors='replace')}")
-            sys.stdout.flush()
-    log.close()
+
+def root_cause(lines: list[str], code: int | None) -> str:
+    """The last exception line of a process's output (``RuntimeError: ...``), torchrun's own
+    ``ChildFailedError`` summary skipped; else the exit code torchrun reports for the first
+    failed worker; else ``exit code <code>``."""
+    for line in reversed(lines):
+        text = re.sub(r"^\[rank\d+\]:\s*", "", line.strip())
+        m = _EXCEPTION.fullmatch(text)
+        if m and not m.group(1).endswith("ChildFailedError"):
+            return text
+    for line in lines:
+        if m := _TORCHRUN_EXIT.match(line):
+            return f"exit code {m.group(1)}"
+    return f"exit code {code}"
+
+
+def record_failure(log_dir: str | Path, process: str, code: int, cause: str) -> None:
+    """Append why a launch attempt failed to ``log_dir/failures.jsonl`` (read by the relaunch
+    loop of :func:`areal.launcher.common.launch`)."""
+    with open(Path(log_dir) / FAILURES, "a") as f:
+        f.write(json.dumps({"process": process, "code": code, "cause": cause}) + "\n")
+
+
+def read_failures(log_dir: str | Path) -> list[dict]:
+    """Every record :func:`record_failure` appended under ``log_dir`` (oldest first)."""
+    path = Path(log_dir) / FAILURES
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class ProcessSupervisor:
@@ -75,8 +165,7 @@ class ProcessSupervisor:
             start_new_session=True,
         )
         log = open(log_path, "ab")
-        log.write(f"$ {' '.join(cmd)}\n".encode())
-        pump = threading.Thread(target=_pump, args=(proc.stdout, log, name, self.echo), daemon=True)
+        pump = LogPump(proc.stdout, log, name, self.echo, header=f"$ {' '.join(cmd)}\n".encode())
         pump.start()
         child = Child(name, proc, log_path, pump)
         self.children.append(child)
@@ -107,6 +196,7 @@ class ProcessSupervisor:
     def stop_all(self) -> None:
         """SIGTERM every child's process group and every descendant (torchrun starts its
         workers in sessions of their own), wait up to stop_timeout, then SIGKILL what is left."""
+        self._record_failure()
         tree = self._descendants()  # taken first: once torchrun dies its workers are orphans
         for child in self.children:
             _signal_group(child.proc, signal.SIGTERM)
@@ -132,6 +222,21 @@ class ProcessSupervisor:
                 child._pump.join(timeout=2)
         self.children.clear()
 
+    def _record_failure(self) -> None:
+        """Record the child whose failure ended the attempt: of those that exited non-zero on
+        their own (before this teardown), the last one."""
+        failed = [c for c in self.children if c.proc.poll() not in (None, 0)]
+        if not failed:
+            return
+        for child in failed:
+            if child._pump is not None:
+                child._pump.join(timeout=2)  # its last lines: the cause is usually the last one
+        last = max(failed, key=_exit_seen_at)
+        try:
+            record_failure(self.log_dir, last.name, last.proc.returncode, last.root_cause())
+        except OSError as e:  # a full disk: the relaunch loop then sees no cause and relaunches
+            logger.error(f"could not record why {last.name} failed in {self.log_dir / FAILURES}: {e}")
+
     def _descendants(self) -> dict[int, int]:
         tree: dict[int, int] = {}
         for child in self.children:
@@ -143,6 +248,12 @@ class ProcessSupervisor:
 
     def __exit__(self, *exc) -> None:
         self.stop_all()
+
+
+def _exit_seen_at(child: Child) -> float:
+    """When the child's output ended (about when it exited); unknown ones sort first."""
+    ended = child._pump.ended_at if child._pump is not None else None
+    return ended if ended is not None else float("-inf")
 
 
 def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:

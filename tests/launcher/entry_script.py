@@ -5,6 +5,7 @@
   ok          every server registered for the trial answers /health; exit 0
   exit3       exit with code 3
   raise       raise an exception (torchrun reports a failed worker)
+  raise_new   raise an exception naming the attempt: each attempt fails with another cause
   sleep       sleep until killed
   stubborn    ignore SIGTERM, sleep until SIGKILLed
   fail_first  exit 3 on launch attempt 0, exit 0 on later attempts
@@ -47,6 +48,8 @@ def main(argv: list[str]) -> int:
         return 0
     if behaviour == "raise":
         raise RuntimeError("entry script failed on purpose")
+    if behaviour == "raise_new":
+        raise RuntimeError(f"entry script failed on purpose on attempt {attempt}")
     if behaviour == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if behaviour in ("sleep", "stubborn"):

@@ -91,11 +91,23 @@ def test_bad_config_fails_before_any_process_starts_and_names_every_problem(laun
 
 
 def test_auto_recover_relaunches_a_failing_run_up_to_the_retry_limit(launch):
-    run, run_dir = launch("exit3", "recover.mode=auto", "recover.retries=2", "cluster.n_servers=0",
+    run, run_dir = launch("raise_new", "recover.mode=auto", "recover.retries=2", "cluster.n_servers=0",
                           "train_dataset.type=sft", config="sft")
     assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()
     assert [e["attempt"] for e in read_jsonl(run_dir / "entry.jsonl")] == [0, 1, 2]
     assert run.output().count("relaunching") == 2
+    assert "failed on purpose on attempt 0); relaunching" in run.output()  # the cause is named
+    run.assert_no_survivors()
+
+
+def test_auto_recover_does_not_relaunch_a_failure_whose_cause_repeats(launch):
+    run, run_dir = launch("raise", "recover.mode=auto", "recover.retries=3", "cluster.n_servers=0",
+                          "train_dataset.type=sft", config="sft")
+    assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()
+    assert [e["attempt"] for e in read_jsonl(run_dir / "entry.jsonl")] == [0, 1]  # today: 0..3
+    out = run.output()
+    assert "attempt 2 failed with the same cause as attempt 1: RuntimeError: entry script failed " \
+           "on purpose; not relaunching" in out, out
     run.assert_no_survivors()
 
 
