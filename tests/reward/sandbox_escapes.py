@@ -117,12 +117,27 @@ while True:
 """,
     "thread_bomb": """
 import threading, time, os
-n = 0
+n = 0  # RLIMIT_AS usually stops threads first (each reserves stack and a malloc arena)
 try:
     while n < 200:
         threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
         n += 1
 except RuntimeError as e:
+    print("refused:", e)
+escaped = n > {max_processes}
+print('ESCAPED' if escaped else 'held', flush=True)
+os._exit(0)
+""",
+    "process_bomb": """
+import os, time
+n = 0  # processes started; stops at 200 so a broken sandbox cannot flood the host
+try:
+    while n < 200:
+        if os.fork() == 0:
+            time.sleep(5)
+            os._exit(0)
+        n += 1
+except OSError as e:
     print("refused:", e)
 escaped = n > {max_processes}
 print('ESCAPED' if escaped else 'held', flush=True)
