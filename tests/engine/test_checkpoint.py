@@ -190,6 +190,7 @@ def test_accepted_resume_writes_the_new_config_yaml(make_run):
     first = make_run("seed=1")
     first.save_recover(1, {}, {"note": "one"})
     second = make_run("seed=2")
-    assert "seed: 1" in (second.run_dir / "config.yaml").read_text()  # not before the resume
+    config = second.run_dir / "config.yaml"
+    assert "\nseed: 1\n" in config.read_text()  # not rewritten before the resume is accepted
     assert second.load_recover({})["note"] == "one"
-    assert "seed: 2" in (second.run_dir / "config.yaml").read_text()
+    assert "\nseed: 2\n" in config.read_text()

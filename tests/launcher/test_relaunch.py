@@ -118,7 +118,7 @@ def test_launch_leaves_config_yaml_untouched_while_a_resume_is_pending(run_launc
     run_launch([None], "seed=2", "recover.mode=auto")
     assert (run_dir / "config.yaml").read_bytes() == original  # today: rewritten with seed 2
     run_launch([None], "seed=3", "recover.mode=disabled")  # no resume: a fresh run's config
-    assert "seed: 3" in (run_dir / "config.yaml").read_text()
+    assert "\nseed: 3\n" in (run_dir / "config.yaml").read_text()
 
 
 class _FullDisk:
