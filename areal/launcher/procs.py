@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from areal.api.launch import launcher_env
 from areal.utils.logging import get_logger
+from areal.utils.process import parent_death_signal
 
 logger = get_logger("launcher")
 
@@ -161,8 +163,9 @@ class ProcessSupervisor:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **launcher_env(), **(env or {})},
             start_new_session=True,
+            preexec_fn=parent_death_signal(signal.SIGTERM),  # dies with us, even on SIGKILL
         )
         log = open(log_path, "ab")
         pump = LogPump(proc.stdout, log, name, self.echo, header=f"$ {' '.join(cmd)}\n".encode())
