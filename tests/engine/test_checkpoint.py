@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,10 @@ from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.io import FinetuneSpec, SaveLoadMeta
 from areal.engine.fsdp import FSDPEngine
-from test_fsdp import LENGTHS, n_loss_tokens, nll_loss, random_batch, world_mesh
+from test_fsdp import (
+    LENGTHS, free_port, make_engine, n_loss_tokens, nll_loss, random_batch, run_processes, set_dist_env,
+    world_mesh,
+)
 
 pytestmark = pytest.mark.slow
 SCHEDULE = OptimizerConfig(lr=1e-3, lr_scheduler_type="cosine", warmup_steps_proportion=0.2)
@@ -194,3 +198,44 @@ def test_accepted_resume_writes_the_new_config_yaml(make_run):
     assert "\nseed: 1\n" in config.read_text()  # not rewritten before the resume is accepted
     assert second.load_recover({})["note"] == "one"
     assert "\nseed: 2\n" in config.read_text()
+
+
+def _two_rank_resume(rank: int, path: str, port: int, out: str) -> None:
+    """Rank ``rank`` of a 2-rank job: save recover checkpoints of steps 1 and 2, let rank 0
+    corrupt one DCP shard of step 2, then resume into a fresh engine; write what it loaded."""
+    from areal.api.config import SFTConfig, load_config
+    from areal.api.launch import LaunchEnv
+    from areal.runtime.dist import close_distributed, init_distributed
+    from areal.runtime.run import Run
+
+    set_dist_env(rank, 2, port)
+    ctx = init_distributed("gloo")
+    cfg = load_config(SFTConfig, [f"fileroot={out}", "recover.mode=resume", f"model.path={path}",
+                                  "cluster.n_servers=0", "train_dataset.type=sft", "stats_logger.console=false"])
+    run = Run(cfg, ctx, LaunchEnv.read(), tokenizer=None)
+    a = make_engine(path, mesh=ctx.mesh)
+    a.train_batch(random_batch(seed=rank), nll_loss, n_loss_tokens)
+    run.save_recover(1, {"actor": a}, {"rank": rank})
+    saved = {k: v.clone() for k, v in a.full_state_dict().items()}
+    a.train_batch(random_batch(seed=10 + rank), nll_loss, n_loss_tokens)
+    run.save_recover(2, {"actor": a}, {"rank": rank})
+    a.destroy()
+    if rank == 0:  # rank 1's shard: which rank verifies it is the ranks' business, not the test's
+        shard = run.run_dir / "recover" / "ckpt-2" / "actor" / "__1_0.distcp"
+        with open(shard, "r+b") as f:
+            f.seek(shard.stat().st_size // 2)
+            f.write(b"\x00" * 4096)
+    run.barrier()
+    b = make_engine(path, mesh=ctx.mesh)
+    state = run.load_recover({"actor": b})
+    loaded = b.full_state_dict()
+    same = all(torch.equal(saved[k], loaded[k]) for k in saved)
+    torch.save({"step": state["step"], "rank": state["rank"], "same_as_step1": same}, Path(out) / f"rank{rank}.pt")
+    b.destroy()
+    close_distributed()
+
+
+def test_two_ranks_fall_back_together_when_one_ranks_shard_is_corrupt(tiny_model_dir, tmp_path):
+    run_processes(_two_rank_resume, 2, (tiny_model_dir, free_port(), str(tmp_path)))
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert results == [{"step": 1, "rank": r, "same_as_step1": True} for r in range(2)]
