@@ -27,6 +27,7 @@ from areal.api.config import ConfigError, load_config, save_config
 from areal.launcher.procs import read_failures
 from areal.utils.logging import add_log_file, get_logger
 from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository, trial_key
+from areal.runtime.preflight import preflight
 from areal.utils.recover import resume_pending
 
 logger = get_logger("launcher")
@@ -73,6 +74,9 @@ def launch(script: str, argv: list[str], run_once: Callable[[Any, int], int]) ->
     recover checkpoint is there, the trainer writes it once it accepted the resume."""
     try:
         cfg = load_config(load_script_config_class(script), argv)
+        problems = preflight(cfg)
+        if problems:
+            raise ConfigError(problems, "what the config points at")
     except ConfigError as e:  # a message for the user, not a crash: nothing was started
         print(f"areal launch: {e}", file=sys.stderr)
         return 2

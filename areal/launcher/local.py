@@ -29,7 +29,6 @@ from areal.api.launch import api_key_env, devices_env, threads_env, trainer_env
 from areal.launcher.common import launch, register_server, reset_trial, wait_for_servers
 from areal.launcher.procs import Child, ProcessSupervisor
 from areal.launcher.servers import newest_weights, server_command
-from areal.runtime.preflight import preflight
 from areal.utils.logging import get_logger
 from areal.utils.network import free_port
 
@@ -137,8 +136,9 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
     with ProcessSupervisor(cfg.run_dir / "logs", echo=lc.echo, stop_timeout=lc.stop_timeout) as sup:
         trainer_gpus, server_gpus = gpu_layout(_device_count(cfg), cluster.trainer_nprocs, cluster.n_servers)
         servers = _start_servers(sup, cfg, server_gpus)
+        server_cfg = getattr(cfg, "server", None)  # experiments without servers (SFT) have none
         env = {**trainer_env(attempt), **threads_env(lc.trainer_threads), **devices_env(trainer_gpus),
-               **api_key_env(cfg.server.api_key)}
+               **api_key_env(server_cfg.api_key if server_cfg else "")}
         cmd = _trainer_command(script, without_secrets(argv, cfg), cluster.trainer_nprocs)
         trainer = sup.start("trainer", cmd, env=env)
         watched = list(servers)
@@ -157,12 +157,9 @@ def launch_local(script: str, argv: list[str]) -> int:
     """Validate the config, then run (and, with recover.mode=auto, relaunch) the job here."""
 
     def run_local(cfg, attempt: int) -> int:
-        problems = preflight(cfg)
         if cfg.cluster.n_nodes != 1:
-            problems.append(f"cluster.n_nodes={cfg.cluster.n_nodes}: `areal launch local` runs one "
-                            "machine; set cluster.n_nodes=1")
-        if problems:  # nothing was started
-            print("areal launch: " + "\n  - ".join([f"{len(problems)} problem(s):", *problems]), file=sys.stderr)
+            logger.error(f"cluster.n_nodes={cfg.cluster.n_nodes}: `areal launch local` runs one "
+                         "machine; set cluster.n_nodes=1")
             return 2
         return run_once(script, argv, cfg, attempt)
 

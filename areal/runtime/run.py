@@ -26,12 +26,13 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from areal.api.config import BaseExperimentConfig, save_config
+from areal.api.config import BaseExperimentConfig, ConfigError, save_config
 from areal.api.engine import TrainEngine
 from areal.api.io import FinetuneSpec, SaveLoadMeta
 from areal.api.launch import LaunchEnv
 from areal.dataset import create_dataloader, load_dataset
 from areal.runtime.dist import DistContext, close_distributed, init_distributed
+from areal.runtime.preflight import preflight
 from areal.utils.logging import add_log_file, get_logger
 from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository
 from areal.utils.recover import Ranks, RecoverDir, load_state, resume_pending, save_state
@@ -253,6 +254,9 @@ def init_run(cfg: BaseExperimentConfig, model_path: str) -> Run:
     tokenizer."""
     from transformers import AutoTokenizer
 
+    problems = preflight(cfg)  # a script started without `areal launch` is checked here
+    if problems:
+        raise ConfigError(problems, "what the config points at")
     env = LaunchEnv.read()
     if env.torch_threads:
         torch.set_num_threads(env.torch_threads)

@@ -22,7 +22,7 @@ SCRIPT = Path(__file__).parent / "entry_script.py"  # only its CONFIG is used he
 
 
 @pytest.fixture
-def run_launch(tmp_path, monkeypatch):
+def run_launch(tmp_path, monkeypatch, tiny_model_dir):
     """``run_launch(causes, *overrides)`` -> (exit code, attempts run, RUN_DIR): ``launch`` with a
     ``run_once`` whose attempt ``i`` fails with ``causes[i]`` (None: succeeds)."""
     monkeypatch.setenv("AREAL_TEST_CONFIG", "sft")
@@ -39,7 +39,7 @@ def run_launch(tmp_path, monkeypatch):
             record_failure(cfg.run_dir / "logs", "trainer", 1, causes[attempt])
             return 1
 
-        argv = [f"fileroot={tmp_path}", "experiment_name=e", "trial_name=t", "model.path=unused",
+        argv = [f"fileroot={tmp_path}", "experiment_name=e", "trial_name=t", f"model.path={tiny_model_dir}",
                 "cluster.n_servers=0", "train_dataset.type=sft", *overrides]
         return launch(str(SCRIPT), argv, run_once), attempts, run_dir
 
