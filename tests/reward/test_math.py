@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -68,6 +70,60 @@ def test_math_verify_equivalences(a, b, equal):
 def test_unparseable_model_output_scores_zero():
     assert math_reward("\\boxed{\\frac{1}{", "1") == 0.0
     assert math_reward("", "1") == 0.0
+
+
+def test_numbers_past_the_int_string_limit_score_zero_without_raising():
+    # Python refuses int(str) past 4300 digits (ValueError); such answers are unparseable: 0.
+    huge = "9" * 5000
+    assert to_number(huge) is None and to_number("0." + huge) is None
+    assert to_number("1/00") is None  # n/0 is no number either
+    assert math_reward(f"\\boxed{{{huge}}}", "1") == 0.0
+    assert math_reward(f"#### 1{'0' * 5000}", "1") == 0.0
+    assert math_reward("1", f"#### {huge}") == 0.0
+    assert math_reward(f"\\boxed{{\\frac{{1}}{{{huge}}}}}", "2") == 0.0
+
+
+@pytest.mark.parametrize(
+    "completion",
+    ["\\boxed{\ud800}", "\\boxed{" + "{" * 3000 + "1", "\\boxed{1e999999999}", "\\frac{\\frac{",
+     "\\boxed{\\begin{matrix}}", "\x00\\boxed{\x00}", "#### " + "(" * 500],
+)  # fmt: skip
+def test_malformed_answers_score_zero_without_raising(completion):
+    assert math_reward(completion, "1", deadline=1.0) == 0.0
+
+
+def _children_of_us() -> int:
+    me, n = str(os.getpid()), 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            n += stat.read_text().rsplit(")", 1)[1].split()[1] == me
+        except (OSError, IndexError):
+            pass
+    return n
+
+
+@pytest.mark.parametrize("on_main_thread", [True, False], ids=["main-thread", "worker-thread"])
+def test_one_deadline_bounds_parse_and_verify_even_on_a_big_integer(on_main_thread):
+    # 9^(9^(9^9)) is a C-level big-integer power that holds the GIL: no signal or thread can stop
+    # it, only the forked child's SIGKILL at the deadline (1 s here).
+    answers_equal("1", "x")  # warms math-verify once, outside the timed part
+    baseline = _children_of_us()
+    out = {}
+
+    def score():
+        start = time.monotonic()
+        out["equal"] = answers_equal("1", "9^{9^{9^{9}}}", deadline=1.0)
+        out["elapsed"] = time.monotonic() - start
+
+    if on_main_thread:
+        score()
+    else:
+        worker = threading.Thread(target=score)
+        worker.start()
+        worker.join(10)
+    assert out["equal"] is False
+    assert out["elapsed"] < 1.5  # the deadline plus fork/kill/wait overhead
+    assert _children_of_us() == baseline  # the late child was killed and reaped
 
 
 def _wrong_completion(solution: str) -> str:
