@@ -11,7 +11,10 @@ whitespace and trailing blank lines ignored; call results are compared after a J
 (tuples become lists), floats to 1e-6 relative.
 
 Each case runs in its own sandboxed process (:func:`areal.reward.sandbox.run_python`) with the
-per-case deadline; cases after the submission deadline are not run and count as failed.
+per-case deadline; cases after the submission deadline are not run and count as failed. With
+``reward.sandbox.isolation=required`` (the default) a machine that lacks a sandbox layer raises
+:class:`areal.reward.sandbox.SandboxUnavailable` naming it: an infrastructure error, never a
+score. What the sandbox guarantees per mode is in docs/sandbox.md.
 """
 
 from __future__ import annotations

@@ -186,11 +186,12 @@ def _seccomp_problem() -> str:
     except OSError as e:
         return f"seccomp: cannot read /proc/self/status ({e})"
     if "Seccomp_filters:" not in status:
-        return "seccomp: the kernel has no seccomp filters (CONFIG_SECCOMP_FILTER); fix: another kernel"
+        return "seccomp: the kernel lacks CONFIG_SECCOMP_FILTER; fix: a kernel with seccomp filters"
     try:
         seccomp_program()
     except (ImportError, OSError, RuntimeError, ValueError) as e:
-        return f"seccomp: cannot build the filter ({e!r}); fix: pip install pyseccomp, apt-get install libseccomp2"
+        return (f"seccomp: cannot build the filter ({e!r}); fix: pip install pyseccomp and "
+                "apt-get install libseccomp2")
     return ""
 
 
@@ -312,7 +313,10 @@ def _python_binds(python: str) -> tuple[str, ...]:
     ask = "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix]))"
     out = subprocess.run([python, "-I", "-c", ask], capture_output=True, text=True, timeout=30)
     if out.returncode != 0:
-        raise RuntimeError(f"sandbox: {python} -c ... failed: {out.stderr.strip()}; set reward.sandbox.python")
+        raise RuntimeError(
+            f"sandbox: {python} -I -c ... failed ({out.stderr.strip()}); set reward.sandbox.python "
+            "to a working interpreter"
+        )
     roots = {os.path.realpath(p) for p in json.loads(out.stdout)} | set(json.loads(out.stdout))
     roots.add(os.path.dirname(os.path.realpath(python)))
     binds: list[str] = []
@@ -327,7 +331,7 @@ def _bwrap_argv(python: str, case: Path, cfg: SandboxConfig, info_fd: int) -> li
     size = str(cfg.tmpfs_mb << 20)  # bytes
     argv = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns"]
     # --as-pid-1: the runner is the namespace's init, so bwrap itself reaps it (no zombie).
-    argv += ["--die-with-parent", "--new-session", "--as-pid-1", "--clearenv", "--hostname", "sandbox"]
+    argv += ["--die-with-parent", "--new-session", "--as-pid-1", "--clearenv"]
     argv += ["--uid", str(_INNER_ID), "--gid", str(_INNER_ID), "--proc", "/proc", "--dev", "/dev"]
     for mount in ("/tmp", "/dev/shm", "/work"):
         argv += ["--size", size, "--tmpfs", mount]
@@ -433,8 +437,13 @@ def run_python(
     case = Path(tempfile.mkdtemp(prefix="areal_sandbox_"))
     try:
         with open(case / "result.json", "wb") as result_file:
-            spec = {"fn_name": fn_name, "args": args or [], "result_fd": result_file.fileno(),
-                    "nproc": nproc if layers.namespaces else 0, "seccomp": layers.seccomp}  # fmt: skip
+            spec = {
+                "fn_name": fn_name,
+                "args": args or [],
+                "result_fd": result_file.fileno(),
+                "seccomp": layers.seccomp,
+                "nproc": nproc if layers.namespaces else 0,  # else set before the uid switch
+            }
             _prepare(case, code, stdin, spec, uid, layers.seccomp)
             start = time.monotonic()
             rc, timed_out = _execute(python, case, cfg, uid, layers, nproc, timeout, result_file)
@@ -444,11 +453,13 @@ def run_python(
         result = None
         if rc == 0 and fn_name is not None:
             try:
-                result = json.loads(_read_capped(case / "result.json", cfg.max_file_mb << 20))["result"]
+                text = _read_capped(case / "result.json", cfg.max_file_mb << 20)
+                result = json.loads(text)["result"]
             except (ValueError, KeyError, TypeError):
                 rc = 1  # a missing or malformed result counts as a failed case
         status = _classify(rc, timed_out, stderr)
-        return SandboxResult(status, rc, stdout, stderr, elapsed, layers.describe(root), result, uid)
+        isolation = layers.describe(root)
+        return SandboxResult(status, rc, stdout, stderr, elapsed, isolation, result, uid)
     finally:
         shutil.rmtree(case, ignore_errors=True)
 

@@ -222,7 +222,8 @@ class HostTargets:
         out = [p for where in ("/tmp", "/dev/shm") for p in glob.glob(f"{where}/{self.token}_*")]
         if self.victim.poll() is not None:
             out.append(f"victim process killed ({self.victim.returncode})")
-        for name, s in (("tcp", self.tcp), ("unix", self.unix), ("abstract", self.abstract_listener)):
+        listeners = {"tcp": self.tcp, "unix": self.unix, "abstract": self.abstract_listener}
+        for name, s in listeners.items():
             try:
                 s.accept()[0].close()
                 out.append(f"{name} listener accepted a connection")

@@ -16,7 +16,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sandbox_escapes import ESCAPE_CASE, HostTargets, escape_programs, processes_of_uid  # noqa: E402
+from sandbox_escapes import (  # noqa: E402
+    ESCAPE_CASE,
+    HostTargets,
+    escape_programs,
+    processes_of_uid,
+)
 
 from areal.api.config.reward import SandboxConfig  # noqa: E402
 from areal.reward.code import case_passed, code_reward  # noqa: E402
@@ -28,7 +33,13 @@ for _ in range(100):
     threading.Thread(target=time.sleep, args=(120,), daemon=True).start()
 time.sleep(120)
 """
-CORRECT = "```python\nimport threading\nn = int(input())\nt = threading.Thread(target=print, args=(n * n,))\nt.start()\nt.join()\n```"
+CORRECT = """```python
+import threading
+n = int(input())
+t = threading.Thread(target=print, args=(n * n,))  # a thread of its own: counted per sandbox
+t.start()
+t.join()
+```"""
 
 
 def _drop_to(uid: int) -> None:
