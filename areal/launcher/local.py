@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
 
 from areal.api.config.loader import iter_fields
 from areal.api.launch import api_key_env, devices_env, threads_env, trainer_env
 from areal.launcher.common import launch, register_server, reset_trial, wait_for_servers
-from areal.launcher.procs import Child, ProcessSupervisor
-from areal.launcher.servers import newest_weights, server_command
+from areal.launcher.procs import ProcessSupervisor
+from areal.launcher.servers import ManagedServer
 from areal.utils.logging import get_logger
 from areal.utils.network import free_port
 
@@ -51,59 +50,19 @@ def gpu_layout(n_gpus: int, trainer_nprocs: int, n_servers: int) -> tuple[str | 
     return trainer, [str(trainer_nprocs + i) for i in range(n_servers)]
 
 
-@dataclass
-class _Server:
-    child: Child
-    port: int
-    env: dict[str, str]
-    restarts: int = 0
-
-
-def _start_servers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) -> list[_Server]:
+def _start_servers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) -> list[ManagedServer]:
     """Start the servers, register each once healthy."""
     lc = cfg.launcher
     registry = reset_trial(cfg)
     servers = []
     for i in range(cfg.cluster.n_servers):
-        port = free_port()
-        cmd = server_command(cfg, port, cfg.run_dir / f"server{i}.yaml")
         env = {**threads_env(lc.server_threads), **devices_env(server_gpus[i]), **api_key_env(cfg.server.api_key)}
-        servers.append(_Server(sup.start(f"server{i}", cmd, env=env), port, env))
+        servers.append(ManagedServer.start(sup, cfg, f"server{i}", free_port(), env))
     for s in servers:
-        sup.wait_http_ok(s.child, f"http://127.0.0.1:{s.port}/health", lc.server_setup_timeout)
-        register_server(registry, cfg, f"127.0.0.1:{s.port}")
+        sup.wait_http_ok(s.child, f"{s.url}/health", lc.server_setup_timeout)
+        register_server(registry, cfg, s.address)
     wait_for_servers(registry, cfg, lc.server_setup_timeout)
     return servers
-
-
-def _restartable(cfg) -> str:
-    """Why a dead server cannot be restarted ('' if it can)."""
-    if cfg.rollout.backend != "areal":
-        return f"rollout.backend={cfg.rollout.backend} servers are not restarted"
-    if getattr(cfg, "weight_update_mode", "disk") != "disk":
-        return "a restarted server cannot join the running weight broadcast group (weight_update_mode=distributed)"
-    return ""
-
-
-def _on_server_exit(sup: ProcessSupervisor, cfg, s: _Server) -> bool:
-    """Restart the dead server ``s`` on its port with the newest published weights and their
-    version (the trainer's client takes it back at its next weight update); False if it stays
-    dead."""
-    child, limit = s.child, cfg.launcher.server_restarts
-    why = _restartable(cfg) or (f"it was restarted {limit} time(s) already (launcher.server_restarts)"
-                                if s.restarts >= limit else "")
-    if why:
-        logger.error(f"{child.name} exited with code {child.proc.returncode}; not restarting it: {why}. "
-                     f"The trainer continues on the other servers. Last lines:\n{child.tail(10)}")
-        return False
-    model, version = newest_weights(cfg.weights_dir) or (cfg.served_model_path, 0)
-    s.restarts += 1
-    logger.error(f"{child.name} exited with code {child.proc.returncode}; restarting it on port {s.port} "
-                 f"with weights version {version} ({s.restarts} of {limit}). Last lines:\n{child.tail(10)}")
-    cmd = server_command(cfg, s.port, cfg.run_dir / f"{child.name}.yaml", model, version)
-    sup.children.remove(child)
-    s.child = sup.start(child.name, cmd, env=s.env)
-    return True
 
 
 def _device_count(cfg) -> int:
@@ -144,7 +103,7 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
         watched = list(servers)
         while trainer.proc.poll() is None:
             for s in list(watched):
-                if s.child.proc.poll() is not None and not _on_server_exit(sup, cfg, s):
+                if s.child.proc.poll() is not None and not s.restart(sup, cfg):
                     watched.remove(s)
             time.sleep(0.2)
         code = trainer.proc.returncode

@@ -1,0 +1,74 @@
+"""``python -m areal.launcher.server_task --name NAME [--host HOST] SCRIPT [--config YAML]
+[overrides]``: one generation server on a cluster node, for the Ray and Slurm launchers.
+
+It picks a free port on this node, starts the server (:class:`ManagedServer`, under a
+:class:`ProcessSupervisor`: logs in RUN_DIR/logs/NAME.log, the server dies with this task),
+registers ``host:port`` in the trial's registry once ``/health`` answers (deadline
+``launcher.server_setup_timeout``), and stays in front of it: a server that dies is restarted as
+the local launcher does (``launcher.server_restarts``). SIGTERM/SIGINT stop the server; the exit
+code is the server's (0 after a clean stop). ``--host`` is the address the server binds and
+trainers connect to (default 127.0.0.1, a one-machine cluster; a non-loopback address needs
+``server.api_key``, passed by env).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from areal.api.config import ConfigError, load_config
+from areal.api.launch import api_key_env, threads_env
+from areal.launcher.common import load_script_config_class, register_server
+from areal.launcher.procs import ProcessSupervisor
+from areal.launcher.servers import ManagedServer
+from areal.utils.logging import get_logger
+from areal.utils.name_resolve import make_repository
+from areal.utils.network import free_port
+
+logger = get_logger("server_task")
+
+
+def run_server_task(name: str, host: str, script: str, argv: list[str]) -> int:
+    """Start, register and keep alive one server (see the module docstring); its exit code."""
+    cfg = load_config(load_script_config_class(script), argv)
+    lc = cfg.launcher
+    env = {**threads_env(lc.server_threads), **api_key_env(cfg.server.api_key)}
+    stop = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with ProcessSupervisor(cfg.run_dir / "logs", echo=lc.echo, stop_timeout=lc.stop_timeout) as sup:
+            server = ManagedServer.start(sup, cfg, name, free_port(), env, host)
+            sup.wait_http_ok(server.child, f"{server.url}/health", lc.server_setup_timeout)
+            registry = make_repository(cfg.cluster.name_resolve.type, cfg.name_resolve_root)
+            register_server(registry, cfg, server.address)
+            logger.info(f"{name} serves on {server.address} (registered for the trial)")
+            while not stop:
+                if server.child.proc.poll() is not None and not server.restart(sup, cfg):
+                    return server.child.proc.returncode or 1
+                time.sleep(0.2)
+            logger.info(f"{name}: signal {stop[0]}, stopping the server")
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m areal.launcher.server_task")
+    parser.add_argument("--name", required=True, help="process name: its log is RUN_DIR/logs/NAME.log")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind and to register")
+    parser.add_argument("script", help="the entry script (its CONFIG class reads the config)")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help="--config YAML and key=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        return run_server_task(args.name, args.host, args.script, args.rest)
+    except (ConfigError, FileNotFoundError, TimeoutError, RuntimeError) as e:
+        print(f"server_task {args.name}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
