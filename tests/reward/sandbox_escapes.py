@@ -1,10 +1,11 @@
 """Escape attempts against the code sandbox, shared by the root tests and the unprivileged driver.
 
 Every program ends by printing ``ESCAPED`` when any of its attempts worked and ``held``
-otherwise; ``ESCAPE_CASE`` expects ``ESCAPED``, so a sandbox that holds scores 0 on each. Bombs
-may instead end in a timeout or a MemoryError. :class:`HostTargets` sets up what the programs aim
-at on the host (marker paths, a process with a secret on its command line, listeners) and
-reports afterwards what was touched.
+otherwise; ``ESCAPE_CASE`` expects ``ESCAPED``, so a sandbox that holds scores 0 on each. Some
+are stopped before they can print (``UNREPORTED``: bombs by the deadline or a MemoryError, a
+foreign-ABI syscall by SIGSYS). :class:`HostTargets` sets up what the programs aim at on the host
+(marker paths, a process with a secret on its command line, listeners) and reports afterwards
+what was touched.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import uuid
 from pathlib import Path
 
 ESCAPE_CASE = {"input": "", "output": "ESCAPED"}
-BOMBS = {"fork_bomb": ("timeout",), "memory_bomb": ("memory",)}  # statuses besides "ok"
+# Programs stopped before they can report, and the statuses they may end with.
+UNREPORTED = {"fork_bomb": ("timeout",), "memory_bomb": ("memory",),
+              "i386_syscall": ("runtime_error",)}  # fmt: skip
 
 _END = "\nprint('ESCAPED' if escaped else 'held')\n"
 
@@ -143,6 +146,15 @@ escaped = n > {max_processes}
 print('ESCAPED' if escaped else 'held', flush=True)
 os._exit(0)
 """,
+    "i386_syscall": """
+import ctypes, mmap
+# i386 execve(NULL, NULL, NULL) through int 0x80: a filter that only checked x86-64 numbers would
+# let it reach the kernel (-14, EFAULT); the arch check must kill the process (SIGSYS) instead.
+code = bytes([0xb8, 0x0b, 0, 0, 0, 0x31, 0xdb, 0x31, 0xc9, 0x31, 0xd2, 0xcd, 0x80, 0xc3])
+page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+page.write(code)
+escaped = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))() == -14
+""",
     "memory_bomb": """
 x = bytearray(10 * 1024**3)
 escaped = True
@@ -191,7 +203,7 @@ def escape_programs(targets: "HostTargets", max_processes: int, cap_mb: int) -> 
     out = {}
     for name, template in _PROGRAMS.items():
         source = template.format(**values)
-        out[name] = source if "print('ESCAPED'" in source or name in BOMBS else source + _END
+        out[name] = source if "print('ESCAPED'" in source else source + _END
     return out
 
 
