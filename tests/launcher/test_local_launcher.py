@@ -79,6 +79,17 @@ def test_interrupted_launcher_stops_every_process_even_one_ignoring_sigterm(laun
     assert_ports_free(server_ports(run_dir))
 
 
+def test_a_sigkilled_launcher_leaves_no_process_behind(launch):
+    run, run_dir = launch("sleep", "cluster.n_servers=1")
+    assert run.wait(RUN_TIMEOUT, until=_started_entries(run_dir)) is None, run.output()
+    run.snapshot()
+    assert any("serve" in cmd for _, cmd in run.seen.values()), run.seen  # a server was running
+    run.proc.kill()  # SIGKILL: no teardown code of the launcher runs
+    run.proc.wait(10)
+    run.assert_no_survivors(timeout=30)  # the kernel's parent-death signal and the pidfd watchers
+    assert_ports_free(server_ports(run_dir))
+
+
 def test_bad_config_fails_before_any_process_starts_and_names_every_problem(launch):
     run, run_dir = launch("ok", "rollout.max_staleness=-1", "cluster.trainer_nprocs=0", "cluster.n_servers=1")
     code = run.wait(RUN_TIMEOUT)
@@ -135,3 +146,19 @@ def test_gpu_layout_gives_trainers_and_servers_disjoint_gpus():
     assert gpu_layout(4, 2, 2) == ("0,1", ["2", "3"])
     with pytest.raises(ValueError, match="need 9 GPUs, this machine has 8"):
         gpu_layout(8, 8, 1)
+
+
+def test_a_dead_server_is_restarted_on_its_port_with_the_newest_weights(tmp_path, tiny_model_dir):
+    from launch_harness import start_launch
+
+    script = Path(__file__).parent / "restart_entry.py"
+    overrides = [f"actor.path={tiny_model_dir}", "actor.use_critic=false", "experiment_name=e", "trial_name=t",
+                 "launcher.server_threads=1", "launcher.stop_timeout=3", "cluster.n_servers=1"]
+    run = start_launch(script, None, overrides, tmp_path / "root")
+    try:
+        assert run.wait(RUN_TIMEOUT) == 0, run.output()
+        log = (tmp_path / "root" / "e" / "t" / "logs" / "launcher.log").read_text()
+        assert "restarting it on port" in log and "with weights version 3 (1 of 2)" in log, log[-2000:]
+        run.assert_no_survivors()
+    finally:
+        run.cleanup()
