@@ -150,15 +150,15 @@ class Launch:
 
 
 def start_launch(script: str | Path, config: str | Path | None, overrides: list[str], fileroot: Path,
-                 env: dict[str, str] | None = None) -> Launch:
-    """Start ``areal launch local SCRIPT [--config YAML] fileroot=... OVERRIDES`` in a new session."""
+                 env: dict[str, str] | None = None, mode: str = "local") -> Launch:
+    """Start ``areal launch MODE SCRIPT [--config YAML] fileroot=... OVERRIDES`` in a new session."""
     fileroot.mkdir(parents=True, exist_ok=True)
     argv = [str(script), *(["--config", str(config)] if config else []),
             f"fileroot={fileroot}", "launcher.echo=false", *overrides]
     out_path = fileroot / "launcher.out"
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "areal.cli", "launch", "local", *argv],
+            [sys.executable, "-m", "areal.cli", "launch", mode, *argv],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
             start_new_session=True,
