@@ -50,7 +50,7 @@ def load_script_config_class(script: str | Path) -> type:
 
 def reset_trial(cfg: Any) -> NameRepository:
     """The trial's registry, with every key of the trial deleted."""
-    registry = make_repository(cfg.cluster.name_resolve.type, cfg.name_resolve_root)
+    registry = make_repository(cfg.cluster.name_resolve, cfg.name_resolve_root)
     registry.clear_subtree(trial_key(cfg.experiment_name, cfg.trial_name))
     return registry
 

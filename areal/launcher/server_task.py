@@ -42,7 +42,7 @@ def run_server_task(name: str, host: str, script: str, argv: list[str]) -> int:
         with ProcessSupervisor(cfg.run_dir / "logs", echo=lc.echo, stop_timeout=lc.stop_timeout) as sup:
             server = ManagedServer.start(sup, cfg, name, free_port(), env, host)
             sup.wait_http_ok(server.child, f"{server.url}/health", lc.server_setup_timeout)
-            registry = make_repository(cfg.cluster.name_resolve.type, cfg.name_resolve_root)
+            registry = make_repository(cfg.cluster.name_resolve, cfg.name_resolve_root)
             register_server(registry, cfg, server.address)
             logger.info(f"{name} serves on {server.address} (registered for the trial)")
             while not stop:

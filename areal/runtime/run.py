@@ -139,7 +139,7 @@ class Run:
 
     def registry(self) -> NameRepository:
         """The trial's name registry (``cluster.name_resolve``)."""
-        return make_repository(self.cfg.cluster.name_resolve.type, self.cfg.name_resolve_root)
+        return make_repository(self.cfg.cluster.name_resolve, self.cfg.name_resolve_root)
 
     @property
     def servers_key(self) -> str:

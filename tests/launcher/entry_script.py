@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(CONFIG, argv)
     behaviour = os.environ["AREAL_TEST_BEHAVIOUR"]
     attempt = LaunchEnv.read().attempt
-    registry = make_repository(cfg.cluster.name_resolve.type, cfg.name_resolve_root)
+    registry = make_repository(cfg.cluster.name_resolve, cfg.name_resolve_root)
     addrs = registry.get_subtree(gen_servers_key(cfg.experiment_name, cfg.trial_name))
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     with open(cfg.run_dir / "entry.jsonl", "a") as f:

@@ -13,13 +13,46 @@ from areal.api.config.loader import param
 class NameResolveConfig:
     """Key-value registry shared by the processes of one trial (servers publish addresses)."""
 
-    type: Literal["file"] = param(
+    type: Literal["file", "memory", "etcd", "ray"] = param(
         "file", help="file: a directory every process can see (local disk for one machine, a "
-        "shared filesystem such as NFS for several)."
+        "shared filesystem such as NFS for several). memory: inside one process only (tests, "
+        "single-process runs; a launched job's servers and trainers cannot share it). etcd: an "
+        "etcd v3 server (>= 3.4); a dead process's entries vanish after `ttl`. ray: a named actor "
+        "in the Ray cluster the processes are connected to."
     )
     file_root: str = param(
-        "", help="Root directory of the file registry; empty = FILEROOT/name_resolve."
+        "", help="Root directory of the file registry; empty = FILEROOT/name_resolve. The etcd "
+        "and ray registries use this path as their namespace, so runs under different roots "
+        "never see each other's keys."
     )
+    etcd_address: str = param(
+        "127.0.0.1:2379", help="host:port of the etcd client URL (type=etcd); the registry talks "
+        "to its JSON gateway at http://host:port/v3/."
+    )
+    etcd_prefix: str = param(
+        "areal", help="Prefix of every etcd key: <etcd_prefix>/<registry root>/<key>."
+    )
+    ttl: int = param(
+        10, ge=2, le=3600, help="Seconds an etcd entry outlives the process that wrote it: the "
+        "writer keeps a lease alive (refreshed every ttl/3 s), so a killed server's address is "
+        "gone within ttl s. etcd grants at least ~2 s."
+    )
+    ray_address: str = param(
+        "auto", help="Ray cluster to join when the process has not called ray.init (type=ray): "
+        "auto = RAY_ADDRESS or the cluster running on this machine, or the GCS host:port."
+    )
+    timeout: float = param(
+        10.0, gt=0, help="Seconds one etcd request or Ray actor call may take before it fails "
+        "with an error naming the server."
+    )
+
+    def check(self) -> Iterator[str]:
+        host, _, port = self.etcd_address.rpartition(":")
+        if self.type == "etcd" and not (host and port.isdigit() and 0 < int(port) < 65536):
+            yield (
+                f"etcd_address must be host:port with a port in 1..65535, got "
+                f"{self.etcd_address!r}; e.g. 127.0.0.1:2379"
+            )
 
 
 @dataclass(frozen=True)
