@@ -15,6 +15,10 @@ $(STAMP): $(VPY) pyproject.toml
 	command -v bwrap >/dev/null || (test "$$(id -u)" = 0 && (apt-get install -y -q bubblewrap \
 		|| (apt-get update -q && apt-get install -y -q bubblewrap))) \
 		|| echo 'bubblewrap missing: run apt-get install bubblewrap as root, or set reward.sandbox.isolation=best_effort'
+	@# etcd-server: the etcd tier of tests/utils/test_name_resolve.py starts its own etcd on free ports
+	command -v etcd >/dev/null || (test "$$(id -u)" = 0 && (DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server \
+		|| (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server))) \
+		|| echo 'etcd-server missing: run apt-get install etcd-server as root, or the etcd registry tests skip'
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m pip install -q -e '.[test]'
