@@ -66,7 +66,15 @@ def _launch(args: argparse.Namespace) -> int:
         from areal.launcher.local import launch_local
 
         return launch_local(args.script, args.rest)
-    raise SystemExit(f"areal launch {args.mode}: unknown mode; use local")
+    if args.mode == "ray":
+        from areal.launcher.ray import launch_ray
+
+        return launch_ray(args.script, args.rest)
+    if args.mode == "slurm":
+        from areal.launcher.slurm import launch_slurm
+
+        return launch_slurm(args.script, args.rest)
+    raise SystemExit(f"areal launch {args.mode}: unknown mode; use local, ray or slurm")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/quickstart", help="output directory")
     p.set_defaults(func=_quickstart)
     p = sub.add_parser("launch", help="start servers and trainers for an entry script")
-    p.add_argument("mode", choices=["local"], help="where: local (this machine)")
+    p.add_argument("mode", choices=["local", "ray", "slurm"],
+                   help="where: local (this machine), ray (a Ray cluster), slurm (a batch job)")
     p.add_argument("script", help="entry script, e.g. examples/gsm8k_grpo.py")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="--config YAML and key=value overrides")
     p.set_defaults(func=_launch)

@@ -34,3 +34,16 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    """A real local Ray cluster (6 CPUs) shared by the session's Ray tests; skips with the
+    exact reason when Ray is missing or cannot start."""
+    from tests.ray_head import RayHead
+
+    head = RayHead()
+    if head.skip_reason:
+        pytest.skip(head.skip_reason)
+    yield head
+    head.stop()

@@ -80,6 +80,12 @@ def launcher_env() -> dict[str, str]:
     return {LAUNCHER_PID: str(os.getpid())}
 
 
+def torch_dist_env(rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """torchrun's variables for one trainer rank started without torchrun (Ray, Slurm)."""
+    return {RANK: str(rank), WORLD_SIZE: str(world_size), LOCAL_RANK: str(local_rank),
+            MASTER_ADDR: master_addr, MASTER_PORT: str(master_port)}
+
+
 def trainer_env(attempt: int) -> dict[str, str]:
     """Our variables for the trainer ranks of launch attempt ``attempt``."""
     return {LAUNCH_ATTEMPT: str(attempt)}

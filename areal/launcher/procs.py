@@ -155,14 +155,17 @@ class ProcessSupervisor:
         self.stop_timeout = stop_timeout
         self.children: list[Child] = []
 
-    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Child:
-        """Start ``cmd`` in a new session; output to RUN_DIR/logs/<name>.log and the console."""
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None,
+              cwd: str | None = None) -> Child:
+        """Start ``cmd`` (in ``cwd``) in a new session; output to RUN_DIR/logs/<name>.log and the
+        console."""
         log_path = self.log_dir / f"{name}.log"
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            cwd=cwd,
             env={**os.environ, **launcher_env(), **(env or {})},
             start_new_session=True,
             preexec_fn=parent_death_signal(signal.SIGTERM),  # dies with us, even on SIGKILL

@@ -19,13 +19,14 @@ import sys
 import time
 
 from areal.api.config import ConfigError, load_config
-from areal.api.launch import api_key_env, threads_env
+from areal.api.launch import LaunchEnv, api_key_env, threads_env
 from areal.launcher.common import load_script_config_class, register_server
 from areal.launcher.procs import ProcessSupervisor
 from areal.launcher.servers import ManagedServer
 from areal.utils.logging import get_logger
 from areal.utils.name_resolve import make_repository
 from areal.utils.network import free_port
+from areal.utils.process import die_with
 
 logger = get_logger("server_task")
 
@@ -34,12 +35,17 @@ def run_server_task(name: str, host: str, script: str, argv: list[str]) -> int:
     """Start, register and keep alive one server (see the module docstring); its exit code."""
     cfg = load_config(load_script_config_class(script), argv)
     lc = cfg.launcher
+    launcher = LaunchEnv.read().launcher_pid
+    if launcher:  # a Ray actor or a batch step: stop (SIGTERM, handled below) once it is gone
+        die_with(launcher)
     env = {**threads_env(lc.server_threads), **api_key_env(cfg.server.api_key)}
     stop = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        with ProcessSupervisor(cfg.run_dir / "logs", echo=lc.echo, stop_timeout=lc.stop_timeout) as sup:
+        # The server's output goes to its own log only: this task's output (the caller's log)
+        # says where it serves, and when it was restarted.
+        with ProcessSupervisor(cfg.run_dir / "logs", echo=False, stop_timeout=lc.stop_timeout) as sup:
             server = ManagedServer.start(sup, cfg, name, free_port(), env, host)
             sup.wait_http_ok(server.child, f"{server.url}/health", lc.server_setup_timeout)
             registry = make_repository(cfg.cluster.name_resolve, cfg.name_resolve_root)

@@ -3,6 +3,7 @@ launcher starts, watches and stops them (``launcher``)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
@@ -85,6 +86,94 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class RayConfig:
+    """`areal launch ray`: the Ray cluster and how the job's processes are placed on it."""
+
+    address: str = param(
+        "", help="Ray cluster to attach to (host:port of the head's GCS, or ray://...); empty = "
+        "Ray's own lookup: $RAY_ADDRESS, else the newest `ray start` cluster of this machine, "
+        "else a new local instance (stopped with the run)."
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = param(
+        "PACK", help="Ray placement-group strategy for the bundles of servers and trainer ranks."
+    )
+    placement_timeout: float = param(
+        60.0, gt=0, help="Seconds the placement group may take to be placed; then the launch stops "
+        "naming wanted vs available resources."
+    )
+    cpus_per_process: float = param(
+        1.0, gt=0, help="CPUs each server and each trainer rank reserves in its bundle."
+    )
+    forward_env: list[str] = param(
+        ["HF_*", "TRANSFORMERS_*", "NCCL_*", "GLOO_*", "TORCH_*", "TOKENIZERS_PARALLELISM", "PYTHONPATH"],
+        help="Environment variables of the launching shell passed on to every process (shell "
+        "patterns); Ray workers otherwise see the environment of the node's raylet.",
+    )
+
+
+_SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|UNLIMITED|INFINITE")
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    """`areal launch slurm`: what the one batch job asks Slurm for, and how long each wait may
+    take (docs/launchers.md)."""
+
+    partition: str = param("", help="Partition (sbatch --partition); empty = the cluster's default one.")
+    account: str = param("", help="Account charged (sbatch --account); empty = your default account.")
+    time_limit: str = param(
+        "", help="Job time limit in Slurm's format (minutes, H:MM:SS, D-HH:MM:SS, ...; sbatch "
+        "--time); empty = the partition's default."
+    )
+    cpus_per_process: int = param(
+        1, ge=1, help="CPUs for each server and each trainer rank (a node asks for this times the "
+        "processes it holds)."
+    )
+    python: str = param(
+        "", help="Python interpreter on the nodes (inside the container when one is set); empty = "
+        "the launcher's own, which must then be on a filesystem every node sees."
+    )
+    container_image: str = param(
+        "", help="Image every step runs in (srun --container-image, the pyxis plugin); empty = the "
+        "nodes' own environment."
+    )
+    container_mounts: list[str] = param(
+        [], help="SRC:DST[:FLAGS] bind mounts for the container (srun --container-mounts); the "
+        "repository, RUN_DIR and the name registry must be visible inside at the same paths."
+    )
+    sbatch_lines: list[str] = param(
+        [], help="Extra sbatch options written as '#SBATCH <option>' lines after the generated "
+        "ones, e.g. '--qos=high' or '--exclusive'."
+    )
+    start_timeout: float = param(
+        600.0, gt=0, help="Seconds the job may pend before it is cancelled (its last pending "
+        "reason named); a request Slurm can never place stops at once."
+    )
+    cancel_timeout: float = param(
+        120.0, gt=0, help="Seconds a cancelled or finished job gets to leave the queue (Slurm's "
+        "KillWait and cleanup) before the launcher gives up, naming the job to scancel."
+    )
+
+    def check(self) -> Iterator[str]:
+        if self.time_limit and not _SLURM_TIME.fullmatch(self.time_limit):
+            yield (
+                f"time_limit: {self.time_limit!r} is not a Slurm time; use minutes "
+                "(90), H:MM:SS (1:30:00) or D-HH:MM:SS (2-00:00:00), or empty for the partition's default"
+            )
+        for line in self.sbatch_lines:
+            if not line.startswith("-"):
+                yield (
+                    f"sbatch_lines: {line!r} is not an sbatch option; write the "
+                    "option alone, e.g. '--qos=high' (the '#SBATCH ' prefix is added)"
+                )
+        if self.container_mounts and not self.container_image:
+            yield (
+                f"container_mounts: {self.container_mounts} without a "
+                "container_image; set launcher.slurm.container_image or drop the mounts"
+            )
+
+
+@dataclass(frozen=True)
 class LauncherConfig:
     """How `areal launch` starts, watches and stops the job's processes."""
 
@@ -106,3 +195,5 @@ class LauncherConfig:
         "published weights and their version; weight_update_mode=disk only); then the trainer "
         "goes on with the others."
     )
+    slurm: SlurmConfig = param(factory=SlurmConfig, help="`areal launch slurm` only.")
+    ray: RayConfig = param(factory=RayConfig, help="`areal launch ray` only.")

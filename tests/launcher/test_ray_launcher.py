@@ -1,0 +1,100 @@
+"""Tier 2: ``areal launch ray`` on a real local Ray cluster (``ray start --head`` started by the
+test, 6 CPUs): a short async GRPO run with 1 server + 2 trainer ranks, a killed server that is
+restarted, a placement that cannot fit, and a SIGKILLed launcher that leaves nothing behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch_harness import REPO, assert_finite, read_jsonl, start_launch, train_steps
+
+pytestmark = pytest.mark.slow
+GRPO = [REPO / "examples" / "gsm8k_grpo.py", REPO / "examples" / "arithmetic_grpo.yaml"]
+SMALL_RL = ["actor.dynamic_sampling=false", "train_dataset.batch_size=2", "gconfig.n_samples=4",
+            "gconfig.max_new_tokens=4", "eval_gconfig.max_new_tokens=4", "rollout.max_concurrent_rollouts=4",
+            "launcher.server_threads=1", "launcher.trainer_threads=1", "launcher.stop_timeout=5"]
+RUN_TIMEOUT = 240.0
+
+
+@pytest.fixture
+def ray_launch(ray_head, tmp_path, tiny_model_dir):
+    """``ray_launch(script, config, *overrides, env=None)`` -> (Launch, RUN_DIR); killed at teardown."""
+    made = []
+
+    def start(script, config, *overrides, env=None):
+        common = [f"actor.path={tiny_model_dir}", "actor.use_critic=false", "experiment_name=e", "trial_name=t",
+                  f"launcher.ray.address={ray_head.address}", "launcher.echo=false"]
+        run = start_launch(script, config, [*common, *overrides], tmp_path / "root", env, mode="ray")
+        made.append(run)
+        return run, tmp_path / "root" / "e" / "t"
+
+    yield start
+    for run in made:
+        run.cleanup()
+
+
+def test_async_grpo_through_ray_passes_the_local_launchers_end_to_end_checks(ray_launch):
+    run, run_dir = ray_launch(*GRPO, *SMALL_RL, "cluster.n_servers=1", "cluster.trainer_nprocs=2",
+                              "total_train_steps=3", "rollout.max_staleness=1", "evaluator.freq_steps=null")
+    assert run.wait(RUN_TIMEOUT) == 0, run.output()
+    stats = train_steps(run_dir)
+    assert sorted(stats) == [0, 1, 2, 3], sorted(stats)  # step 0: the evaluation before training
+    for step in (1, 2, 3):
+        assert_finite(stats[step], ["reward/mean", "loss/pg_loss", "loss/grad_norm", "staleness/max"])
+        assert stats[step]["staleness/max"] <= 1
+    # Two ranks trained: each took one of the step's 2 groups, none twice.
+    per_rank = [{r["step"]: r["ids"] for r in read_jsonl(run_dir / f"trained_samples-rank{k}.jsonl")}
+                for k in (0, 1)]
+    assert all(sorted(ids) == [1, 2, 3] and all(len(v) == 1 for v in ids.values()) for ids in per_rank)
+    assert all(per_rank[0][s] != per_rank[1][s] for s in (1, 2, 3)), per_rank
+    logs = {p.name for p in (run_dir / "logs").glob("*.log")}
+    assert logs >= {"server0.log", "server0-task.log", "trainer0.log", "trainer1.log", "launcher.log"}, logs
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "checkpoints" / "actor" / "step3").is_dir()
+    out = subprocess.run([sys.executable, "-m", "areal.cli", "plot", str(run_dir)], capture_output=True, text=True)
+    assert out.returncode == 0 and (run_dir / "plot.png").is_file(), out.stderr
+    run.assert_no_survivors()
+
+
+def test_a_killed_server_is_restarted_and_the_run_goes_on(ray_launch):
+    run, run_dir = ray_launch(Path(__file__).parent / "restart_entry.py", None, "cluster.n_servers=1",
+                              "launcher.server_threads=1", "launcher.stop_timeout=5")
+    assert run.wait(RUN_TIMEOUT) == 0, run.output()
+    log = (run_dir / "logs" / "server0-task.log").read_text(errors="replace")
+    assert "restarting it on port" in log and "with weights version 3 (1 of 2)" in log, log[-2000:]
+    run.assert_no_survivors()
+
+
+def test_a_placement_that_cannot_fit_fails_fast_with_the_numbers(ray_launch):
+    run, run_dir = ray_launch(*GRPO, *SMALL_RL, "cluster.n_servers=1", "cluster.trainer_nprocs=64",
+                              "train_dataset.batch_size=64")
+    assert run.wait(60) == 2, run.output()
+    [failure] = read_jsonl(run_dir / "logs" / "failures.jsonl")
+    assert "1 server(s) + 64 trainer rank(s)" in failure["cause"] and "CPU 6 (wanted 65)" in failure["cause"]
+    assert not run.seen or run.survivors() == {}
+
+
+def test_a_sigkilled_ray_launcher_leaves_no_process_behind(ray_launch):
+    from launch_harness import marked_processes
+
+    script = Path(__file__).parent / "entry_script.py"
+    run, run_dir = ray_launch(script, None, "cluster.n_servers=1", "launcher.server_threads=1",
+                              "launcher.ray.forward_env=[AREAL_TEST_*]", env={"AREAL_TEST_BEHAVIOUR": "sleep"})
+    assert run.wait(RUN_TIMEOUT, until=lambda: len(read_jsonl(run_dir / "entry.jsonl")) >= 1) is None, run.output()
+    started = marked_processes(run.marker)
+    assert any("server_task" in cmd for cmd in started.values()), started  # Ray actors' processes
+    assert any("entry_script" in cmd for cmd in started.values()), started
+    run.proc.kill()
+    run.proc.wait(10)
+    run.assert_no_survivors(timeout=60)  # Ray kills the dead driver's actors; their processes follow
+
+
+def test_without_ray_installed_the_launcher_says_how_to_install_it():
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "from areal.launcher.ray import main\n"
+            "sys.exit(main(['x.py']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "pip install -e '.[ray]'" in out.stderr, out.stderr
