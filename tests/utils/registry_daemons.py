@@ -82,16 +82,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait_ready(proc: subprocess.Popen, log: Path, ready, what: str, timeout: float) -> None:
+def _wait_ready(proc: subprocess.Popen, scratch: Path, ready, what: str, timeout: float) -> None:
+    """Return once ``ready()``; else stop ``proc``, remove ``scratch`` and raise why, with the
+    end of the daemon's log."""
     deadline = time.monotonic() + timeout
     while not ready():
-        if proc.poll() is not None:
-            raise DaemonUnavailable(f"{what} exited with code {proc.returncode} before it was ready; "
-                                    f"its log ({log}): {_tail(log)}")
-        if time.monotonic() >= deadline:
-            proc.kill()
+        code = proc.poll()
+        if code is not None or time.monotonic() >= deadline:
+            _signal([proc.pid, *_descendants(proc.pid)], signal.SIGKILL)
             proc.wait(timeout=10)
-            raise DaemonUnavailable(f"{what} was not ready within {timeout} s; its log ({log}): {_tail(log)}")
+            log = _tail(scratch / "daemon.log")
+            shutil.rmtree(scratch, ignore_errors=True)
+            why = f"exited with code {code}" if code is not None else f"was not ready within {timeout} s"
+            raise DaemonUnavailable(f"{what} {why}; its log ends: {log}")
         time.sleep(0.1)
 
 
@@ -103,7 +106,7 @@ def start_etcd(timeout: float = 30.0) -> Daemon:
                                 "package; `make install` installs it when run as root)")
     scratch = Path(tempfile.mkdtemp(prefix="etcd-"))
     client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-    log = scratch / "etcd.log"
+    log = scratch / "daemon.log"
     cmd = [exe, "--name", "default", "--data-dir", str(scratch / "data"),
            "--listen-client-urls", client, "--advertise-client-urls", client,
            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
@@ -118,7 +121,7 @@ def start_etcd(timeout: float = 30.0) -> Daemon:
         except OSError:
             return False
 
-    _wait_ready(proc, log, healthy, f"etcd ({' '.join(cmd)})", timeout)
+    _wait_ready(proc, scratch, healthy, f"etcd ({' '.join(cmd)})", timeout)
     return Daemon(proc, client.removeprefix("http://"), log, scratch)
 
 
@@ -142,9 +145,9 @@ def start_ray_head(timeout: float = 90.0) -> Daemon:
     cmd = [str(exe), "start", "--head", "--block", "--num-cpus=2", "--num-gpus=0", f"--port={gcs}",
            f"--temp-dir={scratch}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
            "--disable-usage-stats", *(f"{k}={v}" for k, v in ports.items())]
-    log = scratch / "head.log"
+    log = scratch / "daemon.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    _wait_ready(proc, log, lambda: b"Ray runtime started" in log.read_bytes(), "ray start --head", timeout)
+    _wait_ready(proc, scratch, lambda: b"Ray runtime started" in log.read_bytes(), "ray start --head", timeout)
     return Daemon(proc, f"127.0.0.1:{gcs}", log, scratch)
