@@ -108,7 +108,8 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
             time.sleep(0.2)
         code = trainer.proc.returncode
         if code != 0:
-            logger.error(f"trainer exited with code {code}; last lines:\n{trainer.tail(20)}")
+            logger.error(f"trainer exited with code {code}: {trainer.root_cause()}\n"
+                         f"last lines of this run's trainer output:\n{trainer.tail(20)}")
         return code
 
 

@@ -95,12 +95,13 @@ class Child:
     _pump: LogPump | None = field(default=None, repr=False)
 
     def tail(self, n: int = 30) -> str:
-        """The last ``n`` lines of the child's log (for error messages); when writing the log
-        failed, the last lines kept in memory and the error."""
+        """The last ``n`` lines this process printed (for error messages; never lines an earlier
+        process left in the same log file); when writing the log failed, also the error."""
         if self._pump is not None:
             self._pump.join(timeout=2)
-        if self._pump is not None and self._pump.error is not None:
             lines = list(self._pump.recent)[-n:]
+            if self._pump.error is None:
+                return "\n".join(lines)
             note = (f"(writing {self.log_path} failed: {self._pump.error}; these last lines were kept "
                     "in memory and the rest of the output is lost; free space on that disk)")
             return "\n".join([*lines, note])

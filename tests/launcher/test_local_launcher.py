@@ -65,6 +65,18 @@ def test_failed_trainer_stops_the_run_and_tears_everything_down(launch):
     assert_ports_free(server_ports(run_dir))
 
 
+def test_the_closing_excerpt_names_the_root_cause_from_this_runs_output_only(launch, tmp_path):
+    stale = tmp_path / "root" / "e" / "t" / "logs" / "trainer.log"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("OldError: a line an earlier run left in the log\n")
+    run, run_dir = launch("raise", "cluster.n_servers=0", "train_dataset.type=sft", config="sft")
+    assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()
+    out = run.output(200)
+    # the worker's exception, not torchrun's ChildFailedError wrapper
+    assert "trainer exited with code 1: RuntimeError: entry script failed on purpose" in out, out
+    assert "OldError" not in out and "OldError" in stale.read_text()  # the log keeps it, the excerpt not
+
+
 @pytest.mark.parametrize("sig, behaviour", [(signal.SIGINT, "sleep"), (signal.SIGTERM, "stubborn")])
 def test_interrupted_launcher_stops_every_process_even_one_ignoring_sigterm(launch, sig, behaviour):
     run, run_dir = launch(behaviour, "cluster.n_servers=1")
