@@ -36,10 +36,10 @@ def tiny_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_head():
-    """A real local Ray cluster (6 CPUs) shared by the session's Ray tests; skips with the
-    exact reason when Ray is missing or cannot start."""
+    """A real local Ray cluster (6 CPUs) shared by one module's Ray tests, stopped after it;
+    skips with the exact reason when Ray is missing or cannot start."""
     from tests.ray_head import RayHead
 
     head = RayHead()

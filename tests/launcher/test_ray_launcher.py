@@ -4,6 +4,8 @@ restarted, a placement that cannot fit, and a SIGKILLed launcher that leaves not
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +100,28 @@ def test_without_ray_installed_the_launcher_says_how_to_install_it():
             "sys.exit(main(['x.py']))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "pip install -e '.[ray]'" in out.stderr, out.stderr
+
+
+def test_auto_recover_relaunches_on_ray_as_the_local_launcher_does(ray_launch):
+    script = Path(__file__).parent / "entry_script.py"
+    run, run_dir = ray_launch(script, None, "cluster.n_servers=1", "launcher.server_threads=1", "recover.mode=auto",
+                              "recover.retries=2", "launcher.ray.forward_env=[AREAL_TEST_*]",
+                              env={"AREAL_TEST_BEHAVIOUR": "fail_first"})
+    assert run.wait(RUN_TIMEOUT) == 0, run.output()
+    assert [e["attempt"] for e in read_jsonl(run_dir / "entry.jsonl")] == [0, 1]
+    run.assert_no_survivors()
+
+
+def test_a_killed_server_actor_stops_the_run_with_the_named_cause(ray_launch):
+    from launch_harness import marked_processes
+
+    run, run_dir = ray_launch(*GRPO, *SMALL_RL, "cluster.n_servers=1", "total_train_steps=200",
+                              "evaluator.freq_steps=null", "launcher.server_restarts=0")
+    assert run.wait(RUN_TIMEOUT, until=lambda: 1 in train_steps(run_dir)) is None, run.output()
+    [task] = [pid for pid, cmd in marked_processes(run.marker).items() if "server_task" in cmd]
+    actor = int(Path(f"/proc/{task}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+    os.kill(actor, signal.SIGKILL)  # the Ray worker process of server0's actor
+    assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()
+    causes = [f["cause"] for f in read_jsonl(run_dir / "logs" / "failures.jsonl")]
+    assert any("generation servers are dead" in c for c in causes), (causes, run.output())
+    run.assert_no_survivors()
