@@ -40,10 +40,11 @@ def tiny_tokenizer(tiny_model_dir):
 def ray_head():
     """A real local Ray cluster (6 CPUs) shared by one module's Ray tests, stopped after it;
     skips with the exact reason when Ray is missing or cannot start."""
-    from tests.ray_head import RayHead
+    from tests.daemons import DaemonUnavailable, start_ray_head
 
-    head = RayHead()
-    if head.skip_reason:
-        pytest.skip(head.skip_reason)
+    try:
+        head = start_ray_head(num_cpus=6)
+    except DaemonUnavailable as e:
+        pytest.skip(str(e))
     yield head
     head.stop()

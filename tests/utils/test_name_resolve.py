@@ -2,7 +2,7 @@
 keys, subtrees, waits with deadlines, races between threads and between processes; etcd also
 drops the entries of an owner killed with SIGKILL once its lease runs out.
 
-etcd and Ray run as real daemons on free loopback ports (``registry_daemons.py``), each started
+etcd and Ray run as real daemons on free loopback ports (``tests/daemons.py``), each started
 once per session and stopped by pid; when one cannot start, its tests skip with the reason."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import threading
 import time
 
 import pytest
-from registry_daemons import DaemonUnavailable, start_etcd, start_ray_head
+from tests.daemons import DaemonUnavailable, start_etcd, start_ray_head
 
 from areal.api.config import ClusterConfig, ConfigError, NameResolveConfig, load_config
 from areal.utils.name_resolve import (

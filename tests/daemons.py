@@ -1,7 +1,7 @@
-"""Registry servers for the name_resolve tests: a one-member etcd and a local Ray head, each on
-free loopback ports with its own data/temp dir, started as a child in its own process group and
-stopped by pid. When one cannot start, :class:`DaemonUnavailable` says precisely why (the tests
-skip with that reason)."""
+"""Real daemons for tests: a one-member etcd (the name_resolve tests) and a local Ray head (the
+name_resolve and Ray launcher tests), each on free loopback ports with its own data/temp dir,
+started as a child in its own process group and stopped by pid. When one cannot start,
+:class:`DaemonUnavailable` says precisely why (the tests skip with that reason)."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def start_etcd(timeout: float = 30.0) -> Daemon:
     return Daemon(proc, client.removeprefix("http://"), log, scratch)
 
 
-def start_ray_head(timeout: float = 90.0) -> Daemon:
+def start_ray_head(timeout: float = 90.0, num_cpus: int = 2) -> Daemon:
     """A Ray head on free loopback ports with a short temp dir of its own (Ray's socket paths
     must stay under ~107 characters). Never stopped with `ray stop`, which stops every Ray
     instance of the machine."""
@@ -142,7 +142,7 @@ def start_ray_head(timeout: float = 90.0) -> Daemon:
         "ray-client-server-port", "dashboard-port", "dashboard-agent-listen-port",
         "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
         "node-manager-port", "object-manager-port")}
-    cmd = [str(exe), "start", "--head", "--block", "--num-cpus=2", "--num-gpus=0", f"--port={gcs}",
+    cmd = [str(exe), "start", "--head", "--block", f"--num-cpus={num_cpus}", "--num-gpus=0", f"--port={gcs}",
            f"--temp-dir={scratch}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
            "--disable-usage-stats", *(f"{k}={v}" for k, v in ports.items())]
     log = scratch / "daemon.log"
