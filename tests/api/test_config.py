@@ -108,3 +108,43 @@ def test_experiment_and_trial_names_must_be_plain_folder_names(name):
         load_config(SFTConfig, [f"trial_name={name}", "train_dataset.type=sft"])
     assert "trial_name:" in str(e.value) and "folder name" in str(e.value)
     assert load_config(SFTConfig, ["trial_name=run-1.b_2", "train_dataset.type=sft"]).trial_name == "run-1.b_2"
+
+
+def _sections_with_own_defaults(cls: type, prefix: str = ""):
+    """(dotted path, default value) of every section field whose default differs from its
+    class's defaults, e.g. eval_gconfig (greedy) vs GenerationHyperparameters()."""
+    import dataclasses
+
+    for f in dataclasses.fields(cls):
+        if f.default_factory is dataclasses.MISSING:
+            continue
+        value = f.default_factory()
+        if not dataclasses.is_dataclass(value):
+            continue
+        path = f"{prefix}{f.name}"
+        if value != type(value)():
+            yield path, value
+        yield from _sections_with_own_defaults(type(value), path + ".")
+
+
+REQUIRED = {"GRPOConfig": ["actor.use_critic=false", "cluster.n_servers=1"], "SFTConfig": [], "RWConfig": []}
+
+
+@pytest.mark.parametrize("cls_name", sorted(REQUIRED))
+def test_setting_one_field_of_a_section_keeps_the_sections_own_defaults(cls_name):
+    import json
+
+    import areal.api.config as config_module
+
+    cls = getattr(config_module, cls_name)
+    sections = dict(_sections_with_own_defaults(cls))
+    if cls_name == "GRPOConfig":
+        assert sections["eval_gconfig"].greedy  # the case this test was written for
+    for path, default in sections.items():
+        name = next(f.name for f in dataclasses.fields(default)
+                    if type(getattr(default, f.name)) in (int, float, bool, str))
+        override = f"{path}.{name}={json.dumps(getattr(default, name))}"
+        section = load_config(cls, [override, *REQUIRED[cls_name]])
+        for part in path.split("."):
+            section = getattr(section, part)
+        assert section == default, override  # no field fell back to the class's default

@@ -257,6 +257,37 @@ def _check_bounds(f: dataclasses.Field, value: Any, path: str, problems: list[st
             problems.append(f"{path} must be {word} {bound}, got {value!r}; {f.metadata['help']}")
 
 
+def _default_section(f: dataclasses.Field) -> Any:
+    """The default value of a section field (its ``factory``'s, which may differ from the
+    section class's defaults: ``eval_gconfig`` is greedy), or None for other fields."""
+    if f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    elif f.default is not dataclasses.MISSING:
+        value = f.default
+    else:
+        return None
+    return value if dataclasses.is_dataclass(value) else None
+
+
+def _own_defaults(section: Any) -> dict:
+    """The values of ``section`` that differ from its class's defaults, as nested plain data
+    (what must survive when a user sets other fields of the section; fields left at the class
+    default stay unset, so presets that fill unset fields still apply)."""
+    own, base = dataclasses.asdict(section), dataclasses.asdict(type(section)())
+
+    def diff(a: dict, b: dict) -> dict:
+        out = {}
+        for k, v in a.items():
+            if isinstance(v, dict) and isinstance(b.get(k), dict):
+                if sub := diff(v, b[k]):
+                    out[k] = sub
+            elif v != b.get(k):
+                out[k] = v
+        return out
+
+    return diff(own, base)
+
+
 def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -274,11 +305,15 @@ def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
         path = _join(prefix, name)
         if name in data:
             n_field = len(problems)
-            value = _coerce(data[name], hints[name], path, problems)
+            raw = data[name]
+            default = _default_section(f)
+            if default is not None and isinstance(raw, dict):  # set fields merge over the default
+                raw = _merge(_own_defaults(default), raw)
+            value = _coerce(raw, hints[name], path, problems)
             kwargs[name] = value
             if len(problems) > n_field:  # wrong type: already reported, range checks moot
                 continue
-            bad = [] if f.metadata.get("allow_nonfinite") else _nonfinite(data[name], value, path)
+            bad = [] if f.metadata.get("allow_nonfinite") else _nonfinite(raw, value, path)
             fix = f.metadata.get("help") or "write a finite number"
             problems.extend(f"{p}: must be a finite number, got {shown}; {fix}" for p, shown in bad)
             if not bad:  # NaN fails every bound: one problem per field is enough
