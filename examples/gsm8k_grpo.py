@@ -21,8 +21,7 @@ from areal.api.config import GRPOConfig, load_config
 from areal.api.io import FinetuneSpec
 from areal.engine.fsdp import FSDPEngine
 from areal.engine.ppo import PPOActor, PPOCritic
-from areal.reward.code import code_reward
-from areal.reward.math import math_reward
+from areal.reward.resolve import resolve_reward
 from areal.reward.runner import RewardRunner
 from areal.rollout.executor import WorkflowExecutor
 from areal.rollout.remote import RemoteInferenceEngine, discover_servers
@@ -56,7 +55,7 @@ def setup_rollout(cfg: GRPOConfig, run):
     """Client to the registered servers, reward workers, workflows, executor."""
     rollout = RemoteInferenceEngine(cfg.rollout, api_key=cfg.server.api_key)
     rollout.initialize(discover_servers(cfg.rollout, run.registry(), run.servers_key, cfg.cluster.n_servers))
-    reward = RewardRunner(math_reward if cfg.reward_fn == "math" else code_reward, cfg.reward)
+    reward = RewardRunner(resolve_reward(cfg.reward_fn), cfg.reward)
     workflow = make_workflow(cfg, reward, run.tokenizer, run.run_dir / "rollouts")
     eval_workflow = RLVRWorkflow(reward, cfg.eval_gconfig, run.tokenizer)
     executor = WorkflowExecutor(cfg.rollout, rollout, batch_size=cfg.train_dataset.batch_size // run.world_size)

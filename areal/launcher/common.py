@@ -34,10 +34,15 @@ logger = get_logger("launcher")
 
 
 def load_script_config_class(script: str | Path) -> type:
-    """Import SCRIPT (its ``__main__`` guard keeps it from running) and return its ``CONFIG``."""
+    """Import SCRIPT (its ``__main__`` guard keeps it from running; its directory goes on
+    ``sys.path``) and return its ``CONFIG``."""
     path = Path(script)
     if not path.is_file():
         raise FileNotFoundError(f"launch script {path} does not exist")
+    # as `python SCRIPT` does for the script's own processes: modules beside it import (a
+    # reward or workflow of the user's), here and in the checks before the run starts
+    if str(path.resolve().parent) not in sys.path:
+        sys.path.insert(0, str(path.resolve().parent))
     spec = importlib.util.spec_from_file_location(f"_areal_script_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from areal.api.config.reward import RewardConfig
+from areal.reward.resolve import wants_prompt
 
 logger = logging.getLogger("areal.reward")
 
@@ -152,6 +153,7 @@ class RewardRunner:
 
     def __init__(self, fn: Callable[..., float], cfg: RewardConfig, mp_context: str = "spawn"):
         self.fn = fn
+        self.wants_prompt = wants_prompt(fn)  # workflows pass prompt= to such a reward
         self.cfg = cfg
         self._ctx = mp.get_context(mp_context)
         self._idle: queue.Queue[_Worker] = queue.Queue()

@@ -1,5 +1,5 @@
 """Checks of what a config points at, run before any process starts: model dirs, dataset files,
-and stop token ids against the model's vocabulary. Each problem names the field, the value and
+the reward function's import path, and stop token ids against the model's vocabulary. Each problem names the field, the value and
 the fix (a missing model dir otherwise costs a minute of hub retries and a torch traceback)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any, Iterator
 from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.data import DatasetConfig
 from areal.api.config.engine import TrainEngineConfig
+from areal.reward.resolve import resolve_reward
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
@@ -62,6 +63,12 @@ def preflight(cfg: Any) -> list[str]:
     if tok and not (Path(tok).expanduser() / "tokenizer_config.json").is_file():
         problems.append(f"tokenizer_path: {tok!r} has no tokenizer_config.json; pass a local "
                         "tokenizer (or model) directory, or leave it empty to use the model's")
+    spec = getattr(cfg, "reward_fn", "")
+    if spec and spec not in ("math", "code"):  # the user's function must import here already
+        try:
+            resolve_reward(spec)
+        except ValueError as e:
+            problems.append(str(e))
     vocab = _vocab_size(getattr(cfg, "served_model_path", "") or "")
     if vocab is not None:
         for prefix, section in _sections(cfg):

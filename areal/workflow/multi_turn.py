@@ -31,6 +31,7 @@ from areal.workflow.rlvr import (
     Scorer,
     group_version,
     item_prompt_ids,
+    prompt_kwargs,
     rollout_status,
 )
 
@@ -124,7 +125,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
             ep.add_model(resp)
             text = self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
             texts.append(text)
-            outcome = await self.reward.ascore(f"{sample_id}/turn{turn}", text, item["reference"])
+            outcome = await self.reward.ascore(f"{sample_id}/turn{turn}", text, item["reference"],
+                                               **prompt_kwargs(self.reward, self.tokenizer.decode(prompt)))
             last_turn = turn == self.cfg.max_turns - 1
             if outcome.reward >= 1.0 or resp.stop_reason != "stop" or not outcome.ok or last_turn:
                 break

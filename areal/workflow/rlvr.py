@@ -37,6 +37,11 @@ class Scorer(Protocol):
         """Score one completion against the item's reference."""
 
 
+def prompt_kwargs(reward: Scorer, prompt_text: str) -> dict[str, str]:
+    """``{"prompt": text}`` for a reward function that takes the prompt, else ``{}``."""
+    return {"prompt": prompt_text} if getattr(reward, "wants_prompt", False) else {}
+
+
 def rollout_status(response: ModelResponse, reward: RewardOutcome) -> RolloutStatus:
     """Trajectory status: a failed reward call wins over the generation's stop reason."""
     if not reward.ok:
@@ -117,13 +122,14 @@ class RLVRWorkflow(RolloutWorkflow):
         ]
         responses = await asyncio.gather(*(engine.agenerate(r) for r in requests))
         texts = [self.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in responses]
+        prompt_text = self.tokenizer.decode(ids)
+        extra = prompt_kwargs(self.reward, prompt_text)
         outcomes = await asyncio.gather(
             *(
-                self.reward.ascore(f"{item['id']}/{k}", text, item["reference"])
+                self.reward.ascore(f"{item['id']}/{k}", text, item["reference"], **extra)
                 for k, text in enumerate(texts)
             )
         )
-        prompt_text = self.tokenizer.decode(ids)
         group = [
             Trajectory(
                 prompt_ids=ids,
@@ -154,4 +160,5 @@ class RLVRWorkflow(RolloutWorkflow):
         resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=greedy, group_id=item["id"]))
         text = self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
         # a failed baseline reward scores 0 (and is counted by the runner like any other)
-        return (await self.reward.ascore(f"{item['id']}/greedy", text, item["reference"])).reward
+        extra = prompt_kwargs(self.reward, self.tokenizer.decode(ids))
+        return (await self.reward.ascore(f"{item['id']}/greedy", text, item["reference"], **extra)).reward

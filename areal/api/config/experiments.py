@@ -9,7 +9,7 @@ from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.config.base import BaseExperimentConfig, GenerationHyperparameters
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.loader import param
-from areal.api.config.reward import RewardConfig, WorkflowConfig
+from areal.api.config.reward import RewardConfig, WorkflowConfig, reward_fn_problem
 from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.config.server import GenerationServerConfig
 
@@ -81,8 +81,11 @@ class GRPOConfig(BaseExperimentConfig):
     )
     reward: RewardConfig = param(factory=RewardConfig, help="Reward worker pool and failure policy.")
     workflow: WorkflowConfig = param(factory=WorkflowConfig, help="Rollout workflow knobs.")
-    reward_fn: Literal["math", "code"] = param(
-        "math", help="Verifier: math answers (math_reward) or code tests (code_reward)."
+    reward_fn: str = param(
+        "math", help="Reward: math (math_reward, answers), code (code_reward, test cases), or "
+        "your function by import path 'module:function' (module beside the entry script or on "
+        "PYTHONPATH; fn(completion, reference[, prompt]) -> float). eval/accuracy is the mean of "
+        "this reward over greedy held-out completions."
     )
     weight_update_mode: Literal["disk", "distributed"] = param(
         "disk", help="How new weights reach servers: a versioned HF dir, or a gloo/NCCL broadcast."
@@ -94,6 +97,9 @@ class GRPOConfig(BaseExperimentConfig):
         return self.actor.path
 
     def check(self) -> Iterator[str]:
+        problem = reward_fn_problem(self.reward_fn)
+        if problem:
+            yield problem
         yield from super().check()
         a = self.actor
         if a.uses_groups and self.gconfig.n_samples < 2:

@@ -6,6 +6,7 @@ real default, bounds on the field, cross-field rules in ``check()``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
@@ -63,6 +64,18 @@ class SandboxConfig:
                 f"case_timeout: {self.case_timeout} exceeds submission_timeout "
                 f"{self.submission_timeout}; raise submission_timeout or lower case_timeout"
             )
+
+
+_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+def reward_fn_problem(spec: str) -> str | None:
+    """Why ``spec`` is not a valid ``reward_fn`` value: ``math``, ``code`` or ``module:function``
+    (None if its form is right; whether it imports is checked before the run starts)."""
+    if spec in ("math", "code") or _IMPORT_PATH.fullmatch(spec):
+        return None
+    return (f"reward_fn: {spec!r} is not 'math', 'code' or an import path 'module:function' "
+            "(e.g. my_rewards:last_line_reward, my_rewards.py beside the entry script)")
 
 
 @dataclass(frozen=True)
