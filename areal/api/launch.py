@@ -70,6 +70,15 @@ def threads_env(n: int) -> dict[str, str]:
     return {OMP_THREADS: str(n), TORCH_THREADS: str(n)} if n else {}
 
 
+def visible_devices(environ: Mapping[str, str] = os.environ) -> list[str] | None:
+    """The accelerator ids CUDA_VISIBLE_DEVICES lists (``[]`` for an empty value: none), or
+    None when it is unset."""
+    raw = environ.get(VISIBLE_DEVICES)
+    if raw is None:
+        return None
+    return [d.strip() for d in raw.split(",") if d.strip()]
+
+
 def devices_env(devices: str | None) -> dict[str, str]:
     """Env pinning a process to accelerators ``devices`` (``"0,1"``); ``{}`` for None (CPU)."""
     return {VISIBLE_DEVICES: devices} if devices is not None else {}

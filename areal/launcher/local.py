@@ -24,7 +24,7 @@ import sys
 import time
 
 from areal.api.config.loader import iter_fields
-from areal.api.launch import api_key_env, devices_env, threads_env, trainer_env
+from areal.api.launch import api_key_env, devices_env, threads_env, trainer_env, visible_devices
 from areal.launcher.common import launch, register_server, reset_trial, wait_for_servers
 from areal.launcher.procs import ProcessSupervisor
 from areal.launcher.servers import ManagedServer
@@ -34,20 +34,21 @@ from areal.utils.network import free_port
 logger = get_logger("launcher")
 
 
-def gpu_layout(n_gpus: int, trainer_nprocs: int, n_servers: int) -> tuple[str | None, list[str | None]]:
-    """CUDA_VISIBLE_DEVICES for the trainer and for each server: trainers take GPUs
-    0..trainer_nprocs-1 (torchrun's LOCAL_RANK picks one each), server i the next free GPU.
-    None everywhere on a machine without GPUs (CPU run)."""
-    if n_gpus == 0:
+def gpu_layout(gpus: list[str], trainer_nprocs: int, n_servers: int) -> tuple[str | None, list[str | None]]:
+    """CUDA_VISIBLE_DEVICES for the trainer and for each server, from the GPUs ``gpus`` this
+    launch may use (the user's CUDA_VISIBLE_DEVICES, else all): trainers take the first
+    trainer_nprocs (torchrun's LOCAL_RANK picks one each), server i the next one. None
+    everywhere without GPUs (CPU run)."""
+    if not gpus:
         return None, [None] * n_servers
     need = trainer_nprocs + n_servers
-    if n_gpus < need:
+    if len(gpus) < need:
         raise ValueError(
             f"launcher: {trainer_nprocs} trainer ranks + {n_servers} servers need {need} GPUs, this "
-            f"machine has {n_gpus}; lower cluster.trainer_nprocs or cluster.n_servers"
+            f"launch may use {len(gpus)} ({','.join(gpus)}); lower cluster.trainer_nprocs or "
+            "cluster.n_servers, or widen CUDA_VISIBLE_DEVICES"
         )
-    trainer = ",".join(str(g) for g in range(trainer_nprocs))
-    return trainer, [str(trainer_nprocs + i) for i in range(n_servers)]
+    return ",".join(gpus[:trainer_nprocs]), gpus[trainer_nprocs:need]
 
 
 def _start_servers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) -> list[ManagedServer]:
@@ -65,13 +66,18 @@ def _start_servers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) -
     return servers
 
 
-def _device_count(cfg) -> int:
-    """``cluster.devices_per_node``, or the GPUs this machine has."""
-    if cfg.cluster.devices_per_node is not None:
-        return cfg.cluster.devices_per_node
-    import torch
+def _usable_gpus(cfg) -> list[str]:
+    """The GPU ids this launch may use: the user's CUDA_VISIBLE_DEVICES when set (respected,
+    never widened), else ``0..n-1`` for ``cluster.devices_per_node`` or the GPUs torch sees;
+    ``cluster.devices_per_node`` caps how many are used."""
+    visible = visible_devices()
+    if visible is None:
+        import torch
 
-    return torch.cuda.device_count()
+        n = cfg.cluster.devices_per_node
+        visible = [str(i) for i in range(torch.cuda.device_count() if n is None else n)]
+    n = cfg.cluster.devices_per_node
+    return visible if n is None else visible[:n]
 
 
 def without_secrets(argv: list[str], cfg) -> list[str]:
@@ -93,7 +99,7 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
     """Start servers and trainer, wait for the trainer, tear everything down; trainer's code."""
     lc, cluster = cfg.launcher, cfg.cluster
     with ProcessSupervisor(cfg.run_dir / "logs", echo=lc.echo, stop_timeout=lc.stop_timeout) as sup:
-        trainer_gpus, server_gpus = gpu_layout(_device_count(cfg), cluster.trainer_nprocs, cluster.n_servers)
+        trainer_gpus, server_gpus = gpu_layout(_usable_gpus(cfg), cluster.trainer_nprocs, cluster.n_servers)
         servers = _start_servers(sup, cfg, server_gpus)
         server_cfg = getattr(cfg, "server", None)  # experiments without servers (SFT) have none
         env = {**trainer_env(attempt), **threads_env(lc.trainer_threads), **devices_env(trainer_gpus),

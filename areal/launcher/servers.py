@@ -128,5 +128,5 @@ def _require(module: str, extra: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise RuntimeError(
             f"rollout.backend={module} but {module} is not installed here; "
-            f"`pip install areal[{extra}]` on a CUDA machine, or use rollout.backend=areal"
+            f"`pip install -e '.[{extra}]'` in the areal checkout on a CUDA machine, or use rollout.backend=areal"
         )

@@ -94,7 +94,8 @@ class Run:
         self.recover_timer = FrequencyControl.from_config(cfg.recover)
         ranks = Ranks(self.rank, self.world_size, self._all_gather)
         self.recover_dir = RecoverDir(self.run_dir / "recover", ranks, keep=cfg.recover.keep)
-        self.stats_logger = StatsLogger(cfg.stats_logger, self.run_dir, self.rank)
+        fresh = not resume_pending(self.run_dir / "recover", cfg.recover.mode)
+        self.stats_logger = StatsLogger(cfg.stats_logger, self.run_dir, self.rank, fresh=fresh)
         self._bar = None
         self._last_commit: float | None = None
 
@@ -213,6 +214,7 @@ class Run:
         ckpt, state = found
         if self.rank == 0:
             save_config(self.cfg, self.run_dir / "config.yaml")
+            self.stats_logger.truncate_after(state["step"])
         logger.info(f"resumed from {ckpt} at step {state['step']}")
         return state
 

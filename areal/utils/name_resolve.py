@@ -318,7 +318,7 @@ class RayNameRepository(_StoreRepository):
             import ray
         except ImportError as e:
             raise ImportError(
-                f"cluster.name_resolve.type=ray needs Ray ({e}); pip install 'areal[ray]'"
+                f"cluster.name_resolve.type=ray needs Ray ({e}); pip install -e '.[ray]' in the areal checkout"
             ) from None
         self._ray = ray
         self.timeout = timeout

@@ -1,13 +1,20 @@
-"""``areal plot RUN_DIR``: reward, held-out accuracy and time per stage against step (PNG)."""
+"""``areal plot RUN_DIR``: what the run logged against step (PNG): reward and held-out accuracy
+for RL, loss for SFT, pair accuracy for reward models, and time per stage."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-REWARD_KEY = "reward/mean"
-EVAL_KEY = "eval/accuracy"
 TIMING_PREFIX = "timing/"
+# (title, keys): a panel is drawn when the run logged one of its keys (RL, SFT and RM runs log
+# different things), then seconds per stage.
+PANELS = [
+    ("mean reward (training rollouts)", ["reward/mean"]),
+    ("held-out accuracy", ["eval/accuracy"]),
+    ("loss", ["loss/loss", "eval/loss"]),
+    ("pair accuracy (reward model)", ["loss/pair_acc", "eval/pair_acc"]),
+]
 
 
 def read_stats(run_dir: str | Path) -> list[dict]:
@@ -21,8 +28,17 @@ def read_stats(run_dir: str | Path) -> list[dict]:
     return rows
 
 
+def panels(rows: list[dict]) -> list[tuple[str, list[str]]]:
+    """The panels to draw for these rows: those of :data:`PANELS` the run logged, then stage
+    times (``not logged`` when there are none)."""
+    logged = {k for r in rows for k in r}
+    chosen = [(title, keys) for title, keys in PANELS if logged & set(keys)]
+    return [*chosen, ("seconds per stage", sorted(k for k in logged if k.startswith(TIMING_PREFIX)))]
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw the three panels from RUN_DIR/stats.jsonl into ``out`` (default RUN_DIR/plot.png)."""
+    """Draw what RUN_DIR/stats.jsonl holds (:func:`panels`) into ``out`` (default
+    RUN_DIR/plot.png)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -30,11 +46,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     rows = read_stats(run_dir)
     out = Path(out) if out else Path(run_dir) / "plot.png"
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    _series(axes[0], rows, [REWARD_KEY], "mean reward (training rollouts)")
-    _series(axes[1], rows, [EVAL_KEY], "held-out accuracy")
-    timing = sorted({k for r in rows for k in r if k.startswith(TIMING_PREFIX)})
-    _series(axes[2], rows, timing, "seconds per stage")
+    chosen = panels(rows)
+    fig, axes = plt.subplots(1, len(chosen), figsize=(5 * len(chosen), 4), squeeze=False)
+    for ax, (title, keys) in zip(axes[0], chosen):
+        _series(ax, rows, keys, title)
     fig.tight_layout()
     fig.savefig(out, dpi=80)
     plt.close(fig)

@@ -40,7 +40,10 @@ def format_table(step: int, stats: dict[str, float]) -> str:
 class StatsLogger:
     """Writes each step's metrics to the sinks enabled in ``StatsLoggerConfig``."""
 
-    def __init__(self, cfg: StatsLoggerConfig, run_dir: str | Path, rank: int = 0, config_dict: dict | None = None):
+    def __init__(self, cfg: StatsLoggerConfig, run_dir: str | Path, rank: int = 0, config_dict: dict | None = None,
+                 fresh: bool = True):
+        """``fresh``: a new run of the trial (not a resume): an earlier run's stats.jsonl is moved
+        aside to stats.jsonl.<k>, so steps never restart inside one file."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.rank = rank
@@ -50,7 +53,13 @@ class StatsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.jsonl:
-            self._jsonl = open(self.run_dir / "stats.jsonl", "a", buffering=1)
+            path = self.run_dir / "stats.jsonl"
+            if fresh and path.is_file() and path.stat().st_size:
+                k = next(k for k in range(1, 10_000) if not path.with_name(f"stats.jsonl.{k}").exists())
+                path.rename(path.with_name(f"stats.jsonl.{k}"))
+                logger.warning(f"{path} held the stats of an earlier run of this trial; moved to "
+                               f"stats.jsonl.{k} (a new trial_name keeps runs apart; recover.mode=resume continues one)")
+            self._jsonl = open(path, "a", buffering=1)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -61,7 +70,7 @@ class StatsLogger:
             except ImportError:
                 raise RuntimeError(
                     f"stats_logger.wandb={cfg.wandb!r} but wandb is not installed; "
-                    "`pip install areal[wandb]` or set stats_logger.wandb=disabled"
+                    "`pip install -e '.[wandb]'` in the areal checkout, or set stats_logger.wandb=disabled"
                 ) from None
             self._wandb = wandb.init(
                 project=cfg.wandb_project, mode=cfg.wandb, dir=str(self.run_dir), config=config_dict
@@ -82,6 +91,20 @@ class StatsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop the JSONL records of steps after ``step`` (a resume from the checkpoint of
+        ``step`` logs them again), so the file's steps stay increasing."""
+        if self._jsonl is None:
+            return
+        self._jsonl.close()
+        path = self.run_dir / "stats.jsonl"
+        kept = [line for line in path.read_text().splitlines(keepends=True)
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = path.with_name("stats.jsonl.tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+        self._jsonl = open(path, "a", buffering=1)
 
     def close(self) -> None:
         """Flush and close every sink."""

@@ -153,11 +153,23 @@ def test_recover_disabled_does_not_relaunch(launch):
 def test_gpu_layout_gives_trainers_and_servers_disjoint_gpus():
     from areal.launcher.local import gpu_layout
 
-    assert gpu_layout(0, 2, 1) == (None, [None])  # CPU machine: nothing pinned
-    assert gpu_layout(8, 7, 1) == ("0,1,2,3,4,5,6", ["7"])
-    assert gpu_layout(4, 2, 2) == ("0,1", ["2", "3"])
-    with pytest.raises(ValueError, match="need 9 GPUs, this machine has 8"):
-        gpu_layout(8, 8, 1)
+    ids = [str(i) for i in range(8)]
+    assert gpu_layout([], 2, 1) == (None, [None])  # CPU machine: nothing pinned
+    assert gpu_layout(ids, 7, 1) == ("0,1,2,3,4,5,6", ["7"])
+    assert gpu_layout(ids[:4], 2, 2) == ("0,1", ["2", "3"])
+    with pytest.raises(ValueError, match="need 9 GPUs, this launch may use 8"):
+        gpu_layout(ids, 8, 1)
+
+
+def test_the_users_cuda_visible_devices_is_respected(monkeypatch):
+    from areal.api.config import GRPOConfig, load_config
+    from areal.launcher.local import _usable_gpus, gpu_layout
+
+    cfg = load_config(GRPOConfig, ["actor.use_critic=false", "cluster.n_servers=1"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    assert gpu_layout(_usable_gpus(cfg), 2, 1) == ("4,5", ["6"])  # never GPUs 0-2 of the machine
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert _usable_gpus(cfg) == []  # the user hid every GPU: a CPU run
 
 
 def test_a_dead_server_is_restarted_on_its_port_with_the_newest_weights(tmp_path, tiny_model_dir):

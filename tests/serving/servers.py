@@ -5,6 +5,7 @@ when a server dies or never becomes healthy."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,7 @@ def start_servers(model_dir: str, n: int = 1, *extra: str) -> list[tuple[subproc
         with open(log_dir / f"server{i}.log", "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc.log_dir = log_dir  # removed by stop_servers
         procs.append((proc, f"127.0.0.1:{port}"))
     deadline = time.monotonic() + STARTUP_DEADLINE_S
     for i, (proc, addr) in enumerate(procs):
@@ -55,7 +57,7 @@ def start_servers(model_dir: str, n: int = 1, *extra: str) -> list[tuple[subproc
 
 
 def stop_servers(procs: list[tuple[subprocess.Popen, str]]) -> None:
-    """SIGTERM every server still running, wait, then SIGKILL what is left."""
+    """SIGTERM every server still running, wait, then SIGKILL what is left; remove their logs."""
     for proc, _ in procs:
         if proc.poll() is None:
             proc.terminate()
@@ -65,3 +67,5 @@ def stop_servers(procs: list[tuple[subprocess.Popen, str]]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+    for log_dir in {getattr(proc, "log_dir", None) for proc, _ in procs} - {None}:
+        shutil.rmtree(log_dir, ignore_errors=True)

@@ -18,3 +18,15 @@ def test_plot_writes_a_png_from_stats_jsonl(tmp_path):
 def test_plot_of_a_dir_without_stats_says_what_is_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="stats.jsonl not found"):
         plot_run(tmp_path)
+
+
+def test_each_run_type_gets_the_panels_of_what_it_logged():
+    from areal.utils.plot import panels
+
+    rl = [{"step": 1, "reward/mean": 0.1, "eval/accuracy": 0.2, "loss/pg_loss": 0.0, "timing/train": 1.0}]
+    sft = [{"step": 1, "loss/loss": 2.0, "timing/train": 1.0}, {"step": 2, "loss/loss": 1.5, "eval/loss": 1.6}]
+    rm = [{"step": 1, "loss/loss": 0.7, "loss/pair_acc": 0.5}]
+    titles = lambda rows: [t for t, _ in panels(rows)]
+    assert titles(rl) == ["mean reward (training rollouts)", "held-out accuracy", "seconds per stage"]
+    assert titles(sft) == ["loss", "seconds per stage"]
+    assert titles(rm) == ["loss", "pair accuracy (reward model)", "seconds per stage"]

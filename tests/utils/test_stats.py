@@ -97,3 +97,27 @@ def test_stats_logger_on_nonzero_rank_writes_nothing(tmp_path):
     log = StatsLogger(StatsLoggerConfig(), tmp_path / "r1", rank=1)
     log.commit(1, {"a": 1.0})
     assert not (tmp_path / "r1").exists()
+
+
+def test_a_rerun_of_a_trial_starts_a_new_stats_file_and_a_resume_drops_the_steps_it_redoes(tmp_path):
+    import json
+
+    from areal.api.config import StatsLoggerConfig
+
+    cfg = StatsLoggerConfig(console=False, tensorboard=False)
+    first = StatsLogger(cfg, tmp_path)
+    for step in (1, 2, 3):
+        first.commit(step, {"loss": float(step)})
+    first.close()
+    rerun = StatsLogger(cfg, tmp_path)  # a fresh run of the same trial: steps would restart at 1
+    rerun.commit(1, {"loss": 9.0})
+    rerun.close()
+    steps = lambda name: [json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()]
+    assert steps("stats.jsonl.1") == [1, 2, 3] and steps("stats.jsonl") == [1]
+    resumed = StatsLogger(cfg, tmp_path, fresh=False)  # a resume appends...
+    for step in (2, 3):
+        resumed.commit(step, {"loss": float(step)})
+    resumed.truncate_after(2)  # ...and a resume from step 2's checkpoint redoes step 3
+    resumed.commit(3, {"loss": 3.5})
+    resumed.close()
+    assert steps("stats.jsonl") == [1, 2, 3]

@@ -122,7 +122,7 @@ class StatsLoggerConfig:
     jsonl: bool = param(True, help="Append one JSON line per step to RUN_DIR/stats.jsonl.")
     tensorboard: bool = param(False, help="Write TensorBoard events to RUN_DIR/tensorboard.")
     wandb: Literal["disabled", "online", "offline"] = param(
-        "disabled", help="Weights & Biases mode (needs `pip install areal[wandb]`)."
+        "disabled", help="Weights & Biases mode (needs the wandb extra: `pip install -e '.[wandb]'` in the areal checkout)."
     )
     wandb_project: str = param("areal", help="W&B project name.")
 
