@@ -138,6 +138,7 @@ class WorkflowExecutor:
         batch_size: int,
         should_accept: ShouldAccept | None = None,
         poll_interval: float = 0.02,  # seconds between admission/watchdog checks
+        progress_interval: float = 30.0,  # seconds between progress lines of a long wait
     ):
         """``batch_size``: groups per training batch of this trainer rank (dataset batch size /
         trainer ranks), the unit of the staleness bound."""
@@ -145,6 +146,7 @@ class WorkflowExecutor:
         self.engine = engine
         self.should_accept = should_accept
         self.poll_interval = poll_interval
+        self.progress_interval = progress_interval
         self.batch_size = batch_size
         self.staleness = StalenessManager(
             config.max_staleness, self.batch_size, config.max_concurrent_rollouts
@@ -381,6 +383,8 @@ class WorkflowExecutor:
         self._recovered = []
         if self._data is None or self._data[0] is not dataloader:
             self._data = (dataloader, _iter_batches(dataloader))
+        started = noted = time.monotonic()
+        before = self.stats()
         while True:
             with self._cond:
                 self._raise_if_failed()
@@ -396,6 +400,20 @@ class WorkflowExecutor:
                 stats = staleness_stats(got, self.engine.get_version())
                 self.last_batch_stats = {**stats, **self.stats()}
                 return got
+            if time.monotonic() - noted >= self.progress_interval:  # a long wait is never silent
+                noted = time.monotonic()
+                self._log_progress(noted - started, before)
+
+    def _log_progress(self, waited: float, before: dict[str, float]) -> None:
+        now = self.stats()
+        delta = {k.split("/")[1]: int(now[k] - before[k]) for k in ("rollout/accepted", "rollout/rejected",
+                                                                     "rollout/errors")}
+        logger.info(
+            f"waiting {waited:.0f} s for a batch of {self.batch_size} groups: {int(now['rollout/buffered'])} "
+            f"ready, {int(now['rollout/running'])} running, {int(now['rollout/queued'])} queued; since "
+            f"the wait began {delta['accepted']} accepted, {delta['rejected']} rejected by should_accept "
+            f"(e.g. dynamic sampling drops groups whose rewards are all equal), {delta['errors']} errors"
+        )
 
     def pause(self) -> None:
         """Stop admitting rollouts and pause the engine (in-flight requests resume later)."""

@@ -320,3 +320,22 @@ def test_state_dict_roundtrip_loses_no_item(make_executor):
     ids = _ids(first) + _ids(second) + _ids(third)
     assert ids[:4] == [0, 1, 2, 3]  # the restored buffer and re-issued items come first
     assert sorted(ids) == list(range(6)) and len(set(ids)) == 6
+
+
+def test_a_long_wait_for_a_batch_logs_progress_with_the_rejections(make_executor, caplog):
+    import logging
+
+    ex = make_executor(max_staleness=0, batch_size=2)
+    ex.progress_interval = 0.2
+    wf = GatedWorkflow(gated=False)
+    data = [[{"id": i} for i in range(j, j + 2)] for j in range(0, 10_000, 2)]
+    first: list[float] = []
+
+    def reject_for_a_while(group):  # like dynamic sampling on a model that solves nothing
+        first.append(time.monotonic())
+        return time.monotonic() - first[0] > 0.6  # then accept: three progress periods passed
+
+    with caplog.at_level(logging.INFO):
+        assert len(ex.prepare_batch(data, wf, should_accept=reject_for_a_while)) == 2
+    lines = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+    assert lines and "for a batch of 2 groups" in lines[0] and "rejected by should_accept" in lines[0], lines
