@@ -33,6 +33,7 @@ COMMON_KEYS = {
     "logit_bias", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "no_stop_trim", *NEUTRAL,
 }  # fmt: skip
+CHAT_UNLIMITED = 1 << 30  # max_tokens of a chat request that sets none: the context ends it
 COMPLETION_KEYS = COMMON_KEYS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_KEYS = COMMON_KEYS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
@@ -73,7 +74,7 @@ def _fan_out(prompt: list[int], params: SamplingParams, opts: dict, n: int, inde
         p = params
         if params.seed is not None and i > 0:
             p = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
-        jobs.append(Job(prompt, p, **opts, extra={"index": index0 + i}))
+        jobs.append(Job(prompt, p, **opts, extra={"index": index0 + i, "prompt_index": index0 // max(n, 1)}))
     return jobs
 
 
@@ -132,7 +133,8 @@ def parse_chat(
         clean.append({"role": m["role"], "content": content})
     max_tokens = _int(body, "max_completion_tokens", "", None, lo=0)
     max_tokens = _int(body, "max_tokens", "", None, lo=0) if max_tokens is None else max_tokens
-    params, opts, n = _common(body, max_tokens)
+    # OpenAI chat without a limit runs to the end of the context (the generator stops there)
+    params, opts, n = _common(body, CHAT_UNLIMITED if max_tokens is None else max_tokens)
     return _fan_out(apply_template(clean), params, opts, n, 0), _bool(body, "logprobs", "", False)
 
 
@@ -158,7 +160,7 @@ def completion_response(
         )
     return {
         "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": now(),
-        "model": model, "choices": choices, "usage": usage(results),
+        "model": model, "choices": choices, "usage": usage(jobs, results),
     }  # fmt: skip
 
 
@@ -182,5 +184,5 @@ def chat_response(
         )
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": now(),
-        "model": model, "choices": choices, "usage": usage(results),
+        "model": model, "choices": choices, "usage": usage(jobs, results),
     }  # fmt: skip

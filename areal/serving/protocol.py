@@ -208,9 +208,11 @@ def generate_response(
     return {"text": render_text(job, r, decode), "output_ids": r.output_ids, "meta_info": meta}
 
 
-def usage(results: list[GenerationResult]) -> dict:
-    """OpenAI ``usage`` over all choices (prompt counted once)."""
-    prompt = len(results[0].input_ids) if results else 0
+def usage(jobs: list[Job], results: list[GenerationResult]) -> dict:
+    """OpenAI ``usage`` over all choices: each prompt's tokens once (however many samples it
+    has), every completion's tokens."""
+    first = {job.extra.get("prompt_index", i): r for i, (job, r) in enumerate(zip(jobs, results))}
+    prompt = sum(len(r.input_ids) for r in first.values())
     completion = sum(len(r.output_ids) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 

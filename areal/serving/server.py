@@ -54,10 +54,14 @@ HEALTH_GENERATE_TIMEOUT_S = 60.0
 GENERATOR_WATCH_S = 0.5  # how often serve() checks that the generator is still running
 
 
-def _error(status: int, message: str, param: str | None = None) -> web.Response:
-    kind = "invalid_request_error" if status == 400 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+def _error(status: int, message: str, param: str | None = None, code: str | int | None = None) -> web.Response:
+    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
     return web.json_response(body, status=status)
+
+
+class ModelNotFound(Exception):
+    """A request names a model this server does not serve (OpenAI answers 404)."""
 
 
 def _bounded_int(body: dict, key: str, lo: int, hi: int) -> int:
@@ -147,6 +151,13 @@ class GenerationServer:
             return _error(503, str(e))
         except StepFailed as e:
             return _error(500, str(e))
+        except ModelNotFound as e:
+            return _error(404, str(e), "model", "model_not_found")
+        except web.HTTPException:  # aiohttp's own answers (404 unknown path, 405, 413)
+            raise
+        except Exception as e:  # a bug, never a plain-text 500: JSON naming it, the server goes on
+            logger.exception("unhandled error on %s", request.path)
+            return _error(500, f"internal error: {type(e).__name__}: {e}")
 
     # ------------------------------------------------------------------ generation routes
 
@@ -162,7 +173,9 @@ class GenerationServer:
 
     async def completions(self, request: web.Request) -> web.Response:
         """OpenAI ``/v1/completions``."""
-        jobs, logprobs = openai_api.parse_completions(await request.json(), self.encode)
+        body = await request.json()
+        jobs, logprobs = openai_api.parse_completions(body, self.encode)
+        self._check_model(body)
         results = await self.run_jobs(jobs)
         body = openai_api.completion_response(
             self.model_name, jobs, results, logprobs, self.decode, self.token_str
@@ -171,10 +184,18 @@ class GenerationServer:
 
     async def chat(self, request: web.Request) -> web.Response:
         """OpenAI ``/v1/chat/completions``."""
-        jobs, logprobs = openai_api.parse_chat(await request.json(), self.apply_template)
+        body = await request.json()
+        jobs, logprobs = openai_api.parse_chat(body, self.apply_template)
+        self._check_model(body)
         results = await self.run_jobs(jobs)
         body = openai_api.chat_response(self.model_name, jobs, results, logprobs, self.decode, self.token_str)
         return web.json_response(body)
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise ModelNotFound(f"The model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r} (see GET /v1/models)")
 
     async def models(self, request: web.Request) -> web.Response:
         """OpenAI ``/v1/models``."""

@@ -205,7 +205,8 @@ def test_bad_versions_and_n_above_the_cap_get_400(server):
     assert status == 400 and out["error"]["param"] == "new_version"
     status, out = call(f"{server}/update_weight_version", {"new_version": 2**80}, key=KEY)
     assert status == 400 and out["error"]["param"] == "new_version"
-    status, out = call(f"{server}/v1/completions", {"model": "m", "prompt": [5, 6], "n": 17, "max_tokens": 1})
+    model = _served_model(server)
+    status, out = call(f"{server}/v1/completions", {"model": model, "prompt": [5, 6], "n": 17, "max_tokens": 1})
     assert status == 400 and out["error"]["param"] == "n" and "server.max_n" in out["error"]["message"]
     status, out = call(f"{server}/v1/completions", {"model": "m", "prompt": [5, 6], "temperature": 10**400})
     assert status == 400 and out["error"]["param"] == "temperature"
@@ -353,9 +354,57 @@ def test_fuzz_thousands_of_random_bodies_leave_the_server_as_it_was(server):
     with ThreadPoolExecutor(8) as pool:
         statuses = list(pool.map(send, bodies))
     counts = {s: statuses.count(s) for s in set(statuses)}
-    bad = [b for b, s in zip(bodies, statuses) if s not in (200, 400)]
+    bad = [b for b, s in zip(bodies, statuses) if s not in (200, 400, 404)]  # 404: a model not served
     assert not bad, (counts, bad[:5])  # no 500s, no 503s: every request was answered cleanly
     assert counts.get(200, 0) > 50 and counts.get(400, 0) > 500, counts  # both paths were exercised
     assert call(f"{server}/health")[0] == 200
     assert call(f"{server}/get_server_info")[1]["failed_steps"] == 0
     assert call(f"{server}/generate", GREEDY)[1]["output_ids"] == before
+
+
+# ------------------------------------------------------------------ OpenAI semantics
+
+
+def _served_model(url: str) -> str:
+    return call(f"{url}/v1/models")[1]["data"][0]["id"]
+
+
+def test_openai_details_unknown_model_404_usage_of_list_prompts_and_chat_without_max_tokens(server):
+    model = _served_model(server)
+    status, out = call(f"{server}/v1/completions", {"model": "gpt-nothing", "prompt": [5, 6], "max_tokens": 1})
+    assert status == 404 and out["error"]["code"] == "model_not_found" and model in out["error"]["message"]
+    status, out = call(f"{server}/v1/completions",
+                       {"model": model, "prompt": [[5, 6], [7, 8, 9]], "n": 2, "max_tokens": 1})
+    assert status == 200 and out["usage"]["prompt_tokens"] == 5 and out["usage"]["completion_tokens"] == 4
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "temperature": 0}
+    status, out = call(f"{server}/v1/chat/completions", body)
+    assert status == 200 and out["usage"]["completion_tokens"] > 16  # OpenAI's chat has no 16-token default
+    assert out["choices"][0]["finish_reason"] == "length"  # the context ended it
+
+
+def test_an_internal_error_is_a_json_500_and_the_server_goes_on(tiny_model_dir):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from areal.api.config import from_dict
+    from areal.api.config.server import GenerationServerConfig
+    from areal.serving.server import GenerationServer
+
+    srv = GenerationServer(from_dict(GenerationServerConfig, {"model_path": str(tiny_model_dir)}))
+    srv.generator.start()
+    real_encode = srv.encode
+    srv.encode = lambda text: 1 // 0 if text == "boom" else real_encode(text)
+
+    async def run():
+        async with TestClient(TestServer(srv.build_app(), host="127.0.0.1")) as client:
+            out = []
+            for prompt in ("boom", "fine"):
+                resp = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+                out.append((resp.status, await resp.json()))
+            return out
+
+    try:
+        (s1, bug), (s2, ok) = asyncio.run(run())
+    finally:
+        srv.generator.shutdown()
+    assert s1 == 500 and "internal error: ZeroDivisionError" in bug["error"]["message"]
+    assert s2 == 200 and len(ok["choices"]) == 1
