@@ -77,6 +77,20 @@ def _launch(args: argparse.Namespace) -> int:
     raise SystemExit(f"areal launch {args.mode}: unknown mode; use local, ray or slurm")
 
 
+def _core(args: argparse.Namespace) -> int:
+    from areal.api.config import load_config
+    from areal.core.dfg import GraphError, format_graph
+    from areal.core.graphs import CoreGraphConfig, graph_from_config
+
+    cfg = load_config(CoreGraphConfig, args.rest)
+    try:
+        print(format_graph(graph_from_config(cfg)))
+    except GraphError as e:
+        print(f"areal core {args.action}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="areal", description="Asynchronous RL for LLM post-training on verifiable tasks."
@@ -120,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file of GenerationServerConfig fields")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_batch_size=64")
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("core", help="Core mode (docs/core.md); today: print a dataflow graph")
+    p.add_argument("action", choices=["graph"], help="graph: print nodes, edges, models and meshes")
+    p.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="--config YAML (CoreGraphConfig fields, areal/core/graphs.py) and key=value overrides")
+    p.set_defaults(func=_core)
     return parser
 
 

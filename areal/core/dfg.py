@@ -1,0 +1,276 @@
+"""The dataflow graph of Core mode: model function calls (MFCs) as data, checked before anything runs.
+
+An :class:`MFC` names a model (role + replica), one of the uniform model functions of the Lite
+engines (:class:`ModelFn`; each returns :data:`~areal.api.engine.ModelFnResult`, a batch with
+named fields added), the batch fields it reads and the ones it adds. Fields are *keys*: a key
+comes from the dataset or from exactly one MFC. :func:`build_graph` turns MFCs, the dataset's
+keys and the allocation (which model workers host each model, on which mesh) into a
+:class:`DataflowGraph`, or raises one :class:`GraphError` listing every problem, each naming the
+MFC and the key (or the model) at fault:
+
+- every input key has exactly one producer or comes from the dataset;
+- no two MFCs write one key, and no MFC writes a dataset key;
+- no cycles;
+- every MFC's outputs are the fields its function adds (``compute_logp(out="ref_logp")`` adds
+  ``ref_logp``), so the graph cannot lie about what a call produces;
+- every model an MFC runs on has an allocation whose mesh fits it: ``dp * tp`` workers, each a
+  valid worker index, none twice. Tensor parallelism (``tp > 1``) is not built and is refused.
+
+Edges are derived: ``producer -> consumer`` for each key one writes and the other reads. The
+MFCs are kept in a topological order (the order given, among ready ones), which is the order a
+master considers them for dispatch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal.api.config.base import MicroBatchSpec
+
+
+class ModelFn(enum.Enum):
+    """The model functions an MFC can call: Lite engine methods returning ``ModelFnResult``.
+
+    ``generate`` is the rollout side (the inference engine and a workflow), not a train-engine
+    method; the others are methods of :mod:`areal.engine` classes of the same name.
+    """
+
+    GENERATE = "generate"
+    COMPUTE_LOGP = "compute_logp"  # FSDPEngine (actor's proximal logp, reference logp)
+    COMPUTE_VALUES = "compute_values"  # PPOCritic
+    COMPUTE_ADVANTAGES = "compute_advantages"  # PPOActor
+    PPO_UPDATE = "ppo_update"  # PPOActor, PPOCritic
+    TRAIN_LM = "train_lm"  # SFTEngine
+    EVALUATE_LM = "evaluate_lm"  # SFTEngine
+    TRAIN_RW = "train_rw"  # RWEngine
+    SCORE = "score"  # RWEngine
+
+
+# The fields each function adds to its batch (None: declared by the MFC, e.g. generate's).
+_ADDED: dict[ModelFn, tuple[str, ...] | None] = {
+    ModelFn.GENERATE: None,
+    ModelFn.COMPUTE_VALUES: ("values",),
+    ModelFn.COMPUTE_ADVANTAGES: ("advantages", "returns", "token_rewards", "seq_rewards"),
+    ModelFn.PPO_UPDATE: (),
+    ModelFn.TRAIN_LM: (),
+    ModelFn.EVALUATE_LM: ("logp",),
+    ModelFn.TRAIN_RW: (),
+    ModelFn.SCORE: ("scores",),
+}
+
+
+def added_fields(fn: ModelFn, kwargs: dict[str, Any]) -> tuple[str, ...] | None:
+    """The keys ``fn(batch, **kwargs)`` adds (None: whatever the MFC declares)."""
+    if fn is ModelFn.COMPUTE_LOGP:
+        return (kwargs.get("out", "logp"),)
+    return _ADDED[fn]
+
+
+@dataclass(frozen=True, order=True)
+class ModelName:
+    """A model of the graph: its role (actor, critic, ref, ...) and which replica of that role."""
+
+    role: str
+    replica: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> ModelName:
+        """``"actor"`` or ``"actor@1"``."""
+        role, _, replica = text.partition("@")
+        if not role or (replica and not replica.isdigit()):
+            raise ValueError(f"model name {text!r}: write ROLE or ROLE@REPLICA, e.g. 'actor' or 'actor@1'")
+        return cls(role, int(replica) if replica else 0)
+
+    def __str__(self) -> str:
+        return f"{self.role}@{self.replica}"
+
+
+@dataclass(frozen=True)
+class MFC:
+    """One model function call: ``model.fn(batch[inputs], **kwargs)`` adds ``outputs``.
+
+    ``mb_spec`` overrides the engine's own micro-batch split for this call (None: the engine's).
+    """
+
+    name: str
+    model: ModelName
+    fn: ModelFn
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    mb_spec: MicroBatchSpec | None = None
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Where a model lives: model-worker indices forming a ``dp x tp`` mesh (dp-major order)."""
+
+    model: ModelName
+    workers: tuple[int, ...]
+    dp: int = 1
+    tp: int = 1
+
+
+@dataclass(frozen=True)
+class DataflowGraph:
+    """A checked graph (build it with :func:`build_graph`)."""
+
+    name: str
+    mfcs: tuple[MFC, ...]  # topological order
+    dataset_keys: tuple[str, ...]
+    allocations: dict[ModelName, Allocation]
+    n_workers: int
+    producers: dict[str, str]  # key -> name of the MFC writing it (dataset keys absent)
+    edges: tuple[tuple[str, str, str], ...]  # (producer MFC, consumer MFC, key)
+
+
+class GraphError(ValueError):
+    """Every problem of one graph, one per line."""
+
+    def __init__(self, name: str, problems: list[str]):
+        self.problems = problems
+        super().__init__(f"graph {name!r} is invalid ({len(problems)} problem(s)):\n"
+                         + "\n".join(f"  - {p}" for p in problems))
+
+
+def _check_keys(mfcs: list[MFC], dataset_keys: tuple[str, ...], problems: list[str]) -> dict[str, str]:
+    """Producers of each key; problems for duplicate writers, dataset overwrites, wrong outputs."""
+    producers: dict[str, str] = {}
+    for m in mfcs:
+        added = added_fields(m.fn, m.kwargs)
+        if added is not None and tuple(sorted(m.outputs)) != tuple(sorted(added)):
+            call = f"{m.fn.value}({', '.join(f'{k}={v!r}' for k, v in m.kwargs.items())})"
+            problems.append(f"MFC {m.name!r} calls {call}, which adds {list(added)}, but declares "
+                            f"outputs {list(m.outputs)}; declare exactly {list(added)}")
+        if m.fn is not ModelFn.GENERATE and "input_ids" not in m.inputs:
+            problems.append(f"MFC {m.name!r} does not read key 'input_ids'; every model function "
+                            "takes a packed batch, add 'input_ids' to its inputs")
+        for key in m.outputs:
+            if key in dataset_keys:
+                problems.append(f"MFC {m.name!r} writes key {key!r}, which comes from the dataset; "
+                                "rename the output")
+            elif key in producers:
+                problems.append(f"key {key!r} is written by MFC {producers[key]!r} and by MFC "
+                                f"{m.name!r}; each key has one producer, rename one output")
+            else:
+                producers[key] = m.name
+    for m in mfcs:
+        for key in m.inputs:
+            if key not in producers and key not in dataset_keys:
+                problems.append(f"MFC {m.name!r} reads key {key!r}, which no MFC writes and the "
+                                f"dataset does not provide (dataset keys: {list(dataset_keys)})")
+    return producers
+
+
+def _find_cycle(names: list[str], deps: dict[str, dict[str, str]]) -> list[tuple[str, str]]:
+    """One cycle among ``names`` as ``[(mfc, key it reads from the next), ...]``."""
+    path: list[str] = []
+    node = names[0]
+    while node not in path:
+        path.append(node)
+        node = next(p for p in deps[node] if p in names)
+    cycle = path[path.index(node):]
+    return [(a, deps[a][b]) for a, b in zip(cycle, cycle[1:] + cycle[:1])]
+
+
+def _topological(mfcs: list[MFC], producers: dict[str, str], problems: list[str]) -> list[MFC]:
+    """Kahn's order, stable in the given order; a problem naming each cycle's MFCs and keys."""
+    deps: dict[str, dict[str, str]] = {m.name: {} for m in mfcs}  # consumer -> {producer: key}
+    for m in mfcs:
+        for key in m.inputs:
+            if key in producers:
+                deps[m.name].setdefault(producers[key], key)
+    order, done = [], set()
+    remaining = list(mfcs)
+    while remaining:
+        ready = [m for m in remaining if set(deps[m.name]) <= done]
+        if not ready:
+            names = [m.name for m in remaining]
+            cycle = _find_cycle([n for n in names if any(p in names for p in deps[n])], deps)
+            nxt = [b for b, _ in cycle[1:] + cycle[:1]]
+            text = ", ".join(f"MFC {a!r} reads key {k!r} from MFC {b!r}" for (a, k), b in zip(cycle, nxt))
+            problems.append(f"MFCs form a cycle: {text}; break it by reading one of these keys "
+                            "from the dataset or another MFC")
+            return order + remaining
+        order.append(ready[0])
+        done.add(ready[0].name)
+        remaining.remove(ready[0])
+    return order
+
+
+def _check_allocations(mfcs: list[MFC], allocations: dict[ModelName, Allocation], n_workers: int,
+                       problems: list[str]) -> None:
+    for m in mfcs:
+        if m.model not in allocations:
+            problems.append(f"MFC {m.name!r} runs on model '{m.model}', which has no allocation; "
+                            f"allocate it workers (allocated: {sorted(str(a) for a in allocations)})")
+    for model, a in sorted(allocations.items()):
+        users = [m.name for m in mfcs if m.model == model]
+        who = f"model '{model}' (MFCs {users})"
+        if a.tp != 1:
+            problems.append(f"{who}: tp={a.tp}, but tensor parallelism is not built; set tp=1")
+        if a.dp < 1:
+            problems.append(f"{who}: dp={a.dp}; dp must be >= 1")
+        if len(a.workers) != a.dp * a.tp:
+            problems.append(f"{who}: mesh dp={a.dp} x tp={a.tp} needs {a.dp * a.tp} workers, "
+                            f"allocated {len(a.workers)} ({list(a.workers)})")
+        bad = [w for w in a.workers if not 0 <= w < n_workers]
+        if bad:
+            problems.append(f"{who}: workers {bad} do not exist; there are {n_workers} workers "
+                            f"(0..{n_workers - 1})")
+        if len(set(a.workers)) != len(a.workers):
+            problems.append(f"{who}: a worker appears twice in {list(a.workers)}; list each once")
+        if not users:
+            problems.append(f"model '{model}' is allocated workers but no MFC runs on it; "
+                            "remove its allocation")
+
+
+def build_graph(name: str, mfcs: list[MFC], dataset_keys: tuple[str, ...],
+                allocations: list[Allocation], n_workers: int) -> DataflowGraph:
+    """Check and build a graph; raises :class:`GraphError` listing every problem at once."""
+    problems: list[str] = []
+    seen: set[str] = set()
+    for m in mfcs:
+        if m.name in seen:
+            problems.append(f"MFC name {m.name!r} is used twice; give each MFC its own name")
+        seen.add(m.name)
+    by_model: dict[ModelName, Allocation] = {}
+    for a in allocations:
+        if a.model in by_model:
+            problems.append(f"model '{a.model}' has two allocations; give each model one")
+        by_model[a.model] = a
+    producers = _check_keys(mfcs, dataset_keys, problems)
+    order = _topological(mfcs, producers, problems)
+    _check_allocations(mfcs, by_model, n_workers, problems)
+    if problems:
+        raise GraphError(name, problems)
+    edges = tuple((producers[k], m.name, k) for m in order for k in m.inputs if k in producers)
+    return DataflowGraph(name, tuple(order), tuple(dataset_keys), by_model, n_workers, producers, edges)
+
+
+def format_graph(graph: DataflowGraph) -> str:
+    """The graph as text: models and their meshes, nodes in dispatch order, edges."""
+    lines = [f"graph {graph.name}: {len(graph.mfcs)} MFCs, {len(graph.allocations)} models, "
+             f"{graph.n_workers} model workers",
+             f"dataset keys: {', '.join(graph.dataset_keys)}", "models:"]
+    for model, a in sorted(graph.allocations.items()):
+        users = ", ".join(m.name for m in graph.mfcs if m.model == model)
+        lines.append(f"  {str(model):<12} mesh dp={a.dp} x tp={a.tp}  workers {list(a.workers)}  MFCs: {users}")
+    lines.append("nodes (dispatch order):")
+    for m in graph.mfcs:
+        args = ", ".join(f"{k}={v!r}" for k, v in m.kwargs.items())
+        lines.append(f"  {m.name:<16} {str(m.model)}.{m.fn.value}({args})")
+        lines.append(f"  {'':<16}   reads {', '.join(m.inputs) or '-'}; adds {', '.join(m.outputs) or '-'}")
+    lines.append("edges:")
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for src, dst, key in graph.edges:
+        grouped.setdefault((src, dst), []).append(key)
+    for (src, dst), keys in grouped.items():
+        lines.append(f"  {src} -> {dst}  [{', '.join(keys)}]")
+    for m in graph.mfcs:
+        from_data = [k for k in m.inputs if k not in graph.producers]
+        if from_data:
+            lines.append(f"  dataset -> {m.name}  [{', '.join(from_data)}]")
+    return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""The graphs of Core's entry points, as data: sync PPO, async PPO and SFT.
+
+Sync PPO (the reference, critic and proximal-logp nodes are optional)::
+
+    dataset [prompt_ids, reference] -> actor_gen (actor.generate)
+      -> {ref_logp (ref.compute_logp), critic_values (critic.compute_values),
+          actor_logp (actor.compute_logp, out=prox_logp)}
+      -> actor_adv (actor.compute_advantages)
+      -> {actor_train (actor.ppo_update), critic_train (critic.ppo_update)}
+
+The advantages are a node of their own (the Lite actor's ``compute_advantages``) because both
+trainers read its outputs: the actor its ``advantages``, the critic its ``returns``. Async PPO is
+the same graph without ``actor_gen``: its dataset is the rollout stream (the fields of
+:func:`areal.rollout.trajectory.groups_to_batch`). SFT is one node, ``model.train_lm``.
+
+Allocations: an empty list puts every model of the graph on every worker with ``dp =
+n_workers`` (the graph's models then share workers, as Lite's engines share trainer ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+from areal.api.config.loader import param
+from areal.core.dfg import MFC, Allocation, DataflowGraph, ModelFn, ModelName, build_graph
+
+# What the rollout side hands over: the fields of groups_to_batch.
+ROLLOUT_KEYS = ("input_ids", "loss_mask", "logprobs", "versions", "rewards", "no_eos",
+                "group_index", "prompt_lens", "status_code")
+PROMPT_KEYS = ("prompt_ids", "reference")  # a dataset item: tokenized prompt, reference answer
+SFT_KEYS = ("input_ids", "loss_mask")
+
+ACTOR, CRITIC, REF = ModelName("actor"), ModelName("critic"), ModelName("ref")
+
+
+@dataclass(frozen=True)
+class ModelAllocationConfig:
+    """Which model workers host one model, and its mesh over them."""
+
+    model: str = param("actor", help="Model name: ROLE or ROLE@REPLICA (actor, critic, ref, ...).")
+    workers: list[int] = param(factory=list, help="Model-worker indices, dp-major; len = dp * tp.")
+    dp: int = param(1, ge=1, help="Data-parallel size of this model's mesh.")
+    tp: int = param(1, ge=1, help="Tensor-parallel size; only 1 is built.")
+
+    def check(self) -> Iterator[str]:
+        try:
+            ModelName.parse(self.model)
+        except ValueError as e:
+            yield f"model: {e}"
+
+
+@dataclass(frozen=True)
+class CoreGraphConfig:
+    """Which graph Core runs and where each model lives."""
+
+    graph: Literal["sync_ppo", "async_ppo", "sft"] = param("sync_ppo", help="The entry point's graph.")
+    n_workers: int = param(1, ge=1, help="Number of model workers.")
+    use_critic: bool = param(False, help="PPO: a critic (values node, critic train node).")
+    use_ref: bool = param(False, help="PPO: a reference model (ref logp node, for a KL penalty).")
+    prox_logp: bool = param(
+        False, help="PPO: a proximal-logp node before the update (decoupled PPO with several "
+        "minibatches or KL in the reward; see PPOActor.needs_prox_pass).")
+    allocations: list[ModelAllocationConfig] = param(
+        factory=list, help="One entry per model; empty = every model on every worker, dp = n_workers.")
+
+    def check(self) -> Iterator[str]:
+        if self.graph == "sft" and (self.use_critic or self.use_ref or self.prox_logp):
+            yield "graph: sft has no critic, reference or proximal logp; unset use_critic/use_ref/prox_logp"
+
+
+def ppo_mfcs(use_critic: bool, use_ref: bool, prox_logp: bool) -> list[MFC]:
+    """The PPO nodes after generation: logp, ref logp, values, advantages, trains."""
+    base = ("input_ids", "loss_mask")
+    mfcs: list[MFC] = []
+    adv_in = [*base, "rewards", "no_eos", "logprobs"]
+    train_in = [*base, "logprobs", "advantages"]
+    if prox_logp:
+        mfcs.append(MFC("actor_logp", ACTOR, ModelFn.COMPUTE_LOGP, ("input_ids",), ("prox_logp",),
+                        {"out": "prox_logp"}))
+        adv_in.append("prox_logp")
+        train_in.append("prox_logp")
+    if use_ref:
+        mfcs.append(MFC("ref_logp", REF, ModelFn.COMPUTE_LOGP, ("input_ids",), ("ref_logp",),
+                        {"out": "ref_logp"}))
+        adv_in.append("ref_logp")
+        train_in.append("ref_logp")
+    if use_critic:
+        mfcs.append(MFC("critic_values", CRITIC, ModelFn.COMPUTE_VALUES, ("input_ids",), ("values",)))
+        adv_in.append("values")
+    mfcs.append(MFC("actor_adv", ACTOR, ModelFn.COMPUTE_ADVANTAGES, tuple(adv_in),
+                    ("advantages", "returns", "token_rewards", "seq_rewards")))
+    mfcs.append(MFC("actor_train", ACTOR, ModelFn.PPO_UPDATE, tuple(train_in)))
+    if use_critic:
+        mfcs.append(MFC("critic_train", CRITIC, ModelFn.PPO_UPDATE, (*base, "values", "returns")))
+    return mfcs
+
+
+def generate_mfc() -> MFC:
+    """The actor's rollouts: prompts in, scored groups of trajectories (packed) out."""
+    return MFC("actor_gen", ACTOR, ModelFn.GENERATE, PROMPT_KEYS, ROLLOUT_KEYS)
+
+
+def graph_mfcs(cfg: CoreGraphConfig) -> tuple[list[MFC], tuple[str, ...]]:
+    """The MFCs of ``cfg.graph`` and its dataset keys."""
+    if cfg.graph == "sft":
+        return [MFC("sft_train", ModelName("model"), ModelFn.TRAIN_LM, SFT_KEYS)], SFT_KEYS
+    ppo = ppo_mfcs(cfg.use_critic, cfg.use_ref, cfg.prox_logp)
+    if cfg.graph == "async_ppo":
+        return ppo, ROLLOUT_KEYS
+    return [generate_mfc(), *ppo], PROMPT_KEYS
+
+
+def allocations_for(cfg: CoreGraphConfig, mfcs: list[MFC]) -> list[Allocation]:
+    """The configured allocations, or every model on every worker (dp = n_workers)."""
+    if cfg.allocations:
+        return [Allocation(ModelName.parse(a.model), tuple(a.workers), a.dp, a.tp) for a in cfg.allocations]
+    models = sorted({m.model for m in mfcs})
+    return [Allocation(m, tuple(range(cfg.n_workers)), cfg.n_workers) for m in models]
+
+
+def graph_from_config(cfg: CoreGraphConfig) -> DataflowGraph:
+    """The checked graph ``cfg`` describes (raises GraphError listing every problem)."""
+    mfcs, keys = graph_mfcs(cfg)
+    return build_graph(cfg.graph, mfcs, keys, allocations_for(cfg, mfcs), cfg.n_workers)
