@@ -36,7 +36,7 @@ import torch
 
 from areal.serving.cpu_attention import Mode
 from areal.serving.model import KVCache, Qwen2Forward, read_hf_dir
-from areal.serving.sampling import SamplingParams, sample
+from areal.serving.sampling import SamplingParams, sample, top_logprobs
 
 logger = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length", "abort"]
@@ -61,6 +61,8 @@ class GenerationResult:
     output_logprobs: list[float]
     output_versions: list[int]
     finish_reason: FinishReason
+    # per output token, its top_logprobs most likely (token, logprob) when the request asked
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     matched: int | str | None = None  # the stop token id or stop string that ended it
     latency: float = 0.0  # seconds, submit -> finish
     ttft: float = 0.0  # seconds, submit -> first token
@@ -78,6 +80,7 @@ class _Seq:
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    tops: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class Generator:
@@ -287,6 +290,24 @@ class Generator:
             raise ValueError(f"{path}: cannot read the weights: {e}") from e
         return self.update_weights(params, version, complete=True)
 
+    def prompt_logprobs(self, input_ids: list[int], top: int = 0
+                        ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+        """Logprob of each prompt token given the ones before it (the first has none: None) and,
+        with ``top``, each position's ``top`` most likely tokens; runs between steps."""
+        problems = self.check_request(input_ids, SamplingParams(max_new_tokens=0, top_logprobs=top))
+        if problems:
+            raise ValueError("; ".join(problems))
+
+        def _score():
+            logits = self.model.score(torch.tensor(input_ids, dtype=torch.long, device=self.model.device))
+            logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+            chosen = logp.gather(1, torch.tensor(input_ids[1:], device=logp.device)[:, None])[:, 0].tolist()
+            tops = top_logprobs(logits[:-1], [1.0] * (len(input_ids) - 1), [top] * (len(input_ids) - 1)) \
+                if top and len(input_ids) > 1 else [[] for _ in input_ids[1:]]
+            return [None, *chosen], [None, *tops]
+
+        return self._call(_score)
+
     def set_version(self, version: int) -> None:
         """Set the version stamped on tokens generated from now on."""
 
@@ -413,6 +434,12 @@ class Generator:
             sorted(s.stop_ids) if len(s.out) < s.params.min_new_tokens else [] for s in seqs
         ]
         tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], suppress)
+        asked = [i for i, s in enumerate(seqs) if s.params.top_logprobs]
+        if asked:
+            temps = [1.0 if seqs[i].params.greedy else seqs[i].params.temperature for i in asked]
+            tops = top_logprobs(logits[asked], temps, [seqs[i].params.top_logprobs for i in asked])
+            for i, top in zip(asked, tops):
+                seqs[i].tops.append(top)
         now, version = time.monotonic(), self._version
         finished: list[tuple[int, FinishReason, int | str | None]] = []
         for i, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
@@ -501,6 +528,7 @@ class Generator:
             output_logprobs=s.logprobs,
             output_versions=s.versions,
             finish_reason=reason,
+            output_top_logprobs=s.tops,
             matched=matched,
             latency=now - s.t_submit,
             ttft=(s.t_first - s.t_submit) if s.t_first else 0.0,

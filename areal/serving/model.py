@@ -354,6 +354,24 @@ class Qwen2Forward:
         return out
 
     @torch.no_grad()
+    def score(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, V]`` at every position of one sequence (a plain causal forward that
+        touches no cache: prompt logprobs for echo / loglikelihood requests)."""
+        s, n = self.spec, tokens.shape[0]
+        nq, nkv = s.n_heads, s.n_kv_heads
+        positions = torch.arange(n, device=tokens.device)
+        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]
+        h = F.embedding(tokens, self.embed)
+        for layer in self.layers:
+            qkv = self.ops.linear(self._rms_norm(h, layer["ln1"]), layer["qkv_w"], layer["qkv_b"])
+            qk = qkv[:, : (nq + nkv) * s.head_dim].view(n, nq + nkv, s.head_dim)
+            qk = torch.addcmul(qk * cos, qk.roll(s.head_dim // 2, dims=-1), sin)
+            v = qkv[:, (nq + nkv) * s.head_dim :].view(n, nkv, s.head_dim)
+            (att,) = self._prompt_attention(qk[:, :nq], qk[:, nq:], v, [n], last_only=False)
+            h = self._mlp_block(self.ops.linear_add(att, layer["o_w"], h), layer)
+        return self.ops.linear(self._rms_norm(h, self.final_norm), self.lm_head)
+
+    @torch.no_grad()
     def step(
         self,
         decode_tokens: torch.Tensor,

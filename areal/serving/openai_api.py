@@ -9,6 +9,7 @@ SGLang's OpenAI servers: ``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token
 from __future__ import annotations
 
 import uuid
+import dataclasses
 from typing import Any, Callable
 
 from areal.serving.generator import GenerationResult
@@ -26,7 +27,7 @@ from areal.serving.protocol import (
     render_text,
     usage,
 )
-from areal.serving.sampling import SamplingParams
+from areal.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 COMMON_KEYS = {
     "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user",
@@ -70,11 +71,14 @@ def _common(body: dict, max_tokens: int | None) -> tuple[SamplingParams, dict, i
 def _fan_out(prompt: list[int], params: SamplingParams, opts: dict, n: int, index0: int) -> list[Job]:
     """``n`` jobs for one prompt; seeded requests get seeds seed, seed+1, ... so samples differ."""
     jobs = []
+    opts = dict(opts)
+    echo = opts.pop("echo", False)
     for i in range(n):
         p = params
         if params.seed is not None and i > 0:
             p = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
-        jobs.append(Job(prompt, p, **opts, extra={"index": index0 + i, "prompt_index": index0 // max(n, 1)}))
+        extra = {"index": index0 + i, "prompt_index": index0 // max(n, 1), "echo": echo}
+        jobs.append(Job(prompt, p, **opts, extra=extra))
     return jobs
 
 
@@ -83,11 +87,15 @@ def parse_completions(body: Any, encode: Callable[[str], list[int]]) -> tuple[li
     if not isinstance(body, dict):
         raise BadRequest("body", "expected a JSON object")
     _check_known(body, COMPLETION_KEYS, "")
-    if body.get("echo"):
-        raise BadRequest("echo", "echo is not supported")
     if body.get("suffix"):
         raise BadRequest("suffix", "suffix is not supported")
     params, opts, n = _common(body, _int(body, "max_tokens", "", None, lo=0))
+    logprobs = _int(body, "logprobs", "", None, lo=0)
+    if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
+        raise BadRequest("logprobs", f"must be <= {MAX_TOP_LOGPROBS}, got {logprobs}")
+    echo = _bool(body, "echo", "", False)
+    params = dataclasses.replace(params, top_logprobs=logprobs or 0)
+    opts = {**opts, "echo": echo}
     if body.get("best_of") not in (None, n):
         raise BadRequest("best_of", "best_of must equal n")
     prompt = body.get("prompt")
@@ -106,7 +114,10 @@ def parse_completions(body: Any, encode: Callable[[str], list[int]]) -> tuple[li
     jobs: list[Job] = []
     for p in prompts:
         jobs += _fan_out(p, params, opts, n, len(jobs))
-    return jobs, _int(body, "logprobs", "", None, lo=0)
+    if echo and logprobs is not None:  # prompt logprobs too (loglikelihood requests)
+        for job in jobs:
+            job.extra["prompt_logprobs"] = logprobs
+    return jobs, logprobs
 
 
 def parse_chat(
@@ -135,26 +146,55 @@ def parse_chat(
     max_tokens = _int(body, "max_tokens", "", None, lo=0) if max_tokens is None else max_tokens
     # OpenAI chat without a limit runs to the end of the context (the generator stops there)
     params, opts, n = _common(body, CHAT_UNLIMITED if max_tokens is None else max_tokens)
-    return _fan_out(apply_template(clean), params, opts, n, 0), _bool(body, "logprobs", "", False)
+    want = _bool(body, "logprobs", "", False)
+    top = _int(body, "top_logprobs", "", 0, lo=0)
+    if top and not want:
+        raise BadRequest("top_logprobs", "top_logprobs needs logprobs=true")
+    if top > MAX_TOP_LOGPROBS:
+        raise BadRequest("top_logprobs", f"must be <= {MAX_TOP_LOGPROBS}, got {top}")
+    params = dataclasses.replace(params, top_logprobs=top)
+    return _fan_out(apply_template(clean), params, opts, n, 0), want
+
+
+def _top_entries(ids: list[int], lps: list, tops: list, n: int | None, token_str: Callable) -> list:
+    """OpenAI completions ``top_logprobs``: per position a {token: logprob} dict of the ``n``
+    most likely tokens plus the chosen one (None where no logprob exists: a prompt's first)."""
+    out = []
+    for t, lp, top in zip(ids, lps, tops):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {token_str(u): v for u, v in (top or [])[: n or 0]}
+        entry.setdefault(token_str(t), lp)
+        out.append(entry)
+    return out
 
 
 def completion_response(
     model: str, jobs: list[Job], results: list[GenerationResult], logprobs: int | None,
     decode: Callable, token_str: Callable[[int], str],
 ) -> dict:  # fmt: skip
-    """OpenAI ``text_completion`` object."""
+    """OpenAI ``text_completion`` object; with ``echo`` the prompt leads the text and (with
+    ``logprobs``) its tokens lead the logprobs, the first one None."""
     choices = []
     for job, r in zip(jobs, results):
+        echo = job.extra.get("echo", False)
+        text = render_text(job, r, decode)
+        if echo:
+            text = decode(r.input_ids, job.skip_special_tokens) + text
         lp = None
         if logprobs is not None:
-            tokens = [token_str(t) for t in r.output_ids]
-            lp = {
-                "tokens": tokens,
-                "token_logprobs": r.output_logprobs,
-                "top_logprobs": [{t: v} for t, v in zip(tokens, r.output_logprobs)],
-                "text_offset": [],
-            }
-        text = render_text(job, r, decode)
+            ids = (r.input_ids if echo else []) + r.output_ids
+            lps = (job.extra["input_logprobs"] if echo else []) + r.output_logprobs
+            out_tops = r.output_top_logprobs or [[] for _ in r.output_ids]
+            tops = (job.extra["input_tops"] if echo else []) + out_tops
+            tokens = [token_str(t) for t in ids]
+            offsets, at = [], 0
+            for t in ids:  # each token's character offset in the returned text
+                offsets.append(at)
+                at += len(decode([t], job.skip_special_tokens))
+            lp = {"tokens": tokens, "token_logprobs": lps,
+                  "top_logprobs": _top_entries(ids, lps, tops, logprobs, token_str), "text_offset": offsets}
         choices.append(
             {"index": job.extra["index"], "text": text, "logprobs": lp, "finish_reason": r.finish_reason}
         )
@@ -166,18 +206,19 @@ def completion_response(
 
 def chat_response(
     model: str, jobs: list[Job], results: list[GenerationResult], logprobs: bool,
-    decode: Callable, token_str: Callable[[int], str],
+    decode: Callable, token_str: Callable[[int], str], token_bytes: Callable[[int], bytes],
 ) -> dict:  # fmt: skip
     """OpenAI ``chat.completion`` object."""
     choices = []
     for job, r in zip(jobs, results):
         lp = None
         if logprobs:
-            content = []
-            for t, v in zip(r.output_ids, r.output_logprobs):
-                s = token_str(t)
-                content.append({"token": s, "logprob": v, "bytes": list(s.encode()), "top_logprobs": []})
-            lp = {"content": content}
+            def item(t: int, v: float) -> dict:
+                return {"token": token_str(t), "logprob": v, "bytes": list(token_bytes(t))}
+
+            tops = r.output_top_logprobs or [[] for _ in r.output_ids]
+            lp = {"content": [{**item(t, v), "top_logprobs": [item(u, w) for u, w in top]}
+                              for t, v, top in zip(r.output_ids, r.output_logprobs, tops)]}
         message = {"role": "assistant", "content": render_text(job, r, decode)}
         choices.append(
             {"index": job.extra["index"], "message": message, "logprobs": lp, "finish_reason": r.finish_reason}

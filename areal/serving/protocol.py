@@ -11,13 +11,14 @@ token) and an integer ``meta_info.weight_version``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from areal.serving.generator import GenerationResult
-from areal.serving.sampling import SamplingParams
+from areal.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 
 class BadRequest(ValueError):
@@ -162,8 +163,18 @@ def parse_generate(body: Any, encode: Callable[[str], list[int]]) -> tuple[list[
     if not prompts or any(len(p) == 0 for p in prompts):
         raise BadRequest("input_ids" if body.get("input_ids") is not None else "text", "empty prompt")
     params, opts = sampling_from_sglang(body.get("sampling_params"))
-    jobs = [Job(p, params, **opts) for p in prompts]
-    return jobs, batch, _bool(body, "return_logprob", "", False)
+    return_logprob = _bool(body, "return_logprob", "", False)
+    start = _int(body, "logprob_start_len", "", -1, lo=-1)
+    top = _int(body, "top_logprobs_num", "", 0, lo=0)
+    if top > MAX_TOP_LOGPROBS:
+        raise BadRequest("top_logprobs_num", f"must be <= {MAX_TOP_LOGPROBS}, got {top}")
+    extra: dict[str, Any] = {}
+    if return_logprob:
+        params = dataclasses.replace(params, top_logprobs=top)
+        if start >= 0:  # prompt logprobs from this position on
+            extra = {"prompt_logprobs": top, "logprob_start_len": start}
+    jobs = [Job(p, params, **opts, extra={**extra, "prompt_index": i}) for i, p in enumerate(prompts)]
+    return jobs, batch, return_logprob
 
 
 def finish_reason_obj(r: GenerationResult) -> dict:
@@ -204,7 +215,15 @@ def generate_response(
         meta["output_token_logprobs"] = [
             [lp, tok, None] for lp, tok in zip(r.output_logprobs, r.output_ids)
         ]
-        meta["input_token_logprobs"] = []
+        start = job.extra.get("logprob_start_len", -1)
+        lps, tops = job.extra.get("input_logprobs", []), job.extra.get("input_tops", [])
+        meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(lps, r.input_ids)][max(start, 0):] \
+            if start >= 0 else []
+        if job.params.top_logprobs:
+            meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in r.output_top_logprobs]
+            meta["input_top_logprobs"] = [
+                None if top is None else [[lp, t, None] for t, lp in top] for top in tops
+            ][max(start, 0):] if start >= 0 else []
     return {"text": render_text(job, r, decode), "output_ids": r.output_ids, "meta_info": meta}
 
 

@@ -21,6 +21,7 @@ NEG_INF = float("-inf")
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4  # logits / T stays finite in fp32 inside these
 MAX_INT = 2**31 - 1  # counts and top_k fit an int32 tensor
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range
+MAX_TOP_LOGPROBS = 20  # alternatives reported per token (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (need a tokenizer)
     ignore_eos: bool = False  # EOS does not stop (stop_token_ids still do)
     seed: int | None = None
+    top_logprobs: int = 0  # also report this many most likely tokens per output position
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +69,8 @@ class SamplingParams:
             out.append(f"top_k: must be -1 or 0 (off) or in [1, {MAX_INT}], got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             out.append(f"seed: must be in [0, {MAX_SEED}], got {self.seed}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            out.append(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         return out
 
 
@@ -123,6 +127,14 @@ def sample(
         picks = _multinomial_rows(probs, [generators[i] for i in sampled_rows])
         tokens[rows] = picks
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def top_logprobs(logits: torch.Tensor, temperatures: list[float], ks: list[int]) -> list[list[tuple[int, float]]]:
+    """The ``ks[i]`` most likely ``(token, logprob)`` of row ``i`` under the reported
+    distribution ``log_softmax(logits / T)`` (``T = 1`` for greedy rows: pass 1.0)."""
+    logp = torch.log_softmax(logits.float() / torch.tensor(temperatures, device=logits.device)[:, None], dim=-1)
+    top = logp.topk(max(ks), dim=-1)
+    return [list(zip(ids[:k].tolist(), lps[:k].tolist())) for ids, lps, k in zip(top.indices, top.values, ks)]
 
 
 def _multinomial_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

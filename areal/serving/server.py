@@ -34,6 +34,7 @@ from typing import Any, Awaitable, Callable
 
 import torch
 from aiohttp import web
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from areal.api.config.server import GenerationServerConfig
 from areal.api.launch import LaunchEnv
@@ -51,6 +52,7 @@ ADMIN_PATHS = {
     "/flush_cache",
 }  # fmt: skip
 HEALTH_GENERATE_TIMEOUT_S = 60.0
+_BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE's char -> byte
 GENERATOR_WATCH_S = 0.5  # how often serve() checks that the generator is still running
 
 
@@ -106,9 +108,21 @@ class GenerationServer:
         """Token ids -> text."""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, tok: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE token may be part of a character)."""
+        piece = self.tokenizer.convert_ids_to_tokens(tok)
+        if isinstance(piece, str) and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return self.tokenizer.decode([tok]).encode()
+
     def token_str(self, tok: int) -> str:
-        """One token as text (for OpenAI logprobs)."""
-        return self.tokenizer.decode([tok])
+        """One token as OpenAI reports it: its text, or ``bytes:\\xNN...`` when its bytes are
+        not valid UTF-8 on their own (so distinct tokens never share a key)."""
+        raw = self.token_bytes(tok)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def apply_template(self, messages: list[dict]) -> list[int]:
         """Chat messages -> prompt ids via the tokenizer's chat template."""
@@ -127,7 +141,16 @@ class GenerationServer:
                 field, message = problems[0].split(": ", 1)
                 raise BadRequest(field, message)
         futures = self.generator.submit_batch([j.input_ids for j in jobs], [j.params for j in jobs])
-        return await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        scored: dict[int, tuple] = {}  # prompt index -> its prompt logprobs (once per prompt)
+        for job in jobs:
+            if "prompt_logprobs" in job.extra:
+                key = job.extra.get("prompt_index", id(job))
+                if key not in scored:
+                    scored[key] = await asyncio.to_thread(
+                        self.generator.prompt_logprobs, job.input_ids, job.extra["prompt_logprobs"])
+                job.extra["input_logprobs"], job.extra["input_tops"] = scored[key]
+        return results
 
     # ------------------------------------------------------------------ middleware
 
@@ -188,7 +211,8 @@ class GenerationServer:
         jobs, logprobs = openai_api.parse_chat(body, self.apply_template)
         self._check_model(body)
         results = await self.run_jobs(jobs)
-        body = openai_api.chat_response(self.model_name, jobs, results, logprobs, self.decode, self.token_str)
+        body = openai_api.chat_response(self.model_name, jobs, results, logprobs, self.decode, self.token_str,
+                                        self.token_bytes)
         return web.json_response(body)
 
     def _check_model(self, body: dict) -> None:
