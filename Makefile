@@ -19,6 +19,11 @@ $(STAMP): $(VPY) pyproject.toml
 	command -v etcd >/dev/null || (test "$$(id -u)" = 0 && (DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server \
 		|| (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server))) \
 		|| echo 'etcd-server missing: run apt-get install etcd-server as root, or the etcd registry tests skip'
+	@# slurmctld, slurmd, munge: the Slurm launcher's tests run a two-node cluster of their own (tests/launcher/slurm_cluster.py)
+	test -x /usr/sbin/slurmctld -a -x /usr/sbin/slurmd -a -x /usr/sbin/munged -a -x /usr/bin/sbatch \
+		|| (test "$$(id -u)" = 0 && (DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge \
+		|| (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge))) \
+		|| echo 'Slurm missing: run apt-get install slurmctld slurmd slurm-client munge as root, or the Slurm launcher tests skip'
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m pip install -q -e '.[test]'
