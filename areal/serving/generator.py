@@ -81,6 +81,7 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     tops: list[list[tuple[int, float]]] = field(default_factory=list)
+    on_token: Callable[[int], None] | None = None  # called with each new token (streaming)
 
 
 class Generator:
@@ -204,10 +205,17 @@ class Generator:
         return self.submit_batch([input_ids], [params])[0]
 
     def submit_batch(
-        self, batch: list[list[int]], params: list[SamplingParams]
+        self, batch: list[list[int]], params: list[SamplingParams],
+        on_token: list[Callable[[int], None] | None] | None = None,
     ) -> list[concurrent.futures.Future]:
-        """Queue several requests at once (so they can share one prefill); one future each."""
+        """Queue several requests at once (so they can share one prefill); one future each.
+
+        ``on_token[i]``, if given, is called on the scheduler thread with each token request
+        ``i`` generates, before its future resolves (for streaming; it must be quick and not
+        raise: an exception is logged and the callback dropped)."""
         seqs = [self._make_seq(ids, p) for ids, p in zip(batch, params, strict=True)]
+        for seq, callback in zip(seqs, on_token or []):
+            seq.on_token = callback
         with self._cv:
             if self._error is not None or self._stopping:
                 raise GeneratorStopped(f"generator is not running: {self._error or 'shutting down'}")
@@ -448,6 +456,12 @@ class Generator:
             s.out.append(tok)
             s.logprobs.append(lp)
             s.versions.append(version)
+            if s.on_token is not None:
+                try:
+                    s.on_token(tok)
+                except Exception:  # a stream's consumer went wrong: the generation goes on
+                    logger.exception("on_token callback failed; streaming of this request stops")
+                    s.on_token = None
             done = self._finish_reason(s, tok)
             if done is not None:
                 finished.append((first_slot + i, *done))

@@ -1,6 +1,6 @@
 """OpenAI ``/v1/completions`` and ``/v1/chat/completions``: request parsing, response objects.
 
-Follows OpenAI's published schemas (non-streaming). Extra sampling fields accepted as in vLLM and
+Follows OpenAI's published schemas, streaming included (server-sent events, see streaming.py). Extra sampling fields accepted as in vLLM and
 SGLang's OpenAI servers: ``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``no_stop_trim``. ``finish_reason`` is ``stop`` | ``length`` |
 ``abort`` (the last when generation was interrupted by ``/pause_generation``).
@@ -30,7 +30,7 @@ from areal.serving.protocol import (
 from areal.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 COMMON_KEYS = {
-    "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user",
+    "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "user",
     "logit_bias", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "no_stop_trim", *NEUTRAL,
 }  # fmt: skip
@@ -41,8 +41,13 @@ CHAT_KEYS = COMMON_KEYS | {"messages", "logprobs", "top_logprobs", "max_completi
 
 def _common(body: dict, max_tokens: int | None) -> tuple[SamplingParams, dict, int]:
     """Sampling fields shared by completions and chat -> (params, render opts, n)."""
-    if body.get("stream"):
-        raise BadRequest("stream", "streaming is not supported; send stream=false")
+    if _bool(body, "stream", "", False):
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise BadRequest("stream_options", "expected {\"include_usage\": true|false}")
+        _bool(options, "include_usage", "stream_options.", False)
+        if body.get("logprobs") or body.get("echo"):
+            raise BadRequest("stream", "logprobs and echo are not streamed; send stream=false for them")
     if body.get("logit_bias"):
         raise BadRequest("logit_bias", "logit_bias is not supported")
     n = _int(body, "n", "", 1, lo=1)

@@ -146,7 +146,7 @@ def parse_generate(body: Any, encode: Callable[[str], list[int]]) -> tuple[list[
         raise BadRequest("body", "expected a JSON object")
     _check_known(body, GENERATE_KEYS, "")
     if body.get("stream"):
-        raise BadRequest("stream", "streaming is not supported; send stream=false")
+        raise BadRequest("stream", "/generate does not stream; use /v1/completions or /v1/chat/completions with stream=true")
     if (body.get("text") is None) == (body.get("input_ids") is None):
         raise BadRequest("input_ids", "send exactly one of text or input_ids")
     if body.get("input_ids") is not None:

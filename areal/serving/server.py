@@ -40,7 +40,7 @@ from areal.api.config.server import GenerationServerConfig
 from areal.api.launch import LaunchEnv
 from areal.utils import weight_sync
 from areal.utils.process import die_with
-from areal.serving import openai_api, protocol
+from areal.serving import openai_api, protocol, streaming
 from areal.serving.generator import Generator, GeneratorStopped, StepFailed
 from areal.serving.protocol import BadRequest, Job
 from areal.serving.sampling import SamplingParams
@@ -129,9 +129,8 @@ class GenerationServer:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.encode(text)
 
-    async def run_jobs(self, jobs: list[Job]):
-        """Validate, submit together, await all results (a client that goes away cancels them:
-        the generator frees their slots at its next step)."""
+    def _validate(self, jobs: list[Job]) -> None:
+        """400 naming the field for a request this server cannot run."""
         if len(jobs) > self.cfg.max_n:
             raise BadRequest("n", f"{len(jobs)} completions asked in one request (prompts x n); "
                              f"this server allows {self.cfg.max_n} (server.max_n)")
@@ -140,6 +139,11 @@ class GenerationServer:
             if problems:
                 field, message = problems[0].split(": ", 1)
                 raise BadRequest(field, message)
+
+    async def run_jobs(self, jobs: list[Job]):
+        """Validate, submit together, await all results (a client that goes away cancels them:
+        the generator frees their slots at its next step)."""
+        self._validate(jobs)
         futures = self.generator.submit_batch([j.input_ids for j in jobs], [j.params for j in jobs])
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         scored: dict[int, tuple] = {}  # prompt index -> its prompt logprobs (once per prompt)
@@ -199,6 +203,8 @@ class GenerationServer:
         body = await request.json()
         jobs, logprobs = openai_api.parse_completions(body, self.encode)
         self._check_model(body)
+        if body.get("stream"):
+            return await self._stream(request, "completion", body, jobs)
         results = await self.run_jobs(jobs)
         body = openai_api.completion_response(
             self.model_name, jobs, results, logprobs, self.decode, self.token_str
@@ -210,10 +216,21 @@ class GenerationServer:
         body = await request.json()
         jobs, logprobs = openai_api.parse_chat(body, self.apply_template)
         self._check_model(body)
+        if body.get("stream"):
+            return await self._stream(request, "chat", body, jobs)
         results = await self.run_jobs(jobs)
         body = openai_api.chat_response(self.model_name, jobs, results, logprobs, self.decode, self.token_str,
                                         self.token_bytes)
         return web.json_response(body)
+
+    async def _stream(self, request: web.Request, kind: str, body: dict, jobs: list[Job]) -> web.StreamResponse:
+        self._validate(jobs)
+
+        def submit(callbacks):
+            return self.generator.submit_batch([j.input_ids for j in jobs], [j.params for j in jobs], callbacks)
+
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return await streaming.stream(request, kind, self.model_name, jobs, submit, self.decode, include_usage)
 
     def _check_model(self, body: dict) -> None:
         model = body.get("model")

@@ -88,3 +88,60 @@ def test_distinct_tokens_never_share_a_logprobs_key(tiny_model_dir):
     keys = [srv.token_str(t) for t in ids]
     assert len(set(keys)) == len(keys)
     assert all(srv.token_bytes(t) for t in ids)
+
+
+def test_streamed_chat_and_completions_equal_the_unstreamed_answer(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    model = _model(server)
+    messages = [{"role": "user", "content": "hi"}]
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # completions, two choices, a stop string: the streamed text never runs past the cut
+    plain = client.completions.create(model=model, prompt=[5, 17, 99], max_tokens=10, temperature=0, n=2)
+    stop = plain.choices[0].text[3:5] if len(plain.choices[0].text) >= 5 else None
+    kwargs = {"stop": [stop]} if stop else {}
+    cut = client.completions.create(model=model, prompt=[5, 17, 99], max_tokens=10, temperature=0, n=2, **kwargs)
+    streamed = {0: "", 1: ""}
+    for c in client.completions.create(model=model, prompt=[5, 17, 99], max_tokens=10, temperature=0, n=2,
+                                       stream=True, **kwargs):
+        for ch in c.choices:
+            streamed[ch.index] += ch.text
+    assert streamed == {ch.index: ch.text for ch in cut.choices}
+
+
+def test_a_client_that_leaves_a_stream_frees_its_slot(server):
+    import json
+    import socket
+    import time
+
+    body = json.dumps({"model": _model(server), "prompt": [5, 17], "max_tokens": 100000, "ignore_eos": True,
+                       "stream": True})
+    host, port = server.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    sock.settimeout(30)
+    got = b""
+    while b"data: " not in got:  # the stream began
+        got += sock.recv(4096)
+    sock.close()
+    deadline = time.monotonic() + 5
+    while call(f"{server}/get_server_info")[1]["running"] != 0:
+        assert time.monotonic() < deadline, "the abandoned stream still holds its slot"
+        time.sleep(0.05)
+
+
+def test_the_streamed_text_holds_back_what_may_still_change():
+    from areal.serving.streaming import _safe_prefix
+
+    assert _safe_prefix("hello wo", ()) == "hello wo"
+    assert _safe_prefix("caf\ufffd", ()) == "caf"  # half of a UTF-8 character: wait for the rest
+    assert _safe_prefix("hello wo", ("world",)) == "hell"  # 4 chars could begin "world"
+    assert _safe_prefix("say STOP now", ("STOP",)) == "say "  # the final text ends before it
