@@ -78,6 +78,10 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _core(args: argparse.Namespace) -> int:
+    if args.action == "sft":
+        from areal.core.sft import main as core_sft
+
+        return core_sft(args.rest)
     from areal.api.config import load_config
     from areal.core.dfg import GraphError, format_graph
     from areal.core.graphs import CoreGraphConfig, graph_from_config
@@ -135,10 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_batch_size=64")
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("core", help="Core mode (docs/core.md); today: print a dataflow graph")
-    p.add_argument("action", choices=["graph"], help="graph: print nodes, edges, models and meshes")
+    p = sub.add_parser("core", help="Core mode (docs/core.md): print a dataflow graph, run SFT")
+    p.add_argument("action", choices=["graph", "sft"],
+                   help="graph: print nodes, edges, models and meshes; sft: SFT through the master")
     p.add_argument("rest", nargs=argparse.REMAINDER,
-                   help="--config YAML (CoreGraphConfig fields, areal/core/graphs.py) and key=value overrides")
+                   help="--config YAML and key=value overrides: CoreGraphConfig fields "
+                   "(areal/core/graphs.py) for graph, SFTConfig fields for sft")
     p.set_defaults(func=_core)
     return parser
 

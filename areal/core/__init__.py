@@ -1,5 +1,10 @@
 """Core mode: a master runs a dataflow graph (DFG) of model function calls (MFCs) over model workers.
 
 What exists (docs/core.md): the graph as checked data (:mod:`areal.core.dfg`) and the graphs of
-sync PPO, async PPO and SFT (:mod:`areal.core.graphs`), printed by ``areal core graph``.
+sync PPO, async PPO and SFT (:mod:`areal.core.graphs`), printed by ``areal core graph``; the
+master's metadata buffer (:mod:`areal.core.buffer`) and scheduler (:mod:`areal.core.master`);
+the model-worker interface and an in-process worker hosting Lite engines
+(:mod:`areal.core.worker`); Core SFT through the master on one in-process worker
+(:mod:`areal.core.sft`, ``areal core sft``). Model workers on Ray, generation on workers, tensor
+parallelism and parameter reallocation are not built.
 """

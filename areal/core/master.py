@@ -1,0 +1,181 @@
+"""The master: runs a dataflow graph over model workers, one step at a time, holding metadata only.
+
+Data manager. :meth:`Master.put_batch` takes dataset samples (whole groups of ``group_size``
+consecutive sequences), spreads their fields over the workers by token count and records only
+metadata in the :class:`~areal.core.buffer.SampleBuffer`: sample ids, lengths, which keys exist
+and on which worker. :meth:`Master.step` takes the oldest waiting samples and runs every MFC of
+the graph on them once.
+
+Scheduling. An MFC is dispatched as soon as it is ready: every key it reads is in the dataset
+or written by an MFC that has finished this step, and every earlier MFC on the same model (graph
+order) has finished, so a model's calls keep the graph's order (the actor's proximal logp before
+its update). Independent MFCs run at once on their workers. Dispatching an MFC splits the step's
+samples over its model's data-parallel ranks by token count, keeping groups whole
+(:func:`areal.utils.batch.balance_across_ranks`), and sends each rank an
+:class:`~areal.core.worker.MFCRequest` naming where each input key of its samples lives; the
+workers move the tensors among themselves. When an MFC finishes, its outputs are recorded where
+they were computed, and every key whose last reader has run is released on its worker.
+
+Failures: an MFC that raises on any worker stops the step with the MFC, the worker and the
+cause; an MFC still running after ``mfc_timeout`` seconds stops it too, naming what is running.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+
+import torch
+
+from areal.core.buffer import SampleBuffer, SampleMeta
+from areal.core.dfg import MFC, DataflowGraph
+from areal.core.worker import MFCReply, MFCRequest, ModelWorker
+from areal.utils.batch import PackedBatch, balance_across_ranks
+
+
+def split_by_tokens(seqlens: list[int], n_ranks: int, group_size: int) -> list[list[int]]:
+    """Positions of ``seqlens`` for each rank, near-equal tokens, groups kept whole."""
+    cu = torch.zeros(len(seqlens) + 1, dtype=torch.long)
+    cu[1:] = torch.tensor(seqlens, dtype=torch.long).cumsum(0)
+    # Lengths only: a stride-0 view stands in for input_ids, so no token memory is allocated.
+    lengths_only = PackedBatch(cu, {"input_ids": torch.zeros(1, dtype=torch.long).expand(int(cu[-1]))})
+    return balance_across_ranks(lengths_only, n_ranks, granularity=group_size)
+
+
+@dataclass
+class _Running:
+    mfc: MFC
+    shares: list[tuple[int, list[int]]]  # (worker index, sample ids), one per dp rank
+    futures: list[Future[MFCReply]]
+    start: float  # time.monotonic()
+
+
+class Master:
+    """Walks ``graph`` each step over ``workers`` (indexed as the allocations name them)."""
+
+    def __init__(self, graph: DataflowGraph, workers: list[ModelWorker], group_size: int = 1,
+                 buffer_capacity: int = 1 << 20, mfc_timeout: float = 600.0):
+        if len(workers) != graph.n_workers:
+            raise ValueError(f"graph {graph.name!r} is allocated over {graph.n_workers} workers, "
+                             f"got {len(workers)}")
+        problems = [f"MFC {m.name!r}: {why}" for m in graph.mfcs
+                    for w in graph.allocations[m.model].workers
+                    if (why := workers[w].hosts(m.model, m.fn)) is not None]
+        if problems:
+            raise ValueError("the workers cannot run the graph:\n" + "\n".join(f"  - {p}" for p in problems))
+        self.graph, self.workers, self.group_size = graph, workers, group_size
+        self.mfc_timeout = mfc_timeout
+        consumers: dict[str, set[str]] = defaultdict(set)
+        for m in graph.mfcs:
+            for key in m.inputs:
+                consumers[key].add(m.name)
+        self.buffer = SampleBuffer(buffer_capacity, dict(consumers), {m.name for m in graph.mfcs})
+        self.trace: list[tuple[str, str]] = []  # ("dispatch" | "done", MFC name), in order
+        self._next_id = 0
+
+    # ------------------------------------------------------------------------------ data
+
+    def put_batch(self, batch: PackedBatch) -> list[int]:
+        """Add dataset samples (the graph's dataset keys of ``batch``); returns their ids."""
+        missing = [k for k in self.graph.dataset_keys if k not in batch]
+        if missing:
+            raise ValueError(f"graph {self.graph.name!r} reads dataset keys {missing}, which the batch "
+                             f"lacks (it has {sorted(set(batch.tokens) | set(batch.seqs))})")
+        if batch.n_seqs % self.group_size:
+            raise ValueError(f"{batch.n_seqs} sequences are not whole groups of {self.group_size}")
+        self.buffer.check_room(batch.n_seqs)  # before any tensor is placed
+        ids = list(range(self._next_id, self._next_id + batch.n_seqs))
+        self._next_id += batch.n_seqs
+        keys = self.graph.dataset_keys
+        data = PackedBatch(batch.cu_seqlens, {k: v for k, v in batch.tokens.items() if k in keys},
+                           {k: v for k, v in batch.seqs.items() if k in keys})
+        seqlens = batch.seqlens.tolist()
+        n_place = min(len(self.workers), batch.n_seqs // self.group_size)
+        metas = []
+        for w, positions in enumerate(split_by_tokens(seqlens, n_place, self.group_size)):
+            self.workers[w].put([ids[i] for i in positions], data.select(positions))
+            metas += [SampleMeta(ids[i], seqlens[i], {k: w for k in keys}) for i in positions]
+        self.buffer.put(sorted(metas, key=lambda m: m.sample_id))
+        return ids
+
+    # ------------------------------------------------------------------------------ step
+
+    def step(self, n_samples: int) -> dict[str, dict[str, float]]:
+        """Run every MFC once over the oldest ``n_samples`` waiting samples; stats per MFC:
+        rank 0's (the engines reduce theirs over the mesh), ``n_tokens`` over ranks,
+        ``wall_time`` (dispatch to done) and ``compute_time`` (the slowest rank), in seconds."""
+        ids = self.buffer.take_oldest(n_samples)
+        pending, running, done = list(self.graph.mfcs), {}, set()
+        stats: dict[str, dict[str, float]] = {}
+        while pending or running:
+            for m in [m for m in pending if self._ready(m, done)]:
+                running[m.name] = self._dispatch(m, ids)
+                pending.remove(m)
+                self.trace.append(("dispatch", m.name))
+            assert running, f"no MFC of {[m.name for m in pending]} can run; build_graph admits no such graph"
+            self._wait(running)
+            for name, run in list(running.items()):
+                if all(f.done() for f in run.futures):
+                    stats[name] = self._finish(run)
+                    del running[name]
+                    done.add(name)
+                    self.trace.append(("done", name))
+        return stats
+
+    def _ready(self, mfc: MFC, done: set[str]) -> bool:
+        producers = self.graph.producers
+        if any(producers[k] not in done for k in mfc.inputs if k in producers):
+            return False
+        earlier = self.graph.mfcs[: self.graph.mfcs.index(mfc)]
+        return all(m.name in done for m in earlier if m.model == mfc.model)
+
+    def _dispatch(self, mfc: MFC, ids: list[int]) -> _Running:
+        alloc = self.graph.allocations[mfc.model]
+        seqlens = [self.buffer.meta(sid).seqlen for sid in ids]
+        parts = split_by_tokens(seqlens, alloc.dp, self.group_size)
+        shares = [(w, [ids[i] for i in part]) for w, part in zip(alloc.workers, parts)]
+        futures = []
+        for worker, sids in shares:  # every rank of the mesh gets it before any later MFC
+            sources: dict[str, dict[int, list[int]]] = {}
+            for key in mfc.inputs:
+                where: dict[int, list[int]] = defaultdict(list)
+                for sid in sids:
+                    where[self.buffer.meta(sid).keys[key]].append(sid)
+                sources[key] = {w: tuple(s) for w, s in where.items()}
+            futures.append(self.workers[worker].submit(MFCRequest(mfc, tuple(sids), sources)))
+        return _Running(mfc, shares, futures, time.monotonic())
+
+    def _wait(self, running: dict[str, _Running]) -> None:
+        """Until some MFC share finishes; raise on a failed share or a passed deadline."""
+        futures = [f for run in running.values() for f in run.futures]
+        first_deadline = min(run.start for run in running.values()) + self.mfc_timeout
+        wait(futures, timeout=max(0.0, first_deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+        for run in running.values():
+            for (worker, _), f in zip(run.shares, run.futures):
+                if f.done() and f.exception() is not None:
+                    raise RuntimeError(f"MFC {run.mfc.name!r} ({run.mfc.model}.{run.mfc.fn.value}) "
+                                       f"failed on worker {worker}: {f.exception()}") from f.exception()
+        late = [f"{r.mfc.name!r} on workers {[w for (w, _), f in zip(r.shares, r.futures) if not f.done()]}"
+                for r in running.values()
+                if time.monotonic() - r.start > self.mfc_timeout and not all(f.done() for f in r.futures)]
+        if late:
+            raise TimeoutError(f"MFCs still running after mfc_timeout={self.mfc_timeout} s: "
+                               f"{', '.join(late)}; a worker is stuck or the timeout is too short")
+
+    def _finish(self, run: _Running) -> dict[str, float]:
+        """Record where the outputs are, release what no later MFC reads; the MFC's stats."""
+        replies = [f.result() for f in run.futures]
+        all_ids = []
+        for (worker, sids), reply in zip(run.shares, replies):
+            self.buffer.add_keys(sids, reply.outputs, worker)
+            all_ids += sids
+        released: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        for worker, key, sid in self.buffer.mark_used(run.mfc.name, all_ids):
+            released[worker].append((key, sid))
+        for worker, items in released.items():
+            self.workers[worker].free(items)
+        return {**replies[0].stats, "n_tokens": float(sum(r.n_tokens for r in replies)),
+                "wall_time": time.monotonic() - run.start,
+                "compute_time": max(r.compute_time for r in replies)}
