@@ -28,6 +28,7 @@ from areal.serving.protocol import (
     usage,
 )
 from areal.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from areal.serving.tools import clean_tool_calls, extract_tool_calls, parse_tools
 
 COMMON_KEYS = {
     "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "user",
@@ -36,7 +37,8 @@ COMMON_KEYS = {
 }  # fmt: skip
 CHAT_UNLIMITED = 1 << 30  # max_tokens of a chat request that sets none: the context ends it
 COMPLETION_KEYS = COMMON_KEYS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-CHAT_KEYS = COMMON_KEYS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+CHAT_KEYS = COMMON_KEYS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools",
+                          "tool_choice", "parallel_tool_calls"}
 
 
 def _common(body: dict, max_tokens: int | None) -> tuple[SamplingParams, dict, int]:
@@ -126,20 +128,28 @@ def parse_completions(body: Any, encode: Callable[[str], list[int]]) -> tuple[li
 
 
 def parse_chat(
-    body: Any, apply_template: Callable[[list[dict]], list[int]]
+    body: Any, apply_template: Callable[[list[dict], list[dict] | None], list[int]]
 ) -> tuple[list[Job], bool]:
-    """``/v1/chat/completions`` body -> (jobs, want logprobs)."""
+    """``/v1/chat/completions`` body -> (jobs, want logprobs); ``apply_template(messages,
+    tools)`` renders the prompt."""
     if not isinstance(body, dict):
         raise BadRequest("body", "expected a JSON object")
     _check_known(body, CHAT_KEYS, "")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages", "expected a non-empty list of {role, content}")
+    tools, parse_calls = parse_tools(body)
     clean = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}]", "expected an object with a string role")
         content = m.get("content")
+        if m.get("tool_calls") is not None and m["role"] == "assistant":  # an agent's call turn
+            calls = clean_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+            clean.append({"role": "assistant", "content": content or "", "tool_calls": calls})
+            continue
+        if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise BadRequest(f"messages[{i}].tool_call_id", "a tool message needs the tool_call_id it answers")
         if isinstance(content, list):  # content parts: keep the text ones
             if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
                 raise BadRequest(f"messages[{i}].content", "only text content parts are supported")
@@ -158,7 +168,10 @@ def parse_chat(
     if top > MAX_TOP_LOGPROBS:
         raise BadRequest("top_logprobs", f"must be <= {MAX_TOP_LOGPROBS}, got {top}")
     params = dataclasses.replace(params, top_logprobs=top)
-    return _fan_out(apply_template(clean), params, opts, n, 0), want
+    jobs = _fan_out(apply_template(clean, tools), params, opts, n, 0)
+    for job in jobs:
+        job.extra["tool_calls"] = parse_calls
+    return jobs, want
 
 
 def _top_entries(ids: list[int], lps: list, tops: list, n: int | None, token_str: Callable) -> list:
@@ -224,10 +237,12 @@ def chat_response(
             tops = r.output_top_logprobs or [[] for _ in r.output_ids]
             lp = {"content": [{**item(t, v), "top_logprobs": [item(u, w) for u, w in top]}
                               for t, v, top in zip(r.output_ids, r.output_logprobs, tops)]}
-        message = {"role": "assistant", "content": render_text(job, r, decode)}
-        choices.append(
-            {"index": job.extra["index"], "message": message, "logprobs": lp, "finish_reason": r.finish_reason}
-        )
+        content, calls = render_text(job, r, decode), []
+        if job.extra.get("tool_calls"):
+            content, calls = extract_tool_calls(content)
+        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        finish = "tool_calls" if calls else r.finish_reason
+        choices.append({"index": job.extra["index"], "message": message, "logprobs": lp, "finish_reason": finish})
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": now(),
         "model": model, "choices": choices, "usage": usage(jobs, results),

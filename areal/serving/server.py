@@ -124,9 +124,13 @@ class GenerationServer:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
-    def apply_template(self, messages: list[dict]) -> list[int]:
-        """Chat messages -> prompt ids via the tokenizer's chat template."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def apply_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Chat messages (and tools) -> prompt ids via the tokenizer's chat template."""
+        template = self.tokenizer.chat_template or ""
+        if tools and "tools" not in template:
+            raise BadRequest("tools", "this model's chat template does not render tools, so the model "
+                             "would never see them; use a model whose template does (e.g. Qwen2.5)")
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return self.encode(text)
 
     def _validate(self, jobs: list[Job]) -> None:

@@ -6,7 +6,8 @@ its ``finish_reason``, a usage chunk with ``stream_options.include_usage``, then
 Tokens reach the handler as the generator makes them (``on_token``). Text is sent as it decodes,
 holding back what could still change: a trailing partial UTF-8 character, and the last
 ``len(stop) - 1`` characters while a stop string may be forming (the final text is cut at a
-matched stop string, so nothing after it was sent). A failure after the stream began is an
+matched stop string, so nothing after it was sent). A chat answer that may call tools is sent
+in one chunk when it ends (content and ``tool_calls`` deltas). A failure after the stream began is an
 ``error`` event, then ``[DONE]``.
 """
 
@@ -21,6 +22,7 @@ from aiohttp import web
 
 from areal.serving.generator import GenerationResult
 from areal.serving.protocol import Job, now, render_text, usage
+from areal.serving.tools import extract_tool_calls
 
 
 def _chunk(kind: str, ident: str, model: str, index: int, text: str, finish: str | None,
@@ -45,6 +47,55 @@ def _safe_prefix(text: str, jobs_stop: tuple[str, ...]) -> str:
     return text[: len(text) - hold] if hold else text
 
 
+def _tool_chunk(ident: str, model: str, index: int, text: str, r: GenerationResult) -> dict:
+    content, calls = extract_tool_calls(text)
+    delta: dict[str, Any] = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+    choice = {"index": index, "delta": delta, "logprobs": None,
+              "finish_reason": "tool_calls" if calls else r.finish_reason}
+    return {"id": ident, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [choice]}
+
+
+class _Stream:
+    """The state of one streamed request: per choice the tokens so far, the text sent, the
+    result once it finished."""
+
+    def __init__(self, resp: web.StreamResponse, kind: str, model: str, jobs: list[Job], decode: Callable):
+        self.resp, self.kind, self.model, self.jobs, self.decode = resp, kind, model, jobs, decode
+        self.ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        # a chat answer that may hold tool calls is sent whole at its end (a call is known once
+        # its block closes)
+        self.calls_parsed = {i for i, job in enumerate(jobs) if job.extra.get("tool_calls")}
+        self.ids: list[list[int]] = [[] for _ in jobs]
+        self.sent = [""] * len(jobs)
+        self.results: list[GenerationResult | None] = [None] * len(jobs)
+
+    async def send(self, obj: Any) -> None:
+        await self.resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+    def chunk(self, i: int, text: str, finish: str | None, role: bool = False) -> dict:
+        return _chunk(self.kind, self.ident, self.model, self.jobs[i].extra["index"], text, finish, role)
+
+    async def advance(self, i: int) -> None:
+        """Send choice ``i``'s new text that can no longer change."""
+        job = self.jobs[i]
+        text = _safe_prefix(self.decode(self.ids[i], job.skip_special_tokens), job.params.stop)
+        if len(text) > len(self.sent[i]) and text.startswith(self.sent[i]):
+            await self.send(self.chunk(i, text[len(self.sent[i]):], None))
+            self.sent[i] = text
+
+    async def finish(self, i: int, r: GenerationResult) -> None:
+        """Send the rest of choice ``i`` with its finish reason."""
+        self.results[i] = r
+        final = render_text(self.jobs[i], r, self.decode)
+        if i in self.calls_parsed:
+            await self.send(_tool_chunk(self.ident, self.model, self.jobs[i].extra["index"], final, r))
+        else:
+            rest = final[len(self.sent[i]):] if final.startswith(self.sent[i]) else ""
+            await self.send(self.chunk(i, rest, r.finish_reason))
+
+
 async def stream(request: web.Request, kind: str, model: str, jobs: list[Job],
                  submit: Callable[[list[Callable[[int], None]]], list], decode: Callable,
                  include_usage: bool) -> web.StreamResponse:
@@ -55,21 +106,14 @@ async def stream(request: web.Request, kind: str, model: str, jobs: list[Job],
     futures = [asyncio.wrap_future(f) for f in submit(callbacks)]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-
-    async def send(obj: Any) -> None:
-        await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
-
-    if kind == "chat":
-        for job in jobs:
-            await send(_chunk(kind, ident, model, job.extra["index"], "", None, role=True))
-    ids: list[list[int]] = [[] for _ in jobs]
-    sent = [""] * len(jobs)
-    results: list[GenerationResult | None] = [None] * len(jobs)
+    st = _Stream(resp, kind, model, jobs, decode)
     try:
-        while any(r is None for r in results):
+        if kind == "chat":
+            for i in range(len(jobs)):
+                await st.send(st.chunk(i, "", None, role=True))
+        while any(r is None for r in st.results):
             getter = asyncio.ensure_future(queue.get())
-            open_futures = [f for f, r in zip(futures, results) if r is None]
+            open_futures = [f for f, r in zip(futures, st.results) if r is None]
             await asyncio.wait([getter, *open_futures], return_when=asyncio.FIRST_COMPLETED)
             if not getter.done():
                 getter.cancel()
@@ -77,28 +121,21 @@ async def stream(request: web.Request, kind: str, model: str, jobs: list[Job],
             while not queue.empty():
                 items.append(queue.get_nowait())
             for i, tok in items:
-                ids[i].append(tok)
-            for i in {i for i, _ in items}:
-                text = _safe_prefix(decode(ids[i], jobs[i].skip_special_tokens), jobs[i].params.stop)
-                if len(text) > len(sent[i]) and text.startswith(sent[i]):
-                    await send(_chunk(kind, ident, model, jobs[i].extra["index"], text[len(sent[i]):], None))
-                    sent[i] = text
+                st.ids[i].append(tok)
+            for i in {i for i, _ in items} - st.calls_parsed:
+                await st.advance(i)
             for i, f in enumerate(futures):
-                if results[i] is None and f.done() and queue.empty():
-                    results[i] = f.result()
-                    final = render_text(jobs[i], results[i], decode)
-                    rest = final[len(sent[i]):] if final.startswith(sent[i]) else ""
-                    await send(_chunk(kind, ident, model, jobs[i].extra["index"], rest,
-                                      results[i].finish_reason))
+                if st.results[i] is None and f.done() and queue.empty():
+                    await st.finish(i, f.result())
         if include_usage:
-            await send({"id": ident, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                        "created": now(), "model": model, "choices": [], "usage": usage(jobs, results)})
+            await st.send({"id": st.ident, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                           "created": now(), "model": model, "choices": [], "usage": usage(jobs, st.results)})
     except (asyncio.CancelledError, ConnectionResetError):
         for f in futures:
             f.cancel()  # the client went away: free the slots
         raise
     except Exception as e:  # headers are sent: the error travels as an event
-        await send({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "code": 500}})
+        await st.send({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "code": 500}})
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

@@ -145,3 +145,83 @@ def test_the_streamed_text_holds_back_what_may_still_change():
     assert _safe_prefix("caf\ufffd", ()) == "caf"  # half of a UTF-8 character: wait for the rest
     assert _safe_prefix("hello wo", ("world",)) == "hell"  # 4 chars could begin "world"
     assert _safe_prefix("say STOP now", ("STOP",)) == "say "  # the final text ends before it
+
+
+def test_tool_calls_are_parsed_from_hermes_blocks_and_bad_blocks_stay_text():
+    from areal.serving.tools import extract_tool_calls
+
+    text = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    content, calls = extract_tool_calls(text)
+    assert content == "Let me add." and len(calls) == 1
+    assert calls[0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'} and calls[0]["type"] == "function"
+    two = text + '<tool_call>{"name": "mul", "arguments": "{\\"x\\": 3}"}</tool_call>'
+    assert [c["function"]["name"] for c in extract_tool_calls(two)[1]] == ["add", "mul"]  # parallel calls
+    assert extract_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert extract_tool_calls("plain answer") == ("plain answer", [])
+
+
+def test_the_openai_client_runs_an_agent_turn_with_tools(server, tiny_model_dir, monkeypatch):
+    """Tools reach the prompt through the chat template; the standard agent turn (an assistant
+    message with content null + tool_calls, then the tool's answer) is accepted; a model answer
+    holding a call comes back as message.tool_calls with finish_reason tool_calls."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    model = _model(server)
+    tools = [{"type": "function", "function": {"name": "add", "description": "a + b",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    turn = [{"role": "user", "content": "1+2?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    with_tools = client.chat.completions.create(model=model, messages=turn, tools=tools, max_tokens=2, temperature=0)
+    without = client.chat.completions.create(model=model, messages=turn, max_tokens=2, temperature=0)
+    assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens  # the tools were rendered
+    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
+        client.chat.completions.create(model=model, messages=turn, tools=tools, tool_choice="required")
+    # The random tiny model never writes a call: have the generator answer with one.
+    from areal.api.config import from_dict
+    from areal.api.config.server import GenerationServerConfig
+    from areal.serving.server import GenerationServer
+
+    answer = '<tool_call>\n{"name": "add", "arguments": {"a": 4, "b": 5}}\n</tool_call>'
+    srv = GenerationServer(from_dict(GenerationServerConfig, {"model_path": str(tiny_model_dir)}))
+    ids = srv.encode(answer)
+    forced = _forced_sampler(ids)
+    monkeypatch.setattr("areal.serving.generator.sample", forced)
+    srv.generator.start()
+    try:
+        import asyncio
+
+        from aiohttp.test_utils import TestClient, TestServer
+
+        async def run():
+            async with TestClient(TestServer(srv.build_app(), host="127.0.0.1")) as c:
+                body = {"messages": [{"role": "user", "content": "4+5?"}], "tools": tools,
+                        "max_tokens": len(ids), "ignore_eos": True}
+                plain = await (await c.post("/v1/chat/completions", json=body)).json()
+                forced.count.clear()  # the next request writes the call from its start again
+                events = await (await c.post("/v1/chat/completions", json={**body, "stream": True})).text()
+                return plain, events
+
+        plain, events = asyncio.run(run())
+    finally:
+        srv.generator.shutdown()
+    choice = plain["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 4, "b": 5}'}
+    assert '"tool_calls": [{"index": 0' in events and '"finish_reason": "tool_calls"' in events
+    assert events.rstrip().endswith("data: [DONE]")
+
+
+def _forced_sampler(ids: list[int]):
+    """A stand-in for sampling.sample that writes ``ids`` one token per step, then EOS-free."""
+    def sample(logits, params, generators, suppress):
+        out = []
+        for row in range(logits.shape[0]):
+            k = sample.count.get(row, 0)
+            out.append(ids[min(k, len(ids) - 1)])
+            sample.count[row] = k + 1
+        return torch.tensor(out), torch.zeros(len(out))
+
+    sample.count = {}
+    return sample

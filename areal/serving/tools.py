@@ -1,0 +1,89 @@
+"""OpenAI tool calling on chat completions: the request's ``tools`` are rendered by the model's
+chat template (which must use them), assistant turns with ``tool_calls`` and ``tool`` turns are
+passed to it, and the model's answer is parsed for Hermes-style blocks, the format Qwen2.5 and
+our tiny model use::
+
+    <tool_call>
+    {"name": "add", "arguments": {"a": 1, "b": 2}}
+    </tool_call>
+
+Each well-formed block becomes one entry of ``message.tool_calls`` (arguments as a JSON string)
+and the finish reason is ``tool_calls``; text outside the blocks stays the content. A block that
+is not valid JSON with a ``name`` is left in the content, as the model wrote it.
+``tool_choice``: ``auto`` (default) and ``none`` (calls are not parsed); ``required`` or a named
+function would need constrained decoding and get a 400 saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+from areal.serving.protocol import BadRequest
+
+_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def parse_tools(body: dict) -> tuple[list[dict] | None, bool]:
+    """(``tools`` for the chat template or None, whether to parse tool calls) from a request."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice", "auto")
+    if body.get("parallel_tool_calls") not in (None, True, False):
+        raise BadRequest("parallel_tool_calls", "expected true or false")
+    if tools is None:
+        if choice not in ("auto", "none"):
+            raise BadRequest("tool_choice", "tool_choice needs tools")
+        return None, False
+    if not isinstance(tools, list) or not tools:
+        raise BadRequest("tools", "expected a non-empty list of {type: function, function: {...}}")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRequest(f"tools[{i}]", "expected {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise BadRequest(f"tools[{i}].function.parameters", "expected a JSON schema object")
+    if choice not in ("auto", "none"):
+        raise BadRequest("tool_choice", f"{choice!r} would need constrained decoding, which this server "
+                         "does not do; use 'auto' (the model decides) or 'none'")
+    return tools, choice == "auto"
+
+
+def clean_tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's ``tool_calls``, checked, for the chat template."""
+    if not isinstance(calls, list):
+        raise BadRequest(where, "expected a list of tool calls")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise BadRequest(f"{where}[{j}]", "expected {\"id\", \"type\": \"function\", \"function\": "
+                             "{\"name\": str, \"arguments\": JSON string}}")
+        out.append({"id": str(c.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
+
+
+def extract_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """(content outside the tool-call blocks or None, the parsed calls) of a model's answer."""
+    calls, kept = [], []
+    last = 0
+    for m in _BLOCK.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            continue
+        args = obj.get("arguments", {})
+        kept.append(text[last:m.start()])
+        last = m.end()
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": obj["name"],
+                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    if not calls:
+        return text, []
+    content = ("".join(kept) + text[last:]).strip()
+    return content or None, calls
