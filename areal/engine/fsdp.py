@@ -154,6 +154,9 @@ class FSDPEngine(TrainEngine):
         if cfg.gradient_checkpointing:
             model.activation_checkpointing_enable({"use_reentrant": False})
         self.hf_config = model.config
+        # exports say what they hold: a value head loads as ...ForTokenClassification (its score
+        # has a bias), not as the causal LM the base checkpoint was
+        self.hf_config.architectures = [type(model).__name__]
         return model
 
     def _shard(self, model: torch.nn.Module) -> None:

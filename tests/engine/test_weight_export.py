@@ -7,10 +7,12 @@ import json
 import pytest
 import torch
 
-from areal.api.io import WeightUpdateMeta
+from areal.api.config.engine import TrainEngineConfig
+from areal.api.io import SaveLoadMeta, WeightUpdateMeta
+from areal.engine.fsdp import FSDPEngine
 from areal.utils import weight_sync
 from test_fsdp import (
-    free_port, make_engine, n_loss_tokens, nll_loss, random_batch, run_processes, set_dist_env,
+    free_port, make_engine, n_loss_tokens, nll_loss, random_batch, run_processes, set_dist_env, world_mesh,
 )
 
 pytestmark = pytest.mark.slow
@@ -80,3 +82,19 @@ def test_full_state_dict_hands_over_every_parameter_in_process(tiny_model_dir):
     generator = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     generator.load_state_dict(state, strict=True)  # every HF name present, tied one included
     assert all(t.device.type == "cpu" for t in state.values())
+
+
+def test_a_value_head_export_loads_as_what_it_is(tiny_model_dir, tmp_path):
+    """A reward model / critic export names ForTokenClassification (score with bias), so
+    transformers loads it whole instead of as a causal LM or a bias-less sequence classifier."""
+    from transformers import AutoModelForTokenClassification
+
+    cfg = TrainEngineConfig(path=tiny_model_dir)
+    engine = FSDPEngine(cfg, world_mesh(), head="value")
+    engine.initialize(None)
+    engine.save(SaveLoadMeta(str(tmp_path / "rm"), weight_format="hf", tokenizer_path=tiny_model_dir))
+    engine.destroy()
+    config = json.loads((tmp_path / "rm" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForTokenClassification"] and len(config["id2label"]) == 1
+    model, info = AutoModelForTokenClassification.from_pretrained(tmp_path / "rm", output_loading_info=True)
+    assert not info["missing_keys"] and model.score.bias is not None
