@@ -33,7 +33,7 @@ from areal.serving.tools import clean_tool_calls, extract_tool_calls, parse_tool
 COMMON_KEYS = {
     "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "user",
     "logit_bias", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "no_stop_trim", *NEUTRAL,
+    "no_stop_trim", "response_format", *NEUTRAL,
 }  # fmt: skip
 CHAT_UNLIMITED = 1 << 30  # max_tokens of a chat request that sets none: the context ends it
 COMPLETION_KEYS = COMMON_KEYS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
@@ -51,7 +51,11 @@ def _common(body: dict, max_tokens: int | None) -> tuple[SamplingParams, dict, i
         if body.get("logprobs") or body.get("echo"):
             raise BadRequest("stream", "logprobs and echo are not streamed; send stream=false for them")
     if body.get("logit_bias"):
-        raise BadRequest("logit_bias", "logit_bias is not supported")
+        raise BadRequest("logit_bias", "logit_bias is not supported; send none or {}")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise BadRequest("response_format", f"{fmt!r} needs constrained decoding, which this server does "
+                         "not do; send {\"type\": \"text\"} or none and validate the output yourself")
     n = _int(body, "n", "", 1, lo=1)
     params = SamplingParams(
         max_new_tokens=max_tokens if max_tokens is not None else 16,

@@ -225,3 +225,18 @@ def _forced_sampler(ids: list[int]):
 
     sample.count = {}
     return sample
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("response_format", {"type": "json_object"}, "constrained decoding"),
+    ("logit_bias", {"5": 10}, "logit_bias is not supported"),
+    ("presence_penalty", 0.5, "only 0.0 is supported"),
+    ("frequency_penalty", 1.0, "only 0.0 is supported"),
+])
+def test_what_the_server_does_not_do_is_refused_with_the_reason(server, field, value, message):
+    body = {"model": _model(server), "messages": [{"role": "user", "content": "hi"}], field: value}
+    status, out = call(f"{server}/v1/chat/completions", body)
+    assert status == 400 and out["error"]["param"] == field and message in out["error"]["message"], out
+    ok = {**body, field: {"type": "text"} if field == "response_format" else ({} if field == "logit_bias" else 0.0),
+          "max_tokens": 1}
+    assert call(f"{server}/v1/chat/completions", ok)[0] == 200  # the neutral value is accepted
