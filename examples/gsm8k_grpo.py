@@ -19,6 +19,7 @@ import torch
 
 from areal.api.config import GRPOConfig, load_config
 from areal.api.io import FinetuneSpec
+from areal.api.workflow import RolloutWorkflow
 from areal.engine.fsdp import FSDPEngine
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.reward.resolve import resolve_reward
@@ -28,6 +29,7 @@ from areal.rollout.remote import RemoteInferenceEngine, discover_servers
 from areal.rollout.trajectory import groups_to_batch
 from areal.runtime.publisher import WeightPublisher
 from areal.runtime.run import init_run
+from areal.workflow.custom import make_custom_workflow
 from areal.workflow.filters import DynamicSamplingFilter
 from areal.workflow.multi_turn import MultiTurnWorkflow
 from areal.workflow.rlvr import RLVRWorkflow
@@ -43,10 +45,12 @@ def evaluate(executor, valid_loader, workflow, run) -> None:
                 run.tracker.mean("eval/accuracy", torch.tensor([t.reward for t in group]))
 
 
-def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RLVRWorkflow | MultiTurnWorkflow:
-    """The training workflow ``workflow.type`` names."""
+def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RolloutWorkflow:
+    """The training workflow ``workflow.type`` names (yours by ``module:Class``)."""
     if cfg.workflow.type == "multi_turn":
         return MultiTurnWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir)
+    if cfg.workflow.type != "rlvr":
+        return make_custom_workflow(cfg.workflow.type, reward, cfg.gconfig, tokenizer)
     return RLVRWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir,
                         greedy_baseline=cfg.actor.remax_baseline)
 

@@ -7,11 +7,11 @@ gets the prompt's text as ``prompt=`` (see :func:`wants_prompt`)."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Callable
 
 from areal.api.config.reward import reward_fn_problem
+from areal.utils.imports import import_by_path
 
 
 def resolve_reward(spec: str) -> Callable[..., float]:
@@ -28,16 +28,9 @@ def resolve_reward(spec: str) -> Callable[..., float]:
     problem = reward_fn_problem(spec)
     if problem:
         raise ValueError(problem)
-    module_name, name = spec.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward_fn: cannot import {module_name!r} ({e}); put {module_name}.py beside "
-                         "the entry script or on PYTHONPATH") from None
-    fn = getattr(module, name, None)
+    fn = import_by_path(spec, "reward_fn")
     if not callable(fn):
-        raise ValueError(f"reward_fn: {module_name} has no function {name!r} "
-                         f"(found: {sorted(n for n in vars(module) if not n.startswith('_'))[:10]})")
+        raise ValueError(f"reward_fn: {spec} is a {type(fn).__name__}, not a function")
     return fn
 
 

@@ -13,6 +13,7 @@ from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.data import DatasetConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.reward.resolve import resolve_reward
+from areal.workflow.custom import workflow_class
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
@@ -63,6 +64,12 @@ def preflight(cfg: Any) -> list[str]:
     if tok and not (Path(tok).expanduser() / "tokenizer_config.json").is_file():
         problems.append(f"tokenizer_path: {tok!r} has no tokenizer_config.json; pass a local "
                         "tokenizer (or model) directory, or leave it empty to use the model's")
+    workflow = getattr(getattr(cfg, "workflow", None), "type", "rlvr")
+    if workflow not in ("rlvr", "multi_turn"):  # the user's class must import here already
+        try:
+            workflow_class(workflow)
+        except ValueError as e:
+            problems.append(str(e))
     spec = getattr(cfg, "reward_fn", "")
     if spec and spec not in ("math", "code"):  # the user's function must import here already
         try:

@@ -69,3 +69,26 @@ def test_a_reward_fn_that_does_not_import_fails_before_anything_starts(tmp_path,
     assert out.returncode == 2, out.stderr
     assert "reward_fn: cannot import 'my_rewardz'" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "runs").exists()  # nothing was written or started
+
+
+def test_readme_workflow_recipe_runs_verbatim_from_a_scratch_dir(tmp_path, tiny_model_dir):
+    task = tmp_path / "my_task"
+    task.mkdir()
+    (task / "my_workflows.py").write_text(_readme_block("python", "# my_workflows.py"))
+    # The random tiny model scores 0 on arithmetic, and the recipe's workflow rejects groups with
+    # equal rewards: a reward that varies lets it train (a test aid, not part of the recipe).
+    (task / "varying_reward.py").write_text(
+        "def parity(completion, reference):\n    return float(len(completion) % 2)\n")
+    for name in ("gsm8k_grpo.py", "arithmetic_grpo.yaml"):
+        shutil.copy(REPO / "examples" / name, task)
+    launch = _readme_block("bash", "areal launch local gsm8k_grpo.py --config arithmetic_grpo.yaml workflow")
+    areal = str(REPO / ".venv" / "bin" / "areal") if (REPO / ".venv" / "bin" / "areal").exists() else "areal"
+    extra = [f"actor.path={tiny_model_dir}", f"fileroot={tmp_path / 'runs'}", "experiment_name=e", "trial_name=t",
+             *SMALL_RL, "gconfig.max_new_tokens=6", "total_train_steps=2", "launcher.echo=false",
+             "launcher.server_threads=1", "valid_dataset=null", "reward_fn=varying_reward:parity"]
+    cmd = f"{launch.strip().replace('areal launch', f'{areal} launch', 1)} {' '.join(extra)}"
+    out = subprocess.run(cmd, shell=True, cwd=task, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    stats = {r["step"]: r for r in read_jsonl(tmp_path / "runs" / "e" / "t" / "stats.jsonl")}
+    assert {1, 2} <= set(stats), sorted(stats)
+    assert all(0 < stats[s]["reward/mean"] < 1 for s in (1, 2))  # only groups with a signal trained

@@ -26,7 +26,7 @@ def test_builtin_names_and_an_import_path_resolve(tmp_path, monkeypatch):
     ("maths", "is not 'math', 'code' or an import path"),
     ("a.b", "is not 'math', 'code' or an import path"),
     ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
-    ("json:no_such_function", "json has no function 'no_such_function'"),
+    ("json:no_such_function", "json has no 'no_such_function'"),
 ])
 def test_a_bad_reward_fn_names_the_field_the_value_and_the_fix(spec, message):
     with pytest.raises(ValueError, match="reward_fn") as e:

@@ -6,11 +6,11 @@ real default, bounds on the field, cross-field rules in ``check()``.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
 from areal.api.config.loader import param
+from areal.utils.imports import IMPORT_PATH
 
 
 @dataclass(frozen=True)
@@ -66,13 +66,10 @@ class SandboxConfig:
             )
 
 
-_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
-
-
 def reward_fn_problem(spec: str) -> str | None:
     """Why ``spec`` is not a valid ``reward_fn`` value: ``math``, ``code`` or ``module:function``
     (None if its form is right; whether it imports is checked before the run starts)."""
-    if spec in ("math", "code") or _IMPORT_PATH.fullmatch(spec):
+    if spec in ("math", "code") or IMPORT_PATH.fullmatch(spec):
         return None
     return (f"reward_fn: {spec!r} is not 'math', 'code' or an import path 'module:function' "
             "(e.g. my_rewards:last_line_reward, my_rewards.py beside the entry script)")
@@ -112,9 +109,10 @@ class RewardConfig:
 class WorkflowConfig:
     """Rollout-workflow knobs (areal.workflow): which workflow, multi-turn retries, the dump."""
 
-    type: Literal["rlvr", "multi_turn"] = param(
+    type: str = param(
         "rlvr", help="rlvr: one answer per sample (RLVRWorkflow); multi_turn: retry with feedback "
-        "after a wrong answer, up to max_turns (MultiTurnWorkflow)."
+        "after a wrong answer, up to max_turns (MultiTurnWorkflow); or your RolloutWorkflow subclass "
+        "by import path 'module:Class', built as Class(reward, gconfig, tokenizer)."
     )
     max_turns: int = param(1, ge=1, help="Multi-turn: attempts per episode (1 = single turn).")
     turn_discount: float = param(
@@ -129,6 +127,9 @@ class WorkflowConfig:
     )
 
     def check(self) -> Iterator[str]:
+        if self.type not in ("rlvr", "multi_turn") and not IMPORT_PATH.fullmatch(self.type):
+            yield (f"type: {self.type!r} is not rlvr, multi_turn or an import path 'module:Class' "
+                   "(e.g. my_workflows:SignalOnlyWorkflow, my_workflows.py beside the entry script)")
         if self.type == "rlvr" and self.max_turns > 1:
             yield (f"max_turns: {self.max_turns} has no effect with type=rlvr (one turn); set "
                    "workflow.type=multi_turn or max_turns=1")
