@@ -22,6 +22,13 @@ def _quickstart(args: argparse.Namespace) -> int:
     return run_quickstart(args.out)
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from areal.evaluate import main as eval_main
+
+    argv = (["--config", args.config] if args.config else []) + args.overrides
+    return eval_main(args.model, argv, args.out)
+
+
 def _plot(args: argparse.Namespace) -> int:
     from areal.utils.plot import plot_run
 
@@ -117,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="--config YAML and key=value overrides")
     p.set_defaults(func=_launch)
 
+    p = sub.add_parser("eval", help="held-out accuracy of a checkpoint (no training)")
+    p.add_argument("--model", required=True, help="HF model dir, e.g. RUN_DIR/checkpoints/actor/step200")
+    p.add_argument("--config", help="the training YAML (valid_dataset, eval_gconfig, reward_fn, workflow)")
+    p.add_argument("--out", help="also write the JSON summary here")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. valid_dataset.size=100")
+    p.set_defaults(func=_eval)
+
     p = sub.add_parser("plot", help="plot reward, held-out accuracy and stage times of a run")
     p.add_argument("run_dir", help="RUN_DIR holding stats.jsonl")
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/plot.png)")
@@ -144,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="graph: print nodes, edges, models and meshes; sft: SFT through the master")
     p.add_argument("rest", nargs=argparse.REMAINDER,
                    help="--config YAML and key=value overrides: CoreGraphConfig fields "
-                   "(areal/core/graphs.py) for graph, SFTConfig fields for sft")
+                   "(areal/core/graphs.py) for graph, CoreSFTConfig fields (areal/core/sft.py) for sft")
     p.set_defaults(func=_core)
     return parser
 

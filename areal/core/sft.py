@@ -1,26 +1,56 @@
-"""Core SFT, top to bottom: ``areal core sft --config YAML [key=value ...]`` (an SFTConfig).
+"""Core SFT, top to bottom: ``areal core sft --config YAML [key=value ...]`` (a CoreSFTConfig:
+an SFTConfig plus the ``core`` section).
 
-The training step goes through the master: each batch enters its buffer, and the SFT graph's
-one MFC (``model.train_lm``) runs on an in-process model worker hosting the Lite SFT engine. The
-rest is Lite's SFT script (RUN_DIR layout, stats, HF export, held-out NLL, recover
-checkpoints); the held-out NLL is computed on the engine directly, as in Lite.
+The training step goes through the master: each batch enters its buffer and the SFT graph's one
+MFC (``model.train_lm``) runs on the model workers, which host the Lite SFT engine:
 
-What this is not yet: the worker lives in this one process, so the job has one trainer rank
-(model workers on Ray, which would give a model several ranks, are not built); the batch's
-tensors are placed on the worker by this process.
+- ``core.backend=in_process``: one worker in this process (one trainer rank);
+- ``core.backend=ray``: ``core.n_workers`` Ray actors (one process each, gloo), the model
+  data-parallel over all of them; ``core.ray_address`` names the cluster (empty: Ray's lookup).
+
+The rest is Lite's SFT script: RUN_DIR layout, stats (plus ``mfc/sft_train/*``), HF export,
+held-out NLL and recover checkpoints, which on Ray run on every worker of the model. The batch's
+tensors are placed on the workers by this process.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from typing import Iterator, Literal
 
 from areal.api.config import ConfigError, SFTConfig, load_config
+from areal.api.config.loader import param
+from areal.core.dfg import DataflowGraph
 from areal.core.graphs import CoreGraphConfig, graph_from_config
 from areal.core.master import Master
-from areal.core.worker import InProcessWorker
+from areal.core.worker import InProcessWorker, ModelWorker
 from areal.engine.sft import SFTEngine
 from areal.runtime.run import init_run
 from areal.utils.batch import PackedBatch
+
+
+@dataclass(frozen=True)
+class CoreWorkersConfig:
+    """Where Core's model workers run."""
+
+    backend: Literal["in_process", "ray"] = param("in_process", help="in_process: one worker in this "
+                                                  "process; ray: n_workers Ray actors.")
+    n_workers: int = param(1, ge=1, help="Model workers (ray); in_process has exactly one.")
+    ray_address: str = param("", help="Ray cluster address (host:port); empty = Ray's own lookup.")
+    cpus_per_worker: float = param(1.0, gt=0, help="Ray CPUs reserved per worker actor.")
+    torch_threads: int = param(1, ge=1, help="torch intra-op threads per worker actor.")
+
+    def check(self) -> Iterator[str]:
+        if self.backend == "in_process" and self.n_workers != 1:
+            yield f"n_workers: in_process has one worker, got {self.n_workers}; set backend=ray for more"
+
+
+@dataclass(frozen=True)
+class CoreSFTConfig(SFTConfig):
+    """SFT through Core's master (areal core sft)."""
+
+    core: CoreWorkersConfig = param(factory=CoreWorkersConfig, help="Core: where the model workers run.")
 
 
 def to_batch(items: list[dict]) -> PackedBatch:
@@ -30,7 +60,7 @@ def to_batch(items: list[dict]) -> PackedBatch:
     )
 
 
-def evaluate(engine: SFTEngine, valid_loader) -> dict[str, float]:
+def evaluate(engine, valid_loader) -> dict[str, float]:
     """Held-out token-mean NLL over the whole validation set."""
     total, n = 0.0, 0.0
     for items in valid_loader:
@@ -39,22 +69,45 @@ def evaluate(engine: SFTEngine, valid_loader) -> dict[str, float]:
     return {"eval/loss": total / max(n, 1.0)}
 
 
-def main(argv: list[str]) -> int:
-    cfg = load_config(SFTConfig, argv)
-    run = init_run(cfg, cfg.model.path)
-    if run.world_size != 1:
-        raise ConfigError([f"Core SFT runs one in-process model worker, got {run.world_size} trainer "
-                           "ranks; run it as one process (model workers on Ray are not built), or "
-                           "use examples/sft.py for several ranks"])
-    data = run.load_data()
-    loader, valid_loader, n_steps = data.loader, data.valid_loader, data.n_steps
-    engine = SFTEngine(cfg.model, run.dist.mesh)
-    engine.initialize(data.ft_spec)
-    graph = graph_from_config(CoreGraphConfig(graph="sft"))
+def start_workers(cfg: CoreSFTConfig, run, graph: DataflowGraph, ft_spec):
+    """The workers and what the script uses as the engine (the engine, or a Ray proxy of it)."""
     (mfc,) = graph.mfcs
+    if cfg.core.backend == "ray":
+        import ray
+
+        from areal.core.ray_worker import EngineSpec, RayModel, start_ray_workers
+
+        if not ray.is_initialized():
+            ray.init(address=cfg.core.ray_address or None, log_to_driver=False, include_dashboard=False)
+        spec = EngineSpec("sft", cfg.model, ft_spec=ft_spec)
+        workers = start_ray_workers(graph, {mfc.model: spec}, cfg.core.cpus_per_worker, cfg.core.torch_threads)
+        return workers, RayModel(workers, mfc.model, graph.allocations[mfc.model].workers)
+    if run.world_size != 1:
+        raise ConfigError([f"core.backend=in_process runs one model worker, got {run.world_size} trainer "
+                           "ranks; run it as one process, or set core.backend=ray"])
+    engine = SFTEngine(cfg.model, run.dist.mesh)
+    engine.initialize(ft_spec)
     worker = InProcessWorker(0, {mfc.model: engine})
     worker.connect([worker])
-    master = Master(graph, [worker])
+    return [worker], engine
+
+
+def close_workers(workers: list[ModelWorker], engine) -> None:
+    for w in workers:
+        w.close()
+    if isinstance(engine, SFTEngine):  # in-process: ours to free; Ray workers free their own
+        engine.destroy()
+
+
+def main(argv: list[str]) -> int:
+    cfg = load_config(CoreSFTConfig, argv)
+    run = init_run(cfg, cfg.model.path)
+    data = run.load_data()
+    loader, valid_loader, n_steps = data.loader, data.valid_loader, data.n_steps
+    graph = graph_from_config(CoreGraphConfig(graph="sft", n_workers=cfg.core.n_workers))
+    (mfc,) = graph.mfcs
+    workers, engine = start_workers(cfg, run, graph, data.ft_spec)
+    master = Master(graph, workers)
 
     step = 0
     state = run.load_recover({"model": engine})
@@ -78,8 +131,7 @@ def main(argv: list[str]) -> int:
         if run.recover_timer.check(step, epoch_done):
             run.save_recover(step, {"model": engine}, {"dataloader": loader.state_dict()})
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
-    worker.close()
-    engine.destroy()
+    close_workers(workers, engine)
     run.close()
     return 0
 

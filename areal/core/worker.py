@@ -96,13 +96,14 @@ class InProcessWorker(ModelWorker):
     def __init__(self, index: int, engines: dict[ModelName, Any]):
         self.index = index
         self.engines = engines
-        self.peers: list[ModelWorker] = []
+        self.peers: list = []
         self._store: dict[int, SampleFields] = {}
         self._lock = threading.Lock()  # peers read the store from their threads
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-worker-{index}")
 
-    def connect(self, peers: list[ModelWorker]) -> None:
-        """The job's workers, indexed like the allocation's worker indices (self included)."""
+    def connect(self, peers: list) -> None:
+        """The job's workers, indexed like the allocation's worker indices (self included): each
+        a :class:`ModelWorker` or anything with its ``get`` (a remote worker's store)."""
         self.peers = peers
 
     def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
@@ -153,6 +154,11 @@ class InProcessWorker(ModelWorker):
                 sample.seqs.pop(key, None)
                 if not sample.tokens and not sample.seqs:
                     del self._store[sid]
+
+    def submit_call(self, model: ModelName, method: str, *args: Any) -> Future[Any]:
+        """Queue ``engines[model].method(*args)`` behind the MFCs already queued (whole-model
+        calls such as save/load, which every rank of the mesh must make in the same order)."""
+        return self._thread.submit(lambda: getattr(self.engines[model], method)(*args))
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)

@@ -1,5 +1,6 @@
 """Tier 2: ``areal core sft`` (SFT through the master) against Lite's examples/sft.py on the same
-config: the same loss at every step and a loadable checkpoint. Both run as plain processes."""
+config: the same loss at every step, the same held-out NLL and a checkpoint, with one in-process
+worker and with 2 Ray workers (a real local Ray head). All runs are plain processes."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import pytest
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
+CORE_SFT = [sys.executable, "-m", "areal.cli", "core", "sft"]
 
 
-def run(cmd: list[str], fileroot: Path, name: str, model_dir: str) -> dict[int, dict]:
+def run(cmd: list[str], fileroot: Path, name: str, model_dir: str, extra: tuple[str, ...] = ()) -> dict[int, dict]:
     overrides = [f"fileroot={fileroot}", f"experiment_name={name}", "trial_name=t", f"model.path={model_dir}",
                  "total_train_steps=3", "train_dataset.batch_size=8", "evaluator.freq_steps=null",
-                 "valid_dataset.batch_size=50", "seed=5"]
+                 "valid_dataset.batch_size=50", "seed=5", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
     out = subprocess.run([*cmd, "--config", str(REPO / "examples" / "sft_arithmetic.yaml"), *overrides],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -27,12 +30,24 @@ def run(cmd: list[str], fileroot: Path, name: str, model_dir: str) -> dict[int, 
     return {r["step"]: r for r in map(json.loads, lines)}
 
 
-def test_core_sft_reaches_the_same_loss_as_lite_sft(tmp_path, tiny_model_dir):
-    lite = run([sys.executable, "examples/sft.py"], tmp_path, "lite", tiny_model_dir)
-    core = run([sys.executable, "-m", "areal.cli", "core", "sft"], tmp_path, "core", tiny_model_dir)
+@pytest.fixture(scope="module")
+def lite(tmp_path_factory, tiny_model_dir) -> dict[int, dict]:
+    return run([sys.executable, "examples/sft.py"], tmp_path_factory.mktemp("lite"), "lite", tiny_model_dir)
+
+
+def check_same(core: dict[int, dict], lite: dict[int, dict], run_dir: Path) -> None:
     assert sorted(core) == sorted(lite) == [1, 2, 3]
     for step in (1, 2, 3):
         assert core[step]["loss/loss"] == pytest.approx(lite[step]["loss/loss"], rel=1e-5)
         assert core[step]["mfc/sft_train/n_tokens"] == lite[step]["perf/n_tokens"]
     assert core[3]["eval/loss"] == pytest.approx(lite[3]["eval/loss"], rel=1e-5)
-    assert (tmp_path / "core" / "t" / "checkpoints" / "model" / "step3" / "model.safetensors").is_file()
+    assert (run_dir / "checkpoints" / "model" / "step3" / "model.safetensors").is_file()
+
+
+def test_core_sft_in_process_reaches_the_same_loss_as_lite_sft(tmp_path, tiny_model_dir, lite):
+    check_same(run(CORE_SFT, tmp_path, "core", tiny_model_dir), lite, tmp_path / "core" / "t")
+
+
+def test_core_sft_on_two_ray_workers_reaches_the_same_loss_as_lite_sft(tmp_path, tiny_model_dir, lite, ray_head):
+    extra = ("core.backend=ray", "core.n_workers=2", f"core.ray_address={ray_head.address}")
+    check_same(run(CORE_SFT, tmp_path, "core", tiny_model_dir, extra), lite, tmp_path / "core" / "t")

@@ -1,0 +1,250 @@
+"""Model workers as Ray actors: the :class:`~areal.core.worker.ModelWorker` interface, one process
+per worker.
+
+:func:`start_ray_workers` starts ``graph.n_workers`` actors on the Ray cluster this process is
+attached to (``ray.init`` first). The actors join one ``torch.distributed`` job (gloo; rank =
+worker index; the rendezvous is worker 0's node), every actor creates every model's sub-mesh in
+the same order (a ``DeviceMesh`` over the allocation's workers, ``("dp",)``), and each builds
+the engines of the models allocated to it from :class:`EngineSpec` data. Inside, each actor runs
+an :class:`~areal.core.worker.InProcessWorker` over its engines; its peers are the other actors,
+whose stores it reads with Ray calls, so tensors go worker to worker.
+
+Order. A Ray actor serving several calls at once (it must, to answer its peers' ``get`` while
+it computes) does not promise to start them in arrival order, so the master-side
+:class:`RayWorker` numbers its requests and the actor hands them to its worker strictly in that
+order: the collectives of the ranks of a mesh still match.
+
+Limits: CPU and gloo only (one process per worker, no GPU placement yet); every Ray call the
+master makes waits at most ``call_timeout`` seconds (the master's ``mfc_timeout`` bounds MFCs).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from areal.api.config.engine import TrainEngineConfig
+from areal.api.io import FinetuneSpec, SaveLoadMeta
+from areal.core.dfg import Allocation, DataflowGraph, ModelFn, ModelName
+from areal.core.master import split_by_tokens
+from areal.core.worker import InProcessWorker, MFCReply, MFCRequest, ModelWorker, SampleFields
+from areal.engine.fsdp import FSDPEngine
+from areal.engine.ppo import PPOActor, PPOCritic
+from areal.engine.rw import RWEngine
+from areal.engine.sft import SFTEngine
+from areal.utils.batch import PackedBatch
+
+RPC_TIMEOUT = 300.0  # seconds: a Ray call to a worker (setup loads models, so not short)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How a worker builds one model's engine on the sub-mesh it is given (data, so it travels)."""
+
+    kind: Literal["ppo_actor", "ppo_critic", "lm", "sft", "rw"]
+    config: TrainEngineConfig
+    temperature: float = 1.0  # ppo_actor, lm: the rollout's sampling temperature
+    group_size: int = 1  # ppo_actor, ppo_critic: gconfig.n_samples
+    max_new_tokens: int | None = None  # ppo_actor
+    ft_spec: FinetuneSpec | None = None  # sizes the LR schedule; None for frozen models
+
+
+def build_engine(spec: EngineSpec, mesh) -> Any:
+    """The initialized Lite engine ``spec`` describes, sharded over ``mesh``."""
+    if spec.kind == "ppo_actor":
+        engine = PPOActor(spec.config, mesh, temperature=spec.temperature, group_size=spec.group_size,
+                          max_new_tokens=spec.max_new_tokens)
+    elif spec.kind == "ppo_critic":
+        engine = PPOCritic(spec.config, mesh, group_size=spec.group_size)
+    elif spec.kind == "lm":
+        engine = FSDPEngine(spec.config, mesh, temperature=spec.temperature)
+    elif spec.kind == "sft":
+        engine = SFTEngine(spec.config, mesh)
+    elif spec.kind == "rw":
+        engine = RWEngine(spec.config, mesh)
+    else:
+        raise ValueError(f"EngineSpec.kind {spec.kind!r}: use ppo_actor, ppo_critic, lm, sft or rw")
+    engine.initialize(spec.ft_spec)
+    return engine
+
+
+class _RayPeer:
+    """Another actor's store, read with a Ray call."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def get(self, sample_ids: tuple[int, ...], keys: tuple[str, ...]) -> list[SampleFields]:
+        import ray
+
+        return ray.get(self.handle.get.remote(sample_ids, keys), timeout=RPC_TIMEOUT)
+
+
+class WorkerActor:
+    """The body of one worker process (wrapped by ``ray.remote`` in :func:`start_ray_workers`)."""
+
+    def __init__(self, index: int, n_workers: int, torch_threads: int):
+        self.index, self.n_workers = index, n_workers
+        torch.set_num_threads(torch_threads)
+        self.inner: InProcessWorker | None = None
+        self._turn = 0  # number of the next request to hand to the worker
+        self._order = threading.Condition()
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a free port there (worker 0 hosts the gloo rendezvous)."""
+        import ray
+
+        from areal.utils.network import free_port
+
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host)
+
+    def setup(self, host: str, port: int, allocations: list[Allocation], specs: dict[ModelName, EngineSpec],
+              peers: list) -> None:
+        """Join the job, build every model's sub-mesh (all workers, same order), build my engines."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.index,
+                                world_size=self.n_workers, timeout=datetime.timedelta(minutes=10))
+        meshes = {}
+        for a in sorted(allocations, key=lambda a: a.model):
+            mesh = DeviceMesh("cpu", torch.tensor(a.workers), mesh_dim_names=("dp",))
+            if self.index in a.workers:
+                meshes[a.model] = mesh
+        engines = {model: build_engine(specs[model], mesh) for model, mesh in meshes.items()}
+        self.inner = InProcessWorker(self.index, engines)
+        self.inner.connect([self.inner if i == self.index else _RayPeer(h) for i, h in enumerate(peers)])
+
+    def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
+        return self.inner.hosts(model, fn)
+
+    def _in_turn(self, number: int, queue) -> Future:
+        """Queue request ``number`` (0, 1, ...) on the worker only after all lower numbers."""
+        with self._order:
+            if not self._order.wait_for(lambda: self._turn == number, timeout=RPC_TIMEOUT):
+                raise TimeoutError(f"worker {self.index}: request {number} waited {RPC_TIMEOUT} s for "
+                                   f"request {self._turn}, which never arrived")
+            future = queue()
+            self._turn += 1
+            self._order.notify_all()
+        return future
+
+    def run(self, number: int, request: MFCRequest) -> MFCReply:
+        """Run one MFC share, in the master's order."""
+        return self._in_turn(number, lambda: self.inner.submit(request)).result()
+
+    def run_call(self, number: int, model: ModelName, method: str, args: tuple) -> Any:
+        """``engine.method(*args)`` on this rank, in the master's order (save, load, evaluate)."""
+        return self._in_turn(number, lambda: self.inner.submit_call(model, method, *args)).result()
+
+    def put(self, sample_ids: list[int], batch: PackedBatch) -> None:
+        self.inner.put(sample_ids, batch)
+
+    def get(self, sample_ids: tuple[int, ...], keys: tuple[str, ...]) -> list[SampleFields]:
+        return self.inner.get(sample_ids, keys)
+
+    def free(self, items: list[tuple[str, int]]) -> None:
+        self.inner.free(items)
+
+    def full_state_dict(self, model: ModelName) -> dict[str, torch.Tensor]:
+        """The model's full weights (on its mesh's first rank; {} elsewhere). Collective."""
+        return self.inner.engines[model].full_state_dict()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if self.inner is not None:
+            self.inner.close()
+            for engine in self.inner.engines.values():
+                engine.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RayWorker(ModelWorker):
+    """The master's handle on one :class:`WorkerActor`."""
+
+    def __init__(self, index: int, handle):
+        import ray
+
+        self.index, self.handle, self._ray = index, handle, ray
+        self._next = 0
+
+    def _call(self, ref):
+        return self._ray.get(ref, timeout=RPC_TIMEOUT)
+
+    def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
+        return self._call(self.handle.hosts.remote(model, fn))
+
+    def submit(self, request: MFCRequest) -> Future[MFCReply]:
+        ref = self.handle.run.remote(self._next, request)
+        self._next += 1
+        return ref.future()
+
+    def call(self, model: ModelName, method: str, *args: Any) -> Future[Any]:
+        """``engine.method(*args)`` on this rank, ordered with the MFCs."""
+        ref = self.handle.run_call.remote(self._next, model, method, args)
+        self._next += 1
+        return ref.future()
+
+    def put(self, sample_ids: list[int], batch: PackedBatch) -> None:
+        self._call(self.handle.put.remote(sample_ids, batch))
+
+    def get(self, sample_ids: tuple[int, ...], keys: tuple[str, ...]) -> list[SampleFields]:
+        return self._call(self.handle.get.remote(sample_ids, keys))
+
+    def free(self, items: list[tuple[str, int]]) -> None:
+        self._call(self.handle.free.remote(items))
+
+    def close(self) -> None:
+        try:
+            self._call(self.handle.shutdown.remote())
+        finally:
+            self._ray.kill(self.handle, no_restart=True)
+
+
+def start_ray_workers(graph: DataflowGraph, specs: dict[ModelName, EngineSpec], cpus_per_worker: float = 1,
+                      torch_threads: int = 1) -> list[RayWorker]:
+    """``graph.n_workers`` worker actors hosting the graph's models; ``ray.init`` must have run."""
+    import ray
+
+    missing = [str(m) for m in graph.allocations if m not in specs]
+    if missing:
+        raise ValueError(f"no EngineSpec for models {missing}; give every allocated model one")
+    actor_cls = ray.remote(WorkerActor)
+    actors = [actor_cls.options(num_cpus=cpus_per_worker, max_concurrency=16, max_restarts=0)
+              .remote(i, graph.n_workers, torch_threads) for i in range(graph.n_workers)]
+    host, port = ray.get(actors[0].rendezvous.remote(), timeout=RPC_TIMEOUT)
+    allocations = list(graph.allocations.values())
+    ray.get([a.setup.remote(host, port, allocations, specs, actors) for a in actors], timeout=RPC_TIMEOUT)
+    return [RayWorker(i, a) for i, a in enumerate(actors)]
+
+
+class RayModel:
+    """One model on Ray workers, seen by an entry script as its engine: ``save``/``load`` (HF
+    export, recover checkpoints) and ``evaluate_lm`` run on every rank of the model's mesh."""
+
+    def __init__(self, workers: list[RayWorker], model: ModelName, ranks: tuple[int, ...]):
+        self.workers, self.model, self.ranks = workers, model, ranks
+
+    def _on_ranks(self, method: str, args: list[tuple]) -> list[Any]:
+        futures = [self.workers[w].call(self.model, method, *a) for w, a in zip(self.ranks, args)]
+        return [f.result(timeout=RPC_TIMEOUT) for f in futures]
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        self._on_ranks("save", [(meta,)] * len(self.ranks))
+
+    def load(self, meta: SaveLoadMeta) -> None:
+        self._on_ranks("load", [(meta,)] * len(self.ranks))
+
+    def evaluate_lm(self, batch: PackedBatch) -> tuple[PackedBatch, dict[str, float]]:
+        """The engine's held-out NLL over ``batch`` split by tokens across the ranks (the stats
+        are reduced over the mesh; the returned batch is rank 0's share)."""
+        parts = split_by_tokens(batch.seqlens.tolist(), len(self.ranks), 1)
+        return self._on_ranks("evaluate_lm", [(batch.select(p),) for p in parts])[0]

@@ -1,0 +1,104 @@
+"""Tier 2 on a real local Ray head: model workers as Ray actors (2 processes, gloo).
+
+Core's PPO step with actor + reference + critic on a dp=2 mesh over 2 Ray workers equals Lite's
+train_step on the whole batch in one process (weights and stats, 1e-5): the engines' gradient
+accumulation makes the step independent of the split, so this checks the master, the workers'
+peer-to-peer fields and the sub-meshes, not a coincidence of layouts. One PPO minibatch: with
+several, each rank cuts its own share into minibatches, so their composition (and the update)
+depends on the number of ranks, in Lite as in Core. KL in the reward still needs the proximal
+pass, so every node of the graph runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
+from areal.api.config.base import MicroBatchSpec, OptimizerConfig
+from areal.api.config.engine import TrainEngineConfig
+from areal.core.dfg import Allocation, build_graph
+from areal.core.graphs import ACTOR, CRITIC, REF, ROLLOUT_KEYS, ppo_mfcs
+from areal.core.master import Master
+from areal.core.ray_worker import EngineSpec, build_engine, start_ray_workers
+from areal.runtime.dist import init_distributed
+from test_master_engines import GROUP, lite_train_step, max_gap, rollout_batch, snapshot
+
+pytestmark = pytest.mark.slow
+
+
+def specs(path: str) -> dict:
+    opt = OptimizerConfig(lr=1e-2, eps=1.0)
+    mb = MicroBatchSpec(max_tokens_per_mb=40, granularity=GROUP)
+    actor = PPOActorConfig(path=path, algorithm="ppo", kl_ctl=0.1, use_decoupled_loss=True,
+                           mb_spec=mb, optimizer=opt)
+    return {
+        ACTOR: EngineSpec("ppo_actor", actor, group_size=GROUP, max_new_tokens=8),
+        CRITIC: EngineSpec("ppo_critic", PPOCriticConfig(path=path, mb_spec=mb, optimizer=opt), group_size=GROUP),
+        REF: EngineSpec("lm", TrainEngineConfig(path=path, mb_spec=mb)),
+    }
+
+
+@pytest.fixture(scope="module")
+def ray_driver(ray_head):
+    import ray
+
+    ray.init(address=ray_head.address, log_to_driver=False, include_dashboard=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def lite_step(tiny_model_dir):
+    """Lite's train_step on the whole batch in this process: (batch, actor stats, critic stats, weights)."""
+    batch = rollout_batch(n_groups=4)
+    mesh = init_distributed("gloo").mesh
+    lite = {m: build_engine(s, mesh) for m, s in specs(tiny_model_dir).items()}
+    assert lite[ACTOR].needs_prox_pass
+    actor_stats, critic_stats = lite_train_step(lite[ACTOR], lite[CRITIC], lite[REF], batch)
+    weights = {m: snapshot(lite[m]) for m in (ACTOR, CRITIC)}
+    for e in lite.values():
+        e.destroy()
+    return batch, actor_stats, critic_stats, weights
+
+
+def core_step(ray, path: str, allocs: list[Allocation], batch):
+    """One master step over 2 Ray workers: (stats, full weights of actor and critic)."""
+    graph = build_graph("async_ppo", ppo_mfcs(True, True, True), ROLLOUT_KEYS, allocs, 2)
+    workers = start_ray_workers(graph, specs(path))
+    try:
+        master = Master(graph, workers, group_size=GROUP, mfc_timeout=300)
+        master.put_batch(batch)
+        stats = master.step(batch.n_seqs)
+        got = {}
+        for m in (ACTOR, CRITIC):  # collective over the model's ranks; its first rank has the weights
+            ranks = graph.allocations[m].workers
+            got[m] = ray.get([workers[w].handle.full_state_dict.remote(m) for w in ranks], timeout=300)[0]
+        for w in workers:  # every field released after its last reader: sample 0 is gone
+            with pytest.raises(ray.exceptions.RayTaskError, match="holds no"):
+                ray.get(w.handle.get.remote((0,), ("input_ids",)), timeout=60)
+    finally:
+        for w in workers:
+            w.close()
+    return stats, got
+
+
+def check_equal(stats, got, lite) -> None:
+    batch, actor_stats, critic_stats, weights = lite
+    for m in (ACTOR, CRITIC):
+        assert max_gap(got[m], weights[m]) < 1e-5
+    for key in ("loss", "grad_norm"):
+        assert stats["actor_train"][key] == pytest.approx(actor_stats[key], rel=1e-5, abs=1e-6)
+        assert stats["critic_train"][key] == pytest.approx(critic_stats[key], rel=1e-5, abs=1e-6)
+    assert stats["actor_train"]["n_tokens"] == batch.n_tokens
+
+
+def test_core_ppo_step_on_two_ray_workers_equals_the_lite_step(ray_driver, tiny_model_dir, lite_step):
+    allocs = [Allocation(m, (0, 1), dp=2) for m in (ACTOR, CRITIC, REF)]
+    check_equal(*core_step(ray_driver, tiny_model_dir, allocs, lite_step[0]), lite_step)
+
+
+def test_models_on_disjoint_sub_meshes_run_at_once_without_crossing(ray_driver, tiny_model_dir, lite_step):
+    # ref alone on worker 0 and critic alone on worker 1 run their calls at the same time; a
+    # collective of either on a group wider than its own sub-mesh would pair with the other's
+    # different call and hang or corrupt, and the result would not equal Lite's.
+    allocs = [Allocation(ACTOR, (0, 1), dp=2), Allocation(REF, (0,)), Allocation(CRITIC, (1,))]
+    check_equal(*core_step(ray_driver, tiny_model_dir, allocs, lite_step[0]), lite_step)
