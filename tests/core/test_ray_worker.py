@@ -15,11 +15,12 @@ import pytest
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
-from areal.core.dfg import Allocation, build_graph
-from areal.core.graphs import ACTOR, CRITIC, REF, ROLLOUT_KEYS, ppo_mfcs
+from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, build_graph
+from areal.core.graphs import ACTOR, CRITIC, REF, ROLLOUT_KEYS, SFT_KEYS, ppo_mfcs
 from areal.core.master import Master
 from areal.core.ray_worker import EngineSpec, build_engine, start_ray_workers
 from areal.runtime.dist import init_distributed
+from areal.utils.batch import PackedBatch
 from test_master_engines import GROUP, lite_train_step, max_gap, rollout_batch, snapshot
 
 pytestmark = pytest.mark.slow
@@ -61,8 +62,9 @@ def lite_step(tiny_model_dir):
 
 
 def core_step(ray, path: str, allocs: list[Allocation], batch):
-    """One master step over 2 Ray workers: (stats, full weights of actor and critic)."""
-    graph = build_graph("async_ppo", ppo_mfcs(True, True, True), ROLLOUT_KEYS, allocs, 2)
+    """One master step over the allocation's Ray workers: (stats, full weights of actor and critic)."""
+    n_workers = 1 + max(w for a in allocs for w in a.workers)
+    graph = build_graph("async_ppo", ppo_mfcs(True, True, True), ROLLOUT_KEYS, allocs, n_workers)
     workers = start_ray_workers(graph, specs(path))
     try:
         master = Master(graph, workers, group_size=GROUP, mfc_timeout=300)
@@ -96,9 +98,29 @@ def test_core_ppo_step_on_two_ray_workers_equals_the_lite_step(ray_driver, tiny_
     check_equal(*core_step(ray_driver, tiny_model_dir, allocs, lite_step[0]), lite_step)
 
 
-def test_models_on_disjoint_sub_meshes_run_at_once_without_crossing(ray_driver, tiny_model_dir, lite_step):
-    # ref alone on worker 0 and critic alone on worker 1 run their calls at the same time; a
+@pytest.mark.parametrize("allocs", [
+    [Allocation(ACTOR, (0, 1), dp=2), Allocation(REF, (0,)), Allocation(CRITIC, (1,))],
+    [Allocation(ACTOR, (0, 1), dp=2), Allocation(REF, (2,)), Allocation(CRITIC, (3,))],
+], ids=["2-workers", "4-workers"])
+def test_models_on_disjoint_sub_meshes_run_at_once_without_crossing(ray_driver, tiny_model_dir, lite_step, allocs):
+    # ref alone on one worker and critic alone on another run their calls at the same time; a
     # collective of either on a group wider than its own sub-mesh would pair with the other's
-    # different call and hang or corrupt, and the result would not equal Lite's.
-    allocs = [Allocation(ACTOR, (0, 1), dp=2), Allocation(REF, (0,)), Allocation(CRITIC, (1,))]
+    # different call (or wait for a worker that makes none) and hang or corrupt, and the result
+    # would not equal Lite's.
     check_equal(*core_step(ray_driver, tiny_model_dir, allocs, lite_step[0]), lite_step)
+
+
+def test_a_dead_ray_worker_stops_the_step_naming_the_mfc_and_the_worker(ray_driver, tiny_model_dir):
+    model = ModelName("model")
+    graph = build_graph("sft", [MFC("sft_train", model, ModelFn.TRAIN_LM, SFT_KEYS)], SFT_KEYS,
+                        [Allocation(model, (0, 1), dp=2)], 2)
+    workers = start_ray_workers(graph, {model: EngineSpec("sft", TrainEngineConfig(path=tiny_model_dir))})
+    try:
+        master = Master(graph, workers, mfc_timeout=120)
+        master.put_batch(PackedBatch.from_sequences({"input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[0, 1, 1], [0, 1]]}))
+        ray_driver.kill(workers[1].handle, no_restart=True)
+        with pytest.raises(RuntimeError, match=r"MFC 'sft_train' \(model@0.train_lm\) failed on worker 1: .*"
+                                               r"(actor died|ActorDiedError|RayActorError)"):
+            master.step(2)
+    finally:
+        ray_driver.kill(workers[0].handle, no_restart=True)
