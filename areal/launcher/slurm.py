@@ -132,7 +132,7 @@ def slurm_problems(cfg) -> list[str]:
     sc, cluster = cfg.launcher.slurm, cfg.cluster
     problems = [f"{tool} is not on PATH: `areal launch slurm` runs where Slurm's client commands "
                 "do (a login node; apt-get install slurm-client, or your site's slurm module)"
-                for tool in ("sbatch", "scontrol", "scancel", "sinfo", "srun") if shutil.which(tool) is None]
+                for tool in ("sbatch", "srun", "scontrol", "scancel", "squeue", "sinfo") if shutil.which(tool) is None]
     if cluster.devices_per_node is None:
         problems.append("cluster.devices_per_node: null; on Slurm say what to ask for per node: the "
                         "GPUs of each node (one per server and per trainer rank), or 0 for CPU only")
@@ -305,7 +305,8 @@ def available(partition: str) -> str:
     name = partition or default
     if name not in parts:
         there = ", ".join(sorted(parts)) or "none"
-        return f"there is no partition {name!r}; partitions here: {there}" + (f" (default {default})" if default else "")
+        note = f" (default {default})" if default else ""
+        return f"there is no partition {name!r}; partitions here: {there}{note}"
     rows = parts[name]
     shown = "; ".join(f"{node}: {cpus} CPUs, {'GRES ' + gres if gres != '(null)' else 'no GPUs'}, {state}"
                       for node, _, cpus, gres, state, _ in rows[:8])
@@ -541,24 +542,26 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
     path.write_text(job_script(cfg, script, without_secrets(argv, cfg), attempt))
     follower = LogFollower(logs, cfg.launcher.echo)
     trainer_start = follower.offsets.get(logs / "trainer.log", 0)
-    job = submit(cfg, path, lay)
-    (slurm_dir / "job.id").write_text(f"{job.id}\n")
-    logger.info(f"submitted job {job.id} ({path}); should this launcher be killed, cancel it with "
-                f"`scancel {job.id}` or `scancel --name={job_name(cfg)}`")
-    done = False
+    job, done = None, False
     try:
+        with _SignalsHeld():  # a Ctrl-C during sbatch arrives once the job is known, to cancel it
+            job = submit(cfg, path, lay)
+        (slurm_dir / "job.id").write_text(f"{job.id}\n")
+        logger.info(f"submitted job {job.id} ({path}); should this launcher be killed, cancel it with "
+                    f"`scancel {job.id}` or `scancel --name={job_name(cfg)}`")
         wait_started(job, cfg, lay)
         logger.info(f"job {job.id} runs on {job.fields.get('NodeList', '?')}")
         wait_registered(job, registry, cfg, follower)
         code = follow(job, cfg, follower)
         done = True
     except JobFailed as e:
-        logger.error(f"job {job.id}: {e}; logs in {logs}")
+        logger.error(f"job {job.id if job else '(not submitted)'}: {e}; logs in {logs}")
         record_failure(logs, "job", 1, str(e))
         return 1
     finally:
-        with _SignalsHeld():
-            job.wait_gone(sc.cancel_timeout) if done else job.cancel(sc.cancel_timeout)
+        if job is not None:
+            with _SignalsHeld():
+                job.wait_gone(sc.cancel_timeout) if done else job.cancel(sc.cancel_timeout)
     if code != 0:
         lines = _tail(logs / "trainer.log", 400, trainer_start).splitlines()
         cause = root_cause(lines, code)

@@ -63,12 +63,14 @@ def test_job_script_places_server_i_on_node_i_mod_n_and_one_torchrun_per_node():
     servers = [line for line in text.splitlines() if "areal.launcher.server_task" in line]
     assert len(servers) == 3
     for i, (line, node) in enumerate(zip(servers, [0, 1, 0])):
-        assert f"--job-name=server{i} --nodes=1 --ntasks=1 --relative={node} --cpus-per-task=1 --gpus-per-task=1" in line
+        step = f"--job-name=server{i} --nodes=1 --ntasks=1 --relative={node} --cpus-per-task=1 --gpus-per-task=1"
+        assert step in line
         assert f'--host "$(node_addr "${{nodes[{node}]}}")"' in line  # its node's address, not loopback
         assert line.endswith(f'launcher.echo=false >> "$run_dir/logs/server{i}-task.log" 2>&1 &')
         assert "--container-image=nvcr.io#pytorch" in line and "--container-mounts=/shared:/shared" in line
     [trainer] = [line for line in text.splitlines() if "torch.distributed.run" in line]
-    assert "--nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=2 --gpus-per-task=2 --kill-on-bad-exit=1" in trainer
+    step = "--nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=2 --gpus-per-task=2 --kill-on-bad-exit=1"
+    assert step in trainer
     assert "AREAL_LAUNCH_ATTEMPT=1" in trainer and '--node_rank="$SLURM_NODEID"' in trainer
     assert "--nnodes=2 --nproc_per_node=2" in trainer and 'master_addr=$(node_addr "${nodes[0]}")' in text
     assert trainer.endswith('lr=1 >> "$run_dir/logs/trainer.log" 2>&1')
@@ -96,7 +98,8 @@ def test_slurm_problems_name_the_field_and_the_fix(monkeypatch):
     text = "\n".join(slurm_problems(_cfg("cluster.devices_per_node=null")))
     assert "cluster.devices_per_node: null" in text and "0 for CPU only" in text
     # 4 + 1 <= 4 GPUs x 2 nodes overall, but the node holding the server needs 5
-    text = "\n".join(slurm_problems(_cfg("cluster.devices_per_node=4", "cluster.trainer_nprocs=4", "cluster.n_nodes=2")))
+    cfg = _cfg("cluster.devices_per_node=4", "cluster.trainer_nprocs=4", "cluster.n_nodes=2")
+    text = "\n".join(slurm_problems(cfg))
     assert "cluster.devices_per_node: 4 GPUs per node cannot hold 4 trainer rank(s) + 1 server(s)" in text
     text = "\n".join(slurm_problems(_cfg("cluster.n_nodes=2")))
     assert "server.api_key: empty, but with cluster.n_nodes=2" in text and "AREAL_SERVER_API_KEY" in text
