@@ -5,6 +5,6 @@ sync PPO, async PPO and SFT (:mod:`areal.core.graphs`), printed by ``areal core 
 master's metadata buffer (:mod:`areal.core.buffer`) and scheduler (:mod:`areal.core.master`);
 the model-worker interface, an in-process worker hosting Lite engines (:mod:`areal.core.worker`)
 and workers as Ray actors (:mod:`areal.core.ray_worker`); Core SFT through the master
-(:mod:`areal.core.sft`, ``areal core sft``). Generation on workers, tensor parallelism and
-parameter reallocation are not built.
+(:mod:`areal.core.sft`, ``areal core sft``); parameter reallocation as an MFC hook. Generation
+on workers and tensor parallelism are not built.
 """

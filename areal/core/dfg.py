@@ -88,10 +88,21 @@ class ModelName:
 
 
 @dataclass(frozen=True)
+class ParamRealloc:
+    """An MFC hook: before the call, its model's weights become ``source``'s, moved from the
+    source's layout to the model's (``ema`` > 0 keeps a share: ``ema * own + (1 - ema) * source``,
+    e.g. a reference model refreshed from the actor)."""
+
+    source: ModelName
+    ema: float = 0.0
+
+
+@dataclass(frozen=True)
 class MFC:
     """One model function call: ``model.fn(batch[inputs], **kwargs)`` adds ``outputs``.
 
     ``mb_spec`` overrides the engine's own micro-batch split for this call (None: the engine's).
+    ``hooks`` run before the call, in order.
     """
 
     name: str
@@ -101,6 +112,12 @@ class MFC:
     outputs: tuple[str, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     mb_spec: MicroBatchSpec | None = None
+    hooks: tuple[ParamRealloc, ...] = ()
+
+    @property
+    def models(self) -> set[ModelName]:
+        """The models this call touches: its own and its hooks' sources."""
+        return {self.model, *(h.source for h in self.hooks)}
 
 
 @dataclass(frozen=True)
@@ -206,8 +223,15 @@ def _check_allocations(mfcs: list[MFC], allocations: dict[ModelName, Allocation]
         if m.model not in allocations:
             problems.append(f"MFC {m.name!r} runs on model '{m.model}', which has no allocation; "
                             f"allocate it workers (allocated: {sorted(str(a) for a in allocations)})")
+        for h in m.hooks:
+            if h.source == m.model or h.source not in allocations:
+                why = "is its own model" if h.source == m.model else "has no allocation"
+                problems.append(f"MFC {m.name!r} reallocates weights from model '{h.source}', which {why}; "
+                                "name another allocated model")
+            if not 0.0 <= h.ema < 1.0:
+                problems.append(f"MFC {m.name!r}: reallocation ema={h.ema} must be in [0, 1)")
     for model, a in sorted(allocations.items()):
-        users = [m.name for m in mfcs if m.model == model]
+        users = [m.name for m in mfcs if model in m.models]
         who = f"model '{model}' (MFCs {users})"
         if a.tp != 1:
             problems.append(f"{who}: tp={a.tp}, but tensor parallelism is not built; set tp=1")
@@ -262,6 +286,8 @@ def format_graph(graph: DataflowGraph) -> str:
     for m in graph.mfcs:
         args = ", ".join(f"{k}={v!r}" for k, v in m.kwargs.items())
         lines.append(f"  {m.name:<16} {str(m.model)}.{m.fn.value}({args})")
+        for h in m.hooks:
+            lines.append(f"  {'':<16}   before: weights from {h.source}" + (f" (ema {h.ema})" if h.ema else ""))
         lines.append(f"  {'':<16}   reads {', '.join(m.inputs) or '-'}; adds {', '.join(m.outputs) or '-'}")
     lines.append("edges:")
     grouped: dict[tuple[str, str], list[str]] = {}

@@ -7,14 +7,19 @@ and on which worker. :meth:`Master.step` takes the oldest waiting samples and ru
 the graph on them once.
 
 Scheduling. An MFC is dispatched as soon as it is ready: every key it reads is in the dataset
-or written by an MFC that has finished this step, and every earlier MFC on the same model (graph
-order) has finished, so a model's calls keep the graph's order (the actor's proximal logp before
-its update). Independent MFCs run at once on their workers. Dispatching an MFC splits the step's
-samples over its model's data-parallel ranks by token count, keeping groups whole
+or written by an MFC that has finished this step, and every earlier MFC touching one of its
+models (its own, or a reallocation hook's source; graph order) has finished, so a model's calls
+keep the graph's order (the actor's proximal logp before its update). Independent MFCs run at
+once on their workers. Dispatching an MFC splits the step's samples over its model's
+data-parallel ranks by token count, keeping groups whole
 (:func:`areal.utils.batch.balance_across_ranks`), and sends each rank an
 :class:`~areal.core.worker.MFCRequest` naming where each input key of its samples lives; the
 workers move the tensors among themselves. When an MFC finishes, its outputs are recorded where
 they were computed, and every key whose last reader has run is released on its worker.
+
+Parameter reallocation (an MFC's :class:`~areal.core.dfg.ParamRealloc` hooks) is queued before
+the call on the same workers: the source model's ranks snapshot its full weights (its first rank
+keeps them), and every rank of the MFC's model loads them from that rank, cut to its own shard.
 
 Failures: an MFC that raises on any worker stops the step with the MFC, the worker and the
 cause; an MFC still running after ``mfc_timeout`` seconds stops it too, naming what is running.
@@ -49,7 +54,11 @@ class _Running:
     mfc: MFC
     shares: list[tuple[int, list[int]]]  # (worker index, sample ids), one per dp rank
     futures: list[Future[MFCReply]]
+    hooks: list[tuple[str, int, Future]]  # (what, worker index, its future)
     start: float  # time.monotonic()
+
+    def all_futures(self) -> list[Future]:
+        return [*(f for _, _, f in self.hooks), *self.futures]
 
 
 class Master:
@@ -74,6 +83,7 @@ class Master:
         self.buffer = SampleBuffer(buffer_capacity, dict(consumers), {m.name for m in graph.mfcs})
         self.trace: list[tuple[str, str]] = []  # ("dispatch" | "done", MFC name), in order
         self._next_id = 0
+        self._steps = 0
 
     # ------------------------------------------------------------------------------ data
 
@@ -107,6 +117,7 @@ class Master:
         rank 0's (the engines reduce theirs over the mesh), ``n_tokens`` over ranks,
         ``wall_time`` (dispatch to done) and ``compute_time`` (the slowest rank), in seconds."""
         ids = self.buffer.take_oldest(n_samples)
+        self._steps += 1
         pending, running, done = list(self.graph.mfcs), {}, set()
         stats: dict[str, dict[str, float]] = {}
         while pending or running:
@@ -117,7 +128,7 @@ class Master:
             assert running, f"no MFC of {[m.name for m in pending]} can run; build_graph admits no such graph"
             self._wait(running)
             for name, run in list(running.items()):
-                if all(f.done() for f in run.futures):
+                if all(f.done() for f in run.all_futures()):
                     stats[name] = self._finish(run)
                     del running[name]
                     done.add(name)
@@ -129,9 +140,26 @@ class Master:
         if any(producers[k] not in done for k in mfc.inputs if k in producers):
             return False
         earlier = self.graph.mfcs[: self.graph.mfcs.index(mfc)]
-        return all(m.name in done for m in earlier if m.model == mfc.model)
+        return all(m.name in done for m in earlier if m.models & mfc.models)
+
+    def _reallocate(self, mfc: MFC) -> list[tuple[str, int, Future]]:
+        """Queue each hook's weight move: a snapshot on the source's ranks (its first rank keeps
+        it), then a load on every rank of the MFC's model, fetched from that first rank."""
+        queued = []
+        target = self.graph.allocations[mfc.model].workers
+        for i, hook in enumerate(mfc.hooks):
+            token = f"step{self._steps}/{mfc.name}/{i}"
+            source = self.graph.allocations[hook.source].workers
+            for w in source:
+                queued.append((f"snapshot of {hook.source}", w,
+                               self.workers[w].snapshot(hook.source, token, len(target))))
+            for w in target:
+                queued.append((f"load from {hook.source}", w,
+                               self.workers[w].load_weights(mfc.model, source[0], token, hook.ema)))
+        return queued
 
     def _dispatch(self, mfc: MFC, ids: list[int]) -> _Running:
+        hooks = self._reallocate(mfc)  # queued first, so the call runs on the moved weights
         alloc = self.graph.allocations[mfc.model]
         seqlens = [self.buffer.meta(sid).seqlen for sid in ids]
         parts = split_by_tokens(seqlens, alloc.dp, self.group_size)
@@ -145,21 +173,23 @@ class Master:
                     where[self.buffer.meta(sid).keys[key]].append(sid)
                 sources[key] = {w: tuple(s) for w, s in where.items()}
             futures.append(self.workers[worker].submit(MFCRequest(mfc, tuple(sids), sources)))
-        return _Running(mfc, shares, futures, time.monotonic())
+        return _Running(mfc, shares, futures, hooks, time.monotonic())
 
     def _wait(self, running: dict[str, _Running]) -> None:
         """Until some MFC share finishes; raise on a failed share or a passed deadline."""
-        futures = [f for run in running.values() for f in run.futures]
+        futures = [f for run in running.values() for f in run.all_futures()]
         first_deadline = min(run.start for run in running.values()) + self.mfc_timeout
         wait(futures, timeout=max(0.0, first_deadline - time.monotonic()), return_when=FIRST_COMPLETED)
         for run in running.values():
-            for (worker, _), f in zip(run.shares, run.futures):
+            parts = [*run.hooks, *(("", w, f) for (w, _), f in zip(run.shares, run.futures))]
+            for what, worker, f in parts:
                 if f.done() and f.exception() is not None:
-                    raise RuntimeError(f"MFC {run.mfc.name!r} ({run.mfc.model}.{run.mfc.fn.value}) "
-                                       f"failed on worker {worker}: {f.exception()}") from f.exception()
+                    during = f" ({what})" if what else ""
+                    raise RuntimeError(f"MFC {run.mfc.name!r} ({run.mfc.model}.{run.mfc.fn.value}) failed on "
+                                       f"worker {worker}{during}: {f.exception()}") from f.exception()
         late = [f"{r.mfc.name!r} on workers {[w for (w, _), f in zip(r.shares, r.futures) if not f.done()]}"
                 for r in running.values()
-                if time.monotonic() - r.start > self.mfc_timeout and not all(f.done() for f in r.futures)]
+                if time.monotonic() - r.start > self.mfc_timeout and not all(f.done() for f in r.all_futures())]
         if late:
             raise TimeoutError(f"MFCs still running after mfc_timeout={self.mfc_timeout} s: "
                                f"{', '.join(late)}; a worker is stuck or the timeout is too short")

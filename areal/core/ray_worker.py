@@ -84,6 +84,11 @@ class _RayPeer:
 
         return ray.get(self.handle.get.remote(sample_ids, keys), timeout=RPC_TIMEOUT)
 
+    def read_snapshot(self, token: str) -> dict[str, torch.Tensor]:
+        import ray
+
+        return ray.get(self.handle.read_snapshot.remote(token), timeout=RPC_TIMEOUT)
+
 
 class WorkerActor:
     """The body of one worker process (wrapped by ``ray.remote`` in :func:`start_ray_workers`)."""
@@ -143,6 +148,15 @@ class WorkerActor:
         """``engine.method(*args)`` on this rank, in the master's order (save, load, evaluate)."""
         return self._in_turn(number, lambda: self.inner.submit_call(model, method, *args)).result()
 
+    def snapshot(self, number: int, model: ModelName, token: str, n_readers: int) -> None:
+        self._in_turn(number, lambda: self.inner.snapshot(model, token, n_readers)).result()
+
+    def load_weights(self, number: int, model: ModelName, holder: int, token: str, ema: float) -> None:
+        self._in_turn(number, lambda: self.inner.load_weights(model, holder, token, ema)).result()
+
+    def read_snapshot(self, token: str) -> dict[str, torch.Tensor]:
+        return self.inner.read_snapshot(token)
+
     def put(self, sample_ids: list[int], batch: PackedBatch) -> None:
         self.inner.put(sample_ids, batch)
 
@@ -183,15 +197,25 @@ class RayWorker(ModelWorker):
         return self._call(self.handle.hosts.remote(model, fn))
 
     def submit(self, request: MFCRequest) -> Future[MFCReply]:
-        ref = self.handle.run.remote(self._next, request)
+        return self._numbered(self.handle.run, request)
+
+    def _numbered(self, method, *args) -> Future:
+        ref = method.remote(self._next, *args)
         self._next += 1
         return ref.future()
 
     def call(self, model: ModelName, method: str, *args: Any) -> Future[Any]:
         """``engine.method(*args)`` on this rank, ordered with the MFCs."""
-        ref = self.handle.run_call.remote(self._next, model, method, args)
-        self._next += 1
-        return ref.future()
+        return self._numbered(self.handle.run_call, model, method, args)
+
+    def snapshot(self, model: ModelName, token: str, n_readers: int) -> Future[None]:
+        return self._numbered(self.handle.snapshot, model, token, n_readers)
+
+    def load_weights(self, model: ModelName, holder: int, token: str, ema: float) -> Future[None]:
+        return self._numbered(self.handle.load_weights, model, holder, token, ema)
+
+    def read_snapshot(self, token: str) -> dict[str, torch.Tensor]:
+        return self._call(self.handle.read_snapshot.remote(token))
 
     def put(self, sample_ids: list[int], batch: PackedBatch) -> None:
         self._call(self.handle.put.remote(sample_ids, batch))

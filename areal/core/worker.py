@@ -30,6 +30,7 @@ import torch
 from areal.core.dfg import MFC, ModelFn, ModelName
 from areal.utils.batch import PackedBatch
 
+SNAPSHOT_WAIT = 600.0  # seconds a reader waits for a weight snapshot to be taken
 TRAINING_FNS = (ModelFn.PPO_UPDATE, ModelFn.TRAIN_LM, ModelFn.TRAIN_RW)  # the worker steps the LR after
 
 
@@ -86,8 +87,42 @@ class ModelWorker(abc.ABC):
         """Drop ``(key, sample)`` fields from the store."""
 
     @abc.abstractmethod
+    def snapshot(self, model: ModelName, token: str, n_readers: int) -> Future[None]:
+        """Queue: gather ``model``'s full weights (collective over its mesh); its first rank keeps
+        them under ``token`` until ``n_readers`` have read them."""
+
+    @abc.abstractmethod
+    def load_weights(self, model: ModelName, holder: int, token: str, ema: float) -> Future[None]:
+        """Queue: set ``model``'s weights to the snapshot ``token`` held by worker ``holder``
+        (``ema * own + (1 - ema) * snapshot``), resharded to this model's mesh."""
+
+    @abc.abstractmethod
+    def read_snapshot(self, token: str) -> dict[str, torch.Tensor]:
+        """A snapshot this worker holds (peers call this; waits for it to exist)."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Stop running requests (the engines belong to the caller)."""
+
+
+def load_full_state(engine: Any, full: dict[str, torch.Tensor], ema: float) -> None:
+    """Set ``engine.model``'s parameters to ``ema * own + (1 - ema) * full`` (full, unsharded
+    tensors by name, as ``full_state_dict`` gives them). Each rank cuts its own shard from the
+    full tensor, so no communication is needed."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, param in engine.model.named_parameters():
+            if name not in full:
+                raise KeyError(f"the reallocated weights have no {name!r}; source and target must be "
+                               "the same architecture")
+            src = full[name].to(param.dtype)
+            if isinstance(param, DTensor):
+                own = param.to_local()
+                src = distribute_tensor(src, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            else:
+                own = param.data
+            own.copy_(own * ema + src.to(own.device) * (1.0 - ema) if ema else src.to(own.device))
 
 
 class InProcessWorker(ModelWorker):
@@ -99,6 +134,8 @@ class InProcessWorker(ModelWorker):
         self.peers: list = []
         self._store: dict[int, SampleFields] = {}
         self._lock = threading.Lock()  # peers read the store from their threads
+        self._snapshots: dict[str, list] = {}  # token -> [weights, readers left]
+        self._snapshot_ready = threading.Condition()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-worker-{index}")
 
     def connect(self, peers: list) -> None:
@@ -154,6 +191,34 @@ class InProcessWorker(ModelWorker):
                 sample.seqs.pop(key, None)
                 if not sample.tokens and not sample.seqs:
                     del self._store[sid]
+
+    def snapshot(self, model: ModelName, token: str, n_readers: int) -> Future[None]:
+        def take() -> None:
+            full = self.engines[model].full_state_dict()  # {} except on the mesh's first rank
+            if full:
+                with self._snapshot_ready:
+                    self._snapshots[token] = [full, n_readers]
+                    self._snapshot_ready.notify_all()
+
+        return self._thread.submit(take)
+
+    def load_weights(self, model: ModelName, holder: int, token: str, ema: float) -> Future[None]:
+        def load() -> None:
+            source = self if holder == self.index else self.peers[holder]
+            load_full_state(self.engines[model], source.read_snapshot(token), ema)
+
+        return self._thread.submit(load)
+
+    def read_snapshot(self, token: str) -> dict[str, torch.Tensor]:
+        with self._snapshot_ready:
+            if not self._snapshot_ready.wait_for(lambda: token in self._snapshots, timeout=SNAPSHOT_WAIT):
+                raise TimeoutError(f"worker {self.index} has no weight snapshot {token!r} after "
+                                   f"{SNAPSHOT_WAIT} s")
+            entry = self._snapshots[token]
+            entry[1] -= 1
+            if entry[1] == 0:  # the last reader: drop it
+                del self._snapshots[token]
+            return entry[0]
 
     def submit_call(self, model: ModelName, method: str, *args: Any) -> Future[Any]:
         """Queue ``engines[model].method(*args)`` behind the MFCs already queued (whole-model

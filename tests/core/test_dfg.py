@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from areal.cli import main as cli_main
-from areal.core.dfg import MFC, Allocation, GraphError, ModelFn, ModelName, build_graph, format_graph
+from areal.core.dfg import (
+    MFC, Allocation, GraphError, ModelFn, ModelName, ParamRealloc, build_graph, format_graph,
+)
 from areal.core.graphs import ROLLOUT_KEYS, CoreGraphConfig, graph_from_config
 
 A, B = ModelName("actor"), ModelName("critic")
@@ -174,3 +176,24 @@ def test_areal_core_graph_reports_an_invalid_graph_with_exit_code_2(tmp_path, ca
     cfg.write_text("use_ref: true\nn_workers: 2\nallocations:\n  - {model: actor, workers: [0, 1], dp: 2}\n")
     assert cli_main(["core", "graph", "--config", str(cfg)]) == 2
     assert "MFC 'ref_logp' runs on model 'ref@0', which has no allocation" in capsys.readouterr().err
+
+
+def test_a_reallocation_hook_needs_another_allocated_source_model():
+    own = MFC("a", A, ModelFn.COMPUTE_LOGP, ("input_ids",), ("x",), {"out": "x"}, hooks=(ParamRealloc(A),))
+    (p,) = problems_of([own], allocations=[Allocation(A, (0, 1), 2)])
+    assert "MFC 'a' reallocates weights from model 'actor@0', which is its own model" in p
+    other = MFC("a", A, ModelFn.COMPUTE_LOGP, ("input_ids",), ("x",), {"out": "x"}, hooks=(ParamRealloc(B),))
+    (p,) = problems_of([other], allocations=[Allocation(A, (0, 1), 2)])
+    assert "from model 'critic@0', which has no allocation" in p
+
+
+def test_a_reallocation_ema_must_be_below_one():
+    m = MFC("a", A, ModelFn.COMPUTE_LOGP, ("input_ids",), ("x",), {"out": "x"}, hooks=(ParamRealloc(B, ema=1.0),))
+    (p,) = problems_of([m, logp("b", "y", model=B)])
+    assert "MFC 'a': reallocation ema=1.0 must be in [0, 1)" in p
+
+
+def test_printed_graph_shows_reallocation_hooks():
+    ref = MFC("ref_logp", B, ModelFn.COMPUTE_LOGP, ("input_ids",), ("r",), {"out": "r"},
+              hooks=(ParamRealloc(A, ema=0.9),))
+    assert "before: weights from actor@0 (ema 0.9)" in format_graph(build([logp("a", "x"), ref]))

@@ -11,7 +11,7 @@ import torch
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
-from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, build_graph
+from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, ParamRealloc, build_graph
 from areal.core.graphs import ACTOR, CRITIC, REF, ROLLOUT_KEYS, SFT_KEYS, ppo_mfcs
 from areal.core.master import Master
 from areal.core.worker import InProcessWorker
@@ -147,3 +147,49 @@ def test_core_sft_steps_equal_lite_sft_steps(tiny_model_dir):
     assert max_gap(snapshot(core), snapshot(lite)) < 1e-6
     lite.destroy()
     core.destroy()
+
+
+def realloc_graph(ema: float, actor_workers=(0,), ref_workers=(0,), n_workers=1):
+    """actor trains (SFT); then the reference, its weights first moved from the actor, computes logp."""
+    actor, ref = ModelName("actor"), ModelName("ref")
+    mfcs = [MFC("actor_train", actor, ModelFn.TRAIN_LM, SFT_KEYS),
+            MFC("ref_logp", ref, ModelFn.COMPUTE_LOGP, ("input_ids",), ("ref_logp",), {"out": "ref_logp"},
+                hooks=(ParamRealloc(actor, ema=ema),))]
+    allocs = [Allocation(actor, actor_workers, dp=len(actor_workers)),
+              Allocation(ref, ref_workers, dp=len(ref_workers))]
+    return build_graph("realloc", mfcs, SFT_KEYS, allocs, n_workers)
+
+
+@pytest.mark.parametrize("ema", [0.0, 0.5])
+def test_reallocation_hook_moves_the_trained_actor_into_the_reference(tiny_model_dir, ema):
+    mesh = init_distributed("gloo").mesh
+    actor = SFTEngine(TrainEngineConfig(path=tiny_model_dir, optimizer=OptimizerConfig(lr=1e-2, eps=1.0)), mesh)
+    ref = FSDPEngine(TrainEngineConfig(path=tiny_model_dir, init_from_scratch=True, init_seed=7), mesh)
+    actor.initialize(None)
+    ref.initialize(None)
+    ref_before = snapshot(ref)
+    worker = InProcessWorker(0, {ModelName("actor"): actor, ModelName("ref"): ref})
+    worker.connect([worker])
+    master = Master(realloc_graph(ema), [worker])
+    batch = sft_batches()[0]
+    master.put_batch(batch)
+    master.step(batch.n_seqs)
+    worker.close()
+    trained, moved = snapshot(actor), snapshot(ref)
+    assert max_gap(trained, snapshot_of_start(tiny_model_dir, mesh)) > 1e-4  # the actor did train
+    want = {k: ema * ref_before[k] + (1 - ema) * trained[k] for k in moved}
+    assert max_gap(moved, want) < 1e-6
+    if ema == 0.0:  # the target's logprobs are the source's
+        gap = (ref.compute_logp(batch)[0]["logp"] - actor.compute_logp(batch)[0]["logp"]).abs().max()
+        assert gap < 1e-5
+    assert worker._snapshots == {}  # the snapshot is dropped after its last reader
+    actor.destroy()
+    ref.destroy()
+
+
+def snapshot_of_start(path: str, mesh) -> dict[str, torch.Tensor]:
+    engine = FSDPEngine(TrainEngineConfig(path=path), mesh)
+    engine.initialize(None)
+    out = snapshot(engine)
+    engine.destroy()
+    return out
