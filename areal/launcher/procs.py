@@ -231,8 +231,10 @@ class ProcessSupervisor:
 
     def _record_failure(self) -> None:
         """Record the child whose failure ended the attempt: of those that exited non-zero on
-        their own (before this teardown), the last one."""
-        failed = [c for c in self.children if c.proc.poll() not in (None, 0)]
+        their own (before this teardown), the last one. One stopped by SIGTERM or SIGINT was asked
+        to stop (a batch system ending its step, a user): that is no failure of its own."""
+        asked = (None, 0, -signal.SIGTERM, -signal.SIGINT)
+        failed = [c for c in self.children if c.proc.poll() not in asked]
         if not failed:
             return
         for child in failed:

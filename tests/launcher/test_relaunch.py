@@ -171,3 +171,18 @@ def test_teardown_records_the_failure_that_ended_the_attempt(tmp_path):
         sup.start("server1", [sys.executable, "-c", "import time\ntime.sleep(60)"])  # killed by teardown
     [failure] = read_failures(tmp_path / "logs")
     assert failure == {"process": "trainer", "code": 1, "cause": "RuntimeError: generation servers are dead"}
+
+
+def test_a_child_stopped_by_sigterm_from_outside_is_no_failure(tmp_path):
+    # A batch system ending its step signals every process of it: the server that stopped on
+    # that SIGTERM did not fail, and must not pass for the attempt's cause.
+    import os
+    import signal
+    import time
+
+    with ProcessSupervisor(tmp_path / "logs", echo=False, stop_timeout=3) as sup:
+        child = sup.start("server0", [sys.executable, "-c", "import time\ntime.sleep(60)"])
+        time.sleep(0.5)
+        os.kill(child.proc.pid, signal.SIGTERM)
+        assert child.proc.wait(timeout=30) == -signal.SIGTERM
+    assert read_failures(tmp_path / "logs") == []
