@@ -18,9 +18,10 @@ CORE_SFT = [sys.executable, "-m", "areal.cli", "core", "sft"]
 
 
 def run(cmd: list[str], fileroot: Path, name: str, model_dir: str, extra: tuple[str, ...] = ()) -> dict[int, dict]:
+    """Three steps of SFT (constant LR, so a shorter run's steps are a longer one's first steps)."""
     overrides = [f"fileroot={fileroot}", f"experiment_name={name}", "trial_name=t", f"model.path={model_dir}",
                  "total_train_steps=3", "train_dataset.batch_size=8", "evaluator.freq_steps=null",
-                 "valid_dataset.batch_size=50", "seed=5", *extra]
+                 "valid_dataset.batch_size=50", "seed=5", "model.optimizer.warmup_steps_proportion=0", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
     out = subprocess.run([*cmd, "--config", str(REPO / "examples" / "sft_arithmetic.yaml"), *overrides],
@@ -51,3 +52,18 @@ def test_core_sft_in_process_reaches_the_same_loss_as_lite_sft(tmp_path, tiny_mo
 def test_core_sft_on_two_ray_workers_reaches_the_same_loss_as_lite_sft(tmp_path, tiny_model_dir, lite, ray_head):
     extra = ("core.backend=ray", "core.n_workers=2", f"core.ray_address={ray_head.address}")
     check_same(run(CORE_SFT, tmp_path, "core", tiny_model_dir, extra), lite, tmp_path / "core" / "t")
+
+
+def test_core_sft_on_ray_resumes_from_its_recover_checkpoint_losslessly(tmp_path, tiny_model_dir, lite, ray_head):
+    # 2 steps with a recover checkpoint each step, then the same trial to 3 steps: it resumes
+    # after step 2 (weights, optimizer, data position) and its step 3 is the uninterrupted one's
+    extra = ("core.backend=ray", "core.n_workers=2", f"core.ray_address={ray_head.address}",
+             "recover.mode=resume", "recover.freq_steps=1")
+    first = run(CORE_SFT, tmp_path, "core", tiny_model_dir, (*extra, "total_train_steps=2"))
+    assert sorted(first) == [1, 2]
+    resumed = run(CORE_SFT, tmp_path, "core", tiny_model_dir, extra)
+    assert sorted(resumed) == [1, 2, 3]
+    assert resumed[1] == first[1] and resumed[2] == first[2]  # kept (timings too): not redone
+    log = (tmp_path / "core" / "t" / "logs").glob("*.log")
+    assert any("at step 2" in p.read_text() and "resumed from" in p.read_text() for p in log)
+    assert resumed[3]["loss/loss"] == pytest.approx(lite[3]["loss/loss"], rel=1e-5)
