@@ -12,7 +12,8 @@ workers of the model's mesh before the next MFC, so every worker of a mesh runs 
 the same order and their collectives match.
 
 :class:`InProcessWorker` lives in the master's process (one thread per worker): the
-implementation for tests of the master without Ray, and for a job of one process.
+implementation for tests of the master without Ray and for a job of one process, and what each
+Ray actor of :mod:`areal.core.ray_worker` runs inside.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class SampleFields:
 
 
 class ModelWorker(abc.ABC):
-    """What the master needs from a model worker (in-process here; Ray actors next)."""
+    """What the master needs from a model worker (in-process here; Ray actors in ray_worker)."""
 
     index: int
 
