@@ -13,6 +13,7 @@ exc  # __exit__ signature (launcher/procs.py, reward/runner.py)
 _.num_labels  # transformers config: one-output value head (engine/fsdp.py)
 _.classifier_dropout  # transformers config
 _.use_cache  # transformers config
+_.architectures  # transformers config: what an HF export loads as (engine/fsdp.py)
 _.pre_tokenizer  # tokenizers objects of the tiny model (utils/tiny_model.py)
 _.decoder
 _.chat_template
