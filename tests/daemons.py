@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from areal.utils.network import free_port
+from areal.utils.process import parent_death_signal
 
 
 class DaemonUnavailable(RuntimeError):
@@ -112,7 +113,8 @@ def start_etcd(timeout: float = 30.0) -> Daemon:
            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
            "--initial-cluster", f"default={peer}"]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=parent_death_signal(signal.SIGTERM))  # dies with pytest
 
     def healthy() -> bool:  # /health answers true once the member leads its one-member cluster
         try:
@@ -148,6 +150,7 @@ def start_ray_head(timeout: float = 90.0, num_cpus: int = 2) -> Daemon:
     log = scratch / "daemon.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                preexec_fn=parent_death_signal(signal.SIGTERM))  # ray start stops its cluster
     _wait_ready(proc, scratch, lambda: b"Ray runtime started" in log.read_bytes(), "ray start --head", timeout)
     return Daemon(proc, f"127.0.0.1:{gcs}", log, scratch)

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal.utils.process import parent_death_signal
 from launch_harness import REPO, Launch
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "squeue", "sinfo")
@@ -110,7 +111,9 @@ class SlurmCluster:
 def _start(cluster: SlurmCluster, name: str, cmd: list[str], **kwargs) -> None:
     out = open(cluster.root / "log" / f"{name}.log", "ab")
     cluster.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env={**os.environ, **cluster.env}, **kwargs)
+                                           env={**os.environ, **cluster.env},
+                                           preexec_fn=parent_death_signal(signal.SIGTERM),  # pytest killed: stop too
+                                           **kwargs)
 
 
 def _wait(cluster: SlurmCluster, what: str, ready, timeout: float) -> None:
