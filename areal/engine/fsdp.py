@@ -28,6 +28,7 @@ whole batch are never held: ``forward`` reduces each micro-batch's
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -184,18 +185,23 @@ class FSDPEngine(TrainEngine):
         With ``shared_prefix`` a group's shared prompt runs once (:mod:`areal.utils.prefix`);
         the logits come back in the plain layout either way."""
         row = share_prefixes(mb) if self.config.shared_prefix else None
-        if row is None:
-            mb = mb.to(self.device)
+        with warnings.catch_warnings():
+            # FSDP2 warns that the value model's output is a view, on which an in-place op would
+            # skip the backward all-gather. Nothing here modifies it in place (indexing, .float()),
+            # and its gradients equal the unsharded model's (tests/engine/test_rw.py).
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+            if row is None:
+                mb = mb.to(self.device)
+                out = self.model(
+                    input_ids=mb["input_ids"][None], position_ids=mb.position_ids()[None],
+                    cu_seqlens=mb.cu_seqlens.cpu(), use_cache=False,
+                )
+                return out.logits[0].float()
+            segments = [(s, e, None if m is None else m.to(self.device)) for (s, e), m in zip(row.bounds, row.masks)]
             out = self.model(
-                input_ids=mb["input_ids"][None], position_ids=mb.position_ids()[None],
-                cu_seqlens=mb.cu_seqlens.cpu(), use_cache=False,
+                input_ids=row.input_ids.to(self.device)[None], position_ids=row.position_ids.to(self.device)[None],
+                areal_segments=segments, use_cache=False,
             )
-            return out.logits[0].float()
-        segments = [(s, e, None if m is None else m.to(self.device)) for (s, e), m in zip(row.bounds, row.masks)]
-        out = self.model(
-            input_ids=row.input_ids.to(self.device)[None], position_ids=row.position_ids.to(self.device)[None],
-            areal_segments=segments, use_cache=False,
-        )
         return out.logits[0].float()[row.index.to(self.device)]
 
     def _split(self, batch: PackedBatch) -> tuple[MicroBatches, int]:

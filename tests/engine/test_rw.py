@@ -67,3 +67,42 @@ def test_reward_model_reaches_90_percent_pair_accuracy(tiny_model_dir):
 def test_reward_model_needs_even_granularity(tiny_model_dir):
     with pytest.raises(ValueError, match="granularity"):
         RWEngine(TrainEngineConfig(path=tiny_model_dir, mb_spec=MicroBatchSpec(granularity=1)), world_mesh())
+
+
+def test_value_head_gradients_equal_the_unsharded_models_and_fsdp_view_warning_is_gone(tiny_model_dir):
+    """FSDP2 warned that the value model returns a view (an in-place op on it would skip the
+    all-gather and give wrong gradients). Nothing modifies it in place: the engine's gradient
+    norm equals the plain transformers model's, and the warning is not raised any more."""
+    from transformers import AutoModelForTokenClassification
+
+    from areal.engine.fsdp import FSDPEngine
+    from test_fsdp import random_batch
+
+    batch = random_batch(seed=3)
+
+    def mean_value(values, mb):
+        mask = mb["loss_mask"].float()
+        return (values[:, 0] * mask).sum() / mask.sum(), {}
+
+    engine = FSDPEngine(TrainEngineConfig(path=tiny_model_dir, optimizer=OptimizerConfig(lr=1e-6)),
+                        world_mesh(), head="value")
+    engine.initialize(None)
+    start = {k: v.clone() for k, v in engine.full_state_dict().items()}  # incl. the new score head
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats = engine.train_batch(batch, mean_value, lambda mb: float(mb["loss_mask"].sum()))
+    engine.destroy()
+    assert not [w for w in caught if "returned a view tensor" in str(w.message)]
+    plain = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=1, dtype=torch.float32)
+    plain.eval()  # no dropout, as the engine's value head (classifier_dropout=0)
+    plain.load_state_dict(start, strict=False)
+    total, n = 0.0, 0
+    bounds = batch.cu_seqlens.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        mask = batch["loss_mask"][a:b].float()
+        values = plain(input_ids=batch["input_ids"][a:b][None]).logits[0, :, 0]
+        total = total + (values * mask).sum()
+        n += int(mask.sum())
+    (total / n).backward()
+    norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in plain.parameters() if p.grad is not None))
+    assert stats["grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
