@@ -19,52 +19,15 @@ import torch
 
 from areal.api.config import GRPOConfig, load_config
 from areal.api.io import FinetuneSpec
-from areal.api.workflow import RolloutWorkflow
 from areal.engine.fsdp import FSDPEngine
 from areal.engine.ppo import PPOActor, PPOCritic
-from areal.reward.resolve import resolve_reward
-from areal.reward.runner import RewardRunner
-from areal.rollout.executor import WorkflowExecutor
-from areal.rollout.remote import RemoteInferenceEngine, discover_servers
 from areal.rollout.trajectory import groups_to_batch
 from areal.runtime.publisher import WeightPublisher
+from areal.runtime.rl import evaluate, setup_rollout
 from areal.runtime.run import init_run
-from areal.workflow.custom import make_custom_workflow
 from areal.workflow.filters import DynamicSamplingFilter
-from areal.workflow.multi_turn import MultiTurnWorkflow
-from areal.workflow.rlvr import RLVRWorkflow
 
 CONFIG = GRPOConfig
-
-
-def evaluate(executor, valid_loader, workflow, run) -> None:
-    """Record held-out accuracy (mean reward of ``eval_gconfig`` samples); not staleness-bound."""
-    with run.tracker.timer("eval"):
-        for items in valid_loader:
-            for group in executor.rollout_batch(items, workflow):
-                run.tracker.mean("eval/accuracy", torch.tensor([t.reward for t in group]))
-
-
-def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RolloutWorkflow:
-    """The training workflow ``workflow.type`` names (yours by ``module:Class``)."""
-    if cfg.workflow.type == "multi_turn":
-        return MultiTurnWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir)
-    if cfg.workflow.type != "rlvr":
-        return make_custom_workflow(cfg.workflow.type, reward, cfg.gconfig, tokenizer)
-    return RLVRWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir,
-                        greedy_baseline=cfg.actor.remax_baseline)
-
-
-def setup_rollout(cfg: GRPOConfig, run):
-    """Client to the registered servers, reward workers, workflows, executor."""
-    rollout = RemoteInferenceEngine(cfg.rollout, api_key=cfg.server.api_key)
-    rollout.initialize(discover_servers(cfg.rollout, run.registry(), run.servers_key, cfg.cluster.n_servers))
-    reward = RewardRunner(resolve_reward(cfg.reward_fn), cfg.reward)
-    workflow = make_workflow(cfg, reward, run.tokenizer, run.run_dir / "rollouts")
-    eval_workflow = RLVRWorkflow(reward, cfg.eval_gconfig, run.tokenizer)
-    executor = WorkflowExecutor(cfg.rollout, rollout, batch_size=cfg.train_dataset.batch_size // run.world_size)
-    executor.initialize()
-    return rollout, reward, workflow, eval_workflow, executor
 
 
 def setup_trainers(cfg: GRPOConfig, run, ft_spec: FinetuneSpec):
@@ -115,7 +78,9 @@ def main(argv: list[str]) -> int:
     run = init_run(cfg, cfg.actor.path)
     data = run.load_data()
     loader, valid_loader, n_steps = data.loader, data.valid_loader, data.n_steps
-    rollout, reward, workflow, eval_workflow, executor = setup_rollout(cfg, run)
+    side = setup_rollout(cfg, run)  # rollout client, reward workers, workflows, executor
+    rollout, reward, workflow, eval_workflow, executor = (side.rollout, side.reward, side.workflow,
+                                                          side.eval_workflow, side.executor)
     actor, critic, ref = setup_trainers(cfg, run, data.ft_spec)
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
     publisher = WeightPublisher(cfg.weight_update_mode, actor, rollout, executor, run.dist, cfg.weights_dir)
@@ -151,9 +116,7 @@ def main(argv: list[str]) -> int:
                      "version": publisher.version}
             run.save_recover(step, engines, state)
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
-    executor.destroy()
-    rollout.destroy()
-    reward.close()
+    side.close()
     for engine in (actor, critic, ref):
         if engine is not None:
             engine.destroy()

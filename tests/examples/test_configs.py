@@ -54,19 +54,15 @@ def test_gsm8k_recipe_is_the_async_gpu_layout_it_documents():
 
 @pytest.mark.parametrize("kind", ["rlvr", "multi_turn"])
 def test_grpo_script_trains_the_workflow_the_config_names(kind, tiny_tokenizer, tmp_path):
-    import importlib.util
-
+    from areal.runtime.rl import make_workflow
     from areal.workflow.multi_turn import MultiTurnWorkflow
     from areal.workflow.rlvr import RLVRWorkflow
 
-    spec = importlib.util.spec_from_file_location("_grpo_script", EXAMPLES / "gsm8k_grpo.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     overrides = [f"workflow.type={kind}", "gconfig.n_samples=3", "gconfig.temperature=0.7"]
     if kind == "multi_turn":
         overrides.append("workflow.max_turns=3")
     cfg = load_config(GRPOConfig, ["--config", str(EXAMPLES / "arithmetic_grpo.yaml"), *overrides])
-    workflow = script.make_workflow(cfg, reward=None, tokenizer=tiny_tokenizer, dump_dir=tmp_path)
+    workflow = make_workflow(cfg, reward=None, tokenizer=tiny_tokenizer, dump_dir=tmp_path)
     assert type(workflow) is {"rlvr": RLVRWorkflow, "multi_turn": MultiTurnWorkflow}[kind]
     assert workflow.n_samples == 3 and workflow.gconfig.temperature == 0.7
     if kind == "multi_turn":

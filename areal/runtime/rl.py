@@ -1,0 +1,67 @@
+"""The rollout side of an RL entry script, shared by Lite's (``examples/gsm8k_grpo.py``) and
+Core's (``areal core sync-ppo``): the client to the registered generation servers, the reward
+workers, the training and eval workflows, the workflow executor, and held-out evaluation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from areal.api.config import GRPOConfig
+from areal.api.workflow import RolloutWorkflow
+from areal.reward.resolve import resolve_reward
+from areal.reward.runner import RewardRunner
+from areal.rollout.executor import WorkflowExecutor
+from areal.rollout.remote import RemoteInferenceEngine, discover_servers
+from areal.workflow.custom import make_custom_workflow
+from areal.workflow.multi_turn import MultiTurnWorkflow
+from areal.workflow.rlvr import RLVRWorkflow
+
+
+def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RolloutWorkflow:
+    """The training workflow ``workflow.type`` names (yours by ``module:Class``)."""
+    if cfg.workflow.type == "multi_turn":
+        return MultiTurnWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir)
+    if cfg.workflow.type != "rlvr":
+        return make_custom_workflow(cfg.workflow.type, reward, cfg.gconfig, tokenizer)
+    return RLVRWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir,
+                        greedy_baseline=cfg.actor.remax_baseline)
+
+
+@dataclass
+class RolloutSide:
+    """What an RL script generates with; :meth:`close` frees it."""
+
+    rollout: RemoteInferenceEngine
+    reward: RewardRunner
+    workflow: RolloutWorkflow
+    eval_workflow: RolloutWorkflow
+    executor: WorkflowExecutor
+
+    def close(self) -> None:
+        self.executor.destroy()
+        self.rollout.destroy()
+        self.reward.close()
+
+
+def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
+    """Client to the registered servers, reward workers, workflows, executor (its batch is this
+    trainer rank's share of ``train_dataset.batch_size`` groups)."""
+    rollout = RemoteInferenceEngine(cfg.rollout, api_key=cfg.server.api_key)
+    rollout.initialize(discover_servers(cfg.rollout, run.registry(), run.servers_key, cfg.cluster.n_servers))
+    reward = RewardRunner(resolve_reward(cfg.reward_fn), cfg.reward)
+    workflow = make_workflow(cfg, reward, run.tokenizer, run.run_dir / "rollouts")
+    eval_workflow = RLVRWorkflow(reward, cfg.eval_gconfig, run.tokenizer)
+    executor = WorkflowExecutor(cfg.rollout, rollout, batch_size=cfg.train_dataset.batch_size // run.world_size)
+    executor.initialize()
+    return RolloutSide(rollout, reward, workflow, eval_workflow, executor)
+
+
+def evaluate(executor: WorkflowExecutor, valid_loader, workflow: RolloutWorkflow, run) -> None:
+    """Record held-out accuracy (mean reward of ``eval_gconfig`` samples); not staleness-bound."""
+    with run.tracker.timer("eval"):
+        for items in valid_loader:
+            for group in executor.rollout_batch(items, workflow):
+                run.tracker.mean("eval/accuracy", torch.tensor([t.reward for t in group]))
