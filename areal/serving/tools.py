@@ -16,14 +16,12 @@ function would need constrained decoding and get a 400 saying so.
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
 from typing import Any
 
 from areal.serving.protocol import BadRequest
+from areal.utils.tool_calls import extract_tool_calls  # the parser, shared with agent workflows
 
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+__all__ = ["clean_tool_calls", "extract_tool_calls", "parse_tools"]
 
 
 def parse_tools(body: dict) -> tuple[list[dict] | None, bool]:
@@ -64,26 +62,3 @@ def clean_tool_calls(calls: Any, where: str) -> list[dict]:
         out.append({"id": str(c.get("id", "")), "type": "function",
                     "function": {"name": fn["name"], "arguments": fn["arguments"]}})
     return out
-
-
-def extract_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content outside the tool-call blocks or None, the parsed calls) of a model's answer."""
-    calls, kept = [], []
-    last = 0
-    for m in _BLOCK.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            continue
-        args = obj.get("arguments", {})
-        kept.append(text[last:m.start()])
-        last = m.end()
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    if not calls:
-        return text, []
-    content = ("".join(kept) + text[last:]).strip()
-    return content or None, calls
