@@ -106,13 +106,46 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class AgentConfig:
+    """An agent written with the openai client, trained as it is (``workflow.type: agent``;
+    areal.workflow.agent, docs/agents.md)."""
+
+    path: str = param(
+        "", help="Import path 'module:function' of `async def agent(client, item) -> float`: it "
+        "talks to `client` as to openai.AsyncOpenAI and returns the episode reward."
+    )
+    trajectory: Literal["concat", "per_call"] = param(
+        "concat", help="concat: one sequence per episode, tool/user tokens between the model's "
+        "turns masked out of the loss; per_call: one trajectory per model call (needs "
+        "gconfig.n_samples=1: GRPO groups must hold n_samples sequences)."
+    )
+    on_template_mismatch: Literal["error", "per_call"] = param(
+        "error", help="concat when a call's prompt does not start with the previous call's prompt + "
+        "completion (the chat template is not append-only): error fails the episode (counted, "
+        "dropped); per_call falls back to per-call trajectories (needs gconfig.n_samples=1)."
+    )
+    gamma: float = param(
+        1.0, ge=0, le=1, help="Discount of rewards back over an episode's calls: call k gets "
+        "r_k + gamma * G_{k+1}; the episode reward counts as the last call's."
+    )
+    episode_timeout: float = param(
+        600.0, gt=0, help="Seconds one episode may take; a late one is cancelled, counted and dropped."
+    )
+    max_failure_fraction: float = param(
+        0.5, ge=0, le=1, help="Stop the run when more than this fraction of the last 64 episodes "
+        "raised (an agent bug, not bad luck)."
+    )
+
+
+@dataclass(frozen=True)
 class WorkflowConfig:
     """Rollout-workflow knobs (areal.workflow): which workflow, multi-turn retries, the dump."""
 
     type: str = param(
         "rlvr", help="rlvr: one answer per sample (RLVRWorkflow); multi_turn: retry with feedback "
         "after a wrong answer, up to max_turns (MultiTurnWorkflow); or your RolloutWorkflow subclass "
-        "by import path 'module:Class', built as Class(reward, gconfig, tokenizer)."
+        "by import path 'module:Class', built as Class(reward, gconfig, tokenizer); agent: the "
+        "openai-client agent function workflow.agent.path names (AgentWorkflow)."
     )
     max_turns: int = param(1, ge=1, help="Multi-turn: attempts per episode (1 = single turn).")
     turn_discount: float = param(
@@ -125,10 +158,15 @@ class WorkflowConfig:
     dump_rollouts: bool = param(
         False, help="Append prompt/completion/reward as JSONL to RUN_DIR/rollouts/<version>.jsonl."
     )
+    agent: AgentConfig = param(factory=AgentConfig, help="type=agent: the agent function and how "
+                               "its episodes become trajectories.")
 
     def check(self) -> Iterator[str]:
-        if self.type not in ("rlvr", "multi_turn") and not IMPORT_PATH.fullmatch(self.type):
-            yield (f"type: {self.type!r} is not rlvr, multi_turn or an import path 'module:Class' "
+        if self.type == "agent" and not IMPORT_PATH.fullmatch(self.agent.path):
+            yield (f"agent.path: {self.agent.path!r} is not an import path 'module:function'; name "
+                   "your agent, e.g. agent_arithmetic:calculator_agent (a .py beside the entry script)")
+        if self.type not in ("rlvr", "multi_turn", "agent") and not IMPORT_PATH.fullmatch(self.type):
+            yield (f"type: {self.type!r} is not rlvr, multi_turn, agent or an import path 'module:Class' "
                    "(e.g. my_workflows:SignalOnlyWorkflow, my_workflows.py beside the entry script)")
         if self.type == "rlvr" and self.max_turns > 1:
             yield (f"max_turns: {self.max_turns} has no effect with type=rlvr (one turn); set "

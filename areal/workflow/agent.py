@@ -1,0 +1,133 @@
+"""Train an agent you already wrote with the openai client (``workflow.type: agent``).
+
+The user's agent is ``async def agent(client, item) -> float``: it talks to ``client`` as to
+``openai.AsyncOpenAI`` (``client.chat.completions.create(messages=..., tools=..., ...)``, as
+many calls and tool rounds as it likes) and returns the episode's reward. For each dataset item
+the workflow runs ``gconfig.n_samples`` episodes concurrently, each with its own
+:class:`~areal.workflow.openai_client.ArealOpenAI` backed by the rollout engine (so the
+executor's staleness bound and concurrency cap hold for agents too), and turns each episode's
+recorded calls into trajectories (areal.workflow.agent_trajectories).
+
+Failures. An episode whose agent raises (a bug, a tool error, a malformed answer it did not
+handle), returns no number, makes no model call, runs past ``episode_timeout`` or cannot be
+concatenated is counted (``agent/episodes_failed``) and dropped with the rest of its group
+(GRPO's group normalisation needs whole groups): the item is rejected and the executor admits
+another. More than ``max_failure_fraction`` of the last :data:`WINDOW` episodes failing stops the
+run (that is a bug, not bad luck), as does any failure of the inference engine under a call (an
+infrastructure error, never counted as the agent's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any, Awaitable, Callable
+
+from areal.api.config.base import GenerationHyperparameters
+from areal.api.config.reward import AgentConfig
+from areal.api.engine import InferenceEngine
+from areal.api.io import Trajectory
+from areal.api.workflow import RolloutWorkflow
+from areal.utils.imports import import_by_path
+from areal.utils.logging import get_logger
+from areal.workflow.agent_trajectories import episode_trajectories
+from areal.workflow.openai_client import ArealOpenAI, EngineFailure
+
+logger = get_logger("agent")
+Agent = Callable[[Any, dict], Awaitable[float]]
+WINDOW = 64  # episodes over which max_failure_fraction is judged
+
+
+class AgentFailureRate(RuntimeError):
+    """Too many episodes raised: the agent (or its task) is broken; the run stops."""
+
+
+def load_agent(spec: str) -> Agent:
+    """The agent function ``workflow.agent.path`` names; ValueError when it is not a coroutine
+    function."""
+    fn = import_by_path(spec, "workflow.agent.path")
+    if not asyncio.iscoroutinefunction(fn):
+        raise ValueError(f"workflow.agent.path: {spec} is not an async function "
+                         "`async def agent(client, item) -> float`")
+    return fn
+
+
+class AgentWorkflow(RolloutWorkflow):
+    """``n_samples`` episodes of an openai-client agent per item -> one trajectory group."""
+
+    def __init__(self, config: AgentConfig, gconfig: GenerationHyperparameters, tokenizer: Any,
+                 agent: Agent | None = None):
+        per_call = config.trajectory == "per_call" or config.on_template_mismatch == "per_call"
+        if per_call and gconfig.n_samples > 1:
+            raise ValueError(
+                f"workflow.agent: trajectory={config.trajectory}, on_template_mismatch="
+                f"{config.on_template_mismatch} give a varying number of trajectories per episode, but "
+                f"gconfig.n_samples={gconfig.n_samples} groups must hold n_samples sequences each; use "
+                "trajectory=concat with on_template_mismatch=error, or gconfig.n_samples=1")
+        self.config = config
+        self.gconfig = gconfig
+        self.tokenizer = tokenizer
+        self.agent = agent if agent is not None else load_agent(config.path)
+        self.counts = {"episodes": 0, "episodes_failed": 0, "groups_dropped": 0, "template_fallbacks": 0,
+                       "calls": 0}
+        self._recent: deque[bool] = deque(maxlen=WINDOW)  # True = that episode failed
+
+    def stats(self) -> dict[str, float]:
+        """Counters since the start, for the step's log (``agent/...``)."""
+        out = {f"agent/{k}": float(v) for k, v in self.counts.items()}
+        out["agent/calls_per_episode"] = self.counts["calls"] / max(1, self.counts["episodes"])
+        return out
+
+    async def _episode(self, engine: InferenceEngine, item: dict, group_id: str, index: int) -> list[Trajectory]:
+        client = ArealOpenAI(engine, self.tokenizer, self.gconfig, group_id=group_id)
+        try:
+            reward = await asyncio.wait_for(self.agent(client, item), self.config.episode_timeout)
+        finally:  # the engine, not the agent, failed (even if the agent caught it): stop the run
+            if client.engine_failure is not None:
+                raise client.engine_failure
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise TypeError(f"the agent returned {reward!r}; it must return the episode reward (a float)")
+        self.counts["calls"] += len({c.turn for c in client.calls})
+        trajs, fell_back = episode_trajectories(
+            client.calls, client.call_rewards, float(reward), self.config.gamma, self.config.trajectory,
+            self.config.on_template_mismatch, f"{group_id}/{index}", group_id, self.tokenizer)
+        self.counts["template_fallbacks"] += int(fell_back)
+        return trajs
+
+    def _record(self, failed: bool, item_id: str, error: BaseException | None) -> None:
+        self.counts["episodes"] += 1
+        self._recent.append(failed)
+        if not failed:
+            return
+        self.counts["episodes_failed"] += 1
+        logger.warning("agent episode on item %s failed and is dropped: %r", item_id, error)
+        if len(self._recent) == WINDOW and sum(self._recent) > self.config.max_failure_fraction * WINDOW:
+            raise AgentFailureRate(
+                f"{sum(self._recent)} of the last {WINDOW} agent episodes raised (more than "
+                f"workflow.agent.max_failure_fraction={self.config.max_failure_fraction}); the last: "
+                f"{error!r}. Fix the agent {self.config.path or self.agent!r} or raise the fraction")
+
+    async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> list[Trajectory] | None:
+        """The group of ``n_samples`` episodes, or None (item rejected) when any of them failed."""
+        group_id = str(item.get("id", "")) if isinstance(item, dict) else ""
+        outcomes = await asyncio.gather(
+            *(self._episode(engine, item, group_id, i) for i in range(self.gconfig.n_samples)),
+            return_exceptions=True)
+        for out in outcomes:  # cancellation and engine failures stop the run, never count as the agent's
+            if isinstance(out, BaseException) and not _agent_failure(out):
+                raise out
+        group: list[Trajectory] = []
+        for out in outcomes:
+            failed = isinstance(out, Exception)
+            self._record(failed, group_id, out if failed else None)
+            group += [] if failed else out
+        if any(isinstance(out, Exception) for out in outcomes):
+            self.counts["groups_dropped"] += 1
+            return None
+        return group
+
+
+def _agent_failure(out: BaseException) -> bool:
+    """An exception the agent's episode raised (counted, dropped), as opposed to an engine
+    failure or a cancellation (which propagate)."""
+    return isinstance(out, Exception) and not isinstance(out, EngineFailure)

@@ -1,0 +1,238 @@
+"""An in-process OpenAI client for agent workflows: ``client.chat.completions.create(...)`` as
+``openai.AsyncOpenAI`` has it, answered by an :class:`~areal.api.engine.InferenceEngine`
+instead of HTTP, with every call recorded in tokens for training.
+
+What it does per call, the way our server's ``/v1/chat/completions`` does it (so an agent gets
+the same answers from either; tests/workflow/test_agent.py runs one agent both ways):
+
+* renders ``messages`` (and ``tools``) with the tokenizer's chat template, locally;
+* generates ``n`` completions through ``engine.agenerate`` (token ids, behaviour logprobs, the
+  weight version of each token), sharing the episode's ``group_id`` for routing;
+* reads tool calls out of the answer with the server's parser (areal.utils.tool_calls);
+* returns an ``openai.types.chat.ChatCompletion`` and records a :class:`Call` per completion.
+
+Training constraints, each an error that names the argument and the fix rather than a silent
+change: ``temperature`` must be the rollout's (``gconfig.temperature``, which the trainer's
+logprobs use), ``stream`` is refused, ``tool_choice`` is ``auto`` or ``none`` (as on the
+server), and ``max_tokens`` is capped by ``gconfig.max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from openai.types.chat import ChatCompletion
+
+from areal.api.config.base import GenerationHyperparameters
+from areal.api.engine import InferenceEngine
+from areal.api.io import ModelRequest, ModelResponse
+from areal.dataset.chat import encode
+from areal.utils.tool_calls import extract_tool_calls
+
+_KNOWN = {"messages", "model", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p",
+          "max_tokens", "max_completion_tokens", "n", "stop", "seed", "logprobs", "top_logprobs",
+          "stream", "user"}
+
+
+@dataclass
+class Call:
+    """One completion the agent was given: what the model saw and said, in tokens."""
+
+    turn: int  # index of the create() call within the episode (n choices share it)
+    choice: int  # index among the call's n choices
+    completion_id: str  # ChatCompletion.id of the call
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # behaviour logprob per completion token
+    versions: list[int]  # weight version per completion token
+    stop_reason: str  # "stop" | "length"
+
+
+class EngineFailure(RuntimeError):
+    """The inference engine failed under an agent's call: an infrastructure error that must stop
+    the run, never be counted as the agent's failure (see AgentWorkflow)."""
+
+
+def _message_dict(m: Any, i: int) -> dict:
+    """A message as a dict: the agent may pass back the pydantic message it was given."""
+    if hasattr(m, "model_dump"):
+        m = m.model_dump(exclude_none=True)
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ValueError(f"messages[{i}]: expected a dict with a string 'role', got {m!r}")
+    return m
+
+
+def clean_messages(messages: Any) -> list[dict]:
+    """``messages`` in the shape the chat template is given, as the server's parse_chat builds it:
+    assistant turns keep their ``tool_calls`` (arguments as JSON strings), text content parts
+    are joined, ``tool`` turns need a ``tool_call_id``."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages: expected a non-empty list of {role, content}")
+    clean = []
+    for i, raw in enumerate(messages):
+        m = _message_dict(raw, i)
+        content = m.get("content")
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = []
+            for j, c in enumerate(m["tool_calls"]):
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                        or not isinstance(fn.get("arguments"), str):
+                    raise ValueError(f"messages[{i}].tool_calls[{j}]: expected {{id, type: function, "
+                                     "function: {name: str, arguments: JSON string}}")
+                calls.append({"id": str(c.get("id", "")), "type": "function",
+                              "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+            clean.append({"role": "assistant", "content": content or "", "tool_calls": calls})
+            continue
+        if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise ValueError(f"messages[{i}].tool_call_id: a tool message needs the tool_call_id it answers")
+        if isinstance(content, list):
+            if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
+                raise ValueError(f"messages[{i}].content: only text content parts are supported")
+            content = "".join(str(c.get("text", "")) for c in content)
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content: expected a string, got {content!r}")
+        clean.append({"role": m["role"], "content": content})
+    return clean
+
+
+def check_tools(tools: Any, tool_choice: Any, template: str) -> tuple[list[dict] | None, bool]:
+    """(``tools`` for the template or None, whether to parse tool calls), as the server decides."""
+    if tool_choice not in ("auto", "none"):
+        raise ValueError(f"tool_choice: {tool_choice!r} would need constrained decoding, which is not "
+                         "done here (nor by our server); use 'auto' (the model decides) or 'none'")
+    if tools is None:
+        return None, False
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("tools: expected a non-empty list of {type: function, function: {...}}")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or t.get("type") != "function" or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+    if "tools" not in template:
+        raise ValueError("tools: this model's chat template does not render tools, so the model would "
+                         "never see them; use a model whose template does (e.g. Qwen2.5)")
+    return tools, tool_choice == "auto"
+
+
+class _Completions:
+    def __init__(self, client: ArealOpenAI):
+        self._client = client
+
+    async def create(self, **kwargs: Any) -> ChatCompletion:
+        """``chat.completions.create`` (keyword arguments, as in openai's client)."""
+        return await self._client.create(**kwargs)
+
+
+class _Chat:
+    def __init__(self, client: ArealOpenAI):
+        self.completions = _Completions(client)
+
+
+class ArealOpenAI:
+    """Drop-in for the part of ``openai.AsyncOpenAI`` an agent uses (``chat.completions.create``);
+    one client per episode, whose :attr:`calls` are the episode's record."""
+
+    def __init__(self, engine: InferenceEngine, tokenizer: Any, gconfig: GenerationHyperparameters,
+                 group_id: str | None = None, model: str = "areal"):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.gconfig = gconfig
+        self.group_id = group_id
+        self.model = model
+        self.chat = _Chat(self)
+        self.calls: list[Call] = []
+        self.call_rewards: dict[int, float] = {}  # turn -> reward the agent gave that call
+        self.engine_failure: EngineFailure | None = None
+        self._turn_of: dict[str, int] = {}
+
+    def set_reward(self, completion_id: str, reward: float) -> None:
+        """Give the call that returned ``completion_id`` its own reward (see episode_returns)."""
+        if completion_id not in self._turn_of:
+            raise ValueError(f"set_reward: {completion_id!r} is not a completion of this episode's client")
+        self.call_rewards[self._turn_of[completion_id]] = float(reward)
+
+    def _gconfig(self, kw: dict) -> GenerationHyperparameters:
+        g = self.gconfig
+        temperature = kw.get("temperature")
+        if temperature is not None and abs(float(temperature) - g.temperature) > 1e-6:
+            raise ValueError(f"temperature: {temperature} differs from the rollout's gconfig.temperature "
+                             f"{g.temperature}, which the trainer's logprobs use; drop it from the call "
+                             f"or set gconfig.temperature={temperature}")
+        limit = kw.get("max_completion_tokens") or kw.get("max_tokens") or g.max_new_tokens
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"max_tokens: expected a positive int, got {limit!r}")
+        stop = kw.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        top_p = g.top_p if kw.get("top_p") is None else float(kw["top_p"])
+        return dataclasses.replace(g, n_samples=1, max_new_tokens=min(limit, g.max_new_tokens),
+                                   top_p=top_p, stop=stop or list(g.stop))
+
+    def _check_args(self, kw: dict) -> int:
+        unknown = sorted(set(kw) - _KNOWN)
+        if unknown:
+            raise TypeError(f"chat.completions.create: unsupported arguments {unknown} (supported: {sorted(_KNOWN)})")
+        if kw.get("stream"):
+            raise ValueError("stream: streaming is not supported in training; call with stream=False")
+        if kw.get("top_logprobs"):
+            raise ValueError("top_logprobs: not available from the rollout engine; leave it unset")
+        n = kw.get("n") or 1
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n: expected a positive int, got {n!r}")
+        return n
+
+    async def create(self, **kw: Any) -> ChatCompletion:
+        """Render, generate ``n`` completions, parse tool calls, record, answer."""
+        n = self._check_args(kw)
+        template = self.tokenizer.chat_template or ""
+        tools, parse_calls = check_tools(kw.get("tools"), kw.get("tool_choice", "auto"), template)
+        text = self.tokenizer.apply_chat_template(clean_messages(kw.get("messages")), tools=tools,
+                                                  add_generation_prompt=True, tokenize=False)
+        prompt = encode(self.tokenizer, text)
+        gconfig, seed = self._gconfig(kw), kw.get("seed")
+        reqs = [ModelRequest(input_ids=list(prompt), gconfig=gconfig, group_id=self.group_id,
+                             seed=None if seed is None else seed + i) for i in range(n)]
+        try:
+            resps = await asyncio.gather(*(self.engine.agenerate(r) for r in reqs))
+        except Exception as e:  # the engine retried and failed over already: infrastructure
+            self.engine_failure = EngineFailure(f"inference engine failed under an agent call: {e!r}")
+            raise self.engine_failure from e
+        turn, cid = len(self._turn_of), f"chatcmpl-{uuid.uuid4().hex}"
+        self._turn_of[cid] = turn
+        choices = []
+        for i, r in enumerate(resps):
+            if r.stop_reason not in ("stop", "length"):
+                self.engine_failure = EngineFailure(f"generation ended with {r.stop_reason!r}")
+                raise self.engine_failure
+            self.calls.append(Call(turn, i, cid, list(prompt), list(r.output_ids), list(r.output_logprobs),
+                                   list(r.output_versions), r.stop_reason))
+            choices.append(self._choice(i, r, gconfig, parse_calls, bool(kw.get("logprobs"))))
+        n_out = sum(len(r.output_ids) for r in resps)
+        return ChatCompletion.model_validate({
+            "id": cid, "object": "chat.completion", "created": int(time.time()), "model": kw.get("model") or self.model,
+            "choices": choices, "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out,
+                                          "total_tokens": len(prompt) + n_out}})
+
+    def _choice(self, index: int, r: ModelResponse, g: GenerationHyperparameters, parse_calls: bool,
+                logprobs: bool) -> dict:
+        """One ``choices[i]`` entry: the text (a matched stop string and what follows cut, as
+        OpenAI does), the parsed tool calls, the finish reason, logprobs when asked."""
+        content = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        cuts = [content.find(s) for s in g.stop if s and s in content]
+        content = content[:min(cuts)] if cuts else content
+        calls: list[dict] = []
+        if parse_calls:
+            content, calls = extract_tool_calls(content)
+        lp = None
+        if logprobs:
+            lp = {"content": [{"token": self.tokenizer.decode([t]), "logprob": v,
+                               "bytes": list(self.tokenizer.decode([t]).encode()), "top_logprobs": []}
+                              for t, v in zip(r.output_ids, r.output_logprobs)]}
+        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        return {"index": index, "message": message, "logprobs": lp,
+                "finish_reason": "tool_calls" if calls else r.stop_reason}

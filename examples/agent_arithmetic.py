@@ -1,0 +1,101 @@
+"""A tool-using agent on the arithmetic task, written with the plain openai client.
+
+The agent may call a ``calculator`` tool (several rounds), then answers with a number; its reward
+is 1.0 when the answer equals the item's reference. Nothing in it knows about training:
+
+* train it: ``areal launch local examples/gsm8k_grpo.py --config examples/agent_arithmetic.yaml``
+  (``workflow.type: agent``, ``workflow.agent.path: agent_arithmetic:calculator_agent``): each
+  episode gets an in-process client backed by the rollout engine (areal.workflow.agent);
+* run it against any OpenAI-compatible server, e.g. ``areal serve --model DIR --port 8000``:
+  ``python examples/agent_arithmetic.py --base-url http://127.0.0.1:8000/v1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import json
+import operator
+import re
+import sys
+
+MAX_TURNS = 3  # model calls per episode: tool rounds, then the answer
+MAX_TOKENS = 48  # per call
+TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an integer expression with + - * and parentheses.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]},
+    },
+}]  # fmt: skip
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _eval(node: ast.AST) -> int:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_eval(node.left), _eval(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_eval(node.operand)
+    raise ValueError(f"unsupported expression element {ast.dump(node)[:40]}")
+
+
+def calculator(arguments: str) -> str:
+    """The tool: ``{"expression": "12 * 7"}`` -> ``"84"``; a bad call gets an error text back
+    (the model sees it, as it would from a real tool)."""
+    try:
+        expression = json.loads(arguments)["expression"]
+        if len(expression) > 200:
+            return "error: expression too long"
+        return str(_eval(ast.parse(expression, mode="eval").body))
+    except (ValueError, KeyError, TypeError, SyntaxError, RecursionError) as e:
+        return f"error: {e}"
+
+
+def score(answer: str | None, reference: str) -> float:
+    """1.0 when the last integer of the answer is the reference (a model's unparsable answer
+    scores 0, as every wrong one does)."""
+    numbers = re.findall(r"-?\d+", answer or "")
+    return 1.0 if numbers and numbers[-1] == reference.strip() else 0.0
+
+
+async def calculator_agent(client, item: dict) -> float:
+    """One episode: ask, run the calculator on each tool call, ask again, score the answer."""
+    messages = list(item["messages"])
+    for _ in range(MAX_TURNS):
+        response = await client.chat.completions.create(
+            model="areal", messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS)
+        message = response.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return score(message.content, item["reference"])
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(call.function.arguments)})
+    return 0.0  # no answer within MAX_TURNS calls
+
+
+async def _main(base_url: str, n: int, api_key: str) -> float:
+    """Mean reward of the agent over ``n`` test problems against an OpenAI-compatible server."""
+    from openai import AsyncOpenAI
+
+    from areal.api.config.data import ArithmeticConfig
+    from areal.dataset.arithmetic import make_arithmetic
+
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key)
+    items = make_arithmetic(ArithmeticConfig(min_digits=2, max_digits=2, operators="*", n_test=n), "test")
+    rewards = await asyncio.gather(*(calculator_agent(client, item) for item in items))
+    return sum(rewards) / len(rewards)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+    parser.add_argument("--n", type=int, default=20, help="test problems to run")
+    parser.add_argument("--api-key", default="none", help="the server's key, if it has one")
+    args = parser.parse_args()
+    print(f"mean reward: {asyncio.run(_main(args.base_url, args.n, args.api_key)):.3f}")
+    sys.exit(0)
