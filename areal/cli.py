@@ -29,6 +29,16 @@ def _eval(args: argparse.Namespace) -> int:
     return eval_main(args.model, argv, args.out)
 
 
+def _dpo_pairs(args: argparse.Namespace) -> int:
+    from areal.api.config import load_config
+    from areal.dataset.arithmetic_pairs import ArithmeticPairsConfig, write_arithmetic_pairs
+
+    argv = (["--config", args.config] if args.config else []) + args.overrides
+    argv += [f"{k}={json.dumps(getattr(args, k))}" for k in ("model", "out")]
+    print(json.dumps(write_arithmetic_pairs(load_config(ArithmeticPairsConfig, argv)), indent=2))
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from areal.utils.plot import plot_run
 
@@ -89,6 +99,11 @@ def _core(args: argparse.Namespace) -> int:
         from areal.core.sft import main as core_sft
 
         return core_sft(args.rest)
+    if args.action == "sync-ppo":  # the master under the local launcher, which starts the servers
+        import areal.core.sync_ppo
+        from areal.launcher.local import launch_local
+
+        return launch_local(areal.core.sync_ppo.__file__, args.rest)
     from areal.api.config import load_config
     from areal.core.dfg import GraphError, format_graph
     from areal.core.graphs import CoreGraphConfig, graph_from_config
@@ -131,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. valid_dataset.size=100")
     p.set_defaults(func=_eval)
 
+    p = sub.add_parser("dpo-pairs", help="sample DPO preference pairs from a model on arithmetic (offline)")
+    p.add_argument("--model", required=True, help="HF model dir to sample from, e.g. the SFT model")
+    p.add_argument("--out", required=True, help="output dir: train.jsonl, test.jsonl, summary.json")
+    p.add_argument("--config", help="YAML of ArithmeticPairsConfig fields (areal/dataset/arithmetic_pairs.py)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. n_samples=16")
+    p.set_defaults(func=_dpo_pairs)
+
     p = sub.add_parser("plot", help="plot reward, held-out accuracy and stage times of a run")
     p.add_argument("run_dir", help="RUN_DIR holding stats.jsonl")
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/plot.png)")
@@ -153,12 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_batch_size=64")
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("core", help="Core mode (docs/core.md): print a dataflow graph, run SFT")
-    p.add_argument("action", choices=["graph", "sft"],
-                   help="graph: print nodes, edges, models and meshes; sft: SFT through the master")
+    p = sub.add_parser("core", help="Core mode (docs/core.md): print a dataflow graph, run SFT or sync PPO")
+    p.add_argument("action", choices=["graph", "sft", "sync-ppo"],
+                   help="graph: print nodes, edges, models and meshes; sft: SFT through the master; "
+                   "sync-ppo: sync PPO/GRPO through the master (servers started by the local launcher)")
     p.add_argument("rest", nargs=argparse.REMAINDER,
                    help="--config YAML and key=value overrides: CoreGraphConfig fields "
-                   "(areal/core/graphs.py) for graph, CoreSFTConfig fields (areal/core/sft.py) for sft")
+                   "(areal/core/graphs.py) for graph, CoreSFTConfig fields (areal/core/sft.py) for sft, "
+                   "CoreGRPOConfig fields (areal/core/sync_ppo.py) for sync-ppo")
     p.set_defaults(func=_core)
     return parser
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 import pytest
 
-from areal.api.config import GRPOConfig, RWConfig, SFTConfig, iter_fields, param
+from areal.api.config import DPOConfig, GRPOConfig, RWConfig, SFTConfig, iter_fields, param
 from areal.api.config.docs import EXPERIMENTS, render_config_docs, write_config_docs
 from areal.cli import main as cli_main
 
@@ -23,7 +23,7 @@ def test_committed_config_reference_is_up_to_date():
     )
 
 
-@pytest.mark.parametrize("cls", [GRPOConfig, SFTConfig, RWConfig], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [GRPOConfig, SFTConfig, RWConfig, DPOConfig], ids=lambda c: c.__name__)
 def test_every_field_path_and_help_appears_in_the_reference(cls):
     text = render_config_docs()
     missing = [path for path, _, _ in iter_fields(cls) if f"`{path}`" not in text]
@@ -79,4 +79,4 @@ def test_cli_writes_the_reference(tmp_path, capsys):
     assert cli_main(["config-docs", "--out", str(out)]) == 0
     assert out.read_text() == render_config_docs()
     assert write_config_docs(tmp_path / "again.md").read_text() == out.read_text()
-    assert [cls for cls, _ in EXPERIMENTS] == [GRPOConfig, SFTConfig, RWConfig]
+    assert [cls for cls, _ in EXPERIMENTS] == [GRPOConfig, SFTConfig, RWConfig, DPOConfig]

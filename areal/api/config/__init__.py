@@ -17,7 +17,7 @@ from areal.api.config.base import (
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.config.data import ArithmeticConfig, DatasetConfig
 from areal.api.config.engine import TrainEngineConfig
-from areal.api.config.experiments import GRPOConfig, RWConfig, SFTConfig
+from areal.api.config.experiments import DPOConfig, DPOLossConfig, GRPOConfig, RWConfig, SFTConfig
 from areal.api.config.launcher import ClusterConfig, LauncherConfig, NameResolveConfig
 from areal.api.config.reward import RewardConfig, SandboxConfig, WorkflowConfig
 from areal.api.config.rollout import InferenceEngineConfig
@@ -39,6 +39,8 @@ __all__ = [
     "BaseExperimentConfig",
     "ClusterConfig",
     "ConfigError",
+    "DPOConfig",
+    "DPOLossConfig",
     "DatasetConfig",
     "GRPOConfig",
     "GenerationHyperparameters",

@@ -16,13 +16,14 @@ import typing
 from pathlib import Path
 from typing import Any, Iterator, Literal, get_args, get_origin
 
-from areal.api.config.experiments import GRPOConfig, RWConfig, SFTConfig
+from areal.api.config.experiments import DPOConfig, GRPOConfig, RWConfig, SFTConfig
 
 # (config class, entry script), in the order the reference documents them.
 EXPERIMENTS: list[tuple[type, str]] = [
     (GRPOConfig, "examples/gsm8k_grpo.py"),
     (SFTConfig, "examples/sft.py"),
     (RWConfig, "examples/rm.py"),
+    (DPOConfig, "examples/dpo.py"),
 ]
 
 HEADER = """\

@@ -1,4 +1,4 @@
-"""Top-level configs, one per entry script: SFT, reward model, and GRPO / PPO (RL)."""
+"""Top-level configs, one per entry script: SFT, reward model, DPO, and GRPO / PPO (RL)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,69 @@ class RWConfig(BaseExperimentConfig):
                 f"model.mb_spec.granularity: must be even so pairs stay together, got "
                 f"{self.model.mb_spec.granularity}; set model.mb_spec.granularity=2"
             )
+
+
+@dataclass(frozen=True)
+class DPOLossConfig:
+    """Preference loss of DPO training (areal.algo.dpo: formulas in docs/algorithms.md)."""
+
+    loss_type: Literal["sigmoid", "ipo", "simpo"] = param(
+        "sigmoid", help="sigmoid: DPO; ipo: squared loss to a finite log-ratio gap; simpo: "
+        "length-normalised, reference-free, with margin `gamma`."
+    )
+    beta: float = param(
+        0.1, gt=0, help="Inverse temperature of the implicit reward (DPO/IPO: 0.01-0.5; "
+        "SimPO: ~2)."
+    )
+    label_smoothing: float = param(
+        0.0, ge=0, lt=0.5, help="Assumed fraction of flipped labels (conservative DPO); sigmoid "
+        "and simpo only; 0 = plain loss."
+    )
+    gamma: float = param(0.0, ge=0, help="SimPO's target reward margin (simpo only; ~0.5-1.5).")
+    ref_logp: Literal["precompute", "online"] = param(
+        "precompute", help="precompute: reference logprobs of every pair once before training, "
+        "then the reference is freed; online: the reference model stays and runs every step."
+    )
+
+    def check(self) -> Iterator[str]:
+        if self.loss_type == "ipo" and self.label_smoothing:
+            yield (f"label_smoothing: {self.label_smoothing} is not defined for ipo (its target "
+                   "gap already bounds the loss); set label_smoothing=0")
+        if self.loss_type != "simpo" and self.gamma:
+            yield (f"gamma: {self.gamma} is SimPO's margin and has no effect with "
+                   f"loss_type={self.loss_type}; set gamma=0 or loss_type=simpo")
+
+
+@dataclass(frozen=True)
+class DPOConfig(BaseExperimentConfig):
+    """Direct preference optimisation on (chosen, rejected) pairs (examples/dpo.py).
+
+    Data: ``train_dataset.type=rw`` pairs read by :mod:`areal.dataset.preference` (``prompt`` or
+    ``messages``, ``chosen``, ``rejected``; HF conversation layouts too)."""
+
+    model: TrainEngineConfig = param(factory=TrainEngineConfig, help="The policy being trained.")
+    ref: TrainEngineConfig | None = param(
+        None, help="Frozen reference policy for sigmoid/ipo; null = a frozen copy of `model` "
+        "(same path and settings: the standard DPO reference, the starting policy)."
+    )
+    dpo: DPOLossConfig = param(factory=DPOLossConfig, help="Preference loss and reference logprobs.")
+
+    def check(self) -> Iterator[str]:
+        yield from super().check()
+        if self.cluster.n_servers:
+            yield f"cluster.n_servers: DPO uses no generation servers, got {self.cluster.n_servers}; set 0"
+        for name in ("train_dataset", "valid_dataset"):
+            data = getattr(self, name)
+            if data is not None and data.type != "rw":
+                yield (f"{name}.type: DPO needs preference pairs ('rw'), got {data.type!r}; "
+                       f"set {name}.type=rw")
+        for name in ("model", "ref"):
+            engine = getattr(self, name)
+            if engine is not None and engine.mb_spec.granularity % 2:
+                yield (f"{name}.mb_spec.granularity: must be even so pairs stay together, got "
+                       f"{engine.mb_spec.granularity}; set {name}.mb_spec.granularity=2")
+        if self.dpo.loss_type == "simpo" and self.ref is not None:
+            yield "ref: simpo is reference-free and would not use it; set ref=null"
 
 
 @dataclass(frozen=True)
