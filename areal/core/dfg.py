@@ -14,7 +14,8 @@ MFC and the key (or the model) at fault:
 - every MFC's outputs are the fields its function adds (``compute_logp(out="ref_logp")`` adds
   ``ref_logp``), so the graph cannot lie about what a call produces;
 - every model an MFC runs on has an allocation whose mesh fits it: ``dp * tp`` workers, each a
-  valid worker index, none twice. Tensor parallelism (``tp > 1``) is not built and is refused.
+  valid worker index, none twice. With ``tp > 1`` the workers form a dp-major ``dp x tp`` mesh
+  (``workers[d * tp + t]`` is dp rank ``d``, tp rank ``t``).
 
 Edges are derived: ``producer -> consumer`` for each key one writes and the other reads. The
 MFCs are kept in a topological order (the order given, among ready ones), which is the order a
@@ -98,6 +99,18 @@ class ParamRealloc:
 
 
 @dataclass(frozen=True)
+class UpdateServers:
+    """A hook of a ``generate`` MFC: before the call, the generation servers behind its model
+    get ``source``'s weights if ``source`` was trained since the last push (the weight
+    publisher: disk or broadcast), and the rollouts' version moves to ``source``'s."""
+
+    source: ModelName
+
+
+Hook = ParamRealloc | UpdateServers
+
+
+@dataclass(frozen=True)
 class MFC:
     """One model function call: ``model.fn(batch[inputs], **kwargs)`` adds ``outputs``.
 
@@ -112,7 +125,7 @@ class MFC:
     outputs: tuple[str, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     mb_spec: MicroBatchSpec | None = None
-    hooks: tuple[ParamRealloc, ...] = ()
+    hooks: tuple[Hook, ...] = ()
 
     @property
     def models(self) -> set[ModelName]:
@@ -161,6 +174,9 @@ def _check_keys(mfcs: list[MFC], dataset_keys: tuple[str, ...], problems: list[s
             call = f"{m.fn.value}({', '.join(f'{k}={v!r}' for k, v in m.kwargs.items())})"
             problems.append(f"MFC {m.name!r} calls {call}, which adds {list(added)}, but declares "
                             f"outputs {list(m.outputs)}; declare exactly {list(added)}")
+        if m.fn is ModelFn.GENERATE and m.inputs:
+            problems.append(f"MFC {m.name!r} (generate) reads {list(m.inputs)}; a generate MFC draws its "
+                            "prompts from the train dataset itself and reads no keys")
         if m.fn is not ModelFn.GENERATE and "input_ids" not in m.inputs:
             problems.append(f"MFC {m.name!r} does not read key 'input_ids'; every model function "
                             "takes a packed batch, add 'input_ids' to its inputs")
@@ -226,15 +242,16 @@ def _check_allocations(mfcs: list[MFC], allocations: dict[ModelName, Allocation]
         for h in m.hooks:
             if h.source == m.model or h.source not in allocations:
                 why = "is its own model" if h.source == m.model else "has no allocation"
-                problems.append(f"MFC {m.name!r} reallocates weights from model '{h.source}', which {why}; "
+                problems.append(f"MFC {m.name!r} takes weights from model '{h.source}', which {why}; "
                                 "name another allocated model")
-            if not 0.0 <= h.ema < 1.0:
+            if isinstance(h, UpdateServers) and m.fn is not ModelFn.GENERATE:
+                problems.append(f"MFC {m.name!r} ({m.fn.value}) has an UpdateServers hook, which only a "
+                                "generate MFC can have (its model is the generation servers)")
+            if isinstance(h, ParamRealloc) and not 0.0 <= h.ema < 1.0:
                 problems.append(f"MFC {m.name!r}: reallocation ema={h.ema} must be in [0, 1)")
     for model, a in sorted(allocations.items()):
         users = [m.name for m in mfcs if model in m.models]
         who = f"model '{model}' (MFCs {users})"
-        if a.tp != 1:
-            problems.append(f"{who}: tp={a.tp}, but tensor parallelism is not built; set tp=1")
         if a.dp < 1:
             problems.append(f"{who}: dp={a.dp}; dp must be >= 1")
         if len(a.workers) != a.dp * a.tp:
@@ -287,7 +304,10 @@ def format_graph(graph: DataflowGraph) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in m.kwargs.items())
         lines.append(f"  {m.name:<16} {str(m.model)}.{m.fn.value}({args})")
         for h in m.hooks:
-            lines.append(f"  {'':<16}   before: weights from {h.source}" + (f" (ema {h.ema})" if h.ema else ""))
+            if isinstance(h, UpdateServers):
+                lines.append(f"  {'':<16}   before: {h.source}'s weights pushed to the generation servers")
+            else:
+                lines.append(f"  {'':<16}   before: weights from {h.source}" + (f" (ema {h.ema})" if h.ema else ""))
         lines.append(f"  {'':<16}   reads {', '.join(m.inputs) or '-'}; adds {', '.join(m.outputs) or '-'}")
     lines.append("edges:")
     grouped: dict[tuple[str, str], list[str]] = {}

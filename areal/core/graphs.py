@@ -2,19 +2,25 @@
 
 Sync PPO (the reference, critic and proximal-logp nodes are optional)::
 
-    dataset [prompt_ids, reference] -> actor_gen (actor.generate)
+    actor_gen (rollout.generate; before it: the actor's weights pushed to the servers)
       -> {ref_logp (ref.compute_logp), critic_values (critic.compute_values),
           actor_logp (actor.compute_logp, out=prox_logp)}
       -> actor_adv (actor.compute_advantages)
       -> {actor_train (actor.ppo_update), critic_train (critic.ppo_update)}
 
-The advantages are a node of their own (the Lite actor's ``compute_advantages``) because both
+``actor_gen`` reads no keys: the generation worker hosting the ``rollout`` model (the Lite
+rollout side over the generation servers) draws its prompts from the train dataset, as Lite's
+executor does, and its groups become the step's samples. Its ``UpdateServers`` hook pushes the
+actor's weights to the servers whenever the actor was trained since the last push. The
+advantages are a node of their own (the Lite actor's ``compute_advantages``) because both
 trainers read its outputs: the actor its ``advantages``, the critic its ``returns``. Async PPO is
 the same graph without ``actor_gen``: its dataset is the rollout stream (the fields of
 :func:`areal.rollout.trajectory.groups_to_batch`). SFT is one node, ``model.train_lm``.
 
 Allocations: an empty list puts every model of the graph on every worker with ``dp =
-n_workers`` (the graph's models then share workers, as Lite's engines share trainer ranks).
+n_workers`` (the graph's models then share workers, as Lite's engines share trainer ranks). The
+``rollout`` model of sync PPO lives on one generation worker after the model workers (index
+``n_workers``), so its graph has ``n_workers + 1`` workers.
 """
 
 from __future__ import annotations
@@ -23,15 +29,15 @@ from dataclasses import dataclass
 from typing import Iterator, Literal
 
 from areal.api.config.loader import param
-from areal.core.dfg import MFC, Allocation, DataflowGraph, ModelFn, ModelName, build_graph
+from areal.core.dfg import MFC, Allocation, DataflowGraph, ModelFn, ModelName, UpdateServers, build_graph
 
 # What the rollout side hands over: the fields of groups_to_batch.
 ROLLOUT_KEYS = ("input_ids", "loss_mask", "logprobs", "versions", "rewards", "no_eos",
                 "group_index", "prompt_lens", "status_code")
-PROMPT_KEYS = ("prompt_ids", "reference")  # a dataset item: tokenized prompt, reference answer
 SFT_KEYS = ("input_ids", "loss_mask")
 
 ACTOR, CRITIC, REF = ModelName("actor"), ModelName("critic"), ModelName("ref")
+ROLLOUT = ModelName("rollout")  # the generation servers, behind a generation worker
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,7 @@ class ModelAllocationConfig:
     model: str = param("actor", help="Model name: ROLE or ROLE@REPLICA (actor, critic, ref, ...).")
     workers: list[int] = param(factory=list, help="Model-worker indices, dp-major; len = dp * tp.")
     dp: int = param(1, ge=1, help="Data-parallel size of this model's mesh.")
-    tp: int = param(1, ge=1, help="Tensor-parallel size; only 1 is built.")
+    tp: int = param(1, ge=1, help="Tensor-parallel size (Qwen2/Llama decoders); workers are dp-major.")
 
     def check(self) -> Iterator[str]:
         try:
@@ -97,8 +103,9 @@ def ppo_mfcs(use_critic: bool, use_ref: bool, prox_logp: bool) -> list[MFC]:
 
 
 def generate_mfc() -> MFC:
-    """The actor's rollouts: prompts in, scored groups of trajectories (packed) out."""
-    return MFC("actor_gen", ACTOR, ModelFn.GENERATE, PROMPT_KEYS, ROLLOUT_KEYS)
+    """The actor's rollouts: prompts from the train dataset, scored groups of trajectories
+    (packed) out; the actor's newest weights go to the servers first."""
+    return MFC("actor_gen", ROLLOUT, ModelFn.GENERATE, (), ROLLOUT_KEYS, hooks=(UpdateServers(ACTOR),))
 
 
 def graph_mfcs(cfg: CoreGraphConfig) -> tuple[list[MFC], tuple[str, ...]]:
@@ -108,18 +115,23 @@ def graph_mfcs(cfg: CoreGraphConfig) -> tuple[list[MFC], tuple[str, ...]]:
     ppo = ppo_mfcs(cfg.use_critic, cfg.use_ref, cfg.prox_logp)
     if cfg.graph == "async_ppo":
         return ppo, ROLLOUT_KEYS
-    return [generate_mfc(), *ppo], PROMPT_KEYS
+    return [generate_mfc(), *ppo], ()
 
 
 def allocations_for(cfg: CoreGraphConfig, mfcs: list[MFC]) -> list[Allocation]:
     """The configured allocations, or every model on every worker (dp = n_workers)."""
-    if cfg.allocations:
-        return [Allocation(ModelName.parse(a.model), tuple(a.workers), a.dp, a.tp) for a in cfg.allocations]
-    models = sorted({m.model for m in mfcs})
-    return [Allocation(m, tuple(range(cfg.n_workers)), cfg.n_workers) for m in models]
+    given = [Allocation(ModelName.parse(a.model), tuple(a.workers), a.dp, a.tp) for a in cfg.allocations]
+    if not given:
+        models = sorted({m.model for m in mfcs if m.fn is not ModelFn.GENERATE})
+        given = [Allocation(m, tuple(range(cfg.n_workers)), cfg.n_workers) for m in models]
+    if any(m.model == ROLLOUT for m in mfcs) and all(a.model != ROLLOUT for a in given):
+        given.append(Allocation(ROLLOUT, (cfg.n_workers,), 1))  # the generation worker
+    return given
 
 
 def graph_from_config(cfg: CoreGraphConfig) -> DataflowGraph:
-    """The checked graph ``cfg`` describes (raises GraphError listing every problem)."""
+    """The checked graph ``cfg`` describes (raises GraphError listing every problem); sync PPO
+    counts its generation worker among the workers."""
     mfcs, keys = graph_mfcs(cfg)
-    return build_graph(cfg.graph, mfcs, keys, allocations_for(cfg, mfcs), cfg.n_workers)
+    n_generation = int(any(m.fn is ModelFn.GENERATE for m in mfcs))
+    return build_graph(cfg.graph, mfcs, keys, allocations_for(cfg, mfcs), cfg.n_workers + n_generation)

@@ -20,6 +20,14 @@ they were computed, and every key whose last reader has run is released on its w
 Parameter reallocation (an MFC's :class:`~areal.core.dfg.ParamRealloc` hooks) is queued before
 the call on the same workers: the source model's ranks snapshot its full weights (its first rank
 keeps them), and every rank of the MFC's model loads them from that rank, cut to its own shard.
+An :class:`~areal.core.dfg.UpdateServers` hook asks the generation workers to push the source's
+weights to their servers, with the source's version: the number of training MFCs it has run
+(:attr:`Master.versions`; a resume sets it).
+
+Generation. A graph with a ``generate`` MFC (sync PPO) makes its samples each step: the step's
+sample ids are new, the generation workers fill them (prompts from their own dataset) and report
+each sample's length; the master then places the new samples on the model workers by token count
+(the generation worker sends the tensors there itself) and records them in the buffer.
 
 Failures: an MFC that raises on any worker stops the step with the MFC, the worker and the
 cause; an MFC still running after ``mfc_timeout`` seconds stops it too, naming what is running.
@@ -35,8 +43,8 @@ from dataclasses import dataclass
 import torch
 
 from areal.core.buffer import SampleBuffer, SampleMeta
-from areal.core.dfg import MFC, DataflowGraph
-from areal.core.worker import MFCReply, MFCRequest, ModelWorker
+from areal.core.dfg import MFC, DataflowGraph, ModelFn, ModelName, UpdateServers
+from areal.core.worker import TRAINING_FNS, MFCReply, MFCRequest, ModelWorker
 from areal.utils.batch import PackedBatch, balance_across_ranks
 
 
@@ -72,6 +80,10 @@ class Master:
         problems = [f"MFC {m.name!r}: {why}" for m in graph.mfcs
                     for w in graph.allocations[m.model].workers
                     if (why := workers[w].hosts(m.model, m.fn)) is not None]
+        problems += [f"MFC {m.name!r}: worker {w} cannot push weights to generation servers "
+                     f"({type(workers[w]).__name__})" for m in graph.mfcs
+                     if any(isinstance(h, UpdateServers) for h in m.hooks)
+                     for w in graph.allocations[m.model].workers if not hasattr(workers[w], "update_servers")]
         if problems:
             raise ValueError("the workers cannot run the graph:\n" + "\n".join(f"  - {p}" for p in problems))
         self.graph, self.workers, self.group_size = graph, workers, group_size
@@ -82,6 +94,10 @@ class Master:
                 consumers[key].add(m.name)
         self.buffer = SampleBuffer(buffer_capacity, dict(consumers), {m.name for m in graph.mfcs})
         self.trace: list[tuple[str, str]] = []  # ("dispatch" | "done", MFC name), in order
+        self.versions: dict[ModelName, int] = {m: 0 for m in graph.allocations}  # training MFCs run
+        self._generate = next((m for m in graph.mfcs if m.fn is ModelFn.GENERATE), None)
+        generation = set(graph.allocations[self._generate.model].workers) if self._generate else set()
+        self._model_workers = [w for w in range(graph.n_workers) if w not in generation]
         self._next_id = 0
         self._steps = 0
 
@@ -116,7 +132,14 @@ class Master:
         """Run every MFC once over the oldest ``n_samples`` waiting samples; stats per MFC:
         rank 0's (the engines reduce theirs over the mesh), ``n_tokens`` over ranks,
         ``wall_time`` (dispatch to done) and ``compute_time`` (the slowest rank), in seconds."""
-        ids = self.buffer.take_oldest(n_samples)
+        if self._generate is not None:  # new samples, made by the generate MFC
+            if n_samples % self.group_size:
+                raise ValueError(f"a step of {n_samples} samples is not whole groups of {self.group_size}")
+            self.buffer.check_room(n_samples)
+            ids = list(range(self._next_id, self._next_id + n_samples))
+            self._next_id += n_samples
+        else:
+            ids = self.buffer.take_oldest(n_samples)
         self._steps += 1
         pending, running, done = list(self.graph.mfcs), {}, set()
         stats: dict[str, dict[str, float]] = {}
@@ -148,6 +171,11 @@ class Master:
         queued = []
         target = self.graph.allocations[mfc.model].workers
         for i, hook in enumerate(mfc.hooks):
+            if isinstance(hook, UpdateServers):
+                version = self.versions[hook.source]
+                queued += [(f"weights of {hook.source} to the servers", w,
+                            self.workers[w].update_servers(hook.source, version)) for w in target]
+                continue
             token = f"step{self._steps}/{mfc.name}/{i}"
             source = self.graph.allocations[hook.source].workers
             for w in source:
@@ -161,9 +189,13 @@ class Master:
     def _dispatch(self, mfc: MFC, ids: list[int]) -> _Running:
         hooks = self._reallocate(mfc)  # queued first, so the call runs on the moved weights
         alloc = self.graph.allocations[mfc.model]
-        seqlens = [self.buffer.meta(sid).seqlen for sid in ids]
-        parts = split_by_tokens(seqlens, alloc.dp, self.group_size)
-        shares = [(w, [ids[i] for i in part]) for w, part in zip(alloc.workers, parts)]
+        if mfc.fn is ModelFn.GENERATE:  # no lengths yet: whole groups, near-equal counts
+            groups = [ids[i:i + self.group_size] for i in range(0, len(ids), self.group_size)]
+            shares = [(w, [s for g in groups[r::alloc.dp] for s in g]) for r, w in enumerate(alloc.workers)]
+        else:
+            seqlens = [self.buffer.meta(sid).seqlen for sid in ids]
+            parts = split_by_tokens(seqlens, alloc.dp, self.group_size)
+            shares = [(w, [ids[i] for i in part]) for w, part in zip(alloc.workers, parts)]
         futures = []
         for worker, sids in shares:  # every rank of the mesh gets it before any later MFC
             sources: dict[str, dict[int, list[int]]] = {}
@@ -194,12 +226,38 @@ class Master:
             raise TimeoutError(f"MFCs still running after mfc_timeout={self.mfc_timeout} s: "
                                f"{', '.join(late)}; a worker is stuck or the timeout is too short")
 
+    def _admit_generated(self, run: _Running, replies: list[MFCReply]) -> None:
+        """Place a generate MFC's new samples on the model workers by token count (the
+        generation worker sends the tensors) and record them in the buffer, in this step."""
+        metas = []
+        for (gen, sids), reply in zip(run.shares, replies):
+            if len(reply.seqlens) != len(sids):
+                raise RuntimeError(f"MFC {run.mfc.name!r}: worker {gen} generated {len(reply.seqlens)} "
+                                   f"samples, {len(sids)} were asked for")
+            n_place = min(len(self._model_workers), len(sids) // self.group_size)
+            for rank, positions in enumerate(split_by_tokens(list(reply.seqlens), n_place, self.group_size)):
+                target = self._model_workers[rank]
+                part = [sids[i] for i in positions]
+                self.workers[gen].send(part, reply.outputs, self.workers[target])
+                metas += [SampleMeta(sids[i], reply.seqlens[i], {k: target for k in reply.outputs},
+                                     in_step=True) for i in positions]
+        self.buffer.put(sorted(metas, key=lambda m: m.sample_id))
+
+    def set_version(self, model: ModelName, version: int) -> None:
+        """Set how many training MFCs ``model`` has run (a resume restores it)."""
+        self.versions[model] = version
+
     def _finish(self, run: _Running) -> dict[str, float]:
         """Record where the outputs are, release what no later MFC reads; the MFC's stats."""
         replies = [f.result() for f in run.futures]
+        if run.mfc.fn is ModelFn.GENERATE:
+            self._admit_generated(run, replies)
+        if run.mfc.fn in TRAINING_FNS:
+            self.versions[run.mfc.model] += 1
         all_ids = []
         for (worker, sids), reply in zip(run.shares, replies):
-            self.buffer.add_keys(sids, reply.outputs, worker)
+            if run.mfc.fn is not ModelFn.GENERATE:  # generated keys were placed on admission
+                self.buffer.add_keys(sids, reply.outputs, worker)
             all_ids += sids
         released: dict[int, list[tuple[str, int]]] = defaultdict(list)
         for worker, key, sid in self.buffer.mark_used(run.mfc.name, all_ids):

@@ -119,7 +119,10 @@ class WorkerActor:
                                 world_size=self.n_workers, timeout=datetime.timedelta(minutes=10))
         meshes = {}
         for a in sorted(allocations, key=lambda a: a.model):
-            mesh = DeviceMesh("cpu", torch.tensor(a.workers), mesh_dim_names=("dp",))
+            if a.tp == 1:
+                mesh = DeviceMesh("cpu", torch.tensor(a.workers), mesh_dim_names=("dp",))
+            else:  # dp-major: workers[d * tp + t] is dp rank d, tp rank t
+                mesh = DeviceMesh("cpu", torch.tensor(a.workers).reshape(a.dp, a.tp), mesh_dim_names=("dp", "tp"))
             if self.index in a.workers:
                 meshes[a.model] = mesh
         engines = {model: build_engine(specs[model], mesh) for model, mesh in meshes.items()}
@@ -189,6 +192,7 @@ class RayWorker(ModelWorker):
 
         self.index, self.handle, self._ray = index, handle, ray
         self._next = 0
+        self._numbering = threading.Lock()
 
     def _call(self, ref):
         return self._ray.get(ref, timeout=RPC_TIMEOUT)
@@ -200,8 +204,9 @@ class RayWorker(ModelWorker):
         return self._numbered(self.handle.run, request)
 
     def _numbered(self, method, *args) -> Future:
-        ref = method.remote(self._next, *args)
-        self._next += 1
+        with self._numbering:  # the master's thread and a generation worker's both call
+            ref = method.remote(self._next, *args)
+            self._next += 1
         return ref.future()
 
     def call(self, model: ModelName, method: str, *args: Any) -> Future[Any]:
@@ -235,17 +240,22 @@ class RayWorker(ModelWorker):
 
 def start_ray_workers(graph: DataflowGraph, specs: dict[ModelName, EngineSpec], cpus_per_worker: float = 1,
                       torch_threads: int = 1) -> list[RayWorker]:
-    """``graph.n_workers`` worker actors hosting the graph's models; ``ray.init`` must have run."""
+    """One worker actor per model worker of ``graph`` (generation workers excluded: they are the
+    caller's), hosting the graph's models; ``ray.init`` must have run."""
     import ray
 
-    missing = [str(m) for m in graph.allocations if m not in specs]
+    generating = {m.model for m in graph.mfcs if m.fn is ModelFn.GENERATE}  # generation workers host them
+    missing = [str(m) for m in graph.allocations if m not in specs and m not in generating]
     if missing:
         raise ValueError(f"no EngineSpec for models {missing}; give every allocated model one")
+    allocations = [a for m, a in graph.allocations.items() if m not in generating]
+    n_model = 1 + max(w for a in allocations for w in a.workers)
+    if any(w < n_model for m in generating for w in graph.allocations[m].workers):
+        raise ValueError(f"generation workers must come after the {n_model} model workers in the allocation")
     actor_cls = ray.remote(WorkerActor)
     actors = [actor_cls.options(num_cpus=cpus_per_worker, max_concurrency=16, max_restarts=0)
-              .remote(i, graph.n_workers, torch_threads) for i in range(graph.n_workers)]
+              .remote(i, n_model, torch_threads) for i in range(n_model)]
     host, port = ray.get(actors[0].rendezvous.remote(), timeout=RPC_TIMEOUT)
-    allocations = list(graph.allocations.values())
     ray.get([a.setup.remote(host, port, allocations, specs, actors) for a in actors], timeout=RPC_TIMEOUT)
     return [RayWorker(i, a) for i, a in enumerate(actors)]
 
@@ -266,6 +276,23 @@ class RayModel:
 
     def load(self, meta: SaveLoadMeta) -> None:
         self._on_ranks("load", [(meta,)] * len(self.ranks))
+
+    # What the weight publisher needs of the actor (areal/runtime/publisher.py): the collective
+    # parts run on every rank, in order with the MFCs.
+    def update_weights(self, meta) -> None:
+        self._on_ranks("update_weights", [(meta,)] * len(self.ranks))
+
+    def init_weight_update_group(self, meta, world_size: int) -> None:
+        self._on_ranks("init_weight_update_group", [(meta, world_size)] * len(self.ranks))
+
+    def weight_announcement(self) -> dict[str, list]:
+        return self._on_ranks("weight_announcement", [()] * len(self.ranks))[0]
+
+    def get_version(self) -> int:
+        return self._on_ranks("get_version", [()] * len(self.ranks))[0]
+
+    def set_version(self, version: int) -> None:
+        self._on_ranks("set_version", [(version,)] * len(self.ranks))
 
     def evaluate_lm(self, batch: PackedBatch) -> tuple[PackedBatch, dict[str, float]]:
         """The engine's held-out NLL over ``batch`` split by tokens across the ranks (the stats

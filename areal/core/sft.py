@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Iterator, Literal
 
 from areal.api.config import ConfigError, SFTConfig, load_config
 from areal.api.config.loader import param
+from areal.core.config import CoreWorkersConfig
 from areal.core.dfg import DataflowGraph
 from areal.core.graphs import CoreGraphConfig, graph_from_config
 from areal.core.master import Master
@@ -28,22 +28,6 @@ from areal.core.worker import InProcessWorker, ModelWorker
 from areal.engine.sft import SFTEngine
 from areal.runtime.run import init_run
 from areal.utils.batch import PackedBatch
-
-
-@dataclass(frozen=True)
-class CoreWorkersConfig:
-    """Where Core's model workers run."""
-
-    backend: Literal["in_process", "ray"] = param("in_process", help="in_process: one worker in this "
-                                                  "process; ray: n_workers Ray actors.")
-    n_workers: int = param(1, ge=1, help="Model workers (ray); in_process has exactly one.")
-    ray_address: str = param("", help="Ray cluster address (host:port); empty = Ray's own lookup.")
-    cpus_per_worker: float = param(1.0, gt=0, help="Ray CPUs reserved per worker actor.")
-    torch_threads: int = param(1, ge=1, help="torch intra-op threads per worker actor.")
-
-    def check(self) -> Iterator[str]:
-        if self.backend == "in_process" and self.n_workers != 1:
-            yield f"n_workers: in_process has one worker, got {self.n_workers}; set backend=ray for more"
 
 
 @dataclass(frozen=True)
@@ -104,7 +88,8 @@ def main(argv: list[str]) -> int:
     run = init_run(cfg, cfg.model.path)
     data = run.load_data()
     loader, valid_loader, n_steps = data.loader, data.valid_loader, data.n_steps
-    graph = graph_from_config(CoreGraphConfig(graph="sft", n_workers=cfg.core.n_workers))
+    graph = graph_from_config(CoreGraphConfig(graph="sft", n_workers=cfg.core.n_workers,
+                                              allocations=cfg.core.allocations))
     (mfc,) = graph.mfcs
     workers, engine = start_workers(cfg, run, graph, data.ft_spec)
     master = Master(graph, workers)

@@ -52,6 +52,7 @@ class MFCReply:
     outputs: tuple[str, ...]
     n_tokens: int
     compute_time: float  # seconds on the worker, fetching inputs included
+    seqlens: tuple[int, ...] = ()  # generate: the length of each new sample, in request order
 
 
 @dataclass
@@ -104,6 +105,15 @@ class ModelWorker(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop running requests (the engines belong to the caller)."""
+
+
+def pack(samples: list[SampleFields]) -> PackedBatch:
+    """Stored samples as one packed batch, in order (lengths from their ``input_ids``)."""
+    lens = torch.tensor([len(s.tokens["input_ids"]) for s in samples], dtype=torch.long)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    tokens = {k: torch.cat([s.tokens[k] for s in samples]) for k in samples[0].tokens}
+    seqs = {k: torch.stack([s.seqs[k] for s in samples]) for k in samples[0].seqs}
+    return PackedBatch(cu, tokens, seqs)
 
 
 def load_full_state(engine: Any, full: dict[str, torch.Tensor], ema: float) -> None:
@@ -240,12 +250,7 @@ class InProcessWorker(ModelWorker):
                 for sid, got in zip(sids, source.get(sids, (key,))):
                     fields[sid].tokens.update(got.tokens)
                     fields[sid].seqs.update(got.seqs)
-        samples = [fields[sid] for sid in request.sample_ids]
-        lens = torch.tensor([len(s.tokens["input_ids"]) for s in samples], dtype=torch.long)
-        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-        tokens = {k: torch.cat([s.tokens[k] for s in samples]) for k in samples[0].tokens}
-        seqs = {k: torch.stack([s.seqs[k] for s in samples]) for k in samples[0].seqs}
-        return PackedBatch(cu, tokens, seqs)
+        return pack([fields[sid] for sid in request.sample_ids])
 
     def _call(self, mfc: MFC, batch: PackedBatch):
         engine = self.engines[mfc.model]

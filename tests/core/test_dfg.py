@@ -6,7 +6,7 @@ import pytest
 
 from areal.cli import main as cli_main
 from areal.core.dfg import (
-    MFC, Allocation, GraphError, ModelFn, ModelName, ParamRealloc, build_graph, format_graph,
+    MFC, Allocation, GraphError, ModelFn, ModelName, ParamRealloc, UpdateServers, build_graph, format_graph,
 )
 from areal.core.graphs import ROLLOUT_KEYS, CoreGraphConfig, graph_from_config
 
@@ -98,9 +98,11 @@ def test_worker_listed_twice_is_refused():
     assert "a worker appears twice in [0, 0]" in p
 
 
-def test_tensor_parallel_is_refused_until_built():
-    (p,) = problems_of([logp("a", "x")], allocations=[Allocation(A, (0, 1), dp=1, tp=2)])
-    assert "tp=2, but tensor parallelism is not built" in p
+def test_tensor_parallel_mesh_is_accepted_when_its_workers_fill_dp_x_tp():
+    graph = build([logp("a", "x")], allocations=[Allocation(A, (0, 1), dp=1, tp=2)])
+    assert graph.allocations[A].tp == 2
+    (p,) = problems_of([logp("a", "x")], allocations=[Allocation(A, (0, 1), dp=2, tp=2)])
+    assert "mesh dp=2 x tp=2 needs 4 workers, allocated 2" in p
 
 
 def test_allocated_model_without_mfc_is_refused():
@@ -150,7 +152,8 @@ def test_sft_graph_is_one_train_lm_node():
 def test_default_allocation_puts_every_model_on_every_worker():
     g = graph_from_config(CoreGraphConfig(n_workers=3, use_critic=True))
     assert {str(m): (a.workers, a.dp) for m, a in g.allocations.items()} == {
-        "actor@0": ((0, 1, 2), 3), "critic@0": ((0, 1, 2), 3)}
+        "actor@0": ((0, 1, 2), 3), "critic@0": ((0, 1, 2), 3), "rollout@0": ((3,), 1)}
+    assert g.n_workers == 4  # the generation worker comes after the model workers
 
 
 def test_printed_graph_lists_models_meshes_nodes_and_edges():
@@ -158,7 +161,9 @@ def test_printed_graph_lists_models_meshes_nodes_and_edges():
     assert "ref@0        mesh dp=2 x tp=1  workers [0, 1]  MFCs: ref_logp" in text
     assert "ref_logp         ref@0.compute_logp(out='ref_logp')" in text
     assert "ref_logp -> actor_adv  [ref_logp]" in text
-    assert "dataset -> actor_gen  [prompt_ids, reference]" in text
+    assert "actor_gen        rollout@0.generate()" in text
+    assert "before: actor@0's weights pushed to the generation servers" in text
+    assert "rollout@0    mesh dp=1 x tp=1  workers [2]  MFCs: actor_gen" in text
 
 
 def test_areal_core_graph_prints_a_yaml_config(tmp_path, capsys):
@@ -181,7 +186,7 @@ def test_areal_core_graph_reports_an_invalid_graph_with_exit_code_2(tmp_path, ca
 def test_a_reallocation_hook_needs_another_allocated_source_model():
     own = MFC("a", A, ModelFn.COMPUTE_LOGP, ("input_ids",), ("x",), {"out": "x"}, hooks=(ParamRealloc(A),))
     (p,) = problems_of([own], allocations=[Allocation(A, (0, 1), 2)])
-    assert "MFC 'a' reallocates weights from model 'actor@0', which is its own model" in p
+    assert "MFC 'a' takes weights from model 'actor@0', which is its own model" in p
     other = MFC("a", A, ModelFn.COMPUTE_LOGP, ("input_ids",), ("x",), {"out": "x"}, hooks=(ParamRealloc(B),))
     (p,) = problems_of([other], allocations=[Allocation(A, (0, 1), 2)])
     assert "from model 'critic@0', which has no allocation" in p
@@ -191,6 +196,17 @@ def test_a_reallocation_ema_must_be_below_one():
     m = MFC("a", A, ModelFn.COMPUTE_LOGP, ("input_ids",), ("x",), {"out": "x"}, hooks=(ParamRealloc(B, ema=1.0),))
     (p,) = problems_of([m, logp("b", "y", model=B)])
     assert "MFC 'a': reallocation ema=1.0 must be in [0, 1)" in p
+
+
+def test_a_server_update_hook_belongs_to_a_generate_mfc_that_reads_nothing():
+    gen = MFC("gen", ModelName("rollout"), ModelFn.GENERATE, ("prompt",), ("input_ids",), hooks=(UpdateServers(A),))
+    lp = MFC("a", A, ModelFn.COMPUTE_LOGP, ("input_ids",), ("x",), {"out": "x"}, hooks=(UpdateServers(B),))
+    got = problems_of([gen, lp, logp("b", "y", model=B)], keys=("prompt",),
+                      allocations=[Allocation(A, (0,), 1), Allocation(B, (1,), 1),
+                                   Allocation(ModelName("rollout"), (2,), 1)], n_workers=3)
+    assert any("MFC 'gen' (generate) reads ['prompt']; a generate MFC draws its prompts" in p for p in got)
+    assert any("MFC 'a' (compute_logp) has an UpdateServers hook, which only a generate MFC can have" in p
+               for p in got)
 
 
 def test_printed_graph_shows_reallocation_hooks():

@@ -217,7 +217,7 @@ def test_a_stuck_mfc_stops_the_step_at_its_deadline():
 
 
 def test_workers_that_cannot_run_an_mfc_are_refused_before_any_step():
-    gen = MFC("gen", ACTOR, ModelFn.GENERATE, ("input_ids",), ("rollout",))
+    gen = MFC("gen", ACTOR, ModelFn.GENERATE, (), ("rollout",))
     with pytest.raises(ValueError, match=r"MFC 'gen': worker 0's model 'actor@0' \(StandIn\) has no "
                                          r"model function generate"):
         setup([gen], [Allocation(ACTOR, (0,))], 1)
