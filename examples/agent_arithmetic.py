@@ -7,7 +7,8 @@ is 1.0 when the answer equals the item's reference. Nothing in it knows about tr
   (``workflow.type: agent``, ``workflow.agent.path: agent_arithmetic:calculator_agent``): each
   episode gets an in-process client backed by the rollout engine (areal.workflow.agent);
 * run it against any OpenAI-compatible server, e.g. ``areal serve --model DIR --port 8000``:
-  ``python examples/agent_arithmetic.py --base-url http://127.0.0.1:8000/v1``.
+  ``python examples/agent_arithmetic.py --base-url http://127.0.0.1:8000/v1`` (the agent asks
+  for model ``areal``: serve with ``served_model_name=areal``).
 """
 
 from __future__ import annotations

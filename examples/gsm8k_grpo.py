@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
             groups = executor.prepare_batch(loader, workflow, accept)
             batch = groups_to_batch(groups)
         run.log_trained(step, [g[0].group_id for g in groups])
-        stats = {**executor.last_batch_stats, **reward.commit_batch(), **rollout.stats()}
+        stats = side.batch_stats()  # executor, reward workers, client (and agent) counters
         train_step(cfg, run, actor, critic, ref, batch)
         with run.tracker.timer("update_weights"):
             publisher.publish()

@@ -13,6 +13,7 @@ from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.data import DatasetConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.reward.resolve import resolve_reward
+from areal.workflow.agent import load_agent
 from areal.workflow.custom import workflow_class
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -65,7 +66,12 @@ def preflight(cfg: Any) -> list[str]:
         problems.append(f"tokenizer_path: {tok!r} has no tokenizer_config.json; pass a local "
                         "tokenizer (or model) directory, or leave it empty to use the model's")
     workflow = getattr(getattr(cfg, "workflow", None), "type", "rlvr")
-    if workflow not in ("rlvr", "multi_turn"):  # the user's class must import here already
+    if workflow == "agent":  # the user's agent function must import here already
+        try:
+            load_agent(cfg.workflow.agent.path)
+        except ValueError as e:
+            problems.append(str(e))
+    elif workflow not in ("rlvr", "multi_turn"):  # the user's class must import here already
         try:
             workflow_class(workflow)
         except ValueError as e:

@@ -15,6 +15,7 @@ from areal.reward.resolve import resolve_reward
 from areal.reward.runner import RewardRunner
 from areal.rollout.executor import WorkflowExecutor
 from areal.rollout.remote import RemoteInferenceEngine, discover_servers
+from areal.workflow.agent import AgentWorkflow
 from areal.workflow.custom import make_custom_workflow
 from areal.workflow.multi_turn import MultiTurnWorkflow
 from areal.workflow.rlvr import RLVRWorkflow
@@ -24,6 +25,8 @@ def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RolloutWorkfl
     """The training workflow ``workflow.type`` names (yours by ``module:Class``)."""
     if cfg.workflow.type == "multi_turn":
         return MultiTurnWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir)
+    if cfg.workflow.type == "agent":  # your openai-client agent, trained as it is (docs/agents.md)
+        return AgentWorkflow(cfg.workflow.agent, cfg.gconfig, tokenizer)
     if cfg.workflow.type != "rlvr":
         return make_custom_workflow(cfg.workflow.type, reward, cfg.gconfig, tokenizer)
     return RLVRWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir,
@@ -40,6 +43,11 @@ class RolloutSide:
     eval_workflow: RolloutWorkflow
     executor: WorkflowExecutor
 
+    def batch_stats(self) -> dict[str, float]:
+        """The last training batch's rollout stats: executor, reward workers, client, agents."""
+        agent = self.workflow.stats() if isinstance(self.workflow, AgentWorkflow) else {}
+        return {**self.executor.last_batch_stats, **self.reward.commit_batch(), **self.rollout.stats(), **agent}
+
     def close(self) -> None:
         self.executor.destroy()
         self.rollout.destroy()
@@ -53,7 +61,8 @@ def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
     rollout.initialize(discover_servers(cfg.rollout, run.registry(), run.servers_key, cfg.cluster.n_servers))
     reward = RewardRunner(resolve_reward(cfg.reward_fn), cfg.reward)
     workflow = make_workflow(cfg, reward, run.tokenizer, run.run_dir / "rollouts")
-    eval_workflow = RLVRWorkflow(reward, cfg.eval_gconfig, run.tokenizer)
+    eval_workflow = (AgentWorkflow(cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer)
+                     if cfg.workflow.type == "agent" else RLVRWorkflow(reward, cfg.eval_gconfig, run.tokenizer))
     executor = WorkflowExecutor(cfg.rollout, rollout, batch_size=cfg.train_dataset.batch_size // run.world_size)
     executor.initialize()
     return RolloutSide(rollout, reward, workflow, eval_workflow, executor)

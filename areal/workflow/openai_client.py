@@ -120,6 +120,52 @@ def check_tools(tools: Any, tool_choice: Any, template: str) -> tuple[list[dict]
     return tools, tool_choice == "auto"
 
 
+def signature(content: str | None, tool_calls: list[dict]) -> tuple:
+    """What identifies an assistant message the client returned when the agent passes it back."""
+    return content or "", tuple((c["function"]["name"], c["function"]["arguments"]) for c in tool_calls)
+
+
+def render_prompt(tokenizer: Any, messages: list[dict], tools: list[dict] | None,
+                  generated: dict[tuple, Call]) -> list[int]:
+    """Prompt ids of ``messages`` by the chat template, with the model's own tokens for every
+    assistant turn this client generated (``generated``: signature -> call).
+
+    Such a turn is rendered as a placeholder, then replaced by the call's completion ids (whose
+    EOS stands for the template's end-of-turn token right after it). The result equals the plain
+    rendering whenever the model's answer re-encodes to the same tokens, and otherwise keeps what
+    the model generated (invalid UTF-8 bytes, special tokens, tool-call JSON spaced its own way)
+    instead of a re-encoding of the decoded text, so an append-only template gives each call a
+    prompt that extends the previous call's prompt + completion. A template that drops or alters
+    the placeholder gets the plain rendering.
+    """
+    spliced, turns = [], []
+    for i, m in enumerate(messages):
+        call = generated.get(signature(m["content"], m.get("tool_calls", []))) if m["role"] == "assistant" else None
+        if call is not None:
+            turns.append(call)
+            m = {"role": "assistant", "content": f"AREALTURN{i}X{uuid.uuid4().hex}"}
+        spliced.append(m)
+    if turns:
+        text = tokenizer.apply_chat_template(spliced, tools=tools, add_generation_prompt=True, tokenize=False)
+        marks = [m["content"] for m, orig in zip(spliced, messages) if m is not orig]
+        if all(text.count(mark) == 1 for mark in marks):
+            return _splice(tokenizer, text, marks, turns)
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return encode(tokenizer, text)
+
+
+def _splice(tokenizer: Any, text: str, marks: list[str], turns: list[Call]) -> list[int]:
+    """Token ids of ``text`` with each placeholder replaced by its call's completion ids."""
+    ids: list[int] = []
+    eos_text, rest = tokenizer.eos_token or "", text
+    for mark, call in zip(marks, turns):
+        head, rest = rest.split(mark, 1)
+        ids += encode(tokenizer, head) + call.completion_ids
+        if call.completion_ids[-1:] == [tokenizer.eos_token_id] and eos_text and rest.startswith(eos_text):
+            rest = rest[len(eos_text):]  # the generated EOS is the template's end of turn
+    return ids + encode(tokenizer, rest)
+
+
 class _Completions:
     def __init__(self, client: ArealOpenAI):
         self._client = client
@@ -150,6 +196,7 @@ class ArealOpenAI:
         self.call_rewards: dict[int, float] = {}  # turn -> reward the agent gave that call
         self.engine_failure: EngineFailure | None = None
         self._turn_of: dict[str, int] = {}
+        self._generated: dict[tuple, Call] = {}  # signature of a returned message -> its call
 
     def set_reward(self, completion_id: str, reward: float) -> None:
         """Give the call that returned ``completion_id`` its own reward (see episode_returns)."""
@@ -191,9 +238,7 @@ class ArealOpenAI:
         n = self._check_args(kw)
         template = self.tokenizer.chat_template or ""
         tools, parse_calls = check_tools(kw.get("tools"), kw.get("tool_choice", "auto"), template)
-        text = self.tokenizer.apply_chat_template(clean_messages(kw.get("messages")), tools=tools,
-                                                  add_generation_prompt=True, tokenize=False)
-        prompt = encode(self.tokenizer, text)
+        prompt = render_prompt(self.tokenizer, clean_messages(kw.get("messages")), tools, self._generated)
         gconfig, seed = self._gconfig(kw), kw.get("seed")
         reqs = [ModelRequest(input_ids=list(prompt), gconfig=gconfig, group_id=self.group_id,
                              seed=None if seed is None else seed + i) for i in range(n)]
@@ -212,6 +257,8 @@ class ArealOpenAI:
             self.calls.append(Call(turn, i, cid, list(prompt), list(r.output_ids), list(r.output_logprobs),
                                    list(r.output_versions), r.stop_reason))
             choices.append(self._choice(i, r, gconfig, parse_calls, bool(kw.get("logprobs"))))
+            message = choices[-1]["message"]
+            self._generated[signature(message["content"], message.get("tool_calls", []))] = self.calls[-1]
         n_out = sum(len(r.output_ids) for r in resps)
         return ChatCompletion.model_validate({
             "id": cid, "object": "chat.completion", "created": int(time.time()), "model": kw.get("model") or self.model,

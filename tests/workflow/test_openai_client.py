@@ -72,14 +72,41 @@ def test_concatenated_episode_equals_what_the_model_generated_token_for_token(ti
     assert trained == first.completion_ids + second.completion_ids
     injected = tiny_tokenizer.decode([tok for tok, m in zip(t.completion_ids, t.loss_mask) if not m])
     assert injected == "\n<|im_start|>tool\n84<|im_end|>\n<|im_start|>assistant\n"
+    # a canonical answer: the prompt is exactly the template's plain rendering of the conversation
+    plain = tiny_tokenizer.apply_chat_template(
+        [ITEM["messages"][0], {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12 * 7"}'}}]},
+         {"role": "tool", "content": "84"}], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert second.prompt_ids == tiny_tokenizer(plain, add_special_tokens=False)["input_ids"]
 
 
-def test_a_tool_call_written_differently_from_the_template_cannot_be_concatenated(tiny_tokenizer, scripted):
-    # compact JSON: the parser accepts it, but the template re-renders it with spaces
-    engine = scripted(['<tool_call>\n{"name":"calculator","arguments":{"expression":"12 * 7"}}\n</tool_call>', "84"])
-    client, reward = _run(engine, tiny_tokenizer)
-    with pytest.raises(TemplateMismatch, match="call 1's prompt"):
-        episode_trajectories(client.calls, {}, reward, 1.0, "concat", "error", "q1/0", "q1", tiny_tokenizer)
+def test_a_turn_the_template_would_write_differently_keeps_the_generated_tokens(tiny_tokenizer, scripted):
+    # compact JSON: the parser accepts it; the template would re-render it with spaces
+    compact = '<tool_call>\n{"name":"calculator","arguments":{"expression":"12 * 7"}}\n</tool_call>'
+    engine = scripted([compact, "84"])
+    client, _ = _run(engine, tiny_tokenizer)
+    first, second = client.calls
+    full = first.prompt_ids + first.completion_ids
+    assert second.prompt_ids[: len(full)] == full  # the model's own tokens, not a re-rendering
+    rerendered = tiny_tokenizer.decode(second.prompt_ids[len(first.prompt_ids):])
+    assert rerendered.startswith(compact + "<|im_end|>\n<|im_start|>tool\n84")
+    (t,), _ = episode_trajectories(client.calls, {}, 1.0, 1.0, "concat", "error", "q1/0", "q1", tiny_tokenizer)
+    assert [tok for tok, m in zip(t.completion_ids, t.loss_mask) if m] == first.completion_ids + second.completion_ids
+
+
+def test_an_assistant_turn_the_agent_rewrote_is_rendered_by_the_template_and_cannot_be_concatenated(
+        tiny_tokenizer, scripted):
+    async def rewriting(client, item) -> float:
+        messages = list(item["messages"])
+        first = await client.chat.completions.create(messages=messages)
+        messages.append({"role": "assistant", "content": first.choices[0].message.content + " (edited)"})
+        messages.append({"role": "user", "content": "again"})
+        await client.chat.completions.create(messages=messages)
+        return 0.0
+
+    client, _ = _run(scripted(["12", "84"]), tiny_tokenizer, rewriting)
+    with pytest.raises(TemplateMismatch, match="call 1's prompt .* differ at token"):
+        episode_trajectories(client.calls, {}, 0.0, 1.0, "concat", "error", "q1/0", "q1", tiny_tokenizer)
 
 
 def test_arguments_the_training_run_cannot_honour_are_refused_by_name(tiny_tokenizer, scripted):
