@@ -132,17 +132,18 @@ def parse_completions(body: Any, encode: Callable[[str], list[int]]) -> tuple[li
 
 
 def parse_chat(
-    body: Any, apply_template: Callable[[list[dict], list[dict] | None], list[int]]
+    body: Any, apply_template: Callable[[list[dict], list[dict] | None], list[int]],
+    encode: Callable[[str], list[int]],
 ) -> tuple[list[Job], bool]:
     """``/v1/chat/completions`` body -> (jobs, want logprobs); ``apply_template(messages,
-    tools)`` renders the prompt."""
+    tools)`` renders the prompt, to which a forced tool call's opening is appended (tools.py)."""
     if not isinstance(body, dict):
         raise BadRequest("body", "expected a JSON object")
     _check_known(body, CHAT_KEYS, "")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages", "expected a non-empty list of {role, content}")
-    tools, parse_calls = parse_tools(body)
+    tools, parse_calls, prefill = parse_tools(body)
     clean = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -172,9 +173,10 @@ def parse_chat(
     if top > MAX_TOP_LOGPROBS:
         raise BadRequest("top_logprobs", f"must be <= {MAX_TOP_LOGPROBS}, got {top}")
     params = dataclasses.replace(params, top_logprobs=top)
-    jobs = _fan_out(apply_template(clean, tools), params, opts, n, 0)
+    prompt = apply_template(clean, tools) + (encode(prefill) if prefill else [])
+    jobs = _fan_out(prompt, params, opts, n, 0)
     for job in jobs:
-        job.extra["tool_calls"] = parse_calls
+        job.extra["tool_calls"], job.extra["tool_prefill"] = parse_calls, prefill
     return jobs, want
 
 
@@ -241,7 +243,7 @@ def chat_response(
             tops = r.output_top_logprobs or [[] for _ in r.output_ids]
             lp = {"content": [{**item(t, v), "top_logprobs": [item(u, w) for u, w in top]}
                               for t, v, top in zip(r.output_ids, r.output_logprobs, tops)]}
-        content, calls = render_text(job, r, decode), []
+        content, calls = job.extra.get("tool_prefill", "") + render_text(job, r, decode), []
         if job.extra.get("tool_calls"):
             content, calls = extract_tool_calls(content)
         message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}

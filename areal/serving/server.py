@@ -218,7 +218,7 @@ class GenerationServer:
     async def chat(self, request: web.Request) -> web.Response:
         """OpenAI ``/v1/chat/completions``."""
         body = await request.json()
-        jobs, logprobs = openai_api.parse_chat(body, self.apply_template)
+        jobs, logprobs = openai_api.parse_chat(body, self.apply_template, self.encode)
         self._check_model(body)
         if body.get("stream"):
             return await self._stream(request, "chat", body, jobs)

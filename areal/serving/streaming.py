@@ -89,7 +89,8 @@ class _Stream:
         """Send the rest of choice ``i`` with its finish reason."""
         self.results[i] = r
         final = render_text(self.jobs[i], r, self.decode)
-        if i in self.calls_parsed:
+        if i in self.calls_parsed:  # a forced call's opening leads the answer (tools.py)
+            final = self.jobs[i].extra.get("tool_prefill", "") + final
             await self.send(_tool_chunk(self.ident, self.model, self.jobs[i].extra["index"], final, r))
         else:
             rest = final[len(self.sent[i]):] if final.startswith(self.sent[i]) else ""

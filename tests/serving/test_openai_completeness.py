@@ -176,8 +176,6 @@ def test_the_openai_client_runs_an_agent_turn_with_tools(server, tiny_model_dir,
     with_tools = client.chat.completions.create(model=model, messages=turn, tools=tools, max_tokens=2, temperature=0)
     without = client.chat.completions.create(model=model, messages=turn, max_tokens=2, temperature=0)
     assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens  # the tools were rendered
-    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
-        client.chat.completions.create(model=model, messages=turn, tools=tools, tool_choice="required")
     # The random tiny model never writes a call: have the generator answer with one.
     from areal.api.config import from_dict
     from areal.api.config.server import GenerationServerConfig
@@ -240,3 +238,82 @@ def test_what_the_server_does_not_do_is_refused_with_the_reason(server, field, v
     ok = {**body, field: {"type": "text"} if field == "response_format" else ({} if field == "logit_bias" else 0.0),
           "max_tokens": 1}
     assert call(f"{server}/v1/chat/completions", ok)[0] == 200  # the neutral value is accepted
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}},
+         {"type": "function", "function": {"name": "mul", "description": "a * b"}}]
+ADD = {"type": "function", "function": {"name": "add"}}
+
+
+def test_tool_choice_required_and_named_open_the_call_and_a_failed_call_comes_back_as_is(server):
+    """The random tiny model cannot write valid JSON: what it wrote comes back as content, the
+    forced opening leading it, with the generator's finish reason (no tool_calls)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    model, messages = _model(server), [{"role": "user", "content": "1+2?"}]
+
+    def ask(choice):
+        return client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice=choice,
+                                              max_tokens=6, temperature=0)
+
+    auto, required, named = ask("auto"), ask("required"), ask(ADD)
+    opening = '<tool_call>\n{"name": "add", "arguments": '
+    assert required.usage.prompt_tokens == auto.usage.prompt_tokens + len("<tool_call>\n".encode())  # byte tokens
+    assert named.usage.prompt_tokens == auto.usage.prompt_tokens + len(opening.encode())
+    for c, lead in [(required, "<tool_call>\n"), (named, opening)]:
+        choice = c.choices[0]
+        assert choice.message.tool_calls is None and choice.finish_reason in ("length", "stop")
+        assert choice.message.content.startswith(lead) and len(choice.message.content) > len(lead)
+    for bad, message in [({"type": "function", "function": {"name": "sub"}}, "not among the tools"),
+                         ({"type": "function"}, "expected 'auto', 'none', 'required'"),
+                         ("always", "expected 'auto', 'none', 'required'")]:
+        with pytest.raises(openai.BadRequestError, match=message) as e:
+            ask(bad)
+        assert e.value.body["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize("choice,written", [
+    ("required", '{"name": "mul", "arguments": {"a": 4, "b": 5}}\n</tool_call>'),  # after "<tool_call>\n"
+    (ADD, '{"a": 4, "b": 5}}\n</tool_call>'),  # the server wrote the name: the model writes the rest
+])
+def test_a_forced_call_is_parsed_through_the_openai_client(tiny_model_dir, monkeypatch, choice, written):
+    """With a generator made to answer ``written``, tool_choice's opening + the answer parse as
+    one call, streamed and not, read by the official (async) client from a live in-process server."""
+    openai = pytest.importorskip("openai")
+    import asyncio
+
+    from aiohttp.test_utils import TestServer
+
+    from areal.api.config import from_dict
+    from areal.api.config.server import GenerationServerConfig
+    from areal.serving.server import GenerationServer
+
+    srv = GenerationServer(from_dict(GenerationServerConfig, {"model_path": str(tiny_model_dir)}))
+    ids = srv.encode(written)
+    forced = _forced_sampler(ids)
+    monkeypatch.setattr("areal.serving.generator.sample", forced)
+    kwargs = {"model": srv.model_name, "messages": [{"role": "user", "content": "4*5?"}], "tools": TOOLS,
+              "tool_choice": choice, "max_tokens": len(ids), "extra_body": {"ignore_eos": True}}
+
+    async def run():
+        async with TestServer(srv.build_app(), host="127.0.0.1") as ts:
+            client = openai.AsyncOpenAI(base_url=str(ts.make_url("/v1")), api_key="unused")
+            whole = await client.chat.completions.create(**kwargs)
+            forced.count.clear()  # the next request writes the answer from its start again
+            chunks = [c async for c in await client.chat.completions.create(**kwargs, stream=True)]
+            return whole, chunks
+
+    srv.generator.start()
+    try:
+        whole, chunks = asyncio.run(run())
+    finally:
+        srv.generator.shutdown()
+    name = "mul" if choice == "required" else "add"
+    choice0 = whole.choices[0]
+    assert choice0.finish_reason == "tool_calls" and choice0.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in choice0.message.tool_calls] == \
+        [(name, '{"a": 4, "b": 5}')]
+    streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [(name, '{"a": 4, "b": 5}')]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
