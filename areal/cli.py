@@ -117,18 +117,29 @@ def _core(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="areal", description="Asynchronous RL for LLM post-training on verifiable tasks."
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
+def _add_local_artifacts(sub) -> None:
+    """Subcommands that write a model or data locally: tiny-model, dpo-pairs."""
     p = sub.add_parser("tiny-model", help="write a tiny random Qwen2-style HF model directory")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny", help="tiny ~3M, small ~25M")
     p.add_argument("--seed", type=int, default=0, help="init seed")
     p.set_defaults(func=_tiny_model)
 
+    p = sub.add_parser("dpo-pairs", help="sample DPO preference pairs from a model on arithmetic (offline)")
+    p.add_argument("--model", required=True, help="HF model dir to sample from, e.g. the SFT model")
+    p.add_argument("--out", required=True, help="output dir: train.jsonl, test.jsonl, summary.json")
+    p.add_argument("--config", help="YAML of ArithmeticPairsConfig fields (areal/dataset/arithmetic_pairs.py)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. n_samples=16")
+    p.set_defaults(func=_dpo_pairs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="areal", description="Asynchronous RL for LLM post-training on verifiable tasks."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    _add_local_artifacts(sub)
     p = sub.add_parser("quickstart", help="the embedded demo on this machine (CPU, no network)")
     p.add_argument("--out", default="runs/quickstart", help="output directory")
     p.set_defaults(func=_quickstart)
@@ -145,13 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="also write the JSON summary here")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. valid_dataset.size=100")
     p.set_defaults(func=_eval)
-
-    p = sub.add_parser("dpo-pairs", help="sample DPO preference pairs from a model on arithmetic (offline)")
-    p.add_argument("--model", required=True, help="HF model dir to sample from, e.g. the SFT model")
-    p.add_argument("--out", required=True, help="output dir: train.jsonl, test.jsonl, summary.json")
-    p.add_argument("--config", help="YAML of ArithmeticPairsConfig fields (areal/dataset/arithmetic_pairs.py)")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. n_samples=16")
-    p.set_defaults(func=_dpo_pairs)
 
     p = sub.add_parser("plot", help="plot reward, held-out accuracy and stage times of a run")
     p.add_argument("run_dir", help="RUN_DIR holding stats.jsonl")

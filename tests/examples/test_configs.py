@@ -13,8 +13,9 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 YAMLS = sorted(EXAMPLES.glob("*.yaml"))
 
 # A YAML names its script by a word in its file name: *_grpo / *_ppo -> gsm8k_grpo.py (every RL
-# algorithm), sft* -> sft.py, rm* -> rm.py.
-SCRIPT_BY_WORD = {"grpo": "gsm8k_grpo.py", "ppo": "gsm8k_grpo.py", "sft": "sft.py", "rm": "rm.py"}
+# algorithm), sft* -> sft.py, rm* -> rm.py, *dpo* -> dpo.py.
+SCRIPT_BY_WORD = {"grpo": "gsm8k_grpo.py", "ppo": "gsm8k_grpo.py", "sft": "sft.py", "rm": "rm.py",
+                  "dpo": "dpo.py"}
 
 
 def script_for(yaml_path: Path) -> Path:
@@ -29,7 +30,8 @@ def script_for(yaml_path: Path) -> Path:
 
 def test_examples_hold_the_expected_configs():
     names = {p.name for p in YAMLS}
-    assert {"gsm8k_grpo.yaml", "arithmetic_grpo.yaml", "sft_arithmetic.yaml", "rm.yaml"} <= names
+    assert {"gsm8k_grpo.yaml", "arithmetic_grpo.yaml", "sft_arithmetic.yaml", "rm.yaml",
+            "dpo_arithmetic.yaml"} <= names
 
 
 @pytest.mark.parametrize("yaml_path", YAMLS, ids=lambda p: p.name)
