@@ -61,10 +61,11 @@ def export_names(hf_config: Any, names: Iterable[str]) -> list[str]:
 def save_hf(state: dict[str, torch.Tensor], hf_config: Any, path: str, tokenizer_path: str | None,
             extra: dict | None, group: dist.ProcessGroup) -> None:
     """Write an HF dir at ``path`` from ``state`` (the engine's ``full_state_dict``: full on
-    the first rank of ``group``, which writes). ``extra`` goes to areal_meta.json. Collective."""
+    the mesh's first rank, which writes; ``{}`` on the others). ``extra`` goes to
+    areal_meta.json. Collective over ``group`` (every rank of the mesh)."""
     from safetensors.torch import save_file
 
-    if dist.get_rank(group) == 0:
+    if state:
         out = Path(path)
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -198,11 +199,12 @@ def _dcp_load(state: dict[str, Any], path: str, group: dist.ProcessGroup) -> Non
 
 def save_replicated_state(path: str, name: str, state: dict[str, Any], group: dist.ProcessGroup) -> None:
     """Write ``state`` (the same on every rank) as ``path/name`` from ``group``'s first rank.
-    Collective over ``group``."""
+    Collective over ``group``. With tensor parallelism ``group`` is the data-parallel one, so
+    each tp rank's first dp rank writes the same bytes: each through its own temporary file."""
     if dist.get_rank(group) == 0:
         out = Path(path) / name
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, out)  # a reader never sees half a file
     dist.barrier(group=group)

@@ -46,6 +46,7 @@ from areal.api.engine import LossFn, LossWeightFn, ModelFnResult, PostHook, Trai
 from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal.engine import checkpoint
 from areal.engine.lr_schedule import build_lr_scheduler
+from areal.engine.tensor_parallel import apply_tensor_parallel
 from areal.utils import weight_sync
 from areal.utils.batch import MicroBatches, PackedBatch, split_microbatches
 from areal.utils.prefix import share_prefixes
@@ -88,13 +89,37 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def _split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """``(dp mesh, tp mesh or None)`` of an engine's mesh: 1-D (any name) is data-parallel only;
+    2-D must be named ``("dp", "tp")``."""
+    if mesh.ndim == 1:
+        return mesh, None
+    if mesh.ndim == 2 and mesh.mesh_dim_names == ("dp", "tp"):
+        return mesh["dp"], mesh["tp"]
+    raise ValueError(f"FSDPEngine needs a 1-D data-parallel mesh or a 2-D mesh named ('dp', 'tp'), got "
+                     f"{mesh.ndim}-D {mesh} with dims {mesh.mesh_dim_names}; build it with "
+                     "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+
+
+def _whole_mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """One process group over every rank of ``mesh``. Only the mesh's ranks call this (local
+    synchronisation), so a model on a sub-mesh of the job needs nothing from the other ranks;
+    ranks that build several engines must build them in the same order (they do: Core workers
+    build their models in a fixed order)."""
+    return dist.new_group(ranks=sorted(mesh.mesh.flatten().tolist()), use_local_synchronization=True)
+
+
 class FSDPEngine(TrainEngine):
     """FSDP2 engine. ``head="lm"``: causal LM logits ``[T, V]``; ``"value"``: one value ``[T, 1]``.
 
-    ``mesh`` is this engine's 1-D data-parallel device mesh (from
-    :mod:`areal.runtime.dist`): the model is sharded over it, and every collective of the engine
-    (micro-batch agreement, loss normalisers, checkpoints, weight export) runs on its group,
-    never on the default one. ``temperature`` divides the logits in :meth:`compute_logp`.
+    ``mesh`` is this engine's device mesh: 1-D data-parallel (from :mod:`areal.runtime.dist`),
+    or 2-D ``("dp", "tp")`` (Core allocations with ``tp > 1``): the decoder layers are then
+    tensor-parallel over ``tp`` (:mod:`areal.engine.tensor_parallel`) and FSDP shards over
+    ``dp``. Every rank of a dp group (its tp ranks) passes the same batch; ``rank`` and
+    ``world_size`` are the dp coordinate and size. Every collective runs on the mesh's groups
+    (dp for micro-batch agreement, loss normalisers and stats; the whole mesh for checkpoints and
+    weight export), never on the default one. ``temperature`` divides the logits in
+    :meth:`compute_logp`.
     """
 
     def __init__(self, config: TrainEngineConfig, mesh: DeviceMesh, head: str = "lm",
@@ -103,15 +128,18 @@ class FSDPEngine(TrainEngine):
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
         if not config.path:
             raise ValueError("TrainEngineConfig.path is empty; set it to a Hugging Face model dir")
-        if mesh.ndim != 1:
-            raise ValueError(f"FSDPEngine needs a 1-D data-parallel mesh, got {mesh.ndim}-D {mesh}; "
-                             "slice the data-parallel dimension (mesh['dp'])")
         self.config = config
         self.head = head
         self.temperature = temperature
         self.mesh = mesh
-        self.group = mesh.get_group()
-        self.rank, self.world_size = mesh.get_local_rank(), mesh.size()
+        self.dp_mesh, self.tp_mesh = _split_mesh(mesh)
+        # data-parallel view: batches, loss normalisers and stats are per dp rank (the tp ranks
+        # of a dp group hold the same micro-batches); mesh_group spans the whole mesh
+        # (checkpoints, exports, weight updates)
+        self.group = self.dp_mesh.get_group()
+        self.rank, self.world_size = self.dp_mesh.get_local_rank(), self.dp_mesh.size()
+        self.mesh_group = self.group if self.tp_mesh is None else _whole_mesh_group(mesh)
+        self.first = all(c == 0 for c in mesh.get_coordinate())  # the mesh's first rank
         cuda = mesh.device_type == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         if config.cpu_offload and not cuda:
@@ -165,7 +193,7 @@ class FSDPEngine(TrainEngine):
         if compute == "auto":
             compute = "bfloat16" if self.device.type == "cuda" else "float32"
         mp = MixedPrecisionPolicy(param_dtype=_dtype(compute), reduce_dtype=_dtype(self.config.reduce_dtype))
-        kw: dict[str, Any] = {"mesh": self.mesh, "mp_policy": mp}
+        kw: dict[str, Any] = {"mesh": self.dp_mesh, "mp_policy": mp}
         if self.config.cpu_offload:
             kw["offload_policy"] = CPUOffloadPolicy()
         elif self.device.type == "cuda":
@@ -173,6 +201,8 @@ class FSDPEngine(TrainEngine):
         layers = getattr(getattr(model, "model", None), "layers", None)
         if layers is None:
             raise ValueError(f"{type(model).__name__} has no .model.layers; only decoder-only HF models are supported")
+        if self.tp_mesh is not None:
+            apply_tensor_parallel(model, self.tp_mesh)
         for layer in layers:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
@@ -305,12 +335,12 @@ class FSDPEngine(TrainEngine):
         if meta.weight_format == "hf":
             tok = meta.tokenizer_path or self.config.path
             checkpoint.save_hf(self.full_state_dict(), self.hf_config, meta.path, tok,
-                               {"version": self.version}, self.group)
+                               {"version": self.version}, self.mesh_group)
         elif meta.weight_format == "dcp":
             optim = self.optimizer if meta.with_optim else None
             sched = self.lr_scheduler if meta.with_optim else None
             extra = {"version": self.version, "global_step": self.global_step}
-            checkpoint.save_dcp(meta.path, self.model, optim, sched, extra, self.group)
+            checkpoint.save_dcp(meta.path, self.model, optim, sched, extra, self.mesh_group)
         else:
             raise ValueError(f"SaveLoadMeta.weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
 
@@ -321,7 +351,7 @@ class FSDPEngine(TrainEngine):
         elif meta.weight_format == "dcp":
             optim = self.optimizer if meta.with_optim else None
             sched = self.lr_scheduler if meta.with_optim else None
-            extra = checkpoint.load_dcp(meta.path, self.model, optim, sched, self.group)
+            extra = checkpoint.load_dcp(meta.path, self.model, optim, sched, self.mesh_group)
             self.version, self.global_step = extra["version"], extra["global_step"]
         else:
             raise ValueError(f"SaveLoadMeta.weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
@@ -333,7 +363,7 @@ class FSDPEngine(TrainEngine):
 
         Runs concurrently with the client's ``/init_weights_update_group`` calls to the servers.
         """
-        if self.rank == 0:
+        if self.first:
             self._weight_group = weight_sync.init_weight_update_group(
                 meta.master_address, meta.master_port, 0, world_size, meta.backend)
 
@@ -366,9 +396,9 @@ class FSDPEngine(TrainEngine):
             if not meta.path:
                 raise ValueError("WeightUpdateMeta.path is empty for type='disk'; set the HF dir to write")
             checkpoint.save_hf(self.full_state_dict(), self.hf_config, meta.path, self.config.path,
-                               {"version": meta.version}, self.group)
+                               {"version": meta.version}, self.mesh_group)
         elif meta.type == "distributed":
-            if self.rank == 0 and self._weight_group is None:
+            if self.first and self._weight_group is None:
                 raise RuntimeError("update_weights(type='distributed') before init_weight_update_group()")
             state = self.model.state_dict()
             specs = self._weight_specs()
@@ -377,7 +407,7 @@ class FSDPEngine(TrainEngine):
                 named = [(specs[i].name, self._full_tensor(state[specs[i].name]).to(device)) for i in bucket]
                 if self._weight_group is not None:
                     weight_sync.broadcast_weights(named, self._weight_group, meta.bucket_bytes)
-            dist.barrier(group=self.group)
+            dist.barrier(group=self.mesh_group)
         else:
             raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'distributed', got {meta.type!r}")
 
@@ -389,11 +419,10 @@ class FSDPEngine(TrainEngine):
     def full_state_dict(self) -> dict[str, Any]:
         """Full CPU state dict (HF names, tied keys included) on the mesh's first rank; ``{}``
         elsewhere. Collective over the mesh."""
-        first = self.rank == 0
         out = {}
         for name, t in self.model.state_dict().items():
             full = self._full_tensor(t)  # all-gather over the mesh, one tensor at a time
-            if first:
+            if self.first:
                 out[name] = full.detach().to("cpu", copy=True)
         return out
 
