@@ -78,6 +78,9 @@ class DPOLossConfig:
         if self.loss_type == "ipo" and self.label_smoothing:
             yield (f"label_smoothing: {self.label_smoothing} is not defined for ipo (its target "
                    "gap already bounds the loss); set label_smoothing=0")
+        if self.loss_type == "simpo" and self.ref_logp == "online":
+            yield ("ref_logp: online has no effect with loss_type=simpo (reference-free); "
+                   "leave ref_logp=precompute")
         if self.loss_type != "simpo" and self.gamma:
             yield (f"gamma: {self.gamma} is SimPO's margin and has no effect with "
                    f"loss_type={self.loss_type}; set gamma=0 or loss_type=simpo")
