@@ -1,6 +1,7 @@
 """Preference pairs for DPO: a prompt and two replies, the chosen one preferred.
 
-Accepted JSONL rows (one object per line; extra fields are kept on the item):
+Accepted rows of a JSONL file (one object per line) or a Parquet file (how HF hub datasets are
+stored); extra fields are kept on the item:
 
 * ``prompt`` (str) or ``messages`` (chat list, the conversation so far), with ``chosen`` and
   ``rejected`` replies as strings (this repository's format);
@@ -28,7 +29,7 @@ import dataclasses
 import logging
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from areal.api.config.data import DatasetConfig
 from areal.dataset.chat import Messages, chat_text, encode, prompt_ids
@@ -116,10 +117,21 @@ def preference_item(row: dict, where: str, default_id: str) -> dict[str, Any]:
             "rejected": rejected}
 
 
+def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(row number from 1, row) of a Parquet file (how HF hub datasets are stored)."""
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such file; check the dataset path")
+    yield from enumerate(pq.read_table(path).to_pylist(), start=1)
+
+
 def load_preference_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Every row of a JSONL file of preference pairs as an item."""
+    """Every row of a JSONL (or Parquet: ``.parquet``) file of preference pairs as an item;
+    errors name the line (the row number for Parquet)."""
     path = Path(path)
-    items = [preference_item(row, f"{path}:{n}", f"{path.stem}-{n}") for n, row in read_jsonl(path)]
+    rows = _parquet_rows(path) if path.suffix == ".parquet" else read_jsonl(path)
+    items = [preference_item(row, f"{path}:{n}", f"{path.stem}-{n}") for n, row in rows]
     check_unique_ids(items, str(path))
     return items
 
@@ -143,10 +155,11 @@ def _raw_pairs(cfg: DatasetConfig, seed: int) -> list[dict[str, Any]]:
     if cfg.path == "arithmetic" and cfg.format in ("auto", "arithmetic"):
         plain = dataclasses.replace(cfg, size=None, max_length=None)
         return [preference_item(it, f"arithmetic:{it['id']}", it["id"]) for it in load_dataset(plain, None, seed)]
-    if cfg.format == "jsonl" or (cfg.format == "auto" and cfg.path.endswith(".jsonl")):
+    if cfg.format == "jsonl" or (cfg.format == "auto" and cfg.path.endswith((".jsonl", ".parquet"))):
         return load_preference_jsonl(cfg.path)
     raise DatasetError(f"dataset path {cfg.path!r} (format {cfg.format}): preference pairs come from a "
-                       ".jsonl file or the built-in 'arithmetic' pairs; convert the data to JSONL")
+                       ".jsonl or .parquet file or the built-in 'arithmetic' pairs; download HF datasets "
+                       "to one of those files")
 
 
 def load_preferences(cfg: DatasetConfig, tokenizer: Any = None, seed: int = 0) -> ItemDataset:

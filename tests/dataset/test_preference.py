@@ -32,7 +32,8 @@ LAYOUTS = {
     "messages + reply strings": {"messages": [USER], "chosen": "3", "rejected": "4"},
     "whole conversations (HH as lists)": {"chosen": [USER, _reply("3")], "rejected": [USER, _reply("4")]},
     "ultrafeedback-binarized": {"prompt": "1 + 2 = ?", "chosen": [USER, _reply("3")],
-                                "rejected": [USER, _reply("4")], "score_chosen": 9.0},
+                                "rejected": [USER, _reply("4")], "messages": [USER, _reply("3")],
+                                "score_chosen": 9.0},
     "reply-only lists + prompt": {"prompt": "1 + 2 = ?", "chosen": [_reply("3")], "rejected": [_reply("4")]},
     "raw HH transcripts": {"chosen": "\n\nHuman: 1 + 2 = ?\n\nAssistant: 3",
                            "rejected": "\n\nHuman: 1 + 2 = ?\n\nAssistant: 4"},
@@ -43,6 +44,19 @@ LAYOUTS = {
 def test_every_layout_gives_the_same_pair(tmp_path, row):
     (item,) = load_preference_jsonl(_write(tmp_path, [row]))
     assert (item["id"], item["messages"], item["chosen"], item["rejected"]) == ("pairs-1", [USER], "3", "4")
+
+
+def test_parquet_files_in_the_hf_layout_load_and_name_the_bad_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [LAYOUTS["whole conversations (HH as lists)"], {"chosen": [USER, _reply("3")], "rejected": [USER]}]
+    pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / "good.parquet")
+    (item,) = load_preference_jsonl(tmp_path / "good.parquet")
+    assert (item["id"], item["messages"], item["chosen"], item["rejected"]) == ("good-1", [USER], "3", "4")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    with pytest.raises(DatasetError, match="bad.parquet:2: field 'rejected' must end with the assistant"):
+        load_preference_jsonl(tmp_path / "bad.parquet")
 
 
 def test_multi_turn_conversations_keep_their_history_as_the_prompt(tmp_path):
