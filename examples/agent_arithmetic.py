@@ -79,6 +79,32 @@ async def calculator_agent(client, item: dict) -> float:
     return 0.0  # no answer within MAX_TURNS calls
 
 
+def sft_conversations(tokenizer, n: int) -> list[dict]:
+    """``n`` worked tool-use conversations on training problems (question, calculator call, its
+    result, the answer) for an SFT warm-up, with the tools turn as the template renders it for
+    the agent's requests (a system message of the same text), so SFT and RL prompts agree."""
+    from areal.api.config.data import ArithmeticConfig
+    from areal.dataset.arithmetic import make_arithmetic
+
+    probe = [{"role": "user", "content": "x"}]
+    with_tools = tokenizer.apply_chat_template(probe, tools=TOOLS, tokenize=False)
+    block = with_tools[: len(with_tools) - len(tokenizer.apply_chat_template(probe, tokenize=False))]
+    head, tail = "<|im_start|>system\n", "<|im_end|>\n"
+    if not (block.startswith(head) and block.endswith(tail)):
+        raise ValueError(f"the chat template renders tools as {block[:60]!r}..., not as a ChatML system turn")
+    system = {"role": "system", "content": block[len(head): -len(tail)]}
+    rows = []
+    for item in make_arithmetic(ArithmeticConfig(min_digits=2, max_digits=2, operators="*", n_train=n), "train"):
+        expression = item["messages"][-1]["content"].split(" = ?")[0]
+        arguments = json.dumps({"expression": expression})
+        call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
+        rows.append({"id": item["id"], "messages": [
+            system, *item["messages"], {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": calculator(arguments)},
+            {"role": "assistant", "content": item["reference"]}]})
+    return rows
+
+
 async def _main(base_url: str, n: int, api_key: str) -> float:
     """Mean reward of the agent over ``n`` test problems against an OpenAI-compatible server."""
     from openai import AsyncOpenAI
@@ -94,9 +120,20 @@ async def _main(base_url: str, n: int, api_key: str) -> float:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
-    parser.add_argument("--n", type=int, default=20, help="test problems to run")
+    parser.add_argument("--base-url", help="run the agent on test problems, e.g. http://127.0.0.1:8000/v1")
+    parser.add_argument("--n", type=int, default=20, help="problems to run (or conversations to write)")
     parser.add_argument("--api-key", default="none", help="the server's key, if it has one")
+    parser.add_argument("--write-sft", metavar="JSONL", help="write --n SFT conversations here instead")
+    parser.add_argument("--model", help="with --write-sft: the model dir whose chat template renders the tools")
     args = parser.parse_args()
-    print(f"mean reward: {asyncio.run(_main(args.base_url, args.n, args.api_key)):.3f}")
+    if args.write_sft:
+        from transformers import AutoTokenizer
+
+        with open(args.write_sft, "w") as out:
+            for row in sft_conversations(AutoTokenizer.from_pretrained(args.model), args.n):
+                out.write(json.dumps(row) + "\n")
+    elif args.base_url:
+        print(f"mean reward: {asyncio.run(_main(args.base_url, args.n, args.api_key)):.3f}")
+    else:
+        parser.error("pass --base-url (run the agent) or --write-sft with --model (SFT data)")
     sys.exit(0)

@@ -29,3 +29,6 @@ MASTER_PORT
 _.to_padded
 _.from_padded
 balance_across_ranks
+
+# Agent API: agents call it on their client to give one call its own reward (workflow/openai_client.py).
+_.set_reward

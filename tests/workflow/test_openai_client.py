@@ -12,7 +12,7 @@ from openai.types.chat import ChatCompletion
 
 from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.reward import AgentConfig
-from areal.workflow.agent import AgentWorkflow
+from areal.workflow.agent import WINDOW, AgentFailureRate, AgentWorkflow
 from areal.workflow.agent_trajectories import TemplateMismatch, episode_trajectories
 from areal.workflow.openai_client import ArealOpenAI, EngineFailure
 
@@ -134,6 +134,22 @@ def test_n_choices_are_sampled_and_recorded_separately(tiny_tokenizer, scripted)
     assert {r.gconfig.max_new_tokens for r in engine.requests} == {8}
 
 
+def test_rewards_the_agent_gives_single_calls_are_discounted_into_the_trajectory(tiny_tokenizer, scripted):
+    async def shaped(client, item) -> float:
+        first = await client.chat.completions.create(messages=item["messages"], tools=TOOLS)
+        client.set_reward(first.id, 0.5)  # a bonus for calling the tool
+        messages = [*item["messages"], first.choices[0].message, {"role": "tool", "tool_call_id": "x", "content": "84"}]
+        await client.chat.completions.create(messages=messages, tools=TOOLS)
+        return 1.0
+
+    wf = AgentWorkflow(AgentConfig(gamma=0.5), G, tiny_tokenizer, agent=shaped)
+    (t,) = asyncio.run(wf.arun_episode(scripted([CALL, "84"]), ITEM))
+    assert t.reward == 0.5 + 0.5 * 1.0  # G0 = r0 + gamma * G1, G1 = the episode reward
+    client = ArealOpenAI(scripted(["1"]), tiny_tokenizer, G)
+    with pytest.raises(ValueError, match="set_reward: 'nope' is not a completion"):
+        client.set_reward("nope", 1.0)
+
+
 def test_workflow_drops_a_group_whose_episode_raised_and_counts_it(tiny_tokenizer, scripted):
     async def flaky(client, item) -> float:
         await client.chat.completions.create(messages=item["messages"])
@@ -164,6 +180,17 @@ def test_an_engine_failure_under_the_agent_stops_the_run_even_if_the_agent_catch
     with pytest.raises(EngineFailure, match="inference engine failed"):
         asyncio.run(wf.arun_episode(engine, ITEM))
     assert wf.stats()["agent/episodes_failed"] == 0
+
+
+def test_a_broken_agent_stops_the_run_once_most_recent_episodes_failed(tiny_tokenizer, scripted):
+    async def broken(client, item) -> float:
+        raise AttributeError("typo in the agent")
+
+    wf = AgentWorkflow(AgentConfig(max_failure_fraction=0.5), G, tiny_tokenizer, agent=broken)
+    for _ in range(WINDOW - 1):  # below a full window: counted and dropped, the run goes on
+        assert asyncio.run(wf.arun_episode(scripted([]), ITEM)) is None
+    with pytest.raises(AgentFailureRate, match="64 of the last 64 agent episodes raised.*typo"):
+        asyncio.run(wf.arun_episode(scripted([]), ITEM))
 
 
 def test_per_call_trajectories_with_groups_of_several_samples_are_refused(tiny_tokenizer):

@@ -121,8 +121,9 @@ class AgentConfig:
     )
     on_template_mismatch: Literal["error", "per_call"] = param(
         "error", help="concat when a call's prompt does not start with the previous call's prompt + "
-        "completion (the chat template is not append-only): error fails the episode (counted, "
-        "dropped); per_call falls back to per-call trajectories (needs gconfig.n_samples=1)."
+        "completion (a template that rewrites earlier turns, an agent that edits them): error fails "
+        "the episode (counted, dropped); per_call falls back to per-call trajectories (needs "
+        "gconfig.n_samples=1)."
     )
     gamma: float = param(
         1.0, ge=0, le=1, help="Discount of rewards back over an episode's calls: call k gets "
