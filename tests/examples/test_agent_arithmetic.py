@@ -9,10 +9,35 @@ import pytest
 from conftest import GRPO_SCRIPT, REPO
 from launch_harness import assert_finite, train_steps
 
-pytestmark = pytest.mark.slow
 AGENT_YAML = REPO / "examples" / "agent_arithmetic.yaml"
 
 
+def test_calculator_tool_evaluates_integer_expressions_and_reports_bad_calls():
+    from examples.agent_arithmetic import calculator, score
+
+    assert calculator('{"expression": "12 * (3 + 4) - 5"}') == "79"
+    assert calculator('{"expression": "__import__(\'os\')"}').startswith("error:")
+    assert calculator('{"expr": "1"}').startswith("error:")  # wrong argument name
+    assert (score("It is 84.", "84"), score("84 or 85", "84"), score(None, "84")) == (1.0, 0.0, 0.0)
+
+
+def test_sft_conversations_render_the_prompt_the_agent_sends(tiny_tokenizer):
+    from areal.dataset.chat import sft_tokens
+    from examples.agent_arithmetic import TOOLS, sft_conversations
+
+    (row,) = sft_conversations(tiny_tokenizer, 1)
+    system, user = row["messages"][:2]
+    sft_prompt = tiny_tokenizer.apply_chat_template([system, user], add_generation_prompt=True, tokenize=False)
+    agent_prompt = tiny_tokenizer.apply_chat_template([user], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert sft_prompt == agent_prompt
+    ids, mask = sft_tokens(tiny_tokenizer, row["messages"])
+    trained = tiny_tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    expression = user["content"].split(" = ?")[0]
+    assert trained.startswith('<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}' % expression)
+    assert trained.endswith(row["messages"][-1]["content"] + "<|im_end|>\n")
+
+
+@pytest.mark.slow
 def test_agent_example_trains_through_the_grpo_script(launcher, tiny_model_dir):
     run_dir = launcher.run("agent", GRPO_SCRIPT, AGENT_YAML, [
         f"actor.path={tiny_model_dir}", "total_train_steps=2", "train_dataset.batch_size=2",
