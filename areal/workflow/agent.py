@@ -75,7 +75,8 @@ class AgentWorkflow(RolloutWorkflow):
     def stats(self) -> dict[str, float]:
         """Counters since the start, for the step's log (``agent/...``)."""
         out = {f"agent/{k}": float(v) for k, v in self.counts.items()}
-        out["agent/calls_per_episode"] = self.counts["calls"] / max(1, self.counts["episodes"])
+        done = self.counts["episodes"] - self.counts["episodes_failed"]
+        out["agent/calls_per_episode"] = self.counts["calls"] / max(1, done)  # of the episodes kept
         return out
 
     async def _episode(self, engine: InferenceEngine, item: dict, group_id: str, index: int) -> list[Trajectory]:

@@ -164,7 +164,7 @@ def test_workflow_drops_a_group_whose_episode_raised_and_counts_it(tiny_tokenize
     assert asyncio.run(wf.arun_episode(engine, {**ITEM, "id": "bad"})) is None
     stats = wf.stats()
     assert stats["agent/episodes"] == 4 and stats["agent/episodes_failed"] == 2
-    assert stats["agent/groups_dropped"] == 1 and stats["agent/calls_per_episode"] == 0.5
+    assert stats["agent/groups_dropped"] == 1 and stats["agent/calls_per_episode"] == 1.0  # of the 2 kept
 
 
 def test_an_engine_failure_under_the_agent_stops_the_run_even_if_the_agent_catches_it(tiny_tokenizer, scripted):
