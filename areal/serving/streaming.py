@@ -1,6 +1,7 @@
 """OpenAI streaming (``stream: true``) for /v1/completions and /v1/chat/completions: server-sent
 events, one ``data: {chunk}`` per piece of new text of each choice, a last chunk per choice with
-its ``finish_reason``, a usage chunk with ``stream_options.include_usage``, then
+its ``finish_reason``, a usage chunk with ``stream_options.include_usage`` (as OpenAI documents:
+``choices`` empty; every other chunk then carries ``"usage": null``), then
 ``data: [DONE]``.
 
 Tokens reach the handler as the generator makes them (``on_token``). Text is sent as it decodes,
@@ -61,8 +62,10 @@ class _Stream:
     """The state of one streamed request: per choice the tokens so far, the text sent, the
     result once it finished."""
 
-    def __init__(self, resp: web.StreamResponse, kind: str, model: str, jobs: list[Job], decode: Callable):
+    def __init__(self, resp: web.StreamResponse, kind: str, model: str, jobs: list[Job], decode: Callable,
+                 include_usage: bool):
         self.resp, self.kind, self.model, self.jobs, self.decode = resp, kind, model, jobs, decode
+        self.include_usage = include_usage
         self.ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         # a chat answer that may hold tool calls is sent whole at its end (a call is known once
         # its block closes)
@@ -72,6 +75,8 @@ class _Stream:
         self.results: list[GenerationResult | None] = [None] * len(jobs)
 
     async def send(self, obj: Any) -> None:
+        if self.include_usage and "choices" in obj:
+            obj.setdefault("usage", None)
         await self.resp.write(f"data: {json.dumps(obj)}\n\n".encode())
 
     def chunk(self, i: int, text: str, finish: str | None, role: bool = False) -> dict:
@@ -107,7 +112,7 @@ async def stream(request: web.Request, kind: str, model: str, jobs: list[Job],
     futures = [asyncio.wrap_future(f) for f in submit(callbacks)]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    st = _Stream(resp, kind, model, jobs, decode)
+    st = _Stream(resp, kind, model, jobs, decode, include_usage)
     try:
         if kind == "chat":
             for i in range(len(jobs)):

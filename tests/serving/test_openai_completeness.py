@@ -317,3 +317,32 @@ def test_a_forced_call_is_parsed_through_the_openai_client(tiny_model_dir, monke
     streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [(name, '{"a": 4, "b": 5}')]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_n_stop_seed_and_usage_through_the_openai_client(server):
+    """OpenAI's documented behaviour of n, stop, seed and usage (list prompts, include_usage)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    model, messages = _model(server), [{"role": "user", "content": "hi"}]
+    sampled = {"model": model, "messages": messages, "max_tokens": 8, "temperature": 1.0, "n": 3}
+    a = client.chat.completions.create(**sampled, seed=5)
+    b = client.chat.completions.create(**sampled, seed=5)
+    texts = [c.message.content for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2] and texts == [c.message.content for c in b.choices]
+    assert len(set(texts)) == 3  # one seed, n different samples
+    assert a.usage.completion_tokens == 3 * 8 and a.usage.prompt_tokens == b.usage.prompt_tokens  # prompt once
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=messages, seed=2**64)
+    assert e.value.body["param"] == "seed"
+    # stop: the answer ends before the stop string, finish_reason "stop", streamed or not
+    whole = client.completions.create(model=model, prompt="ab", max_tokens=10, temperature=0).choices[0].text
+    stop = whole[3:5]
+    cut = client.completions.create(model=model, prompt="ab", max_tokens=10, temperature=0, stop=[stop, "zz"])
+    assert cut.choices[0].text == whole[:whole.find(stop)] and cut.choices[0].finish_reason == "stop"
+    # list prompts x n: each prompt counted once in usage, streamed usage equal to the plain one
+    kwargs = {"model": model, "prompt": ["ab", "cde"], "max_tokens": 3, "n": 2, "temperature": 0}
+    plain = client.completions.create(**kwargs)
+    assert [c.index for c in plain.choices] == [0, 1, 2, 3] and plain.usage.prompt_tokens == 5
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    assert all(c.usage is None for c in chunks[:-1]) and "usage" in chunks[0].model_dump(exclude_unset=True)
