@@ -131,7 +131,7 @@ def render_prompt(tokenizer: Any, messages: list[dict], tools: list[dict] | None
     assistant turn this client generated (``generated``: signature -> call).
 
     Such a turn is rendered as a placeholder, then replaced by the call's completion ids (whose
-    EOS stands for the template's end-of-turn token right after it). The result equals the plain
+    stop token stands for the template's end-of-turn token right after it). The result equals the plain
     rendering whenever the model's answer re-encodes to the same tokens, and otherwise keeps what
     the model generated (invalid UTF-8 bytes, special tokens, tool-call JSON spaced its own way)
     instead of a re-encoding of the decoded text, so an append-only template gives each call a
@@ -157,12 +157,15 @@ def render_prompt(tokenizer: Any, messages: list[dict], tools: list[dict] | None
 def _splice(tokenizer: Any, text: str, marks: list[str], turns: list[Call]) -> list[int]:
     """Token ids of ``text`` with each placeholder replaced by its call's completion ids."""
     ids: list[int] = []
-    eos_text, rest = tokenizer.eos_token or "", text
+    rest = text
     for mark, call in zip(marks, turns):
         head, rest = rest.split(mark, 1)
         ids += encode(tokenizer, head) + call.completion_ids
-        if call.completion_ids[-1:] == [tokenizer.eos_token_id] and eos_text and rest.startswith(eos_text):
-            rest = rest[len(eos_text):]  # the generated EOS is the template's end of turn
+        # a call that stopped on its stop token (EOS, <|im_end|>, ...) already holds the template's
+        # end-of-turn token, which the template writes right after the content
+        end = tokenizer.decode(call.completion_ids[-1:]) if call.stop_reason == "stop" else ""
+        if end and rest.startswith(end):
+            rest = rest[len(end):]
     return ids + encode(tokenizer, rest)
 
 
