@@ -4,12 +4,14 @@ openai-client agent's episodes train, eval runs the agent, and the agent counter
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from conftest import GRPO_SCRIPT, REPO
-from launch_harness import assert_finite, train_steps
+from launch_harness import assert_finite, train_steps  # on sys.path by tests/examples/conftest.py
 
-AGENT_YAML = REPO / "examples" / "agent_arithmetic.yaml"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+GRPO_SCRIPT, AGENT_YAML = EXAMPLES / "gsm8k_grpo.py", EXAMPLES / "agent_arithmetic.yaml"
 
 
 def test_calculator_tool_evaluates_integer_expressions_and_reports_bad_calls():
