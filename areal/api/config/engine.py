@@ -3,10 +3,36 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Iterator, Literal
 
 from areal.api.config.loader import param
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters (``peft``): ``W + (alpha / rank) * B @ A`` on the target linears, the
+    base frozen; only the adapters (and a value/score head) train. docs/algorithms.md#lora."""
+
+    rank: int = param(0, ge=0, help="Adapter rank r; 0 = LoRA off (full fine-tuning).")
+    alpha: float = param(16.0, gt=0, help="Scale numerator: the update is (alpha / rank) * B @ A.")
+    dropout: float = param(0.0, ge=0, lt=1, help="Dropout on the adapter's input (training only).")
+    target_modules: list[str] = param(
+        ["all-linear"], help="Linear layers that get adapters: module-name suffixes (q_proj, "
+        "v_proj, ...) or ['all-linear'] (every linear of the decoder; never lm_head or a value head)."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether adapters are trained instead of the whole model."""
+        return self.rank > 0
+
+    def check(self) -> Iterator[str]:
+        if self.enabled and not self.target_modules:
+            yield "target_modules: empty with rank > 0; name the linears (e.g. [q_proj, v_proj]) or [all-linear]"
+        if "all-linear" in self.target_modules and len(self.target_modules) > 1:
+            yield (f"target_modules: {self.target_modules} mixes all-linear with names; give "
+                   "['all-linear'] alone or only module names")
 
 
 @dataclass(frozen=True)
@@ -42,4 +68,8 @@ class TrainEngineConfig:
     )
     mb_spec: MicroBatchSpec = param(factory=MicroBatchSpec, help="Micro-batch split.")
     optimizer: OptimizerConfig = param(factory=OptimizerConfig, help="Optimizer and schedule.")
+    lora: LoRAConfig = param(
+        factory=LoRAConfig, help="LoRA adapters instead of full fine-tuning (rank > 0 turns it on); "
+        "a value/score head stays fully trainable."
+    )
 
