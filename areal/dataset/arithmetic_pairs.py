@@ -1,8 +1,9 @@
 """Preference pairs sampled from a model on the arithmetic task: the offline data of the DPO demo.
 
 For every problem of a split (:mod:`areal.dataset.arithmetic`) the model samples ``n_samples``
-answers (``transformers`` ``generate``, plain temperature sampling, no top-k/top-p: the
-distribution our generation server samples from); the math reward grades each. A problem with
+answers (the HF model with its KV cache, each prompt prefilled once; plain temperature
+sampling, no top-k/top-p: the distribution our generation server samples from); :func:`is_right` grades each as the math
+reward does, an answer that is no plain number being wrong. A problem with
 at least one right and one wrong answer gives up to ``pairs_per_prompt`` pairs (a right answer
 chosen over a wrong one, distinct answers, drawn with the seed); problems the model always or
 never solves give none. The pairs are written in the preference JSONL format of
@@ -27,7 +28,7 @@ from areal.api.config.data import ArithmeticConfig
 from areal.api.config.loader import param
 from areal.dataset.arithmetic import INSTRUCTION, make_arithmetic
 from areal.dataset.chat import prompt_ids
-from areal.reward.math import math_reward
+from areal.reward.math import extract_answer, to_number
 
 
 def _demo_task() -> ArithmeticConfig:
@@ -63,31 +64,61 @@ class ArithmeticPairsConfig:
 def sample_answers(model: Any, tokenizer: Any, items: list[dict[str, Any]], cfg: ArithmeticPairsConfig,
                    ) -> list[list[str]]:  # fmt: skip
     """``cfg.n_samples`` decoded answers per item (up to the end-of-turn token)."""
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     answers: list[list[str]] = []
     for start in range(0, len(items), cfg.batch_size):
         prompts = [prompt_ids(tokenizer, it["messages"]) for it in items[start:start + cfg.batch_size]]
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, P] left-padded
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids, attention_mask=mask, do_sample=True, temperature=cfg.temperature,
-                top_k=0, top_p=1.0, max_new_tokens=cfg.max_new_tokens, num_return_sequences=cfg.n_samples,
-                eos_token_id=eos, pad_token_id=pad,
-            )[:, width:]  # [B * n, <= max_new_tokens]
-        texts = []
-        for row in out.tolist():
-            row = row[: row.index(eos)] if eos in row else row
-            texts.append(tokenizer.decode(row, skip_special_tokens=True))
+        rows = _sample(model, prompts, cfg.n_samples, cfg.temperature, cfg.max_new_tokens, tokenizer.eos_token_id,
+                       tokenizer.pad_token_id)
+        texts = [tokenizer.decode(row, skip_special_tokens=True) for row in rows]
         answers += [texts[k:k + cfg.n_samples] for k in range(0, len(texts), cfg.n_samples)]
     return answers
+
+
+@torch.no_grad()
+def _sample(model: Any, prompts: list[list[int]], n: int, temperature: float, max_new_tokens: int, eos: int,
+            pad: int) -> list[list[int]]:  # fmt: skip
+    """``n`` sampled continuations per prompt (without the end-of-turn token), prompt-major.
+
+    Each prompt is prefilled once and its KV cache repeated ``n`` times (``generate``'s
+    ``num_return_sequences`` would prefill every copy); left padding, positions from the mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, P] left-padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, P]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(n)
+    logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # [B*n, V]
+    mask = mask.repeat_interleave(n, 0)  # [B*n, P]
+    tokens, done = [], torch.zeros(len(mask), dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        tok = torch.multinomial(torch.softmax(logits / temperature, -1), 1)[:, 0]  # [B*n]
+        tok = torch.where(done, torch.full_like(tok, eos), tok)
+        tokens.append(tok)
+        done |= tok == eos
+        if bool(done.all()):
+            break
+        positions = mask.sum(-1, keepdim=True)  # [B*n, 1] next position of each row
+        mask = torch.cat([mask, torch.ones_like(positions)], -1)
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True)
+        logits = out.logits[:, -1].float()
+    rows = torch.stack(tokens, 1).tolist()  # [B*n, <= max_new_tokens]
+    return [row[: row.index(eos)] if eos in row else row for row in rows]
+
+
+def is_right(answer: str, reference: str) -> bool:
+    """Whether a sampled answer's number equals the integer reference: the math reward's
+    answer extraction and exact comparison, where an answer that is no plain number is wrong
+    (the prompt asks for the number only), so no answer costs a math-verify call."""
+    extracted = extract_answer(answer)
+    number = to_number(extracted) if extracted is not None else None
+    return number is not None and number == int(reference)
 
 
 def make_pairs(item: dict[str, Any], answers: list[str], pairs_per_prompt: int,
                rng: random.Random) -> list[dict[str, Any]]:  # fmt: skip
     """Up to ``pairs_per_prompt`` (right chosen, wrong rejected) rows from one item's answers."""
-    right = sorted({a for a in answers if math_reward(a, item["reference"]) == 1.0})
+    right = sorted({a for a in answers if is_right(a, item["reference"])})
     wrong = sorted({a for a in answers if a not in right})
     if not right or not wrong:
         return []
@@ -107,7 +138,7 @@ def build_pairs(cfg: ArithmeticPairsConfig, split: str, model: Any, tokenizer: A
     rng = random.Random(f"areal-pairs-{cfg.seed}-{split}")
     rows, n_right, n_paired = [], 0, 0
     for item, group in zip(items, answers):
-        n_right += sum(math_reward(a, item["reference"]) for a in group)
+        n_right += sum(is_right(a, item["reference"]) for a in group)
         pairs = make_pairs(item, group, cfg.pairs_per_prompt, rng)
         n_paired += bool(pairs)
         rows += pairs

@@ -120,33 +120,37 @@ def test_pairs_put_a_right_answer_over_a_wrong_one():
     assert make_pairs(item, ["4", "7"], 2, random.Random(0)) == []  # never right
 
 
-class _HalfRight:
-    """Stands in for a model: of each prompt's samples, the first half answer right."""
-
-    def __init__(self, tokenizer, answers: list[str]):
-        self.tok, self.answers = tokenizer, answers
-
-    def generate(self, input_ids, num_return_sequences, max_new_tokens, **_):
-        rows = []
-        for k in range(len(input_ids)):
-            right = self.answers.pop(0)
-            for s in range(num_return_sequences):
-                text = right if s < num_return_sequences // 2 else str(int(right) + 1 + s)
-                rows.append(self.tok.encode(text)[:max_new_tokens] + [self.tok.eos_token_id])
-        width = max(map(len, rows))
-        out = [r + [self.tok.pad_token_id] * (width - len(r)) for r in rows]
-        return torch.cat([input_ids.repeat_interleave(num_return_sequences, 0), torch.tensor(out)], 1)
-
-
-def test_build_pairs_grades_samples_and_reports_sampled_accuracy(tiny_tokenizer):
-    cfg = ArithmeticPairsConfig(model="unused", out="unused", n_samples=4, pairs_per_prompt=1, batch_size=3,
-                                arithmetic=ArithmeticConfig(min_digits=2, max_digits=2, operators="+",
-                                                            n_train=7, n_test=2))
+def test_build_pairs_grades_samples_and_reports_sampled_accuracy(tiny_tokenizer, monkeypatch):
+    from areal.dataset import arithmetic_pairs
     from areal.dataset.arithmetic import make_arithmetic
 
+    cfg = ArithmeticPairsConfig(model="unused", out="unused", n_samples=4, pairs_per_prompt=1,
+                                arithmetic=ArithmeticConfig(min_digits=2, max_digits=2, operators="+",
+                                                            n_train=7, n_test=2))
     references = [it["reference"] for it in make_arithmetic(cfg.arithmetic, "train", cfg.seed)]
-    rows, stats = build_pairs(cfg, "train", _HalfRight(tiny_tokenizer, list(references)), tiny_tokenizer)
+    # of each problem's 4 samples, two answer right (one in words), two wrong, one not a number
+    fake = [[r, f"The answer is {r}.", str(int(r) + 1), "abc"] for r in references]
+    monkeypatch.setattr(arithmetic_pairs, "sample_answers", lambda model, tok, items, c: fake[:len(items)])
+    rows, stats = build_pairs(cfg, "train", None, tiny_tokenizer)
     assert stats == {"problems": 7, "sample_accuracy": 0.5, "problems_with_pairs": 7, "pairs": 7}
-    assert [r["chosen"] for r in rows] == references
-    assert all(int(r["rejected"]) != int(r["reference"]) for r in rows)
+    assert all(r["chosen"] in (r["reference"], f"The answer is {r['reference']}.") for r in rows)
+    assert all(r["rejected"] in (str(int(r["reference"]) + 1), "abc") for r in rows)
     assert all(r["messages"][0]["content"].endswith("Answer with the number only.") for r in rows)
+
+
+def test_sampler_at_near_zero_temperature_equals_hf_greedy_generate(tiny_model_dir, tiny_tokenizer):
+    """The sampler prefills each prompt once and repeats its KV cache per sample; with left
+    padding of prompts of different lengths it must continue exactly as generate() does."""
+    from transformers import AutoModelForCausalLM
+
+    from areal.dataset.arithmetic_pairs import _sample
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tok = tiny_tokenizer
+    prompts = [tok.encode(text) for text in ("1 + 2 = ?", "12 + 34 = ? Answer", "7")]
+    rows = _sample(model, prompts, 2, 1e-6, 5, tok.eos_token_id, tok.pad_token_id)
+    for k, p in enumerate(prompts):
+        greedy = model.generate(input_ids=torch.tensor([p]), do_sample=False, max_new_tokens=5,
+                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        greedy = greedy[: greedy.index(tok.eos_token_id)] if tok.eos_token_id in greedy else greedy
+        assert rows[2 * k] == rows[2 * k + 1] == greedy, (k, rows[2 * k], greedy)
