@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER,
                    help="--config YAML and key=value overrides: CoreGraphConfig fields "
                    "(areal/core/graphs.py) for graph, CoreSFTConfig fields (areal/core/sft.py) for sft, "
-                   "CoreGRPOConfig fields (areal/core/sync_ppo.py) for sync-ppo")
+                   "CoreGRPOConfig fields (areal/core/config.py) for sync-ppo")
     p.set_defaults(func=_core)
     return parser
 

@@ -13,7 +13,8 @@ keep the graph's order (the actor's proximal logp before its update). Independen
 once on their workers. Dispatching an MFC splits the step's samples over its model's
 data-parallel ranks by token count, keeping groups whole
 (:func:`areal.utils.batch.balance_across_ranks`), and sends each rank an
-:class:`~areal.core.worker.MFCRequest` naming where each input key of its samples lives; the
+:class:`~areal.core.worker.MFCRequest` naming where each input key of its samples lives (every
+tensor-parallel worker of a dp rank gets the rank's share; the first one's outputs are kept); the
 workers move the tensors among themselves. When an MFC finishes, its outputs are recorded where
 they were computed, and every key whose last reader has run is released on its worker.
 
@@ -60,7 +61,7 @@ def split_by_tokens(seqlens: list[int], n_ranks: int, group_size: int) -> list[l
 @dataclass
 class _Running:
     mfc: MFC
-    shares: list[tuple[int, list[int]]]  # (worker index, sample ids), one per dp rank
+    shares: list[tuple[int, list[int]]]  # (worker index, sample ids), one per worker of the mesh
     futures: list[Future[MFCReply]]
     hooks: list[tuple[str, int, Future]]  # (what, worker index, its future)
     start: float  # time.monotonic()
@@ -192,10 +193,11 @@ class Master:
         if mfc.fn is ModelFn.GENERATE:  # no lengths yet: whole groups, near-equal counts
             groups = [ids[i:i + self.group_size] for i in range(0, len(ids), self.group_size)]
             shares = [(w, [s for g in groups[r::alloc.dp] for s in g]) for r, w in enumerate(alloc.workers)]
-        else:
+        else:  # each dp rank's share goes to every tp worker of that rank (workers are dp-major)
             seqlens = [self.buffer.meta(sid).seqlen for sid in ids]
             parts = split_by_tokens(seqlens, alloc.dp, self.group_size)
-            shares = [(w, [ids[i] for i in part]) for w, part in zip(alloc.workers, parts)]
+            shares = [(alloc.workers[d * alloc.tp + t], [ids[i] for i in part])
+                      for d, part in enumerate(parts) for t in range(alloc.tp)]
         futures = []
         for worker, sids in shares:  # every rank of the mesh gets it before any later MFC
             sources: dict[str, dict[int, list[int]]] = {}
@@ -254,8 +256,13 @@ class Master:
             self._admit_generated(run, replies)
         if run.mfc.fn in TRAINING_FNS:
             self.versions[run.mfc.model] += 1
+        tp = self.graph.allocations[run.mfc.model].tp
+        heads = [(share, reply) for i, (share, reply) in enumerate(zip(run.shares, replies)) if i % tp == 0]
+        for i, ((worker, sids), reply) in enumerate(zip(run.shares, replies)):
+            if i % tp:  # a tp rank's copy of its dp rank's outputs: the first tp rank's is kept
+                self.workers[worker].free([(k, sid) for sid in sids for k in reply.outputs])
         all_ids = []
-        for (worker, sids), reply in zip(run.shares, replies):
+        for (worker, sids), reply in heads:
             if run.mfc.fn is not ModelFn.GENERATE:  # generated keys were placed on admission
                 self.buffer.add_keys(sids, reply.outputs, worker)
             all_ids += sids
@@ -264,6 +271,6 @@ class Master:
             released[worker].append((key, sid))
         for worker, items in released.items():
             self.workers[worker].free(items)
-        return {**replies[0].stats, "n_tokens": float(sum(r.n_tokens for r in replies)),
+        return {**replies[0].stats, "n_tokens": float(sum(r.n_tokens for _, r in heads)),
                 "wall_time": time.monotonic() - run.start,
                 "compute_time": max(r.compute_time for r in replies)}

@@ -123,6 +123,7 @@ class WorkerActor:
                 mesh = DeviceMesh("cpu", torch.tensor(a.workers), mesh_dim_names=("dp",))
             else:  # dp-major: workers[d * tp + t] is dp rank d, tp rank t
                 mesh = DeviceMesh("cpu", torch.tensor(a.workers).reshape(a.dp, a.tp), mesh_dim_names=("dp", "tp"))
+                mesh._flatten("dp_tp")  # its whole-mesh group (engines' checkpoints), made by every worker
             if self.index in a.workers:
                 meshes[a.model] = mesh
         engines = {model: build_engine(specs[model], mesh) for model, mesh in meshes.items()}
@@ -168,6 +169,16 @@ class WorkerActor:
 
     def free(self, items: list[tuple[str, int]]) -> None:
         self.inner.free(items)
+
+    def collective_counts(self) -> dict[tuple[int, ...], int]:
+        """Collectives issued so far on each process group this worker belongs to, keyed by the
+        group's global ranks (c10d's per-group sequence number; functional collectives count
+        too). Which groups a step advanced shows which workers its collectives spanned."""
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _world
+
+        return {tuple(dist.get_process_group_ranks(pg)): pg._get_sequence_number_for_group()
+                for pg in _world.pg_map}
 
     def full_state_dict(self, model: ModelName) -> dict[str, torch.Tensor]:
         """The model's full weights (on its mesh's first rank; {} elsewhere). Collective."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import zlib
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,6 +41,14 @@ class Scorer(Protocol):
 def prompt_kwargs(reward: Scorer, prompt_text: str) -> dict[str, str]:
     """``{"prompt": text}`` for a reward function that takes the prompt, else ``{}``."""
     return {"prompt": prompt_text} if getattr(reward, "wants_prompt", False) else {}
+
+
+def sample_seed(seed: int | None, prompt_id: Any, k: int, version: int) -> int | None:
+    """Sample ``k`` of prompt ``prompt_id`` at weight ``version``: its own sampling seed
+    (``gconfig.seed``; None keeps the server's shared generator)."""
+    if seed is None:
+        return None
+    return seed + zlib.crc32(f"{prompt_id}/{k}/{version}".encode())
 
 
 def rollout_status(response: ModelResponse, reward: RewardOutcome) -> RolloutStatus:
@@ -115,9 +124,11 @@ class RLVRWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> list[Trajectory]:
         """Generate ``n_samples`` completions concurrently, score them, return the group."""
         ids = item_prompt_ids(item, self.tokenizer)
+        version = engine.get_version()
         requests = [
             ModelRequest(input_ids=ids, gconfig=self.gconfig, group_id=item["id"],
-                         metadata={"sample_id": f"{item['id']}/{k}"})  # fmt: skip
+                         metadata={"sample_id": f"{item['id']}/{k}"},
+                         seed=sample_seed(self.gconfig.seed, item["id"], k, version))  # fmt: skip
             for k in range(self.n_samples)
         ]
         responses = await asyncio.gather(*(engine.agenerate(r) for r in requests))

@@ -71,7 +71,15 @@ def core_step(ray, path: str, allocs: list[Allocation], batch):
     try:
         master = Master(graph, workers, group_size=GROUP, mfc_timeout=300)
         master.put_batch(batch)
+        before = ray.get([w.handle.collective_counts.remote() for w in workers], timeout=60)
         stats = master.step(batch.n_seqs)
+        after = ray.get([w.handle.collective_counts.remote() for w in workers], timeout=60)
+        for w, (was, now) in enumerate(zip(before, after)):  # no collective crossed a sub-mesh
+            meshes = [set(a.workers) for a in allocs if w in a.workers]
+            used = [ranks for ranks, n in now.items() if n != was.get(ranks, 0)]
+            assert used, f"worker {w} ran no collective"
+            crossing = [r for r in used if not any(set(r) <= m for m in meshes)]
+            assert not crossing, f"worker {w}'s collectives spanned {crossing}, beyond its models' meshes {meshes}"
         got = {}
         for m in (ACTOR, CRITIC):  # collective over the model's ranks; its first rank has the weights
             ranks = graph.allocations[m].workers
@@ -108,7 +116,8 @@ def test_models_on_disjoint_sub_meshes_run_at_once_without_crossing(ray_driver, 
     # ref alone on one worker and critic alone on another run their calls at the same time; a
     # collective of either on a group wider than its own sub-mesh would pair with the other's
     # different call (or wait for a worker that makes none) and hang or corrupt, and the result
-    # would not equal Lite's.
+    # would not equal Lite's. core_step also checks each worker's process groups: the only ones
+    # whose collective count moved during the step lie inside the meshes of its own models.
     check_equal(*core_step(ray_driver, tiny_model_dir, allocs, lite_step[0]), lite_step)
 
 

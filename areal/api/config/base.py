@@ -75,6 +75,10 @@ class GenerationHyperparameters:
     stop_token_ids: list[int] = param([], help="Token ids that end a completion besides EOS.")
     stop: list[str] = param([], help="Strings that end a completion (the string is kept).")
     ignore_eos: bool = param(False, help="Keep generating past EOS up to max_new_tokens.")
+    seed: int | None = param(
+        None, ge=0, le=2**62, help="Reproducible rollouts (RLVR workflow): sample k of a prompt draws "
+        "from its own generator seeded by this, the prompt id, k and the weight version, whatever "
+        "else the server batches; null: the server's shared generator.")
 
     def check(self) -> Iterator[str]:
         if self.min_new_tokens > self.max_new_tokens:

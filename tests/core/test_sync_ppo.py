@@ -1,0 +1,124 @@
+"""Tier 2: Core sync PPO end to end (``areal core sync-ppo``'s script under the real local
+launcher, a real generation server, the tiny model).
+
+- Core's first step on 2 Ray model workers (actor dp=2) + the generation worker equals Lite's
+  sync GRPO first step (``examples/gsm8k_grpo.py``, ``rollout.max_staleness=0``) with the same
+  seed and config: the same rollouts (``gconfig.seed``: seeded per sample), the same loss and
+  gradient norm, the same updated weights (1e-5).
+- In process: stats per MFC, the actor's weights pushed to the server before each generation
+  (the step-2 rollouts are version 1), and a resume from the recover checkpoint continues with
+  the version it saved.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launcher"))  # launch_harness
+
+from launch_harness import REPO, start_launch, train_steps  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = REPO / "areal" / "core" / "sync_ppo.py"
+LITE = REPO / "examples" / "gsm8k_grpo.py"
+YAML = REPO / "examples" / "arithmetic_grpo.yaml"
+HERE = Path(__file__).resolve().parent
+SYNC = [  # 2 prompts x 4 samples x 4 tokens, on-policy, seeded samples, a reward that varies
+    "actor.dynamic_sampling=false", "train_dataset.batch_size=2", "gconfig.n_samples=4",
+    "gconfig.max_new_tokens=4", "eval_gconfig.max_new_tokens=4", "rollout.max_concurrent_rollouts=4",
+    "rollout.max_staleness=0", "gconfig.seed=11", "seed=5", "valid_dataset=null",
+    "reward_fn=sync_rewards:length_reward", "reward.timeout=300",
+    # Adam's first step is lr * g / (|g| + eps): with eps=1 it is smooth in g, so summing the
+    # gradient in another order (dp=2) moves the weights by ~1e-9, not by lr
+    "actor.optimizer.lr=1e-2", "actor.optimizer.eps=1.0",
+]  # fmt: skip
+ENV = {"PYTHONPATH": str(HERE)}  # sync_rewards, for the trainer and the reward workers
+
+
+def weights(run_dir: Path, step: int) -> dict:
+    return load_file(str(run_dir / "checkpoints" / "actor" / f"step{step}" / "model.safetensors"))
+
+
+RUN_TIMEOUT = 300.0  # seconds; a run takes ~20-60 s on a quiet 2-core machine
+
+
+class Runs:
+    """Launches under one root; :meth:`cleanup` kills whatever any of them left."""
+
+    def __init__(self, root: Path):
+        self.root, self.launches = root, []
+
+    def run(self, name: str, script: Path, overrides: list[str]) -> Path:
+        """Run ``script`` to the end as experiment ``name``; assert exit 0 and no survivors."""
+        launch = start_launch(script, YAML, [f"experiment_name={name}", "trial_name=t", *overrides],
+                              self.root, env=ENV)
+        self.launches.append(launch)
+        code = launch.wait(RUN_TIMEOUT)
+        run_dir = self.root / name / "t"
+        log = run_dir / "logs" / "trainer.log"
+        tail = log.read_text(errors="replace")[-3000:] if log.is_file() else ""
+        assert code == 0, f"{name} exited with {code}:\n{launch.output()}\n{tail}"
+        launch.assert_no_survivors()
+        return run_dir
+
+    def cleanup(self) -> None:
+        for launch in self.launches:
+            launch.cleanup()
+
+
+@pytest.fixture
+def runs(tmp_path):
+    made = Runs(tmp_path)
+    yield made
+    made.cleanup()
+
+
+def test_core_sync_ppo_first_step_on_ray_equals_lite_sync_grpo(runs, tiny_model_dir, ray_head):
+    common = [f"actor.path={tiny_model_dir}", *SYNC, "total_train_steps=1"]
+    lite = runs.run("lite", LITE, common)
+    core = runs.run("core", SCRIPT, [*common, "core.backend=ray", "core.n_workers=2",
+                                     f"core.ray_address={ray_head.address}"])
+    lite_stats, core_stats = train_steps(lite)[1], train_steps(core)[1]
+    assert core_stats["mfc/actor_train/n_tokens"] == lite_stats["perf/n_tokens"]  # the same rollouts
+    for key in ("reward/mean", "perf/n_tokens", "perf/n_trained_tokens"):
+        assert core_stats[key] == lite_stats[key], key
+    assert lite_stats["loss/grad_norm"] > 0  # the step did something to compare
+    for key in ("loss/loss", "loss/grad_norm", "loss/entropy"):  # dp=2 sums in another order
+        assert core_stats[key] == pytest.approx(lite_stats[key], rel=1e-5, abs=1e-6), key
+    start = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    lite_w, core_w = weights(lite, 1), weights(core, 1)
+    assert max(float((lite_w[k] - start[k]).abs().max()) for k in start) > 1e-6
+    gap = max(float((lite_w[k] - core_w[k]).abs().max()) for k in lite_w)
+    assert gap < 1e-5, f"Core's step-1 weights differ from Lite's by {gap}"
+
+
+def test_core_sync_ppo_pushes_weights_each_step_and_resumes_with_its_version(runs, tiny_model_dir):
+    common = [f"actor.path={tiny_model_dir}", *SYNC, "recover.mode=auto", "recover.freq_steps=1"]
+    first = runs.run("resume", SCRIPT, [*common, "total_train_steps=2"])
+    steps = train_steps(first)
+    assert steps[1]["staleness/version_share/0"] == 1.0 and steps[2]["staleness/version_share/1"] == 1.0
+    for name in ("actor_gen", "actor_adv", "actor_train"):
+        assert steps[2][f"mfc/{name}/wall_time"] > 0 and steps[2][f"mfc/{name}/n_tokens"] > 0
+    assert "mfc/actor_logp/wall_time" not in steps[2]  # one minibatch: no proximal-logp node
+    again = runs.run("resume", SCRIPT, [*common, "total_train_steps=3"])
+    assert again == first
+    records = [r for r in train_steps(again).values()]
+    assert sorted(r["step"] for r in records) == [1, 2, 3]
+    assert train_steps(again)[3]["staleness/version_share/2"] == 1.0  # resumed at version 2
+    log = (again / "logs" / "trainer.log").read_text(errors="replace")
+    assert "resum" in log.lower()
+
+
+def test_core_sync_ppo_refuses_an_async_staleness_before_starting(tmp_path, tiny_model_dir):
+    out = subprocess.run(
+        [sys.executable, "-m", "areal.cli", "core", "sync-ppo", "--config", str(YAML),
+         f"actor.path={tiny_model_dir}", f"fileroot={tmp_path}", "rollout.max_staleness=2"],
+        capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 2, out.stderr
+    assert "rollout.max_staleness: 2; sync PPO generates every batch with the current weights" in out.stderr
