@@ -59,7 +59,8 @@ def _run(cmd: list[str], timeout: float) -> None:
     env = dict(os.environ, PIP_CACHE_DIR=str(CACHE / "pip"), PIP_DISABLE_PIP_VERSION_CHECK="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        tail = [line for line in lines if not line.startswith("WARNING: Location")][-6:]  # pip's index noise
         raise RuntimeError(f"`{' '.join(cmd[:6])} ...` exited {proc.returncode}: " + " | ".join(tail))
 
 
