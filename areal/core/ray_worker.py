@@ -124,6 +124,7 @@ class WorkerActor:
             else:  # dp-major: workers[d * tp + t] is dp rank d, tp rank t
                 mesh = DeviceMesh("cpu", torch.tensor(a.workers).reshape(a.dp, a.tp), mesh_dim_names=("dp", "tp"))
                 mesh._flatten("dp_tp")  # its whole-mesh group (engines' checkpoints), made by every worker
+                mesh._flatten("dp_tp")  # its whole-mesh group (engines' checkpoints), made by every worker
             if self.index in a.workers:
                 meshes[a.model] = mesh
         engines = {model: build_engine(specs[model], mesh) for model, mesh in meshes.items()}
