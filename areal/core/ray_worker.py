@@ -93,8 +93,8 @@ class _RayPeer:
 class WorkerActor:
     """The body of one worker process (wrapped by ``ray.remote`` in :func:`start_ray_workers`)."""
 
-    def __init__(self, index: int, n_workers: int, torch_threads: int):
-        self.index, self.n_workers = index, n_workers
+    def __init__(self, index: int, n_workers: int, torch_threads: int, gpu: bool = False):
+        self.index, self.n_workers, self.gpu = index, n_workers, gpu
         torch.set_num_threads(torch_threads)
         self.inner: InProcessWorker | None = None
         self._turn = 0  # number of the next request to hand to the worker
@@ -115,15 +115,17 @@ class WorkerActor:
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
-        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.index,
+        backend, device = ("nccl", "cuda") if self.gpu else ("gloo", "cpu")
+        if self.gpu:  # Ray gives each worker actor one GPU as CUDA_VISIBLE_DEVICES: device 0 here
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.index,
                                 world_size=self.n_workers, timeout=datetime.timedelta(minutes=10))
         meshes = {}
         for a in sorted(allocations, key=lambda a: a.model):
             if a.tp == 1:
-                mesh = DeviceMesh("cpu", torch.tensor(a.workers), mesh_dim_names=("dp",))
+                mesh = DeviceMesh(device, torch.tensor(a.workers), mesh_dim_names=("dp",))
             else:  # dp-major: workers[d * tp + t] is dp rank d, tp rank t
-                mesh = DeviceMesh("cpu", torch.tensor(a.workers).reshape(a.dp, a.tp), mesh_dim_names=("dp", "tp"))
-                mesh._flatten("dp_tp")  # its whole-mesh group (engines' checkpoints), made by every worker
+                mesh = DeviceMesh(device, torch.tensor(a.workers).reshape(a.dp, a.tp), mesh_dim_names=("dp", "tp"))
                 mesh._flatten("dp_tp")  # its whole-mesh group (engines' checkpoints), made by every worker
             if self.index in a.workers:
                 meshes[a.model] = mesh
@@ -250,10 +252,21 @@ class RayWorker(ModelWorker):
             self._ray.kill(self.handle, no_restart=True)
 
 
+def attach_ray(address: str) -> None:
+    """Join the Ray cluster at ``address`` (empty: Ray's own lookup, else a local instance) once."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address or None, log_to_driver=False, include_dashboard=False)
+
+
 def start_ray_workers(graph: DataflowGraph, specs: dict[ModelName, EngineSpec], cpus_per_worker: float = 1,
-                      torch_threads: int = 1) -> list[RayWorker]:
+                      torch_threads: int = 1, gpus_per_worker: int = 0) -> list[RayWorker]:
     """One worker actor per model worker of ``graph`` (generation workers excluded: they are the
-    caller's), hosting the graph's models; ``ray.init`` must have run."""
+    caller's), hosting the graph's models; ``ray.init`` must have run. ``gpus_per_worker=1``:
+    each actor gets one GPU from Ray's placement and the job runs NCCL (0: CPU, gloo)."""
+    if gpus_per_worker not in (0, 1):
+        raise ValueError(f"gpus_per_worker={gpus_per_worker}: a model worker uses no GPU (0) or one (1)")
     import ray
 
     generating = {m.model for m in graph.mfcs if m.fn is ModelFn.GENERATE}  # generation workers host them
@@ -265,8 +278,9 @@ def start_ray_workers(graph: DataflowGraph, specs: dict[ModelName, EngineSpec], 
     if any(w < n_model for m in generating for w in graph.allocations[m].workers):
         raise ValueError(f"generation workers must come after the {n_model} model workers in the allocation")
     actor_cls = ray.remote(WorkerActor)
-    actors = [actor_cls.options(num_cpus=cpus_per_worker, max_concurrency=16, max_restarts=0)
-              .remote(i, n_model, torch_threads) for i in range(n_model)]
+    actors = [actor_cls.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_concurrency=16,
+                                max_restarts=0).remote(i, n_model, torch_threads, bool(gpus_per_worker))
+              for i in range(n_model)]
     host, port = ray.get(actors[0].rendezvous.remote(), timeout=RPC_TIMEOUT)
     ray.get([a.setup.remote(host, port, allocations, specs, actors) for a in actors], timeout=RPC_TIMEOUT)
     return [RayWorker(i, a) for i, a in enumerate(actors)]

@@ -57,14 +57,12 @@ def start_workers(cfg: CoreSFTConfig, run, graph: DataflowGraph, ft_spec):
     """The workers and what the script uses as the engine (the engine, or a Ray proxy of it)."""
     (mfc,) = graph.mfcs
     if cfg.core.backend == "ray":
-        import ray
+        from areal.core.ray_worker import EngineSpec, RayModel, attach_ray, start_ray_workers
 
-        from areal.core.ray_worker import EngineSpec, RayModel, start_ray_workers
-
-        if not ray.is_initialized():
-            ray.init(address=cfg.core.ray_address or None, log_to_driver=False, include_dashboard=False)
+        attach_ray(cfg.core.ray_address)
         spec = EngineSpec("sft", cfg.model, ft_spec=ft_spec)
-        workers = start_ray_workers(graph, {mfc.model: spec}, cfg.core.cpus_per_worker, cfg.core.torch_threads)
+        workers = start_ray_workers(graph, {mfc.model: spec}, cfg.core.cpus_per_worker, cfg.core.torch_threads,
+                                    cfg.core.gpus_per_worker)
         return workers, RayModel(workers, mfc.model, graph.allocations[mfc.model].workers)
     if run.world_size != 1:
         raise ConfigError([f"core.backend=in_process runs one model worker, got {run.world_size} trainer "

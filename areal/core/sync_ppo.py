@@ -62,13 +62,11 @@ def start_model_workers(cfg: CoreGRPOConfig, run, graph: DataflowGraph, ft_spec)
     itself in process, a :class:`~areal.core.ray_worker.RayModel` on Ray)."""
     specs = engine_specs(cfg, ft_spec)
     if cfg.core.backend == "ray":
-        import ray
+        from areal.core.ray_worker import RayModel, attach_ray, start_ray_workers
 
-        from areal.core.ray_worker import RayModel, start_ray_workers
-
-        if not ray.is_initialized():
-            ray.init(address=cfg.core.ray_address or None, log_to_driver=False, include_dashboard=False)
-        workers = start_ray_workers(graph, specs, cfg.core.cpus_per_worker, cfg.core.torch_threads)
+        attach_ray(cfg.core.ray_address)
+        workers = start_ray_workers(graph, specs, cfg.core.cpus_per_worker, cfg.core.torch_threads,
+                                    cfg.core.gpus_per_worker)
         return workers, {m: RayModel(workers, m, graph.allocations[m].workers) for m in specs}
     engines = {m: build_engine(spec, run.dist.mesh) for m, spec in specs.items()}
     worker = InProcessWorker(0, engines)
