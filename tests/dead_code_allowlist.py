@@ -36,3 +36,6 @@ _.set_reward
 # vLLM's worker calls them by name: --worker-extension-cls and POST /collective_rpc (launcher/vllm_ext).
 WeightReload
 _.areal_reload_weights
+
+# Called on Ray actor handles (.collective_counts.remote()): which process groups a step used (core/ray_worker.py).
+_.collective_counts
