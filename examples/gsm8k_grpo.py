@@ -20,6 +20,7 @@ import torch
 from areal.api.config import GRPOConfig, load_config
 from areal.api.io import FinetuneSpec
 from areal.engine.fsdp import FSDPEngine
+from areal.engine.lora import FrozenBase
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.rollout.trajectory import groups_to_batch
 from areal.runtime.publisher import WeightPublisher
@@ -32,7 +33,8 @@ CONFIG = GRPOConfig
 
 def setup_trainers(cfg: GRPOConfig, run, ft_spec: FinetuneSpec):
     """Actor, optional critic and reference, each sharded over the trainer ranks' mesh. The
-    group size and the logprob temperature are the rollout's (``gconfig``)."""
+    group size and the logprob temperature are the rollout's (``gconfig``). A LoRA actor with
+    a KL term and no ``ref`` uses its own frozen base (adapters off) as the reference."""
     g, mesh = cfg.gconfig, run.dist.mesh
     actor = PPOActor(cfg.actor, mesh, temperature=g.temperature, group_size=g.n_samples,
                      max_new_tokens=g.max_new_tokens)
@@ -43,6 +45,8 @@ def setup_trainers(cfg: GRPOConfig, run, ft_spec: FinetuneSpec):
     ref = FSDPEngine(cfg.ref, mesh, temperature=g.temperature) if cfg.ref is not None and cfg.actor.kl_ctl > 0 else None
     if ref is not None:
         ref.initialize(None)
+    elif cfg.actor.lora.enabled and cfg.actor.kl_ctl > 0:  # no `ref`: the actor's frozen base is it
+        ref = FrozenBase(actor)
     return actor, critic, ref
 
 

@@ -9,6 +9,8 @@ Three formats, three purposes:
 - **DCP checkpoint** (:func:`save_dcp`, :func:`load_dcp`): sharded ``torch.distributed.checkpoint``
   of model and optimizer (each rank writes its own shards) plus one small per-rank file with the
   LR scheduler, RNG states and engine counters, for exact recovery at the same world size.
+  With ``trainable_only`` (LoRA) the frozen parameters are left out: the checkpoint holds the
+  adapters and their optimizer state, the base comes back from the model's ``path``.
   State that every rank holds identically and that only a subclass knows about (e.g. the
   critic's value-normaliser moments) goes next to it as a small JSON file
   (:func:`save_replicated_state`, :func:`load_replicated_state`).
@@ -137,14 +139,22 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _dcp_options(trainable_only: bool) -> StateDictOptions:
+    """Whole model, or its trainable parameters only (a missing one still fails ``dcp.load``)."""
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else StateDictOptions()
+
+
 def save_dcp(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-             scheduler: Any, extra: dict[str, Any], group: dist.ProcessGroup) -> None:
+             scheduler: Any, extra: dict[str, Any], group: dist.ProcessGroup,
+             trainable_only: bool = False) -> None:
     """Sharded checkpoint of model (+ optimizer), plus scheduler/RNG/``extra`` per rank of
-    ``group`` (the model's mesh). Collective over ``group``."""
+    ``group`` (the model's mesh); ``trainable_only`` leaves frozen parameters out (LoRA).
+    Collective over ``group``."""
+    opts = _dcp_options(trainable_only)
     if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model, options=opts)}
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
         state = {"model": model_sd, "optim": optim_sd}
     dcp.save(state, checkpoint_id=path, process_group=group)
     rank_state = {"rng": _rng_state(), "extra": extra, "world_size": dist.get_world_size(group),
@@ -154,7 +164,7 @@ def save_dcp(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 
 
 def load_dcp(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-             scheduler: Any, group: dist.ProcessGroup) -> dict[str, Any]:
+             scheduler: Any, group: dist.ProcessGroup, trainable_only: bool = False) -> dict[str, Any]:
     """Load what :func:`save_dcp` wrote (same mesh size); returns the saved ``extra``. A file
     that cannot be read raises :class:`~areal.utils.recover.CheckpointError` naming the
     checkpoint and the file. Collective over ``group``."""
@@ -164,16 +174,17 @@ def load_dcp(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
             f"{rank_file} is missing: DCP checkpoint {path!r} was saved at another world size "
             f"(this model's mesh has {dist.get_world_size(group)} ranks); resume with the saved world size"
         )
+    opts = _dcp_options(trainable_only)
     if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model, options=opts)}
         _dcp_load(state, path, group)
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=opts)
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
         state = {"model": model_sd, "optim": optim_sd}
         _dcp_load(state, path, group)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=opts)
     rank_state = read_torch_file(rank_file)  # after the collective read: a bad file fails one rank alone
     if scheduler is not None and rank_state["scheduler"] is not None:
         scheduler.load_state_dict(rank_state["scheduler"])

@@ -26,6 +26,10 @@ only layer inputs ``L * T * H`` with it), and the logits ``T * V * 4`` bytes plu
 in the loss (with ``shared_prefix`` also the row's own ``S * V * 4``, ``S <= T``). Logits of the
 whole batch are never held: ``forward`` reduces each micro-batch's
 ``[T, V]`` logits through ``post_hook`` before the next micro-batch runs.
+
+LoRA (``config.lora.rank > 0``; :mod:`areal.engine.lora`): the model is wrapped by peft before
+sharding, only the adapters (and a value head) require grad and get optimizer state, DCP
+checkpoints hold only them, and everything exported (HF dirs, weight updates) is the merged model.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from areal.algo.logprob import packed_token_logprobs
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.engine import LossFn, LossWeightFn, ModelFnResult, PostHook, TrainEngine
 from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
-from areal.engine import checkpoint
+from areal.engine import checkpoint, lora
 from areal.engine.lr_schedule import build_lr_scheduler
 from areal.engine.tensor_parallel import apply_tensor_parallel
 from areal.utils import weight_sync
@@ -144,6 +148,9 @@ class FSDPEngine(TrainEngine):
         self.first = all(c == 0 for c in mesh.get_coordinate())  # the mesh's first rank
         cuda = mesh.device_type == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        if config.lora.enabled and self.tp_mesh is not None:
+            raise ValueError(f"lora.rank={config.lora.rank} with tensor parallelism (mesh {mesh.mesh_dim_names}) "
+                             "is not supported; use a 1-D data-parallel mesh (tp=1) for LoRA")
         if config.cpu_offload and not cuda:
             raise ValueError("cpu_offload=True needs a GPU (backend nccl); set cpu_offload=false on CPU")
         self.model: torch.nn.Module | None = None
@@ -160,8 +167,8 @@ class FSDPEngine(TrainEngine):
         self.model = self._build_model()
         self._shard(self.model)
         opt = self.config.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+        self.optimizer = torch.optim.AdamW(  # frozen parameters (LoRA's base) get no state
+            [p for p in self.model.parameters() if p.requires_grad], lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
             weight_decay=opt.weight_decay,
         )
         total = ft_spec.total_train_steps if ft_spec is not None else None
@@ -188,6 +195,8 @@ class FSDPEngine(TrainEngine):
         # exports say what they hold: a value head loads as ...ForTokenClassification (its score
         # has a bias), not as the causal LM the base checkpoint was
         self.hf_config.architectures = [type(model).__name__]
+        if cfg.lora.enabled:  # before sharding: FSDP shards the adapters with the rest
+            model = lora.apply_lora(model, cfg.lora, self.head, cfg.init_seed)
         return model
 
     def _shard(self, model: torch.nn.Module) -> None:
@@ -200,7 +209,7 @@ class FSDPEngine(TrainEngine):
             kw["offload_policy"] = CPUOffloadPolicy()
         elif self.device.type == "cuda":
             model.to(self.device)
-        layers = getattr(getattr(model, "model", None), "layers", None)
+        layers = getattr(getattr(lora.base_model(model), "model", None), "layers", None)
         if layers is None:
             raise ValueError(f"{type(model).__name__} has no .model.layers; only decoder-only HF models are supported")
         if self.tp_mesh is not None:
@@ -336,24 +345,34 @@ class FSDPEngine(TrainEngine):
         """HF export (``weight_format="hf"``) or sharded DCP checkpoint (``"dcp"``). Collective."""
         if meta.weight_format == "hf":
             tok = meta.tokenizer_path or self.config.path
-            checkpoint.save_hf(self.full_state_dict(), self.hf_config, meta.path, tok,
+            raw = self._gathered_state()
+            checkpoint.save_hf(self._merged(raw), self.hf_config, meta.path, tok,
                                {"version": self.version}, self.mesh_group)
+            if self.config.lora.enabled:  # the adapter alone too, in peft's layout
+                if self.first:
+                    lora.save_adapter(self.model, raw, f"{meta.path}/{lora.ADAPTER_DIR}", self.config.path)
+                dist.barrier(group=self.mesh_group)
         elif meta.weight_format == "dcp":
             optim = self.optimizer if meta.with_optim else None
             sched = self.lr_scheduler if meta.with_optim else None
             extra = {"version": self.version, "global_step": self.global_step}
-            checkpoint.save_dcp(meta.path, self.model, optim, sched, extra, self.mesh_group)
+            checkpoint.save_dcp(meta.path, self.model, optim, sched, extra, self.mesh_group,
+                                trainable_only=self.config.lora.enabled)
         else:
             raise ValueError(f"SaveLoadMeta.weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
 
     def load(self, meta: SaveLoadMeta) -> None:
         """Load an HF dir (weights only) or a DCP checkpoint saved by :meth:`save`. Collective."""
         if meta.weight_format == "hf":
+            if self.config.lora.enabled:
+                raise ValueError(f"load(weight_format='hf') of {meta.path!r} would replace the frozen base of a "
+                                 "LoRA model; set the model's `path` to that HF dir instead")
             checkpoint.load_hf_weights(self.model, meta.path, self.hf_config)
         elif meta.weight_format == "dcp":
             optim = self.optimizer if meta.with_optim else None
             sched = self.lr_scheduler if meta.with_optim else None
-            extra = checkpoint.load_dcp(meta.path, self.model, optim, sched, self.mesh_group)
+            extra = checkpoint.load_dcp(meta.path, self.model, optim, sched, self.mesh_group,
+                                        trainable_only=self.config.lora.enabled)
             self.version, self.global_step = extra["version"], extra["global_step"]
         else:
             raise ValueError(f"SaveLoadMeta.weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
@@ -378,10 +397,18 @@ class FSDPEngine(TrainEngine):
                 "dtypes": [weight_sync.dtype_name(s.dtype) for s in self._weight_specs()],
                 "shapes": [list(s.shape) for s in self._weight_specs()]}
 
+    def _export_plan(self, state: dict[str, Any]) -> dict[str, lora.Source]:
+        """HF name -> where it comes from in ``state`` (LoRA: the merged ``W + s * B @ A``)."""
+        if self.config.lora.enabled:
+            return lora.merge_plan(state)
+        return {name: lora.Source(name) for name in state}
+
     def _weight_specs(self) -> list[weight_sync.TensorSpec]:
         state = self.model.state_dict()  # DTensors report global shapes
-        names = checkpoint.export_names(self.hf_config, state)
-        return [weight_sync.TensorSpec(n, state[n].dtype, tuple(state[n].shape)) for n in names]
+        plan = self._export_plan(state)
+        names = checkpoint.export_names(self.hf_config, plan)
+        return [weight_sync.TensorSpec(n, state[plan[n].base].dtype, tuple(state[plan[n].base].shape))
+                for n in names]
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         """Trainer side of a weight update; telling servers to load/receive is the client's job.
@@ -403,10 +430,13 @@ class FSDPEngine(TrainEngine):
             if self.first and self._weight_group is None:
                 raise RuntimeError("update_weights(type='distributed') before init_weight_update_group()")
             state = self.model.state_dict()
-            specs = self._weight_specs()
+            plan, specs = self._export_plan(state), self._weight_specs()
             device = self.device if meta.backend == "nccl" else torch.device("cpu")
+            scaling = self.config.lora.alpha / max(self.config.lora.rank, 1)
+            full = lambda key: self._full_tensor(state[key])  # noqa: E731
             for bucket in weight_sync.plan_buckets(specs, meta.bucket_bytes):
-                named = [(specs[i].name, self._full_tensor(state[specs[i].name]).to(device)) for i in bucket]
+                named = [(specs[i].name, lora.merged_tensor(plan[specs[i].name], full, scaling).to(device))
+                         for i in bucket]
                 if self._weight_group is not None:
                     weight_sync.broadcast_weights(named, self._weight_group, meta.bucket_bytes)
             dist.barrier(group=self.mesh_group)
@@ -419,8 +449,15 @@ class FSDPEngine(TrainEngine):
         return t
 
     def full_state_dict(self) -> dict[str, Any]:
-        """Full CPU state dict (HF names, tied keys included) on the mesh's first rank; ``{}``
-        elsewhere. Collective over the mesh."""
+        """Full CPU state dict (HF names, tied keys included; LoRA: the merged model) on the
+        mesh's first rank; ``{}`` elsewhere. Collective over the mesh."""
+        return self._merged(self._gathered_state())
+
+    def _merged(self, raw: dict[str, Any]) -> dict[str, Any]:
+        return lora.merge_state_dict(raw, self.config.lora) if self.config.lora.enabled else raw
+
+    def _gathered_state(self) -> dict[str, Any]:
+        """The model's own state dict (peft names under LoRA), full, on the first rank."""
         out = {}
         for name, t in self.model.state_dict().items():
             full = self._full_tensor(t)  # all-gather over the mesh, one tensor at a time
