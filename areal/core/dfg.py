@@ -16,6 +16,9 @@ MFC and the key (or the model) at fault:
 - every model an MFC runs on has an allocation whose mesh fits it: ``dp * tp`` workers, each a
   valid worker index, none twice. With ``tp > 1`` the workers form a dp-major ``dp x tp`` mesh
   (``workers[d * tp + t]`` is dp rank ``d``, tp rank ``t``).
+- a ``generate`` MFC reads no keys (it draws prompts from the train dataset); only it may have
+  an :class:`UpdateServers` hook, and its model (the generation servers) is never the source or
+  target of a :class:`ParamRealloc`.
 
 Edges are derived: ``producer -> consumer`` for each key one writes and the other reads. The
 MFCs are kept in a topological order (the order given, among ready ones), which is the order a
@@ -235,6 +238,7 @@ def _topological(mfcs: list[MFC], producers: dict[str, str], problems: list[str]
 
 def _check_allocations(mfcs: list[MFC], allocations: dict[ModelName, Allocation], n_workers: int,
                        problems: list[str]) -> None:
+    generating = {m.model for m in mfcs if m.fn is ModelFn.GENERATE}
     for m in mfcs:
         if m.model not in allocations:
             problems.append(f"MFC {m.name!r} runs on model '{m.model}', which has no allocation; "
@@ -247,6 +251,9 @@ def _check_allocations(mfcs: list[MFC], allocations: dict[ModelName, Allocation]
             if isinstance(h, UpdateServers) and m.fn is not ModelFn.GENERATE:
                 problems.append(f"MFC {m.name!r} ({m.fn.value}) has an UpdateServers hook, which only a "
                                 "generate MFC can have (its model is the generation servers)")
+            if isinstance(h, ParamRealloc) and (m.fn is ModelFn.GENERATE or h.source in generating):
+                problems.append(f"MFC {m.name!r}: parameter reallocation to or from a generate MFC's model "
+                                "(the generation servers); use an UpdateServers hook")
             if isinstance(h, ParamRealloc) and not 0.0 <= h.ema < 1.0:
                 problems.append(f"MFC {m.name!r}: reallocation ema={h.ema} must be in [0, 1)")
     for model, a in sorted(allocations.items()):

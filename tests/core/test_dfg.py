@@ -207,6 +207,11 @@ def test_a_server_update_hook_belongs_to_a_generate_mfc_that_reads_nothing():
     assert any("MFC 'gen' (generate) reads ['prompt']; a generate MFC draws its prompts" in p for p in got)
     assert any("MFC 'a' (compute_logp) has an UpdateServers hook, which only a generate MFC can have" in p
                for p in got)
+    realloc = MFC("b", B, ModelFn.COMPUTE_LOGP, ("input_ids",), ("y",), {"out": "y"},
+                  hooks=(ParamRealloc(ModelName("rollout")),))
+    got = problems_of([gen, realloc], keys=("prompt",), n_workers=3,
+                      allocations=[Allocation(B, (1,), 1), Allocation(ModelName("rollout"), (2,), 1)])
+    assert any("MFC 'b': parameter reallocation to or from a generate MFC's model" in p for p in got)
 
 
 def test_printed_graph_shows_reallocation_hooks():
