@@ -24,6 +24,8 @@ class CoreWorkersConfig:
     ray_address: str = param("", help="Ray cluster address (host:port); empty = Ray's own lookup.")
     cpus_per_worker: float = param(1.0, gt=0, help="Ray CPUs reserved per worker actor.")
     torch_threads: int = param(1, ge=1, help="torch intra-op threads per worker actor.")
+    mfc_timeout: float = param(600.0, gt=0, help="Seconds an MFC (generation included) may run before "
+                               "the step stops naming it and its workers.")
     gpus_per_worker: int = param(0, ge=0, le=1, help="GPUs per worker actor (ray): 0 = CPU and gloo; "
                                  "1 = one GPU each, placed by Ray, NCCL.")
 

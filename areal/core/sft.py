@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
                                               allocations=cfg.core.allocations))
     (mfc,) = graph.mfcs
     workers, engine = start_workers(cfg, run, graph, data.ft_spec)
-    master = Master(graph, workers)
+    master = Master(graph, workers, mfc_timeout=cfg.core.mfc_timeout)
 
     step = 0
     state = run.load_recover({"model": engine})

@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
     for w in [*workers, gen]:
         if isinstance(w, InProcessWorker):
             w.connect([*workers, gen])
-    master = Master(graph, [*workers, gen], group_size=cfg.gconfig.n_samples)
+    master = Master(graph, [*workers, gen], group_size=cfg.gconfig.n_samples, mfc_timeout=cfg.core.mfc_timeout)
     saved = {"actor": engines[ACTOR], **({"critic": engines[CRITIC]} if CRITIC in engines else {})}
 
     step, state = 0, run.load_recover(saved)
