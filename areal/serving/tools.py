@@ -10,7 +10,8 @@ our tiny model use::
 Each well-formed block becomes one entry of ``message.tool_calls`` (arguments as a JSON string)
 and the finish reason is ``tool_calls``; text outside the blocks stays the content. A block that
 is not valid JSON with a ``name`` is left in the content, as the model wrote it.
-``tool_choice`` (OpenAI's semantics, without constrained decoding):
+``tool_choice`` (OpenAI's semantics, without constrained decoding; the rule is
+areal.utils.tool_calls.tool_choice_prefill, shared with the in-process agent client):
 
 - ``auto`` (the default with tools): the model decides; calls are parsed.
 - ``none``: the tools are still rendered (they may shape the answer) but no call is parsed.
@@ -19,22 +20,21 @@ is not valid JSON with a ``name`` is left in the content, as the model wrote it.
 - ``{"type": "function", "function": {"name": F}}``: the turn is prefilled with
   ``<tool_call>\n{"name": "F", "arguments": `` so the model writes F's arguments.
 
-The prefill is part of the assistant's answer: it leads the text that is parsed and, when the
-model's continuation still makes no valid call (bad JSON, a block never closed before
-``max_tokens``), the answer comes back as is, the prefill leading ``content``, with the
-generator's ``finish_reason`` (``stop`` | ``length``): the server does not force valid JSON.
+The prefill is appended to the prompt (counted in ``usage.prompt_tokens``) and leads the text
+that is parsed; when the model's continuation still makes no valid call (bad JSON, a block
+never closed before ``max_tokens``), the answer comes back as is, the prefill leading
+``content``, with the generator's ``finish_reason`` (``stop`` | ``length``): the server does not
+force valid JSON.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from areal.serving.protocol import BadRequest
-from areal.utils.tool_calls import extract_tool_calls  # the parser, shared with agent workflows
+from areal.utils.tool_calls import ToolChoiceError, extract_tool_calls, tool_choice_prefill  # shared with agents
 
 __all__ = ["clean_tool_calls", "extract_tool_calls", "parse_tools"]
-CALL_OPEN = "<tool_call>\n"  # how a Hermes-style call begins (see the chat template)
 
 
 def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str]:
@@ -44,36 +44,21 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str]:
     choice = body.get("tool_choice", "auto")
     if body.get("parallel_tool_calls") not in (None, True, False):
         raise BadRequest("parallel_tool_calls", "expected true or false")
-    if tools is None:
-        if choice not in ("auto", "none"):
-            raise BadRequest("tool_choice", "tool_choice needs tools")
-        return None, False, ""
-    if not isinstance(tools, list) or not tools:
-        raise BadRequest("tools", "expected a non-empty list of {type: function, function: {...}}")
-    for i, t in enumerate(tools):
-        fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise BadRequest(f"tools[{i}]", "expected {\"type\": \"function\", \"function\": {\"name\": ...}}")
-        if "parameters" in fn and not isinstance(fn["parameters"], dict):
-            raise BadRequest(f"tools[{i}].function.parameters", "expected a JSON schema object")
-    return tools, choice != "none", _prefill(choice, [t["function"]["name"] for t in tools])
-
-
-def _prefill(choice: Any, names: list[str]) -> str:
-    """The assistant's forced opening for a ``tool_choice`` (see the module doc)."""
-    if choice in ("auto", "none"):
-        return ""
-    if choice == "required":
-        return CALL_OPEN
-    fn = choice.get("function") if isinstance(choice, dict) else None
-    if not isinstance(fn, dict) or choice.get("type") != "function" or not isinstance(fn.get("name"), str):
-        raise BadRequest("tool_choice", f"expected 'auto', 'none', 'required' or {{\"type\": \"function\", "
-                         f"\"function\": {{\"name\": ...}}}}, got {json.dumps(choice)[:120]}")
-    if fn["name"] not in names:
-        raise BadRequest("tool_choice", f"names function {fn['name']!r}, which is not among the tools "
-                         f"{names}")
-    return f"{CALL_OPEN}{{\"name\": {json.dumps(fn['name'])}, \"arguments\": "
+    if tools is not None:
+        if not isinstance(tools, list) or not tools:
+            raise BadRequest("tools", "expected a non-empty list of {type: function, function: {...}}")
+        for i, t in enumerate(tools):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                    or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise BadRequest(f"tools[{i}]", "expected {\"type\": \"function\", \"function\": {\"name\": ...}}")
+            if "parameters" in fn and not isinstance(fn["parameters"], dict):
+                raise BadRequest(f"tools[{i}].function.parameters", "expected a JSON schema object")
+    try:
+        prefill = tool_choice_prefill(choice, None if tools is None else [t["function"]["name"] for t in tools])
+    except ToolChoiceError as e:
+        raise BadRequest("tool_choice", e.detail) from e
+    return tools, tools is not None and choice != "none", prefill
 
 
 def clean_tool_calls(calls: Any, where: str) -> list[dict]:

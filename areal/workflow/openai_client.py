@@ -9,12 +9,19 @@ the same answers from either; tests/workflow/test_agent.py runs one agent both w
 * generates ``n`` completions through ``engine.agenerate`` (token ids, behaviour logprobs, the
   weight version of each token), sharing the episode's ``group_id`` for routing;
 * reads tool calls out of the answer with the server's parser (areal.utils.tool_calls);
+* forces a call for ``tool_choice`` ``required`` or ``{"type": "function", "function": {"name":
+  F}}`` as the server does (the same areal.utils.tool_calls.tool_choice_prefill): the assistant's
+  answer is opened with ``<tool_call>\n`` (+ ``{"name": "F", "arguments": ``), tokens appended to
+  the prompt and recorded as prompt (:attr:`Call.prefill`), never as generated tokens, so they
+  are never trained on; the opening + the generated text is what is parsed, and a continuation
+  that makes no valid call comes back as text with the generator's finish reason;
 * returns an ``openai.types.chat.ChatCompletion`` and records a :class:`Call` per completion.
 
 Training constraints, each an error that names the argument and the fix rather than a silent
 change: ``temperature`` must be the rollout's (``gconfig.temperature``, which the trainer's
-logprobs use), ``stream`` is refused, ``tool_choice`` is ``auto`` or ``none`` (as on the
-server), and ``max_tokens`` is capped by ``gconfig.max_new_tokens``.
+logprobs use), ``stream`` is refused, a ``tool_choice`` naming a function not in ``tools`` (or
+malformed) is an error naming ``tool_choice``, as on the server, and ``max_tokens`` is capped by
+``gconfig.max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from areal.api.config.base import GenerationHyperparameters
 from areal.api.engine import InferenceEngine
 from areal.api.io import ModelRequest, ModelResponse
 from areal.dataset.chat import encode
-from areal.utils.tool_calls import extract_tool_calls
+from areal.utils.tool_calls import extract_tool_calls, tool_choice_prefill
 
 _KNOWN = {"messages", "model", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p",
           "max_tokens", "max_completion_tokens", "n", "stop", "seed", "logprobs", "top_logprobs",
@@ -51,6 +58,9 @@ class Call:
     logprobs: list[float]  # behaviour logprob per completion token
     versions: list[int]  # weight version per completion token
     stop_reason: str  # "stop" | "length"
+    # how many of prompt_ids' last tokens are the forced tool-call opening (tool_choice required
+    # or a named function): the model was conditioned on them, it did not generate them
+    prefill: int = 0
 
 
 class EngineFailure(RuntimeError):
@@ -101,23 +111,21 @@ def clean_messages(messages: Any) -> list[dict]:
     return clean
 
 
-def check_tools(tools: Any, tool_choice: Any, template: str) -> tuple[list[dict] | None, bool]:
-    """(``tools`` for the template or None, whether to parse tool calls), as the server decides."""
-    if tool_choice not in ("auto", "none"):
-        raise ValueError(f"tool_choice: {tool_choice!r} would need constrained decoding, which is not "
-                         "done here (nor by our server); use 'auto' (the model decides) or 'none'")
-    if tools is None:
-        return None, False
-    if not isinstance(tools, list) or not tools:
-        raise ValueError("tools: expected a non-empty list of {type: function, function: {...}}")
-    for i, t in enumerate(tools):
-        fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(fn, dict) or t.get("type") != "function" or not isinstance(fn.get("name"), str):
-            raise ValueError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
-    if "tools" not in template:
-        raise ValueError("tools: this model's chat template does not render tools, so the model would "
-                         "never see them; use a model whose template does (e.g. Qwen2.5)")
-    return tools, tool_choice == "auto"
+def check_tools(tools: Any, tool_choice: Any, template: str) -> tuple[list[dict] | None, bool, str]:
+    """(``tools`` for the template or None, whether to parse tool calls, the text that opens the
+    assistant's answer: empty unless ``tool_choice`` forces a call), as the server decides."""
+    if tools is not None:
+        if not isinstance(tools, list) or not tools:
+            raise ValueError("tools: expected a non-empty list of {type: function, function: {...}}")
+        for i, t in enumerate(tools):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(fn, dict) or t.get("type") != "function" or not isinstance(fn.get("name"), str):
+                raise ValueError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+        if "tools" not in template:
+            raise ValueError("tools: this model's chat template does not render tools, so the model would "
+                             "never see them; use a model whose template does (e.g. Qwen2.5)")
+    prefill = tool_choice_prefill(tool_choice, None if tools is None else [t["function"]["name"] for t in tools])
+    return tools, tools is not None and tool_choice != "none", prefill
 
 
 def signature(content: str | None, tool_calls: list[dict]) -> tuple:
@@ -130,8 +138,9 @@ def render_prompt(tokenizer: Any, messages: list[dict], tools: list[dict] | None
     """Prompt ids of ``messages`` by the chat template, with the model's own tokens for every
     assistant turn this client generated (``generated``: signature -> call).
 
-    Such a turn is rendered as a placeholder, then replaced by the call's completion ids (whose
-    stop token stands for the template's end-of-turn token right after it). The result equals the plain
+    Such a turn is rendered as a placeholder, then replaced by the call's forced tool-call
+    opening (its prompt's last ``prefill`` ids, if any) and completion ids (whose stop token
+    stands for the template's end-of-turn token right after it). The result equals the plain
     rendering whenever the model's answer re-encodes to the same tokens, and otherwise keeps what
     the model generated (invalid UTF-8 bytes, special tokens, tool-call JSON spaced its own way)
     instead of a re-encoding of the decoded text, so an append-only template gives each call a
@@ -160,7 +169,8 @@ def _splice(tokenizer: Any, text: str, marks: list[str], turns: list[Call]) -> l
     rest = text
     for mark, call in zip(marks, turns):
         head, rest = rest.split(mark, 1)
-        ids += encode(tokenizer, head) + call.completion_ids
+        opening = call.prompt_ids[len(call.prompt_ids) - call.prefill:]  # [] without a forced call
+        ids += encode(tokenizer, head) + opening + call.completion_ids
         # a call that stopped on its stop token (EOS, <|im_end|>, ...) already holds the template's
         # end-of-turn token, which the template writes right after the content
         end = tokenizer.decode(call.completion_ids[-1:]) if call.stop_reason == "stop" else ""
@@ -240,8 +250,10 @@ class ArealOpenAI:
         """Render, generate ``n`` completions, parse tool calls, record, answer."""
         n = self._check_args(kw)
         template = self.tokenizer.chat_template or ""
-        tools, parse_calls = check_tools(kw.get("tools"), kw.get("tool_choice", "auto"), template)
+        tools, parse_calls, prefill = check_tools(kw.get("tools"), kw.get("tool_choice", "auto"), template)
         prompt = render_prompt(self.tokenizer, clean_messages(kw.get("messages")), tools, self._generated)
+        opening = encode(self.tokenizer, prefill) if prefill else []  # prompt, as on the server
+        prompt += opening
         gconfig, seed = self._gconfig(kw), kw.get("seed")
         reqs = [ModelRequest(input_ids=list(prompt), gconfig=gconfig, group_id=self.group_id,
                              seed=None if seed is None else seed + i) for i in range(n)]
@@ -258,8 +270,8 @@ class ArealOpenAI:
                 self.engine_failure = EngineFailure(f"generation ended with {r.stop_reason!r}")
                 raise self.engine_failure
             self.calls.append(Call(turn, i, cid, list(prompt), list(r.output_ids), list(r.output_logprobs),
-                                   list(r.output_versions), r.stop_reason))
-            choices.append(self._choice(i, r, gconfig, parse_calls, bool(kw.get("logprobs"))))
+                                   list(r.output_versions), r.stop_reason, len(opening)))
+            choices.append(self._choice(i, r, gconfig, prefill, parse_calls, bool(kw.get("logprobs"))))
             message = choices[-1]["message"]
             self._generated[signature(message["content"], message.get("tool_calls", []))] = self.calls[-1]
         n_out = sum(len(r.output_ids) for r in resps)
@@ -268,13 +280,14 @@ class ArealOpenAI:
             "choices": choices, "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out,
                                           "total_tokens": len(prompt) + n_out}})
 
-    def _choice(self, index: int, r: ModelResponse, g: GenerationHyperparameters, parse_calls: bool,
-                logprobs: bool) -> dict:
-        """One ``choices[i]`` entry: the text (a matched stop string and what follows cut, as
-        OpenAI does), the parsed tool calls, the finish reason, logprobs when asked."""
+    def _choice(self, index: int, r: ModelResponse, g: GenerationHyperparameters, prefill: str,
+                parse_calls: bool, logprobs: bool) -> dict:
+        """One ``choices[i]`` entry: the forced opening + the text (a matched stop string and what
+        follows cut, as OpenAI does), the parsed tool calls, the finish reason, logprobs (of the
+        generated tokens) when asked."""
         content = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
         cuts = [content.find(s) for s in g.stop if s and s in content]
-        content = content[:min(cuts)] if cuts else content
+        content = prefill + (content[:min(cuts)] if cuts else content)
         calls: list[dict] = []
         if parse_calls:
             content, calls = extract_tool_calls(content)

@@ -114,14 +114,81 @@ def test_arguments_the_training_run_cannot_honour_are_refused_by_name(tiny_token
     create = client.chat.completions.create
     with pytest.raises(ValueError, match="temperature: 0.2 differs .* gconfig.temperature"):
         asyncio.run(create(messages=ITEM["messages"], temperature=0.2))
-    with pytest.raises(ValueError, match="tool_choice: 'required'"):
-        asyncio.run(create(messages=ITEM["messages"], tools=TOOLS, tool_choice="required"))
+    for bad, message in [({"type": "function", "function": {"name": "sub"}}, "not among the tools"),
+                         ({"type": "function"}, "expected 'auto', 'none', 'required'"),
+                         ("always", "expected 'auto', 'none', 'required'")]:
+        with pytest.raises(ValueError, match=f"tool_choice: .*{message}"):
+            asyncio.run(create(messages=ITEM["messages"], tools=TOOLS, tool_choice=bad))
+    with pytest.raises(ValueError, match="tool_choice: .*needs tools"):
+        asyncio.run(create(messages=ITEM["messages"], tool_choice="required"))
     with pytest.raises(ValueError, match="stream"):
         asyncio.run(create(messages=ITEM["messages"], stream=True))
     with pytest.raises(TypeError, match="frequency_penalty"):
         asyncio.run(create(messages=ITEM["messages"], frequency_penalty=1.0))
     with pytest.raises(ValueError, match=r"messages\[0\].tool_call_id"):
         asyncio.run(create(messages=[{"role": "tool", "content": "1"}]))
+
+
+NAMED = {"type": "function", "function": {"name": "calculator"}}
+OPEN_NAMED = '<tool_call>\n{"name": "calculator", "arguments": '
+
+
+@pytest.mark.parametrize("choice,opening,written", [
+    ("required", "<tool_call>\n", CALL[len("<tool_call>\n"):]),  # the model picks the function
+    (NAMED, OPEN_NAMED, '{"expression": "12 * 7"}}\n</tool_call>'),  # the model writes the arguments
+])
+def test_a_forced_call_is_prompt_not_completion_and_parses(tiny_tokenizer, scripted, choice, opening, written):
+    engine = scripted([written])
+    client = ArealOpenAI(engine, tiny_tokenizer, G)
+    out = asyncio.run(client.chat.completions.create(messages=ITEM["messages"], tools=TOOLS, tool_choice=choice))
+    choice0 = out.choices[0]
+    assert choice0.finish_reason == "tool_calls" and choice0.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice0.message.tool_calls] == \
+        [("calculator", {"expression": "12 * 7"})]
+    (call,) = client.calls
+    opened = tiny_tokenizer(opening, add_special_tokens=False)["input_ids"]
+    assert call.prompt_ids == engine.requests[0].input_ids and call.prompt_ids[-len(opened):] == opened
+    assert call.prefill == len(opened) and out.usage.prompt_tokens == len(call.prompt_ids)
+    # exactly the generated ids: the opening is not among them
+    assert call.completion_ids == tiny_tokenizer(written, add_special_tokens=False)["input_ids"] + \
+        [tiny_tokenizer.eos_token_id]
+
+
+def test_a_forced_call_chains_in_the_concat_trajectory_with_the_opening_masked(tiny_tokenizer, scripted):
+    """auto call, forced call (required), then the answer: the forced call's opening lies in the
+    untrained part of the episode's sequence; only generated tokens are trained on."""
+    async def forced(client, item) -> float:
+        messages = list(item["messages"])
+        for choice in ("auto", "required", "auto"):
+            out = await client.chat.completions.create(messages=messages, tools=TOOLS, tool_choice=choice)
+            message = out.choices[0].message
+            messages.append(message)
+            messages += [{"role": "tool", "tool_call_id": c.id, "content": "84"} for c in message.tool_calls or []]
+        return 1.0 if message.content == "84" else 0.0
+
+    client, reward = _run(scripted([CALL, CALL[len("<tool_call>\n"):], "84"]), tiny_tokenizer, forced)
+    assert reward == 1.0
+    calls = client.calls
+    for prev, nxt in zip(calls, calls[1:]):  # each prompt extends the previous prompt + opening + completion
+        full = prev.prompt_ids + prev.completion_ids
+        assert nxt.prompt_ids[: len(full)] == full
+    opened = tiny_tokenizer("<tool_call>\n", add_special_tokens=False)["input_ids"]
+    assert [c.prefill for c in calls] == [0, len(opened), 0]
+    (t,), _ = episode_trajectories(calls, {}, reward, 1.0, "concat", "error", "q1/0", "q1", tiny_tokenizer)
+    assert t.prompt_ids + t.completion_ids == calls[2].prompt_ids + calls[2].completion_ids
+    assert [tok for tok, m in zip(t.completion_ids, t.loss_mask) if m] == \
+        [tok for c in calls for tok in c.completion_ids]
+    masked = tiny_tokenizer.decode([tok for tok, m in zip(t.completion_ids, t.loss_mask) if not m])
+    glue = "\n<|im_start|>tool\n84<|im_end|>\n<|im_start|>assistant\n"
+    assert masked == glue + "<tool_call>\n" + glue  # call 1's opening is prompt: untrained
+
+
+def test_a_forced_call_the_model_does_not_complete_comes_back_as_text(tiny_tokenizer, scripted):
+    client = ArealOpenAI(scripted(["no json"]), tiny_tokenizer, G)
+    out = asyncio.run(client.chat.completions.create(messages=ITEM["messages"], tools=TOOLS, tool_choice=NAMED))
+    choice0 = out.choices[0]
+    assert choice0.message.tool_calls is None and choice0.finish_reason == "stop"
+    assert choice0.message.content == OPEN_NAMED + "no json"
 
 
 def test_n_choices_are_sampled_and_recorded_separately(tiny_tokenizer, scripted):
