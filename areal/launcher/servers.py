@@ -157,11 +157,14 @@ def vllm_command(python: str, model: str, host: str, port: int, served_model_nam
 
 def vllm_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """Env of a :func:`vllm_command` server: dev mode (it serves /pause, /resume and
-    /collective_rpc only then) and our extension's directory first on PYTHONPATH (only that
-    directory: vLLM's venv must not see areal's packages)."""
+    /collective_rpc only then), our extension's directory first on PYTHONPATH (only that
+    directory: vLLM's venv must not see areal's packages), and an HTTP keep-alive longer than
+    the client's: vLLM's default 5 s closes idle pooled connections while aiohttp (15 s) still
+    reuses them, and two such ServerDisconnected errors in a row get a live server declared dead
+    (seen in a GRPO run)."""
     environ = os.environ if environ is None else environ
     path = os.pathsep.join(p for p in (str(VLLM_EXTENSION_DIR), environ.get("PYTHONPATH", "")) if p)
-    return {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": path}
+    return {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": path, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75"}
 
 
 def server_env(cfg) -> dict[str, str]:
