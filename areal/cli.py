@@ -19,7 +19,7 @@ def _tiny_model(args: argparse.Namespace) -> int:
 def _quickstart(args: argparse.Namespace) -> int:
     from areal.quickstart import run_quickstart
 
-    return run_quickstart(args.out)
+    return run_quickstart(args.out, task=args.task, sft_overrides=args.sft, grpo_overrides=args.grpo)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_local_artifacts(sub)
     p = sub.add_parser("quickstart", help="the embedded demo on this machine (CPU, no network)")
     p.add_argument("--out", default="runs/quickstart", help="output directory")
+    p.add_argument("--task", choices=["arithmetic", "tools"], default="arithmetic",
+                   help="arithmetic: answer directly; tools: a calculator agent (openai client) via workflow.type=agent")
+    p.add_argument("--sft", action="append", default=[], metavar="KEY=VALUE", help="override for the SFT stage")
+    p.add_argument("--grpo", action="append", default=[], metavar="KEY=VALUE", help="override for the GRPO stage")
     p.set_defaults(func=_quickstart)
     p = sub.add_parser("launch", help="start servers and trainers for an entry script")
     p.add_argument("mode", choices=["local", "ray", "slurm"],

@@ -9,6 +9,10 @@
 4. reads held-out greedy accuracy before (step 0: the SFT model) and after, prints a summary,
    writes ``OUT/plot.png`` and ``OUT/summary.json``.
 
+``--task tools`` runs the same stages on the calculator agent (``examples/agent_arithmetic.py``, a
+plain openai-client agent): SFT on worked tool-use conversations, then GRPO through the in-process
+OpenAI client (``examples/agent_arithmetic.yaml``, ``workflow.type: agent``).
+
 The entry scripts are the repository's ``examples/`` (next to the ``areal`` package in a source
 checkout, which is what ``make demo`` installs).
 """
@@ -71,43 +75,97 @@ def summarize(rows: list[dict], wall_seconds: float, rl_seconds: float, samples_
     }
 
 
-def run_quickstart(out: str | Path) -> int:
-    """Run the whole demo into ``out``; returns 0 when every stage ran."""
+TASKS = ("arithmetic", "tools")
+
+
+def _load_example(path: Path):
+    """Import an example module from its file (the examples are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sft_tools_data(examples: Path, model: Path, out: Path, n: int) -> Path:
+    """Write ``n`` worked calculator conversations (examples/agent_arithmetic.py) as SFT data."""
+    from transformers import AutoTokenizer
+
+    agent = _load_example(examples / "agent_arithmetic.py")
+    path = out / "agent-sft.jsonl"
+    with open(path, "w") as f:
+        for row in agent.sft_conversations(AutoTokenizer.from_pretrained(str(model)), n):
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def _stages(task: str, examples: Path, model: Path, out: Path, n_sft: int) -> tuple[list, list]:
+    """(script, config, overrides) of the SFT stage and of the GRPO stage (less actor.path)."""
+    if task == "arithmetic":
+        return ([examples / "sft.py", examples / "sft_arithmetic.yaml", [f"model.path={model}"]],
+                [examples / "gsm8k_grpo.py", examples / "arithmetic_grpo.yaml", []])  # fmt: skip
+    if task == "tools":
+        data = _sft_tools_data(examples, model, out, n_sft)
+        return ([examples / "sft.py", examples / "agent_arithmetic_sft.yaml",
+                 [f"model.path={model}", f"train_dataset.path={data}"]],
+                [examples / "gsm8k_grpo.py", examples / "agent_arithmetic.yaml", []])  # fmt: skip
+    raise ValueError(f"quickstart --task {task!r} is not one of {list(TASKS)}")
+
+
+def run_quickstart(
+    out: str | Path, task: str = "arithmetic", sft_overrides: list[str] = (),
+    grpo_overrides: list[str] = (), n_sft: int = 400,
+) -> int:  # fmt: skip
+    """Run the whole demo of ``task`` into ``out``; returns 0 when every stage ran.
+
+    ``arithmetic``: SFT then GRPO on arithmetic answered directly. ``tools``: the calculator
+    agent (examples/agent_arithmetic.py, plain openai client): SFT on ``n_sft`` worked tool-use
+    conversations, then GRPO with ``workflow.type=agent``; accuracy is the agent's own reward.
+    ``*_overrides`` (key=value) go after the stage's YAML (shorter runs in tests)."""
     from areal.api.config import GRPOConfig, load_config
 
+    if task not in TASKS:
+        raise ValueError(f"quickstart --task {task!r} is not one of {list(TASKS)}")
     start = time.time()
     out = Path(out).resolve()
     examples = _examples_dir()
     for stale in ("sft", "grpo", "model"):
         shutil.rmtree(out / stale, ignore_errors=True)
     model = build_tiny_model(out / "model", size="tiny", seed=0)
-    print(f"[quickstart] tiny model: {count_parameters(model):,} parameters at {model}")
+    print(f"[quickstart] task {task}; tiny model: {count_parameters(model):,} parameters at {model}")
 
     common = [f"fileroot={out}", "trial_name=run"]
-    _launch(examples / "sft.py", examples / "sft_arithmetic.yaml",
-            [*common, "experiment_name=sft", f"model.path={model}"])  # fmt: skip
+    sft, grpo = _stages(task, examples, model, out, n_sft)
+    _launch(sft[0], sft[1], [*common, "experiment_name=sft", *sft[2], *sft_overrides])
     sft_model = _last_checkpoint(out / "sft" / "run", "model")
     print(f"[quickstart] SFT done: {sft_model}")
 
     rl_start = time.time()
-    grpo_args = [*common, "experiment_name=grpo", f"actor.path={sft_model}"]
-    _launch(examples / "gsm8k_grpo.py", examples / "arithmetic_grpo.yaml", grpo_args)
+    grpo_args = [*common, "experiment_name=grpo", f"actor.path={sft_model}", *grpo[2], *grpo_overrides]
+    _launch(grpo[0], grpo[1], grpo_args)
     rl_seconds = time.time() - rl_start
-    cfg = load_config(GRPOConfig, ["--config", str(examples / "arithmetic_grpo.yaml"), *grpo_args])
+    cfg = load_config(GRPOConfig, ["--config", str(grpo[1]), *grpo_args])
     rows = read_stats(cfg.run_dir)
     samples_per_step = cfg.train_dataset.batch_size * cfg.gconfig.n_samples
     summary = summarize(rows, time.time() - start, rl_seconds, samples_per_step)
+    summary["task"] = task
     summary["plot"] = str(plot_run(cfg.run_dir, out / "plot.png"))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _print_summary(summary, out)
+    return 0
+
+
+def _print_summary(summary: dict, out: Path) -> None:
     gain = summary["acc_after"] - summary["acc_before"]
+    what = "agent success rate" if summary["task"] == "tools" else "greedy accuracy"
     print(
-        f"\n[quickstart] held-out greedy accuracy {summary['acc_before']:.3f} (SFT) -> "
+        f"\n[quickstart] held-out {what} {summary['acc_before']:.3f} (SFT) -> "
         f"{summary['acc_after']:.3f} (after {summary['rl_steps']} async GRPO steps): "
         f"{gain * 100:+.1f} points (target +{TARGET_GAIN * 100:.0f}: "
         f"{'met' if gain >= TARGET_GAIN else 'NOT met'})\n"
-        f"[quickstart] wall {summary['wall_seconds']:.0f} s total, GRPO {rl_seconds:.0f} s, "
+        f"[quickstart] wall {summary['wall_seconds']:.0f} s total, GRPO {summary['rl_seconds']:.0f} s, "
         f"{summary['samples_per_second']:.1f} samples/s, staleness mean "
         f"{summary['staleness_mean']:.2f} max {summary['staleness_max']:.0f}\n"
         f"[quickstart] {out / 'summary.json'}, {summary['plot']}"
     )
-    return 0

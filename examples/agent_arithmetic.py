@@ -1,7 +1,10 @@
 """A tool-using agent on the arithmetic task, written with the plain openai client.
 
-The agent may call a ``calculator`` tool (several rounds), then answers with a number; its reward
-is 1.0 when the answer equals the item's reference. Nothing in it knows about training:
+The agent asks the bare question (``12 * 34 = ?``), may call a ``calc`` tool (argument ``e``, the
+expression; several rounds), then answers with a number; its reward is 1.0 when the answer equals
+the item's reference. Tool and wording are kept minimal on purpose: the tiny model's tokenizer
+spends a token per character, and the whole prompt is ~60 tokens. Nothing in it knows about
+training:
 
 * train it: ``areal launch local examples/gsm8k_grpo.py --config examples/agent_arithmetic.yaml``
   (``workflow.type: agent``, ``workflow.agent.path: agent_arithmetic:calculator_agent``): each
@@ -22,14 +25,12 @@ import re
 import sys
 
 MAX_TURNS = 3  # model calls per episode: tool rounds, then the answer
-MAX_TOKENS = 48  # per call
+MAX_TOKENS = 80  # per call: a tool call ``<tool_call>\n{"name": "calc", ...}\n</tool_call>`` is ~70
 TOOLS = [{
     "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an integer expression with + - * and parentheses.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                       "required": ["expression"]},
+    "function": {  # evaluates an integer expression with + - * and parentheses
+        "name": "calc",
+        "parameters": {"type": "object", "properties": {"e": {"type": "string"}}, "required": ["e"]},
     },
 }]  # fmt: skip
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
@@ -46,10 +47,10 @@ def _eval(node: ast.AST) -> int:
 
 
 def calculator(arguments: str) -> str:
-    """The tool: ``{"expression": "12 * 7"}`` -> ``"84"``; a bad call gets an error text back
-    (the model sees it, as it would from a real tool)."""
+    """The tool: ``{"e": "12 * 7"}`` -> ``"84"``; a bad call gets an error text back (the model
+    sees it, as it would from a real tool)."""
     try:
-        expression = json.loads(arguments)["expression"]
+        expression = json.loads(arguments)["e"]
         if len(expression) > 200:
             return "error: expression too long"
         return str(_eval(ast.parse(expression, mode="eval").body))
@@ -64,9 +65,15 @@ def score(answer: str | None, reference: str) -> float:
     return 1.0 if numbers and numbers[-1] == reference.strip() else 0.0
 
 
+def question(item: dict) -> str:
+    """The bare question of an arithmetic item (``12 * 34 = ?``), without the dataset's
+    answer-format instruction: the agent's prompt stays short."""
+    return item["messages"][-1]["content"].split(" = ?")[0] + " = ?"
+
+
 async def calculator_agent(client, item: dict) -> float:
     """One episode: ask, run the calculator on each tool call, ask again, score the answer."""
-    messages = list(item["messages"])
+    messages = [{"role": "user", "content": question(item)}]
     for _ in range(MAX_TURNS):
         response = await client.chat.completions.create(
             model="areal", messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS)
@@ -95,11 +102,11 @@ def sft_conversations(tokenizer, n: int) -> list[dict]:
     system = {"role": "system", "content": block[len(head): -len(tail)]}
     rows = []
     for item in make_arithmetic(ArithmeticConfig(min_digits=2, max_digits=2, operators="*", n_train=n), "train"):
-        expression = item["messages"][-1]["content"].split(" = ?")[0]
-        arguments = json.dumps({"expression": expression})
-        call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
+        arguments = json.dumps({"e": question(item)[: -len(" = ?")]})
+        call = {"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": arguments}}
         rows.append({"id": item["id"], "messages": [
-            system, *item["messages"], {"role": "assistant", "content": "", "tool_calls": [call]},
+            system, {"role": "user", "content": question(item)},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_0", "content": calculator(arguments)},
             {"role": "assistant", "content": item["reference"]}]})
     return rows

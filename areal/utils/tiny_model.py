@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-# ChatML; with ``tools``, a system turn listing them and Hermes-style <tool_call> blocks (the
-# format Qwen2.5 uses), so the server's tool calling runs on the tiny model too.
+# ChatML; with ``tools``, a system turn listing them compactly (``Tools:``, then one line
+# ``name(arg,arg)`` per tool: the byte-level tokenizer spends a token per character, so a JSON
+# schema would cost hundreds) and Hermes-style <tool_call> blocks (the format Qwen2.5 uses), so the
+# server's tool calling runs on the tiny model too.
 CHAT_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nYou may call functions. Their signatures, in <tools></tools>:\n"
-    "<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\nTo call one, answer "
-    "<tool_call>\n{\"name\": <name>, \"arguments\": <arguments object>}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %}{{ '\\n' ~ t['function']['name'] }}("
+    "{{ t['function'].get('parameters', {}).get('properties', {}) | join(',') }}){% endfor %}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
     "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
     "\"arguments\": {{ c['function']['arguments'] }}}\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"

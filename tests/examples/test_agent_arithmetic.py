@@ -17,8 +17,8 @@ GRPO_SCRIPT, AGENT_YAML = EXAMPLES / "gsm8k_grpo.py", EXAMPLES / "agent_arithmet
 def test_calculator_tool_evaluates_integer_expressions_and_reports_bad_calls():
     from examples.agent_arithmetic import calculator, score
 
-    assert calculator('{"expression": "12 * (3 + 4) - 5"}') == "79"
-    assert calculator('{"expression": "__import__(\'os\')"}').startswith("error:")
+    assert calculator('{"e": "12 * (3 + 4) - 5"}') == "79"
+    assert calculator('{"e": "__import__(\'os\')"}').startswith("error:")
     assert calculator('{"expr": "1"}').startswith("error:")  # wrong argument name
     assert (score("It is 84.", "84"), score("84 or 85", "84"), score(None, "84")) == (1.0, 0.0, 0.0)
 
@@ -32,10 +32,11 @@ def test_sft_conversations_render_the_prompt_the_agent_sends(tiny_tokenizer):
     sft_prompt = tiny_tokenizer.apply_chat_template([system, user], add_generation_prompt=True, tokenize=False)
     agent_prompt = tiny_tokenizer.apply_chat_template([user], tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert sft_prompt == agent_prompt
+    assert len(tiny_tokenizer(agent_prompt)["input_ids"]) < 80  # the compact tools turn: ~45 tokens
     ids, mask = sft_tokens(tiny_tokenizer, row["messages"])
     trained = tiny_tokenizer.decode([t for t, m in zip(ids, mask) if m])
     expression = user["content"].split(" = ?")[0]
-    assert trained.startswith('<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}' % expression)
+    assert trained.startswith('<tool_call>\n{"name": "calc", "arguments": {"e": "%s"}}' % expression)
     assert trained.endswith(row["messages"][-1]["content"] + "<|im_end|>\n")
 
 
