@@ -29,6 +29,7 @@ def child(mode: str, model_dir: str, steps: int, rank: int, target: str) -> dict
     import torch
 
     from areal.api.config import SFTConfig, load_config
+    from areal.api.io import FinetuneSpec
     from areal.dataset.loader import load_dataset
     from areal.engine.sft import SFTEngine
     from areal.runtime.dist import init_distributed
@@ -41,7 +42,7 @@ def child(mode: str, model_dir: str, steps: int, rank: int, target: str) -> dict
     data = load_dataset(cfg.train_dataset, AutoTokenizer.from_pretrained(model_dir), cfg.seed)
     size = cfg.train_dataset.batch_size
     engine = SFTEngine(cfg.model, init_distributed("gloo" if not torch.cuda.is_available() else "nccl").mesh)
-    engine.initialize(None)
+    engine.initialize(FinetuneSpec(1, len(data), size, steps + 1))  # the recipe's warm-up + schedule
 
     def batch(i: int) -> PackedBatch:
         items = [data[(i * size + j) % len(data)] for j in range(size)]

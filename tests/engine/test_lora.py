@@ -52,6 +52,16 @@ def test_only_adapters_train_and_get_optimizer_state(tiny_model_dir):
     engine.destroy()
 
 
+def test_gradient_checkpointing_gives_the_same_lora_step(tiny_model_dir):
+    states = []
+    for ckpt in (False, True):
+        engine = lora_engine(tiny_model_dir, gradient_checkpointing=ckpt)
+        engine.train_batch(random_batch(), nll_loss, n_loss_tokens)
+        states.append(engine.full_state_dict())
+        engine.destroy()
+    assert max((states[0][k] - states[1][k]).abs().max().item() for k in states[0]) <= 1e-6
+
+
 def test_value_head_stays_trainable_under_lora(tiny_model_dir):
     cfg = PPOCriticConfig(path=tiny_model_dir, lora=LORA, optimizer=OPT,
                           mb_spec=MicroBatchSpec(granularity=GROUP))
