@@ -131,7 +131,8 @@ class GRPOConfig(BaseExperimentConfig):
     actor: PPOActorConfig = param(factory=PPOActorConfig, help="The policy being trained.")
     critic: PPOCriticConfig | None = param(None, help="Value model; needed when actor.use_critic.")
     ref: TrainEngineConfig | None = param(
-        None, help="Frozen reference policy for the KL term; needed when actor.kl_ctl > 0."
+        None, help="Frozen reference policy for the KL term; needed when actor.kl_ctl > 0, unless "
+        "actor.lora is on (null = the actor's frozen base, adapters disabled)."
     )
     gconfig: GenerationHyperparameters = param(
         factory=GenerationHyperparameters, help="Sampling for training rollouts."
@@ -181,8 +182,9 @@ class GRPOConfig(BaseExperimentConfig):
             )
         if self.actor.use_critic and self.critic is None:
             yield "critic: actor.use_critic=true needs a critic section; set critic.path=MODEL_DIR"
-        if self.actor.kl_ctl > 0 and self.ref is None:
-            yield f"ref: actor.kl_ctl={self.actor.kl_ctl} needs a reference model; set ref.path=MODEL_DIR"
+        if self.actor.kl_ctl > 0 and self.ref is None and not self.actor.lora.enabled:  # LoRA: its frozen base
+            yield (f"ref: actor.kl_ctl={self.actor.kl_ctl} needs a reference model; set ref.path=MODEL_DIR "
+                   "(or train actor.lora adapters: the frozen base is then the reference)")
         if self.cluster.n_servers == 0 and not self.rollout.addresses:
             yield "cluster.n_servers: 0 and no rollout.addresses; RL needs servers (set 1 or more)"
         if self.train_dataset.type != "rl":
