@@ -2,7 +2,7 @@
 ``rollout.backend=vllm``, the server started by the launcher from the vLLM venv's Python
 (``rollout.vllm_python``; tests/vllm_env.py). A few steps: rewards are computed from vLLM's
 samples, every step's weights reach the server by a disk reload, and training runs on them.
-The learning run itself (SFT-warmed model, 150 steps) is measured outside the tests: docs/vllm.md.
+A longer run (30 steps from an SFT-warmed model) is measured outside the tests: docs/vllm.md.
 """
 
 from __future__ import annotations
