@@ -18,8 +18,13 @@ SCRIPT_BY_WORD = {"grpo": "gsm8k_grpo.py", "ppo": "gsm8k_grpo.py", "sft": "sft.p
                   "dpo": "dpo.py"}
 
 
+SCRIPT_BY_NAME = {"agent_arithmetic.yaml": "gsm8k_grpo.py"}  # workflow.type=agent: the RL script
+
+
 def script_for(yaml_path: Path) -> Path:
     """The entry script a YAML in examples/ is written for."""
+    if yaml_path.name in SCRIPT_BY_NAME:
+        return EXAMPLES / SCRIPT_BY_NAME[yaml_path.name]
     scripts = {SCRIPT_BY_WORD[w] for w in yaml_path.stem.split("_") if w in SCRIPT_BY_WORD}
     assert len(scripts) == 1, (
         f"{yaml_path.name}: cannot tell its entry script from the name (words {sorted(SCRIPT_BY_WORD)}); "
