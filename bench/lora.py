@@ -4,7 +4,8 @@ The task, batch size and optimizer are those of ``examples/sft_arithmetic.yaml``
 addition, 32 problems a step); the model is a random ``--size`` Qwen2-style model (default
 ``small``, ~25M parameters, so weights, gradients and AdamW state dominate memory). Each mode
 runs in its own child process, so the peak RSS (``ru_maxrss``; on a GPU also
-``torch.cuda.max_memory_allocated``) is that mode's alone. Prints both side by side and the
+``torch.cuda.max_memory_allocated``) is that mode's alone; ``train_rss_mb`` is the peak minus
+the RSS after imports (peft in both) and data, i.e. what the model and training added. Prints both side by side and the
 LoRA / full ratio, measured in the same run.
 
 Usage: python bench/lora.py [--size small] [--steps 10] [--rank 32] [--target all-linear]
@@ -28,6 +29,8 @@ def child(mode: str, model_dir: str, steps: int, rank: int, target: str) -> dict
     """Train ``steps`` SFT steps (after one warm-up step) in this process; return its figures."""
     import torch
 
+    import peft  # noqa: F401 - imported in both modes, so the import's memory is the same
+
     from areal.api.config import SFTConfig, load_config
     from areal.api.io import FinetuneSpec
     from areal.dataset.loader import load_dataset
@@ -41,6 +44,7 @@ def child(mode: str, model_dir: str, steps: int, rank: int, target: str) -> dict
                                   f"model.path={model_dir}", *(lora if mode == "lora" else [])])
     data = load_dataset(cfg.train_dataset, AutoTokenizer.from_pretrained(model_dir), cfg.seed)
     size = cfg.train_dataset.batch_size
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # after imports and data
     engine = SFTEngine(cfg.model, init_distributed("gloo" if not torch.cuda.is_available() else "nccl").mesh)
     engine.initialize(FinetuneSpec(1, len(data), size, steps + 1))  # the recipe's warm-up + schedule
 
@@ -58,7 +62,8 @@ def child(mode: str, model_dir: str, steps: int, rank: int, target: str) -> dict
     elapsed = time.perf_counter() - start
     trainable = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in engine.model.parameters())
-    out = {"s_per_step": elapsed / steps, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out = {"s_per_step": elapsed / steps, "peak_rss_mb": peak, "train_rss_mb": peak - base_rss,
            "trainable_params": trainable, "total_params": total}
     if torch.cuda.is_available():
         out["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
