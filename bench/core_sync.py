@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sft", type=Path, default=None, help="SFT model dir (default: make demo's)")
     ap.add_argument("--workers", type=int, default=2, help="Core model workers (Ray actors)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench_core_sync")
+    ap.add_argument("--reuse-lite", action="store_true", help="take the Lite side from OUT/lite (a previous run)")
     args = ap.parse_args(argv)
     sft = (args.sft or _default_sft()).resolve()
     out = args.out.resolve()
@@ -73,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     result: dict[str, dict] = {}
     for name, (experiment, cmd) in sides.items():
-        wall = _run(cmd)
+        if name == "lite_async" and args.reuse_lite:
+            wall = json.loads((out / "core_sync.json").read_text())["lite_async"]["wall_seconds"] \
+                if (out / "core_sync.json").is_file() else float("nan")
+        else:
+            wall = _run(cmd)
         before, after = _accuracy(out / experiment / "run")
         result[name] = {"acc_before": before, "acc_after": after, "gain": after - before, "wall_seconds": wall}
         print(f"[core_sync] {name}: held-out {before:.3f} -> {after:.3f} ({(after - before) * 100:+.1f} points) "

@@ -21,7 +21,8 @@ class CoreWorkersConfig:
     allocations: list[ModelAllocationConfig] = param(
         factory=list, help="Which model workers host each model, and its mesh (docs/core.md); "
         "empty = every model on every worker, dp = n_workers.")
-    ray_address: str = param("", help="Ray cluster address (host:port); empty = Ray's own lookup.")
+    ray_address: str = param("", help="Ray cluster address (host:port); empty = RAY_ADDRESS, else a "
+                             "local instance on 127.0.0.1 sized for the workers.")
     cpus_per_worker: float = param(1.0, gt=0, help="Ray CPUs reserved per worker actor.")
     torch_threads: int = param(1, ge=1, help="torch intra-op threads per worker actor.")
     mfc_timeout: float = param(600.0, gt=0, help="Seconds an MFC (generation included) may run before "

@@ -21,6 +21,8 @@ master makes waits at most ``call_timeout`` seconds (the master's ``mfc_timeout`
 from __future__ import annotations
 
 import datetime
+import math
+import os
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -39,6 +41,8 @@ from areal.engine.rw import RWEngine
 from areal.engine.sft import SFTEngine
 from areal.utils.batch import PackedBatch
 
+TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                 "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
 RPC_TIMEOUT = 300.0  # seconds: a Ray call to a worker (setup loads models, so not short)
 
 
@@ -115,6 +119,11 @@ class WorkerActor:
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
+        # A local Ray instance started by a process under torchrun passes torchrun's variables on
+        # to its workers; with TORCHELASTIC_USE_AGENT_STORE every rank would wait for an agent's
+        # store instead of rank 0 serving this job's rendezvous.
+        for var in [v for v in os.environ if v.startswith("TORCHELASTIC_")] + list(TORCHRUN_VARS):
+            os.environ.pop(var, None)
         backend, device = ("nccl", "cuda") if self.gpu else ("gloo", "cpu")
         if self.gpu:  # Ray gives each worker actor one GPU as CUDA_VISIBLE_DEVICES: device 0 here
             torch.cuda.set_device(0)
@@ -252,12 +261,24 @@ class RayWorker(ModelWorker):
             self._ray.kill(self.handle, no_restart=True)
 
 
-def attach_ray(address: str) -> None:
-    """Join the Ray cluster at ``address`` (empty: Ray's own lookup, else a local instance) once."""
+def ray_cpus(n_workers: int, cpus_per_worker: float) -> int:
+    """CPUs a local Ray instance needs for ``n_workers`` worker actors."""
+    return max(1, math.ceil(n_workers * cpus_per_worker))
+
+
+def attach_ray(address: str, num_cpus: int) -> None:
+    """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``) once; with neither, start a local
+    instance on the loopback address (its workers rendezvous there: a machine's other addresses
+    may refuse local connections) with ``num_cpus`` CPUs (what the workers ask for: the process
+    may be pinned to fewer cores, from which Ray would size the instance)."""
     import ray
 
-    if not ray.is_initialized():
+    if ray.is_initialized():
+        return
+    if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address or None, log_to_driver=False, include_dashboard=False)
+    else:
+        ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", log_to_driver=False, include_dashboard=False)
 
 
 def start_ray_workers(graph: DataflowGraph, specs: dict[ModelName, EngineSpec], cpus_per_worker: float = 1,

@@ -57,9 +57,9 @@ def start_workers(cfg: CoreSFTConfig, run, graph: DataflowGraph, ft_spec):
     """The workers and what the script uses as the engine (the engine, or a Ray proxy of it)."""
     (mfc,) = graph.mfcs
     if cfg.core.backend == "ray":
-        from areal.core.ray_worker import EngineSpec, RayModel, attach_ray, start_ray_workers
+        from areal.core.ray_worker import EngineSpec, RayModel, attach_ray, ray_cpus, start_ray_workers
 
-        attach_ray(cfg.core.ray_address)
+        attach_ray(cfg.core.ray_address, ray_cpus(cfg.core.n_workers, cfg.core.cpus_per_worker))
         spec = EngineSpec("sft", cfg.model, ft_spec=ft_spec)
         workers = start_ray_workers(graph, {mfc.model: spec}, cfg.core.cpus_per_worker, cfg.core.torch_threads,
                                     cfg.core.gpus_per_worker)

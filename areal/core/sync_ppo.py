@@ -62,9 +62,9 @@ def start_model_workers(cfg: CoreGRPOConfig, run, graph: DataflowGraph, ft_spec)
     itself in process, a :class:`~areal.core.ray_worker.RayModel` on Ray)."""
     specs = engine_specs(cfg, ft_spec)
     if cfg.core.backend == "ray":
-        from areal.core.ray_worker import RayModel, attach_ray, start_ray_workers
+        from areal.core.ray_worker import RayModel, attach_ray, ray_cpus, start_ray_workers
 
-        attach_ray(cfg.core.ray_address)
+        attach_ray(cfg.core.ray_address, ray_cpus(cfg.core.n_workers, cfg.core.cpus_per_worker))
         workers = start_ray_workers(graph, specs, cfg.core.cpus_per_worker, cfg.core.torch_threads,
                                     cfg.core.gpus_per_worker)
         return workers, {m: RayModel(workers, m, graph.allocations[m].workers) for m in specs}

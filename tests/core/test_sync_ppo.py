@@ -1,7 +1,8 @@
 """Tier 2: Core sync PPO end to end (``areal core sync-ppo``'s script under the real local
 launcher, a real generation server, the tiny model).
 
-- Core's first step on 2 Ray model workers (actor dp=2) + the generation worker equals Lite's
+- Core's first step on 2 Ray model workers (actor dp=2, a local Ray instance the master starts)
+  + the generation worker equals Lite's
   sync GRPO first step (``examples/gsm8k_grpo.py``, ``rollout.max_staleness=0``) with the same
   seed and config: the same rollouts (``gconfig.seed``: seeded per sample), the same loss and
   gradient norm, the same updated weights (1e-5).
@@ -79,11 +80,14 @@ def runs(tmp_path):
     made.cleanup()
 
 
-def test_core_sync_ppo_first_step_on_ray_equals_lite_sync_grpo(runs, tiny_model_dir, ray_head):
+def test_core_sync_ppo_first_step_on_ray_equals_lite_sync_grpo(runs, tiny_model_dir, monkeypatch):
+    # no address: the master starts a local Ray instance (loopback, sized for the workers) under
+    # torchrun, whose variables its workers must not take for their own rendezvous; it goes
+    # away with the run (no survivors)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     common = [f"actor.path={tiny_model_dir}", *SYNC, "total_train_steps=1"]
     lite = runs.run("lite", LITE, common)
-    core = runs.run("core", SCRIPT, [*common, "core.backend=ray", "core.n_workers=2",
-                                     f"core.ray_address={ray_head.address}"])
+    core = runs.run("core", SCRIPT, [*common, "core.backend=ray", "core.n_workers=2"])
     lite_stats, core_stats = train_steps(lite)[1], train_steps(core)[1]
     assert core_stats["mfc/actor_train/n_tokens"] == lite_stats["perf/n_tokens"]  # the same rollouts
     for key in ("reward/mean", "perf/n_tokens", "perf/n_trained_tokens"):
