@@ -29,6 +29,9 @@ OMP_THREADS = "OMP_NUM_THREADS"
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 SERVER_API_KEY = "AREAL_SERVER_API_KEY"  # servers and trainers get the admin key by env, not argv
 LAUNCHER_PID = "AREAL_LAUNCHER_PID"  # every started process dies when this process exits
+# What torchrun sets for a rank beyond the names above (a process that is not a rank drops them all).
+TORCHRUN_ONLY = ("LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
+TORCHRUN_VARS = (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, *TORCHRUN_ONLY)
 
 
 @dataclass(frozen=True)

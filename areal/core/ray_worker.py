@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 
 from areal.api.config.engine import TrainEngineConfig
+from areal.api.launch import TORCHRUN_VARS
 from areal.api.io import FinetuneSpec, SaveLoadMeta
 from areal.core.dfg import Allocation, DataflowGraph, ModelFn, ModelName
 from areal.core.master import split_by_tokens
@@ -41,8 +42,6 @@ from areal.engine.rw import RWEngine
 from areal.engine.sft import SFTEngine
 from areal.utils.batch import PackedBatch
 
-TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                 "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
 RPC_TIMEOUT = 300.0  # seconds: a Ray call to a worker (setup loads models, so not short)
 
 
