@@ -276,7 +276,9 @@ def attach_ray(address: str, num_cpus: int) -> None:
         return
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address or None, log_to_driver=False, include_dashboard=False)
-    else:
+    else:  # token auth off: Ray 2.60 would write ~/.ray/auth_token, which every later `ray start`
+        # on the machine then enforces on clients that do not send it (RAY_AUTH_MODE=token opts in)
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", log_to_driver=False, include_dashboard=False)
 
 

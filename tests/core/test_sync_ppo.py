@@ -87,7 +87,10 @@ def test_core_sync_ppo_first_step_on_ray_equals_lite_sync_grpo(runs, tiny_model_
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     common = [f"actor.path={tiny_model_dir}", *SYNC, "total_train_steps=1"]
     lite = runs.run("lite", LITE, common)
+    token = Path.home() / ".ray" / "auth_token"
+    had_token = token.exists()
     core = runs.run("core", SCRIPT, [*common, "core.backend=ray", "core.n_workers=2"])
+    assert token.exists() == had_token, "the local Ray instance wrote ~/.ray/auth_token"
     lite_stats, core_stats = train_steps(lite)[1], train_steps(core)[1]
     assert core_stats["mfc/actor_train/n_tokens"] == lite_stats["perf/n_tokens"]  # the same rollouts
     for key in ("reward/mean", "perf/n_tokens", "perf/n_trained_tokens"):
