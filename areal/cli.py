@@ -99,11 +99,23 @@ def _core(args: argparse.Namespace) -> int:
         from areal.core.sft import main as core_sft
 
         return core_sft(args.rest)
-    if args.action == "sync-ppo":  # the master under the local launcher, which starts the servers
+    if args.action == "status":
+        from areal.core.async_ppo import format_status
+
+        if len(args.rest) != 1:
+            raise SystemExit("areal core status RUN_DIR: give the run directory of an async-ppo run")
+        try:
+            print(format_status(args.rest[0]))
+        except FileNotFoundError as e:
+            raise SystemExit(f"areal core status: {e}") from None
+        return 0
+    if args.action in ("sync-ppo", "async-ppo"):  # the master under the local launcher (servers)
+        import areal.core.async_ppo
         import areal.core.sync_ppo
         from areal.launcher.local import launch_local
 
-        return launch_local(areal.core.sync_ppo.__file__, args.rest)
+        script = areal.core.sync_ppo if args.action == "sync-ppo" else areal.core.async_ppo
+        return launch_local(script.__file__, args.rest)
     from areal.api.config import load_config
     from areal.core.dfg import GraphError, format_graph
     from areal.core.graphs import CoreGraphConfig, graph_from_config
@@ -131,6 +143,12 @@ def _add_local_artifacts(sub) -> None:
     p.add_argument("--config", help="YAML of ArithmeticPairsConfig fields (areal/dataset/arithmetic_pairs.py)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. n_samples=16")
     p.set_defaults(func=_dpo_pairs)
+
+
+CORE_ACTIONS = ("graph: print nodes, edges, models and meshes; sft: SFT through the master; sync-ppo: sync "
+                "PPO/GRPO through the master (servers started by the local launcher); async-ppo: async PPO/GRPO, "
+                "rollout workers and the generation manager on Ray; status RUN_DIR: an async-ppo run's manager "
+                "and rollout workers at its last step")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,14 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. max_batch_size=64")
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("core", help="Core mode (docs/core.md): print a dataflow graph, run SFT or sync PPO")
-    p.add_argument("action", choices=["graph", "sft", "sync-ppo"],
-                   help="graph: print nodes, edges, models and meshes; sft: SFT through the master; "
-                   "sync-ppo: sync PPO/GRPO through the master (servers started by the local launcher)")
+    p = sub.add_parser("core", help="Core mode (docs/core.md): print a dataflow graph, run SFT, sync or async PPO")
+    p.add_argument("action", choices=["graph", "sft", "sync-ppo", "async-ppo", "status"], help=CORE_ACTIONS)
     p.add_argument("rest", nargs=argparse.REMAINDER,
                    help="--config YAML and key=value overrides: CoreGraphConfig fields "
                    "(areal/core/graphs.py) for graph, CoreSFTConfig fields (areal/core/sft.py) for sft, "
-                   "CoreGRPOConfig fields (areal/core/config.py) for sync-ppo")
+                   "CoreGRPOConfig / CoreAsyncGRPOConfig fields (areal/core/config.py) for sync-ppo / async-ppo")
     p.set_defaults(func=_core)
     return parser
 

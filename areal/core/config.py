@@ -1,5 +1,6 @@
 """Core's entry configs: the ``core`` section (where the model workers run and which models each
-hosts) and the sync PPO config (``areal core sync-ppo``; ``areal core sft``'s is beside its script)."""
+hosts), the sync PPO config (``areal core sync-ppo``) and the async PPO config (``areal core
+async-ppo``); ``areal core sft``'s is beside its script."""
 
 from __future__ import annotations
 
@@ -29,12 +30,26 @@ class CoreWorkersConfig:
                                "the step stops naming it and its workers.")
     gpus_per_worker: int = param(0, ge=0, le=1, help="GPUs per worker actor (ray): 0 = CPU and gloo; "
                                  "1 = one GPU each, placed by Ray, NCCL.")
+    n_rollout_workers: int = param(2, ge=1, help="Async PPO: rollout worker actors (each runs the "
+                                   "workflow against the generation servers).")
+    rollout_worker_restarts: int = param(3, ge=0, help="Async PPO: times Ray restarts a rollout worker "
+                                         "that died (its slots are reclaimed and its work redone).")
+    health_timeout: float = param(60.0, gt=0, help="Async PPO: seconds a rollout worker or the manager "
+                                  "may take to answer the master's health check before it is named hung.")
 
     def check(self) -> Iterator[str]:
         if self.backend == "in_process" and self.n_workers != 1:
             yield f"n_workers: in_process has one worker, got {self.n_workers}; set backend=ray for more"
         if self.backend == "in_process" and self.allocations:
             yield "allocations: in_process hosts every model on its one worker; set backend=ray to allocate"
+
+
+def one_master(cluster) -> Iterator[str]:
+    """Core's master is one process: the trainer launch of one rank on one node."""
+    if cluster.trainer_nprocs != 1 or cluster.n_nodes != 1:
+        yield (f"cluster.trainer_nprocs: the Core master is one process (got trainer_nprocs="
+               f"{cluster.trainer_nprocs}, n_nodes={cluster.n_nodes}); set both to 1 and size the "
+               "workers with core.n_workers (and core.n_rollout_workers)")
 
 
 @dataclass(frozen=True)
@@ -48,7 +63,20 @@ class CoreGRPOConfig(GRPOConfig):
         if self.rollout.max_staleness != 0:
             yield (f"rollout.max_staleness: {self.rollout.max_staleness}; sync PPO generates every batch "
                    "with the current weights, set rollout.max_staleness=0")
-        if self.cluster.trainer_nprocs != 1 or self.cluster.n_nodes != 1:
-            yield (f"cluster.trainer_nprocs: the Core master is one process (got trainer_nprocs="
-                   f"{self.cluster.trainer_nprocs}, n_nodes={self.cluster.n_nodes}); set both to 1 and "
-                   "size the model workers with core.n_workers")
+        yield from one_master(self.cluster)
+
+
+@dataclass(frozen=True)
+class CoreAsyncGRPOConfig(GRPOConfig):
+    """Async PPO / GRPO through Core: rollout workers and the generation manager on Ray feed the
+    master's graph (areal core async-ppo)."""
+
+    core: CoreWorkersConfig = param(factory=lambda: CoreWorkersConfig(backend="ray", n_workers=2),
+                                    help="Core: model workers, rollout workers.")
+
+    def check(self) -> Iterator[str]:
+        yield from super().check()
+        if self.core.backend != "ray":
+            yield (f"core.backend: {self.core.backend!r}; async PPO runs its rollout workers and manager "
+                   "as Ray actors, set core.backend=ray")
+        yield from one_master(self.cluster)

@@ -25,6 +25,10 @@ An :class:`~areal.core.dfg.UpdateServers` hook asks the generation workers to pu
 weights to their servers, with the source's version: the number of training MFCs it has run
 (:attr:`Master.versions`; a resume sets it).
 
+Streamed groups (async PPO): :meth:`Master.put_groups` places each rollout group, whole, on a
+model worker by token count; the tensors go from the rollout worker's object store straight to
+that model worker.
+
 Generation. A graph with a ``generate`` MFC (sync PPO) makes its samples each step: the step's
 sample ids are new, the generation workers fill them (prompts from their own dataset) and report
 each sample's length; the master then places the new samples on the model workers by token count
@@ -124,6 +128,28 @@ class Master:
         for w, positions in enumerate(split_by_tokens(seqlens, n_place, self.group_size)):
             self.workers[w].put([ids[i] for i in positions], data.select(positions))
             metas += [SampleMeta(ids[i], seqlens[i], {k: w for k in keys}) for i in positions]
+        self.buffer.put(sorted(metas, key=lambda m: m.sample_id))
+        return ids
+
+    def put_groups(self, groups: list) -> list[int]:
+        """Add streamed rollout groups (async PPO; :class:`~areal.core.manager.Finished`): each is
+        placed whole on a model worker by token count, and that worker fetches its tensors from
+        the object store; the master records metadata only. Returns the new sample ids."""
+        bad = [g.group_id for g in groups if len(g.seqlens) != self.group_size]
+        if bad:
+            raise ValueError(f"groups {bad} do not hold group_size={self.group_size} samples")
+        seqlens = [n for g in groups for n in g.seqlens]
+        self.buffer.check_room(len(seqlens))
+        ids = list(range(self._next_id, self._next_id + len(seqlens)))
+        self._next_id += len(seqlens)
+        keys, size = self.graph.dataset_keys, self.group_size
+        metas = []
+        n_place = min(len(self._model_workers), len(groups))
+        for rank, positions in enumerate(split_by_tokens(seqlens, n_place, size)):
+            target = self._model_workers[rank]
+            for g in sorted({p // size for p in positions}):
+                self.workers[target].put(ids[g * size:(g + 1) * size], groups[g].ref[0])
+            metas += [SampleMeta(ids[i], seqlens[i], {k: target for k in keys}) for i in positions]
         self.buffer.put(sorted(metas, key=lambda m: m.sample_id))
         return ids
 

@@ -93,6 +93,14 @@ class _RayPeer:
         return ray.get(self.handle.read_snapshot.remote(token), timeout=RPC_TIMEOUT)
 
 
+def drop_torchrun_env() -> None:
+    """Forget torchrun's variables in this Ray worker process. A local Ray instance started by a
+    process under torchrun passes them on to its workers; with TORCHELASTIC_USE_AGENT_STORE every
+    rank would wait for an agent's store instead of rank 0 serving this job's rendezvous."""
+    for var in [v for v in os.environ if v.startswith("TORCHELASTIC_")] + list(TORCHRUN_VARS):
+        os.environ.pop(var, None)
+
+
 class WorkerActor:
     """The body of one worker process (wrapped by ``ray.remote`` in :func:`start_ray_workers`)."""
 
@@ -118,11 +126,7 @@ class WorkerActor:
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
-        # A local Ray instance started by a process under torchrun passes torchrun's variables on
-        # to its workers; with TORCHELASTIC_USE_AGENT_STORE every rank would wait for an agent's
-        # store instead of rank 0 serving this job's rendezvous.
-        for var in [v for v in os.environ if v.startswith("TORCHELASTIC_")] + list(TORCHRUN_VARS):
-            os.environ.pop(var, None)
+        drop_torchrun_env()
         backend, device = ("nccl", "cuda") if self.gpu else ("gloo", "cpu")
         if self.gpu:  # Ray gives each worker actor one GPU as CUDA_VISIBLE_DEVICES: device 0 here
             torch.cuda.set_device(0)
@@ -143,6 +147,10 @@ class WorkerActor:
 
     def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
         return self.inner.hosts(model, fn)
+
+    def pid(self) -> int:
+        """This worker's process id (``areal core status``)."""
+        return os.getpid()
 
     def _in_turn(self, number: int, queue) -> Future:
         """Queue request ``number`` (0, 1, ...) on the worker only after all lower numbers."""

@@ -1,0 +1,233 @@
+"""The generation manager: the one authority over what Core's rollout workers may start, and the
+stream of their finished groups (async PPO).
+
+Admission is Lite's staleness rule (:class:`~areal.rollout.staleness.StalenessManager`) counted
+over every rollout worker at once: with ``B`` groups per training batch, actor version ``v`` and
+bound ``s``, a rollout may start only while ``(s + v + 1) * B > accepted + running``, and at most
+``max_concurrent`` run at once. A worker asks with :meth:`GenerationManager.acquire`; each slot
+granted is a *ticket* (a global admission number) with the dataset item to roll out. Asks that
+get fewer slots than wanted are counted by cause: ``staleness`` (the bound), ``capacity``
+(``max_concurrent``), ``paused`` (a weight update is running).
+
+Data. The manager hands out the items, from one loader over the train dataset: one data order for
+the whole job, so adding or removing a rollout worker never reshards, and a recover checkpoint
+holds, atomically, the loader position and every item admitted but not yet trained (re-issued
+first after a resume, under new tickets).
+
+Stream. A worker reports each ticket with :meth:`finish`: its group (metadata and a reference to
+the packed tensors, which stay with the worker until a model worker fetches them), or ``None``
+when the group was filtered out or the episode failed (its slot is freed). :meth:`take` hands the
+master the ``n`` oldest-admitted accepted groups, only once every older ticket has finished: the
+n-th admitted rollout is trained in batch ``n // B`` or later, which is what the bound assumes
+(delivering in finish order would let a slow early rollout fall further behind).
+
+Workers. In-flight tickets are tracked per worker, so a dead worker's slots are reclaimed
+(:meth:`reclaim`): its running items are re-issued, counted in ``lost``; a late report for a
+reclaimed ticket is dropped, so nothing is trained twice.
+
+The class is plain Python (no clock, no I/O): Core runs it as a Ray actor (:class:`ManagerActor`)
+and the admission tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+from areal.rollout.staleness import StalenessManager
+
+REFUSAL_CAUSES = ("staleness", "capacity", "paused")
+
+
+@dataclass
+class Finished:
+    """One accepted group in the stream: what the master needs to place and check it."""
+
+    ticket: int
+    worker: int
+    ref: list  # [ray.ObjectRef] of the packed group (a list, so Ray passes the reference itself)
+    seqlens: tuple[int, ...]
+    group_id: str
+    min_versions: tuple[int, ...]  # per sample: the oldest weight version among its trained tokens
+    rewards: tuple[float, ...] = ()
+
+
+@dataclass
+class _Ticket:
+    worker: int
+    item: Any
+    version: int  # the actor version when it was admitted
+
+
+@dataclass
+class WorkerCounts:
+    """What one rollout worker has done (stats and ``areal core status``)."""
+
+    in_flight: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    failed: int = 0
+    reclaimed: int = 0
+    restarts: int = 0
+
+
+class GenerationManager:
+    """Admission, items, the ordered stream and per-worker accounting (module docstring)."""
+
+    def __init__(self, max_staleness: int, batch_groups: int, max_concurrent: int, loader: Iterable):
+        self.staleness = StalenessManager(max_staleness, batch_groups, max_concurrent)
+        self.loader = loader
+        self.version = 0
+        self.paused = False
+        self.refused: Counter[str] = Counter({c: 0 for c in REFUSAL_CAUSES})
+        self.workers: dict[int, WorkerCounts] = {}
+        self.lost = 0  # tickets reclaimed from dead workers (their items re-issued)
+        self.late = 0  # reports for tickets already reclaimed (dropped)
+        self._next_ticket = 0
+        self._running: dict[int, _Ticket] = {}
+        self._done: dict[int, tuple[Finished, _Ticket]] = {}
+        self._reissue: deque[Any] = deque()  # items to redo (reclaimed or restored), first
+        self._batches: Iterator[list[Any]] | None = None
+        self._rest: deque[Any] = deque()  # the current loader batch's items not yet handed out
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def acquire(self, worker: int, want: int) -> list[tuple[int, Any]]:
+        """Up to ``want`` ``(ticket, item)`` slots for ``worker``, as admission allows now."""
+        counts = self.workers.setdefault(worker, WorkerCounts())
+        if want <= 0:
+            return []
+        if self.paused:
+            self.refused["paused"] += 1
+            return []
+        granted = min(want, self.staleness.capacity(self.version))
+        if granted < want:  # the bound binds (ties included), else max_concurrent does
+            s = self.staleness
+            by_staleness = (s.max_staleness + self.version + 1) * s.consumer_batch_size - s.accepted - s.running
+            cause = "staleness" if by_staleness <= s.concurrency_capacity() else "capacity"
+            self.refused[cause] += 1
+        out = []
+        for _ in range(granted):
+            item = self._reissue.popleft() if self._reissue else self._next_item()
+            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+            self.staleness.on_start()
+            self._running[ticket] = _Ticket(worker, item, self.version)
+            out.append((ticket, item))
+        counts.in_flight += granted
+        return out
+
+    def _next_item(self) -> Any:
+        while not self._rest:  # the loader yields batches (lists) of items; a new epoch when it ends
+            if self._batches is None:
+                self._batches = iter(self.loader)
+            try:
+                self._rest.extend(next(self._batches))
+            except StopIteration:
+                self._batches = None
+        return self._rest.popleft()
+
+    def finish(self, worker: int, ticket: int, group: Finished | None, failed: bool = False) -> bool:
+        """``worker`` finished ``ticket``: ``group`` accepted, or ``None`` (filtered out, or
+        ``failed``). False when the ticket was reclaimed meanwhile (the report is dropped)."""
+        job = self._running.get(ticket)
+        if job is None or job.worker != worker:
+            self.late += 1
+            return False
+        del self._running[ticket]
+        counts = self.workers[worker]
+        counts.in_flight -= 1
+        self.staleness.on_finish(group is not None)
+        if group is not None:
+            counts.accepted += 1
+            self._done[ticket] = (group, job)
+        elif failed:
+            counts.failed += 1
+        else:
+            counts.rejected += 1
+        return True
+
+    def reclaim(self, worker: int, restarted: bool = False) -> int:
+        """Free every slot ``worker`` holds (it died; ``restarted``: it is coming back) and
+        re-issue its items first; returns how many."""
+        counts = self.workers.setdefault(worker, WorkerCounts())
+        mine = sorted(t for t, job in self._running.items() if job.worker == worker)
+        for t in mine:
+            self._reissue.append(self._running.pop(t).item)
+            self.staleness.on_finish(False)
+        counts.in_flight = 0
+        counts.reclaimed += len(mine)
+        counts.restarts += int(restarted)
+        self.lost += len(mine)
+        return len(mine)
+
+    def drop_worker_groups(self, worker: int) -> int:
+        """Forget ``worker``'s finished, untaken groups (their tensors died with it): their items
+        are re-issued and their slots freed; returns how many."""
+        gone = sorted(t for t, (g, _) in self._done.items() if g.worker == worker)
+        for t in gone:
+            _, job = self._done.pop(t)
+            self._reissue.append(job.item)
+            self.staleness.accepted -= 1  # never delivered: admission counts it again when redone
+        self.lost += len(gone)
+        return len(gone)
+
+    # -- the master's side ---------------------------------------------------------------------
+
+    def take(self, n: int) -> list[Finished] | None:
+        """The ``n`` oldest-admitted accepted groups once no older ticket is running, else None."""
+        oldest_running = min(self._running, default=math.inf)
+        ready = sorted(t for t in self._done if t < oldest_running)
+        if len(ready) < n:
+            return None
+        return [self._done.pop(t)[0] for t in ready[:n]]
+
+    def set_version(self, version: int) -> None:
+        """The actor's weights on the servers are now ``version``."""
+        self.version = version
+
+    def pause(self) -> None:
+        """Admit nothing until :meth:`resume` (a weight update is running)."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def stats(self) -> dict[str, float]:
+        """Counters: admission, refusals by cause, buffer occupancy, per-worker work."""
+        out = {"manager/version": float(self.version), "manager/accepted": float(self.staleness.accepted),
+               "manager/running": float(len(self._running)), "manager/buffered": float(len(self._done)),
+               "manager/lost": float(self.lost), "manager/late_reports": float(self.late)}
+        out.update({f"manager/refused/{c}": float(n) for c, n in self.refused.items()})
+        for w, c in sorted(self.workers.items()):
+            out.update({f"rollout_worker/{w}/{k}": float(v) for k, v in vars(c).items()})
+        return out
+
+    # -- recovery ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Version, admission counters, loader position and every admitted, untrained item."""
+        admitted = {**{t: job for t, (_, job) in self._done.items()}, **self._running}
+        pending = [admitted[t].item for t in sorted(admitted)] + list(self._reissue)  # admission order
+        pending += list(self._rest)  # the loader's position is past them
+        staleness = self.staleness.state_dict()
+        staleness["accepted"] -= len(self._done)  # delivered only: the untaken ones are redone
+        return {"version": self.version, "staleness": staleness,
+                "loader": self.loader.state_dict() if hasattr(self.loader, "state_dict") else None,
+                "pending": pending, "refused": dict(self.refused), "lost": self.lost}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output before any slot is granted."""
+        if self._running or self._done:
+            raise RuntimeError("load_state_dict must run before any rollout is admitted")
+        self.version = int(state["version"])
+        self.staleness.load_state_dict(state["staleness"])
+        self.staleness.fast_forward(self.version)
+        if state["loader"] is not None:
+            self.loader.load_state_dict(state["loader"])
+        self._batches, self._rest = None, deque()
+        self._reissue = deque(state["pending"])
+        self.refused.update({c: int(n) for c, n in state["refused"].items()})
+        self.lost = int(state["lost"])
+

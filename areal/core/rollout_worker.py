@@ -1,0 +1,170 @@
+"""Core's rollout side for async PPO: the generation manager and the rollout workers as Ray actors.
+
+:class:`ManagerActor` is the :class:`~areal.core.manager.GenerationManager` in its own process,
+with the train dataset's loader (items are handed out with the admission tickets).
+
+:class:`RolloutWorker` (one process each) runs Lite's rollout pieces against the generation
+servers: the client (:class:`~areal.rollout.remote.RemoteInferenceEngine`: routing, retries,
+failover, pause/resume with re-submission), the reward workers and the training workflow of
+``workflow.type`` (RLVR, multi-turn, agent or yours), with DAPO's filter when configured. Its loop
+asks the manager for slots (the manager replaces the Lite executor's admission: the bound is
+global), runs each episode as a task, and reports every ticket: an accepted group is packed
+(:func:`~areal.rollout.trajectory.groups_to_batch`, its ``group_index`` set to the ticket so
+groups never merge) and put in Ray's object store; the manager and the master see only its
+reference and metadata, and the model worker the master places it on fetches the tensors.
+
+Failures: an episode that raises is reported as failed (its slot is freed) and recorded; the
+master reads each worker's :meth:`RolloutWorker.health` every step (with a deadline) and stops
+the run naming the worker and the first error, as Lite's executor does. Every manager call waits
+at most ``MANAGER_TIMEOUT`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from areal.api.config import GRPOConfig
+from areal.core.graphs import ROLLOUT_KEYS
+from areal.core.manager import Finished, GenerationManager
+from areal.core.ray_worker import drop_torchrun_env
+from areal.rollout.executor import EventLoopThread
+from areal.rollout.trajectory import groups_to_batch
+from areal.utils.batch import PackedBatch
+from areal.utils.logging import get_logger
+
+logger = get_logger("core.rollout")
+MANAGER_TIMEOUT = 60.0  # seconds a call to the manager may take
+POLL_S = 0.05  # seconds between asks for slots while the worker is full or refused
+
+
+def _tokenizer(cfg: GRPOConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
+
+
+class ManagerActor(GenerationManager):
+    """The manager in its own Ray process, drawing items from the run's train dataset."""
+
+    def __init__(self, cfg: GRPOConfig):
+        from areal.dataset import create_dataloader, load_dataset
+
+        drop_torchrun_env()
+        train = load_dataset(cfg.train_dataset, _tokenizer(cfg), cfg.seed)
+        loader = create_dataloader(train, cfg.train_dataset, cfg.seed)
+        super().__init__(cfg.rollout.max_staleness, cfg.train_dataset.batch_size,
+                         cfg.rollout.max_concurrent_rollouts, loader)
+
+    def resume_at(self, version: int) -> None:
+        """A weight update finished: the servers hold ``version``; admit again."""
+        self.set_version(version)
+        self.resume()
+
+
+def min_versions(group: list) -> tuple[int, ...]:
+    """Per trajectory: the oldest weight version among its trained tokens (-1: none trained)."""
+    out = []
+    for t in group:
+        vs = [v for v, m in zip(t.versions, t.loss_mask) if m and v >= 0]
+        out.append(min(vs) if vs else -1)
+    return tuple(out)
+
+
+class RolloutWorker:
+    """One rollout worker (wrapped by ``ray.remote``); see the module docstring."""
+
+    def __init__(self, index: int, cfg: GRPOConfig, addresses: list[str], manager: Any, dump_dir: str,
+                 reject_limit: int):
+        from areal.reward.resolve import resolve_reward
+        from areal.reward.runner import RewardRunner
+        from areal.rollout.remote import RemoteInferenceEngine
+        from areal.runtime.rl import make_workflow
+        from areal.workflow.filters import DynamicSamplingFilter
+
+        drop_torchrun_env()
+        self.index, self.manager = index, manager
+        self.max_in_flight = cfg.rollout.max_concurrent_rollouts
+        self.engine = RemoteInferenceEngine(cfg.rollout, api_key=cfg.server.api_key)
+        self.engine.initialize(addresses)
+        self.reward = RewardRunner(resolve_reward(cfg.reward_fn), cfg.reward)
+        self.workflow = make_workflow(cfg, self.reward, _tokenizer(cfg), dump_dir)
+        self.accept = DynamicSamplingFilter(reject_limit) if cfg.actor.dynamic_sampling else None
+        self.errors: list[str] = []
+        self.n_episodes = 0
+        self.n_tokens = 0
+        self.started = time.monotonic()
+        self._thread = EventLoopThread(f"rollout-worker-{index}")
+        self._main = None
+
+    def start(self) -> None:
+        """Start asking for slots and rolling out (returns at once)."""
+        if self._main is None:
+            self._main = self._thread.submit(self._loop())
+
+    async def _ask(self, method: str, *args: Any) -> Any:
+        ref = getattr(self.manager, method).remote(*args)
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), MANAGER_TIMEOUT)
+
+    async def _loop(self) -> None:
+        tasks: set[asyncio.Task] = set()
+        try:
+            while not self.errors:
+                tasks = {t for t in tasks if not t.done()}
+                want = self.max_in_flight - len(tasks)
+                slots = await self._ask("acquire", self.index, want) if want > 0 else []
+                for ticket, item in slots:
+                    tasks.add(asyncio.create_task(self._episode(ticket, item)))
+                await asyncio.sleep(0 if slots else POLL_S)
+        except Exception as e:  # noqa: BLE001 -- the manager is unreachable: recorded, read by the master
+            self._record(f"rollout worker {self.index} lost the manager: {type(e).__name__}: {e}")
+        for t in tasks:
+            t.cancel()
+
+    def _record(self, error: str) -> None:
+        logger.error("%s", error)
+        self.errors.append(error)
+
+    async def _episode(self, ticket: int, item: Any) -> None:
+        group, failed = None, False
+        try:
+            group = await self.workflow.arun_episode(self.engine, item)
+            if group is not None and self.accept is not None and not self.accept(group):
+                group = None
+        except Exception as e:  # noqa: BLE001 -- counted by the manager, named to the master
+            failed = True
+            self._record(f"rollout worker {self.index}: ticket {ticket} failed: {type(e).__name__}: {e}")
+        self.n_episodes += 1
+        entry = self._publish(ticket, group) if group else None
+        try:
+            await self._ask("finish", self.index, ticket, entry, failed)
+        except Exception as e:  # noqa: BLE001
+            self._record(f"rollout worker {self.index} could not report ticket {ticket}: {e}")
+
+    def _publish(self, ticket: int, group: list) -> Finished:
+        """Put the packed group in the object store; the manager gets its reference."""
+        import ray
+        import torch
+
+        batch = groups_to_batch([group])
+        seqs = {k: v for k, v in batch.seqs.items() if k in ROLLOUT_KEYS}
+        seqs["group_index"] = torch.full_like(seqs["group_index"], ticket)
+        packed = PackedBatch(batch.cu_seqlens, {k: v for k, v in batch.tokens.items() if k in ROLLOUT_KEYS}, seqs)
+        self.n_tokens += packed.n_tokens
+        return Finished(ticket, self.index, [ray.put(packed)], tuple(packed.seqlens.tolist()),
+                        group[0].group_id, min_versions(group), tuple(float(t.reward) for t in group))
+
+    def health(self) -> dict[str, Any]:
+        """Errors so far and throughput counters (the master reads it every step)."""
+        wall = time.monotonic() - self.started
+        return {"pid": os.getpid(), "started": self._main is not None, "errors": list(self.errors),
+                "episodes": self.n_episodes,
+                "tokens_per_s": self.n_tokens / max(wall, 1e-9), **self.reward.commit_batch(),
+                **self.engine.stats()}
+
+    def shutdown(self) -> None:
+        self._thread.stop()
+        self.engine.destroy()
+        self.reward.close()
