@@ -15,6 +15,12 @@ per pair, all ``[P]``: ``logp_c`` / ``logp_r`` under the policy being trained, `
   ``h = beta * (logp_c / len_c - logp_r / len_r) - gamma``, then the sigmoid loss above
   (label smoothing allowed). ``gamma`` is the target reward margin.
 
+Optional NLL term (``nll_coef`` > 0; the RPO regulariser of Pang et al. 2024): each pair's loss
+gains ``nll_coef * (-logp_c / len_c)``, the mean token negative log-likelihood of the chosen
+reply. DPO alone only widens the chosen-minus-rejected gap and may lower both sides' likelihood
+(it did on the arithmetic demo: chosen answers lost probability and greedy accuracy fell); the
+NLL term keeps pushing the chosen answers up.
+
 Implicit rewards (for stats): ``beta * (logp - ref)`` per side for sigmoid and ipo,
 ``beta * logp / len`` for simpo. ``reward_acc`` is the fraction of pairs whose chosen reward is
 above the rejected one, ``margin`` the mean chosen-minus-rejected reward.
@@ -58,11 +64,12 @@ def implicit_rewards(pairs: PairLogps, loss_type: str, beta: float) -> tuple[tor
 
 
 def preference_loss(pairs: PairLogps, loss_type: str, beta: float, label_smoothing: float = 0.0,
-                    gamma: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    gamma: float = 0.0, nll_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses ``[P]`` and the (chosen, rejected) implicit rewards ``[P]`` (detached).
 
     ``loss_type`` is one of :data:`LOSS_TYPES`; ``beta`` > 0; ``label_smoothing`` in [0, 0.5)
-    (sigmoid and simpo only); ``gamma`` is SimPO's margin (simpo only)."""
+    (sigmoid and simpo only); ``gamma`` is SimPO's margin (simpo only); ``nll_coef`` >= 0 weighs
+    the chosen reply's mean token NLL (any loss type)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     if not beta > 0:
@@ -71,6 +78,8 @@ def preference_loss(pairs: PairLogps, loss_type: str, beta: float, label_smoothi
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
     if loss_type == "ipo" and label_smoothing:
         raise ValueError(f"label_smoothing={label_smoothing} is not defined for ipo; set it to 0")
+    if not nll_coef >= 0:
+        raise ValueError(f"nll_coef must be >= 0, got {nll_coef}")
     if gamma and loss_type != "simpo":
         raise ValueError(f"gamma={gamma} is SimPO's margin; set it to 0 for loss_type={loss_type!r}")
     chosen, rejected = implicit_rewards(pairs, loss_type, beta)  # differentiable
@@ -80,7 +89,14 @@ def preference_loss(pairs: PairLogps, loss_type: str, beta: float, label_smoothi
     else:
         h = chosen - rejected - gamma  # gamma is 0 for sigmoid
         losses = -(1.0 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)
+    if nll_coef:
+        losses = losses + nll_coef * chosen_nll(pairs)
     return losses, chosen.detach(), rejected.detach()
+
+
+def chosen_nll(pairs: PairLogps) -> torch.Tensor:
+    """[P] mean token negative log-likelihood of each chosen reply: ``-logp_c / len_c``."""
+    return -pairs.logp_c / pairs.len_c.clamp(min=1)
 
 
 def reward_stats(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, float]:

@@ -84,7 +84,8 @@ class DPOEngine(FSDPEngine):
                                         self.config.logprob_chunk_size)  # [T]
         pairs = pair_logps(sequence_logp(logp, mb), mb, self.needs_ref)
         cfg = self.loss
-        losses, chosen, rejected = preference_loss(pairs, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.gamma)
+        losses, chosen, rejected = preference_loss(pairs, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.gamma,
+                                                   cfg.nll_coef)
         stats = reward_stats(chosen, rejected)
         stats["chosen_logp"] = float(pairs.logp_c.detach().mean())
         stats["rejected_logp"] = float(pairs.logp_r.detach().mean())
@@ -103,7 +104,8 @@ class DPOEngine(FSDPEngine):
         batch, _ = self.compute_logp(batch)
         pairs = pair_logps(sequence_logp(batch["logp"].double(), batch), batch, self.needs_ref)
         cfg = self.loss
-        losses, chosen, rejected = preference_loss(pairs, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.gamma)
+        losses, chosen, rejected = preference_loss(pairs, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.gamma,
+                                                   cfg.nll_coef)
         sums = torch.stack([losses.sum(), (chosen > rejected).double().sum(), (chosen - rejected).sum(),
                             torch.tensor(float(len(losses)), dtype=torch.float64, device=losses.device)])
         dist.all_reduce(sums, group=self.group)

@@ -50,6 +50,23 @@ def test_simpo_by_hand_uses_average_logprob_and_margin_and_no_reference():
     assert smoothed.tolist() == pytest.approx([0.501413], abs=1e-6)
 
 
+def test_nll_term_adds_the_chosen_mean_token_nll_by_hand():
+    losses, chosen, rejected = preference_loss(_pairs(**TWO), "sigmoid", beta=0.5, nll_coef=0.5)
+    # chosen mean token NLL: pair 0: -(-2) / 2 = 1; pair 1: -(-4) / 2 = 2; times 0.5 -> 0.5, 1.0
+    # added to the sigmoid losses above: 0.313262 + 0.5, 0.693147 + 1.0
+    assert losses.tolist() == pytest.approx([0.813262, 1.693147], abs=1e-6)
+    assert chosen.tolist() == [0.5, 0.0] and rejected.tolist() == [-0.5, 0.0]  # rewards unchanged
+    simpo = _pairs(logp_c=[-2.0], logp_r=[-6.0], len_c=[2.0], len_r=[3.0])
+    losses, _, _ = preference_loss(simpo, "simpo", beta=2.0, gamma=0.5, nll_coef=2.0)
+    assert losses.tolist() == pytest.approx([0.201413 + 2.0 * 1.0], abs=1e-6)  # NLL -(-2) / 2 = 1
+    # its gradient on logp_c is -nll_coef / len_c on top of the preference part (0 here: IPO at its target)
+    logp_c = torch.tensor([-2.0], dtype=torch.float64, requires_grad=True)
+    at_target = PairLogps(logp_c, torch.tensor([-5.0]), torch.tensor([2.0]), torch.tensor([3.0]),
+                          torch.tensor([-3.0]), torch.tensor([-4.0]))  # gap 2 = 1 / (2 * 0.25)
+    preference_loss(at_target, "ipo", beta=0.25, nll_coef=0.4)[0].sum().backward()
+    assert logp_c.grad.item() == pytest.approx(-0.2)
+
+
 def test_reward_stats_by_hand():
     stats = reward_stats(torch.tensor([0.5, 0.0, -1.0]), torch.tensor([-0.5, 0.0, 1.0]))
     # chosen > rejected only for the first pair (a tie is not a win); margins 1, 0, -2
@@ -78,6 +95,8 @@ def test_bad_knobs_name_the_value_and_the_fix():
         preference_loss(pairs, "ipo", beta=0.1, label_smoothing=0.1)
     with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 0.5\), got 0.5"):
         preference_loss(pairs, "sigmoid", beta=0.1, label_smoothing=0.5)
+    with pytest.raises(ValueError, match="nll_coef must be >= 0, got -1"):
+        preference_loss(pairs, "sigmoid", beta=0.1, nll_coef=-1.0)
     with pytest.raises(ValueError, match="SimPO's margin"):
         preference_loss(pairs, "sigmoid", beta=0.1, gamma=1.0)
     no_ref = _pairs(logp_c=[-1.0], logp_r=[-2.0], len_c=[1.0], len_r=[1.0])

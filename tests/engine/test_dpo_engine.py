@@ -78,6 +78,24 @@ def test_one_dpo_step_lowers_the_loss_and_widens_the_margin(tiny_model_dir, loss
     assert before["n_pairs"] == 8 and set(train) >= {"reward_acc", "margin", "chosen_reward", "rejected_reward"}
 
 
+def test_nll_coef_adds_the_chosen_replies_mean_token_nll(tiny_model_dir):
+    batch = random_pairs(6, seed=2)
+    ref = FSDPEngine(_config(tiny_model_dir), world_mesh())
+    ref.initialize(None)
+    batch = with_ref_logp(ref, batch)
+    ref.destroy()
+    engine = DPOEngine(_config(tiny_model_dir), world_mesh(), DPOLossConfig(nll_coef=0.5))
+    engine.initialize(None)
+    scored, out = engine.evaluate_dpo(batch)
+    _, train = engine.train_dpo(batch)
+    engine.destroy()
+    bounds, mask = batch.cu_seqlens.tolist(), batch["loss_mask"].bool()
+    nll = [-float(scored["logp"][a:b][mask[a:b]].sum()) / int(mask[a:b].sum())  # chosen: even sequences
+           for a, b in list(zip(bounds, bounds[1:]))[0::2]]
+    expected = math.log(2) + 0.5 * sum(nll) / len(nll)  # policy == reference: the DPO part is log 2
+    assert out["loss"] == pytest.approx(expected, rel=1e-5) and train["loss"] == pytest.approx(expected, rel=1e-4)
+
+
 def test_dpo_batches_are_checked(tiny_model_dir):
     with pytest.raises(ValueError, match="granularity must be even"):
         DPOEngine(TrainEngineConfig(path=tiny_model_dir), world_mesh(), DPOLossConfig())

@@ -69,6 +69,10 @@ class DPOLossConfig:
         "and simpo only; 0 = plain loss."
     )
     gamma: float = param(0.0, ge=0, help="SimPO's target reward margin (simpo only; ~0.5-1.5).")
+    nll_coef: float = param(
+        0.0, ge=0, help="Weight of the chosen replies' mean token NLL added to the loss (the RPO "
+        "regulariser; keeps the chosen answers' likelihood from falling); 0 = off."
+    )
     ref_logp: Literal["precompute", "online"] = param(
         "precompute", help="precompute: reference logprobs of every pair once before training, "
         "then the reference is freed; online: the reference model stays and runs every step."
