@@ -94,6 +94,26 @@ def _launch(args: argparse.Namespace) -> int:
     raise SystemExit(f"areal launch {args.mode}: unknown mode; use local, ray or slurm")
 
 
+def _core_scale(argv: list[str]) -> int:
+    from areal.core.rollout_side import request_scale
+
+    p = argparse.ArgumentParser(prog="areal core scale", description="Scale a running `areal core async-ppo` "
+                                "job: the master applies the request at its next step (docs/core.md).")
+    p.add_argument("run_dir")
+    p.add_argument("--rollout-workers", type=int, default=None, help="the number of rollout workers wanted")
+    p.add_argument("--add-server", action="append", default=[], metavar="HOST:PORT",
+                   help="a running generation server to use (it gets the current weights first)")
+    p.add_argument("--remove-server", action="append", default=[], metavar="HOST:PORT",
+                   help="a server to stop routing to (its in-flight requests finish)")
+    a = p.parse_args(argv)
+    try:
+        req = request_scale(a.run_dir, a.rollout_workers, a.add_server, a.remove_server)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"areal core scale: {e}") from None
+    print(f"requested {req}; the master applies it at its next step")
+    return 0
+
+
 def _core(args: argparse.Namespace) -> int:
     if args.action == "sft":
         from areal.core.sft import main as core_sft
@@ -109,6 +129,8 @@ def _core(args: argparse.Namespace) -> int:
         except FileNotFoundError as e:
             raise SystemExit(f"areal core status: {e}") from None
         return 0
+    if args.action == "scale":
+        return _core_scale(args.rest)
     if args.action in ("sync-ppo", "async-ppo"):  # the master under the local launcher (servers)
         import areal.core.async_ppo
         import areal.core.sync_ppo
@@ -148,7 +170,8 @@ def _add_local_artifacts(sub) -> None:
 CORE_ACTIONS = ("graph: print nodes, edges, models and meshes; sft: SFT through the master; sync-ppo: sync "
                 "PPO/GRPO through the master (servers started by the local launcher); async-ppo: async PPO/GRPO, "
                 "rollout workers and the generation manager on Ray; status RUN_DIR: an async-ppo run's manager "
-                "and rollout workers at its last step")
+                "and rollout workers at its last step; scale RUN_DIR --rollout-workers N --add-server/"
+                "--remove-server HOST:PORT: scale a running async-ppo job")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("core", help="Core mode (docs/core.md): print a dataflow graph, run SFT, sync or async PPO")
-    p.add_argument("action", choices=["graph", "sft", "sync-ppo", "async-ppo", "status"], help=CORE_ACTIONS)
+    p.add_argument("action", choices=["graph", "sft", "sync-ppo", "async-ppo", "status", "scale"],
+                   help=CORE_ACTIONS)
     p.add_argument("rest", nargs=argparse.REMAINDER,
                    help="--config YAML and key=value overrides: CoreGraphConfig fields "
                    "(areal/core/graphs.py) for graph, CoreSFTConfig fields (areal/core/sft.py) for sft, "

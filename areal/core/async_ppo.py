@@ -31,6 +31,7 @@ from areal.api.config import load_config
 from areal.core.config import CoreAsyncGRPOConfig
 from areal.core.graphs import ACTOR, CRITIC, CoreGraphConfig, graph_from_config
 from areal.core.master import Master
+from areal.core.rollout_side import RayRolloutSide
 from areal.core.sync_ppo import start_model_workers, step_stats, uses_ref
 from areal.engine.ppo import needs_prox_pass
 from areal.runtime.publisher import WeightPublisher
@@ -41,109 +42,13 @@ from areal.utils.logging import get_logger
 logger = get_logger("core.async_ppo")
 
 CONFIG = CoreAsyncGRPOConfig  # what the launcher validates before starting anything
-POLL_S = 0.05  # seconds between asks for a batch
-HEALTH_EVERY_S = 5.0  # seconds between health checks while waiting for a batch
-
-
-class RayRolloutSide:
-    """The master's handle on the manager and the rollout workers (Ray actors)."""
-
-    def __init__(self, cfg: CoreAsyncGRPOConfig, addresses: list[str], dump_dir: str, reject_limit: int):
-        import ray
-
-        from areal.core.rollout_worker import ManagerActor, RolloutWorker
-
-        self._ray, self.cfg = ray, cfg
-        self.timeout = cfg.core.health_timeout
-        self.manager = ray.remote(ManagerActor).options(num_cpus=0, max_restarts=0).remote(cfg)
-        cls = ray.remote(RolloutWorker).options(num_cpus=0, max_restarts=cfg.core.rollout_worker_restarts)
-        self.workers = [cls.remote(i, cfg, addresses, self.manager, dump_dir, reject_limit)
-                        for i in range(cfg.core.n_rollout_workers)]
-        self.get(self.manager.stats.remote(), "the manager")  # built (loads the dataset)
-        self.executor = None  # the master's own executor, paused with admission (set by main)
-        self.client = None
-        self.pids: dict[int, int] = {}
-        self.started = False
-
-    def get(self, ref, who: str) -> Any:
-        try:
-            return self._ray.get(ref, timeout=self.timeout)
-        except self._ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"{who} did not answer within core.health_timeout={self.timeout} s: it is "
-                               "hung or overloaded") from None
-
-    def start(self) -> None:
-        self.started = True
-        self.check_health()  # starts every worker
-
-    def _health(self, i: int) -> dict[str, Any]:
-        """Worker ``i``'s health; while Ray restarts it, retry until ``core.health_timeout``."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                return self.get(self.workers[i].health.remote(), f"rollout worker {i}")
-            except self._ray.exceptions.RayActorError as e:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"rollout worker {i} died and did not come back within "
-                                       f"core.health_timeout={self.timeout} s: {e}") from e
-                time.sleep(0.5)
-
-    def check_health(self) -> dict[str, Any]:
-        """Every rollout worker's state (a restarted one has its slots reclaimed, its untaken
-        groups redone, and is started again); raise naming a worker that failed or hangs."""
-        workers = []
-        for i, w in enumerate(self.workers):
-            h = self._health(i)
-            if h["errors"]:
-                raise RuntimeError(f"rollout worker {i} failed: {h['errors'][0]} ({len(h['errors'])} errors)")
-            if self.pids.setdefault(i, h["pid"]) != h["pid"]:  # Ray restarted it
-                lost = self.get(self.manager.reclaim.remote(i, True), "the manager")
-                lost += self.get(self.manager.drop_worker_groups.remote(i), "the manager")
-                logger.warning(f"rollout worker {i} restarted (pid {self.pids[i]} -> {h['pid']}); "
-                               f"{lost} of its rollouts are redone")
-                self.pids[i] = h["pid"]
-            if self.started and not h["started"]:
-                self.get(w.start.remote(), f"rollout worker {i}")
-            workers.append({"index": i, **{k: h[k] for k in ("pid", "episodes", "tokens_per_s")}})
-        return {"workers": workers, "manager": self.get(self.manager.stats.remote(), "the manager")}
-
-    def take(self, n_groups: int, deadline_s: float) -> list:
-        """The next ``n_groups`` groups of the stream, checking the workers while waiting."""
-        start = checked = time.monotonic()
-        while True:
-            groups = self.get(self.manager.take.remote(n_groups), "the manager")
-            if groups is not None:
-                return groups
-            if time.monotonic() - checked > HEALTH_EVERY_S:
-                checked = time.monotonic()
-                self.check_health()
-            if time.monotonic() - start > deadline_s:
-                stats = self.get(self.manager.stats.remote(), "the manager")
-                raise TimeoutError(f"no batch of {n_groups} groups within rollout.watchdog_timeout="
-                                   f"{deadline_s} s; manager: {stats}")
-            time.sleep(POLL_S)
-
-    # the WeightPublisher's "executor": admission stops with the servers, resumes at the new version
-    def pause(self) -> None:
-        self.get(self.manager.pause.remote(), "the manager")
-        self.executor.pause()
-
-    def resume(self) -> None:
-        self.executor.resume()
-        self.get(self.manager.resume_at.remote(self.client.get_version()), "the manager")
-
-    def close(self) -> None:
-        for w in self.workers:
-            try:
-                self.get(w.shutdown.remote(), "a rollout worker")
-            finally:
-                self._ray.kill(w, no_restart=True)
-        self._ray.kill(self.manager, no_restart=True)
 
 
 def worker_stats(status: dict[str, Any]) -> dict[str, float]:
     """The manager's counters plus each rollout worker's episodes and tokens/s."""
-    out = dict(status["manager"])
+    out = {**status["manager"], "core/servers": float(len(status["servers"])),
+           "core/servers_refused": float(len(status["servers_refused"])),
+           "core/rollout_workers": float(sum(not w["draining"] for w in status["workers"]))}
     for w in status["workers"]:
         out.update({f"rollout_worker/{w['index']}/{k}": float(w[k]) for k in ("episodes", "tokens_per_s")})
     return out
@@ -157,7 +62,8 @@ def write_status(run_dir, step: int, n_steps: int, status: dict[str, Any]) -> No
 
 
 def format_status(run_dir) -> str:
-    """``areal core status RUN_DIR``: the manager and every rollout worker at the last step."""
+    """``areal core status RUN_DIR``: the manager, the servers and every rollout worker at the
+    last step (``*``: draining)."""
     from pathlib import Path
 
     path = Path(run_dir) / "core_status.json"
@@ -166,17 +72,19 @@ def format_status(run_dir) -> str:
                                 "that finished at least one step")
     st = json.loads(path.read_text())
     m = st["manager"]
+    refused = ", ".join(f"{k.rsplit('/', 1)[1]} {v:.0f}" for k, v in m.items() if k.startswith("manager/refused/"))
     lines = [f"step {st['step']}/{st['total_steps']}, {time.time() - st['time']:.0f} s ago; version "
              f"{m['manager/version']:.0f}; rollouts running {m['manager/running']:.0f}, buffered "
-             f"{m['manager/buffered']:.0f}, lost {m['manager/lost']:.0f}; refused asks: "
-             + ", ".join(f"{k.rsplit('/', 1)[1]} {v:.0f}" for k, v in m.items() if k.startswith("manager/refused/")),
+             f"{m['manager/buffered']:.0f}, lost {m['manager/lost']:.0f}; refused asks: {refused}",
+             f"model workers (pids): {st['model_worker_pids']}; servers: {st['servers']}"
+             + (f"; refused servers: {st['servers_refused']}" if st["servers_refused"] else ""),
              f"{'worker':>6} {'pid':>8} {'episodes':>9} {'tok/s':>8} {'in_flight':>9} {'accepted':>9} "
              f"{'rejected':>9} {'failed':>7} {'restarts':>9}"]
-    lines.insert(1, f"model workers (pids): {st['model_worker_pids']}")
     for w in st["workers"]:
         c = {k: m.get(f"rollout_worker/{w['index']}/{k}", 0.0) for k in
              ("in_flight", "accepted", "rejected", "failed", "restarts")}
-        lines.append(f"{w['index']:>6} {w['pid']:>8} {w['episodes']:>9} {w['tokens_per_s']:>8.1f} {c['in_flight']:>9.0f} "
+        name = f"{w['index']}{'*' if w['draining'] else ''}"
+        lines.append(f"{name:>6} {w['pid']:>8} {w['episodes']:>9} {w['tokens_per_s']:>8.1f} {c['in_flight']:>9.0f} "
                      f"{c['accepted']:>9.0f} {c['rejected']:>9.0f} {c['failed']:>7.0f} {c['restarts']:>9.0f}")
     return "\n".join(lines)
 
@@ -200,6 +108,22 @@ def lag_stats(groups: list, version: int, bound: int) -> dict[str, float]:
     return out
 
 
+def resume_or_evaluate(run, saved, rollout, master: Master, publisher, side, valid_loader, n_steps: int) -> int:
+    """The step to start after: a resume's (the manager re-issues what was admitted but not
+    trained; the servers get the checkpoint's weights and version), else 0 after the starting
+    model's held-out accuracy."""
+    state = run.load_recover(saved)
+    if state is not None:
+        rollout.get(rollout.manager.load_state_dict.remote(state["manager"]), "the manager")
+        master.set_version(ACTOR, state["manager"]["version"])
+        publisher.publish(state["manager"]["version"])
+        return state["step"]
+    if valid_loader is not None:
+        evaluate(side.executor, valid_loader, side.eval_workflow, run)
+        run.commit(0, n_steps, run.tracker.export())
+    return 0
+
+
 def main(argv: list[str]) -> int:
     cfg = load_config(CoreAsyncGRPOConfig, argv)
     run = init_run(cfg, cfg.actor.path)
@@ -219,20 +143,14 @@ def main(argv: list[str]) -> int:
     master = Master(graph, workers, group_size=cfg.gconfig.n_samples, mfc_timeout=cfg.core.mfc_timeout)
     saved = {"actor": engines[ACTOR], **({"critic": engines[CRITIC]} if CRITIC in engines else {})}
 
-    step, state = 0, run.load_recover(saved)
-    if state is not None:  # the manager re-issues what was admitted but not trained
-        step = state["step"]
-        rollout.get(rollout.manager.load_state_dict.remote(state["manager"]), "the manager")
-        master.set_version(ACTOR, state["manager"]["version"])
-        publisher.publish(state["manager"]["version"])
-    elif valid_loader is not None:  # step 0: the starting model's held-out accuracy
-        evaluate(side.executor, valid_loader, side.eval_workflow, run)
-        run.commit(0, n_steps, run.tracker.export())
+    step = resume_or_evaluate(run, saved, rollout, master, publisher, side, valid_loader, n_steps)
     rollout.start()
     model_pids = rollout.get([w.handle.pid.remote() for w in workers], "the model workers")
     n_groups, n_samples = cfg.train_dataset.batch_size, cfg.train_dataset.batch_size * cfg.gconfig.n_samples
+    registry = run.registry()
     while step < n_steps:
         step, epoch_done = step + 1, (step + 1) % steps_per_epoch == 0
+        rollout.rescale(run.run_dir, registry.get_subtree(run.servers_key))
         with run.tracker.timer("step"):
             with run.tracker.timer("wait_rollouts"):
                 groups = rollout.take(n_groups, cfg.rollout.watchdog_timeout)
@@ -254,6 +172,7 @@ def main(argv: list[str]) -> int:
             run.save_recover(step, saved, {"manager": rollout.get(rollout.manager.state_dict.remote(), "the manager")})
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
     rollout.close()
+    registry.close()
     for w in workers:
         w.close()
     side.close()

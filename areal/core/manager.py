@@ -7,7 +7,9 @@ bound ``s``, a rollout may start only while ``(s + v + 1) * B > accepted + runni
 ``max_concurrent`` run at once. A worker asks with :meth:`GenerationManager.acquire`; each slot
 granted is a *ticket* (a global admission number) with the dataset item to roll out. Asks that
 get fewer slots than wanted are counted by cause: ``staleness`` (the bound), ``capacity``
-(``max_concurrent``), ``paused`` (a weight update is running).
+(``max_concurrent``), ``paused`` (a weight update is running), ``fair_share`` (another worker
+that was refused holds fewer slots: it goes first, so a new worker is not starved by old ones
+that happen to ask first whenever slots open).
 
 Data. The manager hands out the items, from one loader over the train dataset: one data order for
 the whole job, so adding or removing a rollout worker never reshards, and a recover checkpoint
@@ -38,7 +40,7 @@ from typing import Any, Iterable, Iterator
 
 from areal.rollout.staleness import StalenessManager
 
-REFUSAL_CAUSES = ("staleness", "capacity", "paused")
+REFUSAL_CAUSES = ("staleness", "capacity", "paused", "fair_share")
 
 
 @dataclass
@@ -86,6 +88,7 @@ class GenerationManager:
         self.lost = 0  # tickets reclaimed from dead workers (their items re-issued)
         self.late = 0  # reports for tickets already reclaimed (dropped)
         self._next_ticket = 0
+        self._waiting: set[int] = set()  # workers whose last ask got fewer slots than wanted
         self._running: dict[int, _Ticket] = {}
         self._done: dict[int, tuple[Finished, _Ticket]] = {}
         self._reissue: deque[Any] = deque()  # items to redo (reclaimed or restored), first
@@ -103,11 +106,18 @@ class GenerationManager:
             self.refused["paused"] += 1
             return []
         granted = min(want, self.staleness.capacity(self.version))
-        if granted < want:  # the bound binds (ties included), else max_concurrent does
+        waiting = [self.workers[w].in_flight for w in self._waiting if w != worker]
+        if granted and waiting and counts.in_flight > min(waiting):
+            granted, cause = 0, "fair_share"  # a refused worker holding fewer slots goes first
+        elif granted < want:  # the bound binds (ties included), else max_concurrent does
             s = self.staleness
             by_staleness = (s.max_staleness + self.version + 1) * s.consumer_batch_size - s.accepted - s.running
             cause = "staleness" if by_staleness <= s.concurrency_capacity() else "capacity"
+        if granted < want:
             self.refused[cause] += 1
+            self._waiting.add(worker)
+        else:
+            self._waiting.discard(worker)
         out = []
         for _ in range(granted):
             item = self._reissue.popleft() if self._reissue else self._next_item()
@@ -157,6 +167,7 @@ class GenerationManager:
             self._reissue.append(self._running.pop(t).item)
             self.staleness.on_finish(False)
         counts.in_flight = 0
+        self._waiting.discard(worker)
         counts.reclaimed += len(mine)
         counts.restarts += int(restarted)
         self.lost += len(mine)
@@ -172,6 +183,12 @@ class GenerationManager:
             self.staleness.accepted -= 1  # never delivered: admission counts it again when redone
         self.lost += len(gone)
         return len(gone)
+
+    def holds(self, worker: int) -> int:
+        """Rollouts of ``worker`` running or finished and untaken (a draining worker is stopped
+        at 0: the untaken groups' tensors live with it)."""
+        return (sum(job.worker == worker for job in self._running.values())
+                + sum(g.worker == worker for g, _ in self._done.values()))
 
     # -- the master's side ---------------------------------------------------------------------
 

@@ -96,6 +96,8 @@ class RolloutWorker:
         self.n_episodes = 0
         self.n_tokens = 0
         self.started = time.monotonic()
+        self.draining = False
+        self.running = 0  # episodes in flight
         self._thread = EventLoopThread(f"rollout-worker-{index}")
         self._main = None
 
@@ -113,7 +115,8 @@ class RolloutWorker:
         try:
             while not self.errors:
                 tasks = {t for t in tasks if not t.done()}
-                want = self.max_in_flight - len(tasks)
+                self.running = len(tasks)
+                want = 0 if self.draining else self.max_in_flight - len(tasks)
                 slots = await self._ask("acquire", self.index, want) if want > 0 else []
                 for ticket, item in slots:
                     tasks.add(asyncio.create_task(self._episode(ticket, item)))
@@ -156,11 +159,23 @@ class RolloutWorker:
         return Finished(ticket, self.index, [ray.put(packed)], tuple(packed.seqlens.tolist()),
                         group[0].group_id, min_versions(group), tuple(float(t.reward) for t in group))
 
+    def set_max_in_flight(self, n: int) -> None:
+        """Keep at most ``n`` episodes running (this worker's share of the global cap)."""
+        self.max_in_flight = n
+
+    def drain(self) -> None:
+        """Ask for no more slots; the episodes running finish and are reported (scaling down)."""
+        self.draining = True
+
+    def set_servers(self, addresses: list[str]) -> None:
+        """Route to exactly these servers from now on (they hold the current weights)."""
+        self.engine.set_servers(addresses)
+
     def health(self) -> dict[str, Any]:
         """Errors so far and throughput counters (the master reads it every step)."""
         wall = time.monotonic() - self.started
         return {"pid": os.getpid(), "started": self._main is not None, "errors": list(self.errors),
-                "episodes": self.n_episodes,
+                "episodes": self.n_episodes, "running": self.running,
                 "tokens_per_s": self.n_tokens / max(wall, 1e-9), **self.reward.commit_batch(),
                 **self.engine.stats()}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,32 @@ def newest_weights(weights_dir: str | Path) -> tuple[str, int] | None:
         return None
     version, path = max(found)
     return path, version
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # a hard link: no copy, and it outlives the publisher deleting src
+    except OSError:  # another filesystem
+        shutil.copy2(src, dst)
+
+
+def pin_newest_weights(weights_dir: str | Path, pinned: Path, tries: int = 3) -> tuple[str, int] | None:
+    """:func:`newest_weights`, hard-linked into ``pinned`` (replaced): the trainer's publisher
+    deletes old weight dirs (it keeps the newest few), which could happen between choosing a dir
+    for a restarted server and the server loading it. None if nothing is published."""
+    for _ in range(tries):
+        found = newest_weights(weights_dir)
+        if found is None:
+            return None
+        shutil.rmtree(pinned, ignore_errors=True)
+        pinned.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            shutil.copytree(found[0], pinned, copy_function=_link_or_copy)
+        except (FileNotFoundError, shutil.Error):  # deleted while linking: a newer one exists
+            continue
+        return str(pinned), found[1]
+    raise RuntimeError(f"the newest weights under {weights_dir} kept disappearing while being pinned "
+                       f"for a restarted server ({tries} tries)")
 
 
 def server_command(cfg, port: int, config_path: Path, model: str = "", version: int = 0,
@@ -110,7 +137,8 @@ class ManagedServer:
             logger.error(f"{child.name} exited with code {child.proc.returncode}; not restarting it: {why}. "
                          f"The trainer continues on the other servers. Last lines:\n{child.tail(10)}")
             return False
-        model, version = newest_weights(cfg.weights_dir) or (cfg.served_model_path, 0)
+        model, version = pin_newest_weights(cfg.weights_dir, cfg.run_dir / "servers" / f"{child.name}-weights") \
+            or (cfg.served_model_path, 0)
         self.restarts += 1
         logger.error(f"{child.name} exited with code {child.proc.returncode}; restarting it on port {self.port} "
                      f"with weights version {version} ({self.restarts} of {limit}). Last lines:\n{child.tail(10)}")

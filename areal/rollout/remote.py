@@ -156,6 +156,30 @@ class RemoteInferenceEngine(InferenceEngine):
         self._thread.stop()
         self._thread = None
 
+    def set_servers(self, addresses: list[str]) -> None:
+        """Route to exactly ``addresses`` from now on (elastic scaling: Core's master keeps every
+        client on the servers that hold the current weights). New ones are added once healthy,
+        listed ones declared dead serve again, unlisted ones get no new request (their in-flight
+        requests finish)."""
+        wanted = list(dict.fromkeys(a.rstrip("/") for a in addresses))
+        if not wanted:
+            raise ValueError("set_servers needs at least one server address")
+        self._loop_thread().run(self._aset_servers(wanted), self.config.setup_timeout + 10, "adding servers")
+
+    async def _aset_servers(self, wanted: list[str]) -> None:
+        known = {s.address: s for s in self.servers}
+        new = {a: _Server(a) for a in wanted if a not in known}
+        deadline = time.monotonic() + self.config.setup_timeout
+        await asyncio.gather(*(self._wait_healthy(s, deadline) for s in new.values()))
+        for a in wanted:
+            if a in known and not known[a].alive:
+                known[a].alive, known[a].failures = True, 0
+                self.n_revived += 1
+        self.servers = [known.get(a) or new[a] for a in wanted]
+        self._sticky = OrderedDict((g, s) for g, s in self._sticky.items() if s in self.servers)
+        if new or len(known) != len(wanted):
+            logger.info("generation servers now %s (added %s)", wanted, sorted(new))
+
     def _loop_thread(self) -> EventLoopThread:
         if self._thread is None:
             raise RuntimeError("RemoteInferenceEngine is not running; call initialize() first")

@@ -1,5 +1,6 @@
 """``areal plot RUN_DIR``: what the run logged against step (PNG): reward and held-out accuracy
-for RL, loss for SFT, pair accuracy for reward models, and time per stage."""
+for RL, loss for SFT, pair accuracy for reward models, Core async PPO's version lag, buffer,
+admission refusals and per-rollout-worker throughput, and time per stage."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ PANELS = [
     ("held-out accuracy", ["eval/accuracy"]),
     ("loss", ["loss/loss", "eval/loss"]),
     ("pair accuracy (reward model)", ["loss/pair_acc", "eval/pair_acc"]),
+    ("version lag of trained samples (Core async)", ["core/lag/max", "core/lag/mean"]),
+    ("rollouts buffered / running (Core async)", ["manager/buffered", "manager/running"]),
+    ("admission refusals, asks so far (Core async)", [f"manager/refused/{c}" for c in
+                                                      ("staleness", "capacity", "paused", "fair_share")]),
 ]
+WORKER_THROUGHPUT = ("rollout worker tokens/s (Core async)", "rollout_worker/", "/tokens_per_s")
 
 
 def read_stats(run_dir: str | Path) -> list[dict]:
@@ -33,6 +39,10 @@ def panels(rows: list[dict]) -> list[tuple[str, list[str]]]:
     times (``not logged`` when there are none)."""
     logged = {k for r in rows for k in r}
     chosen = [(title, keys) for title, keys in PANELS if logged & set(keys)]
+    title, prefix, suffix = WORKER_THROUGHPUT
+    per_worker = sorted(k for k in logged if k.startswith(prefix) and k.endswith(suffix))
+    if per_worker:
+        chosen.append((title, per_worker))
     return [*chosen, ("seconds per stage", sorted(k for k in logged if k.startswith(TIMING_PREFIX)))]
 
 

@@ -11,12 +11,21 @@ and the generation manager, the tiny model).
   and the run completes (counted in stats and ``areal core status``); a SIGKILLed model worker
   stops the attempt, the launcher relaunches it, and the resumed run trains the same sample
   sequence as an uninterrupted one.
+- A SIGKILLed generation server (of 2): the rollout workers fail over to the other, the launcher
+  restarts it, the master's next weight update revives it with the current weights, and the
+  rollout workers route to it again.
+- Elastic scaling: a server started by hand and a third rollout worker are added mid-run
+  (``areal core scale``), then the launcher's server and a rollout worker are removed; the new
+  server gets every weight update from its first step on and serves alone at the end, the new
+  worker rolls out, and each prompt is trained once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import urllib.request
 import signal
 import subprocess
 import sys
@@ -30,6 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_sync_ppo's help
 from test_sync_ppo import ENV, HERE, RUN_TIMEOUT, YAML, Runs, runs  # noqa: E402,F401  (runs: the fixture)
 
 from launch_harness import REPO, effective_ids, start_launch, train_steps  # noqa: E402  (on the path now)
+
+sys.path.insert(0, str(REPO / "tests" / "serving"))
+from servers import start_servers, stop_servers  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -129,3 +141,71 @@ def test_a_killed_model_worker_resumes_with_the_uninterrupted_sample_sequence(ru
     assert attempts == {0, 1}, "the kill did not cost an attempt"
     assert effective_ids(run_dir) == effective_ids(plain)
     check_lags(run_dir, 2, 6)
+
+
+def scale(run_dir: Path, *args: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "areal.cli", "core", "scale", str(run_dir), *args],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+
+
+def wait_for(launch, run_dir: Path, what, label: str) -> dict:
+    launch.wait(RUN_TIMEOUT, until=lambda: (st := status(run_dir)) is not None and what(st))
+    assert launch.proc.poll() is None, f"the run ended before {label}:\n{launch.output()}"
+    return status(run_dir)
+
+
+def server_version(addr: str) -> int:
+    with urllib.request.urlopen(f"http://{addr}/get_server_info", timeout=10) as resp:
+        return json.loads(resp.read())["weight_version"]
+
+
+def test_rollout_workers_and_servers_scale_while_the_job_runs(runs, tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    extra = start_servers(str(tiny_model_dir), 1)
+    try:
+        launch, run_dir = start(runs, "elastic", [f"actor.path={tiny_model_dir}", *ASYNC, "total_train_steps=16",
+                                                  "rollout.max_staleness=1"])
+        (_, added), = extra
+        first = wait_for_step(launch, run_dir, 2)["servers"]
+        scale(run_dir, "--rollout-workers", "3", "--add-server", added)
+        st = wait_for(launch, run_dir, lambda st: len(st["servers"]) == 2 and len(st["workers"]) == 3, "scaling up")
+        grown = st["step"]
+        wait_for_step(launch, run_dir, grown + 3)  # the new worker and server take part for a while
+        scale(run_dir, "--rollout-workers", "2", "--remove-server", first[0])
+        st = wait_for(launch, run_dir, lambda st: st["servers"] == [added] and len(st["workers"]) == 2,
+                      "scaling down")
+        shrunk = st["step"]
+        finish(launch, run_dir)
+        assert server_version(added) == 16  # it got every update from its first step on
+    finally:
+        stop_servers(extra)
+    steps = check_lags(run_dir, 1, 16)
+    assert steps[grown]["core/servers"] == 2 and steps[grown]["core/rollout_workers"] == 3
+    assert steps[16]["core/servers"] == 1 and steps[16]["core/rollout_workers"] == 2
+    assert shrunk < 16, "nothing ran on the new server alone"
+    assert any(s.get("rollout_worker/2/episodes", 0) > 0 for s in steps.values())  # the added worker rolled out
+    assert "rollout_worker/2/episodes" not in steps[16]  # then it drained (the newest goes first) and stopped
+    assert steps[16]["manager/lost"] == 0
+    ids = [i for r in effective_ids(run_dir).values() for i in r]
+    assert len(ids) == 32 and len(set(ids)) == 32
+
+
+def test_a_killed_server_is_restarted_and_served_again(runs, tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    launch, run_dir = start(runs, "srvkill", [f"actor.path={tiny_model_dir}", *ASYNC, "total_train_steps=30",
+                                              "rollout.max_staleness=1", "cluster.n_servers=2"])
+    both = wait_for_step(launch, run_dir, 2)["servers"]
+    assert len(both) == 2
+    pid = int(re.search(r"started server1 \(pid (\d+)\)", (run_dir / "logs" / "launcher.log").read_text()).group(1))
+    os.kill(pid, signal.SIGKILL)
+    wait_for(launch, run_dir, lambda st: len(st["servers"]) == 1, "the rollout workers left the dead server")
+    st = wait_for(launch, run_dir, lambda st: len(st["servers"]) == 2, "the restarted server served again")
+    back = st["step"]
+    finish(launch, run_dir)
+    check_lags(run_dir, 1, 30)  # no rollout ran on stale weights
+    assert back < 30 and sorted(status(run_dir)["servers"]) == sorted(both)
+    log = (run_dir / "logs" / "trainer.log").read_text(errors="replace")
+    assert "answers again; it gets this weight update" in log
+    ids = [i for r in effective_ids(run_dir).values() for i in r]
+    assert len(ids) == 60 and len(set(ids)) == 60

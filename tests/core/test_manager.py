@@ -154,3 +154,17 @@ def test_checkpoint_inside_a_loader_batch_loses_no_item():
     new = GenerationManager(max_staleness=4, batch_groups=1, max_concurrent=10, loader=ListLoader(100, 3))
     new.load_state_dict(mgr.state_dict())
     assert [i for _, i in new.acquire(0, 4)] == [2, 3, 4, 5]
+
+
+def test_a_refused_worker_holding_fewer_slots_goes_first():
+    mgr = GenerationManager(max_staleness=0, batch_groups=4, max_concurrent=10, loader=ListLoader(100, 4))
+    busy = mgr.acquire(0, 2) + mgr.acquire(1, 2)
+    assert mgr.acquire(2, 2) == []  # the bound is full: worker 2 waits with nothing
+    assert mgr.refused["staleness"] == 1
+    t, _ = busy[0]
+    mgr.finish(0, t, group(t, 0))
+    assert len(mgr.take(1)) == 1
+    mgr.set_version(1)  # 4 more slots
+    assert mgr.acquire(0, 1) == [] and mgr.refused["fair_share"] == 1  # worker 0 holds 1, worker 2 none
+    assert len(mgr.acquire(2, 2)) == 2  # the waiting worker first
+    assert len(mgr.acquire(0, 1)) == 1  # then the others again

@@ -186,3 +186,21 @@ def test_a_dead_server_is_restarted_on_its_port_with_the_newest_weights(tmp_path
         run.assert_no_survivors()
     finally:
         run.cleanup()
+
+
+def test_a_restarted_servers_weights_are_pinned_against_the_publishers_cleanup(tmp_path):
+    from areal.launcher.servers import pin_newest_weights
+
+    weights = tmp_path / "weights"
+    for v in (1, 3):
+        (weights / f"v{v}").mkdir(parents=True)
+        (weights / f"v{v}" / "config.json").write_text("{}")
+        (weights / f"v{v}" / "model.safetensors").write_bytes(bytes([v]) * 16)
+    (weights / "v7").mkdir()  # unfinished: no safetensors yet
+    pinned = tmp_path / "servers" / "server1-weights"
+    assert pin_newest_weights(weights, pinned) == (str(pinned), 3)
+    assert (pinned / "model.safetensors").stat().st_ino == (weights / "v3" / "model.safetensors").stat().st_ino
+    for f in (weights / "v3").iterdir():  # the publisher deletes v3 before the server loads it
+        f.unlink()
+    assert (pinned / "model.safetensors").read_bytes() == bytes([3]) * 16
+    assert pin_newest_weights(tmp_path / "none", pinned) is None

@@ -315,3 +315,20 @@ def test_a_restarted_server_rejoins_at_the_next_disk_update_with_its_weights(mak
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+def test_set_servers_adds_revives_and_retires(servers, make_engine):
+    a, b = servers
+    eng = make_engine([a])
+    eng._choose("g1", set())  # pinned to a
+    eng.servers[0].alive = False  # declared dead meanwhile
+    eng.set_servers([a, b])  # b is new (health-checked), a serves again
+    assert [(s.address, s.alive) for s in eng.servers] == [(a, True), (b, True)] and eng.n_revived == 1
+    eng.set_servers([b])  # a retired: no new request goes there, nor does the group stay on it
+    assert [s.address for s in eng.servers] == [b] and eng._choose("g1", set()).address == b
+    out = _gather([SampleN(2, 3).arun_episode(eng, {"id": 0, "prompt": [1, 2, 3]})])[0]
+    assert len(out) == 2 and all(len(t.completion_ids) == 3 for t in out)
+    with pytest.raises(ValueError, match="at least one"):
+        eng.set_servers([])
+    with pytest.raises(TimeoutError, match="did not pass GET"):
+        make_engine([b], setup_timeout=1.0).set_servers([b, "127.0.0.1:9"])  # nothing listens there

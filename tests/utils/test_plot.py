@@ -30,3 +30,16 @@ def test_each_run_type_gets_the_panels_of_what_it_logged():
     assert titles(rl) == ["mean reward (training rollouts)", "held-out accuracy", "seconds per stage"]
     assert titles(sft) == ["loss", "seconds per stage"]
     assert titles(rm) == ["loss", "pair accuracy (reward model)", "seconds per stage"]
+
+
+def test_a_core_async_run_gets_lag_buffer_refusal_and_worker_panels():
+    from areal.utils.plot import panels
+
+    row = {"step": 1, "reward/mean": 0.1, "core/lag/max": 1.0, "manager/buffered": 2.0,
+           "manager/refused/staleness": 5.0, "rollout_worker/0/tokens_per_s": 9.0,
+           "rollout_worker/3/tokens_per_s": 7.0, "rollout_worker/0/episodes": 4.0}
+    got = dict(panels([row]))
+    assert got["rollout worker tokens/s (Core async)"] == ["rollout_worker/0/tokens_per_s",
+                                                           "rollout_worker/3/tokens_per_s"]
+    assert "version lag of trained samples (Core async)" in got
+    assert "admission refusals, asks so far (Core async)" in got
