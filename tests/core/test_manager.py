@@ -168,3 +168,17 @@ def test_a_refused_worker_holding_fewer_slots_goes_first():
     assert mgr.acquire(0, 1) == [] and mgr.refused["fair_share"] == 1  # worker 0 holds 1, worker 2 none
     assert len(mgr.acquire(2, 2)) == 2  # the waiting worker first
     assert len(mgr.acquire(0, 1)) == 1  # then the others again
+
+
+def test_async_ppo_config_refuses_an_in_process_backend_and_several_trainer_ranks():
+    from areal.api.config.loader import ConfigError, from_dict
+    from areal.core.config import CoreAsyncGRPOConfig
+
+    base = {"actor": {"path": "m", "use_critic": False}, "cluster": {"n_servers": 1}}
+    cfg = from_dict(CoreAsyncGRPOConfig, base)
+    assert cfg.core.backend == "ray" and cfg.core.n_rollout_workers == 2
+    with pytest.raises(ConfigError) as e:
+        from_dict(CoreAsyncGRPOConfig, {**base, "core": {"backend": "in_process", "n_workers": 1},
+                                        "cluster": {"n_servers": 1, "trainer_nprocs": 2}})
+    assert "core.backend: 'in_process'; async PPO runs its rollout workers and manager as Ray actors" in str(e.value)
+    assert "cluster.trainer_nprocs: the Core master is one process (got trainer_nprocs=2" in str(e.value)
