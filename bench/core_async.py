@@ -15,8 +15,8 @@ step, DAPO, one generation server) from the same SFT model for the same number o
   ``--rollout-workers`` rollout workers and the generation manager.
 
 Held-out greedy accuracy (200 problems) comes from each run's step-0 and final evaluation.
-Samples/s = trained samples / the sum of the steps' ``timing/step`` (start-up and evaluation
-excluded). Prints each side's gain, samples/s and wall time, and the ratios against Core sync;
+Samples/s = trained samples / the steps' wall time (commit to commit, less held-out evaluation;
+start-up excluded). Prints each side's gain, samples/s and wall time, and the ratios against Core sync;
 writes ``OUT/core_async.json``.
 """
 
@@ -33,8 +33,11 @@ from core_sync import REPO, YAML, _accuracy, _default_sft, _run  # noqa: E402
 
 
 def _throughput(run_dir: Path, samples_per_step: int) -> float:
+    """Trained samples per second of training steps: each step's wall time (``perf/step_seconds``,
+    commit to commit) less its held-out evaluation (``timing/eval``)."""
     rows = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines() if line.strip()]
-    steps = {r["step"]: r["timing/step"] for r in rows if "timing/step" in r and r["step"] > 0}
+    steps = {r["step"]: r["perf/step_seconds"] - r.get("timing/eval", 0.0)
+             for r in rows if "perf/step_seconds" in r and r["step"] > 0}
     return len(steps) * samples_per_step / sum(steps.values())
 
 
