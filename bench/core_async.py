@@ -48,11 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="Core model workers (Ray actors)")
     ap.add_argument("--rollout-workers", type=int, default=2, help="Core async rollout workers (Ray actors)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench_core_async")
+    ap.add_argument("--seed", type=int, default=None, help="the runs' seed (default: the YAML's)")
     args = ap.parse_args(argv)
     sft = (args.sft or _default_sft()).resolve()
     out = args.out.resolve()
     common = ["--config", str(YAML), f"fileroot={out}", "trial_name=run", f"actor.path={sft}",
-              f"total_train_steps={args.steps}", "saver.freq_steps=null", "launcher.echo=false"]
+              f"total_train_steps={args.steps}", "saver.freq_steps=null", "launcher.echo=false",
+              *([f"seed={args.seed}"] if args.seed is not None else [])]
     areal = [sys.executable, "-m", "areal.cli"]
     core = ["core.backend=ray", f"core.n_workers={args.workers}"]
     sides = {  # name -> (experiment name, command)
