@@ -17,7 +17,7 @@ Each SFT run is ``areal launch local examples/sft.py`` (its own processes); the 
 export is the merged model, so the evaluation serves it like any other.
 
 Usage: python bench/lora_accuracy.py [--base-steps 100] [--steps 200] [--rank 64] [--alpha 128]
-       [--lora-lr 2e-3,5e-3] [--target all-linear] [--base DIR] [--work DIR]
+       [--lora-lr 2e-3[,5e-3...]] [--target all-linear] [--base DIR] [--work DIR]
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--base-steps", type=int, default=100)
     ap.add_argument("--steps", type=int, default=200, help="SFT steps of each of the two runs")
     ap.add_argument("--full-lr", type=float, default=1e-3)
-    ap.add_argument("--lora-lr", default="2e-3,5e-3", help="LoRA learning rate(s), comma-separated")
+    ap.add_argument("--lora-lr", default="2e-3", help="LoRA learning rate(s), comma-separated")
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--alpha", type=float, default=128.0)
     ap.add_argument("--target", default="all-linear", help="lora.target_modules, comma-separated")
