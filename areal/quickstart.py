@@ -115,7 +115,7 @@ def _stages(task: str, examples: Path, model: Path, out: Path, n_sft: int) -> tu
 
 def run_quickstart(
     out: str | Path, task: str = "arithmetic", sft_overrides: list[str] = (),
-    grpo_overrides: list[str] = (), n_sft: int = 400,
+    grpo_overrides: list[str] = (), n_sft: int = 2000,
 ) -> int:  # fmt: skip
     """Run the whole demo of ``task`` into ``out``; returns 0 when every stage ran.
 
