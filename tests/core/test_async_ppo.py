@@ -2,7 +2,8 @@
 launcher: a real generation server, a local Ray instance with 2 model workers, 2 rollout workers
 and the generation manager, the tiny model).
 
-- Versions go up by one every step; every consumed sample's lag (trained version minus the
+- On-policy with broadcast weight updates (``weight_update_mode=distributed``, gloo): versions go
+  up by one every step; every consumed sample's lag (trained version minus the
   oldest version of its tokens) is <= ``rollout.max_staleness`` (the script checks each sample
   and stops otherwise; the tests read the logged histogram) for bounds 0 (on-policy), 1 (the
   rollout-worker fault run) and 2 (the model-worker fault runs); no prompt is trained twice in
@@ -77,7 +78,7 @@ def check_lags(run_dir: Path, staleness: int, n_steps: int) -> dict[int, dict]:
 def test_core_async_ppo_on_policy(runs, tiny_model_dir, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     run = runs.run("async0", SCRIPT, [f"actor.path={tiny_model_dir}", *ASYNC, "total_train_steps=4",
-                                      "rollout.max_staleness=0"])
+                                      "rollout.max_staleness=0", "weight_update_mode=distributed"])
     steps = check_lags(run, 0, 4)
     assert all(s["rollout_worker/0/episodes"] + s["rollout_worker/1/episodes"] >= 2 * n for n, s in steps.items())
     ids = [i for r in trained(run) for i in r["ids"]]
