@@ -8,8 +8,8 @@ bound ``s``, a rollout may start only while ``(s + v + 1) * B > accepted + runni
 granted is a *ticket* (a global admission number) with the dataset item to roll out. Asks that
 get fewer slots than wanted are counted by cause: ``staleness`` (the bound), ``capacity``
 (``max_concurrent``), ``paused`` (a weight update is running), ``fair_share`` (another worker
-that was refused holds fewer slots: it goes first, so a new worker is not starved by old ones
-that happen to ask first whenever slots open).
+that was refused holds fewer slots, or as few while this one was not refused: it goes first, so a
+new worker is not starved by old ones that happen to ask first whenever slots open).
 
 Data. The manager hands out the items, from one loader over the train dataset: one data order for
 the whole job, so adding or removing a rollout worker never reshards, and a recover checkpoint
@@ -100,15 +100,17 @@ class GenerationManager:
     def acquire(self, worker: int, want: int) -> list[tuple[int, Any]]:
         """Up to ``want`` ``(ticket, item)`` slots for ``worker``, as admission allows now."""
         counts = self.workers.setdefault(worker, WorkerCounts())
-        if want <= 0:
+        if want <= 0:  # full or draining: it waits for nothing
+            self._waiting.discard(worker)
             return []
         if self.paused:
             self.refused["paused"] += 1
             return []
         granted = min(want, self.staleness.capacity(self.version))
         waiting = [self.workers[w].in_flight for w in self._waiting if w != worker]
-        if granted and waiting and counts.in_flight > min(waiting):
-            granted, cause = 0, "fair_share"  # a refused worker holding fewer slots goes first
+        if granted and waiting and (counts.in_flight > min(waiting) or
+                                    (worker not in self._waiting and counts.in_flight == min(waiting))):
+            granted, cause = 0, "fair_share"  # a refused worker holding fewer slots (or as few) goes first
         elif granted < want:  # the bound binds (ties included), else max_concurrent does
             s = self.staleness
             by_staleness = (s.max_staleness + self.version + 1) * s.consumer_batch_size - s.accepted - s.running

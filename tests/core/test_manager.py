@@ -170,6 +170,20 @@ def test_a_refused_worker_holding_fewer_slots_goes_first():
     assert len(mgr.acquire(0, 1)) == 1  # then the others again
 
 
+def test_a_waiting_worker_goes_first_on_a_tie_and_a_full_one_stops_waiting():
+    mgr = GenerationManager(max_staleness=0, batch_groups=2, max_concurrent=10, loader=ListLoader(100, 2))
+    first = mgr.acquire(0, 2)
+    assert mgr.acquire(1, 2) == []  # refused: waits, holding nothing
+    for t, _ in first:
+        mgr.finish(0, t, group(t, 0))
+    assert len(mgr.take(2)) == 2
+    mgr.set_version(1)
+    assert mgr.acquire(0, 2) == [] and mgr.refused["fair_share"] == 1  # 0 holds as few, but 1 waited
+    assert len(mgr.acquire(1, 2)) == 2
+    assert mgr.acquire(1, 0) == [] and 1 not in mgr._waiting  # full (or draining): waits for nothing
+    assert mgr.acquire(2, 0) == []
+
+
 def test_async_ppo_config_refuses_an_in_process_backend_and_several_trainer_ranks():
     from areal.api.config.loader import ConfigError, from_dict
     from areal.core.config import CoreAsyncGRPOConfig
