@@ -90,7 +90,10 @@ def launch(script: str, argv: list[str], run_once: Callable[[Any, int], int]) ->
     add_log_file(cfg.run_dir, "launcher")
     retries = cfg.recover.retries if cfg.recover.mode == "auto" else 0
     logs = cfg.run_dir / "logs"
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGINT too, explicitly: a launcher started in the background by a shell without job
+    # control (nohup ... &, CI runners) inherits SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt for it
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         last_cause = ""
         for attempt in range(retries + 1):
@@ -118,7 +121,8 @@ def launch(script: str, argv: list[str], run_once: Callable[[Any, int], int]) ->
         logger.warning("interrupted: every process was stopped")
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def same_cause(cause: str, previous: str) -> bool:
