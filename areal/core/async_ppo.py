@@ -45,12 +45,14 @@ CONFIG = CoreAsyncGRPOConfig  # what the launcher validates before starting anyt
 
 
 def worker_stats(status: dict[str, Any]) -> dict[str, float]:
-    """The manager's counters plus each rollout worker's episodes and tokens/s."""
+    """The manager's counters plus each rollout worker's episodes, tokens/s, reward failure
+    metrics (``reward/*``) and server counters (``remote/*``)."""
     out = {**status["manager"], "core/servers": float(len(status["servers"])),
            "core/servers_refused": float(len(status["servers_refused"])),
            "core/rollout_workers": float(sum(not w["draining"] for w in status["workers"]))}
     for w in status["workers"]:
         out.update({f"rollout_worker/{w['index']}/{k}": float(w[k]) for k in ("episodes", "tokens_per_s")})
+        out.update({f"rollout_worker/{w['index']}/{k}": float(v) for k, v in w["stats"].items()})
     return out
 
 

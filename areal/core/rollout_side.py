@@ -168,7 +168,7 @@ class RayRolloutSide:
                 logger.info(f"rollout worker {i} drained and stopped")
                 continue
             workers.append({"index": i, "draining": i in self.draining,
-                            **{k: h[k] for k in ("pid", "episodes", "tokens_per_s")}})
+                            **{k: h[k] for k in ("pid", "episodes", "tokens_per_s", "stats")}})
         return {"workers": workers, "servers": list(self.servers), "servers_refused": sorted(self.refused),
                 "manager": self.get(self.manager.stats.remote(), "the manager")}
 

@@ -172,12 +172,14 @@ class RolloutWorker:
         self.engine.set_servers(addresses)
 
     def health(self) -> dict[str, Any]:
-        """Errors so far and throughput counters (the master reads it every step)."""
+        """Errors so far, throughput counters, and ``stats``: the reward workers' failure
+        metrics since the last call (committing them applies ``reward.max_failure_fraction``:
+        past it this call raises, which stops the run) and the client's server counters."""
         wall = time.monotonic() - self.started
         return {"pid": os.getpid(), "started": self._main is not None, "errors": list(self.errors),
                 "episodes": self.n_episodes, "running": self.running,
-                "tokens_per_s": self.n_tokens / max(wall, 1e-9), **self.reward.commit_batch(),
-                **self.engine.stats()}
+                "tokens_per_s": self.n_tokens / max(wall, 1e-9),
+                "stats": {**self.reward.commit_batch(), **self.engine.stats()}}
 
     def shutdown(self) -> None:
         self._thread.stop()

@@ -37,7 +37,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_sync_ppo's helpers
 
-from test_sync_ppo import ENV, HERE, RUN_TIMEOUT, YAML, Runs, runs  # noqa: E402,F401  (runs: the fixture)
+from test_sync_ppo import ENV, RUN_TIMEOUT, YAML, Runs, runs  # noqa: E402,F401  (runs: the fixture)
 
 from launch_harness import REPO, effective_ids, start_launch, train_steps  # noqa: E402  (on the path now)
 
@@ -53,7 +53,6 @@ ASYNC = [  # 2 prompts x 4 samples x 4 tokens a step, a reward that varies
     "valid_dataset=null", "reward_fn=sync_rewards:length_reward", "reward.timeout=300",
     "core.backend=ray", "core.n_workers=2", "core.n_rollout_workers=2", "actor.optimizer.lr=1e-2",
 ]  # fmt: skip
-assert HERE  # sync_rewards lives beside test_sync_ppo
 
 
 def trained(run_dir: Path) -> list[dict]:
@@ -81,6 +80,8 @@ def test_core_async_ppo_on_policy(runs, tiny_model_dir, monkeypatch):
                                       "rollout.max_staleness=0", "weight_update_mode=distributed"])
     steps = check_lags(run, 0, 4)
     assert all(s["rollout_worker/0/episodes"] + s["rollout_worker/1/episodes"] >= 2 * n for n, s in steps.items())
+    assert steps[4]["rollout_worker/0/remote/servers_alive"] == 1.0  # each worker's client and reward counters
+    assert "rollout_worker/1/reward/n_calls" in steps[4]
     ids = [i for r in trained(run) for i in r["ids"]]
     assert len(ids) == 8 and len(set(ids)) == 8  # 4 steps x 2 prompts, each once
 
