@@ -10,7 +10,8 @@
    writes ``OUT/plot.png`` and ``OUT/summary.json``.
 
 ``--task tools`` runs the same stages on the calculator agent (``examples/agent_arithmetic.py``, a
-plain openai-client agent): SFT on worked tool-use conversations, then GRPO through the in-process
+plain openai-client agent): SFT on worked conversations, most of which answer in the head and
+the rest with the tool, then GRPO, which learns when the tool pays through the in-process
 OpenAI client (``examples/agent_arithmetic.yaml``, ``workflow.type: agent``).
 
 The entry scripts are the repository's ``examples/`` (next to the ``areal`` package in a source
@@ -95,7 +96,7 @@ def _sft_tools_data(examples: Path, model: Path, out: Path, n: int) -> Path:
     agent = _load_example(examples / "agent_arithmetic.py")
     path = out / "agent-sft.jsonl"
     with open(path, "w") as f:
-        for row in agent.sft_conversations(AutoTokenizer.from_pretrained(str(model)), n):
+        for row in agent.sft_conversations(AutoTokenizer.from_pretrained(str(model)), n, agent.SFT_GUESS_FRACTION):
             f.write(json.dumps(row) + "\n")
     return path
 
@@ -115,13 +116,13 @@ def _stages(task: str, examples: Path, model: Path, out: Path, n_sft: int) -> tu
 
 def run_quickstart(
     out: str | Path, task: str = "arithmetic", sft_overrides: list[str] = (),
-    grpo_overrides: list[str] = (), n_sft: int = 2000,
+    grpo_overrides: list[str] = (), n_sft: int = 5000,
 ) -> int:  # fmt: skip
     """Run the whole demo of ``task`` into ``out``; returns 0 when every stage ran.
 
     ``arithmetic``: SFT then GRPO on arithmetic answered directly. ``tools``: the calculator
-    agent (examples/agent_arithmetic.py, plain openai client): SFT on ``n_sft`` worked tool-use
-    conversations, then GRPO with ``workflow.type=agent``; accuracy is the agent's own reward.
+    agent (examples/agent_arithmetic.py, plain openai client): SFT on ``n_sft`` worked
+    conversations (40% call the tool, the rest answer in the head), then GRPO with ``workflow.type=agent``; accuracy is the agent's own reward.
     ``*_overrides`` (key=value) go after the stage's YAML (shorter runs in tests)."""
     from areal.api.config import GRPOConfig, load_config
 

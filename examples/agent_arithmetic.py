@@ -25,6 +25,7 @@ import re
 import sys
 
 MAX_TURNS = 3  # model calls per episode: tool rounds, then the answer
+SFT_GUESS_FRACTION = 0.6  # warm-up conversations that answer in the head (the rest use the tool)
 MAX_TOKENS = 80  # per call: a tool call ``<tool_call>\n{"name": "calc", ...}\n</tool_call>`` is ~70
 TOOLS = [{
     "type": "function",
@@ -86,13 +87,19 @@ async def calculator_agent(client, item: dict) -> float:
     return 0.0  # no answer within MAX_TURNS calls
 
 
-def sft_conversations(tokenizer, n: int) -> list[dict]:
-    """``n`` worked tool-use conversations on training problems (question, calculator call, its
-    result, the answer) for an SFT warm-up, with the tools turn as the template renders it for
-    the agent's requests (a system message of the same text), so SFT and RL prompts agree."""
+def sft_conversations(tokenizer, n: int, guess_fraction: float = 0.0) -> list[dict]:
+    """``n`` worked conversations on distinct training problems for an SFT warm-up: question,
+    calculator call, its result, the answer; a seeded ``guess_fraction`` of them answer in one's
+    head instead (``12 * 34 = 408``, no tool), as a model that has not learnt when to use its tool
+    does. The tools turn is rendered as the template renders it for the agent's requests (a system
+    message of the same text), so SFT and RL prompts agree."""
+    import random
+
     from areal.api.config.data import ArithmeticConfig
     from areal.dataset.arithmetic import make_arithmetic
 
+    if not 0.0 <= guess_fraction < 1.0:
+        raise ValueError(f"guess_fraction={guess_fraction} must be in [0, 1): the share of conversations without the tool")
     probe = [{"role": "user", "content": "x"}]
     with_tools = tokenizer.apply_chat_template(probe, tools=TOOLS, tokenize=False)
     block = with_tools[: len(with_tools) - len(tokenizer.apply_chat_template(probe, tokenize=False))]
@@ -100,13 +107,19 @@ def sft_conversations(tokenizer, n: int) -> list[dict]:
     if not (block.startswith(head) and block.endswith(tail)):
         raise ValueError(f"the chat template renders tools as {block[:60]!r}..., not as a ChatML system turn")
     system = {"role": "system", "content": block[len(head): -len(tail)]}
+    guesses = random.Random(0)
     rows = []
     for item in make_arithmetic(ArithmeticConfig(min_digits=2, max_digits=2, operators="*", n_train=n), "train"):
-        arguments = json.dumps({"e": question(item)[: -len(" = ?")]})
+        expression = question(item)[: -len(" = ?")]
+        ask = [system, {"role": "user", "content": question(item)}]
+        if guesses.random() < guess_fraction:
+            rows.append({"id": item["id"], "messages": [
+                *ask, {"role": "assistant", "content": f"{expression} = {item['reference']}"}]})
+            continue
+        arguments = json.dumps({"e": expression})
         call = {"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": arguments}}
         rows.append({"id": item["id"], "messages": [
-            system, {"role": "user", "content": question(item)},
-            {"role": "assistant", "content": "", "tool_calls": [call]},
+            *ask, {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_0", "content": calculator(arguments)},
             {"role": "assistant", "content": item["reference"]}]})
     return rows
@@ -137,7 +150,7 @@ if __name__ == "__main__":
         from transformers import AutoTokenizer
 
         with open(args.write_sft, "w") as out:
-            for row in sft_conversations(AutoTokenizer.from_pretrained(args.model), args.n):
+            for row in sft_conversations(AutoTokenizer.from_pretrained(args.model), args.n, SFT_GUESS_FRACTION):
                 out.write(json.dumps(row) + "\n")
     elif args.base_url:
         print(f"mean reward: {asyncio.run(_main(args.base_url, args.n, args.api_key)):.3f}")

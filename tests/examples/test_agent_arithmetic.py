@@ -40,6 +40,22 @@ def test_sft_conversations_render_the_prompt_the_agent_sends(tiny_tokenizer):
     assert trained.endswith(row["messages"][-1]["content"] + "<|im_end|>\n")
 
 
+def test_sft_guesses_answer_in_the_head_for_their_share_of_problems(tiny_tokenizer):
+    from examples.agent_arithmetic import sft_conversations
+
+    rows = sft_conversations(tiny_tokenizer, 200, guess_fraction=0.6)
+    guesses = [r for r in rows if len(r["messages"]) == 3]
+    assert 100 <= len(guesses) <= 140  # a seeded 60% of 200 (binomial sd ~7)
+    for row in guesses:
+        expression = row["messages"][1]["content"][: -len(" = ?")]
+        assert row["messages"][2] == {"role": "assistant", "content": f"{expression} = {eval(expression)}"}
+    assert all(r["messages"][2]["tool_calls"] for r in rows if r not in guesses)
+    assert len({r["id"] for r in rows}) == 200  # distinct problems
+    assert sft_conversations(tiny_tokenizer, 200, guess_fraction=0.6) == rows  # seeded
+    with pytest.raises(ValueError, match="guess_fraction=1.0"):
+        sft_conversations(tiny_tokenizer, 1, guess_fraction=1.0)
+
+
 @pytest.mark.slow
 def test_agent_example_trains_through_the_grpo_script(launcher, tiny_model_dir):
     run_dir = launcher.run("agent", GRPO_SCRIPT, AGENT_YAML, [

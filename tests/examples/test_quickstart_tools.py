@@ -40,7 +40,9 @@ def test_quickstart_tools_runs_sft_then_agent_grpo_and_summarizes(tmp_path):
             proc.wait(timeout=30)
     assert proc.returncode == 0, log[-3000:]
     conversations = [json.loads(line) for line in (out / "agent-sft.jsonl").read_text().splitlines()]
-    assert len(conversations) == 2000 and conversations[0]["messages"][2]["tool_calls"][0]["function"]["name"] == "calc"
+    tool_calls = [c["messages"][2]["tool_calls"][0] for c in conversations if "tool_calls" in c["messages"][2]]
+    assert len(conversations) == 5000 and all(call["function"]["name"] == "calc" for call in tool_calls)
+    assert 1800 <= len(tool_calls) <= 2200  # the 40% that use the tool (the rest answer in the head)
     assert (out / "sft" / "run" / "checkpoints" / "model" / "step3").is_dir()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["task"] == "tools" and summary["rl_steps"] == 2
