@@ -5,7 +5,8 @@ A LoRA linear computes ``y = W x + (alpha / r) * B (A dropout(x))`` with ``W`` f
 model). :func:`apply_lora` wraps the Hugging Face model with ``peft.get_peft_model`` *before*
 FSDP shards it, so the adapters are sharded like any other parameter; only they (and a value /
 score head, kept whole through peft's ``modules_to_save``) require grad, so only they get
-gradients and optimizer state. The base keeps the engine's ``dtype`` (``bfloat16`` keeps it in
+gradients and optimizer state; ``lora.modules_to_save`` (e.g. ``embed_tokens``) adds whole
+modules to them, a tied ``lm_head`` following its embeddings. The base keeps the engine's ``dtype`` (``bfloat16`` keeps it in
 bf16 on GPU); peft keeps the adapters in float32 whatever the base dtype.
 
 What leaves the trainer is always the merged model under plain HF names: weight updates to the
@@ -16,7 +17,8 @@ with ``peft.PeftModel.from_pretrained``); recover checkpoints hold the adapters 
 optimizer state only (the frozen base is rebuilt from ``path``).
 
 The reference model of a KL term is the frozen base: :class:`FrozenBase` computes logprobs
-with the adapters disabled (peft's ``disable_adapter()``), no second copy of the weights.
+with the adapters disabled (peft's ``disable_adapter()``), no second copy of the weights (only a
+module trained in full keeps its frozen original next to the trained copy).
 """
 
 from __future__ import annotations
@@ -40,15 +42,17 @@ ADAPTER_DIR = "adapter"  # inside an HF export: the adapter alone, in peft's lay
 
 def peft_config(cfg: LoRAConfig, head: str):
     """The ``peft.LoraConfig`` of ``cfg``; a value head (``head="value"``) stays fully
-    trainable (``modules_to_save``) and never gets an adapter."""
+    trainable (``modules_to_save``) and never gets an adapter; ``cfg.modules_to_save`` are
+    trained in full too, weights tied to them (a tied ``lm_head``) staying tied."""
     from peft import LoraConfig
 
     targets = "all-linear" if list(cfg.target_modules) == ["all-linear"] else list(cfg.target_modules)
     value = head == "value"
+    save = [*cfg.modules_to_save, *([VALUE_HEAD] if value else [])]
     return LoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-        bias="none", modules_to_save=[VALUE_HEAD] if value else None,
-        exclude_modules=[VALUE_HEAD] if value else None,
+        bias="none", modules_to_save=save or None, exclude_modules=[VALUE_HEAD] if value else None,
+        ensure_weight_tying=bool(cfg.modules_to_save),
     )
 
 
@@ -68,6 +72,12 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, head: str, seed: int) ->
     if not any("lora_" in n for n, _ in wrapped.named_parameters()):
         raise ValueError(f"lora.target_modules={list(cfg.target_modules)} matched no linear layer of "
                          f"{type(model).__name__}; name its linear layers or use [all-linear]")
+    saved = {n.split(f".modules_to_save.{ADAPTER}.")[0] for n, _ in wrapped.named_parameters()
+             if f".modules_to_save.{ADAPTER}." in n}
+    missing = [m for m in cfg.modules_to_save if not any(s == m or s.endswith(f".{m}") for s in saved)]
+    if missing:  # peft skips a name that matches nothing
+        raise ValueError(f"lora.modules_to_save={list(cfg.modules_to_save)}: {missing} matched no module "
+                         f"of {type(model).__name__}; name modules by suffix, e.g. embed_tokens")
     return wrapped
 
 

@@ -104,6 +104,37 @@ def test_merged_export_and_adapter_dir_give_the_same_logits(tiny_model_dir, tmp_
     torch.testing.assert_close(ours[1 : ids.shape[1]], logp, atol=1e-5, rtol=0)
 
 
+def test_embeddings_trained_in_full_stay_tied_and_export_merged(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    engine = lora_engine(tiny_model_dir, LoRAConfig(rank=4, alpha=8.0, modules_to_save=["embed_tokens"]))
+    trainable = {n for n, p in engine.model.named_parameters() if p.requires_grad}
+    whole = sorted(n for n in trainable if "lora_" not in n)
+    assert whole == ["base_model.model.model.embed_tokens.modules_to_save.default.weight"], whole
+    model = lora.base_model(engine.model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tied head follows the copy
+    before = engine.full_state_dict()
+    engine.train_batch(random_batch(), nll_loss, n_loss_tokens)
+    after = engine.full_state_dict()
+    assert not torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
+    batch = random_batch(seed=3)
+    ours = engine.compute_logp(batch)[0]["logp"]
+    engine.save(SaveLoadMeta(str(tmp_path / "export"), weight_format="hf"))
+    engine.destroy()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    torch.testing.assert_close(merged.model.embed_tokens.weight, after["model.embed_tokens.weight"])
+    assert merged.lm_head.weight is merged.model.embed_tokens.weight
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                           str(tmp_path / "export" / lora.ADAPTER_DIR))
+    ids = batch["input_ids"][: int(batch.cu_seqlens[1])][None]
+    with torch.no_grad():
+        a, b = merged(input_ids=ids).logits, peft_model(input_ids=ids).logits
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    logp = torch.log_softmax(a[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    torch.testing.assert_close(ours[1 : ids.shape[1]], logp, atol=1e-5, rtol=0)
+
+
 def test_lora_grpo_step_then_server_logprobs_equal_the_trainers(tiny_model_dir, tmp_path):
     from areal.serving.generator import Generator
     from areal.serving.sampling import SamplingParams
@@ -194,3 +225,7 @@ def test_bad_lora_config_names_the_field(tiny_model_dir):
         lora_engine(tiny_model_dir, LoRAConfig(rank=4, target_modules=["no_such_proj"]))
     problems = list(LoRAConfig(rank=4, target_modules=[]).check())
     assert problems and problems[0].startswith("target_modules")
+    with pytest.raises(ValueError, match=r"lora.modules_to_save=\['no_such_module'\]"):
+        lora_engine(tiny_model_dir, LoRAConfig(rank=4, modules_to_save=["no_such_module"]))
+    (problem,) = LoRAConfig(rank=4, target_modules=["q_proj"], modules_to_save=["q_proj"]).check()
+    assert problem.startswith("modules_to_save: ['q_proj'] also in target_modules")

@@ -21,6 +21,11 @@ class LoRAConfig:
         ["all-linear"], help="Linear layers that get adapters: module-name suffixes (q_proj, "
         "v_proj, ...) or ['all-linear'] (every linear of the decoder; never lm_head or a value head)."
     )
+    modules_to_save: list[str] = param(
+        [], help="Modules trained in full next to the adapters (peft's modules_to_save), by name "
+        "suffix, e.g. [embed_tokens] when the token embeddings must learn (a model trained from "
+        "little, new tokens); tied output embeddings (lm_head) stay tied to them."
+    )
 
     @property
     def enabled(self) -> bool:
@@ -33,6 +38,10 @@ class LoRAConfig:
         if "all-linear" in self.target_modules and len(self.target_modules) > 1:
             yield (f"target_modules: {self.target_modules} mixes all-linear with names; give "
                    "['all-linear'] alone or only module names")
+        both = sorted(set(self.modules_to_save) & set(self.target_modules))
+        if both:
+            yield (f"modules_to_save: {both} also in target_modules; a module gets an adapter or "
+                   "is trained in full, not both")
 
 
 @dataclass(frozen=True)
