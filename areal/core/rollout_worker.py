@@ -63,6 +63,11 @@ class ManagerActor(GenerationManager):
         self.set_version(version)
         self.resume()
 
+    def acquire_at(self, worker: int, want: int) -> tuple[int, list[tuple[int, Any]]]:
+        """(the current weight version, :meth:`acquire`'s slots): the worker's client seeds its
+        sampling with the version, as Lite's client does (``gconfig.seed``)."""
+        return self.version, self.acquire(worker, want)
+
 
 def min_versions(group: list) -> tuple[int, ...]:
     """Per trajectory: the oldest weight version among its trained tokens (-1: none trained)."""
@@ -117,7 +122,9 @@ class RolloutWorker:
                 tasks = {t for t in tasks if not t.done()}
                 self.running = len(tasks)
                 want = 0 if self.draining else self.max_in_flight - len(tasks)
-                slots = await self._ask("acquire", self.index, want) if want > 0 else []
+                version, slots = await self._ask("acquire_at", self.index, want) if want > 0 else (0, [])
+                if slots:
+                    self.engine.set_version(version)
                 for ticket, item in slots:
                     tasks.add(asyncio.create_task(self._episode(ticket, item)))
                 await asyncio.sleep(0 if slots else POLL_S)
