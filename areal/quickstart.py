@@ -96,7 +96,8 @@ def _sft_tools_data(examples: Path, model: Path, out: Path, n: int) -> Path:
     agent = _load_example(examples / "agent_arithmetic.py")
     path = out / "agent-sft.jsonl"
     with open(path, "w") as f:
-        for row in agent.sft_conversations(AutoTokenizer.from_pretrained(str(model)), n, agent.SFT_GUESS_FRACTION):
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        for row in agent.sft_conversations(tokenizer, n, agent.SFT_GUESS_FRACTION):
             f.write(json.dumps(row) + "\n")
     return path
 
@@ -122,7 +123,8 @@ def run_quickstart(
 
     ``arithmetic``: SFT then GRPO on arithmetic answered directly. ``tools``: the calculator
     agent (examples/agent_arithmetic.py, plain openai client): SFT on ``n_sft`` worked
-    conversations (40% call the tool, the rest answer in the head), then GRPO with ``workflow.type=agent``; accuracy is the agent's own reward.
+    conversations (40% call the tool, the rest answer in the head), then GRPO with
+    ``workflow.type=agent``; accuracy is the agent's own reward.
     ``*_overrides`` (key=value) go after the stage's YAML (shorter runs in tests)."""
     from areal.api.config import GRPOConfig, load_config
 

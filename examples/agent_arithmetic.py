@@ -99,7 +99,8 @@ def sft_conversations(tokenizer, n: int, guess_fraction: float = 0.0) -> list[di
     from areal.dataset.arithmetic import make_arithmetic
 
     if not 0.0 <= guess_fraction < 1.0:
-        raise ValueError(f"guess_fraction={guess_fraction} must be in [0, 1): the share of conversations without the tool")
+        raise ValueError(f"guess_fraction={guess_fraction} must be in [0, 1): the share of "
+                         "conversations that answer without the tool")
     probe = [{"role": "user", "content": "x"}]
     with_tools = tokenizer.apply_chat_template(probe, tools=TOOLS, tokenize=False)
     block = with_tools[: len(with_tools) - len(tokenizer.apply_chat_template(probe, tokenize=False))]

@@ -6,8 +6,9 @@ model). :func:`apply_lora` wraps the Hugging Face model with ``peft.get_peft_mod
 FSDP shards it, so the adapters are sharded like any other parameter; only they (and a value /
 score head, kept whole through peft's ``modules_to_save``) require grad, so only they get
 gradients and optimizer state; ``lora.modules_to_save`` (e.g. ``embed_tokens``) adds whole
-modules to them, a tied ``lm_head`` following its embeddings. The base keeps the engine's ``dtype`` (``bfloat16`` keeps it in
-bf16 on GPU); peft keeps the adapters in float32 whatever the base dtype.
+modules to them, a tied ``lm_head`` following its embeddings. The base keeps the engine's
+``dtype`` (``bfloat16`` keeps it in bf16 on GPU); peft keeps the adapters in float32 whatever
+the base dtype.
 
 What leaves the trainer is always the merged model under plain HF names: weight updates to the
 generation servers and HF exports carry ``W + (alpha / r) * B @ A`` (:func:`merge_plan`,
