@@ -79,22 +79,18 @@ def test_value_head_stays_trainable_under_lora(tiny_model_dir):
     critic.destroy()
 
 
-def test_merged_export_and_adapter_dir_give_the_same_logits(tiny_model_dir, tmp_path):
+def export_and_compare(engine: FSDPEngine, base_dir, out: Path):
+    """Save ``engine`` as an HF export in ``out`` (and destroy it); check that the merged model,
+    the base + peft's adapter dir and the trainer's own logprobs agree; returns the merged model."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    engine = lora_engine(tiny_model_dir)
-    engine.train_batch(random_batch(), nll_loss, n_loss_tokens)
     batch = random_batch(seed=3)
     ours = engine.compute_logp(batch)[0]["logp"]
-    engine.save(SaveLoadMeta(str(tmp_path / "export"), weight_format="hf"))
+    engine.save(SaveLoadMeta(str(out), weight_format="hf"))
     engine.destroy()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
-    base_keys = set(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict())
-    assert set(merged.state_dict()) == base_keys  # plain HF names, no peft prefixes
-    adapter_dir = tmp_path / "export" / lora.ADAPTER_DIR
-    assert json.loads((adapter_dir / "adapter_config.json").read_text())["r"] == 4
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(adapter_dir))
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(out / lora.ADAPTER_DIR))
     ids = batch["input_ids"][: int(batch.cu_seqlens[1])][None]
     with torch.no_grad():
         a, b = merged(input_ids=ids).logits, peft_model(input_ids=ids).logits
@@ -102,12 +98,22 @@ def test_merged_export_and_adapter_dir_give_the_same_logits(tiny_model_dir, tmp_
     # the trainer's own (unmerged) logprobs of that sequence equal the merged model's
     logp = torch.log_softmax(a[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
     torch.testing.assert_close(ours[1 : ids.shape[1]], logp, atol=1e-5, rtol=0)
+    return merged
+
+
+def test_merged_export_and_adapter_dir_give_the_same_logits(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    engine = lora_engine(tiny_model_dir)
+    engine.train_batch(random_batch(), nll_loss, n_loss_tokens)
+    merged = export_and_compare(engine, tiny_model_dir, tmp_path / "export")
+    base_keys = set(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict())
+    assert set(merged.state_dict()) == base_keys  # plain HF names, no peft prefixes
+    adapter_config = tmp_path / "export" / lora.ADAPTER_DIR / "adapter_config.json"
+    assert json.loads(adapter_config.read_text())["r"] == 4
 
 
 def test_embeddings_trained_in_full_stay_tied_and_export_merged(tiny_model_dir, tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     engine = lora_engine(tiny_model_dir, LoRAConfig(rank=4, alpha=8.0, modules_to_save=["embed_tokens"]))
     trainable = {n for n, p in engine.model.named_parameters() if p.requires_grad}
     whole = sorted(n for n in trainable if "lora_" not in n)
@@ -118,21 +124,9 @@ def test_embeddings_trained_in_full_stay_tied_and_export_merged(tiny_model_dir, 
     engine.train_batch(random_batch(), nll_loss, n_loss_tokens)
     after = engine.full_state_dict()
     assert not torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
-    batch = random_batch(seed=3)
-    ours = engine.compute_logp(batch)[0]["logp"]
-    engine.save(SaveLoadMeta(str(tmp_path / "export"), weight_format="hf"))
-    engine.destroy()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    merged = export_and_compare(engine, tiny_model_dir, tmp_path / "export")
     torch.testing.assert_close(merged.model.embed_tokens.weight, after["model.embed_tokens.weight"])
     assert merged.lm_head.weight is merged.model.embed_tokens.weight
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                                           str(tmp_path / "export" / lora.ADAPTER_DIR))
-    ids = batch["input_ids"][: int(batch.cu_seqlens[1])][None]
-    with torch.no_grad():
-        a, b = merged(input_ids=ids).logits, peft_model(input_ids=ids).logits
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    logp = torch.log_softmax(a[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
-    torch.testing.assert_close(ours[1 : ids.shape[1]], logp, atol=1e-5, rtol=0)
 
 
 def test_lora_grpo_step_then_server_logprobs_equal_the_trainers(tiny_model_dir, tmp_path):
