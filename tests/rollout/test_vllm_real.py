@@ -113,27 +113,45 @@ def test_stop_token_ids_and_stop_strings_end_generation_keeping_the_stop(engine,
     assert (out.output_ids, out.stop_reason) == (free[: first + 1], "stop")
 
 
+def _metric(url: str, name: str) -> float:
+    """One unlabelled-sum value from vLLM's Prometheus ``/metrics``."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(name + "{") or ln.startswith(name + " "))
+
+
 def test_pause_aborts_in_flight_requests_and_resume_completes_them_with_every_token(engine, vllm_server,
                                                                                      tiny_model_dir):
+    # Both requests run to the model's 2048-token limit unless paused: on 2 cores vLLM's worker can
+    # starve this process for seconds, so the pause is sent once the server reports both running
+    # and generating, never after a fixed sleep (a short request could finish before it).
     raw: dict = {}
     body = {"model": NAME, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "logprobs": 0,
             "return_token_ids": True}  # fmt: skip
-    direct = threading.Thread(target=lambda: raw.update(_post(vllm_server.url + "/v1/completions", body)))
+    tokens_before = _metric(vllm_server.url, "vllm:generation_tokens_total")
+    direct = threading.Thread(target=lambda: raw.update(_post(vllm_server.url + "/v1/completions", body, 120)))
     direct.start()
-    g = GenerationHyperparameters(max_new_tokens=300, ignore_eos=True)
+    g = GenerationHyperparameters(max_new_tokens=2000, ignore_eos=True)
     future = engine._loop_thread().submit(engine.agenerate(ModelRequest(PROMPT, g, seed=1)))
-    time.sleep(1.0)
-    engine.pause()
-    direct.join(60)
-    choice = raw["choices"][0]  # what vLLM does to an in-flight request on pause
-    assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 2000
-    with urllib.request.urlopen(vllm_server.url + "/is_paused", timeout=10) as resp:
-        assert json.loads(resp.read())["is_paused"] is True
-    time.sleep(0.5)
-    assert not future.done()  # the client holds the interrupted request while paused
-    engine.resume()
-    out = future.result(120)
-    assert len(out.output_ids) == 300 and out.stop_reason == "length" and engine.n_resubmits >= 1
+    try:
+        deadline = time.monotonic() + 60
+        while (_metric(vllm_server.url, "vllm:num_requests_running") < 2
+               or _metric(vllm_server.url, "vllm:generation_tokens_total") < tokens_before + 20):  # fmt: skip
+            assert time.monotonic() < deadline, "vLLM never ran both requests"
+            time.sleep(0.05)
+        engine.pause()
+        direct.join(60)
+        choice = raw["choices"][0]  # what vLLM does to an in-flight request on pause
+        assert choice["finish_reason"] == "abort" and len(choice["token_ids"]) < 2000
+        with urllib.request.urlopen(vllm_server.url + "/is_paused", timeout=10) as resp:
+            assert json.loads(resp.read())["is_paused"] is True
+        time.sleep(0.5)
+        assert not future.done()  # the client holds the interrupted request while paused
+    finally:  # the module's server never stays paused for the tests after this one
+        engine.resume()
+        direct.join(120)
+    out = future.result(180)
+    assert len(out.output_ids) == 2000 and out.stop_reason == "length" and engine.n_resubmits >= 1
     # the parts joined across the pause are one sequence the weights assign these logprobs to
     ref = _reference_logprobs(tiny_model_dir, PROMPT, out.output_ids, 1.0)
     assert out.output_logprobs == pytest.approx(ref, abs=2e-3)
@@ -170,7 +188,7 @@ def test_requests_fail_over_from_our_killed_server_to_vllm(vllm_server, tiny_mod
     from tests.serving.servers import start_servers, stop_servers
 
     ours = start_servers(tiny_model_dir, 1)
-    cfg = InferenceEngineConfig(backend="vllm", served_model_name=NAME, setup_timeout=60,
+    cfg = InferenceEngineConfig(backend="vllm", served_model_name=NAME, setup_timeout=60, request_timeout=120,
                                 retry_backoff=0.01, server_failure_threshold=1)  # fmt: skip
     eng = RemoteInferenceEngine(cfg)
     try:
