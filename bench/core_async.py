@@ -16,6 +16,10 @@ step, DAPO, one generation server) from the same SFT model for the same number o
 
 Held-out greedy accuracy (200 problems) comes from each run's own evaluations (every 25 steps):
 the gain is the final one's less step 0's; the "last-3 gain" averages the last three first.
+Each side's final model (``checkpoints/actor/step<steps>``) is also evaluated offline on the whole
+test split (~800 problems, ``FULL_TEST`` overrides): greedy, and sampled at temperature 1 (4
+samples a problem), the reward the RL objective maximises; 4x the problems of the in-run
+evaluations, so 1.7 instead of 3.5 points of evaluation noise, against the SFT model the same way.
 Samples/s = trained samples / the steps' wall time (commit to commit, less held-out evaluation;
 start-up excluded). Prints each side's gain, samples/s and wall time, and the ratios against
 Core sync, per seed and (with ``--seeds``) their mean: one run's gain moves by several points
@@ -52,6 +56,19 @@ def _throughput(run_dir: Path, samples_per_step: int) -> float:
     return len(steps) * samples_per_step / sum(steps.values())
 
 
+FULL_TEST = ["valid_dataset.arithmetic.n_test=800"]  # all but a few of the test split's ~810 problems
+SAMPLED = ["eval_gconfig.greedy=false", "eval_gconfig.temperature=1.0", "eval_gconfig.n_samples=4"]
+
+
+def _full_test(model: Path) -> dict[str, float]:
+    """Greedy and sampled accuracy of ``model`` on the whole test split (``areal eval``)."""
+    from areal.evaluate import run_eval
+
+    base = ["--config", str(YAML), *FULL_TEST]
+    return {"greedy_800": float(run_eval(str(model), base)["accuracy"]),
+            "sampled_800": float(run_eval(str(model), [*base, *SAMPLED])["accuracy"])}
+
+
 def _side_commands(args: argparse.Namespace, sft: Path, out: Path, seed: int | None) -> dict[str, tuple]:
     """name -> (experiment name, command) of each side, writing under ``out``."""
     common = ["--config", str(YAML), f"fileroot={out}", "trial_name=run", f"actor.path={sft}",
@@ -69,8 +86,10 @@ def _side_commands(args: argparse.Namespace, sft: Path, out: Path, seed: int | N
     }
 
 
-def _run_seed(args: argparse.Namespace, sft: Path, out: Path, seed: int | None, sides: list[str]) -> dict:
-    """Run ``sides`` for one seed; name -> its figures (ratios against this seed's Core sync)."""
+def _run_seed(args: argparse.Namespace, sft: Path, out: Path, seed: int | None, sides: list[str],
+              start: dict[str, float]) -> dict:
+    """Run ``sides`` for one seed; name -> its figures (ratios against this seed's Core sync;
+    ``start``: the SFT model's :func:`_full_test`)."""
     commands = _side_commands(args, sft, out, seed)
     samples_per_step = 8 * 8  # examples/arithmetic_grpo.yaml: batch_size x n_samples
     result: dict[str, dict] = {}
@@ -79,20 +98,23 @@ def _run_seed(args: argparse.Namespace, sft: Path, out: Path, seed: int | None, 
         wall = _run(cmd)
         before, after = _accuracy(out / experiment / "run")
         rate = _throughput(out / experiment / "run", samples_per_step)
+        final = _full_test(out / experiment / "run" / "checkpoints" / "actor" / f"step{args.steps}")
         result[name] = {"acc_before": before, "acc_after": after, "gain": after - before,
                         "gain_last3": _late_gain(out / experiment / "run"), "wall_seconds": wall,
-                        "samples_per_s": rate}
+                        "samples_per_s": rate, **{f"gain_{k}": v - start[k] for k, v in final.items()}}
         print(f"[core_async] seed {seed}: {name}: held-out {before:.3f} -> {after:.3f} "
-              f"({(after - before) * 100:+.1f} points), {rate:.1f} samples/s, {wall:.0f} s")
+              f"({(after - before) * 100:+.1f} points), {rate:.1f} samples/s, {wall:.0f} s; final model on "
+              f"800: greedy {final['greedy_800']:.3f}, sampled {final['sampled_800']:.3f}")
     for r in result.values():
         r["samples_per_s_over_core_sync"] = r["samples_per_s"] / result["core_sync"]["samples_per_s"]
     return result
 
 
 def _table(title: str, result: dict[str, dict]) -> None:
-    print(f"[core_async] {title:<17} gain  last-3 gain  samples/s  vs Core sync   wall")
+    print(f"[core_async] {title:<17} gain  last-3 gain  800 greedy  800 sampled  samples/s  vs Core sync   wall")
     for name, r in result.items():
         print(f"[core_async] {name:<12} {r['gain'] * 100:+11.1f}  {r['gain_last3'] * 100:+11.1f}  "
+              f"{r['gain_greedy_800'] * 100:+10.1f}  {r['gain_sampled_800'] * 100:+11.1f}  "
               f"{r['samples_per_s']:9.1f}  "
               f"{r['samples_per_s_over_core_sync']:10.2f}x  {r['wall_seconds']:5.0f} s")
 
@@ -117,15 +139,20 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sides {args.sides}: {sorted(wanted - set(known))} not among {known}")
     sides = [name for name in known if name in wanted]
     seeds = [int(s) for s in args.seeds.split(",") if s] or [None]
+    start = _full_test(sft)
+    print(f"[core_async] SFT model on 800 held-out problems: greedy {start['greedy_800']:.3f}, "
+          f"sampled {start['sampled_800']:.3f}")
     runs = {}
     for seed in seeds:
-        runs[seed] = _run_seed(args, sft, out if seed is None else out / f"seed{seed}", seed, sides)
+        runs[seed] = _run_seed(args, sft, out if seed is None else out / f"seed{seed}", seed, sides, start)
         _table(f"seed {seed}, {args.steps} steps", runs[seed])
     mean = {name: {key: sum(r[name][key] for r in runs.values()) / len(runs) for key in runs[seeds[0]][name]}
             for name in sides}
     if len(seeds) > 1:
         _table(f"mean of {len(seeds)} seeds", mean)
-    for key, what in (("gain", "final evaluation"), ("gain_last3", "mean of the last 3 evaluations")):
+    for key, what in (("gain", "final evaluation"), ("gain_last3", "mean of the last 3 evaluations"),
+                      ("gain_greedy_800", "final model, 800 problems, greedy"),
+                      ("gain_sampled_800", "final model, 800 problems, sampled")):
         if "core_async" in mean:
             diff = mean["core_async"][key] - mean["core_sync"][key]
             print(f"[core_async] Core async learns at least as much as Core sync ({what}"
