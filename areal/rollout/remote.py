@@ -16,8 +16,9 @@ call raises :class:`AllServersDeadError`. HTTP 4xx is a bug or a bad config and 
 Interruption: ``pause()`` aborts in-flight generations on every server; each answers with its
 partial tokens (finish reason ``abort``). The client waits for ``resume()`` and re-submits
 prompt + partial output with the remaining token budget (and remaining ``min_new_tokens``), then
-joins the parts; every token keeps the version that produced it. A stop string that straddles
-the cut is not detected (stop token ids are).
+joins the parts; every token keeps the version that produced it. A seeded request's later parts
+get seeds of their own (:func:`continuation_seed`). A stop string that straddles the cut is not
+detected (stop token ids are).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import concurrent.futures
 import itertools
 import json
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -44,6 +46,19 @@ from areal.utils.name_resolve import NameRepository
 logger = get_logger("remote")
 _STICKY_GROUPS = 4096  # remembered group -> server assignments (oldest forgotten first)
 REVIVE_PROBE_S = 2.0  # health probe of a dead server before a disk weight update
+MAX_CONTINUATION_SEED = 2**62  # GenerationHyperparameters.seed's range, which every backend takes
+
+
+def continuation_seed(seed: int | None, n_done: int) -> int | None:
+    """The seed of a request's part that starts after ``n_done`` generated tokens.
+
+    A server seeds a fresh generator per request, so a continuation sent with the request's own
+    seed would draw the first part's random numbers again (its tokens would not be samples of
+    the policy); each part gets its own seed, reproducible from the request's and the offset.
+    """
+    if seed is None or n_done == 0:
+        return seed
+    return (seed + zlib.crc32(f"continuation/{n_done}".encode())) % MAX_CONTINUATION_SEED
 
 
 class RemoteEngineError(RuntimeError):
@@ -330,7 +345,7 @@ class RemoteInferenceEngine(InferenceEngine):
             await self._wait_resumed(deadline, req.rid)
             call = self.backend.generate(
                 req.input_ids + ids, g, g.max_new_tokens - len(ids),
-                max(0, g.min_new_tokens - len(ids)), req.seed,
+                max(0, g.min_new_tokens - len(ids)), continuation_seed(req.seed, len(ids)),
             )
             body = await self._send_with_failover(call, req.group_id, deadline, f"request {req.rid}")
             chunk = self.backend.parse_generate(body)

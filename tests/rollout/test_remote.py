@@ -25,6 +25,7 @@ from areal.rollout.remote import (
     AllServersDeadError,
     RemoteInferenceEngine,
     _Server,
+    continuation_seed,
     discover_servers,
 )
 from areal.utils.network import free_port
@@ -138,6 +139,46 @@ def test_pause_returns_partials_resumed_on_new_weights_with_per_token_versions(
         assert eng.stats()["remote/resubmits"] >= 4
     finally:  # put the original weights back for the other tests
         eng.update_weights(WeightUpdateMeta(type="disk", path=tiny_model_dir, version=0))
+
+
+def test_continuation_seed_keeps_the_first_part_and_offsets_later_ones():
+    assert continuation_seed(None, 3) is None and continuation_seed(7, 0) == 7
+    assert continuation_seed(7, 3) == 7 + 2138041855  # zlib.crc32(b"continuation/3")
+    assert continuation_seed(2**62 - 1, 1) == 2439089363 - 1  # wraps inside the seed range
+
+
+def test_an_interrupted_seeded_request_continues_from_its_own_seed(servers, make_engine):
+    """The part after a pause is sampled with the continuation's seed, not the request's again
+    (which would repeat the first part's random draws): the server reproduces it from that seed."""
+    eng = make_engine(servers[:1])
+    parts: list[tuple[list[int], int, int | None]] = []
+    generate = eng.backend.generate
+
+    def recording(input_ids, g, max_new, min_new, seed):
+        parts.append((list(input_ids), max_new, seed))
+        return generate(input_ids, g, max_new, min_new, seed)
+
+    eng.backend.generate = recording
+    g = GenerationHyperparameters(max_new_tokens=400, ignore_eos=True)
+    req = ModelRequest(input_ids=[3, 1, 4, 1, 5], gconfig=g, group_id="seeded", seed=11)
+    future = eng._loop_thread().submit(eng.agenerate(req))
+    deadline = time.monotonic() + 30
+    while _get(f"http://{servers[0]}/get_server_info")["running"] < 1:
+        assert time.monotonic() < deadline, "the request never started running"
+        time.sleep(0.02)
+    time.sleep(0.3)
+    eng.pause()
+    eng.resume()
+    out = future.result(120)
+    assert len(out.output_ids) == 400 and len(parts) >= 2
+    (_, _, first_seed), (prefix, budget, second_seed) = parts[0], parts[1]
+    k = len(prefix) - 5
+    assert 0 < k < 400 and budget == 400 - k and first_seed == 11
+    assert second_seed == continuation_seed(11, k) != 11
+    if len(parts) == 2:  # one interruption: the second part alone, reproduced from its seed
+        direct = _gather([eng.agenerate(ModelRequest(input_ids=prefix, gconfig=GenerationHyperparameters(
+            max_new_tokens=budget, ignore_eos=True), seed=second_seed))])[0]  # fmt: skip
+        assert direct.output_ids == out.output_ids[k:]
 
 
 def test_killed_server_mid_batch_fails_over_then_all_dead_stops_the_run(tiny_model_dir, make_engine):
