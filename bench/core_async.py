@@ -57,7 +57,9 @@ def _throughput(run_dir: Path, samples_per_step: int) -> float:
 
 
 FULL_TEST = ["valid_dataset.arithmetic.n_test=800"]  # all but a few of the test split's ~810 problems
-SAMPLED = ["eval_gconfig.greedy=false", "eval_gconfig.temperature=1.0", "eval_gconfig.n_samples=4"]
+# seeded (per problem, sample and version), so a model's sampled accuracy is the same in every run
+SAMPLED = ["eval_gconfig.greedy=false", "eval_gconfig.temperature=1.0", "eval_gconfig.n_samples=4",
+           "eval_gconfig.seed=0"]
 
 
 def _full_test(model: Path) -> dict[str, float]:

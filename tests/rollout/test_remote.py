@@ -40,6 +40,14 @@ def _get(url: str) -> dict:
         return json.loads(resp.read())
 
 
+def _wait_running(addresses: list[str], n: int, what: str, timeout: float = 30) -> None:
+    """Until the servers at ``addresses`` run at least ``n`` requests between them."""
+    deadline = time.monotonic() + timeout
+    while sum(_get(f"http://{a}/get_server_info")["running"] for a in addresses) < n:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir):
     procs = start_servers(tiny_model_dir, 2)
@@ -118,10 +126,7 @@ def test_pause_returns_partials_resumed_on_new_weights_with_per_token_versions(
     results: list = []
     worker = threading.Thread(target=lambda: results.extend(_gather([eng.agenerate(r) for r in reqs])))
     worker.start()
-    deadline = time.monotonic() + 30
-    while sum(_get(f"http://{a}/get_server_info")["running"] for a in servers) < 4:
-        assert time.monotonic() < deadline, "requests never started running"
-        time.sleep(0.02)
+    _wait_running(servers, 4, "requests never started running")
     time.sleep(0.3)  # let every request produce some tokens under version 0
     eng.pause()
     eng.update_weights(WeightUpdateMeta(type="disk", path=other_weights_dir, version=1))
@@ -162,23 +167,20 @@ def test_an_interrupted_seeded_request_continues_from_its_own_seed(servers, make
     g = GenerationHyperparameters(max_new_tokens=400, ignore_eos=True)
     req = ModelRequest(input_ids=[3, 1, 4, 1, 5], gconfig=g, group_id="seeded", seed=11)
     future = eng._loop_thread().submit(eng.agenerate(req))
-    deadline = time.monotonic() + 30
-    while _get(f"http://{servers[0]}/get_server_info")["running"] < 1:
-        assert time.monotonic() < deadline, "the request never started running"
-        time.sleep(0.02)
+    _wait_running(servers[:1], 1, "the request never started running")
     time.sleep(0.3)
     eng.pause()
     eng.resume()
     out = future.result(120)
-    assert len(out.output_ids) == 400 and len(parts) >= 2
-    (_, _, first_seed), (prefix, budget, second_seed) = parts[0], parts[1]
+    assert len(out.output_ids) == 400 and len(parts) == 2  # one pause: two parts
+    (_, _, first_seed), (prefix, budget, second_seed) = parts
     k = len(prefix) - 5
     assert 0 < k < 400 and budget == 400 - k and first_seed == 11
     assert second_seed == continuation_seed(11, k) != 11
-    if len(parts) == 2:  # one interruption: the second part alone, reproduced from its seed
-        direct = _gather([eng.agenerate(ModelRequest(input_ids=prefix, gconfig=GenerationHyperparameters(
-            max_new_tokens=budget, ignore_eos=True), seed=second_seed))])[0]  # fmt: skip
-        assert direct.output_ids == out.output_ids[k:]
+    # the second part alone, reproduced from its seed
+    direct = _gather([eng.agenerate(ModelRequest(input_ids=prefix, gconfig=GenerationHyperparameters(
+        max_new_tokens=budget, ignore_eos=True), seed=second_seed))])[0]  # fmt: skip
+    assert direct.output_ids == out.output_ids[k:]
 
 
 def test_killed_server_mid_batch_fails_over_then_all_dead_stops_the_run(tiny_model_dir, make_engine):
@@ -193,10 +195,7 @@ def test_killed_server_mid_batch_fails_over_then_all_dead_stops_the_run(tiny_mod
         batch = threading.Thread(
             target=lambda: groups.extend(ex.rollout_batch(items, SampleN(n=2, max_new_tokens=150))))
         batch.start()
-        deadline = time.monotonic() + 30
-        while _get(f"http://{victim[1]}/get_server_info")["running"] == 0:
-            assert time.monotonic() < deadline, "the victim never got work"
-            time.sleep(0.02)
+        _wait_running([victim[1]], 1, "the victim never got work")
         time.sleep(0.1)
         victim[0].send_signal(signal.SIGKILL)  # dies with requests in flight
         batch.join(timeout=120)
