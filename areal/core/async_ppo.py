@@ -9,8 +9,8 @@ global bound ``rollout.max_staleness``; the master's data step takes the oldest-
 places them on the model workers (who fetch the tensors) and runs the async PPO graph
 (:mod:`areal.core.graphs`: the sync graph without ``actor_gen``; the decoupled PPO objective
 corrects for stale rollouts). Then the actor's weights go to the servers (Lite's
-:class:`~areal.runtime.publisher.WeightPublisher`: the manager stops admitting, the servers pause,
-load the new weights, the version moves on, all resume).
+:class:`~areal.runtime.publisher.WeightPublisher` through the manager, which owns the servers:
+admission stops, the servers pause, load the new weights, the version moves on, all resume).
 
 Every consumed sample's lag (the trained version minus the oldest version among its tokens) is
 checked against ``rollout.max_staleness`` (the run stops naming the group if one exceeds it)
@@ -31,7 +31,7 @@ from areal.api.config import load_config
 from areal.core.config import CoreAsyncGRPOConfig
 from areal.core.graphs import ACTOR, CRITIC, CoreGraphConfig, graph_from_config
 from areal.core.master import Master
-from areal.core.rollout_side import RayRolloutSide
+from areal.core.rollout_side import ManagedServers, RayRolloutSide
 from areal.core.sync_ppo import start_model_workers, step_stats, uses_ref
 from areal.engine.ppo import needs_prox_pass
 from areal.runtime.publisher import WeightPublisher
@@ -138,8 +138,8 @@ def main(argv: list[str]) -> int:
     workers, engines = start_model_workers(cfg, run, graph, data.ft_spec)  # attaches Ray
     rollout = RayRolloutSide(cfg, [s.address for s in side.rollout.servers], str(run.run_dir / "rollouts"),
                              data.n_train)
-    rollout.executor, rollout.client = side.executor, side.rollout
-    publisher = WeightPublisher(cfg.weight_update_mode, engines[ACTOR], side.rollout, rollout, run.dist,
+    rollout.client = side.rollout
+    publisher = WeightPublisher(cfg.weight_update_mode, engines[ACTOR], ManagedServers(rollout), rollout, run.dist,
                                 cfg.weights_dir)
     publisher.connect()
     master = Master(graph, workers, group_size=cfg.gconfig.n_samples, mfc_timeout=cfg.core.mfc_timeout)

@@ -14,14 +14,21 @@ Scaling, while the job runs (:meth:`RayRolloutSide.rescale`, before each step):
   drain: they ask for nothing more, their running episodes finish and are reported, and the
   worker is stopped once the master has taken all its groups (their tensors live with it).
 - Servers: the wanted set is the registered ones (the trial's registry: a server that registers
-  itself is picked up), plus those added, minus those removed. The master's own client (the one
-  that pushes weights) routes to the wanted set first, so a new server gets the current weights
-  and version in the step's weight update; after the update the rollout workers are moved to the
-  servers that are live there (:meth:`RayRolloutSide.sync_servers`): a new server serves only
-  once it holds the current weights, a removed one gets no new request (in-flight ones finish),
-  and a server the launcher restarted is revived by the master's disk update and then served
-  again. Servers cannot join a running broadcast group: with ``weight_update_mode=distributed``
-  a new server is refused (logged, counted in ``core/servers_refused``).
+  itself is picked up), plus those added, minus those removed. The manager, which owns the
+  servers and their weight updates, takes the wanted set first, so a new server gets the current
+  weights and version in the step's weight update; after the update the rollout workers (and
+  the master's evaluation client) are moved to the servers that are live there
+  (:meth:`RayRolloutSide.sync_servers`): a new server serves only once it holds the current
+  weights, a removed one gets no new request (in-flight ones finish), and a server the launcher
+  restarted is revived by the manager's disk update and then served again. Servers cannot join
+  a running broadcast group: with ``weight_update_mode=distributed`` a new server is refused
+  (logged, counted in ``core/servers_refused``).
+
+Weight updates (:class:`ManagedServers`, the servers as Lite's weight publisher sees them): the
+master calls the manager after each actor train step: pause (admission stops, the servers pause)
+-> the model workers write or broadcast the weights while the manager has the servers load or
+receive them -> the new version -> the rollout workers route to the live servers -> the servers
+and admission resume at that version.
 """
 
 from __future__ import annotations
@@ -73,11 +80,12 @@ class RayRolloutSide:
     def __init__(self, cfg, addresses: list[str], dump_dir: str, reject_limit: int):
         import ray
 
-        from areal.core.rollout_worker import ManagerActor, RolloutWorker
+        from areal.core.rollout_worker import SERVERS, ManagerActor, RolloutWorker
 
         self._ray, self.cfg = ray, cfg
         self.timeout = cfg.core.health_timeout
-        self.manager = ray.remote(ManagerActor).options(num_cpus=0, max_restarts=0).remote(cfg)
+        self.manager = ray.remote(concurrency_groups={SERVERS: 1})(ManagerActor).options(  # not an option
+            num_cpus=0, max_restarts=0).remote(cfg, addresses)
         self._cls = ray.remote(RolloutWorker).options(num_cpus=0, max_restarts=cfg.core.rollout_worker_restarts)
         self._args = (cfg, self.manager, dump_dir, reject_limit)
         self.servers = list(addresses)  # what the rollout workers route to
@@ -88,17 +96,19 @@ class RayRolloutSide:
         self.draining: set[int] = set()
         self.pids: dict[int, int] = {}
         self.started = False
-        self.executor = None  # the master's own executor, paused with admission (set by main)
-        self.client = None  # the master's own client (set by main)
-        self.get(self.manager.stats.remote(), "the manager")  # built (loads the dataset)
+        self.version = 0  # the servers' weight version (set by ManagedServers.set_version)
+        self.client = None  # the master's own client, for evaluation (set by main)
+        self.get(self.manager.stats.remote(), "the manager",  # built: the dataset, the servers healthy
+                 cfg.rollout.setup_timeout + 10)
         self.add_workers(cfg.core.n_rollout_workers)
 
-    def get(self, ref, who: str) -> Any:
+    def get(self, ref, who: str, timeout: float | None = None) -> Any:
+        """``ref``'s value, waiting at most ``timeout`` s (default ``core.health_timeout``)."""
         try:
-            return self._ray.get(ref, timeout=self.timeout)
+            return self._ray.get(ref, timeout=timeout or self.timeout)
         except self._ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"{who} did not answer within core.health_timeout={self.timeout} s: it is "
-                               "hung or overloaded") from None
+            what = f"{timeout} s" if timeout else f"core.health_timeout={self.timeout} s"
+            raise TimeoutError(f"{who} did not answer within {what}: it is hung or overloaded") from None
 
     def start(self) -> None:
         self.started = True
@@ -195,7 +205,7 @@ class RayRolloutSide:
             self.remove_workers(len(self.active) - n)
         self.removed |= set(req["remove_servers"])
         self.removed -= set(req["add_servers"])
-        current = [s.address for s in self.client.servers]
+        current = self.get(self.manager.servers.remote(), "the manager")
         wanted = [a for a in dict.fromkeys([*current, *registered, *req["add_servers"]]) if a not in self.removed]
         new = [a for a in wanted if a not in current]
         if new and self.cfg.weight_update_mode == "distributed":
@@ -203,17 +213,18 @@ class RayRolloutSide:
                          "(weight_update_mode=distributed); they are not used")
             self.refused |= set(new)
             wanted = [a for a in wanted if a not in new]
-        if wanted and wanted != current:
-            self.client.set_servers(wanted)
+        if wanted and wanted != current:  # new servers: once healthy
+            self.get(self.manager.set_servers.remote(wanted), "the manager", self.cfg.rollout.setup_timeout + 10)
 
-    def sync_servers(self) -> None:
-        """At the end of a weight update, before admission resumes: the rollout workers route to
-        the servers live on the master's client (those hold the current weights)."""
-        live = [s.address for s in self.client.servers if s.alive]
+    def sync_servers(self, live: list[str]) -> None:
+        """At the end of a weight update, before admission resumes: the rollout workers and the
+        master's evaluation client route to the servers the manager has live (those hold the
+        current weights)."""
         if live and live != self.servers:
             self.servers = live
             for i, w in self.workers.items():
                 self.get(w.set_servers.remote(live), f"rollout worker {i}")
+            self.client.set_servers(live)
             logger.info(f"rollout workers now route to {live}")
 
     # -- the stream ---------------------------------------------------------------------------
@@ -236,17 +247,63 @@ class RayRolloutSide:
 
     # the WeightPublisher's "executor": admission stops with the servers, resumes at the new version
     def pause(self) -> None:
-        self.get(self.manager.pause.remote(), "the manager")
-        self.executor.pause()
+        self.get(self.manager.pause_servers.remote(), "the manager", self.cfg.rollout.setup_timeout + 10)
 
     def resume(self) -> None:
         """Servers resume; the rollout workers move to the servers that got this update; only
         then does admission resume at the new version (no new rollout on stale weights)."""
-        self.executor.resume()
-        self.sync_servers()
-        self.get(self.manager.resume_at.remote(self.client.get_version()), "the manager")
+        live = self.get(self.manager.resume_servers.remote(self.version), "the manager",
+                        self.cfg.rollout.setup_timeout + 10)
+        self.sync_servers(live)
+        self.get(self.manager.resume_at.remote(self.version), "the manager")
 
     def close(self) -> None:
         for i in list(self.workers):
             self._stop(i)
-        self._ray.kill(self.manager, no_restart=True)
+        try:
+            self.get(self.manager.shutdown.remote(), "the manager")
+        finally:
+            self._ray.kill(self.manager, no_restart=True)
+
+
+class _Pending:
+    """A push running in the manager; ``result(timeout)`` waits for it (the publisher's future)."""
+
+    def __init__(self, side: RayRolloutSide, what: str):
+        self.side, self.what = side, what
+
+    def result(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.side.get(self.side.manager.update_done.remote(), "the manager"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.what} did not finish on the servers within {timeout} s "
+                                   "(rollout.weight_update_timeout); see the server logs")
+            time.sleep(POLL_S)
+
+
+class ManagedServers:
+    """The generation servers as Lite's :class:`~areal.runtime.publisher.WeightPublisher` sees
+    them (its ``rollout``): every call goes to the generation manager, which owns them; the
+    version also reaches the master's evaluation client."""
+
+    def __init__(self, side: RayRolloutSide):
+        self.side, self.config = side, side.cfg.rollout
+
+    @property
+    def weight_group_size(self) -> int:
+        return self.side.get(self.side.manager.weight_group_size.remote(), "the manager")
+
+    def init_weights_update_group_async(self, meta) -> _Pending:
+        self.side.get(self.side.manager.begin_join.remote(meta), "the manager")
+        return _Pending(self.side, "joining the weight-update group")
+
+    def update_weights_async(self, meta, announcement: dict[str, list] | None = None) -> _Pending:
+        self.side.get(self.side.manager.begin_update.remote(meta, announcement), "the manager")
+        return _Pending(self.side, f"the {meta.type} weight update to version {meta.version}")
+
+    def update_weights(self, meta) -> None:
+        self.update_weights_async(meta).result(self.config.weight_update_timeout + 10)
+
+    def set_version(self, version: int) -> None:
+        self.side.version = version
+        self.side.client.set_version(version)

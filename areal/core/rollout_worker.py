@@ -1,7 +1,12 @@
 """Core's rollout side for async PPO: the generation manager and the rollout workers as Ray actors.
 
 :class:`ManagerActor` is the :class:`~areal.core.manager.GenerationManager` in its own process,
-with the train dataset's loader (items are handed out with the admission tickets).
+with the train dataset's loader (items are handed out with the admission tickets) and the one
+client that owns the generation servers: their membership (scaling, a restarted server revived),
+pause and resume, and every weight update (the master's publisher drives it through
+:class:`~areal.core.rollout_side.ManagedServers`). Server calls run in their own thread (Ray
+concurrency group ``servers``), so a slow weight load or a new server's health wait never holds
+up the rollout workers' asks and reports.
 
 :class:`RolloutWorker` (one process each) runs Lite's rollout pieces against the generation
 servers: the client (:class:`~areal.rollout.remote.RemoteInferenceEngine`: routing, retries,
@@ -22,9 +27,12 @@ at most ``MANAGER_TIMEOUT`` seconds.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import time
 from typing import Any
+
+import ray
 
 from areal.api.config import GRPOConfig
 from areal.core.graphs import ROLLOUT_KEYS
@@ -46,17 +54,86 @@ def _tokenizer(cfg: GRPOConfig):
     return AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
 
 
-class ManagerActor(GenerationManager):
-    """The manager in its own Ray process, drawing items from the run's train dataset."""
+SERVERS = "servers"  # the manager's concurrency group for server calls (a thread of their own)
 
-    def __init__(self, cfg: GRPOConfig):
+
+class ManagerActor(GenerationManager):
+    """The manager in its own Ray process: items from the run's train dataset, and the servers at
+    ``addresses`` through its own client (see the module docstring)."""
+
+    def __init__(self, cfg: GRPOConfig, addresses: list[str]):
         from areal.dataset import create_dataloader, load_dataset
+        from areal.rollout.remote import RemoteInferenceEngine
 
         drop_torchrun_env()
         train = load_dataset(cfg.train_dataset, _tokenizer(cfg), cfg.seed)
         loader = create_dataloader(train, cfg.train_dataset, cfg.seed)
         super().__init__(cfg.rollout.max_staleness, cfg.train_dataset.batch_size,
                          cfg.rollout.max_concurrent_rollouts, loader)
+        self.client = RemoteInferenceEngine(cfg.rollout, api_key=cfg.server.api_key)
+        self.client.initialize(addresses)
+        self._update: concurrent.futures.Future | None = None  # the weight push running
+
+    def stats(self) -> dict[str, float]:
+        return {**super().stats(), **{f"manager/{k}": v for k, v in self.client.stats().items()}}
+
+    # -- the servers (concurrency group SERVERS) ------------------------------------------------
+
+    @ray.method(concurrency_group=SERVERS)
+    def servers(self) -> list[str]:
+        """Every server the manager routes weight updates to (live or not)."""
+        return [s.address for s in self.client.servers]
+
+    @ray.method(concurrency_group=SERVERS)
+    def set_servers(self, addresses: list[str]) -> None:
+        """Exactly these servers from now on (new ones once healthy; they get the next update)."""
+        self.client.set_servers(addresses)
+
+    @ray.method(concurrency_group=SERVERS)
+    def weight_group_size(self) -> int:
+        return self.client.weight_group_size
+
+    @ray.method(concurrency_group=SERVERS)
+    def pause_servers(self) -> None:
+        """A weight update begins: admit nothing, then pause every server (in-flight requests are
+        aborted; their rollout workers re-submit them after the resume)."""
+        self.pause()
+        self.client.pause()
+
+    @ray.method(concurrency_group=SERVERS)
+    def begin_update(self, meta: Any, announcement: dict[str, list] | None = None) -> None:
+        """Start pushing weights to every live server (``disk``: dead ones are probed first and a
+        restarted one loads them too; ``distributed``: they receive the trainer's broadcast);
+        :meth:`update_done` says when it finished."""
+        self._update = self.client.update_weights_async(meta, announcement)
+
+    @ray.method(concurrency_group=SERVERS)
+    def begin_join(self, meta: Any) -> None:
+        """Start the live servers joining the trainer's broadcast group (``distributed``)."""
+        self._update = self.client.init_weights_update_group_async(meta)
+
+    @ray.method(concurrency_group=SERVERS)
+    def update_done(self) -> bool:
+        """Whether the push :meth:`begin_update` / :meth:`begin_join` started has finished
+        (raises its error: a server that failed it is named)."""
+        if self._update is not None and not self._update.done():
+            return False
+        fut, self._update = self._update, None
+        if fut is not None:
+            fut.result()
+        return True
+
+    @ray.method(concurrency_group=SERVERS)
+    def resume_servers(self, version: int) -> list[str]:
+        """The servers hold ``version``: they generate again; returns the live ones (the master
+        routes the rollout workers to them, then admission resumes with :meth:`resume_at`)."""
+        self.client.set_version(version)
+        self.client.resume()
+        return [s.address for s in self.client.servers if s.alive]
+
+    @ray.method(concurrency_group=SERVERS)
+    def shutdown(self) -> None:
+        self.client.destroy()
 
     def resume_at(self, version: int) -> None:
         """A weight update finished: the servers hold ``version``; admit again."""
@@ -155,7 +232,6 @@ class RolloutWorker:
 
     def _publish(self, ticket: int, group: list) -> Finished:
         """Put the packed group in the object store; the manager gets its reference."""
-        import ray
         import torch
 
         batch = groups_to_batch([group])
