@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -156,10 +157,13 @@ def main(argv: list[str] | None = None) -> int:
                       ("gain_greedy_800", "final model, 800 problems, greedy"),
                       ("gain_sampled_800", "final model, 800 problems, sampled")):
         if "core_async" in mean:
-            diff = mean["core_async"][key] - mean["core_sync"][key]
+            diffs = [r["core_async"][key] - r["core_sync"][key] for r in runs.values()]
+            diff = sum(diffs) / len(diffs)
+            spread = (f", standard error {statistics.stdev(diffs) / len(diffs) ** 0.5 * 100:.1f}, "
+                      f"below in {sum(d < 0 for d in diffs)} of {len(diffs)} seeds" if len(diffs) > 1 else "")
             print(f"[core_async] Core async learns at least as much as Core sync ({what}"
                   f"{f', mean of {len(seeds)} seeds' if len(seeds) > 1 else ''}): "
-                  f"{'yes' if diff >= 0 else 'no'} ({diff * 100:+.1f} points)")
+                  f"{'yes' if diff >= 0 else 'no'} ({diff * 100:+.1f} points{spread})")
     out.mkdir(parents=True, exist_ok=True)
     (out / "core_async.json").write_text(json.dumps({"runs": {str(k): v for k, v in runs.items()}, "mean": mean},
                                                     indent=2))
