@@ -277,7 +277,7 @@ class FSDPEngine(TrainEngine):
             real = i < len(mbs.mbs)
             mb = mbs.mbs[i if real else 0]
             w = weights[i] if real else 0.0
-            loss, stats = loss_fn(self._logits(mb), mb)
+            loss, stats = loss_fn(self._logits(mb), mb.to(self.device))  # logits are on the device
             # FSDP averages gradients over ranks; * world_size turns that into the global sum.
             (loss * (w * self.world_size / total)).backward()
             sums["loss"] += w * float(loss.detach())
