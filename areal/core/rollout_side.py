@@ -84,6 +84,7 @@ class RayRolloutSide:
 
         self._ray, self.cfg = ray, cfg
         self.timeout = cfg.core.health_timeout
+        self.server_timeout = cfg.rollout.setup_timeout + 10  # a server call may wait for health
         self.manager = ray.remote(concurrency_groups={SERVERS: 1})(ManagerActor).options(  # not an option
             num_cpus=0, max_restarts=0).remote(cfg, addresses)
         self._cls = ray.remote(RolloutWorker).options(num_cpus=0, max_restarts=cfg.core.rollout_worker_restarts)
@@ -96,10 +97,8 @@ class RayRolloutSide:
         self.draining: set[int] = set()
         self.pids: dict[int, int] = {}
         self.started = False
-        self.version = 0  # the servers' weight version (set by ManagedServers.set_version)
         self.client = None  # the master's own client, for evaluation (set by main)
-        self.get(self.manager.stats.remote(), "the manager",  # built: the dataset, the servers healthy
-                 cfg.rollout.setup_timeout + 10)
+        self.get(self.manager.stats.remote(), "the manager", self.server_timeout)  # built, servers healthy
         self.add_workers(cfg.core.n_rollout_workers)
 
     def get(self, ref, who: str, timeout: float | None = None) -> Any:
@@ -214,7 +213,7 @@ class RayRolloutSide:
             self.refused |= set(new)
             wanted = [a for a in wanted if a not in new]
         if wanted and wanted != current:  # new servers: once healthy
-            self.get(self.manager.set_servers.remote(wanted), "the manager", self.cfg.rollout.setup_timeout + 10)
+            self.get(self.manager.set_servers.remote(wanted), "the manager", self.server_timeout)
 
     def sync_servers(self, live: list[str]) -> None:
         """At the end of a weight update, before admission resumes: the rollout workers and the
@@ -247,15 +246,14 @@ class RayRolloutSide:
 
     # the WeightPublisher's "executor": admission stops with the servers, resumes at the new version
     def pause(self) -> None:
-        self.get(self.manager.pause_servers.remote(), "the manager", self.cfg.rollout.setup_timeout + 10)
+        self.get(self.manager.pause_servers.remote(), "the manager", self.server_timeout)
 
     def resume(self) -> None:
         """Servers resume; the rollout workers move to the servers that got this update; only
         then does admission resume at the new version (no new rollout on stale weights)."""
-        live = self.get(self.manager.resume_servers.remote(self.version), "the manager",
-                        self.cfg.rollout.setup_timeout + 10)
-        self.sync_servers(live)
-        self.get(self.manager.resume_at.remote(self.version), "the manager")
+        version = self.client.get_version()  # ManagedServers.set_version gave it the new one
+        self.sync_servers(self.get(self.manager.resume_servers.remote(version), "the manager", self.server_timeout))
+        self.get(self.manager.resume_at.remote(version), "the manager")
 
     def close(self) -> None:
         for i in list(self.workers):
@@ -284,7 +282,7 @@ class _Pending:
 class ManagedServers:
     """The generation servers as Lite's :class:`~areal.runtime.publisher.WeightPublisher` sees
     them (its ``rollout``): every call goes to the generation manager, which owns them; the
-    version also reaches the master's evaluation client."""
+    version is kept by the master's evaluation client (the side's resume reads it there)."""
 
     def __init__(self, side: RayRolloutSide):
         self.side, self.config = side, side.cfg.rollout
@@ -305,5 +303,4 @@ class ManagedServers:
         self.update_weights_async(meta).result(self.config.weight_update_timeout + 10)
 
     def set_version(self, version: int) -> None:
-        self.side.version = version
         self.side.client.set_version(version)
