@@ -153,3 +153,22 @@ def test_launch_env_variables_are_named_only_in_the_launch_contract():
             if isinstance(node, ast.Constant) and node.value in names:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} names {node.value!r}")
     assert not found, "use the names in areal/api/launch.py:\n" + "\n".join(found)
+
+
+TENSOR_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                      "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all"}
+
+
+def test_tensor_collectives_go_through_the_device_aware_door():
+    # areal/utils/comm.py refuses a tensor on a device its group cannot serve (a CPU tensor on an
+    # NCCL-only group crashed every GPU run at its first stats export); a direct dist.* call skips it.
+    found = []
+    for path in SOURCES:
+        if path.name == "comm.py" and path.parent.name == "utils":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in TENSOR_COLLECTIVES and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id in {"dist", "torch_dist"}):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} dist.{node.func.attr}")
+    assert not found, f"use areal.utils.comm instead: {found}"

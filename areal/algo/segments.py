@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from areal.utils.comm import all_reduce
+
 
 def seq_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """[T] index of the sequence each token belongs to."""
@@ -39,8 +41,7 @@ def all_reduce_sum(x: torch.Tensor, dp_group: dist.ProcessGroup | None) -> torch
     if dp_group is None:
         return x
     x = x.detach().clone()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=dp_group)
-    return x
+    return all_reduce(x, dist.ReduceOp.SUM, dp_group)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ from areal.engine.fsdp import FSDPEngine
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.engine.rw import RWEngine
 from areal.engine.sft import SFTEngine
+from areal.runtime.dist import group_backend
 from areal.utils.batch import PackedBatch
 
 RPC_TIMEOUT = 300.0  # seconds: a Ray call to a worker (setup loads models, so not short)
@@ -130,7 +131,7 @@ class WorkerActor:
         backend, device = ("nccl", "cuda") if self.gpu else ("gloo", "cpu")
         if self.gpu:  # Ray gives each worker actor one GPU as CUDA_VISIBLE_DEVICES: device 0 here
             torch.cuda.set_device(0)
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.index,
+        dist.init_process_group(group_backend(backend), init_method=f"tcp://{host}:{port}", rank=self.index,
                                 world_size=self.n_workers, timeout=datetime.timedelta(minutes=10))
         meshes = {}
         for a in sorted(allocations, key=lambda a: a.model):

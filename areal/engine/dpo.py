@@ -17,7 +17,6 @@ its pair count over the all-reduced total.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from areal.algo.dpo import PairLogps, preference_loss, reward_stats
@@ -28,6 +27,7 @@ from areal.api.config.experiments import DPOLossConfig
 from areal.api.engine import ModelFnResult, TrainEngine
 from areal.engine.fsdp import FSDPEngine
 from areal.utils.batch import PackedBatch
+from areal.utils.comm import all_reduce
 
 
 def pack_pairs(chosen: list[list[int]], rejected: list[list[int]], prompt_lens: list[int]) -> PackedBatch:
@@ -108,7 +108,7 @@ class DPOEngine(FSDPEngine):
                                                    cfg.nll_coef)
         sums = torch.stack([losses.sum(), (chosen > rejected).double().sum(), (chosen - rejected).sum(),
                             torch.tensor(float(len(losses)), dtype=torch.float64, device=losses.device)])
-        dist.all_reduce(sums, group=self.group)
+        all_reduce(sums, group=self.group)
         n = float(sums[3])
         return batch, {"loss": float(sums[0]) / n, "reward_acc": float(sums[1]) / n,
                        "margin": float(sums[2]) / n, "n_pairs": n}

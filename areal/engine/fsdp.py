@@ -55,6 +55,7 @@ from areal.engine.lr_schedule import build_lr_scheduler
 from areal.engine.tensor_parallel import apply_tensor_parallel
 from areal.utils import weight_sync
 from areal.utils.batch import MicroBatches, PackedBatch, split_microbatches
+from areal.utils.comm import all_reduce
 from areal.utils.prefix import share_prefixes
 
 ATTN_IMPL = "areal_varlen"
@@ -252,7 +253,7 @@ class FSDPEngine(TrainEngine):
         spec = self.config.mb_spec
         mbs = split_microbatches(batch, spec.n_mbs, spec.max_tokens_per_mb, spec.granularity)
         n = torch.tensor([len(mbs.mbs)], device=self.device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        all_reduce(n, dist.ReduceOp.MAX, self.group)
         n_run = int(n.item())
         if n_run > len(mbs.mbs):  # more, smaller micro-batches keep this rank's work even
             mbs = split_microbatches(batch, n_run, spec.max_tokens_per_mb, spec.granularity)
@@ -260,7 +261,7 @@ class FSDPEngine(TrainEngine):
 
     def _all_reduce_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.group)
+        all_reduce(t, group=self.group)
         return t.tolist()
 
     def train_batch(self, batch: PackedBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:

@@ -12,7 +12,6 @@ batch; ``pair_acc`` is the fraction of pairs with s(chosen) > s(rejected).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -20,6 +19,7 @@ from areal.api.config.engine import TrainEngineConfig
 from areal.api.engine import ModelFnResult
 from areal.engine.fsdp import FSDPEngine
 from areal.utils.batch import PackedBatch
+from areal.utils.comm import all_reduce
 
 
 def last_token_scores(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,7 @@ class RWEngine(FSDPEngine):
         margin = scores[0::2] - scores[1::2]
         sums = torch.stack([-F.logsigmoid(margin).sum(), (margin > 0).double().sum(),
                             torch.tensor(float(len(margin)), dtype=torch.float64, device=margin.device)])
-        dist.all_reduce(sums, group=self.group)
+        all_reduce(sums, group=self.group)
         return batch, {"loss": float(sums[0] / sums[2]), "pair_acc": float(sums[1] / sums[2])}
 
 

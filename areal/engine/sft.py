@@ -10,7 +10,6 @@ change it.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from areal.algo.logprob import packed_token_logprobs
@@ -18,6 +17,7 @@ from areal.api.config.engine import TrainEngineConfig
 from areal.api.engine import ModelFnResult
 from areal.engine.fsdp import FSDPEngine
 from areal.utils.batch import PackedBatch
+from areal.utils.comm import all_reduce
 
 
 def sft_loss(logits: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -51,7 +51,7 @@ class SFTEngine(FSDPEngine):
         logp = batch["logp"]  # [T]
         mask = batch["loss_mask"].to(logp.device, torch.float64)
         sums = torch.stack([-(logp.double() * mask).sum(), mask.sum()])
-        dist.all_reduce(sums, group=self.group)
+        all_reduce(sums, group=self.group)
         return batch, {"loss": float(sums[0] / sums[1].clamp(min=1)), "n_tokens": float(sums[1])}
 
 

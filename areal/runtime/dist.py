@@ -49,6 +49,13 @@ class DistContext:
             dist.barrier(group=self.mesh.get_group())
 
 
+def group_backend(backend: Literal["gloo", "nccl"]) -> str:
+    """The backend string a process group is built with: on GPUs NCCL for CUDA tensors *and*
+    gloo for host tensors and objects, so a CPU value (stats, counters) never meets an NCCL-only
+    group (torch: "No backend type associated with device type cpu"); see :mod:`areal.utils.comm`."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
+
+
 def init_distributed(backend: Literal["auto", "gloo", "nccl"] = "auto",
                      env: LaunchEnv | None = None) -> DistContext:
     """Initialise ``torch.distributed`` for this process (a later call joins what is already
@@ -67,9 +74,11 @@ def init_distributed(backend: Literal["auto", "gloo", "nccl"] = "auto",
         device = torch.device("cpu")
     if not dist.is_initialized():
         if env.launched:
-            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=TIMEOUT)
+            dist.init_process_group(group_backend(backend), rank=env.rank, world_size=env.world_size,
+                                    timeout=TIMEOUT)
         else:  # one process: no rendezvous
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=TIMEOUT)
+            dist.init_process_group(group_backend(backend), store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=TIMEOUT)
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     return DistContext(dist.get_rank(), world, device, mesh)

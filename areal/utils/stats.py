@@ -22,6 +22,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from areal.utils.comm import all_reduce_host, group_device
+
 _REDUCTIONS = ("mean", "sum", "min", "max")
 
 
@@ -111,6 +113,7 @@ class StatsTracker:
         kinds = dict(self._kind)
         distributed = dist.is_available() and dist.is_initialized()
         if distributed:  # ranks may have recorded different names: use the union
+            group_device(group)  # a group this process cannot stage on is refused before any collective
             gathered: list[dict[str, str]] = [{} for _ in range(dist.get_world_size(group))]
             dist.all_gather_object(gathered, kinds, group=group)
             for g in gathered:
@@ -122,10 +125,10 @@ class StatsTracker:
         inf = float("inf")
         mins = torch.tensor([self._ext.get(k, inf) if kinds[k] == "min" else inf for k in keys], dtype=torch.float64)
         maxs = torch.tensor([self._ext.get(k, -inf) if kinds[k] == "max" else -inf for k in keys], dtype=torch.float64)
-        if distributed:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-            dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=group)
-            dist.all_reduce(maxs, op=dist.ReduceOp.MAX, group=group)
+        if distributed:  # host values: staged on a device the group serves (NCCL-only on a GPU)
+            sums = all_reduce_host(sums, dist.ReduceOp.SUM, group)
+            mins = all_reduce_host(mins, dist.ReduceOp.MIN, group)
+            maxs = all_reduce_host(maxs, dist.ReduceOp.MAX, group)
         out: dict[str, float] = {}
         for i, k in enumerate(keys):
             kind = kinds[k]
