@@ -34,21 +34,32 @@ from areal.utils.network import free_port
 logger = get_logger("launcher")
 
 
-def gpu_layout(gpus: list[str], trainer_nprocs: int, n_servers: int) -> tuple[str | None, list[str | None]]:
+def gpu_layout(gpus: list[str], trainer_nprocs: int, n_servers: int,
+               colocate: bool | None = None) -> tuple[str | None, list[str | None]]:
     """CUDA_VISIBLE_DEVICES for the trainer and for each server, from the GPUs ``gpus`` this
     launch may use (the user's CUDA_VISIBLE_DEVICES, else all): trainers take the first
-    trainer_nprocs (torchrun's LOCAL_RANK picks one each), server i the next one. None
-    everywhere without GPUs (CPU run)."""
+    trainer_nprocs (torchrun's LOCAL_RANK picks one each); server i takes the next one, or with
+    ``colocate`` the GPU of trainer rank i mod trainer_nprocs (``None`` = colocate only when the
+    GPUs are too few for one each). None everywhere without GPUs (CPU run)."""
     if not gpus:
         return None, [None] * n_servers
+    have = f"this launch may use {len(gpus)} ({','.join(gpus)})"
+    if len(gpus) < trainer_nprocs:
+        raise ValueError(f"launcher: {trainer_nprocs} trainer ranks need {trainer_nprocs} GPUs, {have}; lower "
+                         "cluster.trainer_nprocs or widen CUDA_VISIBLE_DEVICES")
     need = trainer_nprocs + n_servers
-    if len(gpus) < need:
-        raise ValueError(
-            f"launcher: {trainer_nprocs} trainer ranks + {n_servers} servers need {need} GPUs, this "
-            f"launch may use {len(gpus)} ({','.join(gpus)}); lower cluster.trainer_nprocs or "
-            "cluster.n_servers, or widen CUDA_VISIBLE_DEVICES"
-        )
-    return ",".join(gpus[:trainer_nprocs]), gpus[trainer_nprocs:need]
+    colocated = len(gpus) < need if colocate is None else colocate
+    if not colocated and len(gpus) < need:
+        raise ValueError(f"launcher: {trainer_nprocs} trainer ranks + {n_servers} servers need {need} GPUs, "
+                         f"{have}; set cluster.colocate=true to put the servers on the trainers' GPUs, "
+                         "lower cluster.n_servers, or widen CUDA_VISIBLE_DEVICES")
+    trainers = gpus[:trainer_nprocs]
+    if not colocated:
+        return ",".join(trainers), gpus[trainer_nprocs:need]
+    if colocate is None:
+        logger.info(f"launcher: {len(gpus)} GPU(s) for {trainer_nprocs} trainer ranks + {n_servers} servers: "
+                    "each server shares a trainer's GPU (cluster.colocate=false refuses instead)")
+    return ",".join(trainers), [trainers[i % trainer_nprocs] for i in range(n_servers)]
 
 
 def _start_servers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) -> list[ManagedServer]:
@@ -99,7 +110,8 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
     """Start servers and trainer, wait for the trainer, tear everything down; trainer's code."""
     lc, cluster = cfg.launcher, cfg.cluster
     with ProcessSupervisor(cfg.run_dir / "logs", echo=lc.echo, stop_timeout=lc.stop_timeout) as sup:
-        trainer_gpus, server_gpus = gpu_layout(_usable_gpus(cfg), cluster.trainer_nprocs, cluster.n_servers)
+        trainer_gpus, server_gpus = gpu_layout(_usable_gpus(cfg), cluster.trainer_nprocs, cluster.n_servers,
+                                                 cluster.colocate)
         servers = _start_servers(sup, cfg, server_gpus)
         server_cfg = getattr(cfg, "server", None)  # experiments without servers (SFT) have none
         env = {**trainer_env(attempt), **threads_env(lc.trainer_threads), **devices_env(trainer_gpus),

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from areal.api.launch import api_key_env, devices_env, threads_env, torch_dist_env, trainer_env
-from areal.launcher.common import launch, reset_trial, wait_for_servers
+from areal.launcher.common import COLOCATE_LOCAL_ONLY, launch, reset_trial, wait_for_servers
 from areal.launcher.local import without_secrets
 from areal.launcher.procs import ProcessSupervisor, record_failure
 from areal.utils.logging import get_logger
@@ -101,6 +101,8 @@ def _place(ray, cfg, n_servers: int, n_ranks: int):
     naming wanted vs available resources."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    if cfg.cluster.colocate:
+        raise ValueError(COLOCATE_LOCAL_ONLY)
     rc = cfg.launcher.ray
     gpus = _gpus_per_process(ray, cfg)
     bundle = {"CPU": rc.cpus_per_process, **({"GPU": gpus} if gpus else {})}

@@ -43,7 +43,8 @@ from pathlib import Path
 
 from areal.api.config import ConfigError, load_config
 from areal.api.launch import LAUNCHER_PID, api_key_env, server_api_key, threads_env, trainer_env
-from areal.launcher.common import launch, load_script_config_class, reset_trial, wait_for_servers
+from areal.launcher.common import (COLOCATE_LOCAL_ONLY, launch, load_script_config_class, reset_trial,
+                                   wait_for_servers)
 from areal.launcher.local import without_secrets
 from areal.launcher.procs import record_failure, root_cause
 from areal.utils.logging import get_logger
@@ -143,6 +144,8 @@ def slurm_problems(cfg) -> list[str]:
             f"{lay.trainer_nprocs} trainer rank(s) + {lay.servers_per_node} server(s) per node "
             f"(ceil(cluster.n_servers={cluster.n_servers} / cluster.n_nodes={cluster.n_nodes})); lower "
             "cluster.trainer_nprocs or cluster.n_servers, or raise cluster.n_nodes")
+    if cluster.colocate:
+        problems.append(COLOCATE_LOCAL_ONLY)
     if cluster.name_resolve.type == "memory":
         problems.append("cluster.name_resolve.type: memory lives in one process, but the job's servers "
                         "and trainers are many; use file (a directory every node sees) or etcd")

@@ -157,8 +157,32 @@ def test_gpu_layout_gives_trainers_and_servers_disjoint_gpus():
     assert gpu_layout([], 2, 1) == (None, [None])  # CPU machine: nothing pinned
     assert gpu_layout(ids, 7, 1) == ("0,1,2,3,4,5,6", ["7"])
     assert gpu_layout(ids[:4], 2, 2) == ("0,1", ["2", "3"])
-    with pytest.raises(ValueError, match="need 9 GPUs, this launch may use 8"):
-        gpu_layout(ids, 8, 1)
+    with pytest.raises(ValueError, match="need 9 GPUs, this launch may use 8 .*set cluster.colocate=true"):
+        gpu_layout(ids, 8, 1, colocate=False)
+
+
+def test_one_gpu_hosts_trainer_and_server_colocated(caplog):
+    from areal.launcher.local import gpu_layout
+
+    with caplog.at_level("INFO", logger="areal.launcher"):
+        assert gpu_layout(["0"], 1, 1) == ("0", ["0"])  # auto: too few GPUs for one each
+    assert "each server shares a trainer's GPU" in caplog.text
+    ids = [str(i) for i in range(8)]
+    assert gpu_layout(ids, 8, 1) == ("0,1,2,3,4,5,6,7", ["0"])
+    assert gpu_layout(ids[:2], 2, 3, colocate=True) == ("0,1", ["0", "1", "0"])  # server i on rank i mod 2
+    assert gpu_layout(ids, 2, 1, colocate=True) == ("0,1", ["0"])  # asked for, though GPUs are free
+    with pytest.raises(ValueError, match="2 trainer ranks need 2 GPUs, this launch may use 1"):
+        gpu_layout(["3"], 2, 1, colocate=True)
+
+
+def test_config_accepts_a_colocated_one_gpu_layout_and_refuses_one_gpu_each():
+    from areal.api.config import GRPOConfig, load_config
+    from areal.api.config.loader import ConfigError
+
+    base = ["actor.use_critic=false", "cluster.n_servers=1", "cluster.devices_per_node=1"]
+    assert load_config(GRPOConfig, base).cluster.colocate is None
+    with pytest.raises(ConfigError, match="cannot hold 1 trainer ranks \\+ 1 servers one GPU each"):
+        load_config(GRPOConfig, [*base, "cluster.colocate=false"])
 
 
 def test_the_users_cuda_visible_devices_is_respected(monkeypatch):

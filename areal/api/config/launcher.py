@@ -69,6 +69,13 @@ class ClusterConfig:
     trainer_nprocs: int = param(
         1, ge=1, help="Trainer ranks per node (data parallel); one device each on GPU machines."
     )
+    colocate: bool | None = param(
+        None, help="Generation servers share the trainer ranks' GPUs (server i on the GPU of trainer "
+        "rank i mod trainer_nprocs; the server gives back its KV cache while the trainer steps, "
+        "see server.gpu_memory_fraction); null = colocate only when the GPUs the launch may use "
+        "are fewer than trainer ranks + servers (said in one log line); false = one GPU each. "
+        "No effect on CPU machines."
+    )
     dist_backend: Literal["auto", "gloo", "nccl"] = param(
         "auto", help="torch.distributed backend of the trainer ranks; auto = nccl on GPU, gloo on CPU."
     )
@@ -77,11 +84,20 @@ class ClusterConfig:
     )
 
     def check(self) -> Iterator[str]:
-        if self.devices_per_node and self.trainer_nprocs + self.n_servers > self.devices_per_node * self.n_nodes:
+        have = (self.devices_per_node or 0) * self.n_nodes
+        if not self.devices_per_node:
+            return
+        if self.colocate is False and self.trainer_nprocs + self.n_servers > have:
             yield (
                 f"devices_per_node: {self.devices_per_node} x {self.n_nodes} node(s) cannot hold "
-                f"{self.trainer_nprocs} trainer ranks + {self.n_servers} servers; lower "
-                "cluster.trainer_nprocs or cluster.n_servers"
+                f"{self.trainer_nprocs} trainer ranks + {self.n_servers} servers one GPU each; lower "
+                "cluster.trainer_nprocs or cluster.n_servers, or set cluster.colocate=true"
+            )
+        elif self.trainer_nprocs > have:
+            yield (
+                f"devices_per_node: {self.devices_per_node} x {self.n_nodes} node(s) cannot hold "
+                f"{self.trainer_nprocs} trainer ranks (one GPU each, servers colocated); lower "
+                "cluster.trainer_nprocs"
             )
 
 
