@@ -9,8 +9,13 @@ from typing import Callable
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from areal.utils.tiny_model import build_tiny_model, count_parameters
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise NotADirectoryError(f"--out {args.out}: is a file, not a directory; pass a new or "
+                                 "existing directory, e.g. --out models/tiny")
     out = build_tiny_model(args.out, size=args.size, seed=args.seed)
     print(f"wrote {args.size} model ({count_parameters(out):,} parameters) to {out}")
     return 0

@@ -33,6 +33,14 @@ from areal.utils.recover import resume_pending
 logger = get_logger("launcher")
 
 
+class ScriptError(ValueError):
+    """SCRIPT cannot be launched as it is (it defines no ``CONFIG``): a user error, no crash."""
+
+
+COLOCATE_LOCAL_ONLY = ("cluster.colocate: true, but only `areal launch local` puts servers on the trainers' GPUs; "
+                       "use it on one machine, or cluster.colocate=null to give each server a GPU of its own")
+
+
 def load_script_config_class(script: str | Path) -> type:
     """Import SCRIPT (its ``__main__`` guard keeps it from running; its directory goes on
     ``sys.path``) and return its ``CONFIG``."""
@@ -47,7 +55,7 @@ def load_script_config_class(script: str | Path) -> type:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "CONFIG"):
-        raise AttributeError(
+        raise ScriptError(
             f"{path} defines no CONFIG; add `CONFIG = GRPOConfig` (its config class) at module level"
         )
     return module.CONFIG
@@ -82,7 +90,7 @@ def launch(script: str, argv: list[str], run_once: Callable[[Any, int], int]) ->
         problems = preflight(cfg)
         if problems:
             raise ConfigError(problems, "what the config points at")
-    except ConfigError as e:  # a message for the user, not a crash: nothing was started
+    except (ConfigError, ScriptError) as e:  # a message for the user, not a crash: nothing was started
         print(f"areal launch: {e}", file=sys.stderr)
         return 2
     if not resume_pending(cfg.run_dir / "recover", cfg.recover.mode):

@@ -62,3 +62,25 @@ def test_user_errors_of_every_command_are_one_message_and_exit_2(argv, message):
     assert out.returncode == 2, out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.startswith(f"areal {argv[0]}: ")
+
+
+def test_script_file_override_and_config_mistakes_are_one_message_naming_the_fix(tmp_path):
+    """Each used to be a traceback (no CONFIG, --out a file) or a misleading message ("- : unknown
+    key" for "=5", "no such file" for a directory)."""
+    script, a_file = tmp_path / "no_config.py", tmp_path / "a_file"
+    script.write_text("x = 1\n")
+    a_file.write_text("")
+    grpo = "examples/gsm8k_grpo.py"
+    cases = [
+        (["launch", "local", str(script), "--config", "examples/arithmetic_grpo.yaml"],
+         "defines no CONFIG; add `CONFIG = GRPOConfig`"),
+        (["tiny-model", "--out", str(a_file)], f"--out {a_file}: is a file, not a directory; pass a new"),
+        (["launch", "local", grpo, "=5"], "override '=5': empty key or key part before '='; write key=value"),
+        (["launch", "local", grpo, "--config", str(tmp_path)], f"--config {tmp_path}: is a directory; pass a YAML"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        out = subprocess.run([sys.executable, "-m", "areal.cli", *argv], capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+        assert out.returncode == 2 and out.stderr.startswith(f"areal {argv[0]}: "), (argv, out.stderr)
+        assert message in out.stderr and "Traceback" not in out.stderr, (argv, out.stderr)
+        assert "unknown key" not in out.stderr and "no such file" not in out.stderr, (argv, out.stderr)

@@ -374,6 +374,10 @@ def parse_overrides(overrides: list[str]) -> tuple[dict, list[str]]:
             problems.append(f"override {item!r}: expected key=value, e.g. actor.optimizer.lr=1e-5")
             continue
         key, raw = item.split("=", 1)
+        if any(not part.strip() for part in key.split(".")):
+            problems.append(f"override {item!r}: empty key or key part before '='; write "
+                            "key=value, e.g. actor.optimizer.lr=1e-5")
+            continue
         try:
             value = yaml.load(raw, Loader=Yaml12Loader) if raw != "" else ""
         except yaml.YAMLError as e:
@@ -401,6 +405,9 @@ def _merge(base: dict, top: dict) -> dict:
 def read_yaml(path: str | Path) -> dict:
     """Read a YAML 1.2 mapping, turning parse errors into a ConfigError with line and column."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError([f"--config {path}: is a directory; pass a YAML file, e.g. "
+                           "examples/arithmetic_grpo.yaml"], str(path))
     if not path.is_file():
         raise ConfigError([f"--config {path}: no such file"], str(path))
     try:
