@@ -7,11 +7,14 @@ then, before any submitted code runs:
 
 1. sets RLIMIT_NPROC when the spec asks (inside the sandbox's user namespace, where the kernel
    counts only this sandbox's processes and threads);
-2. installs the seccomp filter (``no_new_privs`` first); from then on the kernel enforces it
-   and nothing in this process tree can remove it.
+2. makes itself not dumpable, so the solution (same uid) cannot open its ``/proc/<pid>/mem``;
+3. installs the seccomp filter (``no_new_privs`` first); from then on the kernel enforces it
+   and nothing in this process tree can remove it;
+4. writes ``ready`` to the ready descriptor and closes it.
 
 Any failure there ends the case with an ``areal-sandbox:`` line on stderr and exit code 125:
-the solution never runs with fewer layers than the parent reported.
+the solution never runs with fewer layers than the parent reported. The parent tells a sandbox
+failure by the missing ``ready`` alone (never by stderr, which the solution writes too).
 
 It then forks: the child runs ``solution.py`` (as ``__main__`` with the case's stdin, or calls
 ``spec["fn_name"](*spec["args"])`` and writes the JSON result to the result descriptor); the
@@ -24,6 +27,7 @@ import os
 import resource
 import sys
 
+_PR_SET_DUMPABLE = 4
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_SECCOMP = 22
 _SECCOMP_MODE_FILTER = 2
@@ -55,6 +59,11 @@ def _setup(inputs):
         source = f.read()
     if spec["nproc"]:
         resource.setrlimit(resource.RLIMIT_NPROC, (spec["nproc"], spec["nproc"]))
+    # Not dumpable: this runner's /proc/<pid>/mem (/proc/1/mem in the pid namespace) and its
+    # other ptrace-guarded files are closed to the solution, which runs as the same uid.
+    if ctypes.CDLL(None, use_errno=True).prctl(ctypes.c_int(_PR_SET_DUMPABLE), ctypes.c_ulong(0),
+                                               ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)):
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
     if spec["seccomp"]:
         with open(os.path.join(inputs, "seccomp.bpf"), "rb") as f:
             _install_seccomp(f.read())
@@ -116,6 +125,10 @@ def main():
         sys.stderr.write(f"areal-sandbox: setup failed before the solution ran: {e!r}\n")
         sys.stderr.flush()
         os._exit(_SETUP_FAILED)
+    # The only sign of a sandbox failure the host trusts: "ready" on this descriptor, closed
+    # before the solution exists, so nothing the solution prints or does can forge or undo it.
+    os.write(spec["ready_fd"], b"ready")
+    os.close(spec["ready_fd"])
     child_pid = os.fork()
     if child_pid == 0:
         _child(spec, source)

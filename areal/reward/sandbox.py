@@ -24,6 +24,10 @@ in each mode, and what does not, is in docs/sandbox.md. The layers, outermost fi
   of AF_UNIX stays: pipes), no io_uring (its operations bypass seccomp), no mount, unshare,
   setns or namespace flags on clone, no bpf, perf, userfaultfd or keyrings.
 
+* **Runner**: not dumpable (its ``/proc/<pid>/mem`` is closed to the solution, same uid), and
+  the only judge of a sandbox failure: ``sandbox_error`` means it never wrote ``ready`` on the
+  descriptor it closes before the solution runs (stderr, which the solution writes, counts not).
+
 ``isolation=required`` (the default) refuses to run unless namespaces and seccomp both hold;
 ``best_effort`` runs with what the machine gives (logged once, named in every result).
 
@@ -61,7 +65,6 @@ PR_SET_PDEATHSIG = 1
 _CHILD_SCRIPT = Path(__file__).with_name("_sandbox_child.py")
 _UID_RANGE = (200_000, 400_000)  # unused uids the sandbox draws from when root
 _INNER_ID = 1000  # uid and gid the code sees inside the user namespace
-ERROR_PREFIX = "areal-sandbox:"  # stderr lines of the sandbox itself (not of the submission)
 
 # Syscalls refused with EPERM once the runner installs the filter (see the module docstring).
 _DENIED_SYSCALLS = (
@@ -74,7 +77,9 @@ _DENIED_SYSCALLS = (
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET: refused as clone() flags.
 _NAMESPACE_FLAGS = (0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 
-Status = Literal["ok", "runtime_error", "timeout", "memory", "output_limit", "sandbox_error"]
+# bad_result: a function-call case whose result descriptor holds no parsable result (missing,
+# malformed, nested past the parser's depth); untrusted output, so the case fails (scores 0).
+Status = Literal["ok", "runtime_error", "timeout", "memory", "output_limit", "bad_result", "sandbox_error"]
 
 
 @dataclass
@@ -403,8 +408,11 @@ def _read_capped(path: Path, limit: int) -> str:
         return f.read(limit).decode("utf-8", errors="replace")
 
 
-def _classify(rc: int, timed_out: bool, stderr: str) -> Status:
-    if stderr.startswith(ERROR_PREFIX) or stderr.startswith("bwrap:"):
+def _classify(rc: int, timed_out: bool, stderr: str, ready: bool) -> Status:
+    """``ready``: the runner reported its layers in place, on a pipe it closed before the
+    submission ran; only then can the submission have run, so only without it is a failure the
+    sandbox's own (``sandbox_error``, whatever the submission prints on stderr)."""
+    if not ready and not timed_out:
         return "sandbox_error"
     if timed_out or rc in (128 + signal.SIGXCPU, 128 + signal.SIGKILL, -signal.SIGXCPU):
         return "timeout"
@@ -435,33 +443,48 @@ def run_python(
     if not layers.namespaces and not root:
         nproc += _tasks_of_uid(os.getuid())  # per-user count: headroom over what we hold now
     case = Path(tempfile.mkdtemp(prefix="areal_sandbox_"))
+    ready_r, ready_w = os.pipe()  # the runner writes "ready" here, then closes it, before the code runs
     try:
         with open(case / "result.json", "wb") as result_file:
             spec = {
                 "fn_name": fn_name,
                 "args": args or [],
                 "result_fd": result_file.fileno(),
+                "ready_fd": ready_w,
                 "seccomp": layers.seccomp,
                 "nproc": nproc if layers.namespaces else 0,  # else set before the uid switch
             }
             _prepare(case, code, stdin, spec, uid, layers.seccomp)
             start = time.monotonic()
-            rc, timed_out = _execute(python, case, cfg, uid, layers, nproc, timeout, result_file)
+            rc, timed_out = _execute(python, case, cfg, uid, layers, nproc, timeout,
+                                     [result_file.fileno(), ready_w])  # fmt: skip
             elapsed = time.monotonic() - start
         stdout = _read_capped(case / "stdout.txt", cfg.max_output_bytes)
         stderr = _read_capped(case / "stderr.txt", cfg.max_output_bytes)
+        status = _classify(rc, timed_out, stderr, _was_ready(ready_r))
         result = None
-        if rc == 0 and fn_name is not None:
+        if status == "ok" and fn_name is not None:
             try:
-                text = _read_capped(case / "result.json", cfg.max_file_mb << 20)
-                result = json.loads(text)["result"]
-            except (ValueError, KeyError, TypeError):
-                rc = 1  # a missing or malformed result counts as a failed case
-        status = _classify(rc, timed_out, stderr)
+                result = json.loads(_read_capped(case / "result.json", cfg.max_file_mb << 20))["result"]
+            except (ValueError, KeyError, TypeError, RecursionError):
+                # Untrusted output (the submission can write anything to its result descriptor):
+                # one that does not parse scores 0, counted by its status, never raises.
+                status, rc = "bad_result", 1
         isolation = layers.describe(root)
         return SandboxResult(status, rc, stdout, stderr, elapsed, isolation, result, uid)
     finally:
+        os.close(ready_r)
         shutil.rmtree(case, ignore_errors=True)
+
+
+def _was_ready(ready_r: int) -> bool:
+    """Whether the runner reported its layers in place (read once the case is over; nothing
+    inside can still hold the pipe's write end, and a non-blocking read never waits anyway)."""
+    os.set_blocking(ready_r, False)
+    try:
+        return os.read(ready_r, 16) == b"ready"
+    except BlockingIOError:
+        return False
 
 
 def _execute(
@@ -472,9 +495,10 @@ def _execute(
     layers: Layers,
     nproc: int,
     timeout: float,
-    result_file,
+    fds: list[int],
 ) -> tuple[int, bool]:
-    """Start the case, wait up to ``timeout`` seconds, then kill whatever is left."""
+    """Start the case (the runner inherits ``fds``), wait up to ``timeout`` seconds, then kill
+    whatever is left."""
     info_r, info_w = os.pipe() if layers.namespaces else (-1, -1)
     if layers.namespaces:
         argv, cwd = _bwrap_argv(python, case, cfg, info_w), case
@@ -489,7 +513,7 @@ def _execute(
             proc = subprocess.Popen(
                 argv, stdin=fin, stdout=fout, stderr=ferr, cwd=cwd, env={},
                 start_new_session=True, close_fds=True,
-                pass_fds=[fd for fd in (result_file.fileno(), info_w) if fd >= 0],
+                pass_fds=[fd for fd in (*fds, info_w) if fd >= 0],
                 preexec_fn=_preexec(cfg, uid, 0 if layers.namespaces else nproc),
             )  # fmt: skip
     finally:

@@ -190,6 +190,17 @@ escaped |= libc.ptrace(16, os.getppid(), None, None) == 0
 escaped |= libc.unshare(0x10000000) == 0  # CLONE_NEWUSER
 escaped |= libc.syscall(165, b"none", b"/tmp", b"tmpfs", 0, None) == 0  # mount
 """,
+    "proc_mem": """
+import os
+escaped = False
+for pid in (1, os.getppid(), {victim}):  # the namespace's init (the runner), our parent, a host process
+    try:  # /proc/<pid>/mem of another process: read or write its memory
+        with open(f"/proc/{{pid}}/mem", "r+b", buffering=0) as f:
+            print("opened", pid)
+            escaped = True
+    except OSError as e:
+        print("refused:", e)
+""",
 }
 
 ESCAPE_NAMES = tuple(_PROGRAMS)

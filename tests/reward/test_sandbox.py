@@ -189,3 +189,29 @@ def test_best_effort_without_namespaces_keeps_seccomp_and_rlimits_and_says_so(
     r = run_python(PROCESS_COUNT, cfg)
     assert int(r.stdout) <= CFG.max_processes, r  # the cap holds without a user namespace too
     unharmed(r)
+
+
+def test_a_result_nested_past_the_parsers_depth_scores_zero_as_bad_result():
+    # Writes 100,000-deep JSON to its result descriptor (found in the runner's spec.json) and
+    # exits before the runner writes the real result: json.loads raised RecursionError, which
+    # escaped code_reward (a failed reward call instead of a score).
+    code = (
+        "import json, os, sys\n"
+        "def f():\n"
+        "    spec = os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), 'spec.json')\n"
+        "    fd = json.load(open(spec))['result_fd']\n"
+        "    os.write(fd, b'{\"result\": ' + b'[' * 100000 + b']' * 100000 + b'}')\n"
+        "    os._exit(0)\n"
+    )
+    cases = [{"fn_name": "f", "args": [], "expected": 1}]
+    assert run_tests(code, cases, CFG).statuses == ["bad_result"]
+    assert code_reward(f"```python\n{code}```", cases, CFG) == 0.0
+
+
+def test_a_submission_cannot_forge_the_sandbox_error_label():
+    # The sandbox's own failure used to be read from stderr: a submission printing the prefix
+    # first was labelled sandbox_error. Now only the runner's "ready" descriptor counts.
+    res = run_python("import sys\nsys.stderr.write('areal-sandbox: setup failed\\n')\nsys.exit(125)", CFG)
+    assert res.status == "runtime_error", res
+    res = run_python("import sys\nsys.stderr.write('bwrap: cannot mount\\n')", CFG)
+    assert res.status == "ok", res
