@@ -35,7 +35,7 @@ from areal.runtime.dist import DistContext, close_distributed, init_distributed
 from areal.runtime.preflight import preflight
 from areal.utils.logging import add_log_file, get_logger
 from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository
-from areal.utils.recover import Ranks, RecoverDir, load_state, resume_pending, save_state
+from areal.utils.recover import Ranks, RecoverDir, RecoverError, load_state, resume_pending, save_state
 from areal.utils.stats import StatsTracker
 from areal.utils.stats_logger import StatsLogger
 from areal.utils.timers import FrequencyControl
@@ -204,11 +204,15 @@ class Run:
     def load_recover(self, engines: dict[str, TrainEngine]) -> dict[str, Any] | None:
         """Resume from the newest usable recover checkpoint when ``recover.mode`` allows (a
         corrupt one is named in a warning and the previous one tried); None when there is none.
-        Writes RUN_DIR/config.yaml once the resume is accepted; a refused resume raises
-        :class:`~areal.utils.recover.RecoverError` and leaves it as it was. Collective."""
+        Writes RUN_DIR/config.yaml once the resume is accepted; a refused resume leaves it as it
+        was and ends the process with the one-line ``RecoverError: ...`` message (exit code 1, no
+        traceback: the operator's decision, not a crash; the launcher names it). Collective."""
         if self.cfg.recover.mode == "disabled":
             return None
-        found = self.recover_dir.resume(lambda ckpt: self._load_checkpoint(ckpt, engines))
+        try:
+            found = self.recover_dir.resume(lambda ckpt: self._load_checkpoint(ckpt, engines))
+        except RecoverError as e:
+            raise SystemExit(f"RecoverError: {e}") from None
         if found is None:
             return None
         ckpt, state = found

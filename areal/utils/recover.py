@@ -11,8 +11,8 @@ at any point leaves the previous checkpoints as they were.
 Resume (:meth:`RecoverDir.resume`) tries the checkpoints newest first. One whose manifest is
 missing or unreadable, lists a file that is missing, of another size or with another digest, or
 whose load raises on any rank, is corrupt: a warning names it and the file, and the next older
-one is tried. When none is usable the resume is refused with an error naming each one tried and
-the fix. Every decision is taken from data all ranks share (rank 0's listing and manifest, every
+one is tried. When none is usable the resume is refused with one message: the verdict and the
+fix first, then each one tried (a trainer prints it alone, no traceback: ``Run.load_recover``). Every decision is taken from data all ranks share (rank 0's listing and manifest, every
 rank's verdict gathered), so the ranks never load different checkpoints. The newest ``keep``
 checkpoints stay on disk (``recover.keep``).
 """
@@ -198,9 +198,10 @@ class RecoverDir:
             logger.warning(f"recover checkpoint {ckpt} is corrupt: {problem}; {after}")
         if not tried:
             return None
-        raise RecoverError(
-            f"no usable recover checkpoint in {self.root}: " + " | ".join(tried) + ". To start the "
-            f"run fresh, delete {self.root} or set recover.mode=disabled"
+        raise RecoverError(  # the verdict and the fix first, then each checkpoint's problem
+            f"cannot resume: none of the {len(tried)} recover checkpoint(s) in {self.root} is usable; "
+            f"to start the run fresh, delete {self.root} or set recover.mode=disabled. Tried: "
+            + " | ".join(tried)
         )
 
     def _check_world_size(self, ckpt: Path, manifest: dict[str, Any]) -> None:
