@@ -37,6 +37,7 @@ logger = get_logger("launcher")
 FAILURES = "failures.jsonl"  # under the log dir: one record per failed launch attempt
 _EXCEPTION = re.compile(r"([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(?::.*)?")
 _TORCHRUN_EXIT = re.compile(r"\s*exitcode\s*:\s*(-?\d+)")
+_TORCHRUN_RANK = re.compile(r"\s*rank\s*:\s*(\d+)")
 
 
 class LogPump(threading.Thread):
@@ -117,9 +118,15 @@ class Child:
 
 
 def root_cause(lines: list[str], code: int | None) -> str:
-    """The last exception line of a process's output (``RuntimeError: ...``), torchrun's own
-    ``ChildFailedError`` summary skipped; else the exit code torchrun reports for the first
-    failed worker; else ``exit code <code>``."""
+    """Why a process failed. A process killed by a signal (``code`` < 0), or a trainer rank whose
+    death by a signal torchrun's summary reports, was killed: that is the cause, and errors
+    printed after it by other processes (a reward worker's ``BrokenPipeError`` once the rank is
+    gone) are its consequences. Else the last exception line of the output (``RuntimeError:
+    ...``), torchrun's own ``ChildFailedError`` skipped; else the exit code torchrun reports for
+    the first failed worker; else ``exit code <code>``."""
+    killed = _killed_by_signal(lines, code)
+    if killed:
+        return killed
     for line in reversed(lines):
         text = re.sub(r"^\[rank\d+\]:\s*", "", line.strip())
         m = _EXCEPTION.fullmatch(text)
@@ -129,6 +136,26 @@ def root_cause(lines: list[str], code: int | None) -> str:
         if m := _TORCHRUN_EXIT.match(line):
             return f"exit code {m.group(1)}"
     return f"exit code {code}"
+
+
+def _killed_by_signal(lines: list[str], code: int | None) -> str:
+    """``killed by SIGKILL (exit code -9)`` for a process killed by a signal, ``trainer rank 0
+    killed by SIGKILL (...)`` for the first failed worker of torchrun's summary; else ''."""
+    if code is not None and code < 0:
+        return f"killed by {_signal_name(-code)} (exit code {code})"
+    for i, line in enumerate(lines):
+        if (m := _TORCHRUN_EXIT.match(line)) and int(m.group(1)) < 0:
+            ranks = (r.group(1) for earlier in reversed(lines[:i]) if (r := _TORCHRUN_RANK.match(earlier)))
+            rank = next(ranks, "?")
+            return f"trainer rank {rank} killed by {_signal_name(-int(m.group(1)))} (exit code {m.group(1)})"
+    return ""
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def record_failure(log_dir: str | Path, process: str, code: int, cause: str) -> None:

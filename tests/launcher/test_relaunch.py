@@ -106,7 +106,23 @@ def test_root_cause_is_the_workers_exception_not_torchruns_summary():
     no_exception = [line for line in lines if not line.startswith("RuntimeError")]
     no_exception = [line.replace("exitcode  : 1", "exitcode  : 3") for line in no_exception]
     assert root_cause(no_exception, 1) == "exit code 3"  # sys.exit(3) in the worker
-    assert root_cause(["starting", "killed"], -9) == "exit code -9"
+    assert root_cause(["starting", "killed"], -9) == "killed by SIGKILL (exit code -9)"
+
+
+def test_a_rank_killed_by_a_signal_is_the_root_cause_not_a_reward_workers_broken_pipe():
+    # kill -9 of the trainer rank: its reward workers print BrokenPipeError after it is gone,
+    # and torchrun's summary reports the signal; the launcher named the BrokenPipeError.
+    lines = [
+        "[rank0]: step 3 done",
+        "Traceback (most recent call last):",
+        '  File "/x/multiprocessing/connection.py", line 289, in _send',
+        "BrokenPipeError: [Errno 32] Broken pipe",
+        *[line.replace("exitcode  : 1 (pid: 27361)", "exitcode  : -9 (pid: 27361)")
+          for line in TORCHRUN_OUTPUT.splitlines()[5:]],
+        "  traceback : Signal 9 (SIGKILL) received by PID 27361",
+    ]
+    lines.insert(lines.index("  time      : 2026-11-23_11:37:50") + 1, "  rank      : 0 (local_rank: 0)")
+    assert root_cause(lines, 1) == "trainer rank 0 killed by SIGKILL (exit code -9)"
 
 
 def test_launch_leaves_config_yaml_untouched_while_a_resume_is_pending(run_launch):
