@@ -4,11 +4,14 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
+# A machine whose python3 already has a CUDA torch keeps it: the venv sees the system packages and
+# torch is not installed (areal asks torch>=2.6, so pip never replaces it). Elsewhere: torch 2.13.0.
+CUDA_TORCH := $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
 
-.PHONY: demo test install clean vllm-env
+.PHONY: demo test install clean vllm-env gpu-wheels gpu-check
 
 $(VPY):
-	$(PY) -m venv $(VENV)
+	$(PY) -m venv $(if $(filter 1,$(CUDA_TORCH)),--system-site-packages) $(VENV)
 
 $(STAMP): $(VPY) pyproject.toml
 	@# bubblewrap: the code sandbox's namespaces (areal/reward/sandbox.py, docs/sandbox.md)
@@ -25,9 +28,14 @@ $(STAMP): $(VPY) pyproject.toml
 		|| (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge))) \
 		|| echo 'Slurm missing: run apt-get install slurmctld slurmd slurm-client munge as root, or the Slurm launcher tests skip'
 	$(VPY) -m pip install -q --upgrade pip
+ifeq ($(CUDA_TORCH),1)
+	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'the CUDA torch was replaced: ' + torch.__version__)"
+else
 	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m pip install -q -e '.[test]'
 	$(VPY) -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') else 'torch was replaced: ' + v)"
+endif
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -39,6 +47,16 @@ vllm-env: $(STAMP)
 
 test: $(STAMP) vllm-env
 	$(VPY) -m pytest -q -ra
+
+# Wheels (Python 3.12, manylinux x86_64, one version each) of what a bare GPU machine's image lacks,
+# into .whl/ (ignored), for gpu-check there; run where pip reaches PyPI (bench/gpu_wheels.py).
+gpu-wheels: $(STAMP)
+	$(VPY) bench/gpu_wheels.py --out .whl
+
+# On a GPU machine with no network: installs .whl/, then tier-3 tests, every entry point for a few
+# steps on one GPU and bench/gpu.py; a table and runs/gpu-check/gpu_check.json (bench/gpu_check.sh).
+gpu-check:
+	bash bench/gpu_check.sh
 
 demo: $(STAMP)
 	$(VENV)/bin/areal quickstart --out runs/quickstart

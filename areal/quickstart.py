@@ -115,6 +115,19 @@ def _stages(task: str, examples: Path, model: Path, out: Path, n_sft: int) -> tu
     raise ValueError(f"quickstart --task {task!r} is not one of {list(TASKS)}")
 
 
+def _device_overrides() -> list[str]:
+    """On a GPU machine the server generates on the GPU too: with one GPU the launcher puts it on
+    the trainer's (cluster.colocate) and the server gives back its KV cache while the trainer
+    steps. Nothing on CPU machines."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    print(f"[quickstart] GPU: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}; the "
+          "generation server runs on cuda (on one GPU, colocated with the trainer)")
+    return ["server.device=cuda"]
+
+
 def run_quickstart(
     out: str | Path, task: str = "arithmetic", sft_overrides: list[str] = (),
     grpo_overrides: list[str] = (), n_sft: int = 5000,
@@ -145,7 +158,8 @@ def run_quickstart(
     print(f"[quickstart] SFT done: {sft_model}")
 
     rl_start = time.time()
-    grpo_args = [*common, "experiment_name=grpo", f"actor.path={sft_model}", *grpo[2], *grpo_overrides]
+    grpo_args = [*common, "experiment_name=grpo", f"actor.path={sft_model}", *grpo[2], *_device_overrides(),
+                 *grpo_overrides]
     _launch(grpo[0], grpo[1], grpo_args)
     rl_seconds = time.time() - rl_start
     cfg = load_config(GRPOConfig, ["--config", str(grpo[1]), *grpo_args])

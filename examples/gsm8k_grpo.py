@@ -87,7 +87,8 @@ def main(argv: list[str]) -> int:
                                                           side.eval_workflow, side.executor)
     actor, critic, ref = setup_trainers(cfg, run, data.ft_spec)
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
-    publisher = WeightPublisher(cfg.weight_update_mode, actor, rollout, executor, run.dist, cfg.weights_dir)
+    publisher = WeightPublisher(cfg.weight_update_mode, actor, rollout, executor, run.dist, cfg.weights_dir,
+                                colocated=run.env.colocated)
     publisher.connect()
 
     step, state = 0, run.load_recover(engines)
@@ -108,6 +109,7 @@ def main(argv: list[str]) -> int:
             batch = groups_to_batch(groups)
         run.log_trained(step, [g[0].group_id for g in groups])
         stats = side.batch_stats()  # executor, reward workers, client (and agent) counters
+        publisher.yield_device()  # colocated servers give the GPU to the train step
         train_step(cfg, run, actor, critic, ref, batch)
         with run.tracker.timer("update_weights"):
             publisher.publish()

@@ -29,6 +29,7 @@ OMP_THREADS = "OMP_NUM_THREADS"
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 SERVER_API_KEY = "AREAL_SERVER_API_KEY"  # servers and trainers get the admin key by env, not argv
 LAUNCHER_PID = "AREAL_LAUNCHER_PID"  # every started process dies when this process exits
+COLOCATED = "AREAL_COLOCATED"  # "1": the trainer's GPUs also host generation servers
 # What torchrun sets for a rank beyond the names above (a process that is not a rank drops them all).
 TORCHRUN_ONLY = ("LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
 TORCHRUN_VARS = (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, *TORCHRUN_ONLY)
@@ -45,6 +46,7 @@ class LaunchEnv:
     torch_threads: int = 0  # 0 = torch's default
     launcher_pid: int = 0  # 0 = not started by an areal launcher
     launched: bool = False  # RANK and WORLD_SIZE are set: a rendezvous (env://) is expected
+    colocated: bool = False  # servers share the trainer's GPUs: they sleep while it steps
 
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ) -> LaunchEnv:
@@ -65,6 +67,7 @@ class LaunchEnv:
             attempt=number(LAUNCH_ATTEMPT, 0), torch_threads=number(TORCH_THREADS, 0),
             launcher_pid=number(LAUNCHER_PID, 0),
             launched=RANK in environ and WORLD_SIZE in environ,
+            colocated=number(COLOCATED, 0) == 1,
         )
 
 
@@ -98,9 +101,10 @@ def torch_dist_env(rank: int, world_size: int, local_rank: int, master_addr: str
             MASTER_ADDR: master_addr, MASTER_PORT: str(master_port)}
 
 
-def trainer_env(attempt: int) -> dict[str, str]:
-    """Our variables for the trainer ranks of launch attempt ``attempt``."""
-    return {LAUNCH_ATTEMPT: str(attempt)}
+def trainer_env(attempt: int, colocated: bool = False) -> dict[str, str]:
+    """Our variables for the trainer ranks of launch attempt ``attempt`` (``colocated``: their
+    GPUs also host generation servers)."""
+    return {LAUNCH_ATTEMPT: str(attempt), **({COLOCATED: "1"} if colocated else {})}
 
 
 def api_key_env(key: str) -> dict[str, str]:

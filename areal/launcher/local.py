@@ -114,8 +114,9 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
                                                  cluster.colocate)
         servers = _start_servers(sup, cfg, server_gpus)
         server_cfg = getattr(cfg, "server", None)  # experiments without servers (SFT) have none
-        env = {**trainer_env(attempt), **threads_env(lc.trainer_threads), **devices_env(trainer_gpus),
-               **api_key_env(server_cfg.api_key if server_cfg else "")}
+        colocated = trainer_gpus is not None and bool(set(trainer_gpus.split(",")) & set(server_gpus))
+        env = {**trainer_env(attempt, colocated), **threads_env(lc.trainer_threads),
+               **devices_env(trainer_gpus), **api_key_env(server_cfg.api_key if server_cfg else "")}
         cmd = _trainer_command(script, without_secrets(argv, cfg), cluster.trainer_nprocs)
         trainer = sup.start("trainer", cmd, env=env)
         watched = list(servers)

@@ -105,6 +105,15 @@ class Backend(abc.ABC):
         """Generate again."""
 
     @abc.abstractmethod
+    def release_memory(self) -> HttpCall:
+        """Paused: give back the accelerator memory the server can do without until
+        :meth:`resume_memory` (a colocated trainer steps meanwhile)."""
+
+    @abc.abstractmethod
+    def resume_memory(self) -> HttpCall:
+        """Take the memory :meth:`release_memory` gave back."""
+
+    @abc.abstractmethod
     def update_from_disk(self, path: str, version: int) -> HttpCall:
         """Load HF weights from ``path``; new tokens carry ``version``."""
 
@@ -172,6 +181,14 @@ class NativeBackend(Backend):
     def resume(self) -> HttpCall:
         """``/continue_generation``."""
         return HttpCall("POST", "/continue_generation")
+
+    def release_memory(self) -> HttpCall:
+        """``/release_memory_occupation`` (ours: the KV cache; SGLang: KV cache and weights)."""
+        return HttpCall("POST", "/release_memory_occupation", json={})
+
+    def resume_memory(self) -> HttpCall:
+        """``/resume_memory_occupation``."""
+        return HttpCall("POST", "/resume_memory_occupation", json={})
 
     def update_from_disk(self, path: str, version: int) -> HttpCall:
         """``/update_weights_from_disk`` ``{"model_path", "weight_version"}``."""
@@ -273,6 +290,15 @@ class VLLMBackend(Backend):
     def resume(self) -> HttpCall:
         """``POST /resume``."""
         return HttpCall("POST", "/resume")
+
+    def release_memory(self) -> HttpCall:
+        """``POST /sleep?level=1`` (weights to host memory, KV cache dropped; the server needs
+        ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``)."""
+        return HttpCall("POST", "/sleep", params={"level": "1"})
+
+    def resume_memory(self) -> HttpCall:
+        """``POST /wake_up``."""
+        return HttpCall("POST", "/wake_up")
 
     def update_from_disk(self, path, version) -> HttpCall:
         """``POST /collective_rpc`` running our worker extension's

@@ -388,6 +388,19 @@ class RemoteInferenceEngine(InferenceEngine):
         """Let every server generate again; interrupted requests continue."""
         self._loop_thread().run(self._aresume(), self.config.setup_timeout + 5, "resume")
 
+    def release_memory(self) -> None:
+        """Paused servers give back their accelerator memory (colocated with a trainer that is
+        about to step); every server must answer within ``setup_timeout``."""
+        calls = self._call_all(self.backend.release_memory())
+        self._loop_thread().run(self._broadcast(calls, "release memory", self.config.setup_timeout),
+                                self.config.setup_timeout + 5, "release memory")
+
+    def resume_memory(self) -> None:
+        """Servers take back the memory :meth:`release_memory` gave back."""
+        calls = self._call_all(self.backend.resume_memory())
+        self._loop_thread().run(self._broadcast(calls, "resume memory", self.config.setup_timeout),
+                                self.config.setup_timeout + 5, "resume memory")
+
     def get_version(self) -> int:
         """The version the client tags tokens with when a server reports none."""
         return self._version

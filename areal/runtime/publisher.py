@@ -5,7 +5,9 @@ hand the actor's weights to every generation server (``disk``: an HF dir the ser
 ``distributed``: a bucketed broadcast from trainer rank 0) -> every trainer rank waits for the
 push -> actor, client and executor move to the new version -> resume. Only the first trainer
 rank talks to the servers; every rank runs the collective parts. ``disk`` keeps the newest
-``keep`` weight dirs under RUN_DIR/weights and deletes older ones.
+``keep`` weight dirs under RUN_DIR/weights and deletes older ones. With servers colocated on the
+trainer's GPUs, :meth:`yield_device` pauses rollouts and has the servers give back their KV cache
+before the train step, and :meth:`publish` gives it back to them after the push.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class WeightPublisher:
 
     def __init__(self, mode: Literal["disk", "distributed"], actor: FSDPEngine,
                  rollout: RemoteInferenceEngine, executor: WorkflowExecutor, dist_ctx: DistContext,
-                 weights_dir: Path, keep: int = 2):
+                 weights_dir: Path, keep: int = 2, colocated: bool = False):
         if mode not in ("disk", "distributed"):
             raise ValueError(f"weight_update_mode must be 'disk' or 'distributed', got {mode!r}")
         if keep < 1:
@@ -39,6 +41,8 @@ class WeightPublisher:
         self.keep = keep
         self._group_meta: WeightUpdateMeta | None = None
         self._version = actor.get_version()
+        self.colocated = colocated  # servers on the trainer's GPUs: they sleep while it steps
+        self._yielded = False
 
     @property
     def version(self) -> int:
@@ -61,11 +65,24 @@ class WeightPublisher:
             future.result(self.rollout.config.setup_timeout)
         self._group_meta = meta
 
+    def yield_device(self) -> None:
+        """Colocated servers (no-op otherwise): stop rollouts (admission waits, in-flight
+        generations are re-submitted later) and have the servers give back their KV cache, so the
+        train step has the GPU; the next :meth:`publish` takes it back. Every rank calls it."""
+        if not self.colocated or self._yielded:
+            return
+        self.executor.pause()
+        if self._leader:
+            self.rollout.release_memory()
+        self.dist.barrier()
+        self._yielded = True
+
     def publish(self, version: int | None = None) -> int:
         """Push the actor's weights as ``version`` (default: the current one + 1; a resume
         passes the checkpoint's) and move everything to it. Returns the new version."""
         version = self._version + 1 if version is None else version
-        self.executor.pause()
+        if not self._yielded:
+            self.executor.pause()
         if self.mode == "disk":
             self._push_disk(version)
         else:
@@ -74,6 +91,9 @@ class WeightPublisher:
         self._version = version
         self.actor.set_version(version)
         self.rollout.set_version(version)
+        if self._yielded and self._leader:
+            self.rollout.resume_memory()
+        self._yielded = False
         self.executor.resume()
         return version
 

@@ -33,16 +33,18 @@ class Launcher:
         self.model_dir = model_dir
         self.runs: list[Launch] = []
 
-    def start(self, name: str, script: Path, config: Path, overrides: list[str]) -> tuple[Launch, Path]:
+    def start(self, name: str, script: Path, config: Path, overrides: list[str],
+              env: dict[str, str] | None = None) -> tuple[Launch, Path]:
         """Run ``script`` with ``config`` as experiment ``name`` (trial t); returns RUN_DIR too."""
         fileroot = self.root / name
-        run = start_launch(script, config, [f"experiment_name={name}", "trial_name=t", *overrides], fileroot)
+        run = start_launch(script, config, [f"experiment_name={name}", "trial_name=t", *overrides], fileroot, env)
         self.runs.append(run)
         return run, fileroot / name / "t"
 
-    def run(self, name: str, script: Path, config: Path, overrides: list[str]) -> Path:
+    def run(self, name: str, script: Path, config: Path, overrides: list[str],
+            env: dict[str, str] | None = None) -> Path:
         """Run to the end; assert exit 0 and that no process of the run is left."""
-        run, run_dir = self.start(name, script, config, overrides)
+        run, run_dir = self.start(name, script, config, overrides, env)
         code = run.wait(RUN_TIMEOUT)
         assert code == 0, f"{name} exited with {code}:\n{run.output()}\n{_trainer_tail(run_dir)}"
         run.assert_no_survivors()
