@@ -67,3 +67,38 @@ def test_all_reduce_sums_over_a_group_that_serves_the_device(groups):
     _, both = groups
     t = torch.tensor([1.0, 2.0])
     assert comm.all_reduce(t, group=both) is t and t.tolist() == [1.0, 2.0]  # one rank: unchanged
+
+
+def _nccl_only_export(rank: int, port: int, out: str) -> None:
+    import json
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    tracker = StatsTracker()
+    tracker.mean("reward", torch.tensor([1.0, 0.0, 1.0], device="cuda"))
+    tracker.max("len", torch.tensor([3.0, 7.0]))
+    refused = ""
+    try:
+        comm.all_reduce(torch.ones(2), group=None)
+    except ValueError as e:
+        refused = str(e)
+    with open(out, "w") as f:
+        json.dump({"stats": tracker.export(), "device": str(comm.group_device(None)), "refused": refused}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_stats_export_on_an_nccl_only_group_on_a_gpu(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    from areal.utils.network import free_port
+
+    out = tmp_path / "out.json"
+    mp.start_processes(_nccl_only_export, args=(free_port(), str(out)), nprocs=1, start_method="spawn")
+    got = json.loads(out.read_text())
+    assert got["stats"] == {"reward": pytest.approx(2 / 3), "len": 7.0} and got["device"] == "cuda:0"
+    assert "a cpu tensor cannot go through process group 'nccl'" in got["refused"]

@@ -1,0 +1,36 @@
+"""Tier 2: the server gives back its KV cache while paused (what a colocated trainer's step
+needs) and generates the same tokens after taking it back."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal.serving.sampling import SamplingParams
+from tests.serving.conftest import hf_greedy
+
+PROMPT = [5, 17, 99, 200, 3]
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
+
+
+def test_release_needs_a_pause_and_gives_back_the_whole_cache(tiny_model_dir, hf_model):
+    from areal.serving.generator import Generator
+
+    gen = Generator.from_pretrained(tiny_model_dir, max_batch_size=4).start()
+    try:
+        assert gen.generate([PROMPT], GREEDY)[0].output_ids == hf_greedy(hf_model, PROMPT, 24)
+        with pytest.raises(ValueError, match="needs a paused server"):
+            gen.release_memory()
+        held = sum(t.numel() * t.element_size() for t in (*gen.cache.k, *gen.cache.v))
+        gen.pause()
+        assert gen.release_memory() == held > 0
+        assert gen.cache.k == [] and gen.cache.capacity == 0
+        gen.resume_memory()
+        gen.resume()
+        assert gen.cache.capacity > 0
+        assert gen.generate([PROMPT], GREEDY)[0].output_ids == hf_greedy(hf_model, PROMPT, 24)
+        gen.pause()  # resumed without resume_memory: the next step allocates the cache itself
+        gen.release_memory()
+        gen.resume()
+        assert gen.generate([PROMPT], GREEDY)[0].output_ids == hf_greedy(hf_model, PROMPT, 24)
+    finally:
+        gen.shutdown()
