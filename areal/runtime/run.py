@@ -35,6 +35,7 @@ from areal.runtime.dist import DistContext, close_distributed, init_distributed
 from areal.runtime.preflight import preflight
 from areal.utils.logging import add_log_file, get_logger
 from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository
+from areal.utils.process import die_with
 from areal.utils.recover import Ranks, RecoverDir, RecoverError, load_state, resume_pending, save_state
 from areal.utils.stats import StatsTracker
 from areal.utils.stats_logger import StatsLogger
@@ -255,6 +256,15 @@ def _memory_stats() -> dict[str, float]:
     return out
 
 
+def die_with_starter(env: LaunchEnv) -> None:
+    """A trainer rank under an areal launcher stops (SIGTERM) as soon as the process that
+    started it exits: torchrun, or the launcher's process host. torchrun starts its workers in
+    sessions of their own, so once it is SIGKILLed nothing else reaches them before the launcher
+    itself exits, and a rank kept training (and writing stats) after the failure was declared."""
+    if env.launcher_pid and env.launched:
+        die_with(os.getppid(), what="process that started this rank (torchrun)")
+
+
 def init_run(cfg: BaseExperimentConfig, model_path: str) -> Run:
     """Set up this trainer process: process group and mesh, seeds, log file, resolved config,
     tokenizer."""
@@ -264,6 +274,7 @@ def init_run(cfg: BaseExperimentConfig, model_path: str) -> Run:
     if problems:
         raise ConfigError(problems, "what the config points at")
     env = LaunchEnv.read()
+    die_with_starter(env)
     if env.torch_threads:
         torch.set_num_threads(env.torch_threads)
     dist_ctx = init_distributed(cfg.cluster.dist_backend, env)

@@ -9,6 +9,8 @@
   sleep       sleep until killed
   stubborn    ignore SIGTERM, sleep until SIGKILLed
   fail_first  exit 3 on launch attempt 0, exit 0 on later attempts
+  heartbeat   watch the process that started it as a trainer rank does, then append a line to
+              RUN_DIR/heartbeat every 20 ms until stopped
 Each start appends {"attempt", "pid", "ppid", "addrs"} to RUN_DIR/entry.jsonl.
 """
 
@@ -50,6 +52,14 @@ def main(argv: list[str]) -> int:
         raise RuntimeError("entry script failed on purpose")
     if behaviour == "raise_new":
         raise RuntimeError(f"entry script failed on purpose on attempt {attempt}")
+    if behaviour == "heartbeat":
+        from areal.runtime.run import die_with_starter
+
+        die_with_starter(LaunchEnv.read())
+        while True:
+            with open(cfg.run_dir / "heartbeat", "a") as f:
+                f.write(f"{time.time()}\n")
+            time.sleep(0.02)
     if behaviour == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if behaviour in ("sleep", "stubborn"):

@@ -228,3 +228,48 @@ def test_a_restarted_servers_weights_are_pinned_against_the_publishers_cleanup(t
         f.unlink()
     assert (pinned / "model.safetensors").read_bytes() == bytes([3]) * 16
     assert pin_newest_weights(tmp_path / "none", pinned) is None
+
+
+def test_a_rank_stops_at_once_when_its_torchrun_is_sigkilled(tmp_path, tiny_model_dir):
+    """torchrun starts its workers in sessions of their own: once it is SIGKILLed, the worker
+    kept training (and writing stats) until the launcher itself exited. Here the "launcher" (this
+    test process) lives on, so a worker that does not watch torchrun would never stop."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from areal.api.launch import LAUNCHER_PID
+    from areal.utils.network import free_port
+
+    run_dir = tmp_path / "e" / "t"
+    env = {**os.environ, LAUNCHER_PID: str(os.getpid()), "AREAL_TEST_BEHAVIOUR": "heartbeat",
+           "AREAL_TEST_CONFIG": "sft"}  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--nnodes", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT),
+           f"fileroot={tmp_path}", "experiment_name=e", "trial_name=t", f"model.path={tiny_model_dir}",
+           "train_dataset.type=sft"]
+    torchrun = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    worker = None
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while not (run_dir / "heartbeat").is_file():
+            assert torchrun.poll() is None and time.monotonic() < deadline, "the worker never started"
+            time.sleep(0.1)
+        [entry] = read_jsonl(run_dir / "entry.jsonl")
+        worker = entry["pid"]
+        assert entry["ppid"] == torchrun.pid
+        torchrun.kill()
+        torchrun.wait(10)
+        killed_at = time.time()
+        while Path(f"/proc/{worker}").exists() and time.time() < killed_at + 10:
+            time.sleep(0.02)
+        assert not Path(f"/proc/{worker}").exists(), "the orphaned worker kept running"
+        last_beat = float((run_dir / "heartbeat").read_text().split()[-1])
+        assert last_beat < killed_at + 0.5, f"the worker ran {last_beat - killed_at:.2f} s after torchrun died"
+    finally:
+        if torchrun.poll() is None:
+            torchrun.kill()
+        if worker is not None and Path(f"/proc/{worker}").exists():
+            os.kill(worker, signal.SIGKILL)
