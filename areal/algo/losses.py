@@ -15,6 +15,9 @@ Per-token objectives (``A`` = advantage, ``r`` = importance ratio pi_theta / pi_
   is clipped but every token keeps its gradient.
 - Truncated IS (non-decoupled path): the loss is multiplied by ``min(pi_old / pi_behav, tis_cap)``
   when the trainer's recomputed logprobs and the server's differ.
+- Rollout correction (``rollout_correction``, :mod:`areal.algo.correction`): truncated or masked
+  weights ``pi_train / pi_behav`` per token, sequence or geometric mean, in the decoupled
+  three-policy form or the bypass form (ratio against pi_behav); it replaces the two above.
 
 Departures: the sequence-level behaviour weight (``behav_imp_weight_level=sequence``) is the
 geometric mean of token weights, like GSPO's ratio, not their product; tokens dropped by the
@@ -27,15 +30,9 @@ import torch
 import torch.distributed as dist
 
 from areal.algo.kl import kl_estimate
-from areal.algo.segments import all_reduce_sum, masked_max, masked_mean, segment_sum, seq_ids
+from areal.algo.correction import rollout_weights
+from areal.algo.segments import all_reduce_sum, masked_max, masked_mean, segment_sum, seq_mean
 from areal.api.config.actor import PPOActorConfig
-
-
-def seq_mean(x: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """[T] each token gets the masked mean of ``x`` [T] over its own sequence (differentiable)."""
-    m = mask.to(x.dtype)
-    means = segment_sum(x * m, cu_seqlens) / segment_sum(m, cu_seqlens).clamp(min=1)  # [B]
-    return means[seq_ids(cu_seqlens)]
 
 
 def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
@@ -156,10 +153,20 @@ def aggregate_loss(
                      "seq-mean-token-sum or seq-mean-token-sum-norm")
 
 
-def _off_policy_weight(cfg: PPOActorConfig, prox_logp, behav_logp, mask, cu_seqlens):
-    """(old_logp, weight [T] or None, over_cap [T]) for the decoupled / truncated-IS / plain
-    paths."""
+def _off_policy_weight(cfg: PPOActorConfig, logprobs, prox_logp, behav_logp, mask, cu_seqlens):
+    """(old_logp, weight [T] or None, over_cap [T]) for the rollout-correction / decoupled /
+    truncated-IS / plain paths."""
     no_cap = torch.zeros_like(mask, dtype=torch.bool)
+    rc = cfg.rollout_correction
+    if rc.mode != "none":
+        if behav_logp is None or (rc.form == "decoupled" and prox_logp is None):
+            raise ValueError(f"actor.rollout_correction (form={rc.form}) needs behav_logp (the rollout's "
+                             "logprobs)" + (" and prox_logp" if rc.form == "decoupled" else "") + "; pass them")
+        # decoupled: three policies, w = pi_prox / pi_behav; bypass: the ratio's old policy is the
+        # behaviour one and w = sg(pi_theta) / pi_behav
+        old_logp, train_logp = (prox_logp, prox_logp) if rc.form == "decoupled" else (behav_logp, logprobs)
+        weight, rejected = rollout_weights(train_logp, behav_logp, mask, cu_seqlens, rc)
+        return old_logp, weight, rejected
     if cfg.use_decoupled_loss:
         if prox_logp is None or behav_logp is None:
             raise ValueError("actor.use_decoupled_loss=true needs prox_logp (recomputed by the "
@@ -178,13 +185,26 @@ def _off_policy_weight(cfg: PPOActorConfig, prox_logp, behav_logp, mask, cu_seql
     return old_logp, None, no_cap
 
 
-def _policy_stats(pg_loss, logprobs, old_logp, ratio, flags, weight, over_cap, mask):
+def mismatch_kl(train_logp: torch.Tensor, behav_logp: torch.Tensor) -> dict[str, torch.Tensor]:
+    """[T] per-token estimates of KL(pi_behav || pi_train) on the rollout's own samples: k1
+    (log pi_behav - log pi_train) and k3 ((r - 1) - log r, r = pi_train / pi_behav)."""
+    train, behav = train_logp.detach().float(), behav_logp.detach().float()
+    return {"k1": behav - train, "k3": kl_estimate(behav, train, "k3")}
+
+
+def _policy_stats(cfg, pg_loss, logprobs, old_logp, behav_logp, ratio, flags, weight, over_cap, mask):
     """Detached scalar stats of the policy-gradient term (see :func:`policy_loss`)."""
     approx_kl = kl_estimate(old_logp.detach(), logprobs.detach(), "k3")  # KL(old || new)
     stats = {"pg_loss": pg_loss.detach(), "ratio_mean": masked_mean(ratio, mask),
              "ratio_max": masked_max(ratio, mask), "approx_kl": masked_mean(approx_kl, mask)}
     stats.update({f"{k}_frac": masked_mean(v, mask) for k, v in flags.items()})
-    if weight is not None:
+    if behav_logp is not None:  # the trainer's policy (proximal, else current) vs the rollout's
+        train = old_logp if old_logp is not behav_logp else logprobs
+        stats.update({f"mismatch_{k}": masked_mean(v, mask) for k, v in mismatch_kl(train, behav_logp).items()})
+    if weight is not None and cfg.rollout_correction.mode != "none":
+        stats.update(rc_weight_mean=masked_mean(weight, mask), rc_weight_max=masked_max(weight, mask),
+                     rc_masked_frac=masked_mean(over_cap, mask))
+    elif weight is not None:
         stats.update(behav_imp_weight_mean=masked_mean(weight, mask),
                      behav_imp_weight_max=masked_max(weight, mask),
                      over_cap_frac=masked_mean(over_cap, mask))
@@ -223,11 +243,12 @@ def policy_loss(
             over DP ranks and the minibatch's micro-batches by the engine; default = local.
         max_new_tokens: the constant normaliser of ``seq-mean-token-sum-norm``.
     Stats: pg_loss, ratio_mean/max, approx_kl, clip_frac_low/high, dual_clip_frac,
-    behav_imp_weight_mean/max and over_cap_frac (when a behaviour weight applies), kl_ref,
-    entropy. All are means over this micro-batch's loss-mask tokens.
+    mismatch_k1/k3 (KL(pi_behav || pi_train), when behav_logp is given), rc_weight_mean/max and
+    rc_masked_frac (rollout correction) or behav_imp_weight_mean/max and over_cap_frac (the
+    behaviour cap), kl_ref, entropy. All are means over this micro-batch's loss-mask tokens.
     """
     mask = loss_mask.bool()
-    old_logp, weight, over_cap = _off_policy_weight(cfg, prox_logp, behav_logp, mask, cu_seqlens)
+    old_logp, weight, over_cap = _off_policy_weight(cfg, logprobs, prox_logp, behav_logp, mask, cu_seqlens)
     ratio = importance_ratio(logprobs, old_logp, mask, cu_seqlens, cfg.importance_sampling_level)
     eps_high = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
     if cfg.policy_loss_type == "cispo":
@@ -243,7 +264,7 @@ def policy_loss(
                               max_new_tokens=max_new_tokens)
 
     loss = agg(per_token)
-    stats = _policy_stats(loss, logprobs, old_logp, ratio, flags, weight, over_cap, mask)
+    stats = _policy_stats(cfg, loss, logprobs, old_logp, behav_logp, ratio, flags, weight, over_cap, mask)
     return _add_kl_and_entropy(loss, stats, agg, cfg, logprobs, ref_logp, entropy, mask)
 
 

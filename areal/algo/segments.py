@@ -25,6 +25,13 @@ def segment_sum(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return out.index_add(0, seq_ids(cu_seqlens), x)
 
 
+def seq_mean(x: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[T] each token gets the masked mean of ``x`` [T] over its own sequence (differentiable)."""
+    m = mask.to(x.dtype)
+    means = segment_sum(x * m, cu_seqlens) / segment_sum(m, cu_seqlens).clamp(min=1)  # [B]
+    return means[seq_ids(cu_seqlens)]
+
+
 def last_true_index(mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """[B] token index of each sequence's last True in ``mask`` [T], or -1 where it has none."""
     positions = torch.arange(len(mask), device=mask.device)

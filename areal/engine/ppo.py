@@ -29,7 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from areal.algo.advantages import compute_advantages
 from areal.algo.critic import ValueNormalizer, value_loss
 from areal.algo.logprob import packed_token_logprobs
-from areal.algo.losses import policy_loss
+from areal.algo.correction import STALENESS_BUCKETS, approx_prox_logp, staleness_buckets
+from areal.algo.losses import mismatch_kl, policy_loss
 from areal.algo.segments import segment_sum
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.engine import ModelFnResult
@@ -76,7 +77,33 @@ def needs_prox_pass(cfg: PPOActorConfig) -> bool:
     """:attr:`PPOActor.needs_prox_pass` from the config alone (Core builds its graph from it)."""
     kl_in_advantages = cfg.kl_ctl > 0 and cfg.kl_in_reward
     needed = cfg.ppo_n_minibatches > 1 or kl_in_advantages or cfg.recompute_prox_logp
-    return cfg.use_decoupled_loss and needed
+    return cfg.use_decoupled_loss and cfg.prox_logp == "recompute" and needed
+
+
+def staleness_sums(train_logp: torch.Tensor, mb: PackedBatch, version: int, weight: float) -> dict[str, float]:
+    """Per staleness bucket, the mismatch k3 summed over trained tokens and their count, each
+    divided by the micro-batch's loss ``weight``: ``train_batch`` sums stats weighted by it, so
+    :func:`staleness_means` turns its result back into exact per-bucket means."""
+    mask = mb["loss_mask"].bool()
+    k3 = mismatch_kl(train_logp, mb["logprobs"].to(train_logp.device))["k3"]
+    out = {}
+    for name, sel in staleness_buckets(mb["versions"].to(mask.device), version).items():
+        sel = sel & mask
+        out[f"stale{name}_k3_sum"] = float((k3 * sel).sum()) / weight if weight else 0.0
+        out[f"stale{name}_n"] = float(sel.sum()) / weight if weight else 0.0
+    return out
+
+
+def staleness_means(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Pop the bucket sums of :func:`staleness_sums` out of each ``train_batch`` result and return
+    ``mismatch_k3_stale<bucket>`` over all of them (buckets with no token left out)."""
+    out = {}
+    for name in STALENESS_BUCKETS:
+        total = sum(s.pop(f"stale{name}_k3_sum", 0.0) * s["loss_weight"] for s in steps)
+        count = sum(s.pop(f"stale{name}_n", 0.0) * s["loss_weight"] for s in steps)
+        if count > 0.5:  # a whole token: the sums are floats of integer counts
+            out[f"mismatch_k3_stale{name}"] = total / count
+    return out
 
 
 class PPOActor(FSDPEngine):
@@ -92,6 +119,7 @@ class PPOActor(FSDPEngine):
         self.config: PPOActorConfig = config
         self.group_size = group_size
         self.max_new_tokens = max_new_tokens  # for overlong penalty / seq-mean-token-sum-norm
+        self._progress = 0.0  # minibatch k of n of the running ppo_update: k / n
 
     def _dp_group(self):
         return self.group if self.world_size > 1 else None
@@ -132,6 +160,9 @@ class PPOActor(FSDPEngine):
                                               self.temperature, cfg.logprob_chunk_size)
         if "prox_logp" in mb:
             prox = mb["prox_logp"]
+        elif cfg.use_decoupled_loss and cfg.prox_logp != "recompute":  # no forward pass for it
+            prox = approx_prox_logp(mb["logprobs"], logp, mb["versions"], self.get_version(),
+                                    self._progress, cfg.prox_logp)
         else:  # one minibatch: these weights are the proximal policy (see needs_prox_pass)
             if self.needs_prox_pass:
                 raise ValueError("the decoupled loss with several minibatches, KL in the reward or "
@@ -145,15 +176,27 @@ class PPOActor(FSDPEngine):
         )
         mask = mb["loss_mask"].to(prox.device, prox.dtype)  # trainer's proximal vs server's logprobs
         gap = ((prox - mb["logprobs"].to(prox.device)).abs() * mask).sum() / mask.sum().clamp(min=1)
-        return loss, {**{k: float(v) for k, v in stats.items()}, "logp_mismatch": float(gap)}
+        out = {**{k: float(v) for k, v in stats.items()}, "logp_mismatch": float(gap)}
+        if "versions" in mb:
+            weight = loss_weight_for(cfg.loss_agg_mode)(mb)
+            out.update(staleness_sums(prox if cfg.use_decoupled_loss else logp, mb, self.get_version(), weight))
+        return loss, out
 
     def ppo_update(self, batch: PackedBatch) -> ModelFnResult:
         """``ppo_n_minibatches`` optimizer steps over ``batch``; stats are means over the steps."""
         if "advantages" not in batch.tokens:
             raise ValueError("ppo_update needs token field 'advantages'; call compute_advantages first")
+        if self.config.prox_logp != "recompute" and "versions" not in batch.tokens:
+            raise ValueError(f"actor.prox_logp={self.config.prox_logp} needs token field 'versions' "
+                             "(the weight version of each token, from the rollout)")
         weight = loss_weight_for(self.config.loss_agg_mode)
         parts = minibatches(batch, self.config.ppo_n_minibatches, self.group_size)
-        return batch, mean_stats([self.train_batch(mb, self._loss, weight) for mb in parts])
+        steps = []
+        for k, mb in enumerate(parts):
+            self._progress = k / len(parts)  # the current weights' version is get_version() + this
+            steps.append(self.train_batch(mb, self._loss, weight))
+        buckets = staleness_means(steps)
+        return batch, {**mean_stats(steps), **buckets}
 
 
 VALUE_NORM_FILE = "value_normalizer.json"  # inside a DCP checkpoint dir, when value_norm

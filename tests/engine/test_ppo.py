@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
+from areal.api.config.actor import PPOActorConfig, PPOCriticConfig, RolloutCorrectionConfig
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.utils.batch import PackedBatch
@@ -200,3 +200,43 @@ def test_shared_prefix_training_equals_running_every_prompt_per_sample(tiny_mode
         assert stats_b[key] == pytest.approx(stats_a[key], rel=1e-5, abs=1e-6), key
     worst = max((state_a[k] - state_b[k]).abs().max().item() for k in state_a)
     assert worst < 1e-5
+
+
+def _versioned_step(path, prox_logp: str, n_mb: int, lag: int, rc_mode: str = "none") -> tuple[dict, dict]:
+    """One decoupled update on tokens of version ``actor version - lag``; the behaviour logprobs
+    are the trainer's own (so with lag 0 they are exactly the proximal policy's)."""
+    actor = PPOActor(actor_config(path, lr=1e-2, eps=1.0, use_decoupled_loss=True, ppo_n_minibatches=n_mb,
+                                  prox_logp=prox_logp, rollout_correction=RolloutCorrectionConfig(mode=rc_mode)),
+                     world_mesh(), group_size=GROUP)
+    actor.initialize(None)
+    actor.set_version(3)
+    batch = rollout_batch(n_groups=4)
+    behav = actor.compute_logp(batch)[0]["logp"]
+    versions = torch.where(batch["loss_mask"].bool(), 3 - lag, -1)
+    batch = batch.with_fields(tokens={"logprobs": behav, "versions": versions})
+    if actor.needs_prox_pass:
+        batch, _ = actor.compute_logp(batch, out="prox_logp")
+    batch, _ = actor.compute_advantages(batch)
+    _, stats = actor.ppo_update(batch)
+    state = {k: v.clone() for k, v in actor.full_state_dict().items()}
+    actor.destroy()
+    return stats, state
+
+
+@pytest.mark.parametrize("method", ["loglinear", "linear"])
+def test_approximate_prox_logp_equals_recompute_where_it_is_exact(tiny_model_dir, method):
+    # staleness 0 and behaviour = the trainer's proximal logprobs: every minibatch's alpha is 1
+    # (first) or 0 (later, on-policy tokens), both exact, so two minibatches update identically
+    exact, state_a = _versioned_step(tiny_model_dir, "recompute", n_mb=2, lag=0)
+    approx, state_b = _versioned_step(tiny_model_dir, method, n_mb=2, lag=0)
+    for key in ("loss", "pg_loss", "grad_norm"):
+        assert approx[key] == pytest.approx(exact[key], rel=1e-5, abs=1e-6), key
+    worst = max((state_a[k] - state_b[k]).abs().max().item() for k in state_a)
+    assert worst < 1e-6
+
+
+def test_stale_tokens_train_over_four_minibatches_without_the_prox_pass_and_log_their_bucket(tiny_model_dir):
+    stats, _ = _versioned_step(tiny_model_dir, "loglinear", n_mb=4, lag=2, rc_mode="mask")
+    assert all(torch.isfinite(torch.tensor(v)) for v in stats.values())
+    assert set(stats) >= {"mismatch_k1", "mismatch_k3", "rc_masked_frac", "rc_weight_max", "mismatch_k3_stale2"}
+    assert "mismatch_k3_stale0" not in stats  # no token of the current version

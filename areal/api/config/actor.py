@@ -85,6 +85,44 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """Importance weights between the trainer's policy and the rollout (behaviour) policy, for
+    the gap between the rollout engine's and the trainer's probabilities and for stale samples
+    (docs/algorithms.md, "Rollout correction")."""
+
+    mode: Literal["none", "truncate", "mask"] = param(
+        "none", help="truncate: weight min(w, upper) (TIS); mask: weight w inside [lower, upper], "
+        "0 outside (MIS, IcePop); none: off."
+    )
+    level: Literal["token", "sequence", "geometric"] = param(
+        "token", help="w per token, per sequence (the product of its token ratios), or per "
+        "sequence as their geometric mean."
+    )
+    form: Literal["decoupled", "bypass"] = param(
+        "decoupled", help="decoupled: w = pi_prox/pi_behav times the clipped pi_theta/pi_prox "
+        "(three policies; needs actor.use_decoupled_loss=true); bypass: no proximal policy, the "
+        "clipped ratio is pi_theta/pi_behav and w = sg(pi_theta)/pi_behav."
+    )
+    upper: float = param(2.0, gt=0, help="Upper bound of w (truncate and mask).")
+    lower: float | None = param(
+        None, gt=0, help="mask: lower bound of w (IcePop's two-sided band); null = none."
+    )
+    mask_sequence: bool = param(
+        False, help="mask at token level: drop a whole sequence when any of its tokens leaves "
+        "the band."
+    )
+
+    def check(self) -> Iterator[str]:
+        if self.mode == "truncate" and self.lower is not None:
+            yield f"lower: {self.lower} with mode=truncate; truncation has no lower bound, set lower=null"
+        if self.lower is not None and self.lower >= self.upper:
+            yield f"lower: {self.lower} >= upper={self.upper}; the band must be lower < upper"
+        if self.mask_sequence and (self.mode != "mask" or self.level != "token"):
+            yield (f"mask_sequence: true with mode={self.mode}, level={self.level}; it needs "
+                   "mode=mask and level=token")
+
+
+@dataclass(frozen=True)
 class PPOActorConfig(TrainEngineConfig):
     """The policy trained by PPO-family algorithms: preset, advantages, loss and reward knobs."""
 
@@ -201,6 +239,16 @@ class PPOActorConfig(TrainEngineConfig):
         None, gt=1, help="Non-decoupled path: truncated IS weight min(pi_old/pi_behav, cap) on "
         "each token; null = off."
     )
+    rollout_correction: RolloutCorrectionConfig = param(
+        factory=RolloutCorrectionConfig, help="Rollout correction: truncated or masked importance "
+        "weights against the rollout policy (replaces behav_imp_weight_cap and tis_cap)."
+    )
+    prox_logp: Literal["recompute", "loglinear", "linear", "reuse"] = param(
+        "recompute", help="Decoupled loss, proximal logprobs: recompute = a forward pass where "
+        "needed (exact); loglinear / linear = interpolated from the behaviour and current "
+        "logprobs by each token's version distance, in log or probability space (no extra pass); "
+        "reuse = the behaviour logprobs."
+    )
 
     @property
     def reward_norm(self) -> NormSpec:
@@ -230,6 +278,23 @@ class PPOActorConfig(TrainEngineConfig):
         if self.behav_imp_weight_cap is not None and not self.use_decoupled_loss:
             yield (f"behav_imp_weight_cap: {self.behav_imp_weight_cap} needs "
                    "use_decoupled_loss=true; use tis_cap for the non-decoupled path")
+        rc = self.rollout_correction
+        if rc.mode != "none":
+            if self.behav_imp_weight_cap is not None or self.tis_cap is not None:
+                yield ("rollout_correction: mode={} replaces behav_imp_weight_cap and tis_cap; set both "
+                       "to null".format(rc.mode))
+            if rc.form == "decoupled" and not self.use_decoupled_loss:
+                yield ("rollout_correction.form: decoupled weighs pi_prox/pi_behav and needs "
+                       "use_decoupled_loss=true; or use rollout_correction.form=bypass")
+            if rc.form == "bypass" and self.use_decoupled_loss:
+                yield ("rollout_correction.form: bypass has no proximal policy; set "
+                       "use_decoupled_loss=false, or use form=decoupled")
+        if self.prox_logp != "recompute" and not self.use_decoupled_loss:
+            yield (f"prox_logp: {self.prox_logp} approximates the decoupled loss's proximal policy; "
+                   "set use_decoupled_loss=true, or prox_logp=recompute")
+        if self.prox_logp != "recompute" and self.recompute_prox_logp:
+            yield (f"prox_logp: {self.prox_logp} with recompute_prox_logp=true; they disagree, set "
+                   "prox_logp=recompute")
         if self.remax_baseline and self.use_critic:
             yield ("remax_baseline: true with use_critic=true; ReMax replaces the critic, "
                    "set use_critic=false")
