@@ -10,8 +10,9 @@ server its GPU is ``cuda``). Logs go to RUN_DIR/logs/<process>.log and to the co
 prefix. Everything is torn down on exit, on Ctrl-C / SIGTERM, and when the trainer fails. A
 server that dies is restarted on its port with the newest published weights and their version
 (``launcher.server_restarts`` times; disk weight updates only), and the trainer's client takes
-it back at its next weight update; meanwhile, or past the limit, the client fails over to the
-others and stops the run only if all are gone. With ``recover.mode=auto`` a failed run is
+it back at its next weight update, or at once when it was the last one (the client waits up to
+``rollout.server_restart_timeout`` for it); meanwhile the client fails over to the others, and
+past the limit it stops the run once all are gone. With ``recover.mode=auto`` a failed run is
 relaunched up to ``recover.retries`` times and the script resumes from its last recover checkpoint.
 
 SCRIPT must define ``CONFIG`` (its config class) at module level so the launcher validates the

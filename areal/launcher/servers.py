@@ -89,15 +89,6 @@ def server_command(cfg, port: int, config_path: Path, model: str = "", version: 
     raise ValueError(f"rollout.backend={backend!r} is not one of areal, sglang, vllm")
 
 
-def _restartable(cfg) -> str:
-    """Why a dead server cannot be restarted ('' if it can)."""
-    if cfg.rollout.backend != "areal":
-        return f"rollout.backend={cfg.rollout.backend} servers are not restarted"
-    if getattr(cfg, "weight_update_mode", "disk") != "disk":
-        return "a restarted server cannot join the running weight broadcast group (weight_update_mode=distributed)"
-    return ""
-
-
 @dataclass
 class ManagedServer:
     """One generation server under a :class:`ProcessSupervisor`, restarted on its port when it
@@ -131,7 +122,7 @@ class ManagedServer:
         and their version (the trainer's client takes it back at its next weight update), up to
         ``launcher.server_restarts`` times; False (logged with the reason) if it stays dead."""
         child, limit = self.child, cfg.launcher.server_restarts
-        why = _restartable(cfg) or (f"it was restarted {limit} time(s) already (launcher.server_restarts)"
+        why = cfg.server_restart_blocker() or (f"it was restarted {limit} time(s) already (launcher.server_restarts)"
                                     if self.restarts >= limit else "")
         if why:
             logger.error(f"{child.name} exited with code {child.proc.returncode}; not restarting it: {why}. "

@@ -10,8 +10,14 @@ Routing: the first request of a group (``ModelRequest.group_id``) picks a server
 same server (prefix reuse) unless it fails. Failures: a connection error or HTTP 5xx is retried
 on another server after ``retry_backoff * 2**k`` seconds, at most ``request_retries`` times; a
 server with ``server_failure_threshold`` consecutive failures (or one failed control call) is
-declared dead, logged and counted, and never used again in this run; when none is left every
-call raises :class:`AllServersDeadError`. HTTP 4xx is a bug or a bad config and raises at once.
+declared dead, logged and counted, and not routed to until it answers health again. HTTP 4xx is
+a bug or a bad config and raises at once.
+
+Server loss: when none is left and the launcher restarts dead servers (``server_restarts`` > 0),
+calls wait, logged, up to ``rollout.server_restart_timeout`` seconds for one to answer health
+again, then go on (a one-server run survives its server's restart); past that deadline, or once
+every dead server was restarted ``server_restarts`` times, or at once without restarts, every
+call raises :class:`AllServersDeadError` naming each server's last error and why.
 
 Interruption: ``pause()`` aborts in-flight generations on every server; each answers with its
 partial tokens (finish reason ``abort``). The client waits for ``resume()`` and re-submits
@@ -66,7 +72,7 @@ class RemoteEngineError(RuntimeError):
 
 
 class AllServersDeadError(RemoteEngineError):
-    """Every generation server was declared dead; the run cannot continue."""
+    """Every generation server was declared dead (and none came back); the run cannot continue."""
 
 
 class _Retryable(Exception):
@@ -80,6 +86,8 @@ class _Server:
     outstanding: int = 0  # requests in flight now
     failures: int = 0  # consecutive failed calls
     n_requests: int = 0
+    last_error: str = ""  # why the last call failed
+    revivals: int = 0  # times it answered again after being declared dead
 
     @property
     def url(self) -> str:
@@ -102,10 +110,17 @@ def discover_servers(config: InferenceEngineConfig, registry: NameRepository | N
 class RemoteInferenceEngine(InferenceEngine):
     """An :class:`InferenceEngine` over HTTP generation servers."""
 
-    def __init__(self, config: InferenceEngineConfig, api_key: str = ""):
+    def __init__(self, config: InferenceEngineConfig, api_key: str = "", server_restarts: int = 0,
+                 no_restart_reason: str = "nothing restarts them"):
         """``api_key``: the servers' admin key (``server.api_key``); empty = the one a launcher
-        passed by env, if any. Sent as ``Authorization: Bearer`` on every call."""
+        passed by env, if any. Sent as ``Authorization: Bearer`` on every call.
+        ``server_restarts``: how many times the launcher restarts a server that dies (0: none,
+        for ``no_restart_reason``); the server-loss policy of the module docstring."""
         self.config = config
+        self.server_restarts = server_restarts
+        self.no_restart_reason = no_restart_reason
+        self._restart_wait = config.server_restart_timeout if server_restarts else 0.0  # seconds
+        self._revive_lock: asyncio.Lock | None = None  # one waiter for a restart at a time
         self._api_key = server_api_key(api_key)
         self.backend = make_backend(config.backend, config.served_model_name)
         self.servers: list[_Server] = []
@@ -141,6 +156,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
         self._resumed = asyncio.Event()
         self._resumed.set()
+        self._revive_lock = asyncio.Lock()
         deadline = time.monotonic() + self.config.setup_timeout
         await asyncio.gather(*(self._wait_healthy(s, deadline) for s in self.servers))
 
@@ -202,15 +218,39 @@ class RemoteInferenceEngine(InferenceEngine):
 
     # -- routing and transport ----------------------------------------------------------------
 
-    def _alive(self) -> list[_Server]:
+    def _alive(self, why: str = "") -> list[_Server]:
         alive = [s for s in self.servers if s.alive]
         if not alive:
+            causes = "; ".join(f"{s.address}: {s.last_error or 'no error recorded'}" for s in self.servers)
             raise AllServersDeadError(
-                f"all {len(self.servers)} generation servers are dead "
-                f"({', '.join(s.address for s in self.servers)}); the run cannot continue. Check "
-                "their logs, restart them and resume from the last recover checkpoint"
+                f"all {len(self.servers)} generation servers are dead ({causes}) and "
+                f"{why or f'are not restarted ({self.no_restart_reason})'}; the run cannot "
+                "continue. Check their logs, restart them and resume from the last recover checkpoint"
             )
         return alive
+
+    async def _await_alive(self) -> list[_Server]:
+        """The live servers; when none is left and the launcher restarts servers, first wait
+        (logged) up to ``rollout.server_restart_timeout`` for one to answer health again."""
+        if any(s.alive for s in self.servers) or not self.server_restarts:
+            return self._alive()
+        async with self._revive_lock:  # concurrent calls share one wait
+            if any(s.alive for s in self.servers):
+                return self._alive()
+            if all(s.revivals >= self.server_restarts for s in self.servers):
+                self._alive(f"were restarted launcher.server_restarts={self.server_restarts} time(s) already")
+            timeout = self.config.server_restart_timeout
+            logger.warning("all %d generation server(s) are down; the launcher restarts them: waiting up "
+                           "to %.0f s (rollout.server_restart_timeout) for one to answer %s",
+                           len(self.servers), timeout, self.backend.health.path)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                await self._arevive()
+                if any(s.alive for s in self.servers):
+                    break
+                await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            return self._alive(f"none answered within rollout.server_restart_timeout={timeout} s although "
+                               "the launcher restarts them; raise it if a restart takes longer")
 
     def _choose(self, group_id: str | None, exclude: set[str]) -> _Server:
         alive = self._alive()
@@ -233,6 +273,7 @@ class RemoteInferenceEngine(InferenceEngine):
 
     def _mark_failure(self, server: _Server, cause: object, fatal: bool = False) -> None:
         server.failures += 1
+        server.last_error = str(cause)[:300]
         if server.alive and (fatal or server.failures >= self.config.server_failure_threshold):
             server.alive = False
             left = sum(s.alive for s in self.servers)
@@ -279,6 +320,7 @@ class RemoteInferenceEngine(InferenceEngine):
                                   what: str) -> dict:
         tried: set[str] = set()
         for attempt in itertools.count(1):
+            await self._await_alive()
             server = self._choose(group_id, tried)
             try:
                 return await self._send(server, call, deadline)
@@ -299,7 +341,7 @@ class RemoteInferenceEngine(InferenceEngine):
         """Send one control call per server (by address) concurrently; a server that cannot be
         reached is declared dead (it must not serve with the wrong weights or state)."""
         deadline = time.monotonic() + timeout
-        targets = [s for s in self._alive() if s.address in calls]
+        targets = [s for s in await self._await_alive() if s.address in calls]
         results = await asyncio.gather(
             *(self._send(s, calls[s.address], deadline) for s in targets), return_exceptions=True
         )
@@ -308,10 +350,15 @@ class RemoteInferenceEngine(InferenceEngine):
                 self._mark_failure(server, f"{what}: {res}", fatal=True)
             elif isinstance(res, BaseException):
                 raise RemoteEngineError(f"{what} on {server.address} failed: {res}") from res
-        self._alive()
+        await self._await_alive()
 
     def _call_all(self, call: HttpCall) -> dict[str, HttpCall]:
         return {s.address: call for s in self.servers if s.alive}
+
+    async def _call_alive(self, call: HttpCall) -> dict[str, HttpCall]:
+        """:meth:`_call_all`, after waiting for a restarted server when none is live."""
+        await self._await_alive()
+        return self._call_all(call)
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -373,20 +420,20 @@ class RemoteInferenceEngine(InferenceEngine):
     async def _apause(self) -> None:
         self._paused = True  # before the servers abort, so aborted requests wait for resume
         self._resumed.clear()
-        await self._broadcast(self._call_all(self.backend.pause()), "pause", self.config.setup_timeout)
+        await self._broadcast(await self._call_alive(self.backend.pause()), "pause", self.config.setup_timeout)
 
     async def _aresume(self) -> None:
-        await self._broadcast(self._call_all(self.backend.resume()), "resume", self.config.setup_timeout)
+        await self._broadcast(await self._call_alive(self.backend.resume()), "resume", self.config.setup_timeout)
         self._paused = False
         self._resumed.set()
 
     def pause(self) -> None:
         """Abort in-flight generations on every server; they are re-submitted after resume()."""
-        self._loop_thread().run(self._apause(), self.config.setup_timeout + 5, "pause")
+        self._loop_thread().run(self._apause(), self.config.setup_timeout + self._restart_wait + 5, "pause")
 
     def resume(self) -> None:
         """Let every server generate again; interrupted requests continue."""
-        self._loop_thread().run(self._aresume(), self.config.setup_timeout + 5, "resume")
+        self._loop_thread().run(self._aresume(), self.config.setup_timeout + self._restart_wait + 5, "resume")
 
     def release_memory(self) -> None:
         """Paused servers give back their accelerator memory (colocated with a trainer that is
@@ -426,13 +473,14 @@ class RemoteInferenceEngine(InferenceEngine):
                 healthy = False
             if healthy:
                 server.alive, server.failures = True, 0
+                server.revivals += 1
                 self.n_revived += 1
-                logger.warning("generation server %s answers again; it gets this weight update and "
-                               "serves again", server.address)
+                logger.warning("generation server %s answers again (restarted); it serves again, with the "
+                               "newest published weights or this weight update", server.address)
 
     async def _aupdate_disk(self, call: HttpCall, what: str) -> None:
         await self._arevive()
-        await self._aupdate(self._call_all(call), what)
+        await self._aupdate(await self._call_alive(call), what)
 
     def update_weights_async(self, meta: WeightUpdateMeta,
                              announcement: dict[str, list] | None = None) -> concurrent.futures.Future:
@@ -461,7 +509,7 @@ class RemoteInferenceEngine(InferenceEngine):
         """Blocking :meth:`update_weights_async` (for ``distributed`` the trainer must broadcast
         from another thread or process meanwhile)."""
         fut = self.update_weights_async(meta, announcement)
-        fut.result(self.config.weight_update_timeout + 10)
+        fut.result(self.config.weight_update_timeout + self._restart_wait + 10)
 
     def init_weights_update_group_async(self, meta: WeightUpdateMeta) -> concurrent.futures.Future:
         """Have live server ``i`` join the trainer's weight-update group as rank ``1 + i``

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from areal.api.config import GRPOConfig
+from areal.api.launch import LaunchEnv
 from areal.api.workflow import RolloutWorkflow
 from areal.reward.resolve import resolve_reward
 from areal.reward.runner import RewardRunner
@@ -54,10 +55,25 @@ class RolloutSide:
         self.reward.close()
 
 
+def server_restarts(cfg: GRPOConfig, env: LaunchEnv) -> tuple[int, str]:
+    """(times the launcher restarts a generation server that dies, '') or (0, why it does not):
+    the client's server-loss policy (wait for a restart, or fail fast naming this reason)."""
+    if cfg.rollout.addresses:
+        return 0, "servers given by rollout.addresses are not restarted"
+    if not env.launcher_pid:
+        return 0, "no areal launcher started them"
+    why = cfg.server_restart_blocker()
+    if why or cfg.launcher.server_restarts == 0:
+        return 0, why or "launcher.server_restarts=0"
+    return cfg.launcher.server_restarts, ""
+
+
 def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
     """Client to the registered servers, reward workers, workflows, executor (its batch is this
     trainer rank's share of ``train_dataset.batch_size`` groups)."""
-    rollout = RemoteInferenceEngine(cfg.rollout, api_key=cfg.server.api_key)
+    restarts, why_not = server_restarts(cfg, run.env)
+    rollout = RemoteInferenceEngine(cfg.rollout, api_key=cfg.server.api_key, server_restarts=restarts,
+                                    no_restart_reason=why_not)
     rollout.initialize(discover_servers(cfg.rollout, run.registry(), run.servers_key, cfg.cluster.n_servers))
     reward = RewardRunner(resolve_reward(cfg.reward_fn), cfg.reward)
     workflow = make_workflow(cfg, reward, run.tokenizer, run.run_dir / "rollouts")

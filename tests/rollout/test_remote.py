@@ -357,6 +357,49 @@ def test_a_restarted_server_rejoins_at_the_next_disk_update_with_its_weights(mak
                 p.wait(10)
 
 
+def test_a_lone_server_killed_mid_run_is_waited_for_when_the_launcher_restarts_servers(
+        tiny_model_dir, other_weights_dir):
+    """The server-loss policy: with restarts on, a call made while the only server is down
+    waits for the restart (was: AllServersDeadError 3 s after the kill); without restarts, or
+    past the deadline, the call fails at once naming each server's last error and why."""
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    procs = [_serve_on(tiny_model_dir, port)]
+    req = ModelRequest(input_ids=[5, 17, 99], gconfig=GenerationHyperparameters(max_new_tokens=2))
+    cfg = dict(setup_timeout=60.0, request_timeout=120.0, server_failure_threshold=1, request_retries=2,
+               retry_backoff=0.05)  # fmt: skip
+    waits = RemoteInferenceEngine(InferenceEngineConfig(**cfg, server_restart_timeout=60.0), server_restarts=2)
+    fails = RemoteInferenceEngine(InferenceEngineConfig(**cfg), no_restart_reason="launcher.server_restarts=0")
+    try:
+        waits.initialize([addr])
+        fails.initialize([addr])
+        procs[0].kill()
+        procs[0].wait(10)
+        started = time.monotonic()
+        with pytest.raises(AllServersDeadError, match=rf"dead \({addr}: .*\) and are not restarted "
+                                                      r"\(launcher.server_restarts=0\)"):
+            asyncio.run(fails.agenerate(req))
+        assert time.monotonic() - started < 10  # fast: no waiting without restarts
+        restart = threading.Timer(1.0, lambda: procs.append(_serve_on(tiny_model_dir, port, version=3)))
+        restart.start()  # the launcher's restart, while the request below is waiting
+        resp = asyncio.run(waits.agenerate(req))
+        restart.join()
+        assert resp.output_versions == [3, 3] and waits.stats()["remote/revived"] == 1
+        waits.update_weights(WeightUpdateMeta("disk", path=other_weights_dir, version=4))  # it serves on
+        procs[-1].kill()
+        procs[-1].wait(10)
+        waits.config = InferenceEngineConfig(**cfg, server_restart_timeout=1.0)
+        with pytest.raises(AllServersDeadError, match=r"none answered within rollout.server_restart_timeout=1.0 s"):
+            asyncio.run(waits.agenerate(req))
+    finally:
+        waits.destroy()
+        fails.destroy()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
 def test_set_servers_adds_revives_and_retires(servers, make_engine):
     a, b = servers
     eng = make_engine([a])

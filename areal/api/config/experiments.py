@@ -167,6 +167,15 @@ class GRPOConfig(BaseExperimentConfig):
         """Servers start from the actor's initial weights."""
         return self.actor.path
 
+    def server_restart_blocker(self) -> str:
+        """Why a launcher cannot restart a generation server that dies ('' when it can, up to
+        ``launcher.server_restarts`` times); the launchers and the trainer's client both ask."""
+        if self.rollout.backend != "areal":
+            return f"rollout.backend={self.rollout.backend} servers are not restarted"
+        if self.weight_update_mode != "disk":
+            return "a restarted server cannot join the running weight broadcast group (weight_update_mode=distributed)"
+        return ""
+
     def check(self) -> Iterator[str]:
         problem = reward_fn_problem(self.reward_fn)
         if problem:

@@ -55,6 +55,12 @@ class InferenceEngineConfig:
     server_failure_threshold: int = param(
         2, ge=1, help="Consecutive connection failures after which a server is declared dead."
     )
+    server_restart_timeout: float = param(
+        180.0, gt=0, help="When every server is dead and the launcher restarts servers "
+        "(launcher.server_restarts > 0, rollout.backend=areal, weight_update_mode=disk): seconds "
+        "the client waits (logged) for one to answer /health again before stopping the run. "
+        "Without restarts it stops at once, naming the cause."
+    )
     weight_update_timeout: float = param(
         600.0, gt=0, help="Seconds every server gets to load new weights."
     )
