@@ -7,7 +7,8 @@ where this script finds them.
 
 One step: rollout (``prepare_batch`` keeps rollouts in flight across steps, at most
 ``rollout.max_staleness`` versions behind; 0 = on-policy) -> proximal logp (decoupled PPO) ->
-reference logp (KL) -> values (critic) -> advantages -> PPO update -> weight update (pause, push,
+reference logp (KL) -> values (critic) -> advantages (plus the teacher's reverse KL when
+distilling) -> PPO update -> weight update (pause, push,
 version bump, resume) -> save -> eval -> recover checkpoint -> stats.
 """
 
@@ -37,7 +38,7 @@ def setup_trainers(cfg: GRPOConfig, run, ft_spec: FinetuneSpec):
     a KL term and no ``ref`` uses its own frozen base (adapters off) as the reference."""
     g, mesh = cfg.gconfig, run.dist.mesh
     actor = PPOActor(cfg.actor, mesh, temperature=g.temperature, group_size=g.n_samples,
-                     max_new_tokens=g.max_new_tokens)
+                     max_new_tokens=g.max_new_tokens, distill=cfg.distill)
     actor.initialize(ft_spec)
     critic = PPOCritic(cfg.critic, mesh, group_size=g.n_samples) if cfg.actor.use_critic else None
     if critic is not None:
@@ -64,8 +65,9 @@ def train_step(cfg: GRPOConfig, run, actor, critic, ref, batch) -> None:
     if critic is not None:
         with run.tracker.timer("values"):
             batch, _ = critic.compute_values(batch)
-    with run.tracker.timer("advantages"):
-        batch, _ = actor.compute_advantages(batch)
+    with run.tracker.timer("advantages"), run.tracker.scope("loss"):
+        batch, stats = actor.compute_advantages(batch)  # + the teacher's reverse KL when distilling
+        run.tracker.scalars(**stats)
     with run.tracker.timer("train"), run.tracker.scope("loss"):
         _, stats = actor.ppo_update(batch)
         run.tracker.scalars(**stats)

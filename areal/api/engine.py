@@ -54,6 +54,14 @@ class InferenceEngine(abc.ABC):
         """Accept and continue work again."""
 
 
+class TokenScorer(abc.ABC):
+    """Scores given tokens under a served model (a distillation teacher); no sampling."""
+
+    @abc.abstractmethod
+    async def ascore(self, input_ids: list[int], start: int) -> list[float]:
+        """``log p(input_ids[t] | input_ids[:t])`` for ``t`` in ``start..len(input_ids)-1``."""
+
+
 class TrainEngine(abc.ABC):
     """A sharded model with an optimizer; every rank calls the same methods (SPMD)."""
 

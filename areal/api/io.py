@@ -80,7 +80,9 @@ class Trajectory:
     group_id: str = ""
     prompt_text: str = ""  # for logging only
     completion_text: str = ""  # for logging only
-    extras: dict[str, float] = field(default_factory=dict)  # e.g. ReMax greedy-baseline reward
+    # a number per sequence (e.g. ReMax's greedy-baseline reward) or a list of one float per
+    # completion token (e.g. a teacher's logprobs): batch fields of the same name
+    extras: dict[str, float | list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

@@ -134,7 +134,8 @@ def main(argv: list[str]) -> int:
     side = setup_rollout(cfg, run)  # the master's client: evaluation and weight updates
     graph = graph_from_config(CoreGraphConfig(
         graph="async_ppo", n_workers=cfg.core.n_workers, use_critic=cfg.actor.use_critic,
-        use_ref=uses_ref(cfg), prox_logp=needs_prox_pass(cfg.actor), allocations=cfg.core.allocations))
+        use_ref=uses_ref(cfg), prox_logp=needs_prox_pass(cfg.actor), use_teacher=cfg.distill.enabled,
+        allocations=cfg.core.allocations))
     workers, engines = start_model_workers(cfg, run, graph, data.ft_spec)  # attaches Ray
     rollout = RayRolloutSide(cfg, [s.address for s in side.rollout.servers], str(run.run_dir / "rollouts"),
                              data.n_train)

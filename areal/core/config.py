@@ -58,6 +58,10 @@ class CoreGRPOConfig(GRPOConfig):
 
     core: CoreWorkersConfig = param(factory=CoreWorkersConfig, help="Core: where the model workers run.")
 
+    def distill_problems(self, scored_by: str = "teacher") -> Iterator[str]:
+        """Core scores with a teacher node (see :meth:`GRPOConfig.distill_problems`)."""
+        return super().distill_problems(scored_by)
+
     def check(self) -> Iterator[str]:
         yield from super().check()
         if self.rollout.max_staleness != 0:
@@ -73,6 +77,10 @@ class CoreAsyncGRPOConfig(GRPOConfig):
 
     core: CoreWorkersConfig = param(factory=lambda: CoreWorkersConfig(backend="ray", n_workers=2),
                                     help="Core: model workers, rollout workers.")
+
+    def distill_problems(self, scored_by: str = "teacher") -> Iterator[str]:
+        """Core scores with a teacher node (see :meth:`GRPOConfig.distill_problems`)."""
+        return super().distill_problems(scored_by)
 
     def check(self) -> Iterator[str]:
         yield from super().check()

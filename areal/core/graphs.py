@@ -4,7 +4,7 @@ Sync PPO (the reference, critic and proximal-logp nodes are optional)::
 
     actor_gen (rollout.generate; before it: the actor's weights pushed to the servers)
       -> {ref_logp (ref.compute_logp), critic_values (critic.compute_values),
-          actor_logp (actor.compute_logp, out=prox_logp)}
+          actor_logp (actor.compute_logp, out=prox_logp), teacher_logp (teacher.compute_logp)}
       -> actor_adv (actor.compute_advantages)
       -> {actor_train (actor.ppo_update), critic_train (critic.ppo_update)}
 
@@ -37,6 +37,7 @@ ROLLOUT_KEYS = ("input_ids", "loss_mask", "logprobs", "versions", "rewards", "no
 SFT_KEYS = ("input_ids", "loss_mask")
 
 ACTOR, CRITIC, REF = ModelName("actor"), ModelName("critic"), ModelName("ref")
+TEACHER = ModelName("teacher")  # on-policy distillation's frozen teacher
 ROLLOUT = ModelName("rollout")  # the generation servers, behind a generation worker
 
 
@@ -67,16 +68,19 @@ class CoreGraphConfig:
     prox_logp: bool = param(
         False, help="PPO: a proximal-logp node before the update (decoupled PPO with several "
         "minibatches or KL in the reward; see PPOActor.needs_prox_pass).")
+    use_teacher: bool = param(
+        False, help="PPO: a teacher model's logp node (on-policy distillation, distill.teacher_path).")
     allocations: list[ModelAllocationConfig] = param(
         factory=list, help="One entry per model; empty = every model on every worker, dp = n_workers.")
 
     def check(self) -> Iterator[str]:
-        if self.graph == "sft" and (self.use_critic or self.use_ref or self.prox_logp):
-            yield "graph: sft has no critic, reference or proximal logp; unset use_critic/use_ref/prox_logp"
+        if self.graph == "sft" and (self.use_critic or self.use_ref or self.prox_logp or self.use_teacher):
+            yield ("graph: sft has no critic, reference, teacher or proximal logp; unset "
+                   "use_critic/use_ref/use_teacher/prox_logp")
 
 
-def ppo_mfcs(use_critic: bool, use_ref: bool, prox_logp: bool) -> list[MFC]:
-    """The PPO nodes after generation: logp, ref logp, values, advantages, trains."""
+def ppo_mfcs(use_critic: bool, use_ref: bool, prox_logp: bool, use_teacher: bool = False) -> list[MFC]:
+    """The PPO nodes after generation: logp, ref logp, teacher logp, values, advantages, trains."""
     base = ("input_ids", "loss_mask")
     mfcs: list[MFC] = []
     adv_in = [*base, "rewards", "no_eos", "logprobs"]
@@ -91,6 +95,10 @@ def ppo_mfcs(use_critic: bool, use_ref: bool, prox_logp: bool) -> list[MFC]:
                         {"out": "ref_logp"}))
         adv_in.append("ref_logp")
         train_in.append("ref_logp")
+    if use_teacher:  # on-policy distillation: the teacher's logprobs of the student's tokens
+        mfcs.append(MFC("teacher_logp", TEACHER, ModelFn.COMPUTE_LOGP, ("input_ids",), ("teacher_logp",),
+                        {"out": "teacher_logp"}))
+        adv_in.append("teacher_logp")
     if use_critic:
         mfcs.append(MFC("critic_values", CRITIC, ModelFn.COMPUTE_VALUES, ("input_ids",), ("values",)))
         adv_in.append("values")
@@ -112,7 +120,7 @@ def graph_mfcs(cfg: CoreGraphConfig) -> tuple[list[MFC], tuple[str, ...]]:
     """The MFCs of ``cfg.graph`` and its dataset keys."""
     if cfg.graph == "sft":
         return [MFC("sft_train", ModelName("model"), ModelFn.TRAIN_LM, SFT_KEYS)], SFT_KEYS
-    ppo = ppo_mfcs(cfg.use_critic, cfg.use_ref, cfg.prox_logp)
+    ppo = ppo_mfcs(cfg.use_critic, cfg.use_ref, cfg.prox_logp, cfg.use_teacher)
     if cfg.graph == "async_ppo":
         return ppo, ROLLOUT_KEYS
     return [generate_mfc(), *ppo], ()

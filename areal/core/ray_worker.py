@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 
 from areal.api.config.engine import TrainEngineConfig
+from areal.api.config.experiments import DistillConfig
 from areal.api.launch import TORCHRUN_VARS
 from areal.api.io import FinetuneSpec, SaveLoadMeta
 from areal.core.dfg import Allocation, DataflowGraph, ModelFn, ModelName
@@ -56,13 +57,14 @@ class EngineSpec:
     group_size: int = 1  # ppo_actor, ppo_critic: gconfig.n_samples
     max_new_tokens: int | None = None  # ppo_actor
     ft_spec: FinetuneSpec | None = None  # sizes the LR schedule; None for frozen models
+    distill: DistillConfig | None = None  # ppo_actor: on-policy distillation's advantages
 
 
 def build_engine(spec: EngineSpec, mesh) -> Any:
     """The initialized Lite engine ``spec`` describes, sharded over ``mesh``."""
     if spec.kind == "ppo_actor":
         engine = PPOActor(spec.config, mesh, temperature=spec.temperature, group_size=spec.group_size,
-                          max_new_tokens=spec.max_new_tokens)
+                          max_new_tokens=spec.max_new_tokens, distill=spec.distill)
     elif spec.kind == "ppo_critic":
         engine = PPOCritic(spec.config, mesh, group_size=spec.group_size)
     elif spec.kind == "lm":

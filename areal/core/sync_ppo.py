@@ -22,10 +22,11 @@ import sys
 from typing import Any
 
 from areal.api.config import GRPOConfig, load_config
+from areal.api.config.engine import TrainEngineConfig
 from areal.core.config import CoreGRPOConfig
 from areal.core.dfg import DataflowGraph, ModelName
 from areal.core.generation import GenerationWorker
-from areal.core.graphs import ACTOR, CRITIC, REF, CoreGraphConfig, graph_from_config
+from areal.core.graphs import ACTOR, CRITIC, REF, TEACHER, CoreGraphConfig, graph_from_config
 from areal.core.master import Master
 from areal.core.ray_worker import EngineSpec, build_engine
 from areal.core.worker import InProcessWorker
@@ -47,13 +48,17 @@ def uses_ref(cfg: GRPOConfig) -> bool:
 
 
 def engine_specs(cfg: GRPOConfig, ft_spec) -> dict[ModelName, EngineSpec]:
-    """How the model workers build the actor, the critic and the reference (Lite's engines)."""
+    """How the model workers build the actor, the critic, the reference and a distillation
+    teacher (Lite's engines)."""
     g = cfg.gconfig
-    specs = {ACTOR: EngineSpec("ppo_actor", cfg.actor, g.temperature, g.n_samples, g.max_new_tokens, ft_spec)}
+    specs = {ACTOR: EngineSpec("ppo_actor", cfg.actor, g.temperature, g.n_samples, g.max_new_tokens, ft_spec,
+                               distill=cfg.distill)}
     if cfg.actor.use_critic:
         specs[CRITIC] = EngineSpec("ppo_critic", cfg.critic, group_size=g.n_samples, ft_spec=ft_spec)
     if uses_ref(cfg):
         specs[REF] = EngineSpec("lm", cfg.ref, temperature=g.temperature)
+    if cfg.distill.enabled:  # frozen, at temperature 1 like the student's logprobs (gconfig.temperature=1)
+        specs[TEACHER] = EngineSpec("lm", TrainEngineConfig(path=cfg.distill.teacher_path))
     return specs
 
 
@@ -77,7 +82,7 @@ def step_stats(out: dict[str, dict[str, float]]) -> dict[str, float]:
     """The master's per-MFC stats as Lite's names (``loss/*``, ``loss/critic/*``) plus
     ``mfc/<name>/<timing>``."""
     stats = {f"mfc/{name}/{k}": s[k] for name, s in out.items() for k in TIMING}
-    prefix = {"actor_train": "loss/", "critic_train": "loss/critic/"}
+    prefix = {"actor_adv": "loss/", "actor_train": "loss/", "critic_train": "loss/critic/"}
     for name, s in out.items():
         if name in prefix:
             stats.update({prefix[name] + k: v for k, v in s.items() if k not in TIMING})
@@ -101,7 +106,8 @@ def main(argv: list[str]) -> int:
     side = setup_rollout(cfg, run)
     graph = graph_from_config(CoreGraphConfig(
         graph="sync_ppo", n_workers=cfg.core.n_workers, use_critic=cfg.actor.use_critic,
-        use_ref=uses_ref(cfg), prox_logp=needs_prox_pass(cfg.actor), allocations=cfg.core.allocations))
+        use_ref=uses_ref(cfg), prox_logp=needs_prox_pass(cfg.actor), use_teacher=cfg.distill.enabled,
+        allocations=cfg.core.allocations))
     workers, engines = start_model_workers(cfg, run, graph, data.ft_spec)
     publisher = WeightPublisher(cfg.weight_update_mode, engines[ACTOR], side.rollout, side.executor,
                                 run.dist, cfg.weights_dir)

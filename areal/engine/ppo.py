@@ -29,10 +29,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from areal.algo.advantages import compute_advantages
 from areal.algo.critic import ValueNormalizer, value_loss
 from areal.algo.logprob import packed_token_logprobs
+from areal.algo.distill import distill_advantages
 from areal.algo.correction import STALENESS_BUCKETS, approx_prox_logp, staleness_buckets
 from areal.algo.losses import mismatch_kl, policy_loss
 from areal.algo.segments import segment_sum
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
+from areal.api.config.experiments import DistillConfig
 from areal.api.engine import ModelFnResult
 from areal.api.io import SaveLoadMeta
 from areal.engine import checkpoint
@@ -114,9 +116,10 @@ class PPOActor(FSDPEngine):
     """
 
     def __init__(self, config: PPOActorConfig, mesh: DeviceMesh, *, temperature: float = 1.0,
-                 group_size: int = 1, max_new_tokens: int | None = None):
+                 group_size: int = 1, max_new_tokens: int | None = None, distill: DistillConfig | None = None):
         super().__init__(config, mesh, head="lm", temperature=temperature)
         self.config: PPOActorConfig = config
+        self.distill = distill if distill is not None and distill.enabled else None
         self.group_size = group_size
         self.max_new_tokens = max_new_tokens  # for overlong penalty / seq-mean-token-sum-norm
         self._progress = 0.0  # minibatch k of n of the running ppo_update: k / n
@@ -139,7 +142,9 @@ class PPOActor(FSDPEngine):
 
     @torch.no_grad()
     def compute_advantages(self, batch: PackedBatch) -> ModelFnResult:
-        """``batch`` plus ``advantages``/``returns``/``token_rewards`` [T] and ``seq_rewards`` [B]."""
+        """``batch`` plus ``advantages``/``returns``/``token_rewards`` [T] and ``seq_rewards`` [B];
+        when distilling, the advantages mix in the teacher's reverse KL (:mod:`areal.algo.distill`)
+        and the stats hold its mean ``distill_reverse_kl``."""
         old_logp = batch["prox_logp"] if "prox_logp" in batch else batch["logprobs"]
         optional = {k: batch[k] for k in ("values", "ref_logp", "baseline_rewards", "no_eos") if k in batch}
         adv = compute_advantages(
@@ -149,10 +154,20 @@ class PPOActor(FSDPEngine):
             baseline_rewards=optional.get("baseline_rewards"), no_eos=optional.get("no_eos"),
             max_new_tokens=self.max_new_tokens, group_size=self.group_size, dp_group=self._dp_group(),
         )
+        advantages, stats = adv.advantages, {}
+        if self.distill is not None:  # on-policy distillation: the teacher's per-token reverse KL
+            if "teacher_logp" not in batch:
+                raise ValueError("distillation needs token field 'teacher_logp' (the teacher's logprobs of "
+                                 "each completion token: its servers' scores, or Core's teacher_logp node)")
+            d, mask = self.distill, batch["loss_mask"]
+            advantages = distill_advantages(adv.advantages, batch["teacher_logp"], batch["logprobs"], mask,
+                                            d.coef, d.reward_weight)
+            reverse_kl = (batch["logprobs"] - batch["teacher_logp"]).float() * mask
+            stats["distill_reverse_kl"] = float(reverse_kl.sum() / mask.sum().clamp(min=1))
         return batch.with_fields(
-            tokens={"advantages": adv.advantages, "returns": adv.returns, "token_rewards": adv.token_rewards},
+            tokens={"advantages": advantages, "returns": adv.returns, "token_rewards": adv.token_rewards},
             seqs={"seq_rewards": adv.seq_rewards},
-        ), {}
+        ), stats
 
     def _loss(self, logits: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config

@@ -26,10 +26,11 @@ import time
 
 from areal.api.config.loader import iter_fields
 from areal.api.launch import api_key_env, devices_env, threads_env, trainer_env, visible_devices
-from areal.launcher.common import launch, register_server, reset_trial, wait_for_servers
+from areal.launcher.common import launch, register_server, reset_trial, thread_split, usable_cores, wait_for_servers
 from areal.launcher.procs import ProcessSupervisor
-from areal.launcher.servers import ManagedServer
+from areal.launcher.servers import ManagedServer, server_command, server_env
 from areal.utils.logging import get_logger
+from areal.utils.name_resolve import gen_teacher_key, make_repository
 from areal.utils.network import free_port
 
 logger = get_logger("launcher")
@@ -63,19 +64,39 @@ def gpu_layout(gpus: list[str], trainer_nprocs: int, n_servers: int,
     return ",".join(trainers), [trainers[i % trainer_nprocs] for i in range(n_servers)]
 
 
-def _start_servers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) -> list[ManagedServer]:
-    """Start the servers, register each once healthy."""
+def _start_servers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None], threads: int) -> list[ManagedServer]:
+    """Start the servers (``threads`` OMP/torch threads each), register each once healthy."""
     lc = cfg.launcher
     registry = reset_trial(cfg)
     servers = []
     for i in range(cfg.cluster.n_servers):
-        env = {**threads_env(lc.server_threads), **devices_env(server_gpus[i]), **api_key_env(cfg.server.api_key)}
+        env = {**threads_env(threads), **devices_env(server_gpus[i]), **api_key_env(cfg.server.api_key)}
         servers.append(ManagedServer.start(sup, cfg, f"server{i}", free_port(), env))
     for s in servers:
         sup.wait_http_ok(s.child, f"{s.url}/health", lc.server_setup_timeout)
         register_server(registry, cfg, s.address)
     wait_for_servers(registry, cfg, lc.server_setup_timeout)
     return servers
+
+
+def _start_teachers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) -> None:
+    """On-policy distillation: ``distill.n_servers`` servers of the teacher (never updated, not
+    restarted), teacher ``i`` on student server ``i``'s GPU, registered under the trial's
+    teacher key once healthy."""
+    distill = getattr(cfg, "distill", None)
+    if distill is None or not distill.enabled or not distill.n_servers:
+        return
+    lc, registry = cfg.launcher, make_repository(cfg.cluster.name_resolve, cfg.name_resolve_root)
+    started = []
+    for i in range(distill.n_servers):
+        port, gpu = free_port(), server_gpus[i % len(server_gpus)] if server_gpus else None
+        env = {**threads_env(lc.server_threads), **devices_env(gpu), **api_key_env(cfg.server.api_key),
+               **server_env(cfg)}
+        cmd = server_command(cfg, port, cfg.run_dir / f"teacher{i}.yaml", model=distill.teacher_path)
+        started.append((sup.start(f"teacher{i}", cmd, env=env), f"127.0.0.1:{port}"))
+    for child, address in started:
+        sup.wait_http_ok(child, f"http://{address}/health", lc.server_setup_timeout)
+        registry.add_subentry(gen_teacher_key(cfg.experiment_name, cfg.trial_name), address)
 
 
 def _usable_gpus(cfg) -> list[str]:
@@ -113,10 +134,15 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
     with ProcessSupervisor(cfg.run_dir / "logs", echo=lc.echo, stop_timeout=lc.stop_timeout) as sup:
         trainer_gpus, server_gpus = gpu_layout(_usable_gpus(cfg), cluster.trainer_nprocs, cluster.n_servers,
                                                  cluster.colocate)
-        servers = _start_servers(sup, cfg, server_gpus)
+        server_threads, trainer_threads, how = thread_split(lc.server_threads, lc.trainer_threads, cluster.n_servers,
+                                                            cluster.trainer_nprocs, usable_cores())
+        logger.info(f"launcher: {how}")
+        servers = _start_servers(sup, cfg, server_gpus, server_threads)
+        _start_teachers(sup, cfg, server_gpus)
         server_cfg = getattr(cfg, "server", None)  # experiments without servers (SFT) have none
         colocated = trainer_gpus is not None and bool(set(trainer_gpus.split(",")) & set(server_gpus))
-        env = {**trainer_env(attempt, colocated), **threads_env(lc.trainer_threads),
+        progress = "bar" if sup.console is not None and sup.console.tty else "lines"
+        env = {**trainer_env(attempt, colocated, progress), **threads_env(trainer_threads),
                **devices_env(trainer_gpus), **api_key_env(server_cfg.api_key if server_cfg else "")}
         cmd = _trainer_command(script, without_secrets(argv, cfg), cluster.trainer_nprocs)
         trainer = sup.start("trainer", cmd, env=env)

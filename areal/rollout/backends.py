@@ -105,6 +105,15 @@ class Backend(abc.ABC):
         """Generate again."""
 
     @abc.abstractmethod
+    def score(self, input_ids: list[int], start: int) -> HttpCall:
+        """Logprobs (temperature 1) of ``input_ids[start:]`` given what precedes each; nothing
+        generated (a distillation teacher)."""
+
+    @abc.abstractmethod
+    def parse_score(self, body: Any, input_ids: list[int], start: int) -> list[float]:
+        """The logprobs of a :meth:`score` answer, one per token of ``input_ids[start:]``."""
+
+    @abc.abstractmethod
     def release_memory(self) -> HttpCall:
         """Paused: give back the accelerator memory the server can do without until
         :meth:`resume_memory` (a colocated trainer steps meanwhile)."""
@@ -173,6 +182,26 @@ class NativeBackend(Backend):
         if versions is not None and len(versions) != len(ids):
             raise BadServerResponse(f"{len(versions)} token versions for {len(ids)} tokens")
         return GenerationChunk(ids, logprobs, versions, _stop_reason(kind, body))
+
+    def score(self, input_ids: list[int], start: int) -> HttpCall:
+        """``/generate`` with no new token and the prompt's logprobs from ``start`` (SGLang's
+        ``logprob_start_len`` counts from the token before the first scored one)."""
+        body = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": start - 1,
+                "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}
+        return HttpCall("POST", "/generate", json=body)
+
+    def parse_score(self, body: Any, input_ids: list[int], start: int) -> list[float]:
+        """``meta_info.input_token_logprobs`` ``[[logprob, id, _], ...]`` (the first, of the
+        token at ``start - 1``, has no context of its own in SGLang and is skipped if null)."""
+        try:
+            triples = body["meta_info"]["input_token_logprobs"]
+        except (KeyError, TypeError):
+            raise BadServerResponse(f"score answer lacks meta_info.input_token_logprobs: {str(body)[:300]}") from None
+        scored = [t for t in triples if t[0] is not None][-(len(input_ids) - start):] if len(input_ids) > start else []
+        if [int(t[1]) for t in scored] != list(input_ids[start:]):
+            raise BadServerResponse(f"score answer covers tokens {[t[1] for t in scored][:8]}..., expected "
+                                    f"{list(input_ids[start:])[:8]}...")
+        return [float(t[0]) for t in scored]
 
     def pause(self) -> HttpCall:
         """``/pause_generation`` (abort mode: in-flight requests return their partial output)."""
@@ -282,6 +311,27 @@ class VLLMBackend(Backend):
         if len(ids) != len(logprobs):
             raise BadServerResponse(f"vllm answer has {len(ids)} tokens but {len(logprobs)} logprobs")
         return GenerationChunk(ids, logprobs, None, _stop_reason(kind, body))
+
+    def score(self, input_ids: list[int], start: int) -> HttpCall:
+        """``/v1/completions`` echoing the prompt with ``prompt_logprobs`` (one token generated,
+        ignored)."""
+        body = {"model": self.model, "prompt": list(input_ids), "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0, "return_tokens_as_token_ids": True}
+        return HttpCall("POST", "/v1/completions", json=body)
+
+    def parse_score(self, body: Any, input_ids: list[int], start: int) -> list[float]:
+        """``choices[0].prompt_logprobs``: per prompt position ``None`` (the first) or a dict
+        keyed by token id holding the prompt token's ``logprob``."""
+        try:
+            positions = body["choices"][0]["prompt_logprobs"]
+            out = []
+            for t in range(start, len(input_ids)):
+                entry = positions[t]
+                out.append(float(entry[str(input_ids[t])]["logprob"]))
+        except (KeyError, IndexError, TypeError) as e:
+            raise BadServerResponse(f"vllm score answer lacks prompt_logprobs for the prompt tokens ({e!r}): "
+                                    f"{str(body)[:300]}") from None
+        return out
 
     def pause(self) -> HttpCall:
         """``POST /pause?mode=abort`` (also clears vLLM's prefix cache)."""

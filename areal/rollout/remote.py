@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from areal.api.config.rollout import InferenceEngineConfig
-from areal.api.engine import InferenceEngine
+from areal.api.engine import InferenceEngine, TokenScorer
 from areal.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
 from areal.api.launch import server_api_key
 from areal.rollout.backends import HttpCall, make_backend
@@ -107,7 +107,7 @@ def discover_servers(config: InferenceEngineConfig, registry: NameRepository | N
     return sorted(registry.wait_subtree(key, max(1, n_servers), config.setup_timeout))
 
 
-class RemoteInferenceEngine(InferenceEngine):
+class RemoteInferenceEngine(InferenceEngine, TokenScorer):
     """An :class:`InferenceEngine` over HTTP generation servers."""
 
     def __init__(self, config: InferenceEngineConfig, api_key: str = "", server_restarts: int = 0,
@@ -414,6 +414,18 @@ class RemoteInferenceEngine(InferenceEngine):
             stop = "length"
         return ModelResponse(list(req.input_ids), ids, logprobs, versions, stop,
                              latency=time.monotonic() - t0, ttft=ttft)
+
+    async def ascore(self, input_ids: list[int], start: int) -> list[float]:
+        """Logprobs (temperature 1) of ``input_ids[start:]`` under the served model: a
+        distillation teacher scoring a student's completion; callable from any event loop."""
+        thread = self._loop_thread()
+        if asyncio.get_running_loop() is not thread.loop:
+            return await asyncio.wrap_future(thread.submit(self.ascore(input_ids, start)))
+        if start >= len(input_ids):
+            return []
+        deadline = time.monotonic() + self.config.request_timeout
+        body = await self._send_with_failover(self.backend.score(input_ids, start), None, deadline, "score")
+        return self.backend.parse_score(body, input_ids, start)
 
     # -- control ------------------------------------------------------------------------------
 

@@ -20,7 +20,12 @@ sequence fields ``[B]``
   ``status_code``  int64    index of the trajectory's status in :data:`STATUS_CODES`
   ``no_eos``       bool     the sequence stopped at max_new_tokens, not at EOS / a stop
                             condition (for ``actor.mask_no_eos_with_zero``)
-  any key of ``Trajectory.extras`` (float32), when every trajectory of the batch has it
+  any key of ``Trajectory.extras`` holding a number (float32), when every trajectory of the
+  batch has it
+
+token fields from extras ``[T]``
+  any key of ``Trajectory.extras`` holding one float per completion token (a list, e.g. a
+  teacher's logprobs of the completion), float32, 0.0 on prompt tokens
 """
 
 from __future__ import annotations
@@ -75,15 +80,29 @@ def groups_to_batch(
         "status_code": [STATUS_CODES.index(t.status) for t in trajs],
         "no_eos": [t.status == RolloutStatus.TRUNCATED for t in trajs],  # hit max_new_tokens
     }
-    for key in _extras_keys(trajs):
-        seqs[key] = [float(t.extras[key]) for t in trajs]
+    extras = _extras_keys(trajs)
+    per_token = {k for k in extras if isinstance(trajs[0].extras[k], (list, tuple))}
+    for key in extras:
+        if key in per_token:
+            tok[key] = [[0.0] * len(t.prompt_ids) + _token_extra(t, key) for t in trajs]
+        else:
+            seqs[key] = [float(t.extras[key]) for t in trajs]
     batch = PackedBatch.from_sequences(tok, seqs)
     # from_sequences infers dtype from the first value; pin the documented dtypes.
     return batch.with_fields(
         tokens={"logprobs": batch["logprobs"].float(), "versions": batch["versions"].long(),
-                "loss_mask": batch["loss_mask"].long()},
-        seqs={k: batch[k].float() for k in ["rewards", *_extras_keys(trajs)]},
+                "loss_mask": batch["loss_mask"].long(), **{k: batch[k].float() for k in per_token}},
+        seqs={k: batch[k].float() for k in ["rewards", *(k for k in extras if k not in per_token)]},
     )
+
+
+def _token_extra(t: Trajectory, key: str) -> list[float]:
+    values = t.extras[key]
+    if not isinstance(values, (list, tuple)) or len(values) != len(t.completion_ids):
+        raise ValueError(f"trajectory {t.sample_id!r}: extras[{key!r}] must hold one float per completion "
+                         f"token ({len(t.completion_ids)}), got {type(values).__name__} of "
+                         f"{len(values) if isinstance(values, (list, tuple)) else 1}")
+    return [float(v) for v in values]
 
 
 def staleness_stats(groups: Sequence[Sequence[Trajectory]], current_version: int) -> dict[str, float]:

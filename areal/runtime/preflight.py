@@ -90,4 +90,25 @@ def preflight(cfg: Any) -> list[str]:
                 if bad:
                     problems.append(f"{prefix}stop_token_ids: {bad[:3]} outside the model's vocabulary "
                                     f"[0, {vocab}); use ids of the actor's tokenizer")
+    problems.append(teacher_problem(cfg))
     return [p for p in problems if p]
+
+
+def teacher_problem(cfg: Any) -> str:
+    """A distillation teacher (``distill.teacher_path``) must exist and share the student's
+    tokenizer: its logprobs score the student's token ids ('' when fine or not distilling)."""
+    distill = getattr(cfg, "distill", None)
+    if distill is None or not distill.enabled:
+        return ""
+    missing = model_dir_problem("distill.teacher_path", distill.teacher_path)
+    if missing:
+        return missing
+    from transformers import AutoTokenizer
+
+    student = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
+    teacher = AutoTokenizer.from_pretrained(distill.teacher_path)
+    if student.get_vocab() != teacher.get_vocab():
+        return (f"distill.teacher_path: {distill.teacher_path!r} has another tokenizer than the student "
+                f"({len(teacher)} vs {len(student)} tokens, or other ids); the teacher scores the student's "
+                "token ids, so pick a teacher of the same tokenizer family")
+    return ""

@@ -1,10 +1,12 @@
 """The rollout side of an RL entry script, shared by Lite's (``examples/gsm8k_grpo.py``) and
 Core's (``areal core sync-ppo``): the client to the registered generation servers, the reward
-workers, the training and eval workflows, the workflow executor, and held-out evaluation.
+workers, the training and eval workflows, the workflow executor, and held-out evaluation; when
+distilling, the teacher's client and its scoring of every training group.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +19,9 @@ from areal.reward.runner import RewardRunner
 from areal.rollout.executor import WorkflowExecutor
 from areal.rollout.remote import RemoteInferenceEngine, discover_servers
 from areal.workflow.agent import AgentWorkflow
+from areal.utils.name_resolve import gen_teacher_key
 from areal.workflow.custom import make_custom_workflow
+from areal.workflow.distill import TeacherScored
 from areal.workflow.multi_turn import MultiTurnWorkflow
 from areal.workflow.rlvr import RLVRWorkflow
 
@@ -40,19 +44,39 @@ class RolloutSide:
 
     rollout: RemoteInferenceEngine
     reward: RewardRunner
-    workflow: RolloutWorkflow
+    workflow: RolloutWorkflow  # training rollouts (teacher-scored when distilling)
     eval_workflow: RolloutWorkflow
     executor: WorkflowExecutor
+    agent: AgentWorkflow | None = None  # the training workflow when it is an agent's (its stats)
+    teacher: RemoteInferenceEngine | None = None  # distillation teacher's servers
 
     def batch_stats(self) -> dict[str, float]:
         """The last training batch's rollout stats: executor, reward workers, client, agents."""
-        agent = self.workflow.stats() if isinstance(self.workflow, AgentWorkflow) else {}
+        agent = self.agent.stats() if self.agent is not None else {}
         return {**self.executor.last_batch_stats, **self.reward.commit_batch(), **self.rollout.stats(), **agent}
 
     def close(self) -> None:
         self.executor.destroy()
         self.rollout.destroy()
+        if self.teacher is not None:
+            self.teacher.destroy()
         self.reward.close()
+
+
+def make_teacher(cfg: GRPOConfig, run) -> RemoteInferenceEngine | None:
+    """The client to the distillation teacher's servers (``distill.addresses``, else the ones the
+    launcher registered under the trial's teacher key); None when not distilling, or when Core
+    scores with a teacher node instead (no servers). Teacher servers are never updated nor
+    restarted."""
+    d = cfg.distill
+    if not d.enabled or not (d.addresses or d.n_servers):
+        return None
+    config = dataclasses.replace(cfg.rollout, addresses=list(d.addresses))
+    teacher = RemoteInferenceEngine(config, api_key=cfg.server.api_key,
+                                    no_restart_reason="distillation teacher servers are not restarted")
+    key = gen_teacher_key(cfg.experiment_name, cfg.trial_name)
+    teacher.initialize(discover_servers(config, run.registry(), key, d.n_servers))
+    return teacher
 
 
 def server_restarts(cfg: GRPOConfig, env: LaunchEnv) -> tuple[int, str]:
@@ -77,11 +101,14 @@ def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
     rollout.initialize(discover_servers(cfg.rollout, run.registry(), run.servers_key, cfg.cluster.n_servers))
     reward = RewardRunner(resolve_reward(cfg.reward_fn), cfg.reward)
     workflow = make_workflow(cfg, reward, run.tokenizer, run.run_dir / "rollouts")
+    teacher = make_teacher(cfg, run)
+    train_workflow = workflow if teacher is None else TeacherScored(workflow, teacher, cfg.distill.timeout)
     eval_workflow = (AgentWorkflow(cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer)
                      if cfg.workflow.type == "agent" else RLVRWorkflow(reward, cfg.eval_gconfig, run.tokenizer))
     executor = WorkflowExecutor(cfg.rollout, rollout, batch_size=cfg.train_dataset.batch_size // run.world_size)
     executor.initialize()
-    return RolloutSide(rollout, reward, workflow, eval_workflow, executor)
+    return RolloutSide(rollout, reward, train_workflow, eval_workflow, executor,
+                       agent=workflow if isinstance(workflow, AgentWorkflow) else None, teacher=teacher)
 
 
 def evaluate(executor: WorkflowExecutor, valid_loader, workflow: RolloutWorkflow, run) -> None:

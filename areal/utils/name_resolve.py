@@ -524,3 +524,8 @@ def trial_key(experiment_name: str, trial_name: str) -> str:
 def gen_servers_key(experiment_name: str, trial_name: str) -> str:
     """Prefix under which generation servers of one trial publish ``host:port``."""
     return f"{trial_key(experiment_name, trial_name)}/gen_servers"
+
+
+def gen_teacher_key(experiment_name: str, trial_name: str) -> str:
+    """Prefix under which a trial's distillation teacher servers publish ``host:port``."""
+    return f"{trial_key(experiment_name, trial_name)}/teacher_servers"

@@ -50,6 +50,17 @@ def test_extras_become_sequence_fields_only_when_every_trajectory_has_them():
         groups_to_batch(g)
 
 
+def test_per_token_extras_become_token_fields_zero_on_the_prompt():
+    g = [[_traj([1, 2], [3, 4], [0, 0], 1.0, extras={"teacher_logp": [-0.1, -0.2]}),
+          _traj([1, 2], [5], [0], 0.0, extras={"teacher_logp": [-0.3]})]]
+    b = groups_to_batch(g)
+    assert b["teacher_logp"].tolist() == pytest.approx([0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3])
+    assert "teacher_logp" in b.tokens and b["teacher_logp"].dtype == torch.float32
+    g[0][1].extras = {"teacher_logp": [-0.3, -0.4]}  # two values for one completion token
+    with pytest.raises(ValueError, match="one float per completion token \\(1\\), got list of 2"):
+        groups_to_batch(g)
+
+
 def test_staleness_stats_histogram_and_version_shares():
     # Trainer at version 3. Trained tokens: v3 x2, v2 x1, v1 x1; the masked token and the
     # injected token (version -1) do not count.

@@ -117,6 +117,22 @@ def test_agenerate_returns_tokens_logprobs_and_versions(servers, make_engine):
     assert a.output_versions == [0] * 12 and a.latency >= a.ttft > 0
 
 
+def test_a_teacher_scores_a_completion_with_the_models_own_logprobs(servers, make_engine, tiny_model_dir):
+    # On-policy distillation's teacher call: no token generated, log p of each completion token
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt, completion = [5, 17, 99, 200], [3, 42, 42, 7, 11]
+    eng = make_engine(servers)
+    got = _gather([eng.ascore(prompt + completion, len(prompt))])[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+    ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+    assert got == pytest.approx(ref.tolist(), abs=1e-4)
+    assert _gather([eng.ascore(prompt, len(prompt))])[0] == []  # nothing to score
+
+
 def test_pause_returns_partials_resumed_on_new_weights_with_per_token_versions(
     servers, make_engine, other_weights_dir, tiny_model_dir
 ):

@@ -123,6 +123,41 @@ class DPOConfig(BaseExperimentConfig):
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """On-policy distillation: a teacher's servers score the student's samples, and the per-token
+    reverse KL is the advantage (docs/algorithms.md, "On-policy distillation")."""
+
+    teacher_path: str = param(
+        "", help="Teacher model dir (same tokenizer as actor.path, any size); empty = no distillation."
+    )
+    coef: float = param(1.0, ge=0, help="Weight of the advantage log pi_teacher - log pi_student.")
+    reward_weight: float = param(
+        0.0, ge=0, help="Weight of the task reward's advantage mixed in (0 = pure distillation)."
+    )
+    n_servers: int = param(
+        1, ge=0, help="Teacher servers the launcher starts (the server section's settings, the "
+        "teacher's weights; never updated); 0 with addresses."
+    )
+    addresses: list[str] = param(
+        factory=list, help="host:port of teacher servers started by hand (ours, SGLang); then "
+        "n_servers must be 0."
+    )
+    timeout: float = param(120.0, gt=0, help="Seconds the teacher may take to score one group.")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run distils."""
+        return bool(self.teacher_path)
+
+    def check(self) -> Iterator[str]:
+        if self.addresses and self.n_servers:
+            yield (f"n_servers: {self.n_servers} with addresses given; the launcher starts no teacher "
+                   "server when you name them, set n_servers=0")
+        if self.coef == 0 and self.enabled:
+            yield "coef: 0 ignores the teacher; set coef > 0, or teacher_path empty"
+
+
+@dataclass(frozen=True)
 class GRPOConfig(BaseExperimentConfig):
     """RL with verifiable rewards: GRPO and every preset of ``actor.algorithm`` (PPO with a
     critic when ``actor.use_critic``), synchronous (``rollout.max_staleness=0``) or async.
@@ -161,11 +196,30 @@ class GRPOConfig(BaseExperimentConfig):
     weight_update_mode: Literal["disk", "distributed"] = param(
         "disk", help="How new weights reach servers: a versioned HF dir, or a gloo/NCCL broadcast."
     )
+    distill: DistillConfig = param(
+        factory=DistillConfig, help="On-policy distillation from a teacher model (off by default)."
+    )
 
     @property
     def served_model_path(self) -> str:
         """Servers start from the actor's initial weights."""
         return self.actor.path
+
+    def distill_problems(self, scored_by: str = "servers") -> Iterator[str]:
+        """Distillation's cross-section rules; ``scored_by``: the teacher's ``servers`` (Lite) or a
+        ``teacher`` node on the model workers (Core), which has none."""
+        d = self.distill
+        if not d.enabled:
+            return
+        if self.gconfig.temperature != 1.0:
+            yield (f"gconfig.temperature: {self.gconfig.temperature} with distillation; the teacher scores at "
+                   "temperature 1, so the student must sample at 1 (set gconfig.temperature=1)")
+        has_servers = bool(d.addresses or d.n_servers)
+        if scored_by == "servers" and not has_servers:
+            yield "distill.n_servers: 0 and no distill.addresses; the teacher needs a server (set n_servers=1)"
+        if scored_by == "teacher" and has_servers:
+            yield ("distill.n_servers: Core scores with a teacher node on the model workers; set "
+                   "distill.n_servers=0 and leave distill.addresses empty")
 
     def server_restart_blocker(self) -> str:
         """Why a launcher cannot restart a generation server that dies ('' when it can, up to
@@ -181,6 +235,7 @@ class GRPOConfig(BaseExperimentConfig):
         if problem:
             yield problem
         yield from super().check()
+        yield from self.distill_problems()
         a = self.actor
         if a.uses_groups and self.gconfig.n_samples < 2:
             yield (
