@@ -88,6 +88,13 @@ def test_generation_returns_token_ids_and_temperature_scaled_logprobs_of_the_wei
     assert out.output_logprobs == pytest.approx(ref, abs=2e-3)
 
 
+def test_a_teacher_on_vllm_scores_a_completion_with_the_models_own_logprobs(engine, tiny_model_dir):
+    # on-policy distillation's teacher call: prompt_logprobs of the completion, temperature 1
+    completion = [3, 42, 42, 7]
+    got = asyncio.run(engine.ascore(list(PROMPT) + completion, len(PROMPT)))
+    assert got == pytest.approx(_reference_logprobs(tiny_model_dir, PROMPT, completion, 1.0), abs=1e-4)
+
+
 def test_samples_of_a_group_differ_by_seed_and_a_seed_reproduces_its_sample(engine):
     outs = [_generate(engine, seed=s, ignore_eos=True).output_ids for s in range(4)]
     assert len({tuple(o) for o in outs}) == 4
