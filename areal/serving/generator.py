@@ -28,18 +28,17 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 
 from areal.serving.cpu_attention import Mode
 from areal.serving.model import KVCache, Qwen2Forward, read_hf_dir
+from areal.serving.requests import FinishReason, GenerationResult, Seq
 from areal.serving.sampling import SamplingParams, sample, top_logprobs
 
 logger = logging.getLogger(__name__)
-FinishReason = Literal["stop", "length", "abort"]
 COMMAND_TIMEOUT_S = 600.0  # deadline for a control command to run on the scheduler thread
 MAX_FAILED_STEPS = 3  # consecutive failed steps after which the generator counts as broken
 
@@ -52,36 +51,8 @@ class StepFailed(RuntimeError):
     """One generation step raised: its requests fail with this, the generator goes on."""
 
 
-@dataclass
-class GenerationResult:
-    """One finished (or aborted) request: tokens, behaviour logprobs and per-token versions."""
-
-    input_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float]
-    output_versions: list[int]
-    finish_reason: FinishReason
-    # per output token, its top_logprobs most likely (token, logprob) when the request asked
-    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    matched: int | str | None = None  # the stop token id or stop string that ended it
-    latency: float = 0.0  # seconds, submit -> finish
-    ttft: float = 0.0  # seconds, submit -> first token
-
-
-@dataclass
-class _Seq:
-    prompt: list[int]
-    params: SamplingParams
-    future: concurrent.futures.Future
-    stop_ids: frozenset[int]
-    generator: torch.Generator | None
-    t_submit: float = field(default_factory=time.monotonic)
-    t_first: float = 0.0
-    out: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    tops: list[list[tuple[int, float]]] = field(default_factory=list)
-    on_token: Callable[[int], None] | None = None  # called with each new token (streaming)
+class NonFiniteLogits(StepFailed):
+    """A request's logits held NaN or inf (a numerical fault): it fails alone, the rest go on."""
 
 
 class Generator:
@@ -113,11 +84,13 @@ class Generator:
         self._stopping = False
         self._error: BaseException | None = None
         self.n_failed_steps = 0  # steps that raised (their requests failed, the loop went on)
+        self.n_nonfinite = 0  # requests failed by NaN/inf logits (the loop went on)
+        self.last_nonfinite = ""  # the last such failure's message
         self._failed_in_a_row = 0
         self._cv = threading.Condition()
-        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._waiting: collections.deque[Seq] = collections.deque()
         self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
-        self._running: list[_Seq] = []  # index == cache slot
+        self._running: list[Seq] = []  # index == cache slot
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -173,11 +146,15 @@ class Generator:
         """The exception that stopped the scheduler thread, if any."""
         return self._error
 
-    def load(self) -> dict[str, int]:
-        """Counts of running and waiting requests."""
+    def load(self) -> dict[str, int | str]:
+        """Counts of running and waiting requests, and :meth:`faults`."""
         with self._cv:
-            return {"running": len(self._running), "waiting": len(self._waiting),
-                    "failed_steps": self.n_failed_steps}
+            return {"running": len(self._running), "waiting": len(self._waiting), **self.faults()}
+
+    def faults(self) -> dict[str, int | str]:
+        """Failed steps, requests failed by non-finite logits and the last such failure."""
+        return {"failed_steps": self.n_failed_steps, "nonfinite_logits": self.n_nonfinite,
+                "last_nonfinite": self.last_nonfinite}
 
     def check_request(self, input_ids: list[int], params: SamplingParams) -> list[str]:
         """``"field: problem"`` strings for a request this generator cannot run."""
@@ -198,6 +175,13 @@ class Generator:
             problems.append(f"sampling_params.stop_token_ids: token ids must be ints in [0, {V}), got {bad[:3]}")
         if params.stop and self.decode_text is None:
             problems.append("sampling_params.stop: stop strings need a tokenizer")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if params.min_new_tokens > 0 and sum(1 for t in stops if isinstance(t, int) and 0 <= t < V) >= V:
+            problems.append(
+                f"sampling_params.stop_token_ids: all {V} token ids of the vocabulary stop (stop_token_ids "
+                f"plus EOS unless ignore_eos), so no token can be sampled before min_new_tokens="
+                f"{params.min_new_tokens}; leave at least one id out, or set min_new_tokens to 0"
+            )
         return problems
 
     def submit(self, input_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
@@ -221,13 +205,13 @@ class Generator:
                 raise GeneratorStopped(f"generator is not running: {self._error or 'shutting down'}")
             for seq in seqs:
                 if seq.params.max_new_tokens == 0:
-                    self._resolve(seq, "length", None)
+                    seq.resolve("length", None)
                 else:
                     self._waiting.append(seq)
             self._cv.notify_all()
         return [s.future for s in seqs]
 
-    def _make_seq(self, input_ids: list[int], params: SamplingParams) -> _Seq:
+    def _make_seq(self, input_ids: list[int], params: SamplingParams) -> Seq:
         problems = self.check_request(input_ids, params)
         if problems:
             raise ValueError("; ".join(problems))
@@ -238,7 +222,10 @@ class Generator:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.model.device).manual_seed(int(params.seed))
-        return _Seq(list(input_ids), params, fut, frozenset(stop_ids), gen)
+        seq = Seq(list(input_ids), params, fut, frozenset(stop_ids), gen)
+        if params.min_new_tokens > 0 and stop_ids:  # built once, used at each step before the minimum
+            seq.stop_index = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.model.device)
+        return seq
 
     def generate(
         self, batch: list[list[int]], params: SamplingParams | list[SamplingParams], timeout: float = 600.0
@@ -262,10 +249,13 @@ class Generator:
         return self._call(_pause)
 
     def resume(self) -> None:
-        """Accept and schedule work again."""
-        with self._cv:
+        """Accept and schedule work again. Like :meth:`pause` it runs between steps, in the order
+        the calls were made, so a resume called after a pause is never undone by that pause."""
+
+        def _resume() -> None:
             self._paused = False
-            self._cv.notify_all()
+
+        self._call(_resume)
 
     def update_weights(
         self, named: dict[str, torch.Tensor], version: int | None = None, complete: bool = False
@@ -308,6 +298,8 @@ class Generator:
 
         def _score():
             logits = self.model.score(torch.tensor(input_ids, dtype=torch.long, device=self.model.device))
+            if not bool(torch.isfinite(logits).all()):
+                raise self._nonfinite(f"scoring a prompt of {len(input_ids)} tokens")
             logp = torch.log_softmax(logits[:-1].float(), dim=-1)
             chosen = logp.gather(1, torch.tensor(input_ids[1:], device=logp.device)[:, None])[:, 0].tolist()
             tops = top_logprobs(logits[:-1], [1.0] * (len(input_ids) - 1), [top] * (len(input_ids) - 1)) \
@@ -368,11 +360,13 @@ class Generator:
             if self._error is None:
                 self._abort_all()  # shutdown: partial outputs, finish reason abort
             else:
-                self._fail(self._take_all(), GeneratorStopped(f"generator crashed: {self._error!r}"))
+                crashed = GeneratorStopped(f"generator crashed: {self._error!r}")
+                for seq in self._take_all():
+                    seq.fail(crashed)
 
-    def _admit(self) -> list[_Seq]:
+    def _admit(self) -> list[Seq]:
         """Pop waiting requests into free slots, bounded by the prefill token budget."""
-        admitted: list[_Seq] = []
+        admitted: list[Seq] = []
         with self._cv:
             free = self.max_batch_size - len(self._running)
             budget = self.max_prefill_tokens
@@ -387,7 +381,7 @@ class Generator:
                 admitted.append(self._waiting.popleft())
         return admitted
 
-    def _guarded_step(self, admitted: list[_Seq]) -> None:
+    def _guarded_step(self, admitted: list[Seq]) -> None:
         """Run one step; if it raises, fail the requests of that step and go on.
 
         After ``MAX_FAILED_STEPS`` failed steps in a row the error propagates: the generator
@@ -402,9 +396,10 @@ class Generator:
                 raise
             logger.exception("generation step failed; failing its %d request(s)", len(self._running))
             failed, self._running = self._running, []  # their cache slots are free again
-            self._fail(failed, StepFailed(f"generation step failed: {e!r}"))
+            for seq in failed:
+                seq.fail(StepFailed(f"generation step failed: {e!r}"))
 
-    def _step(self, admitted: list[_Seq]) -> None:
+    def _step(self, admitted: list[Seq]) -> None:
         """One packed forward: a decode token for every running request plus new prompts.
 
         Requests admitted together with the same prompt (the samples of one group) share its
@@ -436,11 +431,37 @@ class Generator:
             logits = torch.cat([logits, logits[[B + j for j in follows]]])
         self._sample_and_retire(logits, list(self._running), 0)
 
-    def _sample_and_retire(self, logits: torch.Tensor, seqs: list[_Seq], first_slot: int) -> None:
-        """Sample one token for ``seqs`` (slots ``first_slot..``), then retire finished ones."""
-        suppress = [
-            sorted(s.stop_ids) if len(s.out) < s.params.min_new_tokens else [] for s in seqs
+    def _sample_and_retire(self, logits: torch.Tensor, seqs: list[Seq], first_slot: int) -> None:
+        """Sample one token for ``seqs`` (slots ``first_slot..``), then retire finished ones.
+
+        A row whose logits hold NaN or inf (a numerical fault: overflowing weights or
+        activations) fails its own request with :class:`NonFiniteLogits` and is counted for
+        /health; the other rows sample as usual and the loop goes on."""
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        rows = [i for i, ok in enumerate(finite) if ok]
+        retire: list[tuple[int, FinishReason, int | str | None, BaseException | None]] = [
+            (first_slot + i, "abort", None, self._nonfinite(f"output token {len(seqs[i].out)}"))
+            for i, ok in enumerate(finite) if not ok
         ]
+        if rows:
+            kept = logits if len(rows) == len(seqs) else logits[rows]
+            for i, done in zip(rows, self._sample([seqs[i] for i in rows], kept)):
+                if done is not None:
+                    retire.append((first_slot + i, *done, None))
+        for slot, reason, matched, error in sorted(retire, key=lambda r: r[0], reverse=True):
+            self._retire(slot, reason, matched, error)
+
+    def _nonfinite(self, where: str) -> NonFiniteLogits:
+        """Count a numerical fault and the error its request fails with."""
+        self.n_nonfinite += 1
+        self.last_nonfinite = (f"non-finite logits (NaN or inf) at {where} of a request under weight version "
+                               f"{self._version}; that request failed, the server goes on")
+        logger.warning("%s", self.last_nonfinite)
+        return NonFiniteLogits(self.last_nonfinite)
+
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> list[tuple[FinishReason, int | str | None] | None]:
+        """Sample and append one token to each of ``seqs``; returns how each finished (or None)."""
+        suppress = [s.stop_index if len(s.out) < s.params.min_new_tokens else None for s in seqs]
         tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], suppress)
         asked = [i for i, s in enumerate(seqs) if s.params.top_logprobs]
         if asked:
@@ -449,8 +470,8 @@ class Generator:
             for i, top in zip(asked, tops):
                 seqs[i].tops.append(top)
         now, version = time.monotonic(), self._version
-        finished: list[tuple[int, FinishReason, int | str | None]] = []
-        for i, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
+        finished: list[tuple[FinishReason, int | str | None] | None] = []
+        for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
             if not s.out:
                 s.t_first = now
             s.out.append(tok)
@@ -463,14 +484,12 @@ class Generator:
                     logger.exception("on_token callback failed; streaming of this request stops")
                     s.on_token = None
             done = self._finish_reason(s, tok)
-            if done is not None:
-                finished.append((first_slot + i, *done))
-            elif s.future.cancelled():  # the client went away
-                finished.append((first_slot + i, "abort", None))
-        for slot, reason, matched in sorted(finished, reverse=True):
-            self._retire(slot, reason, matched)
+            if done is None and s.future.cancelled():  # the client went away
+                done = ("abort", None)
+            finished.append(done)
+        return finished
 
-    def _finish_reason(self, s: _Seq, tok: int) -> tuple[FinishReason, int | str | None] | None:
+    def _finish_reason(self, s: Seq, tok: int) -> tuple[FinishReason, int | str | None] | None:
         n, p = len(s.out), s.params
         if n >= p.min_new_tokens:
             if tok in s.stop_ids:
@@ -484,8 +503,11 @@ class Generator:
             return "length", None
         return None
 
-    def _retire(self, slot: int, reason: FinishReason, matched: int | str | None) -> None:
-        """Answer the request in ``slot`` and refill the slot so running requests stay compact.
+    def _retire(self, slot: int, reason: FinishReason, matched: int | str | None,
+                error: BaseException | None = None) -> None:
+        """Answer the request in ``slot`` (or fail it with ``error``, clearing its cached keys,
+        which may hold NaN a later occupant's attention would read) and refill the slot so
+        running requests stay compact.
 
         The hole in one attention run is filled by the longest request of the next run, whose
         hole is filled the same way, down to the last run, whose hole takes the last slot. Runs
@@ -494,6 +516,8 @@ class Generator:
         """
         running, run = self._running, self.model.attention_run
         seq, hole, last = running[slot], slot, len(running) - 1
+        if error is not None:
+            self.cache.clear_slot(slot)
         while run and (start := (hole // run + 1) * run) < last:
             nxt = range(start, min(start + run, last + 1))
             longest = max(nxt, key=lambda j: len(running[j].prompt) + len(running[j].out))
@@ -501,7 +525,10 @@ class Generator:
         if hole != last:
             self._move(last, hole)
         running.pop()
-        self._resolve(seq, reason, matched)
+        if error is None:
+            seq.resolve(reason, matched)
+        else:
+            seq.fail(error)
 
     def _move(self, src: int, dst: int) -> int:
         """Move the request in slot ``src`` (and its cache) to slot ``dst``; returns ``src``."""
@@ -510,7 +537,7 @@ class Generator:
         self._running[dst] = moved
         return src
 
-    def _take_all(self) -> list[_Seq]:
+    def _take_all(self) -> list[Seq]:
         """Remove and return every running and waiting request."""
         with self._cv:
             waiting, self._waiting = list(self._waiting), collections.deque()
@@ -521,33 +548,5 @@ class Generator:
         """Answer every running and waiting request with its partial output (finish: abort)."""
         seqs = self._take_all()
         for s in seqs:
-            self._resolve(s, "abort", None)
+            s.resolve("abort", None)
         return len(seqs)
-
-    @staticmethod
-    def _fail(seqs: list[_Seq], error: BaseException) -> None:
-        """Raise ``error`` in each of ``seqs``' futures."""
-        for s in seqs:
-            try:
-                s.future.set_exception(error)
-            except concurrent.futures.InvalidStateError:  # cancelled by the caller meanwhile
-                pass
-
-    @staticmethod
-    def _resolve(s: _Seq, reason: FinishReason, matched: int | str | None) -> None:
-        now = time.monotonic()
-        result = GenerationResult(
-            input_ids=s.prompt,
-            output_ids=s.out,
-            output_logprobs=s.logprobs,
-            output_versions=s.versions,
-            finish_reason=reason,
-            output_top_logprobs=s.tops,
-            matched=matched,
-            latency=now - s.t_submit,
-            ttft=(s.t_first - s.t_submit) if s.t_first else 0.0,
-        )
-        try:
-            s.future.set_result(result)
-        except concurrent.futures.InvalidStateError:  # cancelled by the caller meanwhile
-            pass

@@ -119,6 +119,12 @@ class KVCache:
         self.k[layer].view(-1, d).index_copy_(0, rows, k.reshape(-1, d))
         self.v[layer].view(-1, d).index_copy_(0, rows, v.reshape(-1, d))
 
+    def clear_slot(self, slot: int) -> None:
+        """Zero every cached position of ``slot`` (after its request failed on NaN/inf)."""
+        for store in (self.k, self.v):
+            for t in store:
+                t[slot].zero_()
+
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` cached positions of slot ``src`` into slot ``dst``."""
         for store in (self.k, self.v):
@@ -238,8 +244,10 @@ class Qwen2Forward:
 
     @torch.no_grad()
     def check_weights(self, named: dict[str, torch.Tensor], complete: bool = False) -> list[str]:
-        """Problems that make ``named`` unloadable: unknown names, wrong shapes, NaN/inf values,
-        and with ``complete`` the weights it lacks (a partial state dict)."""
+        """Problems that make ``named`` unloadable: unknown names, wrong shapes, tensors that are
+        not floating point, values that are NaN or inf once cast to the model's dtype (1e300 in
+        float64 is finite, inf in float32), and with ``complete`` the weights it lacks (a
+        partial state dict)."""
         problems = []
         for name, t in named.items():
             if name == "lm_head.weight" and name not in self.params and self.spec.tie_word_embeddings:
@@ -248,8 +256,11 @@ class Qwen2Forward:
                 problems.append(f"unknown weight {name!r}")
             elif tuple(t.shape) != tuple(self.params[name].shape):
                 problems.append(f"{name}: shape {tuple(t.shape)} != {tuple(self.params[name].shape)}")
-            elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                problems.append(f"{name}: holds NaN or inf values")
+            elif not t.is_floating_point():
+                problems.append(f"{name}: dtype {t.dtype} is not floating point; send {self.dtype} "
+                                "(or any float dtype: it is cast)")
+            elif not bool(torch.isfinite(t.to(self.dtype)).all()):
+                problems.append(f"{name}: holds NaN or inf values once cast to {self.dtype}")
         if complete:
             missing = sorted(set(self.params) - set(named))
             if missing:

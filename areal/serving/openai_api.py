@@ -12,6 +12,7 @@ import uuid
 import dataclasses
 from typing import Any, Callable
 
+from areal.api.config.server import GenerationServerConfig
 from areal.serving.generator import GenerationResult
 from areal.serving.protocol import (
     NEUTRAL,
@@ -23,6 +24,8 @@ from areal.serving.protocol import (
     _int,
     _stop_strings,
     _token_list,
+    check_count,
+    check_prompt_logprobs,
     now,
     render_text,
     usage,
@@ -41,8 +44,9 @@ CHAT_KEYS = COMMON_KEYS | {"messages", "logprobs", "top_logprobs", "max_completi
                           "tool_choice", "parallel_tool_calls"}
 
 
-def _common(body: dict, max_tokens: int | None) -> tuple[SamplingParams, dict, int]:
-    """Sampling fields shared by completions and chat -> (params, render opts, n)."""
+def _common(body: dict, max_tokens: int | None, cfg: GenerationServerConfig) -> tuple[SamplingParams, dict, int]:
+    """Sampling fields shared by completions and chat -> (params, render opts, n); ``n`` is
+    checked against ``server.max_n`` here, before any job is built."""
     if _bool(body, "stream", "", False):
         options = body.get("stream_options") or {}
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
@@ -57,13 +61,14 @@ def _common(body: dict, max_tokens: int | None) -> tuple[SamplingParams, dict, i
         raise BadRequest("response_format", f"{fmt!r} needs constrained decoding, which this server does "
                          "not do; send {\"type\": \"text\"} or none and validate the output yourself")
     n = _int(body, "n", "", 1, lo=1)
+    check_count(n, cfg)  # type: ignore[arg-type]
     params = SamplingParams(
         max_new_tokens=max_tokens if max_tokens is not None else 16,
         min_new_tokens=_int(body, "min_tokens", "", 0, lo=0),  # type: ignore[arg-type]
         temperature=_float(body, "temperature", "", 1.0),
         top_p=_float(body, "top_p", "", 1.0),
         top_k=_int(body, "top_k", "", -1),  # type: ignore[arg-type]
-        stop=_stop_strings(body.get("stop"), "stop"),
+        stop=_stop_strings(body.get("stop"), "stop", cfg),
         stop_token_ids=tuple(_token_list(body.get("stop_token_ids") or [], "stop_token_ids")),
         ignore_eos=_bool(body, "ignore_eos", "", False),
         seed=_int(body, "seed", "", None),
@@ -93,14 +98,17 @@ def _fan_out(prompt: list[int], params: SamplingParams, opts: dict, n: int, inde
     return jobs
 
 
-def parse_completions(body: Any, encode: Callable[[str], list[int]]) -> tuple[list[Job], int | None]:
-    """``/v1/completions`` body -> (jobs, logprobs count or None)."""
+def parse_completions(
+    body: Any, encode: Callable[[str], list[int]], cfg: GenerationServerConfig
+) -> tuple[list[Job], int | None]:
+    """``/v1/completions`` body -> (jobs, logprobs count or None); counts are checked against
+    ``cfg``'s limits before a prompt is tokenized."""
     if not isinstance(body, dict):
         raise BadRequest("body", "expected a JSON object")
     _check_known(body, COMPLETION_KEYS, "")
     if body.get("suffix"):
         raise BadRequest("suffix", "suffix is not supported")
-    params, opts, n = _common(body, _int(body, "max_tokens", "", None, lo=0))
+    params, opts, n = _common(body, _int(body, "max_tokens", "", None, lo=0), cfg)
     logprobs = _int(body, "logprobs", "", None, lo=0)
     if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
         raise BadRequest("logprobs", f"must be <= {MAX_TOP_LOGPROBS}, got {logprobs}")
@@ -109,19 +117,9 @@ def parse_completions(body: Any, encode: Callable[[str], list[int]]) -> tuple[li
     opts = {**opts, "echo": echo}
     if body.get("best_of") not in (None, n):
         raise BadRequest("best_of", "best_of must equal n")
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        prompts = [encode(prompt)]
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        prompts = [_token_list(prompt, "prompt")]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [encode(p) for p in prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        prompts = [_token_list(p, "prompt") for p in prompt]
-    else:
-        raise BadRequest("prompt", "expected a string, a list of strings or token id list(s)")
-    if any(len(p) == 0 for p in prompts):
-        raise BadRequest("prompt", "empty prompt")
+    prompts = _prompts(body.get("prompt"), n, encode, cfg)
+    if echo and logprobs is not None:
+        check_prompt_logprobs(prompts, "logprobs", cfg)
     jobs: list[Job] = []
     for p in prompts:
         jobs += _fan_out(p, params, opts, n, len(jobs))
@@ -131,9 +129,29 @@ def parse_completions(body: Any, encode: Callable[[str], list[int]]) -> tuple[li
     return jobs, logprobs
 
 
+def _prompts(prompt: Any, n: int, encode: Callable[[str], list[int]], cfg: GenerationServerConfig
+             ) -> list[list[int]]:
+    """A completions ``prompt`` (string, strings, token ids or lists of them) -> token id lists;
+    prompts x n is checked against ``server.max_n`` before any is tokenized."""
+    if isinstance(prompt, str):
+        raw: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        raw = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) \
+            and len({type(p) for p in prompt}) == 1:
+        raw = prompt
+    else:
+        raise BadRequest("prompt", "expected a string, a list of strings or token id list(s)")
+    check_count(len(raw) * n, cfg)
+    prompts = [encode(p) if isinstance(p, str) else _token_list(p, "prompt") for p in raw]
+    if any(len(p) == 0 for p in prompts):
+        raise BadRequest("prompt", "empty prompt")
+    return prompts
+
+
 def parse_chat(
     body: Any, apply_template: Callable[[list[dict], list[dict] | None], list[int]],
-    encode: Callable[[str], list[int]],
+    encode: Callable[[str], list[int]], cfg: GenerationServerConfig,
 ) -> tuple[list[Job], bool]:
     """``/v1/chat/completions`` body -> (jobs, want logprobs); ``apply_template(messages,
     tools)`` renders the prompt, to which a forced tool call's opening is appended (tools.py)."""
@@ -165,7 +183,7 @@ def parse_chat(
     max_tokens = _int(body, "max_completion_tokens", "", None, lo=0)
     max_tokens = _int(body, "max_tokens", "", None, lo=0) if max_tokens is None else max_tokens
     # OpenAI chat without a limit runs to the end of the context (the generator stops there)
-    params, opts, n = _common(body, CHAT_UNLIMITED if max_tokens is None else max_tokens)
+    params, opts, n = _common(body, CHAT_UNLIMITED if max_tokens is None else max_tokens, cfg)
     want = _bool(body, "logprobs", "", False)
     top = _int(body, "top_logprobs", "", 0, lo=0)
     if top and not want:

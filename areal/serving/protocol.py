@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from areal.api.config.server import GenerationServerConfig
 from areal.serving.generator import GenerationResult
 from areal.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -85,14 +86,39 @@ def _bool(d: dict, key: str, path: str, default: bool) -> bool:
     return v
 
 
-def _stop_strings(v: Any, path: str) -> tuple[str, ...]:
+def _stop_strings(v: Any, path: str, cfg: GenerationServerConfig) -> tuple[str, ...]:
+    """Stop strings, bounded: each is searched for in the output at every decode step."""
     if v is None:
         return ()
     if isinstance(v, str):
-        return (v,) if v else ()
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return tuple(s for s in v if s)
-    raise BadRequest(path, f"expected a string or a list of strings, got {v!r}")
+        v = [v]
+    if not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+        raise BadRequest(path, f"expected a string or a list of strings, got {str(v)[:80]}")
+    stops = tuple(s for s in v if s)
+    if len(stops) > cfg.max_stop_strings:
+        raise BadRequest(path, f"{len(stops)} stop strings; this server allows {cfg.max_stop_strings} "
+                         "(server.max_stop_strings)")
+    if sum(map(len, stops)) > cfg.max_stop_chars:
+        raise BadRequest(path, f"stop strings of {sum(map(len, stops))} characters together; this server "
+                         f"allows {cfg.max_stop_chars} (server.max_stop_chars)")
+    return stops
+
+
+def check_count(count: int, cfg: GenerationServerConfig) -> None:
+    """Refuse more than ``server.max_n`` completions (prompts x n) before any job is built."""
+    if count > cfg.max_n:
+        raise BadRequest("n", f"{count} completions asked in one request (prompts x n); this server "
+                         f"allows {cfg.max_n} (server.max_n)")
+
+
+def check_prompt_logprobs(prompts: list[list[int]], field: str, cfg: GenerationServerConfig) -> None:
+    """Refuse prompt logprobs over more than ``server.max_prompt_logprob_tokens`` tokens: each
+    prompt costs a forward pass of its own between decode steps."""
+    total = sum(map(len, prompts))
+    if total > cfg.max_prompt_logprob_tokens:
+        raise BadRequest(field, f"prompt logprobs asked for {total} prompt tokens; this server scores at "
+                         f"most {cfg.max_prompt_logprob_tokens} per request (server.max_prompt_logprob_tokens); "
+                         "send fewer or shorter prompts per request")
 
 
 def _token_list(v: Any, path: str) -> list[int]:
@@ -109,7 +135,9 @@ def _check_known(d: dict, known: set[str], path: str) -> None:
             raise BadRequest(f"{path}{key}", f"only {NEUTRAL[key]} is supported, got {d[key]!r}")
 
 
-def sampling_from_sglang(sp: Any, path: str = "sampling_params.") -> tuple[SamplingParams, dict]:
+def sampling_from_sglang(
+    sp: Any, cfg: GenerationServerConfig, path: str = "sampling_params."
+) -> tuple[SamplingParams, dict]:
     """SGLang ``sampling_params`` -> (SamplingParams, {no_stop_trim, skip_special_tokens})."""
     if sp is None:
         sp = {}
@@ -126,7 +154,7 @@ def sampling_from_sglang(sp: Any, path: str = "sampling_params.") -> tuple[Sampl
         temperature=_float(sp, "temperature", path, 1.0),
         top_p=_float(sp, "top_p", path, 1.0),
         top_k=_int(sp, "top_k", path, -1),  # type: ignore[arg-type]
-        stop=_stop_strings(sp.get("stop"), f"{path}stop"),
+        stop=_stop_strings(sp.get("stop"), f"{path}stop", cfg),
         stop_token_ids=tuple(_token_list(sp.get("stop_token_ids") or [], f"{path}stop_token_ids")),
         ignore_eos=_bool(sp, "ignore_eos", path, False),
         seed=seed,
@@ -140,8 +168,11 @@ def sampling_from_sglang(sp: Any, path: str = "sampling_params.") -> tuple[Sampl
     return params, opts
 
 
-def parse_generate(body: Any, encode: Callable[[str], list[int]]) -> tuple[list[Job], bool, bool]:
-    """SGLang ``/generate`` body -> (jobs, is_batch, return_logprob)."""
+def parse_generate(
+    body: Any, encode: Callable[[str], list[int]], cfg: GenerationServerConfig
+) -> tuple[list[Job], bool, bool]:
+    """SGLang ``/generate`` body -> (jobs, is_batch, return_logprob); every count is checked
+    against ``cfg``'s limits before a prompt is tokenized."""
     if not isinstance(body, dict):
         raise BadRequest("body", "expected a JSON object")
     _check_known(body, GENERATE_KEYS, "")
@@ -149,9 +180,11 @@ def parse_generate(body: Any, encode: Callable[[str], list[int]]) -> tuple[list[
         raise BadRequest("stream", "/generate does not stream; use /v1/completions or /v1/chat/completions with stream=true")
     if (body.get("text") is None) == (body.get("input_ids") is None):
         raise BadRequest("input_ids", "send exactly one of text or input_ids")
+    params, opts = sampling_from_sglang(body.get("sampling_params"), cfg)
     if body.get("input_ids") is not None:
         ids = body["input_ids"]
         batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        check_count(len(ids) if batch else 1, cfg)
         prompts = [_token_list(p, "input_ids") for p in (ids if batch else [ids])]
     else:
         text = body["text"]
@@ -159,10 +192,10 @@ def parse_generate(body: Any, encode: Callable[[str], list[int]]) -> tuple[list[
         texts = text if batch else [text]
         if not all(isinstance(t, str) for t in texts):
             raise BadRequest("text", "expected a string or a list of strings")
+        check_count(len(texts), cfg)
         prompts = [encode(t) for t in texts]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise BadRequest("input_ids" if body.get("input_ids") is not None else "text", "empty prompt")
-    params, opts = sampling_from_sglang(body.get("sampling_params"))
     return_logprob = _bool(body, "return_logprob", "", False)
     start = _int(body, "logprob_start_len", "", -1, lo=-1)
     top = _int(body, "top_logprobs_num", "", 0, lo=0)
@@ -172,6 +205,7 @@ def parse_generate(body: Any, encode: Callable[[str], list[int]]) -> tuple[list[
     if return_logprob:
         params = dataclasses.replace(params, top_logprobs=top)
         if start >= 0:  # prompt logprobs from this position on
+            check_prompt_logprobs(prompts, "logprob_start_len", cfg)
             extra = {"prompt_logprobs": top, "logprob_start_len": start}
     jobs = [Job(p, params, **opts, extra={**extra, "prompt_index": i}) for i, p in enumerate(prompts)]
     return jobs, batch, return_logprob

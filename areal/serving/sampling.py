@@ -94,12 +94,14 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-    suppress: list[list[int]],
+    suppress: list[torch.Tensor | None],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; returns ``(tokens [B] int64, logprobs [B] fp32)``.
 
-    ``suppress[i]`` lists token ids row ``i`` may not produce now (stop tokens before
-    ``min_new_tokens``). Rows without a generator share torch's default one.
+    ``suppress[i]`` holds the token ids row ``i`` may not produce now (stop tokens before
+    ``min_new_tokens``), or None; it must leave some token (the generator refuses a request
+    whose stop tokens are the whole vocabulary). Rows without a generator share torch's
+    default one.
     """
     logits = logits.float()
     B, V = logits.shape
@@ -107,10 +109,10 @@ def sample(
     temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
     scaled = logits / temps[:, None]
     logp = torch.log_softmax(scaled, dim=-1)  # the reported distribution (see module doc)
-    if any(suppress):
+    if any(ids is not None for ids in suppress):
         scaled = scaled.clone()
         for i, ids in enumerate(suppress):
-            if ids:
+            if ids is not None:
                 scaled[i, ids] = NEG_INF
     tokens = scaled.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -24,23 +24,28 @@ weights. SIGTERM/SIGINT: in-flight requests are answered (aborted), the port is 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import hmac
 import json
 import logging
 import signal
+import socket
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import torch
 from aiohttp import web
+from jinja2 import TemplateError
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from areal.api.config.server import GenerationServerConfig
 from areal.api.launch import LaunchEnv
 from areal.utils import weight_sync
 from areal.utils.process import die_with
-from areal.serving import openai_api, protocol, streaming
+from areal.serving import limits, openai_api, protocol, streaming
+from areal.serving.connections import ConnectionGuard, connection_limit, listen_socket
 from areal.serving.generator import Generator, GeneratorStopped, StepFailed
 from areal.serving.protocol import BadRequest, Job
 from areal.serving.sampling import SamplingParams
@@ -54,6 +59,7 @@ ADMIN_PATHS = {
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 _BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE's char -> byte
 GENERATOR_WATCH_S = 0.5  # how often serve() checks that the generator is still running
+T = TypeVar("T")
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | int | None = None) -> web.Response:
@@ -97,6 +103,11 @@ class GenerationServer:
         self.model_name = cfg.served_model_name or cfg.model_path
         self.group: Any = None  # torch.distributed ProcessGroup joined via /init_weights_update_group
         self.hf_config = json.loads((Path(cfg.model_path) / "config.json").read_text())
+        # JSON decoding, tokenizing and chat templates run here, off the event loop, one request
+        # at a time (a tokenizer call is not safe from two threads at once)
+        self.parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="areal-parse")
+        self.control = asyncio.Lock()  # pause and continue take effect in the order they arrive
+        self.guard: ConnectionGuard | None = None  # set by serve() (tests in process run without)
 
     # ------------------------------------------------------------------ helpers
 
@@ -130,14 +141,27 @@ class GenerationServer:
         if tools and "tools" not in template:
             raise BadRequest("tools", "this model's chat template does not render tools, so the model "
                              "would never see them; use a model whose template does (e.g. Qwen2.5)")
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
+        except TemplateError as e:  # the template's own raise_exception (a role it does not take)
+            raise BadRequest("messages", f"the model's chat template refused them: {e}") from None
         return self.encode(text)
+
+    async def _parse(self, request: web.Request, parse: Callable[[Any], T]) -> tuple[Any, T]:
+        """The request's JSON body (checked against the ``server.*`` limits) and ``parse(body)``,
+        both on the parse thread, so a big body never stalls the event loop."""
+        raw = await request.read()  # already received by the middleware, within its deadline
+
+        def run() -> tuple[Any, T]:
+            body = limits.loads(raw)
+            limits.check_body(body, self.cfg.max_json_depth, self.cfg.max_text_chars)
+            return body, parse(body)
+
+        return await asyncio.get_running_loop().run_in_executor(self.parser, run)
 
     def _validate(self, jobs: list[Job]) -> None:
         """400 naming the field for a request this server cannot run."""
-        if len(jobs) > self.cfg.max_n:
-            raise BadRequest("n", f"{len(jobs)} completions asked in one request (prompts x n); "
-                             f"this server allows {self.cfg.max_n} (server.max_n)")
         for job in jobs:
             problems = self.generator.check_request(job.input_ids, job.params)
             if problems:
@@ -162,22 +186,45 @@ class GenerationServer:
 
     # ------------------------------------------------------------------ middleware
 
+    async def _receive_body(self, request: web.Request) -> web.Response | None:
+        """Read the whole body within ``server.request_body_timeout`` and ``server.max_body_bytes``
+        (handlers then get it from ``request.read()``'s cache); an answer that closes the
+        connection when it is too slow (408) or too long (413), else None."""
+        if not request.body_exists:
+            return None
+        limit = self.cfg.max_body_bytes
+        try:
+            if (request.content_length or 0) > limit:
+                raise web.HTTPRequestEntityTooLarge(limit, request.content_length or 0)
+            await asyncio.wait_for(request.read(), self.cfg.request_body_timeout)
+            return None
+        except asyncio.TimeoutError:
+            resp = _error(408, f"body: not received within {self.cfg.request_body_timeout} s "
+                          "(server.request_body_timeout)", "body")
+        except web.HTTPRequestEntityTooLarge:
+            resp = _error(413, f"body: longer than {limit} bytes (server.max_body_bytes); send less or "
+                          "raise the limit", "body")
+        resp.force_close()  # the rest of the body is never read
+        return resp
+
     @web.middleware
     async def middleware(self, request: web.Request, handler: Callable[..., Awaitable]):
-        """API-key check for admin paths; JSON errors -> 400 naming the field; a stopped or
-        crashed generator -> 503 with the cause (clients fail over on 5xx)."""
+        """API-key check for admin paths; the body within its limits; bad fields -> 400 naming
+        the field; a stopped or crashed generator -> 503 with the cause (clients fail over on
+        5xx)."""
         if request.path in ADMIN_PATHS and self.cfg.api_key:
             sent = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(sent, f"Bearer {self.cfg.api_key}".encode()):
                 return _error(401, "admin endpoint: send 'Authorization: Bearer <api_key>'")
+        refused = await self._receive_body(request)
+        if refused is not None:
+            return refused
+        in_request = self.guard.in_request(request.protocol) if self.guard else contextlib.nullcontext()
         try:
-            return await handler(request)
+            with in_request:
+                return await handler(request)
         except BadRequest as e:
             return _error(400, str(e), e.field)
-        except json.JSONDecodeError as e:
-            return _error(400, f"body: malformed JSON ({e.msg} at position {e.pos})", "body")
-        except UnicodeDecodeError as e:
-            return _error(400, f"body: not UTF-8 ({e.reason} at byte {e.start})", "body")
         except GeneratorStopped as e:
             return _error(503, str(e))
         except StepFailed as e:
@@ -194,7 +241,8 @@ class GenerationServer:
 
     async def generate(self, request: web.Request) -> web.Response:
         """SGLang native ``/generate``."""
-        jobs, batch, want_lp = protocol.parse_generate(await request.json(), self.encode)
+        _, (jobs, batch, want_lp) = await self._parse(
+            request, lambda body: protocol.parse_generate(body, self.encode, self.cfg))
         results = await self.run_jobs(jobs)
         version = self.generator.version
         out = [
@@ -204,8 +252,8 @@ class GenerationServer:
 
     async def completions(self, request: web.Request) -> web.Response:
         """OpenAI ``/v1/completions``."""
-        body = await request.json()
-        jobs, logprobs = openai_api.parse_completions(body, self.encode)
+        body, (jobs, logprobs) = await self._parse(
+            request, lambda body: openai_api.parse_completions(body, self.encode, self.cfg))
         self._check_model(body)
         if body.get("stream"):
             return await self._stream(request, "completion", body, jobs)
@@ -217,8 +265,8 @@ class GenerationServer:
 
     async def chat(self, request: web.Request) -> web.Response:
         """OpenAI ``/v1/chat/completions``."""
-        body = await request.json()
-        jobs, logprobs = openai_api.parse_chat(body, self.apply_template, self.encode)
+        body, (jobs, logprobs) = await self._parse(
+            request, lambda body: openai_api.parse_chat(body, self.apply_template, self.encode, self.cfg))
         self._check_model(body)
         if body.get("stream"):
             return await self._stream(request, "chat", body, jobs)
@@ -250,10 +298,11 @@ class GenerationServer:
     # ------------------------------------------------------------------ info routes
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while the scheduler runs; 503 with the cause after a crash."""
+        """200 while the scheduler runs, with the counts of failed steps and of requests failed
+        by non-finite logits (and the last such failure); 503 with the cause after a crash."""
         if self.generator.error is not None:
             return _error(503, f"generator crashed: {self.generator.error!r}")
-        return web.json_response({"status": "ok"})
+        return web.json_response({"status": "ok", **self.generator.faults()})
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """Generate one token end to end (skipped while paused: work is held, not broken).
@@ -289,15 +338,16 @@ class GenerationServer:
             paused=self.generator.paused,
             decode_attention=self.generator.model.attention_impl,
             **self.generator.load(),
+            **(self.guard.stats() if self.guard else {}),
         )
         return web.json_response(info)
 
     # ------------------------------------------------------------------ admin routes
 
     async def _body(self, request: web.Request) -> dict:
-        if not request.can_read_body:
+        if not request.body_exists:  # (read already: can_read_body is False now)
             return {}
-        body = await request.json()
+        body, _ = await self._parse(request, lambda body: None)
         if not isinstance(body, dict):
             raise BadRequest("body", "expected a JSON object")
         return body
@@ -308,12 +358,14 @@ class GenerationServer:
 
     async def pause(self, request: web.Request) -> web.Response:
         """Abort in-flight requests (answered with partials) and hold new ones."""
-        n = await asyncio.to_thread(self.generator.pause)
+        async with self.control:
+            n = await asyncio.to_thread(self.generator.pause)
         return web.json_response({"success": True, "num_aborted_requests": n})
 
     async def resume(self, request: web.Request) -> web.Response:
-        """Accept work again."""
-        self.generator.resume()
+        """Accept work again (after any pause that arrived before this)."""
+        async with self.control:
+            await asyncio.to_thread(self.generator.resume)
         return web.json_response({"success": True})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -389,7 +441,7 @@ class GenerationServer:
 
     def build_app(self) -> web.Application:
         """The aiohttp application with every route."""
-        app = web.Application(middlewares=[self.middleware], client_max_size=1 << 30)
+        app = web.Application(middlewares=[self.middleware], client_max_size=self.cfg.max_body_bytes)
         post, get = web.post, web.get
         app.add_routes(
             [
@@ -413,18 +465,23 @@ class GenerationServer:
         return app
 
 
-async def serve(cfg: GenerationServerConfig, num_threads: int = 0) -> int:
-    """Run until SIGTERM/SIGINT; in-flight requests are answered with abort; returns 0."""
+async def serve(cfg: GenerationServerConfig, num_threads: int = 0, sock: socket.socket | None = None) -> int:
+    """Run until SIGTERM/SIGINT on ``sock`` (default: bound to cfg.host:cfg.port); in-flight
+    requests are answered with abort; returns 0."""
+    sock = sock or listen_socket(cfg.host, cfg.port)
     server = GenerationServer(cfg, num_threads)
     server.generator.start()
     runner = web.AppRunner(
         server.build_app(), shutdown_timeout=cfg.shutdown_timeout, access_log=None,
         handler_cancellation=True,  # a client that goes away cancels its generation
+        # aiohttp closes a connection whose next request head has not fully arrived this long
+        # after its opening or its previous response: the head deadline
+        keepalive_timeout=cfg.request_head_timeout,
     )
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
-    await site.start()
-    port = runner.addresses[0][1] if runner.addresses else cfg.port
+    server.guard = ConnectionGuard(runner.server, connection_limit(cfg.max_connections))
+    listener = await asyncio.get_running_loop().create_server(server.guard, sock=sock)
+    port = sock.getsockname()[1]
     print(
         f"areal serve: listening on http://{cfg.host}:{port} model={cfg.model_path} "
         f"decode_attention={server.generator.model.attention_impl}",
@@ -441,10 +498,12 @@ async def serve(cfg: GenerationServerConfig, num_threads: int = 0) -> int:
             pass
     if server.generator.error is not None:  # broken past recovery: exit so a supervisor sees it
         print(f"areal serve: generator broken, exiting: {server.generator.error!r}", flush=True)
+        listener.close()
         await runner.cleanup()
         return 1
     logger.info("shutting down: aborting in-flight requests")
     await asyncio.to_thread(server.generator.shutdown)  # answers in-flight requests with abort
+    listener.close()  # no new connections; the open ones are answered below
     await runner.cleanup()  # waits (<= shutdown_timeout) for handlers to send those answers
     print("areal serve: stopped", flush=True)
     return 0
@@ -460,4 +519,5 @@ def main(cfg: GenerationServerConfig) -> int:
     launcher = LaunchEnv.read().launcher_pid
     if launcher:  # started by a launcher: SIGTERM (a clean stop) once it is gone
         die_with(launcher)
-    return asyncio.run(serve(cfg, threads))
+    sock = listen_socket(cfg.host, cfg.port)  # a port in use fails here, before the model loads
+    return asyncio.run(serve(cfg, threads, sock))

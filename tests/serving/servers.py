@@ -5,6 +5,7 @@ when a server dies or never becomes healthy."""
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -30,9 +31,11 @@ def _tail(log: Path) -> str:
     return log.read_text(errors="replace")[-2000:] if log.is_file() else "(no output)"
 
 
-def start_servers(model_dir: str, n: int = 1, *extra: str) -> list[tuple[subprocess.Popen, str]]:
-    """Start ``n`` servers at once (extra CLI args for each); return ``(process, host:port)``
-    once every one answers /health, or stop them all and raise with the server's output."""
+def start_servers(model_dir: str, n: int = 1, *extra: str, open_files: int | None = None
+                  ) -> list[tuple[subprocess.Popen, str]]:
+    """Start ``n`` servers at once (extra CLI args for each; ``open_files``: their soft and hard
+    open-file limit); return ``(process, host:port)`` once every one answers /health, or stop
+    them all and raise with the server's output."""
     log_dir = Path(tempfile.mkdtemp(prefix="areal-serve-"))
     procs = []
     for i in range(n):
@@ -40,7 +43,9 @@ def start_servers(model_dir: str, n: int = 1, *extra: str) -> list[tuple[subproc
         cmd = [sys.executable, "-m", "areal.cli", "serve", "--model", model_dir, "--port", str(port), *extra]
         with open(log_dir / f"server{i}.log", "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                    preexec_fn=None if open_files is None else lambda: resource.setrlimit(
+                                        resource.RLIMIT_NOFILE, (open_files, open_files)))
         proc.log_dir = log_dir  # removed by stop_servers
         procs.append((proc, f"127.0.0.1:{port}"))
     deadline = time.monotonic() + STARTUP_DEADLINE_S

@@ -45,7 +45,7 @@ class GenerationServerConfig:
     max_batch_size: int = param(32, ge=1, help="Most requests decoded together (cache slots).")
     max_n: int = param(
         256, ge=1, help="Most completions one HTTP request may ask for (prompts x n); more gets "
-        "HTTP 400 naming n."
+        "HTTP 400 naming n, before any prompt is tokenized."
     )
     context_length: int = param(
         0, ge=0, help="Max prompt + completion tokens; 0 = the model's max_position_embeddings."
@@ -68,13 +68,59 @@ class GenerationServerConfig:
         0, ge=0, help="Version stamped on tokens until the first weight update (a restarted "
         "server passes the version of the weights it loads)."
     )
+    max_body_bytes: int = param(
+        32 << 20, ge=1024, help="Largest request body in bytes; a longer one gets HTTP 413 (body) "
+        "before it is read."
+    )
+    max_text_chars: int = param(
+        1_000_000, ge=1, help="Most characters in all the strings of one request body together "
+        "(text prompts, messages, tools, stop strings), counted before anything is tokenized; more "
+        "gets HTTP 400 naming the field that crossed it."
+    )
+    max_json_depth: int = param(
+        64, ge=2, help="Deepest nesting of arrays and objects in a request body (a tools schema "
+        "included); deeper gets HTTP 400."
+    )
+    max_stop_strings: int = param(
+        64, ge=1, help="Most stop strings one request may send (each is searched for at every "
+        "decode step); more gets HTTP 400 naming stop."
+    )
+    max_stop_chars: int = param(
+        4096, ge=1, help="Most characters of one request's stop strings together; more gets HTTP "
+        "400 naming stop."
+    )
+    max_prompt_logprob_tokens: int = param(
+        16384, ge=1, help="Most prompt tokens one request may ask logprobs of (OpenAI echo + "
+        "logprobs, /generate logprob_start_len), over its prompts together: each costs a forward "
+        "pass between decode steps; more gets HTTP 400 naming logprobs (logprob_start_len)."
+    )
+    request_head_timeout: float = param(
+        30.0, gt=0, help="Seconds a connection may take to send a complete request head, counted "
+        "from its opening or its previous response (so also how long an idle keep-alive "
+        "connection stays open); then it is closed."
+    )
+    request_body_timeout: float = param(
+        60.0, gt=0, help="Seconds to receive a request's body once its head arrived; then HTTP "
+        "408 and the connection is closed."
+    )
+    max_connections: int = param(
+        1000, ge=1, help="Most open client connections. A new one past this closes the oldest "
+        "connection not inside a request (idle, or still sending its head or body), or is "
+        "closed itself when all are; capped below the open-file limit (raised to its hard "
+        "limit at start) so accept never runs out of descriptors."
+    )
     shutdown_timeout: float = param(
         10.0, gt=0, help="Seconds to finish answering in-flight requests on SIGTERM."
     )
     log_level: Literal["debug", "info", "warning", "error"] = param("info", help="Log level.")
 
     def check(self) -> Iterator[str]:
-        if not is_loopback(self.host) and not self.api_key:
+        if self.api_key and not self.api_key.strip():
+            yield (
+                f"api_key: {self.api_key!r} is blank (whitespace only), which no client should "
+                "send as a key; set a real key (AREAL_SERVER_API_KEY) or none on a loopback bind"
+            )
+        elif not is_loopback(self.host) and not self.api_key:
             yield (
                 f"api_key: binding non-loopback host {self.host!r} needs an API key for the "
                 "admin endpoints; pass --api-key KEY or bind 127.0.0.1"
