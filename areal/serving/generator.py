@@ -81,6 +81,7 @@ class Generator:
         self.cache = KVCache(model.spec, max_batch_size, self.context_length, model.device, model.dtype)
         self._version = version
         self._paused = False
+        self._released = False  # KV cache given back (release_memory) until resume_memory
         self._stopping = False
         self._error: BaseException | None = None
         self.n_failed_steps = 0  # steps that raised (their requests failed, the loop went on)
@@ -254,6 +255,32 @@ class Generator:
 
         def _resume() -> None:
             self._paused = False
+
+        self._call(_resume)
+
+    def release_memory(self) -> int:
+        """Give back the KV cache while paused (a colocated trainer steps meanwhile); returns the
+        bytes dropped. The weights stay; the cache comes back at :meth:`resume_memory` (or at the
+        next step that needs it)."""
+
+        def _release() -> int:
+            if not self._paused:
+                raise ValueError("release_memory needs a paused server: pause generation first")
+            freed = self.cache.release()
+            if self.model.device.type == "cuda":
+                torch.cuda.empty_cache()  # give the freed blocks back to the device, not our pool
+            self._released = True
+            return freed
+
+        return self._call(_release)
+
+    def resume_memory(self) -> None:
+        """Allocate the KV cache again after :meth:`release_memory` (no-op otherwise)."""
+
+        def _resume() -> None:
+            if self._released:
+                self.cache.ensure_capacity(min(256, self.cache.max_len))
+                self._released = False
 
         self._call(_resume)
 

@@ -106,6 +106,13 @@ class KVCache:
                     store.append(fresh)
         self.capacity = new_cap
 
+    def release(self) -> int:
+        """Drop every cached tensor (no request may be running); returns the bytes dropped. The
+        next :meth:`ensure_capacity` allocates afresh."""
+        freed = sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        self.k, self.v, self.capacity = [], [], 0
+        return freed
+
     def rows_of(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Row indices ``[T * kv_heads]`` of (slot, head, position) in a layer's ``[-1, head_dim]``
         view, for :meth:`write` (valid until the capacity grows)."""

@@ -11,7 +11,8 @@ Endpoints
   ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"?}``,
   ``POST /init_weights_update_group`` and ``POST /update_weights_from_distributed`` (protocol in
   :mod:`areal.utils.weight_sync`), ``POST /update_weight_version`` ``{"new_version"}``,
-  ``POST /flush_cache``.
+  ``POST /flush_cache``, ``POST /release_memory_occupation`` (paused: give back the KV cache
+  while a colocated trainer steps) and ``POST /resume_memory_occupation`` (SGLang's names).
 Invalid requests get HTTP 400 ``{"error": {"message", "type", "param"}}`` where ``param`` names
 the field. A generation step that raises fails only its requests (HTTP 500 naming the cause) and
 the server goes on; after several failed steps in a row the generator counts as broken: requests
@@ -33,13 +34,14 @@ import signal
 import socket
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 import torch
 from aiohttp import web
 from jinja2 import TemplateError
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from areal.api.config.loader import ConfigError
 from areal.api.config.server import GenerationServerConfig
 from areal.api.launch import LaunchEnv
 from areal.utils import weight_sync
@@ -54,7 +56,7 @@ logger = logging.getLogger("areal.serve")
 ADMIN_PATHS = {
     "/pause_generation", "/continue_generation", "/update_weights_from_disk",
     "/init_weights_update_group", "/update_weights_from_distributed", "/update_weight_version",
-    "/flush_cache",
+    "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
 }  # fmt: skip
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 _BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE's char -> byte
@@ -79,6 +81,25 @@ def _bounded_int(body: dict, key: str, lo: int, hi: int) -> int:
     return v
 
 
+@contextlib.contextmanager
+def gpu_memory_cap(cfg: GenerationServerConfig) -> Iterator[None]:
+    """On CUDA, hold this process to ``server.gpu_memory_fraction`` of its GPU (colocated with a
+    trainer, the rest is the trainer's), and turn running out of it inside the block into a
+    ConfigError naming the field; no cap on CPU or with 0."""
+    device = torch.device(cfg.device)
+    if device.type != "cuda" or not cfg.gpu_memory_fraction:
+        yield
+        return
+    torch.cuda.set_per_process_memory_fraction(cfg.gpu_memory_fraction, device)
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        raise ConfigError([f"gpu_memory_fraction: {cfg.gpu_memory_fraction} of {total:.1f} GiB does not hold "
+                           f"the model at {cfg.model_path} ({str(e).splitlines()[0]}); raise "
+                           "server.gpu_memory_fraction or use a smaller server.dtype"], "server") from None
+
+
 class GenerationServer:
     """Owns the generator, tokenizer and weight-update group; builds the aiohttp app."""
 
@@ -88,18 +109,19 @@ class GenerationServer:
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-        self.generator = Generator.from_pretrained(
-            cfg.model_path,
-            device=cfg.device,
-            dtype=getattr(torch, cfg.dtype),
-            cpu_attention=cfg.cpu_attention,
-            max_batch_size=cfg.max_batch_size,
-            context_length=cfg.context_length or None,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            share_prompts=cfg.share_prompts,
-            num_threads=num_threads,
-            version=cfg.weight_version,
-        )
+        with gpu_memory_cap(cfg):
+            self.generator = Generator.from_pretrained(
+                cfg.model_path,
+                device=cfg.device,
+                dtype=getattr(torch, cfg.dtype),
+                cpu_attention=cfg.cpu_attention,
+                max_batch_size=cfg.max_batch_size,
+                context_length=cfg.context_length or None,
+                max_prefill_tokens=cfg.max_prefill_tokens,
+                share_prompts=cfg.share_prompts,
+                num_threads=num_threads,
+                version=cfg.weight_version,
+            )
         self.model_name = cfg.served_model_name or cfg.model_path
         self.group: Any = None  # torch.distributed ProcessGroup joined via /init_weights_update_group
         self.hf_config = json.loads((Path(cfg.model_path) / "config.json").read_text())
@@ -368,6 +390,21 @@ class GenerationServer:
             await asyncio.to_thread(self.generator.resume)
         return web.json_response({"success": True})
 
+    async def release_memory(self, request: web.Request) -> web.Response:
+        """Give back the KV cache while paused, so a colocated trainer can step on the GPU:
+        ``{"freed_bytes"}``; 400 when not paused. The weights stay loaded."""
+        try:
+            freed = await asyncio.to_thread(self.generator.release_memory)
+        except ValueError as e:
+            return _error(400, str(e))
+        logger.info("released the KV cache (%d bytes) until /resume_memory_occupation", freed)
+        return web.json_response({"success": True, "freed_bytes": freed})
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        """Allocate the KV cache again (after ``/release_memory_occupation``)."""
+        await asyncio.to_thread(self.generator.resume_memory)
+        return web.json_response({"success": True})
+
     async def flush_cache(self, request: web.Request) -> web.Response:
         """No prefix cache is kept between requests, so there is nothing to flush."""
         return web.json_response({"success": True, "message": "no prefix cache to flush"})
@@ -456,6 +493,8 @@ class GenerationServer:
                 post("/pause_generation", self.pause),
                 post("/continue_generation", self.resume),
                 post("/flush_cache", self.flush_cache),
+                post("/release_memory_occupation", self.release_memory),
+                post("/resume_memory_occupation", self.resume_memory),
                 post("/update_weight_version", self.update_version),
                 post("/update_weights_from_disk", self.update_from_disk),
                 post("/init_weights_update_group", self.init_group),

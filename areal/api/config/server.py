@@ -39,6 +39,12 @@ class GenerationServerConfig:
         "line is visible to every user of the machine. Never written to RUN_DIR.",
     )
     device: str = param("cpu", help="torch device: cpu, cuda, cuda:1, ...")
+    gpu_memory_fraction: float = param(
+        0.0, ge=0.0, le=1.0, help="On CUDA, the most of its GPU's memory this server may take "
+        "(weights, KV cache, activations); set it when the server shares the GPU with a trainer "
+        "(cluster.colocate), e.g. 0.3; a model that does not fit fails at start naming this field. "
+        "0 = no cap."
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = param(
         "float32", help="Weight and KV-cache dtype (fp32 on CPU)."
     )
