@@ -30,6 +30,7 @@ VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 SERVER_API_KEY = "AREAL_SERVER_API_KEY"  # servers and trainers get the admin key by env, not argv
 LAUNCHER_PID = "AREAL_LAUNCHER_PID"  # every started process dies when this process exits
 COLOCATED = "AREAL_COLOCATED"  # "1": the trainer's GPUs also host generation servers
+PROGRESS = "AREAL_PROGRESS"  # "bar": a terminal shows the launcher's echo (tqdm redraws); "lines": a log
 # What torchrun sets for a rank beyond the names above (a process that is not a rank drops them all).
 TORCHRUN_ONLY = ("LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
 TORCHRUN_VARS = (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, *TORCHRUN_ONLY)
@@ -47,6 +48,7 @@ class LaunchEnv:
     launcher_pid: int = 0  # 0 = not started by an areal launcher
     launched: bool = False  # RANK and WORLD_SIZE are set: a rendezvous (env://) is expected
     colocated: bool = False  # servers share the trainer's GPUs: they sleep while it steps
+    progress: str = ""  # "bar" | "lines" as the launcher chose; "" = not told (see progress_mode)
 
     @classmethod
     def read(cls, environ: Mapping[str, str] = os.environ) -> LaunchEnv:
@@ -68,7 +70,15 @@ class LaunchEnv:
             launcher_pid=number(LAUNCHER_PID, 0),
             launched=RANK in environ and WORLD_SIZE in environ,
             colocated=number(COLOCATED, 0) == 1,
+            progress=environ.get(PROGRESS, ""),
         )
+
+    def progress_mode(self, stderr_is_tty: bool) -> str:
+        """How this process shows step progress: the launcher's choice, else a bar on a terminal
+        and plain lines elsewhere (a script run by hand, its output piped or not)."""
+        if self.progress in ("bar", "lines"):
+            return self.progress
+        return "bar" if stderr_is_tty else "lines"
 
 
 def threads_env(n: int) -> dict[str, str]:
@@ -101,10 +111,11 @@ def torch_dist_env(rank: int, world_size: int, local_rank: int, master_addr: str
             MASTER_ADDR: master_addr, MASTER_PORT: str(master_port)}
 
 
-def trainer_env(attempt: int, colocated: bool = False) -> dict[str, str]:
+def trainer_env(attempt: int, colocated: bool = False, progress: str = "lines") -> dict[str, str]:
     """Our variables for the trainer ranks of launch attempt ``attempt`` (``colocated``: their
-    GPUs also host generation servers)."""
-    return {LAUNCH_ATTEMPT: str(attempt), **({COLOCATED: "1"} if colocated else {})}
+    GPUs also host generation servers; ``progress``: ``bar`` when the launcher's console is a
+    terminal that shows their output as it comes, else ``lines``)."""
+    return {LAUNCH_ATTEMPT: str(attempt), PROGRESS: progress, **({COLOCATED: "1"} if colocated else {})}
 
 
 def api_key_env(key: str) -> dict[str, str]:

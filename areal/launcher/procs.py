@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO
 
 from areal.api.launch import launcher_env
+from areal.launcher.console import Console, split_output
 from areal.utils.logging import get_logger
 from areal.utils.process import parent_death_signal
 
@@ -41,14 +42,15 @@ _TORCHRUN_RANK = re.compile(r"\s*rank\s*:\s*(\d+)")
 
 
 class LogPump(threading.Thread):
-    """Copies a child's output, line by line until EOF, to its log file and the console, and
-    keeps the last lines in memory. The first failed write to the log (e.g. ENOSPC) is kept in
-    ``error`` and ends writing to the file, never the draining of the pipe."""
+    """Copies a child's output, as it comes until EOF, to its log file and the console (lines and
+    progress redraws, :mod:`areal.launcher.console`; ``console`` None: no echo), and keeps the
+    last lines in memory. The first failed write to the log (e.g. ENOSPC) is kept in ``error``
+    and ends writing to the file, never the draining of the pipe."""
 
-    def __init__(self, stream: IO[bytes], log: IO[bytes], prefix: str, echo: bool, header: bytes = b"",
-                 keep: int = 400):
+    def __init__(self, stream: IO[bytes], log: IO[bytes], prefix: str, console: Console | None,
+                 header: bytes = b"", keep: int = 400):
         super().__init__(daemon=True, name=f"log-pump-{prefix}")
-        self.stream, self.log, self.prefix, self.echo = stream, log, prefix, echo
+        self.stream, self.log, self.prefix, self.console = stream, log, prefix, console
         self.header = header  # written to the log before the child's output
         self.recent: deque[str] = deque(maxlen=keep)  # the child's last lines, decoded
         self.error: OSError | None = None  # the failed write to the log, if any
@@ -56,15 +58,22 @@ class LogPump(threading.Thread):
 
     def run(self) -> None:
         self._write(self.header)
-        for line in iter(self.stream.readline, b""):
-            self.recent.append(line.decode(errors="replace").rstrip("\n"))
-            self._write(line)
-            if self.echo:
-                try:
-                    sys.stdout.write(f"[{self.prefix}] {line.decode(errors='replace')}")
-                    sys.stdout.flush()
-                except OSError:  # the console is gone or full: the log and memory still have it
-                    self.echo = False
+        pending = b""
+        # read1: whatever the pipe holds now, so a progress frame (no newline) shows at once
+        for chunk in iter(lambda: self.stream.read1(65536), b""):
+            self._write(chunk)
+            items, pending = split_output(pending + chunk)
+            for kind, raw in items:
+                text = raw.decode(errors="replace")
+                if kind == "line":
+                    self.recent.append(text)
+                if self.console is not None:
+                    (self.console.line if kind == "line" else self.console.redraw)(self.prefix, text)
+        if pending.strip(b"\r"):  # the last line had no newline
+            text = pending.rsplit(b"\r", 1)[-1].decode(errors="replace")
+            self.recent.append(text)
+            if self.console is not None:
+                self.console.line(self.prefix, text)
         self.ended_at = time.monotonic()
         self._write(None)
 
@@ -179,7 +188,7 @@ class ProcessSupervisor:
     def __init__(self, log_dir: str | Path, echo: bool = True, stop_timeout: float = 20.0):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.echo = echo
+        self.console = Console() if echo else None  # one for all children: their echoes never interleave
         self.stop_timeout = stop_timeout
         self.children: list[Child] = []
 
@@ -199,7 +208,7 @@ class ProcessSupervisor:
             preexec_fn=parent_death_signal(signal.SIGTERM),  # dies with us, even on SIGKILL
         )
         log = open(log_path, "ab")
-        pump = LogPump(proc.stdout, log, name, self.echo, header=f"$ {' '.join(cmd)}\n".encode())
+        pump = LogPump(proc.stdout, log, name, self.console, header=f"$ {' '.join(cmd)}\n".encode())
         pump.start()
         child = Child(name, proc, log_path, pump)
         self.children.append(child)
@@ -231,6 +240,7 @@ class ProcessSupervisor:
         """SIGTERM every child's process group and every descendant (torchrun starts its
         workers in sessions of their own), wait up to stop_timeout, then SIGKILL what is left."""
         self._record_failure()
+        self._mute_console()
         tree = self._descendants()  # taken first: once torchrun dies its workers are orphans
         for child in self.children:
             _signal_group(child.proc, signal.SIGTERM)
@@ -255,6 +265,18 @@ class ProcessSupervisor:
             if child._pump is not None:
                 child._pump.join(timeout=2)
         self.children.clear()
+
+    def _mute_console(self) -> None:
+        """Echo nothing more: what the children print while they are stopped is shutdown noise
+        (torchrun's SignalException traceback after Ctrl-C, vLLM's ``nanobind: leaked`` report
+        at exit, uvicorn's shutdown lines), kept in their logs only. The output of children that
+        already ended (a trainer's last lines, its error) is echoed in full first."""
+        if self.console is None:
+            return
+        for child in self.children:
+            if child.proc.poll() is not None and child._pump is not None:
+                child._pump.join(timeout=2)
+        self.console.broken = True
 
     def _record_failure(self) -> None:
         """Record the child whose failure ended the attempt: of those that exited non-zero on

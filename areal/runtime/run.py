@@ -17,6 +17,7 @@ import json
 import os
 import random
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ from areal.runtime.dist import DistContext, close_distributed, init_distributed
 from areal.runtime.preflight import preflight
 from areal.utils.logging import add_log_file, get_logger
 from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository
+from areal.utils.progress import StepProgress
 from areal.utils.process import die_with
 from areal.utils.recover import Ranks, RecoverDir, RecoverError, load_state, resume_pending, save_state
 from areal.utils.stats import StatsTracker
@@ -152,7 +154,8 @@ class Run:
 
     def commit(self, step: int, total_steps: int, stats: dict[str, float]) -> None:
         """Log one step's metrics (rank 0) with step time, tokens/s and memory added, and
-        advance the progress bar (step, ETA)."""
+        advance the progress report (steps, rate, ETA; a bar or plain lines, see
+        :mod:`areal.utils.progress`)."""
         now = time.perf_counter()
         stats = {**stats, **_memory_stats()}
         if self._last_commit is not None and step > 0:
@@ -164,11 +167,10 @@ class Run:
         if self.rank != 0:
             return
         if self._bar is None and step > 0:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=step - 1, desc="steps", dynamic_ncols=True)
+            mode = self.env.progress_mode(sys.stderr.isatty())
+            self._bar = StepProgress(total_steps, step - 1, mode)
         if self._bar is not None:
-            self._bar.update(1)
+            self._bar.update()
         self.stats_logger.commit(step, stats)
 
     def log_trained(self, step: int, sample_ids: list[str]) -> None:
@@ -179,7 +181,7 @@ class Run:
             f.write(json.dumps({"step": step, "attempt": attempt, "ids": sample_ids}) + "\n")
 
     def close(self) -> None:
-        """Close the progress bar and stats sinks, then the process groups (end of the run)."""
+        """Close the progress report and stats sinks, then the process groups (end of the run)."""
         if self._bar is not None:
             self._bar.close()
         self.stats_logger.close()
