@@ -208,6 +208,10 @@ def _run(job: _Job, script: str, argv: list[str], attempt: int, n_ranks: int) ->
     cluster, lc = cfg.cluster, cfg.launcher
     script, cwd = str(Path(script).resolve()), os.getcwd()
     public = without_secrets(argv, cfg)
+    reserved = max(1, int(lc.ray.cpus_per_process))  # each process's bundle: its threads by default
+    server_threads, trainer_threads = lc.server_threads or reserved, lc.trainer_threads or reserved
+    logger.info(f"threads: per server {server_threads}, per trainer rank {trainer_threads} "
+                f"(launcher.server_threads / trainer_threads; 0 = the bundle's launcher.ray.cpus_per_process)")
     server_cfg = getattr(cfg, "server", None)
     key = {**forwarded_env(lc.ray.forward_env), **api_key_env(server_cfg.api_key if server_cfg else "")}
     registry = reset_trial(cfg)
@@ -216,7 +220,7 @@ def _run(job: _Job, script: str, argv: list[str], attempt: int, n_ranks: int) ->
         node = job.call(a.node.remote(), f"{name}'s actor")
         host = "127.0.0.1" if cluster.n_nodes == 1 else node["ip"]
         cmd = [sys.executable, "-m", "areal.launcher.server_task", "--name", name, "--host", host, script, *public]
-        job.call(a.start.remote(f"{name}-task", cmd, {**threads_env(lc.server_threads), **key}, cwd), name)
+        job.call(a.start.remote(f"{name}-task", cmd, {**threads_env(server_threads), **key}, cwd), name)
     if servers:
         _wait_registered(job, registry, servers)
     ranks = [job.actor(f"trainer{r}", cluster.n_servers + r) for r in range(n_ranks)]
@@ -229,7 +233,7 @@ def _run(job: _Job, script: str, argv: list[str], attempt: int, n_ranks: int) ->
         peers = local[node["ip"]]
         gpus = ",".join(g for p in peers for g in nodes[p]["gpus"]) or None  # cuda:LOCAL_RANK is ours
         env = {**torch_dist_env(r, n_ranks, peers.index(r), master_addr, master_port),
-               **trainer_env(attempt), **threads_env(lc.trainer_threads), **devices_env(gpus), **key}
+               **trainer_env(attempt), **threads_env(trainer_threads), **devices_env(gpus), **key}
         job.call(a.start.remote(f"trainer{r}", [sys.executable, script, *public], env, cwd), f"trainer rank {r}")
     return _follow(job, servers, ranks)
 

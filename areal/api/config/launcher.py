@@ -200,10 +200,13 @@ class LauncherConfig:
         20.0, gt=0, help="Seconds processes get after SIGTERM before they are killed."
     )
     server_threads: int = param(
-        0, ge=0, help="OMP/torch threads per server process; 0 = torch's default."
+        0, ge=0, help="OMP/torch threads per server process; 0 = chosen from the cores the launch "
+        "may use (local: an even share of this process's usable cores among the servers and trainer "
+        "ranks; Ray: launcher.ray.cpus_per_process; Slurm: torch's default within the task's CPUs), "
+        "logged at start."
     )
     trainer_threads: int = param(
-        0, ge=0, help="OMP/torch threads per trainer rank; 0 = torch's default."
+        0, ge=0, help="OMP/torch threads per trainer rank; 0 = chosen as for server_threads, logged."
     )
     echo: bool = param(True, help="Echo every process's output to the console with a prefix.")
     server_restarts: int = param(
