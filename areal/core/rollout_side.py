@@ -34,6 +34,7 @@ and admission resume at that version.
 from __future__ import annotations
 
 import json
+import uuid
 import time
 from pathlib import Path
 from typing import Any
@@ -85,10 +86,14 @@ class RayRolloutSide:
         self._ray, self.cfg = ray, cfg
         self.timeout = cfg.core.health_timeout
         self.server_timeout = cfg.rollout.setup_timeout + 10  # a server call may wait for health
+        # The rollout workers find the manager by name: an actor handle among a restartable
+        # actor's constructor arguments lives in the object store, which Ray cannot promise to
+        # keep for a restart (ray-project/ray#53727; it logs an error line for each such actor).
+        manager_name = f"areal-manager-{uuid.uuid4().hex}"
         self.manager = ray.remote(concurrency_groups={SERVERS: 1})(ManagerActor).options(  # not an option
-            num_cpus=0, max_restarts=0).remote(cfg, addresses)
+            name=manager_name, num_cpus=0, max_restarts=0).remote(cfg, addresses)
         self._cls = ray.remote(RolloutWorker).options(num_cpus=0, max_restarts=cfg.core.rollout_worker_restarts)
-        self._args = (cfg, self.manager, dump_dir, reject_limit)
+        self._args = (cfg, manager_name, dump_dir, reject_limit)
         self.servers = list(addresses)  # what the rollout workers route to
         self.removed: set[str] = set()  # servers removed by request: not picked up again
         self.refused: set[str] = set()

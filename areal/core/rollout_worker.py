@@ -158,8 +158,12 @@ def min_versions(group: list) -> tuple[int, ...]:
 class RolloutWorker:
     """One rollout worker (wrapped by ``ray.remote``); see the module docstring."""
 
-    def __init__(self, index: int, cfg: GRPOConfig, addresses: list[str], manager: Any, dump_dir: str,
+    def __init__(self, index: int, cfg: GRPOConfig, addresses: list[str], manager_name: str, dump_dir: str,
                  reject_limit: int):
+        """``manager_name``: the :class:`ManagerActor`'s Ray name, looked up here (also when Ray
+        restarts this worker)."""
+        import ray
+
         from areal.reward.resolve import resolve_reward
         from areal.reward.runner import RewardRunner
         from areal.rollout.remote import RemoteInferenceEngine
@@ -167,7 +171,7 @@ class RolloutWorker:
         from areal.workflow.filters import DynamicSamplingFilter
 
         drop_torchrun_env()
-        self.index, self.manager = index, manager
+        self.index, self.manager = index, ray.get_actor(manager_name)
         self.max_in_flight = cfg.rollout.max_concurrent_rollouts
         self.engine = RemoteInferenceEngine(cfg.rollout, api_key=cfg.server.api_key)
         self.engine.initialize(addresses)

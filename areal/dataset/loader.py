@@ -14,6 +14,7 @@ import random
 
 import itertools
 import logging
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -210,6 +211,9 @@ def create_dataloader(dataset: ItemDataset, cfg: DatasetConfig, seed: int, dp_ra
     sampler = ShardedBatchSampler(
         len(dataset), cfg.batch_size, seed, cfg.shuffle, cfg.drop_last, dp_rank, dp_world
     )
-    return StatefulDataLoader(
-        dataset, batch_sampler=sampler, collate_fn=collate_items, num_workers=0
-    )
+    # torchdata's constructor calls torch.set_vital, which torch deprecates with a UserWarning on
+    # every start; the call is theirs and harmless (a telemetry flag), so that one warning is
+    # silenced here, for this call only.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+        return StatefulDataLoader(dataset, batch_sampler=sampler, collate_fn=collate_items, num_workers=0)
