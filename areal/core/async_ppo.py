@@ -22,6 +22,8 @@ item, re-issued after the resume) and the step.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 import time
 from collections import Counter
@@ -31,7 +33,7 @@ from areal.api.config import load_config
 from areal.core.config import CoreAsyncGRPOConfig
 from areal.core.graphs import ACTOR, CRITIC, CoreGraphConfig, graph_from_config
 from areal.core.master import Master
-from areal.core.rollout_side import ManagedServers, RayRolloutSide
+from areal.core.rollout_side import STATUS_FILE, ManagedServers, RayRolloutSide, run_ended
 from areal.core.sync_ppo import start_model_workers, step_stats, uses_ref
 from areal.engine.ppo import needs_prox_pass
 from areal.runtime.publisher import WeightPublisher
@@ -57,10 +59,21 @@ def worker_stats(status: dict[str, Any]) -> dict[str, float]:
 
 
 def write_status(run_dir, step: int, n_steps: int, status: dict[str, Any]) -> None:
-    """RUN_DIR/core_status.json: the live state ``areal core status RUN_DIR`` prints."""
-    tmp = run_dir / "core_status.json.tmp"
-    tmp.write_text(json.dumps({"step": step, "total_steps": n_steps, "time": time.time(), **status}, indent=1))
-    tmp.replace(run_dir / "core_status.json")
+    """RUN_DIR/core_status.json: the live state ``areal core status RUN_DIR`` prints (``state``
+    becomes ``finished`` at the end, :func:`mark_finished`; the master's pid tells a crashed run)."""
+    tmp = run_dir / f"{STATUS_FILE}.tmp"
+    tmp.write_text(json.dumps({"step": step, "total_steps": n_steps, "time": time.time(), "state": "running",
+                               "master_pid": os.getpid(), "master_host": socket.gethostname(), **status}, indent=1))
+    tmp.replace(run_dir / STATUS_FILE)
+
+
+def mark_finished(run_dir) -> None:
+    """The run is over: RUN_DIR/core_status.json says so (``areal core status``, ``scale``)."""
+    path = run_dir / STATUS_FILE
+    if path.is_file():
+        tmp = run_dir / f"{STATUS_FILE}.tmp"
+        tmp.write_text(json.dumps({**json.loads(path.read_text()), "state": "finished"}, indent=1))
+        tmp.replace(path)
 
 
 def format_status(run_dir) -> str:
@@ -68,16 +81,19 @@ def format_status(run_dir) -> str:
     last step (``*``: draining)."""
     from pathlib import Path
 
-    path = Path(run_dir) / "core_status.json"
+    path = Path(run_dir) / STATUS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: RUN_DIR must be an `areal core async-ppo` run "
                                 "that finished at least one step")
     st = json.loads(path.read_text())
-    m = st["manager"]
+    m, ended = st["manager"], run_ended(st)
     refused = ", ".join(f"{k.rsplit('/', 1)[1]} {v:.0f}" for k, v in m.items() if k.startswith("manager/refused/"))
-    lines = [f"step {st['step']}/{st['total_steps']}, {time.time() - st['time']:.0f} s ago; version "
-             f"{m['manager/version']:.0f}; rollouts running {m['manager/running']:.0f}, buffered "
-             f"{m['manager/buffered']:.0f}, lost {m['manager/lost']:.0f}; refused asks: {refused}",
+    when = f"step {st['step']}/{st['total_steps']}, {time.time() - st['time']:.0f} s ago"
+    rollouts = (f"rollouts running {m['manager/running']:.0f}, buffered {m['manager/buffered']:.0f}" if not ended else
+                f"rollouts in flight at its last step {m['manager/running']:.0f} (dropped at the end), buffered "
+                f"{m['manager/buffered']:.0f}")
+    lines = [(f"run ended: {ended}, {time.time() - st['time']:.0f} s ago" if ended else when)
+             + f"; version {m['manager/version']:.0f}; {rollouts}, lost {m['manager/lost']:.0f}; refused asks: {refused}",
              f"model workers (pids): {st['model_worker_pids']}; servers: {st['servers']}"
              + (f"; refused servers: {st['servers_refused']}" if st["servers_refused"] else ""),
              f"{'worker':>6} {'pid':>8} {'episodes':>9} {'tok/s':>8} {'in_flight':>9} {'accepted':>9} "
@@ -174,6 +190,7 @@ def main(argv: list[str]) -> int:
         if run.recover_timer.check(step, epoch_done):
             run.save_recover(step, saved, {"manager": rollout.get(rollout.manager.state_dict.remote(), "the manager")})
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
+    mark_finished(run.run_dir)
     rollout.close()
     registry.close()
     for w in workers:

@@ -300,9 +300,13 @@ def build_graph(name: str, mfcs: list[MFC], dataset_keys: tuple[str, ...],
 
 def format_graph(graph: DataflowGraph) -> str:
     """The graph as text: models and their meshes, nodes in dispatch order, edges."""
-    lines = [f"graph {graph.name}: {len(graph.mfcs)} MFCs, {len(graph.allocations)} models, "
-             f"{graph.n_workers} model workers",
-             f"dataset keys: {', '.join(graph.dataset_keys)}", "models:"]
+    generating = {w for m in graph.mfcs if m.fn is ModelFn.GENERATE for w in graph.allocations[m.model].workers}
+    workers = f"{graph.n_workers - len(generating)} model workers"
+    if generating:
+        workers += f" + {len(generating)} generation worker{'s' if len(generating) > 1 else ''} {sorted(generating)}"
+    keys = ", ".join(graph.dataset_keys) or "none (the generation worker draws prompts from the train dataset)"
+    lines = [f"graph {graph.name}: {len(graph.mfcs)} MFCs, {len(graph.allocations)} models, {workers}",
+             f"dataset keys: {keys}", "models:"]
     for model, a in sorted(graph.allocations.items()):
         users = ", ".join(m.name for m in graph.mfcs if m.model == model)
         lines.append(f"  {str(model):<12} mesh dp={a.dp} x tp={a.tp}  workers {list(a.workers)}  MFCs: {users}")

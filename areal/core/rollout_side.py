@@ -34,6 +34,7 @@ and admission resume at that version.
 from __future__ import annotations
 
 import json
+import socket
 import uuid
 import time
 from pathlib import Path
@@ -45,13 +46,32 @@ logger = get_logger("core.rollout")
 POLL_S = 0.05  # seconds between asks for a batch
 HEALTH_EVERY_S = 5.0  # seconds between health checks while waiting for a batch
 SCALE_FILE = "core_scale.json"
+STATUS_FILE = "core_status.json"  # the master's state at its last step (areal core status)
+
+
+def run_ended(status: dict) -> str:
+    """Why the run of ``status`` (RUN_DIR/core_status.json) is over ('' while its master runs):
+    it finished, or its master's process (on this host) is gone."""
+    if status.get("state") == "finished":
+        return f"it finished at step {status['step']}/{status['total_steps']}"
+    pid, host = status.get("master_pid"), status.get("master_host")
+    if pid and host == socket.gethostname() and not Path(f"/proc/{pid}").exists():
+        return f"its master (pid {pid}) is gone, at step {status['step']}/{status['total_steps']}"
+    return ""
 
 
 def request_scale(run_dir: Path, rollout_workers: int | None, add: list[str], remove: list[str]) -> dict:
-    """Merge a scaling request into RUN_DIR/core_scale.json (the master takes it next step)."""
+    """Merge a scaling request into RUN_DIR/core_scale.json (the master takes it next step);
+    refused for a run that has ended (nobody would take it)."""
     path = Path(run_dir) / SCALE_FILE
     if not (Path(run_dir) / "config.yaml").is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+    status = Path(run_dir) / STATUS_FILE
+    ended = run_ended(json.loads(status.read_text())) if status.is_file() else ""
+    if ended:
+        raise ValueError(f"{run_dir}: the run has ended ({ended}); scaling applies to a running `areal core "
+                         "async-ppo` job: launch it again (it resumes from its recover checkpoint, if any) "
+                         "and scale that")
     if rollout_workers is not None and rollout_workers < 1:
         raise ValueError(f"--rollout-workers {rollout_workers}: keep at least 1")
     req = json.loads(path.read_text()) if path.is_file() else {"add_servers": [], "remove_servers": []}

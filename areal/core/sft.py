@@ -116,6 +116,7 @@ def main(argv: list[str]) -> int:
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
     close_workers(workers, engine)
     run.close()
+    print(f"run finished; logs and outputs in {run.run_dir} (the model: {run.run_dir / 'checkpoints' / 'model'})")
     return 0
 
 

@@ -19,6 +19,7 @@ actor's version is the master's count of its updates and is restored with them).
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from areal.api.config import GRPOConfig, load_config
@@ -35,6 +36,9 @@ from areal.runtime.publisher import WeightPublisher
 from areal.runtime.rl import evaluate, setup_rollout
 from areal.runtime.run import init_run
 from areal.workflow.filters import DynamicSamplingFilter
+from areal.utils.logging import get_logger
+
+logger = get_logger("core")
 
 TIMING = ("n_tokens", "wall_time", "compute_time")
 
@@ -69,9 +73,16 @@ def start_model_workers(cfg: CoreGRPOConfig, run, graph: DataflowGraph, ft_spec)
     if cfg.core.backend == "ray":
         from areal.core.ray_worker import RayModel, attach_ray, ray_cpus, start_ray_workers
 
+        start = time.monotonic()  # Ray's start and the workers' model loads take ~25 s on CPU: said, not silent
+        where = f"the Ray cluster at {cfg.core.ray_address}" if cfg.core.ray_address else "Ray (a local instance " \
+            "unless RAY_ADDRESS names a cluster)"
+        logger.info(f"core: attaching {where}, then starting {cfg.core.n_workers} model worker(s) as Ray actors ...")
         attach_ray(cfg.core.ray_address, ray_cpus(cfg.core.n_workers, cfg.core.cpus_per_worker))
+        logger.info(f"core: Ray attached after {time.monotonic() - start:.0f} s; the model workers load "
+                    f"{', '.join(map(str, specs))} ...")
         workers = start_ray_workers(graph, specs, cfg.core.cpus_per_worker, cfg.core.torch_threads,
                                     cfg.core.gpus_per_worker)
+        logger.info(f"core: {len(workers)} model worker(s) ready after {time.monotonic() - start:.0f} s")
         return workers, {m: RayModel(workers, m, graph.allocations[m].workers) for m in specs}
     engines = {m: build_engine(spec, run.dist.mesh) for m, spec in specs.items()}
     worker = InProcessWorker(0, engines)

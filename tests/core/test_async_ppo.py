@@ -85,6 +85,16 @@ def test_core_async_ppo_on_policy(runs, tiny_model_dir, monkeypatch):
     assert "rollout_worker/1/reward/n_calls" in steps[4]
     ids = [i for r in trained(run) for i in r["ids"]]
     assert len(ids) == 8 and len(set(ids)) == 8  # 4 steps x 2 prompts, each once
+    # issue 34: no Ray error line about actor restarts (the manager is found by name), and a
+    # finished run says so in `areal core status` and refuses `areal core scale`
+    logs = "".join(p.read_text(errors="replace") for p in (run / "logs").glob("*.log"))
+    assert "restart will fail" not in logs and "set_vital" not in logs
+    cli = [sys.executable, "-m", "areal.cli", "core"]
+    shown = subprocess.run([*cli, "status", str(run)], capture_output=True, text=True, check=True).stdout
+    assert shown.startswith("run ended: it finished at step 4/4") and "rollouts running" not in shown, shown
+    scale = subprocess.run([*cli, "scale", str(run), "--rollout-workers", "3"], capture_output=True, text=True)
+    assert scale.returncode != 0 and "the run has ended (it finished at step 4/4)" in scale.stderr, scale.stderr
+    assert not (run / "core_scale.json").exists()
 
 
 def status(run_dir: Path) -> dict | None:

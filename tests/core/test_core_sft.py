@@ -27,6 +27,9 @@ def run(cmd: list[str], fileroot: Path, name: str, model_dir: str, extra: tuple[
     out = subprocess.run([*cmd, "--config", str(REPO / "examples" / "sft_arithmetic.yaml"), *overrides],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    if cmd is CORE_SFT:  # the last line says where the run went (issue 34)
+        last = out.stdout.strip().splitlines()[-1]
+        assert last.startswith(f"run finished; logs and outputs in {fileroot / name / 't'}"), out.stdout[-2000:]
     lines = (fileroot / name / "t" / "stats.jsonl").read_text().splitlines()
     return {r["step"]: r for r in map(json.loads, lines)}
 

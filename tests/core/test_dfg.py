@@ -218,3 +218,14 @@ def test_printed_graph_shows_reallocation_hooks():
     ref = MFC("ref_logp", B, ModelFn.COMPUTE_LOGP, ("input_ids",), ("r",), {"out": "r"},
               hooks=(ParamRealloc(A, ema=0.9),))
     assert "before: weights from actor@0 (ema 0.9)" in format_graph(build([logp("a", "x"), ref]))
+
+
+def test_format_graph_counts_model_workers_apart_from_the_generation_worker():
+    from areal.core.dfg import format_graph
+    from areal.core.graphs import CoreGraphConfig, graph_from_config
+
+    sync = format_graph(graph_from_config(CoreGraphConfig(graph="sync_ppo", n_workers=4))).splitlines()
+    assert sync[0].endswith("4 model workers + 1 generation worker [4]")
+    assert sync[1] == "dataset keys: none (the generation worker draws prompts from the train dataset)"
+    sft = format_graph(graph_from_config(CoreGraphConfig(graph="sft", n_workers=4))).splitlines()
+    assert sft[0].endswith("1 models, 4 model workers") and sft[1] == "dataset keys: input_ids, loss_mask"
