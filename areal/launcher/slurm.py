@@ -47,6 +47,7 @@ from areal.launcher.common import (COLOCATE_LOCAL_ONLY, launch, load_script_conf
                                    wait_for_servers)
 from areal.launcher.local import without_secrets
 from areal.launcher.procs import record_failure, root_cause
+from areal.launcher.slurm_errors import controller_problem
 from areal.utils.logging import get_logger
 from areal.utils.name_resolve import gen_servers_key
 from areal.utils.network import free_port
@@ -421,8 +422,7 @@ def _tail(path: Path, n: int, start: int = 0) -> str:
 
 
 def submit(cfg, path: Path, lay: Layout) -> SlurmJob:
-    """``sbatch`` the script with this environment (the servers' key included), less this
-    process's pid: the job's processes run on other machines and must not watch it."""
+    """``sbatch`` the script with this env (the servers' key), less our pid (nobody remote watches it)."""
     sc = cfg.launcher.slurm
     server = getattr(cfg, "server", None)
     env = {k: v for k, v in os.environ.items() if k != LAUNCHER_PID}
@@ -431,8 +431,8 @@ def submit(cfg, path: Path, lay: Layout) -> SlurmJob:
     if proc.returncode == 0:
         return SlurmJob(proc.stdout.strip().split(";")[0])
     error = proc.stderr.strip().replace("\n", "; ")
-    if proc.returncode == 124 or re.search(r"(?i)unable to contact|timed out|connection refused", error):
-        raise JobFailed(f"sbatch could not reach slurmctld: {error}")
+    if problem := controller_problem(error, timed_out=proc.returncode == 124):  # not the request's size
+        raise JobFailed(problem)
     raise ConfigError([f"sbatch refused the job ({error}). Wanted {lay.wanted(sc.time_limit)}; "
                        f"{available(sc.partition)}. {_FIX}"], "the Slurm placement")
 
