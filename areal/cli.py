@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; a user error (bad config, a path that is not there) is one message
-    and exit code 2, not a traceback."""
+    and exit code 2, Ctrl-C one line and exit code 130, not a traceback."""
     from areal.api.config import ConfigError
 
     args = build_parser().parse_args(argv)
@@ -252,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
         print(f"areal {args.command}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a launch (a launch reports its own and returns 130)
+        print(f"areal {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from areal.launcher.local import launch_local
 from areal.utils.plot import plot_run, read_stats
 from areal.utils.tiny_model import build_tiny_model, count_parameters
 
+INTERRUPTED = 130  # the launcher's exit code after Ctrl-C or SIGTERM
 TARGET_GAIN = 0.15  # held-out accuracy points GRPO should add over the SFT model
 
 
@@ -45,6 +46,8 @@ def _examples_dir() -> Path:
 
 def _launch(script: Path, config: Path, overrides: list[str]) -> None:
     code = launch_local(str(script), ["--config", str(config), *overrides])
+    if code == INTERRUPTED:  # Ctrl-C / SIGTERM: the launcher stopped everything and said so
+        raise SystemExit(code)
     if code != 0:
         raise RuntimeError(f"{script.name} failed with exit code {code}; see the logs above")
 
