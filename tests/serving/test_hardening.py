@@ -1,5 +1,6 @@
 """One request never takes the server down: failed steps, weight updates that must be refused,
-admin-argument validation, request caps, client disconnects, the admin key, and a fuzz run."""
+admin-argument validation, request caps, client disconnects, the admin key, and fuzz runs of
+request bodies (with slow clients) and weight files."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -144,20 +146,25 @@ def _free() -> int:
 
 
 def _bad_dirs(tiny_model_dir: str, root: Path) -> dict[str, Path]:
-    """Model dirs a weight update must refuse: NaN weights, a missing tensor, a truncated file."""
+    """Model dirs a weight update must refuse: NaN weights, a missing tensor, a truncated file,
+    a float64 value finite only before the cast to float32, an integer tensor."""
     from safetensors.torch import load_file, save_file
 
     src = Path(tiny_model_dir)
     (weights,) = src.glob("*.safetensors")
     tensors = load_file(str(weights))
     out = {}
-    for kind in ("nan", "partial", "truncated", "empty"):
+    for kind in ("nan", "partial", "truncated", "empty", "overflow", "int"):
         d = root / kind
         shutil.copytree(src, d)
         target = d / weights.name
+        name = next(n for n in tensors if n.endswith("mlp.down_proj.weight"))
         if kind == "nan":
-            name = next(n for n in tensors if n.endswith("mlp.down_proj.weight"))
             save_file({**tensors, name: torch.full_like(tensors[name], float("nan"))}, str(target))
+        elif kind in ("overflow", "int"):
+            bad = torch.full(tensors[name].shape, 1e300, dtype=torch.float64) if kind == "overflow" \
+                else tensors[name].to(torch.int64)
+            save_file({**tensors, name: bad}, str(target))
         elif kind == "partial":
             save_file({n: t for n, t in tensors.items() if "layers.0.self_attn.q_proj" not in n}, str(target))
         elif kind == "truncated":
@@ -175,7 +182,8 @@ def test_weight_updates_refuse_nan_partial_and_unreadable_weights_and_keep_the_o
     before = call(f"{server}/generate", GREEDY)[1]["output_ids"]
     version = call(f"{server}/get_model_info")[1]["weight_version"]
     expected = {"nan": "NaN or inf", "partial": "missing 2 weight(s)", "truncated": "cannot read",
-                "empty": "cannot read"}
+                "empty": "cannot read", "overflow": "NaN or inf values once cast to torch.float32",
+                "int": "is not floating point"}
     for kind, path in _bad_dirs(tiny_model_dir, tmp_path).items():
         status, out = call(f"{server}/update_weights_from_disk", {"model_path": str(path)}, key=KEY)
         assert status == 400 and out["error"]["param"] == "model_path", (kind, out)
@@ -294,15 +302,18 @@ def test_secret_fields_stay_out_of_written_configs_and_trainer_argv(tmp_path):
 # ------------------------------------------------------------------ fuzz
 
 VALUES = [None, 0, 1, -1, 2, 7, 2**31, 2**63, 10**30, -(10**30), 0.5, -0.0, 1e-45, 1e308, float("nan"),
-          float("inf"), "", "x", "1", [], [1], [-1, 2**40], {}, {"a": 1}, True, False, [5, 17, 99]]
+          float("inf"), "", "x", "1", [], [1], [-1, 2**40], {}, {"a": 1}, True, False, [5, 17, 99],
+          "\ud800", ["s"] * 100, ["x" * 300] * 20, list(range(259)), {"type": "function"},
+          [{"type": "function", "function": {"name": "f", "parameters": {"a": {"b": {"c": 1}}}}}], "required"]
 SAMPLING_KEYS = ["max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
                  "seed", "n", "ignore_eos", "skip_special_tokens", "no_stop_trim", "frequency_penalty", "bogus"]
 TOP_KEYS = {
     "/generate": ["input_ids", "text", "sampling_params", "return_logprob", "rid", "stream", "bogus"],
     "/v1/completions": ["model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs",
-                        "echo", "stream", "min_tokens", "top_k", "stop_token_ids", "best_of", "bogus"],
+                        "echo", "stream", "min_tokens", "top_k", "stop_token_ids", "best_of", "ignore_eos", "bogus"],
     "/v1/chat/completions": ["model", "messages", "max_tokens", "temperature", "n", "stop", "seed", "logprobs",
-                             "top_logprobs", "max_completion_tokens", "bogus"],
+                             "top_logprobs", "max_completion_tokens", "min_tokens", "stop_token_ids", "tools",
+                             "tool_choice", "stream", "bogus"],
 }
 
 
@@ -316,7 +327,34 @@ def _value(rng: random.Random, depth: int = 0):
     return {rng.choice(SAMPLING_KEYS): _value(rng, depth + 1) for _ in range(rng.randint(0, 3))}
 
 
+def _hostile(rng: random.Random) -> tuple[str, bytes]:
+    """Variants of the bodies that took the server down or stalled it (issue #32)."""
+    vocab = list(range(259))  # the tiny model's
+    kind = rng.randrange(6)
+    if kind == 0:  # every id a stop id, before min_new_tokens: all logits masked
+        sp = {"min_new_tokens": rng.randint(1, 3), "max_new_tokens": 4, "stop_token_ids": vocab,
+              "temperature": rng.choice([0, 1.0])}
+        return "/generate", json.dumps({"input_ids": PROMPT, "sampling_params": sp}).encode()
+    if kind == 1:
+        body = {"prompt": PROMPT, "max_tokens": 4, "min_tokens": rng.randint(1, 3), "stop_token_ids": vocab}
+        return "/v1/completions", json.dumps(body).encode()
+    if kind == 2:  # a lone surrogate where text is tokenized
+        path, key = rng.choice([("/generate", "text"), ("/v1/completions", "prompt")])
+        return path, json.dumps({key: rng.choice(["\ud800", "a\udfff", ["\ud83d"]]), "max_tokens": 1}).encode()
+    if kind == 3:  # nested past the parser, or past server.max_json_depth in a tools schema
+        depth = rng.choice([2000, 200_000])
+        return rng.choice(list(TOP_KEYS)), b"[" * depth + b"]" * depth
+    if kind == 4:
+        d = rng.randint(100, 900)
+        tools = '[{"type": "function", "function": {"name": "f", "parameters": ' + '{"a": ' * d + "1" + "}" * d + "}}]"
+        return "/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "hi"}}], "tools": {tools}}}'.encode()
+    body = {"prompt": "a", "max_tokens": 1, rng.choice(["n", "stop"]): rng.choice([3_000_000, ["s"] * 200_000])}
+    return "/v1/completions", json.dumps(body).encode()
+
+
 def _body(rng: random.Random) -> tuple[str, bytes]:
+    if rng.random() < 0.05:
+        return _hostile(rng)
     path = rng.choice(list(TOP_KEYS))
     if rng.random() < 0.05:  # not JSON or not UTF-8 at all
         return path, rng.choice([b"{", b"\xff\xfe", b"[]", b"null", b'"x"', bytes(rng.randrange(256) for _ in range(20))])
@@ -337,7 +375,42 @@ def _body(rng: random.Random) -> tuple[str, bytes]:
     return path, text
 
 
+class _SlowClients:
+    """``n`` connections that trickle request heads a few bytes at a time (slowloris) while the
+    block runs."""
+
+    HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Pad: " + b"a" * 4000
+
+    def __init__(self, url: str, n: int):
+        host, port = url.removeprefix("http://").split(":")
+        self.address, self.n, self.stop = (host, int(port)), n, threading.Event()
+        self.thread = threading.Thread(target=self._trickle, daemon=True)
+
+    def _trickle(self) -> None:
+        socks = [socket.create_connection(self.address, timeout=5) for _ in range(self.n)]
+        at = 0
+        while not self.stop.wait(0.1):
+            for sock in socks:
+                try:
+                    sock.sendall(self.HEAD[at % len(self.HEAD): at % len(self.HEAD) + 3])
+                except OSError:  # cut off by the server's head deadline or connection cap: fine
+                    pass
+            at += 3
+        for sock in socks:
+            sock.close()
+
+    def __enter__(self) -> "_SlowClients":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
 def test_fuzz_thousands_of_random_bodies_leave_the_server_as_it_was(server):
+    """Random bodies on the SGLang and OpenAI routes (stop lists, stop ids covering the
+    vocabulary, min_tokens, tools, surrogates, streaming), with slow clients trickling heads."""
     before = call(f"{server}/generate", GREEDY)[1]["output_ids"]
     rng = random.Random(1234)
     bodies = [_body(rng) for _ in range(2500)]
@@ -351,7 +424,7 @@ def test_fuzz_thousands_of_random_bodies_leave_the_server_as_it_was(server):
         except urllib.error.HTTPError as e:
             return e.code
 
-    with ThreadPoolExecutor(8) as pool:
+    with _SlowClients(server, 50), ThreadPoolExecutor(8) as pool:
         statuses = list(pool.map(send, bodies))
     counts = {s: statuses.count(s) for s in set(statuses)}
     bad = [b for b, s in zip(bodies, statuses) if s not in (200, 400, 404)]  # 404: a model not served
@@ -360,6 +433,54 @@ def test_fuzz_thousands_of_random_bodies_leave_the_server_as_it_was(server):
     assert call(f"{server}/health")[0] == 200
     assert call(f"{server}/get_server_info")[1]["failed_steps"] == 0
     assert call(f"{server}/generate", GREEDY)[1]["output_ids"] == before
+
+
+def _corrupt(rng: random.Random, raw: bytes, tensors: dict, target: Path) -> bool:
+    """Write a randomly broken copy of a safetensors file to ``target``; True when no server
+    may load it (flipped bytes may still be a loadable file of other finite weights)."""
+    from safetensors.torch import save_file
+
+    kind = rng.randrange(4)
+    name = rng.choice(sorted(tensors))
+    if kind == 0:  # flipped bytes in the header or the data
+        data = bytearray(raw)
+        for _ in range(rng.randint(1, 20)):
+            data[rng.randrange(min(len(data), rng.choice([200, len(data)])))] ^= 1 << rng.randrange(8)
+        target.write_bytes(bytes(data))
+        return False
+    if kind == 1:  # cut short
+        target.write_bytes(raw[: rng.randrange(len(raw))])
+    elif kind == 2:  # a dtype the weight cannot hold: huge float64, float16 overflow, ints, bools
+        t = tensors[name]
+        bad = rng.choice([torch.full(t.shape, 1e300, dtype=torch.float64), (t * 1e9).to(torch.float16),
+                          t.to(torch.int32), t > 0])
+        save_file({**tensors, name: bad}, str(target))
+    else:  # a wrong shape
+        save_file({**tensors, name: torch.zeros(tensors[name].numel() + 1)}, str(target))
+    return True
+
+
+def test_fuzz_weight_files_get_200_or_400_and_the_server_keeps_serving(server, tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    before = call(f"{server}/generate", GREEDY)[1]["output_ids"]
+    (weights,) = Path(tiny_model_dir).glob("*.safetensors")
+    raw, tensors = weights.read_bytes(), load_file(str(weights))
+    rng = random.Random(7)
+    statuses = []
+    for i in range(24):
+        d = tmp_path / f"w{i}"
+        shutil.copytree(tiny_model_dir, d)
+        refused = _corrupt(rng, raw, tensors, d / weights.name)
+        status, out = call(f"{server}/update_weights_from_disk", {"model_path": str(d)}, key=KEY)
+        statuses.append(status)
+        assert status == 400 if refused else status in (200, 400), out
+        assert call(f"{server}/health")[0] == 200
+        assert call(f"{server}/generate", GREEDY)[0] in (200, 500)  # 500: weights that give NaN, named
+    assert statuses.count(400) >= 12, statuses
+    assert call(f"{server}/update_weights_from_disk", {"model_path": tiny_model_dir}, key=KEY)[0] == 200
+    assert call(f"{server}/generate", GREEDY)[1]["output_ids"] == before
+    assert call(f"{server}/get_server_info")[1]["failed_steps"] == 0
 
 
 # ------------------------------------------------------------------ OpenAI semantics
