@@ -14,12 +14,19 @@ Endpoints
   ``POST /flush_cache``, ``POST /release_memory_occupation`` (paused: give back the KV cache
   while a colocated trainer steps) and ``POST /resume_memory_occupation`` (SGLang's names).
 Invalid requests get HTTP 400 ``{"error": {"message", "type", "param"}}`` where ``param`` names
-the field. A generation step that raises fails only its requests (HTTP 500 naming the cause) and
-the server goes on; after several failed steps in a row the generator counts as broken: requests
-get HTTP 503 naming the cause and the process exits with code 1, so its supervisor sees it. A
-client that disconnects cancels its generation (its slot is freed at the next step). Weight
-updates with NaN/inf, missing or unknown tensors, or unreadable files get 400 and keep the old
-weights. SIGTERM/SIGINT: in-flight requests are answered (aborted), the port is closed, exit 0.
+the field. Work before admission is bounded by ``server.*`` limits (body bytes: 413; text,
+nesting, n, stop lists, prompt-logprob tokens: 400 naming the field and the limit; see
+:mod:`areal.serving.limits`), parsing and tokenizing run off the event loop, request heads and
+bodies have deadlines (the body's: 408) and connections a cap (:mod:`areal.serving.connections`).
+A request whose logits turn NaN/inf fails alone (HTTP 500 naming it; counted in ``/health``). A
+generation step that raises fails only its requests (HTTP 500 naming the cause) and the server
+goes on; after several failed steps in a row the generator counts as broken: requests get HTTP
+503 naming the cause and the process exits with code 1, so its supervisor sees it. A client that
+disconnects cancels its generation (its slot is freed at the next step). Weight updates with
+tensors that are not floating point or not finite in the model's dtype, missing or unknown
+tensors, or unreadable files get 400 and keep the old weights. Pause and continue take effect in
+the order they arrive. SIGTERM/SIGINT: in-flight requests are answered (aborted), the port is
+closed, exit 0.
 """
 
 from __future__ import annotations
