@@ -88,11 +88,13 @@ def staleness_sums(train_logp: torch.Tensor, mb: PackedBatch, version: int, weig
     :func:`staleness_means` turns its result back into exact per-bucket means."""
     mask = mb["loss_mask"].bool()
     k3 = mismatch_kl(train_logp, mb["logprobs"].to(train_logp.device))["k3"]
+    buckets = staleness_buckets(mb["versions"].to(mask.device), version)
+    sums = torch.stack([torch.stack([(k3 * (sel & mask)).sum(), (sel & mask).sum().to(k3.dtype)])
+                        for sel in buckets.values()])  # [bucket, (k3 sum, tokens)]
+    values = (sums / weight if weight else torch.zeros_like(sums)).tolist()  # one device sync
     out = {}
-    for name, sel in staleness_buckets(mb["versions"].to(mask.device), version).items():
-        sel = sel & mask
-        out[f"stale{name}_k3_sum"] = float((k3 * sel).sum()) / weight if weight else 0.0
-        out[f"stale{name}_n"] = float(sel.sum()) / weight if weight else 0.0
+    for name, (k3_sum, n) in zip(buckets, values):
+        out[f"stale{name}_k3_sum"], out[f"stale{name}_n"] = k3_sum, n
     return out
 
 
