@@ -128,7 +128,8 @@ def _device_overrides() -> list[str]:
         return []
     print(f"[quickstart] GPU: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}; the "
           "generation server runs on cuda (on one GPU, colocated with the trainer)")
-    return ["server.device=cuda"]
+    shm = Path("/dev/shm")  # weight updates through memory, not the disk
+    return ["server.device=cuda", *([f"weight_update_dir={shm / 'areal-quickstart'}"] if shm.is_dir() else [])]
 
 
 def run_quickstart(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Literal
 
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
@@ -196,6 +197,12 @@ class GRPOConfig(BaseExperimentConfig):
     weight_update_mode: Literal["disk", "distributed"] = param(
         "disk", help="How new weights reach servers: a versioned HF dir, or a gloo/NCCL broadcast."
     )
+    weight_update_dir: str = param(
+        "", help="Disk weight updates: where the HF dirs v<version> go (under "
+        "EXPERIMENT/TRIAL); empty = RUN_DIR/weights. A tmpfs such as /dev/shm/areal keeps them in "
+        "memory, so with the server on the trainer's GPU (cluster.colocate) no update touches the "
+        "disk; every server must be able to read it."
+    )
     distill: DistillConfig = param(
         factory=DistillConfig, help="On-policy distillation from a teacher model (off by default)."
     )
@@ -204,6 +211,14 @@ class GRPOConfig(BaseExperimentConfig):
     def served_model_path(self) -> str:
         """Servers start from the actor's initial weights."""
         return self.actor.path
+
+    @property
+    def weights_dir(self) -> Path:
+        """Where disk weight updates write ``v<version>`` (``weight_update_dir``, else
+        RUN_DIR/weights); a generation server the launcher restarts loads the newest."""
+        if self.weight_update_dir:
+            return Path(self.weight_update_dir).expanduser() / self.experiment_name / self.trial_name
+        return super().weights_dir
 
     def distill_problems(self, scored_by: str = "servers") -> Iterator[str]:
         """Distillation's cross-section rules; ``scored_by``: the teacher's ``servers`` (Lite) or a
