@@ -51,8 +51,9 @@ def setup_trainers(cfg: GRPOConfig, run, ft_spec: FinetuneSpec):
     return actor, critic, ref
 
 
-def train_step(cfg: GRPOConfig, run, actor, critic, ref, batch) -> None:
-    """Proximal logp -> reference logp -> values -> advantages -> PPO update (actor, critic)."""
+def train_step(cfg: GRPOConfig, run, actor, critic, ref, batch):
+    """Proximal logp -> reference logp -> values -> advantages -> PPO update (actor, critic);
+    returns the batch with the fields the update used (advantages, ...)."""
     run.tracker.mean("reward/mean", batch["rewards"])
     run.tracker.sum("perf/n_tokens", batch.n_tokens)
     run.tracker.sum("perf/n_trained_tokens", batch["loss_mask"].sum())
@@ -77,6 +78,7 @@ def train_step(cfg: GRPOConfig, run, actor, critic, ref, batch) -> None:
                 _, stats = critic.ppo_update(batch)
                 run.tracker.scalars(**stats)
             critic.step_lr_scheduler()
+    return batch
 
 
 def main(argv: list[str]) -> int:
@@ -112,7 +114,8 @@ def main(argv: list[str]) -> int:
         run.log_trained(step, [g[0].group_id for g in groups])
         stats = side.batch_stats()  # executor, reward workers, client (and agent) counters
         publisher.yield_device()  # colocated servers give the GPU to the train step
-        train_step(cfg, run, actor, critic, ref, batch)
+        batch = train_step(cfg, run, actor, critic, ref, batch)
+        run.samples.record(step, groups, batch, actor.get_version())  # for `areal view`
         with run.tracker.timer("update_weights"):
             publisher.publish()
         if run.saver.check(step, epoch_done) or step == n_steps:

@@ -119,6 +119,17 @@ class RecoverConfig(TimerConfig):
 
 
 @dataclass(frozen=True)
+class SamplesConfig:
+    """Trained samples recorded for ``areal view`` (RUN_DIR/samples/step-<step>-rank<r>.parquet)."""
+
+    enabled: bool = param(True, help="Record every trained sample of the recorded steps (tokens, text, "
+                          "reward, advantage, per-token versions and logprobs, staleness).")
+    keep_every: int = param(1, ge=1, help="Record the samples of every k-th step (1 = every step).")
+    max_bytes: int = param(1 << 30, ge=0, help="Stop recording once RUN_DIR/samples holds this many bytes "
+                           "(a warning says so; 0 = no limit).")
+
+
+@dataclass(frozen=True)
 class StatsLoggerConfig:
     """Where per-step metrics go."""
 
@@ -129,6 +140,7 @@ class StatsLoggerConfig:
         "disabled", help="Weights & Biases mode (needs the wandb extra: `pip install -e '.[wandb]'` in the areal checkout)."
     )
     wandb_project: str = param("areal", help="W&B project name.")
+    samples: SamplesConfig = param(factory=SamplesConfig, help="Trained samples for `areal view`.")
 
 
 @dataclass(frozen=True)
