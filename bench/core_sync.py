@@ -45,12 +45,17 @@ def _accuracy(run_dir: Path) -> tuple[float, float]:
     return evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
 
 
-def _default_sft() -> Path:
-    steps = sorted((REPO / "runs" / "quickstart" / "sft" / "run" / "checkpoints" / "model").glob("step*"),
+def newest_demo_checkpoint(stage: str, model: str, flag: str) -> Path:
+    """The newest ``step*`` HF checkpoint of ``make demo``'s ``stage`` (sft, grpo) for ``model``."""
+    steps = sorted((REPO / "runs" / "quickstart" / stage / "run" / "checkpoints" / model).glob("step*"),
                    key=lambda p: int(p.name[4:]))
     if not steps:
-        raise SystemExit("no SFT checkpoint under runs/quickstart: run `make demo` first or pass --sft DIR")
+        raise SystemExit(f"no {stage} checkpoint under runs/quickstart: run `make demo` first or pass {flag} DIR")
     return steps[-1]
+
+
+def _default_sft() -> Path:
+    return newest_demo_checkpoint("sft", "model", "--sft")
 
 
 def main(argv: list[str] | None = None) -> int:

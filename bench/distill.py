@@ -24,17 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from core_sync import REPO, YAML, _default_sft, _run  # noqa: E402
+from core_sync import REPO, YAML, _default_sft, _run, newest_demo_checkpoint  # noqa: E402
 
 DISTILL_YAML = REPO / "examples" / "arithmetic_distill.yaml"
-
-
-def _default_teacher() -> Path:
-    steps = sorted((REPO / "runs" / "quickstart" / "grpo" / "run" / "checkpoints" / "actor").glob("step*"),
-                   key=lambda p: int(p.name[4:]))
-    if not steps:
-        raise SystemExit("no GRPO checkpoint under runs/quickstart: run `make demo` first or pass --teacher DIR")
-    return steps[-1]
 
 
 def _evals(run_dir: Path) -> list[tuple[int, float]]:
@@ -51,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--teacher", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench_distill")
     args = ap.parse_args(argv)
-    sft, teacher = (args.sft or _default_sft()).resolve(), (args.teacher or _default_teacher()).resolve()
+    sft, teacher = (args.sft or _default_sft()).resolve(), (args.teacher or newest_demo_checkpoint("grpo", "actor", "--teacher")).resolve()
     from areal.evaluate import run_eval
 
     target = float(run_eval(str(teacher), ["--config", str(YAML)])["accuracy"])
