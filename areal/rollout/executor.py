@@ -181,6 +181,11 @@ class WorkflowExecutor:
             self._thread.stop()
             self._thread = None
 
+    def run_on_loop(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run ``coro`` on the rollout loop and wait for it: what a workflow started there (the
+        agent proxy's server) is stopped there."""
+        return self._loop_thread().run(coro, timeout, "a coroutine on the rollout loop")
+
     async def _ticker(self) -> None:
         while True:
             self._schedule()

@@ -14,6 +14,7 @@ from areal.api.config.data import DatasetConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.reward.resolve import resolve_reward
 from areal.workflow.agent import load_agent
+from areal.workflow.agent_cmd import command_problems
 from areal.workflow.custom import workflow_class
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -71,6 +72,8 @@ def preflight(cfg: Any) -> list[str]:
             load_agent(cfg.workflow.agent.path)
         except ValueError as e:
             problems.append(str(e))
+    elif workflow == "agent_cmd":  # the agent program and its reward function must be found here already
+        problems += command_problems(cfg.workflow.agent)
     elif workflow not in ("rlvr", "multi_turn"):  # the user's class must import here already
         try:
             workflow_class(workflow)

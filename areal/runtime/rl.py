@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,7 @@ from areal.reward.runner import RewardRunner
 from areal.rollout.executor import WorkflowExecutor
 from areal.rollout.remote import RemoteInferenceEngine, discover_servers
 from areal.workflow.agent import AgentWorkflow
+from areal.workflow.agent_cmd import AgentCommandWorkflow
 from areal.utils.name_resolve import gen_teacher_key
 from areal.workflow.custom import make_custom_workflow
 from areal.workflow.distill import TeacherScored
@@ -32,6 +34,8 @@ def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RolloutWorkfl
         return MultiTurnWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir)
     if cfg.workflow.type == "agent":  # your openai-client agent, trained as it is (docs/agents.md)
         return AgentWorkflow(cfg.workflow.agent, cfg.gconfig, tokenizer)
+    if cfg.workflow.type == "agent_cmd":  # your agent program, through the agent proxy (docs/agents.md)
+        return AgentCommandWorkflow(cfg.workflow.agent, cfg.gconfig, tokenizer, Path(dump_dir).parent / "logs")
     if cfg.workflow.type != "rlvr":
         return make_custom_workflow(cfg.workflow.type, reward, cfg.gconfig, tokenizer)
     return RLVRWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir,
@@ -56,6 +60,9 @@ class RolloutSide:
         return {**self.executor.last_batch_stats, **self.reward.commit_batch(), **self.rollout.stats(), **agent}
 
     def close(self) -> None:
+        for wf in {id(w): w for w in (self.agent, self.eval_workflow)}.values():
+            if isinstance(wf, AgentCommandWorkflow):  # its proxy runs on the executor's loop
+                self.executor.run_on_loop(wf.aclose(), timeout=10.0)
         self.executor.destroy()
         self.rollout.destroy()
         if self.teacher is not None:
@@ -103,8 +110,12 @@ def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
     workflow = make_workflow(cfg, reward, run.tokenizer, run.run_dir / "rollouts")
     teacher = make_teacher(cfg, run)
     train_workflow = workflow if teacher is None else TeacherScored(workflow, teacher, cfg.distill.timeout)
-    eval_workflow = (AgentWorkflow(cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer)
-                     if cfg.workflow.type == "agent" else RLVRWorkflow(reward, cfg.eval_gconfig, run.tokenizer))
+    eval_workflow = RLVRWorkflow(reward, cfg.eval_gconfig, run.tokenizer)
+    if cfg.workflow.type == "agent":
+        eval_workflow = AgentWorkflow(cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer)
+    elif cfg.workflow.type == "agent_cmd":
+        eval_workflow = AgentCommandWorkflow(cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer,
+                                             run.run_dir / "logs")
     executor = WorkflowExecutor(cfg.rollout, rollout, batch_size=cfg.train_dataset.batch_size // run.world_size)
     executor.initialize()
     return RolloutSide(rollout, reward, train_workflow, eval_workflow, executor,

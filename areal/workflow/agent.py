@@ -67,7 +67,7 @@ class AgentWorkflow(RolloutWorkflow):
         self.config = config
         self.gconfig = gconfig
         self.tokenizer = tokenizer
-        self.agent = agent if agent is not None else load_agent(config.path)
+        self.agent = agent if agent is not None or config.command else load_agent(config.path)
         self.counts = {"episodes": 0, "episodes_failed": 0, "groups_dropped": 0, "template_fallbacks": 0,
                        "calls": 0}
         self._recent: deque[bool] = deque(maxlen=WINDOW)  # True = that episode failed
@@ -79,20 +79,28 @@ class AgentWorkflow(RolloutWorkflow):
         out["agent/calls_per_episode"] = self.counts["calls"] / max(1, done)  # of the episodes kept
         return out
 
-    async def _episode(self, engine: InferenceEngine, item: dict, group_id: str, index: int) -> list[Trajectory]:
+    async def _run_agent(self, engine: InferenceEngine, item: dict, group_id: str,
+                         index: int) -> tuple[ArealOpenAI, Any]:
+        """Run one episode of the agent: (its client, what it returned as the reward)."""
         client = ArealOpenAI(engine, self.tokenizer, self.gconfig, group_id=group_id)
         try:
             reward = await asyncio.wait_for(self.agent(client, item), self.config.episode_timeout)
         finally:  # the engine, not the agent, failed (even if the agent caught it): stop the run
             if client.engine_failure is not None:
                 raise client.engine_failure
+        return client, reward
+
+    async def _episode(self, engine: InferenceEngine, item: dict, group_id: str, index: int) -> list[Trajectory]:
+        client, reward = await self._run_agent(engine, item, group_id, index)
         if isinstance(reward, bool) or not isinstance(reward, (int, float)):
             raise TypeError(f"the agent returned {reward!r}; it must return the episode reward (a float)")
         self.counts["calls"] += len({c.turn for c in client.calls})
         trajs, fell_back = episode_trajectories(
             client.calls, client.call_rewards, float(reward), self.config.gamma, self.config.trajectory,
             self.config.on_template_mismatch, f"{group_id}/{index}", group_id, self.tokenizer)
-        self.counts["template_fallbacks"] += int(fell_back)
+        self.counts["template_fallbacks"] += int(bool(fell_back))
+        if fell_back and self.counts["template_fallbacks"] == 1:  # say once why concat did not run
+            logger.warning("episode %s/%d fell back to per-call trajectories: %s", group_id, index, fell_back)
         return trajs
 
     def _record(self, failed: bool, item_id: str, error: BaseException | None) -> None:

@@ -111,16 +111,16 @@ def episode_trajectories(
     calls: list[Call], call_rewards: dict[int, float], episode_reward: float, gamma: float,
     shape: Literal["per_call", "concat"], on_mismatch: Literal["error", "per_call"],
     sample_id: str, group_id: str, tokenizer: Any = None,
-) -> tuple[list[Trajectory], bool]:  # fmt: skip
-    """(the episode's trajectories, whether concat fell back to per_call)."""
+) -> tuple[list[Trajectory], str | None]:  # fmt: skip
+    """(the episode's trajectories, why concat fell back to per_call, or None when it did not)."""
     if not calls:
         raise ValueError("the agent made no model call, so there is nothing to train on")
     returns = episode_returns(calls[-1].turn + 1, call_rewards, episode_reward, gamma)
     if shape == "per_call":
-        return per_call_trajectories(calls, returns, sample_id, group_id), False
+        return per_call_trajectories(calls, returns, sample_id, group_id), None
     try:
-        return [concat_trajectory(calls, returns, sample_id, group_id, tokenizer)], False
-    except TemplateMismatch:
+        return [concat_trajectory(calls, returns, sample_id, group_id, tokenizer)], None
+    except TemplateMismatch as e:
         if on_mismatch == "error":
             raise
-        return per_call_trajectories(calls, returns, sample_id, group_id), True
+        return per_call_trajectories(calls, returns, sample_id, group_id), str(e)

@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from areal.api.config.base import GenerationHyperparameters
@@ -44,6 +45,8 @@ from areal.utils.tool_calls import extract_tool_calls, tool_choice_prefill
 _KNOWN = {"messages", "model", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p",
           "max_tokens", "max_completion_tokens", "n", "stop", "seed", "logprobs", "top_logprobs",
           "stream", "user"}
+_KNOWN_TEXT = {"prompt", "model", "temperature", "top_p", "max_tokens", "n", "stop", "seed", "logprobs",
+               "stream", "user", "echo", "best_of", "suffix"}
 
 
 @dataclass
@@ -246,6 +249,28 @@ class ArealOpenAI:
             raise ValueError(f"n: expected a positive int, got {n!r}")
         return n
 
+    async def _generate(self, prompt: list[int], prefill: int, gconfig: GenerationHyperparameters,
+                        n: int, seed: Any, id_prefix: str = "chatcmpl") -> tuple[str, list[ModelResponse]]:
+        """Generate ``n`` completions of ``prompt`` and record a :class:`Call` for each: (the
+        completion id, the responses). The one recording path of chat and text completions, in
+        process and through the agent proxy (areal.workflow.agent_proxy)."""
+        reqs = [ModelRequest(input_ids=list(prompt), gconfig=gconfig, group_id=self.group_id,
+                             seed=None if seed is None else seed + i) for i in range(n)]
+        try:
+            resps = await asyncio.gather(*(self.engine.agenerate(r) for r in reqs))
+        except Exception as e:  # the engine retried and failed over already: infrastructure
+            self.engine_failure = EngineFailure(f"inference engine failed under an agent call: {e!r}")
+            raise self.engine_failure from e
+        turn, cid = len(self._turn_of), f"{id_prefix}-{uuid.uuid4().hex}"
+        self._turn_of[cid] = turn
+        for i, r in enumerate(resps):
+            if r.stop_reason not in ("stop", "length"):
+                self.engine_failure = EngineFailure(f"generation ended with {r.stop_reason!r}")
+                raise self.engine_failure
+            self.calls.append(Call(turn, i, cid, list(prompt), list(r.output_ids), list(r.output_logprobs),
+                                   list(r.output_versions), r.stop_reason, prefill))
+        return cid, resps
+
     async def create(self, **kw: Any) -> ChatCompletion:
         """Render, generate ``n`` completions, parse tool calls, record, answer."""
         n = self._check_args(kw)
@@ -254,31 +279,53 @@ class ArealOpenAI:
         prompt = render_prompt(self.tokenizer, clean_messages(kw.get("messages")), tools, self._generated)
         opening = encode(self.tokenizer, prefill) if prefill else []  # prompt, as on the server
         prompt += opening
-        gconfig, seed = self._gconfig(kw), kw.get("seed")
-        reqs = [ModelRequest(input_ids=list(prompt), gconfig=gconfig, group_id=self.group_id,
-                             seed=None if seed is None else seed + i) for i in range(n)]
-        try:
-            resps = await asyncio.gather(*(self.engine.agenerate(r) for r in reqs))
-        except Exception as e:  # the engine retried and failed over already: infrastructure
-            self.engine_failure = EngineFailure(f"inference engine failed under an agent call: {e!r}")
-            raise self.engine_failure from e
-        turn, cid = len(self._turn_of), f"chatcmpl-{uuid.uuid4().hex}"
-        self._turn_of[cid] = turn
+        gconfig = self._gconfig(kw)
+        cid, resps = await self._generate(prompt, len(opening), gconfig, n, kw.get("seed"))
         choices = []
         for i, r in enumerate(resps):
-            if r.stop_reason not in ("stop", "length"):
-                self.engine_failure = EngineFailure(f"generation ended with {r.stop_reason!r}")
-                raise self.engine_failure
-            self.calls.append(Call(turn, i, cid, list(prompt), list(r.output_ids), list(r.output_logprobs),
-                                   list(r.output_versions), r.stop_reason, len(opening)))
             choices.append(self._choice(i, r, gconfig, prefill, parse_calls, bool(kw.get("logprobs"))))
             message = choices[-1]["message"]
-            self._generated[signature(message["content"], message.get("tool_calls", []))] = self.calls[-1]
+            self._generated[signature(message["content"], message.get("tool_calls", []))] = \
+                self.calls[len(self.calls) - n + i]
         n_out = sum(len(r.output_ids) for r in resps)
         return ChatCompletion.model_validate({
             "id": cid, "object": "chat.completion", "created": int(time.time()), "model": kw.get("model") or self.model,
             "choices": choices, "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out,
                                           "total_tokens": len(prompt) + n_out}})
+
+    async def complete(self, **kw: Any) -> Completion:
+        """``completions.create`` (the legacy text API): ``prompt`` as a string or token ids,
+        generated and recorded as a chat call is; no chat template, no tool parsing."""
+        unknown = sorted(set(kw) - _KNOWN_TEXT)
+        if unknown:
+            raise TypeError(f"completions.create: unsupported arguments {unknown} (supported: {sorted(_KNOWN_TEXT)})")
+        if kw.get("echo") or kw.get("best_of") not in (None, 1) or kw.get("suffix"):
+            raise ValueError("echo, best_of and suffix: not available in training; leave them unset")
+        n = self._check_args({"n": kw.get("n"), "stream": kw.get("stream")})
+        prompt = kw.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, str) and prompt:
+            ids = encode(self.tokenizer, prompt)
+        else:
+            raise ValueError("prompt: expected a non-empty string or list of token ids (one prompt per call)")
+        gconfig = self._gconfig(kw)
+        cid, resps = await self._generate(ids, 0, gconfig, n, kw.get("seed"), "cmpl")
+        choices = []
+        for i, r in enumerate(resps):
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+            cuts = [text.find(s) for s in gconfig.stop if s and s in text]
+            lp = None
+            if kw.get("logprobs"):
+                lp = {"tokens": [self.tokenizer.decode([t]) for t in r.output_ids],
+                      "token_logprobs": list(r.output_logprobs)}
+            choices.append({"index": i, "text": text[:min(cuts)] if cuts else text, "logprobs": lp,
+                            "finish_reason": r.stop_reason})
+        n_out = sum(len(r.output_ids) for r in resps)
+        return Completion.model_validate({
+            "id": cid, "object": "text_completion", "created": int(time.time()),
+            "model": kw.get("model") or self.model, "choices": choices,
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}})
 
     def _choice(self, index: int, r: ModelResponse, g: GenerationHyperparameters, prefill: str,
                 parse_calls: bool, logprobs: bool) -> dict:

@@ -136,6 +136,25 @@ class AgentConfig:
         0.5, ge=0, le=1, help="Stop the run when more than this fraction of the last 64 episodes "
         "raised (an agent bug, not bad luck)."
     )
+    command: str = param(
+        "", help="type=agent_cmd: the agent's command line (split like a shell would, run without "
+        "one), e.g. 'python my_agent.py'; started once per episode with OPENAI_BASE_URL and "
+        "OPENAI_API_KEY set to its session on the agent proxy and the item as JSON on stdin. The "
+        "episode ends when it POSTs {\"reward\": r} to $OPENAI_BASE_URL/reward."
+    )
+    reward_path: str = param(
+        "", help="type=agent_cmd: import path 'module:function' of `reward(item, stdout) -> float`, "
+        "called when the agent exits with code 0 without posting a reward; empty: such an episode "
+        "fails (counted, dropped)."
+    )
+    max_agents: int = param(
+        0, ge=0, help="type=agent_cmd: agent processes running at once in this trainer process (0 = "
+        "no cap beyond rollout.max_concurrent_rollouts x gconfig.n_samples)."
+    )
+    max_request_mb: float = param(
+        16.0, gt=0, help="type=agent_cmd: largest request body the agent proxy accepts (MiB); a "
+        "larger one gets 413."
+    )
 
 
 @dataclass(frozen=True)
@@ -146,7 +165,9 @@ class WorkflowConfig:
         "rlvr", help="rlvr: one answer per sample (RLVRWorkflow); multi_turn: retry with feedback "
         "after a wrong answer, up to max_turns (MultiTurnWorkflow); or your RolloutWorkflow subclass "
         "by import path 'module:Class', built as Class(reward, gconfig, tokenizer); agent: the "
-        "openai-client agent function workflow.agent.path names (AgentWorkflow)."
+        "openai-client agent function workflow.agent.path names (AgentWorkflow); agent_cmd: the "
+        "agent program workflow.agent.command names, in its own process, through the agent proxy "
+        "(AgentCommandWorkflow)."
     )
     max_turns: int = param(1, ge=1, help="Multi-turn: attempts per episode (1 = single turn).")
     turn_discount: float = param(
@@ -166,8 +187,14 @@ class WorkflowConfig:
         if self.type == "agent" and not IMPORT_PATH.fullmatch(self.agent.path):
             yield (f"agent.path: {self.agent.path!r} is not an import path 'module:function'; name "
                    "your agent, e.g. agent_arithmetic:calculator_agent (a .py beside the entry script)")
-        if self.type not in ("rlvr", "multi_turn", "agent") and not IMPORT_PATH.fullmatch(self.type):
-            yield (f"type: {self.type!r} is not rlvr, multi_turn, agent or an import path 'module:Class' "
+        if self.type == "agent_cmd" and not self.agent.command.strip():
+            yield ("agent.command: empty with type=agent_cmd; name the agent program, e.g. "
+                   "'python examples/agent_arithmetic_sdk.py'")
+        if self.agent.reward_path and not IMPORT_PATH.fullmatch(self.agent.reward_path):
+            yield (f"agent.reward_path: {self.agent.reward_path!r} is not an import path 'module:function' "
+                   "(e.g. my_rewards:score_stdout); leave it empty when the agent posts its reward")
+        if self.type not in ("rlvr", "multi_turn", "agent", "agent_cmd") and not IMPORT_PATH.fullmatch(self.type):
+            yield (f"type: {self.type!r} is not rlvr, multi_turn, agent, agent_cmd or an import path 'module:Class' "
                    "(e.g. my_workflows:SignalOnlyWorkflow, my_workflows.py beside the entry script)")
         if self.type == "rlvr" and self.max_turns > 1:
             yield (f"max_turns: {self.max_turns} has no effect with type=rlvr (one turn); set "

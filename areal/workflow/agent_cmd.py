@@ -1,0 +1,190 @@
+"""Train an agent that runs as its own program (``workflow.type: agent_cmd``; docs/agents.md,
+"Bring your own agent").
+
+Per episode the workflow opens a session on its :class:`~areal.workflow.agent_proxy.AgentProxy`
+and starts ``workflow.agent.command`` with ``OPENAI_BASE_URL`` (the proxy's ``/v1``) and
+``OPENAI_API_KEY`` (the session's key) in its environment and the dataset item as one JSON
+object on its stdin. The agent makes its calls with whatever client it likes; each is recorded
+in tokens by the same code as the in-process path (:class:`AgentWorkflow`, whose failure
+accounting and trajectory building this class inherits). The episode ends:
+
+* when the agent POSTs ``{"reward": r}`` to ``$OPENAI_BASE_URL/reward`` (the process is given
+  :data:`EXIT_GRACE` seconds to exit, then killed);
+* when it exits with code 0 without posting, if ``workflow.agent.reward_path`` names
+  ``reward(item, stdout) -> float``: that is the reward;
+* otherwise as a failure, counted and dropped with its group: an exit without a reward (a
+  crash, a kill: the session ends with the process, other sessions go on), or the deadline
+  ``workflow.agent.episode_timeout`` passing (the process group is killed; counted apart as
+  ``agent/deadline_drops`` and logged with the episode's name).
+
+Each agent's stderr goes to ``<log_dir>/agent_stderr.log``, every line prefixed with its
+episode's name (at most :data:`STDERR_LIMIT` bytes per episode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+from areal.api.config.base import GenerationHyperparameters
+from areal.api.config.reward import AgentConfig
+from areal.api.engine import InferenceEngine
+from areal.api.io import Trajectory
+from areal.utils.imports import import_by_path
+from areal.utils.logging import get_logger
+from areal.utils.process import parent_death_signal
+from areal.workflow.agent import AgentWorkflow
+from areal.workflow.agent_proxy import AgentProxy
+from areal.workflow.openai_client import ArealOpenAI
+
+logger = get_logger("agent_cmd")
+EXIT_GRACE = 5.0  # seconds an agent may take to exit after posting its reward
+STDERR_LIMIT = 65536  # bytes of one agent's stderr kept in the log
+STDOUT_LIMIT = 1 << 20  # bytes of one agent's stdout kept for the reward function
+
+
+def command_problems(config: AgentConfig) -> list[str]:
+    """What keeps ``workflow.agent.command`` (and ``reward_path``) from running, checked before
+    the run starts: a program not found, a reward function that does not import."""
+    problems = []
+    argv = shlex.split(config.command)
+    if argv and shutil.which(argv[0]) is None:
+        problems.append(f"workflow.agent.command: program {argv[0]!r} is not found (not a file, not on "
+                        "PATH); give its path, e.g. 'python my_agent.py'")
+    if config.reward_path:
+        try:
+            import_by_path(config.reward_path, "workflow.agent.reward_path")
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
+
+
+class AgentEpisodeError(RuntimeError):
+    """The agent process ended its episode without a reward (exit, crash, kill, deadline)."""
+
+
+class AgentCommandWorkflow(AgentWorkflow):
+    """``n_samples`` episodes of an agent program per item, through the agent proxy."""
+
+    def __init__(self, config: AgentConfig, gconfig: GenerationHyperparameters, tokenizer: Any,
+                 log_dir: Path | None = None):
+        if not config.command.strip():
+            raise ValueError("workflow.agent.command: empty; name the agent program, e.g. 'python my_agent.py'")
+        super().__init__(config, gconfig, tokenizer)
+        self.argv = shlex.split(config.command)
+        self.reward_fn = import_by_path(config.reward_path, "workflow.agent.reward_path") \
+            if config.reward_path else None
+        self.log_path = None if log_dir is None else Path(log_dir) / "agent_stderr.log"
+        self.counts["deadline_drops"] = 0
+        self.proxy = AgentProxy(tokenizer, int(config.max_request_mb * (1 << 20)))
+        self._started: asyncio.Task | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    def stats(self) -> dict[str, float]:
+        """The agent counters, plus the proxy's sessions open right now."""
+        return {**super().stats(), "agent/open_sessions": float(self.proxy.open_sessions)}
+
+    async def _start(self) -> None:
+        """Start the proxy on this (the executor's) loop, once."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self.proxy.start())
+            if self.config.max_agents:
+                self._slots = asyncio.Semaphore(self.config.max_agents)
+        await asyncio.shield(self._started)
+
+    async def aclose(self) -> None:
+        """Stop the proxy (on the loop it runs on)."""
+        await self.proxy.stop()
+
+    async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> list[Trajectory] | None:
+        await self._start()
+        return await super().arun_episode(engine, item)
+
+    async def _run_agent(self, engine: InferenceEngine, item: dict, group_id: str,
+                         index: int) -> tuple[ArealOpenAI, Any]:
+        name = f"{group_id}/{index}"
+        key, session = self.proxy.open(engine, self.gconfig, group_id, name)
+        try:
+            if self._slots is None:
+                return session.client, await self._supervise(key, session, item, name)
+            async with self._slots:
+                return session.client, await self._supervise(key, session, item, name)
+        finally:
+            self.proxy.close(key)
+            if session.client.engine_failure is not None:  # infrastructure: stops the run
+                raise session.client.engine_failure
+
+    async def _supervise(self, key: str, session, item: dict, name: str) -> float:
+        """Run the agent until it posts a reward, exits, or its deadline passes."""
+        env = {**os.environ, "OPENAI_BASE_URL": self.proxy.base_url, "OPENAI_API_KEY": key}
+        proc = await asyncio.create_subprocess_exec(
+            *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,
+            preexec_fn=parent_death_signal(signal.SIGKILL))
+        pipes = asyncio.gather(_read(proc.stdout, STDOUT_LIMIT), self._log_stderr(proc.stderr, name))
+        try:
+            proc.stdin.write(json.dumps(item, default=str).encode() + b"\n")
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the agent exited before reading its item: judged by its exit below
+        ended = asyncio.ensure_future(session.ended.wait())
+        exited = asyncio.ensure_future(proc.wait())
+        try:
+            await asyncio.wait([ended, exited], timeout=self.config.episode_timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if session.reward is not None:
+                await asyncio.wait([exited], timeout=EXIT_GRACE)
+                return session.reward
+            if not exited.done():
+                self.counts["deadline_drops"] += 1
+                logger.warning("agent %s passed its deadline (workflow.agent.episode_timeout=%s s): "
+                               "killed, dropped", name, self.config.episode_timeout)
+                raise AgentEpisodeError(
+                    f"agent {name} posted no reward within workflow.agent.episode_timeout="
+                    f"{self.config.episode_timeout} s; killed and dropped")
+            stdout, _ = await pipes
+            return await self._exit_reward(proc.returncode, stdout, item, name)
+        finally:
+            _kill(proc)
+            ended.cancel()
+            await asyncio.gather(exited, pipes, return_exceptions=True)
+
+    async def _exit_reward(self, code: int, stdout: bytes, item: dict, name: str) -> float:
+        """The reward of an agent that exited without posting one (module docstring)."""
+        if code != 0 or self.reward_fn is None:
+            where = f"; its stderr is in {self.log_path}" if self.log_path else ""
+            raise AgentEpisodeError(f"agent {name} exited with code {code} without posting a reward{where}")
+        return float(await asyncio.to_thread(self.reward_fn, item, stdout.decode(errors="replace")))
+
+    async def _log_stderr(self, stream: asyncio.StreamReader, name: str) -> None:
+        """Copy the agent's stderr into the run's log, lines prefixed by the episode's name."""
+        kept = 0
+        while line := await stream.readline():
+            if self.log_path is not None and kept < STDERR_LIMIT:
+                kept += len(line)
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.log_path, "a", errors="replace") as f:
+                    f.write(f"[{name}] {line.decode(errors='replace').rstrip()}\n")
+
+
+async def _read(stream: asyncio.StreamReader, limit: int) -> bytes:
+    """Everything ``stream`` says, the first ``limit`` bytes kept."""
+    out = b""
+    while chunk := await stream.read(65536):
+        out += chunk[: max(0, limit - len(out))]
+    return out
+
+
+def _kill(proc: asyncio.subprocess.Process) -> None:
+    """Kill the agent's whole process group (it may have started children, which outlive it)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already

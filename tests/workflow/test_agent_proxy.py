@@ -1,0 +1,207 @@
+"""The agent proxy and ``workflow.type: agent_cmd`` over a scripted engine: the real ``openai``
+client in an agent process (tests/workflow/proxy_agent.py) trains through the proxy, each call
+recorded in tokens as the in-process client records it; a killed agent loses only its session; an
+agent that never posts a reward is dropped at its deadline; keys reach only their own session;
+hostile calls get clear 4xx and leave the proxy serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from areal.api.config.base import GenerationHyperparameters
+from areal.api.config.reward import AgentConfig
+from areal.api.engine import InferenceEngine
+from areal.api.io import ModelRequest, ModelResponse
+from areal.workflow.agent_cmd import AgentCommandWorkflow
+from areal.workflow.agent_proxy import AgentProxy
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n</tool_call>'
+AGENT = f"{sys.executable} {Path(__file__).with_name('proxy_agent.py')}"
+G = GenerationHyperparameters(n_samples=2, max_new_tokens=64)
+
+
+class ToolThenAnswer(InferenceEngine):
+    """Calls the calculator until the prompt holds a tool result, then answers ``84``; logprob
+    -0.25 - 0.01 * i for the i-th token; the version goes up by one after every call."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.version, self.responses = tokenizer, 0, []
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        await asyncio.sleep(0.01)
+        prompt = self.tokenizer.decode(req.input_ids)
+        text = "84" if "<|im_start|>tool" in prompt or "<|im_start|>" not in prompt else CALL
+        out = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        resp = ModelResponse(list(req.input_ids), out, [-0.25 - 0.01 * i for i in range(len(out))],
+                             [self.version] * len(out), "stop")
+        self.version += 1
+        self.responses.append(resp)
+        return resp
+
+    def update_weights(self, meta) -> None: ...
+    def get_version(self) -> int: return self.version
+    def set_version(self, version: int) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+
+
+def _item(i: int, **flags) -> dict:
+    return {"id": f"q{i}", "messages": [{"role": "user", "content": "12 * 7 = ?"}], "reference": "84", **flags}
+
+
+def _workflow(tokenizer, tmp_path, **agent) -> AgentCommandWorkflow:
+    config = AgentConfig(command=AGENT, **{"episode_timeout": 60.0, **agent})
+    return AgentCommandWorkflow(config, G, tokenizer, log_dir=tmp_path / "logs")
+
+
+def test_openai_client_in_a_subprocess_trains_through_the_proxy(tiny_tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("PROXY_AGENT_OUT", str(tmp_path))
+    engine, wf = ToolThenAnswer(tiny_tokenizer), _workflow(tiny_tokenizer, tmp_path)
+
+    async def run():
+        try:
+            return await wf.arun_episode(engine, _item(0))
+        finally:
+            await wf.aclose()
+
+    group = asyncio.run(run())
+    assert len(group) == G.n_samples and all(t.reward == 1.0 for t in group)
+    for t in group:  # concat: the tool call, the tool's result untrained, the answer
+        trained = [tok for tok, m in zip(t.completion_ids, t.loss_mask) if m]
+        assert trained == engine.responses[0].output_ids + engine.responses[-1].output_ids
+        assert t.loss_mask[0] == 1 and 0 in t.loss_mask
+        calls = [v for v, m in zip(t.versions, t.loss_mask) if m]
+        # the version went up between the calls: each token keeps the version that produced it
+        assert len(set(calls)) == 2 and all(v == -1 for v, m in zip(t.versions, t.loss_mask) if not m)
+    # the agent was answered exactly the recorded logprobs
+    seen = [json.loads(p.read_text()) for p in tmp_path.glob("q0-*.json")]
+    recorded = {tuple(t.logprobs[i] for i, m in enumerate(t.loss_mask) if m) for t in group}
+    assert {tuple(x for lp in s["logprobs"] for x in lp) for s in seen} == recorded
+    assert "agent q0 answered '84'" in (tmp_path / "logs" / "agent_stderr.log").read_text()
+    assert wf.stats()["agent/episodes_failed"] == 0 and wf.proxy.open_sessions == 0
+
+
+def test_streamed_and_text_completions_are_recorded_like_chat(tiny_tokenizer, tmp_path):
+    engine, wf = ToolThenAnswer(tiny_tokenizer), _workflow(tiny_tokenizer, tmp_path)
+
+    async def run():
+        try:
+            return await asyncio.gather(wf.arun_episode(engine, _item(1, stream=True)),
+                                        wf.arun_episode(engine, _item(2, text=True)))
+        finally:
+            await wf.aclose()
+
+    streamed, text = asyncio.run(run())
+    assert all(t.reward == 1.0 for t in streamed + text)
+    assert all(t.loss_mask.count(0) > 0 for t in streamed)  # two calls, the tool result between
+    assert all(0 not in t.loss_mask for t in text)  # one text completion
+
+
+def test_a_killed_agent_loses_only_its_session_and_a_silent_one_is_dropped_at_its_deadline(
+        tiny_tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("PROXY_AGENT_OUT", str(tmp_path))
+    engine = ToolThenAnswer(tiny_tokenizer)
+    wf = _workflow(tiny_tokenizer, tmp_path, episode_timeout=8.0, max_agents=4)
+
+    async def run():
+        try:
+            return await asyncio.gather(wf.arun_episode(engine, _item(3, die=True)),
+                                        wf.arun_episode(engine, _item(4, hang=True)),
+                                        wf.arun_episode(engine, _item(5)))
+        finally:
+            await wf.aclose()
+
+    killed, silent, fine = asyncio.run(run())
+    assert killed is None and silent is None and len(fine) == G.n_samples
+    stats = wf.stats()
+    assert stats["agent/episodes_failed"] == 4 and stats["agent/groups_dropped"] == 2
+    assert stats["agent/deadline_drops"] == 2
+    for seen in tmp_path.glob("q4-*.json"):  # the silent agents were killed at their deadline
+        with pytest.raises(ProcessLookupError):
+            os.kill(json.loads(seen.read_text())["pid"], 0)
+
+
+def test_an_agent_that_exits_without_posting_is_scored_by_the_reward_function(tiny_tokenizer, tmp_path):
+    engine = ToolThenAnswer(tiny_tokenizer)
+    wf = _workflow(tiny_tokenizer, tmp_path, reward_path="tests.workflow.test_agent_proxy:stdout_reward")
+
+    async def run():
+        try:
+            return await wf.arun_episode(engine, _item(6, no_reward=True))
+        finally:
+            await wf.aclose()
+
+    assert [t.reward for t in asyncio.run(run())] == [0.5, 0.5]
+
+
+def stdout_reward(item: dict, stdout: str) -> float:
+    """0.5 when the agent printed the reference (the test's reward function by import path)."""
+    return 0.5 if stdout.strip() == item["reference"] else 0.0
+
+
+async def _post(http, url, key=None, data=None, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with http.post(url, data=data, headers=headers, **kw) as r:
+        return r.status, await r.json()
+
+
+def test_keys_reach_only_their_session_and_hostile_calls_get_clear_4xx(tiny_tokenizer):
+    async def run():
+        proxy = AgentProxy(tiny_tokenizer, max_request_bytes=1 << 16)
+        base = await proxy.start()
+        engine = ToolThenAnswer(tiny_tokenizer)
+        key_a, a = proxy.open(engine, G, "qa", "qa/0")
+        key_b, b = proxy.open(engine, G, "qb", "qb/0")
+        chat = json.dumps({"model": "areal", "messages": [{"role": "user", "content": "hi"}]})
+        try:
+            async with aiohttp.ClientSession() as http:
+                assert (await _post(http, f"{base}/chat/completions", key_a, chat))[0] == 200
+                assert len(a.client.calls) == 1 and not b.client.calls  # A's call went to A only
+                status, body = await _post(http, f"{base}/reward", key_a, json.dumps({"reward": 1}))
+                assert status == 200 and a.reward == 1.0 and b.reward is None and not b.ended.is_set()
+                hostile = [
+                    (key_a, chat, 401, "unknown or ended session"),  # reused key after the end
+                    ("areal-guess", chat, 401, "unknown or ended session"),
+                    (None, chat, 401, "unknown or ended session"),
+                    (key_b, "{not json", 400, "not JSON"),
+                    (key_b, "[1, 2]", 400, "JSON object"),
+                    (key_b, json.dumps({"messages": []}), 400, "messages"),
+                    (key_b, json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": 0.1}),
+                     400, "temperature"),
+                    (key_b, json.dumps({"messages": [{"role": "user", "content": "x" * (1 << 17)}]}),
+                     413, "max_request_mb"),
+                ]
+                for key, data, want, says in hostile:
+                    status, body = await _post(http, f"{base}/chat/completions", key, data)
+                    assert status == want and says in body["error"]["message"], (data[:40], status, body)
+                    assert key_b[6:] not in json.dumps(body)  # no key ever echoed
+                status, body = await _post(http, f"{base}/reward", key_b, json.dumps({"reward": "high"}))
+                assert status == 400 and "reward" in body["error"]["message"]
+                await _thousand_sessions(http, proxy, engine, base)
+                assert (await _post(http, f"{base}/chat/completions", key_b, chat))[0] == 200  # still serving
+                assert len(b.client.calls) == 1
+        finally:
+            await proxy.stop()
+
+    asyncio.run(run())
+
+
+async def _thousand_sessions(http, proxy, engine, base) -> None:
+    """1000 sessions at once, each posting a reward, half of them after a bad call."""
+    keys = [proxy.open(engine, G, f"s{i}", f"s{i}/0") for i in range(1000)]
+
+    async def one(i, key):
+        if i % 2:
+            assert (await _post(http, f"{base}/completions", key, "{"))[0] == 400
+        return await _post(http, f"{base}/reward", key, json.dumps({"reward": i}))
+
+    answers = await asyncio.gather(*(one(i, k) for i, (k, _) in enumerate(keys)))
+    assert all(status == 200 for status, _ in answers)
+    assert [s.reward for _, s in keys] == list(range(1000))
