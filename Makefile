@@ -27,6 +27,10 @@ $(STAMP): $(VPY) pyproject.toml
 		|| (test "$$(id -u)" = 0 && (DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge \
 		|| (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge))) \
 		|| echo 'Slurm missing: run apt-get install slurmctld slurmd slurm-client munge as root, or the Slurm launcher tests skip'
+	@# chromium, chromium-driver: the browser test of `areal view` (tests/examples/test_viewer.py)
+	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || (test "$$(id -u)" = 0 && (DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium chromium-driver \
+		|| (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium chromium-driver))) \
+		|| echo 'chromium missing: run apt-get install chromium chromium-driver as root, or the viewer browser test skips'
 	$(VPY) -m pip install -q --upgrade pip
 ifeq ($(CUDA_TORCH),1)
 	$(VPY) -m pip install -q -e '.[test]'

@@ -51,6 +51,13 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _view(args: argparse.Namespace) -> int:
+    from areal.utils.viewer import serve
+
+    serve(args.run_dirs, args.port)
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from areal.api.config import ConfigError, load_config
     from areal.api.config.server import GenerationServerConfig
@@ -172,6 +179,14 @@ def _add_local_artifacts(sub) -> None:
     p.set_defaults(func=_dpo_pairs)
 
 
+def _add_run_tools(sub) -> None:
+    """Subcommands that look into a finished or running run dir: view."""
+    p = sub.add_parser("view", help="a run viewer in the browser: curves, samples, tokens by version (loopback)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run dir(s); several are drawn in the same charts")
+    p.add_argument("--port", type=int, default=8765, help="TCP port on 127.0.0.1 (0 = any free port)")
+    p.set_defaults(func=_view)
+
+
 CORE_ACTIONS = ("graph: print nodes, edges, models and meshes; sft: SFT through the master; sync-ppo: sync "
                 "PPO/GRPO through the master (servers started by the local launcher); async-ppo: async PPO/GRPO, "
                 "rollout workers and the generation manager on Ray; status RUN_DIR: an async-ppo run's manager "
@@ -186,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     _add_local_artifacts(sub)
+    _add_run_tools(sub)
     p = sub.add_parser("quickstart", help="the embedded demo on this machine (CPU, no network)")
     p.add_argument("--out", default="runs/quickstart", help="output directory")
     p.add_argument("--task", choices=["arithmetic", "tools"], default="arithmetic",

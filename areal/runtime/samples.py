@@ -1,11 +1,19 @@
 """Trained samples on disk, for ``areal view``: one Parquet file per recorded step and rank.
 
 ``RUN_DIR/samples/step-<step:06d>-rank<r>.parquet`` holds one row per trained sequence of that
-step on that rank (columns: :data:`COLUMNS`). Each file is written to a temporary name and
+step on that rank (columns: the module docstring). Each file is written to a temporary name and
 renamed, so a killed run leaves every step it finished readable and no half-written file. A
 resume drops the files of steps after its checkpoint (they are trained, and recorded, again). A
 fresh run of the same trial moves an earlier run's ``samples/`` aside to ``samples.<k>``, as
 :class:`~areal.utils.stats_logger.StatsLogger` does with stats.jsonl.
+
+Columns: ``step``, ``rank``, ``index`` (position in that rank's batch), ``group``, ``sample_id``,
+``status``, ``reward``, ``advantage`` (mean over its trained tokens), ``trainer_version`` (the
+weights it was trained on), ``staleness`` (trainer_version minus the oldest version among its
+trained tokens), ``prompt_len``, ``length`` (completion tokens), ``prompt_text``,
+``completion_text``, ``prompt_ids``, ``completion_ids``, and per completion token
+``completion_tokens`` (each decoded on its own), ``versions`` (-1: injected, not sampled),
+``loss_mask``, ``behav_logp`` (the server's), ``trainer_logp``, ``advantages``.
 
 Per-token lists cover the completion only. ``trainer_logp`` is the trainer's proximal logprob
 (``prox_logp``) when the step computed one (``actor.recompute_prox_logp``, several minibatches,
@@ -15,44 +23,18 @@ KL in the reward), else null: the update's own forward is not kept.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from areal.utils.batch import PackedBatch
 from areal.utils.logging import get_logger
+from areal.utils.samples import SAMPLES_DIR, sample_files
 
 if TYPE_CHECKING:
     from areal.api.config.base import SamplesConfig
     from areal.api.io import Trajectory
 
 logger = get_logger("samples")
-
-SAMPLES_DIR = "samples"
-FILE_RE = re.compile(r"step-(\d+)-rank(\d+)\.parquet")
-COLUMNS = {  # name -> what it holds
-    "step": "the step that trained the sample", "rank": "the trainer rank that trained it",
-    "index": "its position in that rank's batch", "group": "group id (dataset item)",
-    "sample_id": "sample id", "status": "rollout status", "reward": "scalar reward",
-    "advantage": "mean advantage over its trained tokens",
-    "trainer_version": "the trainer's weight version when it was trained",
-    "staleness": "trainer_version minus the oldest version among its trained tokens",
-    "prompt_len": "prompt tokens", "length": "completion tokens",
-    "prompt_text": "the prompt", "completion_text": "the completion",
-    "prompt_ids": "prompt token ids", "completion_ids": "completion token ids",
-    "completion_tokens": "each completion token decoded on its own",
-    "versions": "weight version of each completion token (-1: injected, not sampled)",
-    "loss_mask": "1 = trained on", "behav_logp": "behaviour (server) logprob per token",
-    "trainer_logp": "trainer's proximal logprob per token, or null", "advantages": "per-token advantage",
-}
-
-
-def sample_files(run_dir: str | Path) -> list[tuple[int, int, Path]]:
-    """``(step, rank, path)`` of every recorded step file of RUN_DIR, in step then rank order."""
-    root = Path(run_dir) / SAMPLES_DIR
-    found = [(int(m[1]), int(m[2]), p) for p in root.glob("step-*-rank*.parquet") if (m := FILE_RE.fullmatch(p.name))]
-    return sorted(found)
-
 
 class SampleRecorder:
     """Writes each recorded step's trained samples of this rank (see the module docstring)."""
@@ -98,7 +80,7 @@ class SampleRecorder:
 
     def rows(self, step: int, groups: Sequence[Sequence[Trajectory]], batch: PackedBatch,
              version: int) -> list[dict[str, Any]]:
-        """One dict per sequence of ``batch`` (columns: :data:`COLUMNS`)."""
+        """One dict per sequence of ``batch`` (columns: the module docstring)."""
         trajs = [t for g in groups for t in g]
         if len(trajs) != batch.n_seqs:
             raise ValueError(f"{len(trajs)} trajectories but the batch holds {batch.n_seqs} sequences; "

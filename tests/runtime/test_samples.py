@@ -7,7 +7,8 @@ import pyarrow.parquet as pq
 from areal.api.config.base import SamplesConfig
 from areal.api.io import RolloutStatus, Trajectory
 from areal.rollout.trajectory import groups_to_batch
-from areal.runtime.samples import SampleRecorder, sample_files
+from areal.runtime.samples import SampleRecorder
+from areal.utils.samples import sample_files
 
 
 class _Tok:
