@@ -29,6 +29,7 @@ import os
 import shlex
 import shutil
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +50,20 @@ STDERR_LIMIT = 65536  # bytes of one agent's stderr kept in the log
 STDOUT_LIMIT = 1 << 20  # bytes of one agent's stdout kept for the reward function
 
 
+def command_argv(command: str) -> list[str]:
+    """``command`` split as a shell would; a leading ``python`` is this process's interpreter
+    (the trainer's environment, whatever is first on PATH)."""
+    argv = shlex.split(command)
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return argv
+
+
 def command_problems(config: AgentConfig) -> list[str]:
     """What keeps ``workflow.agent.command`` (and ``reward_path``) from running, checked before
     the run starts: a program not found, a reward function that does not import."""
     problems = []
-    argv = shlex.split(config.command)
+    argv = command_argv(config.command)
     if argv and shutil.which(argv[0]) is None:
         problems.append(f"workflow.agent.command: program {argv[0]!r} is not found (not a file, not on "
                         "PATH); give its path, e.g. 'python my_agent.py'")
@@ -77,7 +87,7 @@ class AgentCommandWorkflow(AgentWorkflow):
         if not config.command.strip():
             raise ValueError("workflow.agent.command: empty; name the agent program, e.g. 'python my_agent.py'")
         super().__init__(config, gconfig, tokenizer)
-        self.argv = shlex.split(config.command)
+        self.argv = command_argv(config.command)
         self.reward_fn = import_by_path(config.reward_path, "workflow.agent.reward_path") \
             if config.reward_path else None
         self.log_path = None if log_dir is None else Path(log_dir) / "agent_stderr.log"

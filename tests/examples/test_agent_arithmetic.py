@@ -1,6 +1,8 @@
-"""The agent example end to end (tier 2): examples/agent_arithmetic.yaml through ``areal launch
+"""The agent examples end to end (tier 2): examples/agent_arithmetic.yaml through ``areal launch
 local`` and the GRPO entry script with ``workflow.type=agent``, on the random tiny model: the
-openai-client agent's episodes train, eval runs the agent, and the agent counters are logged."""
+openai-client agent's episodes train, eval runs the agent, and the agent counters are logged;
+examples/agent_arithmetic_sdk.yaml the same with ``workflow.type=agent_cmd``: the OpenAI Agents
+SDK agent (the real openai client) in its own process per episode, through the agent proxy."""
 
 from __future__ import annotations
 
@@ -72,3 +74,22 @@ def test_agent_example_trains_through_the_grpo_script(launcher, tiny_model_dir):
         assert_finite(stats[step], ["reward/mean", "agent/episodes", "agent/episodes_failed", "loss/pg_loss"])
         assert stats[step]["agent/calls_per_episode"] >= 1.0
     assert stats[2]["agent/episodes"] >= 8  # two steps of 2 groups x 2 episodes
+
+
+@pytest.mark.slow
+def test_agents_sdk_program_trains_through_the_proxy_under_the_launcher(launcher, tiny_model_dir):
+    pytest.importorskip("agents", reason="openai-agents is in the test extra: pip install -e .[test]")
+    yaml = EXAMPLES / "agent_arithmetic_sdk.yaml"
+    run_dir = launcher.run("agent-sdk", GRPO_SCRIPT, yaml, [
+        f"actor.path={tiny_model_dir}", "total_train_steps=2", "train_dataset.batch_size=2",
+        "gconfig.n_samples=2", "gconfig.max_new_tokens=8", "eval_gconfig.max_new_tokens=8",
+        "rollout.max_concurrent_rollouts=2", "valid_dataset.arithmetic.n_test=2", "valid_dataset.batch_size=2",
+        "evaluator.freq_steps=null", f"workflow.agent.command=python {EXAMPLES / 'agent_arithmetic_sdk.py'}",
+        "workflow.agent.max_agents=4", "actor.dynamic_sampling=false",
+    ])  # fmt: skip
+    stats = train_steps(run_dir)
+    assert sorted(stats) == [0, 1, 2], sorted(stats)
+    for step in (1, 2):
+        assert_finite(stats[step], ["reward/mean", "agent/episodes", "loss/pg_loss"])
+        assert stats[step]["agent/calls_per_episode"] >= 1.0  # sessions of the next batch may be open
+    assert stats[2]["agent/episodes"] >= 8 and stats[2]["agent/deadline_drops"] == 0

@@ -205,3 +205,29 @@ async def _thousand_sessions(http, proxy, engine, base) -> None:
     answers = await asyncio.gather(*(one(i, k) for i, (k, _) in enumerate(keys)))
     assert all(status == 200 for status, _ in answers)
     assert [s.reward for _, s in keys] == list(range(1000))
+
+
+@pytest.mark.parametrize("example", ["agent_arithmetic_sdk.py", "agent_arithmetic_langgraph.py"])
+def test_framework_examples_run_their_agent_loop_through_the_proxy(example, tiny_tokenizer, tmp_path, monkeypatch):
+    pytest.importorskip("agents" if "sdk" in example else "langgraph",
+                        reason="the framework is in the test extra: pip install -e .[test]")
+    monkeypatch.setattr(sys.modules[__name__], "CALL",
+                        '<tool_call>\n{"name": "calc", "arguments": {"e": "12 * 7"}}\n</tool_call>')
+    engine = ToolThenAnswer(tiny_tokenizer)
+    config = AgentConfig(command=f"python {Path(__file__).parents[2] / 'examples' / example}", episode_timeout=60.0)
+    wf = AgentCommandWorkflow(config, G, tiny_tokenizer, log_dir=tmp_path)
+    item = {"id": "q7", "messages": [{"role": "user", "content": "12 * 7 = ? (answer)"}], "reference": "84"}
+
+    async def run():
+        try:
+            return await wf.arun_episode(engine, item)
+        finally:
+            await wf.aclose()
+
+    group = asyncio.run(run())
+    assert group is not None and [t.reward for t in group] == [1.0, 1.0]
+    # the framework's prompt is the in-process demo's: the bare question, the one calc(e) tool
+    first = tiny_tokenizer.decode(group[0].prompt_ids)
+    assert first == "<|im_start|>system\nTools:\ncalc(e)<|im_end|>\n<|im_start|>user\n12 * 7 = ?<|im_end|>\n" \
+                    "<|im_start|>assistant\n"
+    assert wf.stats()["agent/calls_per_episode"] == 2.0 and wf.stats()["agent/template_fallbacks"] == 0

@@ -138,7 +138,7 @@ class AgentConfig:
     )
     command: str = param(
         "", help="type=agent_cmd: the agent's command line (split like a shell would, run without "
-        "one), e.g. 'python my_agent.py'; started once per episode with OPENAI_BASE_URL and "
+        "one), e.g. 'python my_agent.py' (a leading python is the trainer's own interpreter); started once per episode with OPENAI_BASE_URL and "
         "OPENAI_API_KEY set to its session on the agent proxy and the item as JSON on stdin. The "
         "episode ends when it POSTs {\"reward\": r} to $OPENAI_BASE_URL/reward."
     )
