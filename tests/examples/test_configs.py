@@ -18,9 +18,9 @@ SCRIPT_BY_WORD = {"grpo": "gsm8k_grpo.py", "ppo": "gsm8k_grpo.py", "sft": "sft.p
                   "dpo": "dpo.py"}
 
 
-# workflow.type=agent / agent_cmd: the RL script
+# workflow.type=agent / agent_cmd, and on-policy distillation: the RL script
 SCRIPT_BY_NAME = {"agent_arithmetic.yaml": "gsm8k_grpo.py", "agent_arithmetic_sdk.yaml": "gsm8k_grpo.py",
-                  "agent_arithmetic_langgraph.yaml": "gsm8k_grpo.py"}
+                  "agent_arithmetic_langgraph.yaml": "gsm8k_grpo.py", "arithmetic_distill.yaml": "gsm8k_grpo.py"}
 
 
 def script_for(yaml_path: Path) -> Path:
