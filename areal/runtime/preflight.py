@@ -36,8 +36,13 @@ def model_dir_problem(field: str, path: str) -> str | None:
     d = Path(path).expanduser()
     if not (d / "config.json").is_file():
         what = "does not exist" if not d.exists() else "has no config.json"
-        return (f"{field}: {path!r} {what}; it must be a local Hugging Face model directory "
-                "(download one with `hf download ORG/NAME --local-dir DIR` and pass DIR)")
+        if "checkpoints" in d.parts:  # a training run's output: the run that writes it is missing
+            return (f"{field}: {path!r} {what}; it is a training run's export (RUN_DIR/checkpoints/<name>/"
+                    "step<N>): run that stage first, or pass the one a run wrote (`make demo` writes its "
+                    "SFT model to runs/quickstart/sft/run/checkpoints/model/step300)")
+        return (f"{field}: {path!r} {what}; it must be a local Hugging Face model directory: one a run "
+                "wrote (RUN_DIR/checkpoints/<name>/step<N>), `areal tiny-model --out DIR`, or a hub model "
+                "(`hf download ORG/NAME --local-dir DIR`)")
     if not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
         return f"{field}: {path!r} has config.json but no *.safetensors or *.bin weights"
     return None

@@ -39,11 +39,12 @@ def last_line_reward(completion, reference, prompt):  # the test's wrapper: reco
         f.write(repr(prompt[-30:]) + "\\n")
     return _readme_reward(completion, reference, prompt)
 """)
-    cp, launch = _readme_block("bash", "cp examples/gsm8k_grpo.py").strip().splitlines()
+    export, cp, launch = _readme_block("bash", "export SFT_MODEL=").strip().splitlines()
+    assert export.endswith("/runs/quickstart/sft/run/checkpoints/model/step300")  # what `make demo` writes
     subprocess.run(cp, shell=True, cwd=REPO, env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, check=True)
     # the README's launch line, verbatim, plus a tiny model and a two-step budget
     areal = str(REPO / ".venv" / "bin" / "areal") if (REPO / ".venv" / "bin" / "areal").exists() else "areal"
-    cmd = launch.replace("cd ~/my_task", "").replace("areal launch", f"{areal} launch", 1)
+    cmd = launch.replace("areal launch", f"{areal} launch", 1).replace("$SFT_MODEL", tiny_model_dir)
     extra = [f"actor.path={tiny_model_dir}", f"fileroot={tmp_path / 'runs'}", "experiment_name=e", "trial_name=t",
              *SMALL_RL, "total_train_steps=2", "launcher.echo=false", "launcher.server_threads=1",
              "eval_gconfig.max_new_tokens=1", "valid_dataset.size=4"]
@@ -86,7 +87,8 @@ def test_readme_workflow_recipe_runs_verbatim_from_a_scratch_dir(tmp_path, tiny_
     extra = [f"actor.path={tiny_model_dir}", f"fileroot={tmp_path / 'runs'}", "experiment_name=e", "trial_name=t",
              *SMALL_RL, "gconfig.max_new_tokens=6", "total_train_steps=2", "launcher.echo=false",
              "launcher.server_threads=1", "valid_dataset=null", "reward_fn=varying_reward:parity"]
-    cmd = f"{launch.strip().replace('areal launch', f'{areal} launch', 1)} {' '.join(extra)}"
+    launch = launch.strip().replace("areal launch", f"{areal} launch", 1).replace("$SFT_MODEL", tiny_model_dir)
+    cmd = f"{launch} {' '.join(extra)}"
     out = subprocess.run(cmd, shell=True, cwd=task, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     stats = {r["step"]: r for r in read_jsonl(tmp_path / "runs" / "e" / "t" / "stats.jsonl")}

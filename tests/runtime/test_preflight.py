@@ -84,3 +84,12 @@ def test_script_file_override_and_config_mistakes_are_one_message_naming_the_fix
         assert out.returncode == 2 and out.stderr.startswith(f"areal {argv[0]}: "), (argv, out.stderr)
         assert message in out.stderr and "Traceback" not in out.stderr, (argv, out.stderr)
         assert "unknown key" not in out.stderr and "no such file" not in out.stderr, (argv, out.stderr)
+
+
+def test_a_missing_run_export_says_to_run_its_stage_not_to_download(tmp_path):
+    """The README's recipes point at `make demo`'s SFT export; when it is not there the cause is
+    the missing run, not the hub (issue 34)."""
+    problems = _problems(tmp_path, "actor.path=runs/sft-arithmetic/trial0/checkpoints/model/step300")
+    (actor,) = [p for p in problems if p.startswith("actor.path")]
+    assert "training run's export" in actor and "runs/quickstart/sft/run/checkpoints/model/step300" in actor
+    assert "hf download" not in actor
