@@ -121,3 +121,23 @@ def test_dataloader_start_raises_no_deprecation_warning(tiny_tokenizer):
         warnings.simplefilter("always")
         create_dataloader(dataset, cfg, seed=0)
     assert not [str(w.message) for w in caught if "set_vital" in str(w.message)]
+
+
+def test_what_children_print_while_they_are_stopped_stays_in_their_logs(tmp_path):
+    """Teardown output (torchrun's SignalException traceback, vLLM's nanobind leak report) is
+    not echoed; what a child printed before it is, and the log keeps both."""
+    from areal.launcher.procs import ProcessSupervisor
+
+    code = ("import signal, sys, time\n"
+            "def bye(*_):\n    print('nanobind: leaked 3 instances!', flush=True); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, bye)\nprint('serving', flush=True)\ntime.sleep(60)\n")
+    out = io.StringIO()
+    sup = ProcessSupervisor(tmp_path, echo=True, stop_timeout=10)
+    sup.console = Console(out, tty=False)
+    child = sup.start("server0", [sys.executable, "-c", code])
+    deadline = time.monotonic() + 30
+    while "serving" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sup.stop_all()
+    assert out.getvalue() == "[server0] serving\n"
+    assert "nanobind: leaked" in child.log_path.read_text()
