@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from areal.serving.constraints import ConstraintFailed, Guide, advance, mask_logits
 from areal.serving.cpu_attention import Mode
 from areal.serving.model import KVCache, Qwen2Forward, read_hf_dir
 from areal.serving.requests import FinishReason, GenerationResult, Seq
@@ -191,16 +192,19 @@ class Generator:
 
     def submit_batch(
         self, batch: list[list[int]], params: list[SamplingParams],
-        on_token: list[Callable[[int], None] | None] | None = None,
+        on_token: list[Callable[[int], None] | None] | None = None, guides: list[Guide | None] | None = None,
     ) -> list[concurrent.futures.Future]:
         """Queue several requests at once (so they can share one prefill); one future each.
 
         ``on_token[i]``, if given, is called on the scheduler thread with each token request
         ``i`` generates, before its future resolves (for streaming; it must be quick and not
-        raise: an exception is logged and the callback dropped)."""
+        raise: an exception is logged and the callback dropped). ``guides[i]``, if given,
+        constrains request ``i``'s tokens to its grammar (constraints.py)."""
         seqs = [self._make_seq(ids, p) for ids, p in zip(batch, params, strict=True)]
         for seq, callback in zip(seqs, on_token or []):
             seq.on_token = callback
+        for seq, guide in zip(seqs, guides or []):
+            seq.guide = guide
         with self._cv:
             if self._error is not None or self._stopping:
                 raise GeneratorStopped(f"generator is not running: {self._error or 'shutting down'}")
@@ -474,7 +478,7 @@ class Generator:
             kept = logits if len(rows) == len(seqs) else logits[rows]
             for i, done in zip(rows, self._sample([seqs[i] for i in rows], kept)):
                 if done is not None:
-                    retire.append((first_slot + i, *done, None))
+                    retire.append((first_slot + i, *done))
         for slot, reason, matched, error in sorted(retire, key=lambda r: r[0], reverse=True):
             self._retire(slot, reason, matched, error)
 
@@ -486,8 +490,12 @@ class Generator:
         logger.warning("%s", self.last_nonfinite)
         return NonFiniteLogits(self.last_nonfinite)
 
-    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> list[tuple[FinishReason, int | str | None] | None]:
-        """Sample and append one token to each of ``seqs``; returns how each finished (or None)."""
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor
+                ) -> list[tuple[FinishReason, int | str | None, BaseException | None] | None]:
+        """Sample and append one token to each of ``seqs``; returns how each finished (or None).
+        Rows of constrained requests sample from their grammar's masked distribution."""
+        if any(s.guide is not None for s in seqs):
+            logits = mask_logits(logits, [s.guide for s in seqs])
         suppress = [s.stop_index if len(s.out) < s.params.min_new_tokens else None for s in seqs]
         tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], suppress)
         asked = [i for i, s in enumerate(seqs) if s.params.top_logprobs]
@@ -497,7 +505,7 @@ class Generator:
             for i, top in zip(asked, tops):
                 seqs[i].tops.append(top)
         now, version = time.monotonic(), self._version
-        finished: list[tuple[FinishReason, int | str | None] | None] = []
+        finished: list[tuple[FinishReason, int | str | None, BaseException | None] | None] = []
         for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
             if not s.out:
                 s.t_first = now
@@ -510,14 +518,20 @@ class Generator:
                 except Exception:  # a stream's consumer went wrong: the generation goes on
                     logger.exception("on_token callback failed; streaming of this request stops")
                     s.on_token = None
-            done = self._finish_reason(s, tok)
+            try:
+                done = self._finish_reason(s, tok)
+            except ConstraintFailed as e:  # this request's grammar failed: it fails alone
+                finished.append(("abort", None, e))
+                continue
             if done is None and s.future.cancelled():  # the client went away
                 done = ("abort", None)
-            finished.append(done)
+            finished.append(None if done is None else (*done, None))
         return finished
 
     def _finish_reason(self, s: Seq, tok: int) -> tuple[FinishReason, int | str | None] | None:
         n, p = len(s.out), s.params
+        if s.guide is not None and advance(s.guide, tok):  # the grammar is complete: it ends here
+            return "stop", tok if tok in s.stop_ids else None
         if n >= p.min_new_tokens:
             if tok in s.stop_ids:
                 return "stop", tok

@@ -3,13 +3,17 @@
 Follows OpenAI's published schemas, streaming included (server-sent events, see streaming.py). Extra sampling fields accepted as in vLLM and
 SGLang's OpenAI servers: ``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``no_stop_trim``. ``finish_reason`` is ``stop`` | ``length`` |
-``abort`` (the last when generation was interrupted by ``/pause_generation``).
+``abort`` (the last when generation was interrupted by ``/pause_generation``) | ``tool_calls``.
+Structured outputs (constraints.py): ``response_format`` ``json_object`` / ``json_schema``
+(``strict``: unsupported schema keywords are a 400, else ignored), vLLM's ``structured_outputs``
+(``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and forced tool calls (tools.py).
 """
 
 from __future__ import annotations
 
-import uuid
 import dataclasses
+import json
+import uuid
 from typing import Any, Callable
 
 from areal.api.config.server import GenerationServerConfig
@@ -30,13 +34,15 @@ from areal.serving.protocol import (
     render_text,
     usage,
 )
+from areal.serving.constraints import Constraint, choice_grammar, schema_text
 from areal.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from areal.serving.tokens import TokenText
 from areal.serving.tools import clean_tool_calls, extract_tool_calls, parse_tools
 
 COMMON_KEYS = {
     "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "user",
     "logit_bias", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "no_stop_trim", "response_format", *NEUTRAL,
+    "no_stop_trim", "response_format", "structured_outputs", *NEUTRAL,
 }  # fmt: skip
 CHAT_UNLIMITED = 1 << 30  # max_tokens of a chat request that sets none: the context ends it
 COMPLETION_KEYS = COMMON_KEYS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
@@ -56,10 +62,6 @@ def _common(body: dict, max_tokens: int | None, cfg: GenerationServerConfig) -> 
             raise BadRequest("stream", "logprobs and echo are not streamed; send stream=false for them")
     if body.get("logit_bias"):
         raise BadRequest("logit_bias", "logit_bias is not supported; send none or {}")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise BadRequest("response_format", f"{fmt!r} needs constrained decoding, which this server does "
-                         "not do; send {\"type\": \"text\"} or none and validate the output yourself")
     n = _int(body, "n", "", 1, lo=1)
     check_count(n, cfg)  # type: ignore[arg-type]
     params = SamplingParams(
@@ -82,6 +84,59 @@ def _common(body: dict, max_tokens: int | None, cfg: GenerationServerConfig) -> 
         "skip_special_tokens": _bool(body, "skip_special_tokens", "", True),
     }
     return params, opts, n  # type: ignore[return-value]
+
+
+def output_constraint(body: dict) -> Constraint | None:
+    """The grammar ``response_format`` (OpenAI: ``json_object``, ``json_schema`` with
+    ``strict``) or ``structured_outputs`` (vLLM: one of ``json``, ``regex``, ``choice``,
+    ``grammar``, ``json_object``) asks for; at most one of the two."""
+    fmt, so = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and fmt != {"type": "text"} and so is not None:
+        raise BadRequest("structured_outputs", "send response_format or structured_outputs, not both")
+    if so is not None:
+        return _structured_outputs(so)
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return Constraint("json_schema", '{"type": "object"}', "response_format")
+    if kind != "json_schema":
+        raise BadRequest("response_format.type", f"expected text, json_object or json_schema, got {str(fmt)[:80]}")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or spec.get("strict") not in (None, True, False):
+        raise BadRequest("response_format.json_schema", "expected {\"name\", \"schema\", \"strict\": bool}")
+    where = "response_format.json_schema.schema"
+    schema = schema_text(spec.get("schema", {"type": "object"}), where)
+    return Constraint("json_schema", schema, where, strict=bool(spec.get("strict")))
+
+
+def _structured_outputs(so: Any) -> Constraint:
+    given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if isinstance(so, dict)
+             and so.get(k) not in (None, False)]
+    if len(given) != 1 or set(so) - {"json", "regex", "choice", "grammar", "json_object"}:
+        raise BadRequest("structured_outputs", "expected exactly one of json, regex, choice, grammar, "
+                         f"json_object, got {str(so)[:80]}")
+    key, value = given[0], so[given[0]]
+    where = f"structured_outputs.{key}"
+    if key in ("json", "json_object"):
+        return Constraint("json_schema", schema_text(value if key == "json" else {"type": "object"}, where),
+                          where, strict=False)
+    if key == "choice":
+        choice_grammar(value, where)  # checks the list
+        return Constraint("choice", json.dumps(value), where)
+    if not isinstance(value, str) or not value:
+        raise BadRequest(where, f"expected a non-empty string, got {str(value)[:80]}")
+    return Constraint("regex" if key == "regex" else "ebnf", value, where)
+
+
+def _constrain(jobs: list[Job], constraint: Constraint | None) -> list[Job]:
+    """Give ``jobs`` their grammar; a grammar with min_tokens is refused (it decides the end)."""
+    if constraint is not None and jobs and jobs[0].params.min_new_tokens:
+        raise BadRequest("min_tokens", "cannot be combined with a grammar (response_format, "
+                         "structured_outputs or a forced tool call decides where the output ends); send 0")
+    for job in jobs:
+        job.constraint = constraint
+    return jobs
 
 
 def _fan_out(prompt: list[int], params: SamplingParams, opts: dict, n: int, index0: int) -> list[Job]:
@@ -123,6 +178,7 @@ def parse_completions(
     jobs: list[Job] = []
     for p in prompts:
         jobs += _fan_out(p, params, opts, n, len(jobs))
+    _constrain(jobs, output_constraint(body))
     if echo and logprobs is not None:  # prompt logprobs too (loglikelihood requests)
         for job in jobs:
             job.extra["prompt_logprobs"] = logprobs
@@ -150,18 +206,21 @@ def _prompts(prompt: Any, n: int, encode: Callable[[str], list[int]], cfg: Gener
 
 
 def parse_chat(
-    body: Any, apply_template: Callable[[list[dict], list[dict] | None], list[int]],
-    encode: Callable[[str], list[int]], cfg: GenerationServerConfig,
+    body: Any, apply_template: Callable[[list[dict], list[dict] | None], list[int]], cfg: GenerationServerConfig,
 ) -> tuple[list[Job], bool]:
     """``/v1/chat/completions`` body -> (jobs, want logprobs); ``apply_template(messages,
-    tools)`` renders the prompt, to which a forced tool call's opening is appended (tools.py)."""
+    tools)`` renders the prompt; a forced tool call or a response format constrains the answer."""
     if not isinstance(body, dict):
         raise BadRequest("body", "expected a JSON object")
     _check_known(body, CHAT_KEYS, "")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages", "expected a non-empty list of {role, content}")
-    tools, parse_calls, prefill = parse_tools(body)
+    tools, parse_calls, forced, parallel = parse_tools(body)
+    constraint = output_constraint(body)
+    if forced is not None and constraint is not None:
+        raise BadRequest("tool_choice", "a forced tool call cannot also follow response_format or "
+                         "structured_outputs; send tool_choice 'auto' or drop the format")
     clean = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -191,10 +250,9 @@ def parse_chat(
     if top > MAX_TOP_LOGPROBS:
         raise BadRequest("top_logprobs", f"must be <= {MAX_TOP_LOGPROBS}, got {top}")
     params = dataclasses.replace(params, top_logprobs=top)
-    prompt = apply_template(clean, tools) + (encode(prefill) if prefill else [])
-    jobs = _fan_out(prompt, params, opts, n, 0)
+    jobs = _constrain(_fan_out(apply_template(clean, tools), params, opts, n, 0), forced or constraint)
     for job in jobs:
-        job.extra["tool_calls"], job.extra["tool_prefill"] = parse_calls, prefill
+        job.extra["tool_calls"], job.extra["parallel_tool_calls"] = parse_calls, parallel
     return jobs, want
 
 
@@ -213,32 +271,29 @@ def _top_entries(ids: list[int], lps: list, tops: list, n: int | None, token_str
 
 
 def completion_response(
-    model: str, jobs: list[Job], results: list[GenerationResult], logprobs: int | None,
-    decode: Callable, token_str: Callable[[int], str],
+    model: str, jobs: list[Job], results: list[GenerationResult], logprobs: int | None, text: TokenText,
 ) -> dict:  # fmt: skip
     """OpenAI ``text_completion`` object; with ``echo`` the prompt leads the text and (with
-    ``logprobs``) its tokens lead the logprobs, the first one None."""
+    ``logprobs``) its tokens lead the logprobs, the first one None. ``tokens`` are each token's
+    share of the text (tokens.py), so ``text_offset`` points into ``text``."""
     choices = []
     for job, r in zip(jobs, results):
         echo = job.extra.get("echo", False)
-        text = render_text(job, r, decode)
+        out_text = render_text(job, r, text.decode)
         if echo:
-            text = decode(r.input_ids, job.skip_special_tokens) + text
+            out_text = text.decode(r.input_ids, job.skip_special_tokens) + out_text
         lp = None
         if logprobs is not None:
             ids = (r.input_ids if echo else []) + r.output_ids
             lps = (job.extra["input_logprobs"] if echo else []) + r.output_logprobs
             out_tops = r.output_top_logprobs or [[] for _ in r.output_ids]
             tops = (job.extra["input_tops"] if echo else []) + out_tops
-            tokens = [token_str(t) for t in ids]
-            offsets, at = [], 0
-            for t in ids:  # each token's character offset in the returned text
-                offsets.append(at)
-                at += len(decode([t], job.skip_special_tokens))
-            lp = {"tokens": tokens, "token_logprobs": lps,
-                  "top_logprobs": _top_entries(ids, lps, tops, logprobs, token_str), "text_offset": offsets}
+            pieces = text.pieces(r.input_ids) + text.pieces(r.output_ids) if echo else text.pieces(ids)
+            offsets = [sum(map(len, pieces[:k])) for k in range(len(pieces))]
+            lp = {"tokens": pieces, "token_logprobs": lps,
+                  "top_logprobs": _top_entries(ids, lps, tops, logprobs, text.token_str), "text_offset": offsets}
         choices.append(
-            {"index": job.extra["index"], "text": text, "logprobs": lp, "finish_reason": r.finish_reason}
+            {"index": job.extra["index"], "text": out_text, "logprobs": lp, "finish_reason": r.finish_reason}
         )
     return {
         "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": now(),
@@ -246,27 +301,33 @@ def completion_response(
     }  # fmt: skip
 
 
+def _chat_logprobs(r: GenerationResult, text: TokenText) -> dict:
+    def item(t: int, v: float, token: str) -> dict:
+        return {"token": token, "logprob": v, "bytes": list(text.token_bytes(t))}
+
+    tops = r.output_top_logprobs or [[] for _ in r.output_ids]
+    return {"content": [{**item(t, v, piece), "top_logprobs": [item(u, w, text.token_str(u)) for u, w in top]}
+                        for t, v, top, piece in zip(r.output_ids, r.output_logprobs, tops, text.pieces(r.output_ids))]}
+
+
+def chat_finish(calls: list[dict], r: GenerationResult) -> str:
+    """``tool_calls`` when the answer holds calls, unless max_tokens cut it (``length``)."""
+    return "tool_calls" if calls and r.finish_reason != "length" else r.finish_reason
+
+
 def chat_response(
-    model: str, jobs: list[Job], results: list[GenerationResult], logprobs: bool,
-    decode: Callable, token_str: Callable[[int], str], token_bytes: Callable[[int], bytes],
+    model: str, jobs: list[Job], results: list[GenerationResult], logprobs: bool, text: TokenText,
 ) -> dict:  # fmt: skip
     """OpenAI ``chat.completion`` object."""
     choices = []
     for job, r in zip(jobs, results):
-        lp = None
-        if logprobs:
-            def item(t: int, v: float) -> dict:
-                return {"token": token_str(t), "logprob": v, "bytes": list(token_bytes(t))}
-
-            tops = r.output_top_logprobs or [[] for _ in r.output_ids]
-            lp = {"content": [{**item(t, v), "top_logprobs": [item(u, w) for u, w in top]}
-                              for t, v, top in zip(r.output_ids, r.output_logprobs, tops)]}
-        content, calls = job.extra.get("tool_prefill", "") + render_text(job, r, decode), []
+        content, calls = render_text(job, r, text.decode), []
         if job.extra.get("tool_calls"):
             content, calls = extract_tool_calls(content)
+            calls = calls if job.extra.get("parallel_tool_calls", True) else calls[:1]
         message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-        finish = "tool_calls" if calls else r.finish_reason
-        choices.append({"index": job.extra["index"], "message": message, "logprobs": lp, "finish_reason": finish})
+        choices.append({"index": job.extra["index"], "message": message,
+                        "logprobs": _chat_logprobs(r, text) if logprobs else None, "finish_reason": chat_finish(calls, r)})
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": now(),
         "model": model, "choices": choices, "usage": usage(jobs, results),

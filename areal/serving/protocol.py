@@ -18,16 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from areal.api.config.server import GenerationServerConfig
-from areal.serving.generator import GenerationResult
+from areal.serving.constraints import Constraint, schema_text
+from areal.serving.requests import BadRequest, GenerationResult
 from areal.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
-
-
-class BadRequest(ValueError):
-    """An invalid request: ``field`` names the offending JSON field (HTTP 400)."""
-
-    def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"{field}: {message}")
 
 
 @dataclass
@@ -39,6 +32,7 @@ class Job:
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    constraint: Constraint | None = None  # structured outputs: the grammar the output follows
 
 
 # Parameters accepted only at their neutral value (we do not implement penalties).
@@ -46,7 +40,7 @@ NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalt
 SGLANG_SAMPLING_KEYS = {
     "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop",
     "stop_token_ids", "ignore_eos", "seed", "sampling_seed", "no_stop_trim",
-    "skip_special_tokens", "n", *NEUTRAL,
+    "skip_special_tokens", "n", "json_schema", "regex", "ebnf", *NEUTRAL,
 }  # fmt: skip
 GENERATE_KEYS = {
     "text", "input_ids", "sampling_params", "return_logprob", "rid", "stream",
@@ -168,6 +162,26 @@ def sampling_from_sglang(
     return params, opts
 
 
+def constraint_from_sglang(sp: dict, path: str = "sampling_params.") -> Constraint | None:
+    """SGLang's structured-output fields: at most one of ``json_schema`` (JSON text or an
+    object), ``regex`` and ``ebnf`` (GBNF or Lark); unsupported schema keywords are ignored."""
+    given = [k for k in ("json_schema", "regex", "ebnf") if sp.get(k) is not None]
+    if not given:
+        return None
+    key = path + given[0]
+    if len(given) > 1:
+        raise BadRequest(path + given[1], f"send at most one of json_schema, regex and ebnf, got {given}")
+    if sp.get("min_new_tokens"):
+        raise BadRequest(f"{path}min_new_tokens", "cannot be combined with a grammar (the grammar decides "
+                         "where the output ends); send 0")
+    if given[0] == "json_schema":
+        return Constraint("json_schema", schema_text(sp["json_schema"], key), key, strict=False)
+    value = sp[given[0]]
+    if not isinstance(value, str) or not value:
+        raise BadRequest(key, f"expected a non-empty string, got {str(value)[:80]}")
+    return Constraint(given[0], value, key)  # type: ignore[arg-type]
+
+
 def parse_generate(
     body: Any, encode: Callable[[str], list[int]], cfg: GenerationServerConfig
 ) -> tuple[list[Job], bool, bool]:
@@ -207,7 +221,9 @@ def parse_generate(
         if start >= 0:  # prompt logprobs from this position on
             check_prompt_logprobs(prompts, "logprob_start_len", cfg)
             extra = {"prompt_logprobs": top, "logprob_start_len": start}
-    jobs = [Job(p, params, **opts, extra={**extra, "prompt_index": i}) for i, p in enumerate(prompts)]
+    constraint = constraint_from_sglang(body.get("sampling_params") or {})
+    jobs = [Job(p, params, **opts, extra={**extra, "prompt_index": i}, constraint=constraint)
+            for i, p in enumerate(prompts)]
     return jobs, batch, return_logprob
 
 

@@ -1,18 +1,30 @@
 """A request inside the generator (:class:`Seq`: tokens so far, how to sample and stop, its
-future) and what it resolves to (:class:`GenerationResult`)."""
+future), what it resolves to (:class:`GenerationResult`), and :class:`BadRequest`, the error
+every parser raises for an invalid field."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
 from areal.serving.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from areal.serving.constraints import Guide
+
 FinishReason = Literal["stop", "length", "abort"]
+
+
+class BadRequest(ValueError):
+    """An invalid request: ``field`` names the offending JSON field (HTTP 400)."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
 
 
 @dataclass
@@ -48,6 +60,7 @@ class Seq:
     tops: list[list[tuple[int, float]]] = field(default_factory=list)
     on_token: Callable[[int], None] | None = None  # called with each new token (streaming)
     stop_index: torch.Tensor | None = None  # stop ids suppressed before min_new_tokens
+    guide: Guide | None = None  # the grammar its tokens must follow (structured outputs)
 
     def resolve(self, reason: FinishReason, matched: int | str | None) -> None:
         """Answer the future with what was generated so far."""

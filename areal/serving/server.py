@@ -3,7 +3,9 @@ OpenAI's completions/chat API.
 
 Endpoints
 - generation: ``POST /generate`` (SGLang), ``POST /v1/completions``, ``POST /v1/chat/completions``,
-  ``GET /v1/models``
+  ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``; structured outputs (a JSON schema,
+  regex, grammar or choice list the output must match; a forced tool call) in
+  :mod:`areal.serving.constraints`
 - info: ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info``
 - admin (``Authorization: Bearer <api_key>`` when an api_key is set; a non-loopback bind requires
   one): ``POST /pause_generation`` (abort in-flight requests, answered with their partial tokens
@@ -46,15 +48,15 @@ from typing import Any, Awaitable, Callable, Iterator, TypeVar
 import torch
 from aiohttp import web
 from jinja2 import TemplateError
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from areal.api.config.loader import ConfigError
 from areal.api.config.server import GenerationServerConfig
 from areal.api.launch import LaunchEnv
 from areal.utils import weight_sync
 from areal.utils.process import die_with
-from areal.serving import limits, openai_api, protocol, streaming
+from areal.serving import limits, openai_api, protocol, streaming, tokens
 from areal.serving.connections import ConnectionGuard, connection_limit, listen_socket
+from areal.serving.constraints import ConstraintFailed, GrammarCompiler, GrammarLimits, compile_guides
 from areal.serving.generator import Generator, GeneratorStopped, StepFailed
 from areal.serving.protocol import BadRequest, Job
 from areal.serving.sampling import SamplingParams
@@ -66,7 +68,6 @@ ADMIN_PATHS = {
     "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
 }  # fmt: skip
 HEALTH_GENERATE_TIMEOUT_S = 60.0
-_BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE's char -> byte
 GENERATOR_WATCH_S = 0.5  # how often serve() checks that the generator is still running
 T = TypeVar("T")
 
@@ -130,6 +131,11 @@ class GenerationServer:
                 version=cfg.weight_version,
             )
         self.model_name = cfg.served_model_name or cfg.model_path
+        self.text = tokens.TokenText(self.tokenizer)
+        self.encode, self.decode = self.text.encode, self.text.decode
+        spec = self.generator.model.spec
+        self.grammars = GrammarCompiler(self.tokenizer, spec.vocab_size, sorted(spec.eos_token_ids), GrammarLimits(
+            cfg.max_grammar_chars, cfg.grammar_compile_timeout, cfg.grammar_lexer_fuel, cfg.grammar_cache_size))
         self.group: Any = None  # torch.distributed ProcessGroup joined via /init_weights_update_group
         self.hf_config = json.loads((Path(cfg.model_path) / "config.json").read_text())
         # JSON decoding, tokenizing and chat templates run here, off the event loop, one request
@@ -139,30 +145,6 @@ class GenerationServer:
         self.guard: ConnectionGuard | None = None  # set by serve() (tests in process run without)
 
     # ------------------------------------------------------------------ helpers
-
-    def encode(self, text: str) -> list[int]:
-        """Text -> token ids (no special tokens added)."""
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """Token ids -> text."""
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def token_bytes(self, tok: int) -> bytes:
-        """The bytes one token stands for (a byte-level BPE token may be part of a character)."""
-        piece = self.tokenizer.convert_ids_to_tokens(tok)
-        if isinstance(piece, str) and all(c in _BYTE_OF for c in piece):
-            return bytes(_BYTE_OF[c] for c in piece)
-        return self.tokenizer.decode([tok]).encode()
-
-    def token_str(self, tok: int) -> str:
-        """One token as OpenAI reports it: its text, or ``bytes:\\xNN...`` when its bytes are
-        not valid UTF-8 on their own (so distinct tokens never share a key)."""
-        raw = self.token_bytes(tok)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def apply_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Chat messages (and tools) -> prompt ids via the tokenizer's chat template."""
@@ -201,7 +183,8 @@ class GenerationServer:
         """Validate, submit together, await all results (a client that goes away cancels them:
         the generator frees their slots at its next step)."""
         self._validate(jobs)
-        futures = self.generator.submit_batch([j.input_ids for j in jobs], [j.params for j in jobs])
+        guides = await compile_guides(self.grammars, [j.constraint for j in jobs])
+        futures = self.generator.submit_batch([j.input_ids for j in jobs], [j.params for j in jobs], guides=guides)
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         scored: dict[int, tuple] = {}  # prompt index -> its prompt logprobs (once per prompt)
         for job in jobs:
@@ -252,7 +235,7 @@ class GenerationServer:
         try:
             with in_request:
                 return await handler(request)
-        except BadRequest as e:
+        except (BadRequest, ConstraintFailed) as e:
             return _error(400, str(e), e.field)
         except GeneratorStopped as e:
             return _error(503, str(e))
@@ -288,27 +271,28 @@ class GenerationServer:
             return await self._stream(request, "completion", body, jobs)
         results = await self.run_jobs(jobs)
         body = openai_api.completion_response(
-            self.model_name, jobs, results, logprobs, self.decode, self.token_str
+            self.model_name, jobs, results, logprobs, self.text
         )
         return web.json_response(body)
 
     async def chat(self, request: web.Request) -> web.Response:
         """OpenAI ``/v1/chat/completions``."""
         body, (jobs, logprobs) = await self._parse(
-            request, lambda body: openai_api.parse_chat(body, self.apply_template, self.encode, self.cfg))
+            request, lambda body: openai_api.parse_chat(body, self.apply_template, self.cfg))
         self._check_model(body)
         if body.get("stream"):
             return await self._stream(request, "chat", body, jobs)
         results = await self.run_jobs(jobs)
-        body = openai_api.chat_response(self.model_name, jobs, results, logprobs, self.decode, self.token_str,
-                                        self.token_bytes)
+        body = openai_api.chat_response(self.model_name, jobs, results, logprobs, self.text)
         return web.json_response(body)
 
     async def _stream(self, request: web.Request, kind: str, body: dict, jobs: list[Job]) -> web.StreamResponse:
         self._validate(jobs)
+        guides = await compile_guides(self.grammars, [j.constraint for j in jobs])
 
         def submit(callbacks):
-            return self.generator.submit_batch([j.input_ids for j in jobs], [j.params for j in jobs], callbacks)
+            return self.generator.submit_batch([j.input_ids for j in jobs], [j.params for j in jobs], callbacks,
+                                               guides)
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return await streaming.stream(request, kind, self.model_name, jobs, submit, self.decode, include_usage)
@@ -318,6 +302,18 @@ class GenerationServer:
         if model is not None and model != self.model_name:
             raise ModelNotFound(f"The model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r} (see GET /v1/models)")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """``/tokenize`` (vLLM and SGLang): a prompt or chat messages -> token ids."""
+        _, out = await self._parse(request, lambda body: tokens.parse_tokenize(
+            body, self.text, self.apply_template, self.generator.context_length))
+        return web.json_response(out)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """``/detokenize`` (vLLM and SGLang): token ids -> text."""
+        _, out = await self._parse(request, lambda body: tokens.parse_detokenize(
+            body, self.text, self.generator.model.spec.vocab_size))
+        return web.json_response(out)
 
     async def models(self, request: web.Request) -> web.Response:
         """OpenAI ``/v1/models``."""
@@ -493,6 +489,8 @@ class GenerationServer:
                 post("/v1/completions", self.completions),
                 post("/v1/chat/completions", self.chat),
                 get("/v1/models", self.models),
+                post("/tokenize", self.tokenize),
+                post("/detokenize", self.detokenize),
                 get("/health", self.health),
                 get("/health_generate", self.health_generate),
                 get("/get_model_info", self.model_info),

@@ -4,7 +4,9 @@ its ``finish_reason``, a usage chunk with ``stream_options.include_usage`` (as O
 ``choices`` empty; every other chunk then carries ``"usage": null``), then
 ``data: [DONE]``.
 
-Tokens reach the handler as the generator makes them (``on_token``). Text is sent as it decodes,
+Tokens reach the handler as the generator makes them (``on_token``). A chat choice's role-only
+first chunk goes out with its first token (or its end), so a client's time to first token is
+the model's, not the request's parse. Text is sent as it decodes,
 holding back what could still change: a trailing partial UTF-8 character, and the last
 ``len(stop) - 1`` characters while a stop string may be forming (the final text is cut at a
 matched stop string, so nothing after it was sent). A chat answer that may call tools is sent
@@ -22,6 +24,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from areal.serving.generator import GenerationResult
+from areal.serving.openai_api import chat_finish
 from areal.serving.protocol import Job, now, render_text, usage
 from areal.serving.tools import extract_tool_calls
 
@@ -48,13 +51,14 @@ def _safe_prefix(text: str, jobs_stop: tuple[str, ...]) -> str:
     return text[: len(text) - hold] if hold else text
 
 
-def _tool_chunk(ident: str, model: str, index: int, text: str, r: GenerationResult) -> dict:
+def _tool_chunk(ident: str, model: str, index: int, text: str, r: GenerationResult, parallel: bool) -> dict:
     content, calls = extract_tool_calls(text)
+    calls = calls if parallel else calls[:1]
     delta: dict[str, Any] = {"content": content} if content else {}
     if calls:
         delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
     choice = {"index": index, "delta": delta, "logprobs": None,
-              "finish_reason": "tool_calls" if calls else r.finish_reason}
+              "finish_reason": chat_finish(calls, r)}
     return {"id": ident, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [choice]}
 
 
@@ -72,6 +76,7 @@ class _Stream:
         self.calls_parsed = {i for i, job in enumerate(jobs) if job.extra.get("tool_calls")}
         self.ids: list[list[int]] = [[] for _ in jobs]
         self.sent = [""] * len(jobs)
+        self.opened: set[int] = set()  # chat choices whose role chunk went out
         self.results: list[GenerationResult | None] = [None] * len(jobs)
 
     async def send(self, obj: Any) -> None:
@@ -82,8 +87,15 @@ class _Stream:
     def chunk(self, i: int, text: str, finish: str | None, role: bool = False) -> dict:
         return _chunk(self.kind, self.ident, self.model, self.jobs[i].extra["index"], text, finish, role)
 
+    async def open(self, i: int) -> None:
+        """Send chat choice ``i``'s role-only chunk, once, before its first text."""
+        if self.kind == "chat" and i not in self.opened:
+            self.opened.add(i)
+            await self.send(self.chunk(i, "", None, role=True))
+
     async def advance(self, i: int) -> None:
         """Send choice ``i``'s new text that can no longer change."""
+        await self.open(i)
         job = self.jobs[i]
         text = _safe_prefix(self.decode(self.ids[i], job.skip_special_tokens), job.params.stop)
         if len(text) > len(self.sent[i]) and text.startswith(self.sent[i]):
@@ -93,10 +105,12 @@ class _Stream:
     async def finish(self, i: int, r: GenerationResult) -> None:
         """Send the rest of choice ``i`` with its finish reason."""
         self.results[i] = r
+        await self.open(i)
         final = render_text(self.jobs[i], r, self.decode)
-        if i in self.calls_parsed:  # a forced call's opening leads the answer (tools.py)
-            final = self.jobs[i].extra.get("tool_prefill", "") + final
-            await self.send(_tool_chunk(self.ident, self.model, self.jobs[i].extra["index"], final, r))
+        if i in self.calls_parsed:
+            job = self.jobs[i]
+            await self.send(_tool_chunk(self.ident, self.model, job.extra["index"], final, r,
+                                        job.extra.get("parallel_tool_calls", True)))
         else:
             rest = final[len(self.sent[i]):] if final.startswith(self.sent[i]) else ""
             await self.send(self.chunk(i, rest, r.finish_reason))
@@ -114,9 +128,6 @@ async def stream(request: web.Request, kind: str, model: str, jobs: list[Job],
     await resp.prepare(request)
     st = _Stream(resp, kind, model, jobs, decode, include_usage)
     try:
-        if kind == "chat":
-            for i in range(len(jobs)):
-                await st.send(st.chunk(i, "", None, role=True))
         while any(r is None for r in st.results):
             getter = asyncio.ensure_future(queue.get())
             open_futures = [f for f, r in zip(futures, st.results) if r is None]
@@ -128,8 +139,11 @@ async def stream(request: web.Request, kind: str, model: str, jobs: list[Job],
                 items.append(queue.get_nowait())
             for i, tok in items:
                 st.ids[i].append(tok)
-            for i in {i for i, _ in items} - st.calls_parsed:
-                await st.advance(i)
+            for i in {i for i, _ in items}:
+                if i in st.calls_parsed:
+                    await st.open(i)
+                else:
+                    await st.advance(i)
             for i, f in enumerate(futures):
                 if st.results[i] is None and f.done() and queue.empty():
                     await st.finish(i, f.result())

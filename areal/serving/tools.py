@@ -10,40 +10,43 @@ our tiny model use::
 Each well-formed block becomes one entry of ``message.tool_calls`` (arguments as a JSON string)
 and the finish reason is ``tool_calls``; text outside the blocks stays the content. A block that
 is not valid JSON with a ``name`` is left in the content, as the model wrote it.
-``tool_choice`` (OpenAI's semantics, without constrained decoding; the rule is
-areal.utils.tool_calls.tool_choice_prefill, shared with the in-process agent client):
+``tool_choice`` (OpenAI's semantics, with constrained decoding: constraints.py):
 
 - ``auto`` (the default with tools): the model decides; calls are parsed.
 - ``none``: the tools are still rendered (they may shape the answer) but no call is parsed.
-- ``required``: the assistant turn is prefilled with ``<tool_call>\n``, so the model writes a
-  call and picks the function.
-- ``{"type": "function", "function": {"name": F}}``: the turn is prefilled with
-  ``<tool_call>\n{"name": "F", "arguments": `` so the model writes F's arguments.
+- ``required``: the answer is constrained to tool-call blocks, each naming one of the tools and
+  carrying arguments that match that tool's ``parameters`` schema.
+- ``{"type": "function", "function": {"name": F}}``: the same with F only.
 
-The prefill is appended to the prompt (counted in ``usage.prompt_tokens``) and leads the text
-that is parsed; when the model's continuation still makes no valid call (bad JSON, a block
-never closed before ``max_tokens``), the answer comes back as is, the prefill leading
-``content``, with the generator's ``finish_reason`` (``stop`` | ``length``): the server does not
-force valid JSON.
+A forced answer is one call, or with ``parallel_tool_calls`` (the default) one or more calls
+separated by newlines; it always parses unless ``max_tokens`` cuts it (``finish_reason``
+``length``, the partial text as ``content``). With ``parallel_tool_calls: false`` only the first
+call is returned. A tool's ``"strict": true`` makes unsupported schema keywords a 400 instead of
+being ignored.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from areal.serving.protocol import BadRequest
-from areal.utils.tool_calls import ToolChoiceError, extract_tool_calls, tool_choice_prefill  # shared with agents
+from areal.serving.constraints import JSON_LAYOUT, Constraint
+from areal.serving.requests import BadRequest
+from areal.utils.tool_calls import CALL_OPEN, ToolChoiceError, extract_tool_calls, tool_choice_prefill
+
+CALL_CLOSE = "}\n</tool_call>"  # what ends a call's JSON object and its block
 
 __all__ = ["clean_tool_calls", "extract_tool_calls", "parse_tools"]
 
 
-def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str]:
-    """(``tools`` for the chat template or None, whether to parse tool calls, the text that
-    opens the assistant's answer: empty unless ``tool_choice`` forces a call) from a request."""
+def parse_tools(body: dict) -> tuple[list[dict] | None, bool, Constraint | None, bool]:
+    """(``tools`` for the chat template or None, whether to parse tool calls, the grammar a
+    forced call follows or None, whether several calls may come) from a request."""
     tools = body.get("tools")
     choice = body.get("tool_choice", "auto")
-    if body.get("parallel_tool_calls") not in (None, True, False):
-        raise BadRequest("parallel_tool_calls", "expected true or false")
+    parallel = body.get("parallel_tool_calls")
+    if parallel not in (None, True, False):
+        raise BadRequest("parallel_tool_calls", f"expected true or false, got {str(parallel)[:40]}")
     if tools is not None:
         if not isinstance(tools, list) or not tools:
             raise BadRequest("tools", "expected a non-empty list of {type: function, function: {...}}")
@@ -54,11 +57,31 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, bool, str]:
                 raise BadRequest(f"tools[{i}]", "expected {\"type\": \"function\", \"function\": {\"name\": ...}}")
             if "parameters" in fn and not isinstance(fn["parameters"], dict):
                 raise BadRequest(f"tools[{i}].function.parameters", "expected a JSON schema object")
-    try:
-        prefill = tool_choice_prefill(choice, None if tools is None else [t["function"]["name"] for t in tools])
+    try:  # validates the choice; a forced one is constrained rather than prefilled here
+        forced = tool_choice_prefill(choice, None if tools is None else [t["function"]["name"] for t in tools])
     except ToolChoiceError as e:
         raise BadRequest("tool_choice", e.detail) from e
-    return tools, tools is not None and choice != "none", prefill
+    constraint = None
+    if forced:
+        named = choice["function"]["name"] if isinstance(choice, dict) else None
+        fns = [t["function"] for t in tools if named in (None, t["function"]["name"])]  # type: ignore[union-attr]
+        constraint = Constraint("lark", tool_call_grammar(fns, parallel is not False), "tools")
+    return tools, tools is not None and choice != "none", constraint, parallel is not False
+
+
+def tool_call_grammar(functions: list[dict], parallel: bool) -> str:
+    """A Lark grammar for Hermes tool-call blocks calling one of ``functions``, the arguments
+    matching each one's ``parameters`` (any object when it has none); ``parallel``: one or
+    more blocks, newline-separated, else exactly one."""
+    rules = []
+    for k, fn in enumerate(functions):
+        schema = dict(fn.get("parameters") or {"type": "object"})
+        schema["x-guidance"] = {**JSON_LAYOUT, "lenient": not fn.get("strict", False)}
+        opening = f'{CALL_OPEN}{{"name": {json.dumps(fn["name"])}, "arguments": '
+        rules += [f"call{k}: {json.dumps(opening)} args{k} {json.dumps(CALL_CLOSE)}",
+                  f"args{k}: %json {json.dumps(schema)}"]
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return "\n".join([start, "call: " + " | ".join(f"call{k}" for k in range(len(functions))), *rules])
 
 
 def clean_tool_calls(calls: Any, where: str) -> list[dict]:

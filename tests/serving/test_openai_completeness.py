@@ -85,9 +85,24 @@ def test_distinct_tokens_never_share_a_logprobs_key(tiny_model_dir):
 
     srv = GenerationServer(from_dict(GenerationServerConfig, {"model_path": str(tiny_model_dir)}))
     ids = range(len(srv.tokenizer))
-    keys = [srv.token_str(t) for t in ids]
+    keys = [srv.text.token_str(t) for t in ids]
     assert len(set(keys)) == len(keys)
-    assert all(srv.token_bytes(t) for t in ids)
+    assert all(srv.text.token_bytes(t) for t in ids)
+
+
+def test_token_pieces_join_into_the_text_and_a_lone_byte_is_no_bytes_escape(tiny_model_dir):
+    """A character split over byte tokens: the first gets "", the last the character; a byte
+    that starts no character shows as the text shows it (U+FFFD), never "bytes:\\x.."."""
+    from transformers import AutoTokenizer
+
+    from areal.serving.tokens import TokenText
+
+    text = TokenText(AutoTokenizer.from_pretrained(tiny_model_dir))
+    ids = text.encode("aé€")
+    assert text.pieces(ids) == ["a", "", "é", "", "", "€"]
+    bad = [t for t in range(256) if text.token_bytes(t) == b"\xff"]
+    assert text.pieces(bad + ids) == ["\ufffd", "a", "", "é", "", "", "€"]
+    assert "".join(text.pieces(bad + ids)) == text.decode(bad + ids)
 
 
 def test_streamed_chat_and_completions_equal_the_unstreamed_answer(server):
@@ -181,7 +196,7 @@ def test_the_openai_client_runs_an_agent_turn_with_tools(server, tiny_model_dir,
     from areal.api.config.server import GenerationServerConfig
     from areal.serving.server import GenerationServer
 
-    answer = '<tool_call>\n{"name": "add", "arguments": {"a": 4, "b": 5}}\n</tool_call>'
+    answer = '<tool_call>\n{"name": "add", "arguments": {"a": 4, "b": 5}}\n</tool_call><|im_end|>'  # then EOS
     srv = GenerationServer(from_dict(GenerationServerConfig, {"model_path": str(tiny_model_dir)}))
     ids = srv.encode(answer)
     forced = _forced_sampler(ids)
@@ -194,8 +209,7 @@ def test_the_openai_client_runs_an_agent_turn_with_tools(server, tiny_model_dir,
 
         async def run():
             async with TestClient(TestServer(srv.build_app(), host="127.0.0.1")) as c:
-                body = {"messages": [{"role": "user", "content": "4+5?"}], "tools": tools,
-                        "max_tokens": len(ids), "ignore_eos": True}
+                body = {"messages": [{"role": "user", "content": "4+5?"}], "tools": tools, "max_tokens": len(ids)}
                 plain = await (await c.post("/v1/chat/completions", json=body)).json()
                 forced.count.clear()  # the next request writes the call from its start again
                 events = await (await c.post("/v1/chat/completions", json={**body, "stream": True})).text()
@@ -226,7 +240,6 @@ def _forced_sampler(ids: list[int]):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("response_format", {"type": "json_object"}, "constrained decoding"),
     ("logit_bias", {"5": 10}, "logit_bias is not supported"),
     ("presence_penalty", 0.5, "only 0.0 is supported"),
     ("frequency_penalty", 1.0, "only 0.0 is supported"),
@@ -235,8 +248,7 @@ def test_what_the_server_does_not_do_is_refused_with_the_reason(server, field, v
     body = {"model": _model(server), "messages": [{"role": "user", "content": "hi"}], field: value}
     status, out = call(f"{server}/v1/chat/completions", body)
     assert status == 400 and out["error"]["param"] == field and message in out["error"]["message"], out
-    ok = {**body, field: {"type": "text"} if field == "response_format" else ({} if field == "logit_bias" else 0.0),
-          "max_tokens": 1}
+    ok = {**body, field: {} if field == "logit_bias" else 0.0, "max_tokens": 1}
     assert call(f"{server}/v1/chat/completions", ok)[0] == 200  # the neutral value is accepted
 
 
@@ -246,9 +258,9 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b"
 ADD = {"type": "function", "function": {"name": "add"}}
 
 
-def test_tool_choice_required_and_named_open_the_call_and_a_failed_call_comes_back_as_is(server):
-    """The random tiny model cannot write valid JSON: what it wrote comes back as content, the
-    forced opening leading it, with the generator's finish reason (no tool_calls)."""
+def test_a_forced_tool_choice_adds_no_prompt_tokens_and_a_bad_choice_is_refused(server):
+    """A forced call is constrained decoding (test_structured_outputs.py), not a prefilled
+    opening: the prompt is the same as with auto."""
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
     model, messages = _model(server), [{"role": "user", "content": "1+2?"}]
@@ -258,13 +270,9 @@ def test_tool_choice_required_and_named_open_the_call_and_a_failed_call_comes_ba
                                               max_tokens=6, temperature=0)
 
     auto, required, named = ask("auto"), ask("required"), ask(ADD)
-    opening = '<tool_call>\n{"name": "add", "arguments": '
-    assert required.usage.prompt_tokens == auto.usage.prompt_tokens + len("<tool_call>\n".encode())  # byte tokens
-    assert named.usage.prompt_tokens == auto.usage.prompt_tokens + len(opening.encode())
-    for c, lead in [(required, "<tool_call>\n"), (named, opening)]:
-        choice = c.choices[0]
-        assert choice.message.tool_calls is None and choice.finish_reason in ("length", "stop")
-        assert choice.message.content.startswith(lead) and len(choice.message.content) > len(lead)
+    assert required.usage.prompt_tokens == named.usage.prompt_tokens == auto.usage.prompt_tokens
+    for c in (required, named):  # 6 tokens cannot hold a call: cut, reported as length
+        assert c.choices[0].finish_reason == "length" and c.choices[0].message.content == "<tool_"
     for bad, message in [({"type": "function", "function": {"name": "sub"}}, "not among the tools"),
                          ({"type": "function"}, "expected 'auto', 'none', 'required'"),
                          ("always", "expected 'auto', 'none', 'required'")]:
@@ -274,12 +282,13 @@ def test_tool_choice_required_and_named_open_the_call_and_a_failed_call_comes_ba
 
 
 @pytest.mark.parametrize("choice,written", [
-    ("required", '{"name": "mul", "arguments": {"a": 4, "b": 5}}\n</tool_call>'),  # after "<tool_call>\n"
-    (ADD, '{"a": 4, "b": 5}}\n</tool_call>'),  # the server wrote the name: the model writes the rest
+    ("required", '<tool_call>\n{"name": "mul", "arguments": {"a": 4, "b": 5}}\n</tool_call><|im_end|>'),
+    (ADD, '<tool_call>\n{"name": "add", "arguments": {"a": 4, "b": 5}}\n</tool_call><|im_end|>'),
 ])
 def test_a_forced_call_is_parsed_through_the_openai_client(tiny_model_dir, monkeypatch, choice, written):
-    """With a generator made to answer ``written``, tool_choice's opening + the answer parse as
-    one call, streamed and not, read by the official (async) client from a live in-process server."""
+    """With a generator made to answer ``written`` (which the forced call's grammar allows), the
+    answer parses as one call, streamed and not, read by the official (async) client from a live
+    in-process server."""
     openai = pytest.importorskip("openai")
     import asyncio
 
@@ -294,7 +303,7 @@ def test_a_forced_call_is_parsed_through_the_openai_client(tiny_model_dir, monke
     forced = _forced_sampler(ids)
     monkeypatch.setattr("areal.serving.generator.sample", forced)
     kwargs = {"model": srv.model_name, "messages": [{"role": "user", "content": "4*5?"}], "tools": TOOLS,
-              "tool_choice": choice, "max_tokens": len(ids), "extra_body": {"ignore_eos": True}}
+              "tool_choice": choice, "max_tokens": len(ids)}
 
     async def run():
         async with TestServer(srv.build_app(), host="127.0.0.1") as ts:

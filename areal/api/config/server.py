@@ -100,6 +100,24 @@ class GenerationServerConfig:
         "logprobs, /generate logprob_start_len), over its prompts together: each costs a forward "
         "pass between decode steps; more gets HTTP 400 naming logprobs (logprob_start_len)."
     )
+    max_grammar_chars: int = param(
+        100_000, ge=1, help="Most characters of one structured-output grammar (a JSON schema, regex, "
+        "Lark/GBNF grammar, choice list, or a forced tool call's tools); longer gets HTTP 400 naming the "
+        "field before anything is compiled."
+    )
+    grammar_compile_timeout: float = param(
+        10.0, gt=0, help="Seconds a request waits for its grammar to compile (on the server's two "
+        "compile threads, never the event loop or the decode loop); then HTTP 400 naming the field."
+    )
+    grammar_lexer_fuel: int = param(
+        1_000_000, ge=1000, help="llguidance's lexer fuel, the work one grammar may spend building "
+        "its lexer at compile time and at each decode step (a catastrophic regex runs out of it): "
+        "past it the request gets HTTP 400 naming the field, alone."
+    )
+    grammar_cache_size: int = param(
+        256, ge=1, help="Compiled grammars kept (newest used first); a request with a cached grammar "
+        "skips the compile."
+    )
     request_head_timeout: float = param(
         30.0, gt=0, help="Seconds a connection may take to send a complete request head, counted "
         "from its opening or its previous response (so also how long an idle keep-alive "
