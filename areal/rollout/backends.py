@@ -39,6 +39,7 @@ run by ``make test``); SGLang's mapping is unit-tested against its documented sc
 from __future__ import annotations
 
 import abc
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -156,6 +157,7 @@ class NativeBackend(Backend):
         }
         if seed is not None:
             sp["sampling_seed" if self.name == "sglang" else "seed"] = seed
+        sp.update(g.grammar)  # SGLang's names: json_schema (JSON text), regex, ebnf
         body = {"input_ids": list(input_ids), "sampling_params": sp, "return_logprob": True}
         return HttpCall("POST", "/generate", json=body)
 
@@ -288,6 +290,10 @@ class VLLMBackend(Backend):
         }
         if seed is not None:
             body["seed"] = seed
+        if g.grammar:  # vLLM's structured_outputs names
+            (key, value), = g.grammar.items()
+            body["structured_outputs"] = {"json": json.loads(value)} if key == "json_schema" else \
+                {"regex" if key == "regex" else "grammar": value}
         return HttpCall("POST", "/v1/completions", json=body)
 
     def parse_generate(self, body: Any) -> GenerationChunk:

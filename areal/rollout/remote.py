@@ -404,6 +404,8 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
             stop = chunk.stop_reason
             if stop != "abort":
                 break
+            if g.grammar:  # a grammar's state does not travel with prompt + partial: start again
+                ids, logprobs, versions = [], [], []
             self.n_resubmits += 1
             # An abort outside a pause (the server was paused by someone else, or shut down) is
             # retried too, but not forever when it makes no progress.

@@ -126,3 +126,20 @@ def test_make_backend_checks_its_arguments():
         make_backend("vllm")
     with pytest.raises(ValueError, match="got 'tgi'"):
         make_backend("tgi")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field,value,vllm", [
+    ("json_schema", '{"type": "object"}', {"json": {"type": "object"}}),
+    ("regex", "[0-9]+", {"regex": "[0-9]+"}),
+    ("ebnf", 'root ::= "a"', {"grammar": 'root ::= "a"'}),
+])
+def test_a_grammar_travels_in_each_servers_own_field(field, value, vllm):
+    g = GenerationHyperparameters(max_new_tokens=8, **{field: value})
+    native = NativeBackend("sglang").generate([1, 2], g, 8, 0, None).json
+    assert native["sampling_params"][field] == value
+    assert VLLMBackend("m").generate([1, 2], g, 8, 0, None).json["structured_outputs"] == vllm
+
+
+def test_two_grammars_or_a_grammar_with_min_new_tokens_are_refused():
+    problems = list(GenerationHyperparameters(regex="a", ebnf="b", min_new_tokens=2, max_new_tokens=4).check())
+    assert problems[0].startswith("json_schema: set at most one") and problems[1].startswith("min_new_tokens:")

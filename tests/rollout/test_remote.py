@@ -162,6 +162,39 @@ def test_pause_returns_partials_resumed_on_new_weights_with_per_token_versions(
         eng.update_weights(WeightUpdateMeta(type="disk", path=tiny_model_dir, version=0))
 
 
+def test_a_constrained_request_interrupted_by_a_weight_update_restarts_and_still_matches(
+    servers, make_engine, other_weights_dir, tiny_model_dir
+):
+    """A grammar's state does not travel with prompt + partial output, so an aborted constrained
+    generation starts again on the new weights: every token is the new version's, and valid."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eng = make_engine(servers)
+    g = GenerationHyperparameters(max_new_tokens=400, regex="[a-z]{300}")
+    reqs = [ModelRequest(input_ids=[3, 1, 4, 1, 5], gconfig=g, group_id=f"c{i}") for i in range(2)]
+    results: list = []
+    worker = threading.Thread(target=lambda: results.extend(_gather([eng.agenerate(r) for r in reqs])))
+    worker.start()
+    _wait_running(servers, 2, "requests never started running")
+    time.sleep(0.3)
+    eng.pause()
+    eng.update_weights(WeightUpdateMeta(type="disk", path=other_weights_dir, version=1))
+    eng.set_version(1)
+    eng.resume()
+    worker.join(timeout=120)
+    try:
+        assert not worker.is_alive() and len(results) == 2
+        for r in results:
+            assert r.stop_reason == "stop" and r.output_versions == [1] * 300
+            assert re.fullmatch("[a-z]{300}", tokenizer.decode(r.output_ids))
+        assert eng.stats()["remote/resubmits"] >= 2
+    finally:
+        eng.update_weights(WeightUpdateMeta(type="disk", path=tiny_model_dir, version=0))
+
+
 def test_continuation_seed_keeps_the_first_part_and_offsets_later_ones():
     assert continuation_seed(None, 3) is None and continuation_seed(7, 0) == 7
     assert continuation_seed(7, 3) == 7 + 2138041855  # zlib.crc32(b"continuation/3")

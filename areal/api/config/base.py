@@ -79,8 +79,26 @@ class GenerationHyperparameters:
         None, ge=0, le=2**62, help="Reproducible rollouts (RLVR workflow): sample k of a prompt draws "
         "from its own generator seeded by this, the prompt id, k and the weight version, whatever "
         "else the server batches; null: the server's shared generator.")
+    json_schema: str = param(
+        "", help="Structured outputs: a JSON schema (as JSON text) every completion must match; the "
+        "server masks the tokens it forbids. At most one of json_schema, regex, ebnf; empty = none. "
+        "Logprobs are then the masked distribution's (README, Structured outputs).")
+    regex: str = param("", help="Structured outputs: a regex every completion must match; empty = none.")
+    ebnf: str = param("", help="Structured outputs: a GBNF or Lark grammar every completion must match; "
+                      "empty = none.")
+
+    @property
+    def grammar(self) -> dict[str, str]:
+        """The one structured-output field set, as ``{name: value}`` (empty when none)."""
+        return {k: v for k, v in (("json_schema", self.json_schema), ("regex", self.regex), ("ebnf", self.ebnf)) if v}
 
     def check(self) -> Iterator[str]:
+        if len(self.grammar) > 1:
+            yield (f"json_schema: set at most one of json_schema, regex and ebnf, got {sorted(self.grammar)}; "
+                   "keep one")
+        if self.grammar and self.min_new_tokens:
+            yield (f"min_new_tokens: {self.min_new_tokens} with a grammar ({next(iter(self.grammar))}); the grammar "
+                   "decides where a completion ends: set min_new_tokens to 0")
         if self.min_new_tokens > self.max_new_tokens:
             yield (
                 f"min_new_tokens: {self.min_new_tokens} exceeds max_new_tokens="
