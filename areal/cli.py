@@ -58,6 +58,28 @@ def _view(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    import importlib.util
+    from pathlib import Path
+
+    from areal.runtime.replay import read_meta, replay_run
+
+    script = args.script or read_meta(args.run_dir)["script"]
+    if not script or not Path(script).is_file():
+        raise FileNotFoundError(f"entry script {script!r} of {args.run_dir} is not there; pass --script PATH "
+                                "(the script that trained it, e.g. examples/gsm8k_grpo.py)")
+    spec = importlib.util.spec_from_file_location("areal_replayed_script", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # its CONFIG, setup_trainers and train_step: the run's own code
+    try:
+        report = replay_run(args.run_dir, module.CONFIG, module.setup_trainers, module.train_step,
+                            to=args.to, knobs=tuple(args.knobs))
+    except ValueError as e:
+        raise SystemExit(f"areal replay: {e}") from None
+    print(report.text())
+    return 0 if report.ok else 1
+
+
 def _serve(args: argparse.Namespace) -> int:
     from areal.api.config import ConfigError, load_config
     from areal.api.config.server import GenerationServerConfig
@@ -180,11 +202,20 @@ def _add_local_artifacts(sub) -> None:
 
 
 def _add_run_tools(sub) -> None:
-    """Subcommands that look into a finished or running run dir: view."""
+    """Subcommands that look into a finished or running run dir: view, replay."""
     p = sub.add_parser("view", help="a run viewer in the browser: curves, samples, tokens by version (loopback)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run dir(s); several are drawn in the same charts")
     p.add_argument("--port", type=int, default=8765, help="TCP port on 127.0.0.1 (0 = any free port)")
     p.set_defaults(func=_view)
+
+    p = sub.add_parser("replay", help="re-run a recorded run's trainer on its own batches; check weights bit for bit")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run recorded with stats_logger.replay.enabled=true")
+    p.add_argument("--to", type=int, default=None, metavar="STEP", help="replay steps 1..STEP (default: all); "
+                   "options go before RUN_DIR")
+    p.add_argument("--script", default=None, help="entry script (default: the one that recorded the run)")
+    p.add_argument("knobs", nargs="*", metavar="KEY=VALUE",
+                   help="change a knob, e.g. actor.optimizer.lr=1e-4: the divergence is reported, not an error")
+    p.set_defaults(func=_replay)
 
 
 CORE_ACTIONS = ("graph: print nodes, edges, models and meshes; sft: SFT through the master; sync-ppo: sync "

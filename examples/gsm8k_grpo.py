@@ -114,7 +114,8 @@ def main(argv: list[str]) -> int:
         run.log_trained(step, [g[0].group_id for g in groups])
         stats = side.batch_stats()  # executor, reward workers, client (and agent) counters
         publisher.yield_device()  # colocated servers give the GPU to the train step
-        batch = train_step(cfg, run, actor, critic, ref, batch)
+        with run.replay.step(step, batch, actor):  # trainer inputs and weight hashes for `areal replay`
+            batch = train_step(cfg, run, actor, critic, ref, batch)
         run.samples.record(step, groups, batch, actor.get_version())  # for `areal view`
         with run.tracker.timer("update_weights"):
             publisher.publish()

@@ -34,6 +34,7 @@ from areal.api.launch import LaunchEnv
 from areal.dataset import create_dataloader, load_dataset
 from areal.runtime.dist import DistContext, close_distributed, init_distributed
 from areal.runtime.preflight import preflight
+from areal.runtime.replay import ReplayRecorder
 from areal.runtime.samples import SampleRecorder
 from areal.utils.logging import add_log_file, get_logger
 from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository
@@ -101,6 +102,7 @@ class Run:
         fresh = not resume_pending(self.run_dir / "recover", cfg.recover.mode)
         self.stats_logger = StatsLogger(cfg.stats_logger, self.run_dir, self.rank, fresh=fresh)
         self.samples = SampleRecorder(cfg.stats_logger.samples, self.run_dir, self.rank, self.tokenizer, fresh=fresh)
+        self.replay = ReplayRecorder(cfg.stats_logger.replay, self.run_dir, self.rank, self.world_size, fresh=fresh)
         self._bar = None
         self._last_commit: float | None = None
 
@@ -225,6 +227,7 @@ class Run:
             save_config(self.cfg, self.run_dir / "config.yaml")
             self.stats_logger.truncate_after(state["step"])
         self.samples.truncate_after(state["step"])
+        self.replay.truncate_after(state["step"])
         logger.info(f"resumed from {ckpt} at step {state['step']}")
         return state
 

@@ -148,6 +148,19 @@ class SamplesConfig:
 
 
 @dataclass(frozen=True)
+class ReplayConfig:
+    """Each trained step's trainer inputs and the actor's weight hashes, for ``areal replay``
+    (RUN_DIR/replay; docs/viewer.md)."""
+
+    enabled: bool = param(False, help="Record each step's packed batch, RNG states and actor version, and a "
+                          "hash of every actor tensor after the step; also turns on "
+                          "torch.use_deterministic_algorithms so `areal replay` can match bit for bit.")
+    keep_weights: bool = param(False, help="Also keep the actor's full weights after each step "
+                               "(RUN_DIR/replay/weights-<step>.pt, a model's size per step), so a replay "
+                               "names the max difference of the first differing tensor, not only its name.")
+
+
+@dataclass(frozen=True)
 class StatsLoggerConfig:
     """Where per-step metrics go."""
 
@@ -159,6 +172,7 @@ class StatsLoggerConfig:
     )
     wandb_project: str = param("areal", help="W&B project name.")
     samples: SamplesConfig = param(factory=SamplesConfig, help="Trained samples for `areal view`.")
+    replay: ReplayConfig = param(factory=ReplayConfig, help="Trainer inputs and weight hashes for `areal replay`.")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,286 @@
+"""Deterministic replay of a Lite RL run's trainer: the recording (:class:`ReplayRecorder`) and
+the replay itself (:func:`replay_run`, ``areal replay RUN_DIR``; docs/viewer.md, "Replay").
+
+With ``stats_logger.replay.enabled`` each trainer rank writes to ``RUN_DIR/replay``:
+
+- ``meta.json`` (rank 0): the entry script, trainer ranks, torch version, intra-op threads;
+- ``step-<step:06d>-rank<r>.pt``: the packed batch the actor trains on at that step, exactly as
+  ``groups_to_batch`` built it (``cu_seqlens`` and every token and sequence field, in order), the
+  Python / NumPy / torch RNG states just before the train step and the actor's weight version;
+- ``hashes.jsonl`` (rank 0): one line per step, a blake2b hash of every actor tensor (full, HF
+  names) after the step; step 0 is the initial weights;
+- ``weights-<step:06d>.pt`` (rank 0, ``keep_weights``): the actor's full weights after the step,
+  so a replay can name the max difference of a differing tensor.
+
+Recording turns on ``torch.use_deterministic_algorithms``. The replay re-runs only the trainer, in
+one process, from the initial weights (``setup_trainers`` of the entry script) on the recorded
+batches through the script's own ``train_step``, restoring each step's RNG states first, and
+compares the hashes step by step. Bit-identical needs the same torch build and the same
+intra-op thread count (the replay sets the recorded one) on the same kind of CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+
+from areal.utils.batch import PackedBatch
+from areal.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from areal.api.config.base import ReplayConfig
+
+logger = get_logger("replay")
+REPLAY_DIR = "replay"
+HASHES = "hashes.jsonl"
+BATCH_SECTIONS = ("gconfig", "train_dataset", "rollout", "cluster")  # what made the batches
+
+
+def tensor_hashes(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """blake2b (16 bytes, hex) of each tensor's dtype, shape and raw bytes, in ``state``'s order."""
+    out = {}
+    for name, t in state.items():
+        h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=16)
+        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        out[name] = h.hexdigest()
+    return out
+
+
+def make_deterministic() -> None:
+    """The settings a bit-identical replay needs on the recording and the replaying side."""
+    torch.use_deterministic_algorithms(True)
+
+
+def _step_path(root: Path, step: int, rank: int) -> Path:
+    return root / f"step-{step:06d}-rank{rank}.pt"
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class ReplayRecorder:
+    """Writes this rank's trainer inputs and (rank 0) the actor's weight hashes of every step."""
+
+    def __init__(self, cfg: ReplayConfig, run_dir: str | Path, rank: int, world_size: int, fresh: bool = True):
+        """``fresh``: a new run of the trial; an earlier run's replay dir is moved aside."""
+        self.cfg = cfg
+        self.root = Path(run_dir) / REPLAY_DIR
+        self.rank = rank
+        if not cfg.enabled:
+            return
+        make_deterministic()
+        if fresh and rank == 0 and self.root.is_dir() and any(self.root.iterdir()):
+            k = next(k for k in range(1, 10_000) if not self.root.with_name(f"{REPLAY_DIR}.{k}").exists())
+            self.root.rename(self.root.with_name(f"{REPLAY_DIR}.{k}"))
+            logger.warning(f"{self.root} held the replay record of an earlier run of this trial; moved to "
+                           f"{REPLAY_DIR}.{k}")
+        self.root.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            main = getattr(sys.modules.get("__main__"), "__file__", None)
+            meta = {"script": str(Path(main).resolve()) if main else None, "world_size": world_size,
+                    "torch": torch.__version__, "threads": torch.get_num_threads()}
+            (self.root / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+    @contextlib.contextmanager
+    def step(self, step: int, batch: PackedBatch, actor: Any) -> Iterator[None]:
+        """Around one train step: record ``batch`` (as ``groups_to_batch`` built it), the RNG
+        states and ``actor``'s version before it, the weight hashes after it (collective)."""
+        if not self.cfg.enabled:
+            yield
+            return
+        from areal.runtime.run import rng_state
+
+        if step == 1:
+            self._hash_weights(0, actor)  # the initial weights a replay starts from
+        record = {"step": step, "version": actor.get_version(), "rng": rng_state(),
+                  "cu_seqlens": batch.cu_seqlens.clone(), "tokens": {k: v.detach().cpu().clone() for k, v in batch.tokens.items()},
+                  "seqs": {k: v.detach().cpu().clone() for k, v in batch.seqs.items()}}  # fmt: skip
+        yield
+        _atomic_save(record, _step_path(self.root, step, self.rank))
+        self._hash_weights(step, actor)
+
+    def _hash_weights(self, step: int, actor: Any) -> None:
+        state = actor.full_state_dict()  # collective; {} off the mesh's first rank
+        if self.rank != 0:
+            return
+        with open(self.root / HASHES, "a") as f:
+            f.write(json.dumps({"step": step, "tensors": tensor_hashes(state)}) + "\n")
+        if self.cfg.keep_weights:
+            _atomic_save(state, self.root / f"weights-{step:06d}.pt")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop the records of steps after ``step`` (a resume trains and records them again)."""
+        if not self.cfg.enabled:
+            return
+        for path in self.root.glob(f"*-rank{self.rank}.pt"):
+            if int(path.name.split("-")[1]) > step:
+                path.unlink()
+        if self.rank == 0 and (self.root / HASHES).is_file():
+            lines = (self.root / HASHES).read_text().splitlines()
+            kept = [ln for ln in lines if json.loads(ln)["step"] <= step]
+            (self.root / HASHES).write_text("".join(ln + "\n" for ln in kept))
+            for path in self.root.glob("weights-*.pt"):
+                if int(path.stem.split("-")[1]) > step:
+                    path.unlink()
+
+
+# ------------------------------------------------------------------------------------ replay
+
+
+@dataclass
+class StepCheck:
+    """One replayed step against the record: equal, or the first differing tensor."""
+
+    step: int
+    equal: bool
+    n_differing: int = 0  # tensors whose hash differs
+    tensor: str = ""  # the first of them, in state-dict order
+    max_diff: float | None = None  # max |replayed - recorded| of that tensor (needs keep_weights)
+
+    def line(self) -> str:
+        """One human line for the report."""
+        if self.equal:
+            return f"step {self.step}: weights bit-identical"
+        diff = (f"max |diff| {self.max_diff:.3g}" if self.max_diff is not None
+                else "max |diff| unknown (record with stats_logger.replay.keep_weights=true to get it)")
+        return f"step {self.step}: {self.n_differing} tensors differ, first {self.tensor!r}, {diff}"
+
+
+@dataclass
+class ReplayReport:
+    """What :func:`replay_run` found: one check per replayed step, the knobs the replay changed."""
+
+    steps: list[StepCheck]
+    knobs: list[str]
+    notes: list[str] = field(default_factory=list)  # environment differences that break bit-identity
+
+    @property
+    def first_diff(self) -> StepCheck | None:
+        """The first step whose weights differ from the record, or None."""
+        return next((s for s in self.steps if not s.equal), None)
+
+    @property
+    def ok(self) -> bool:
+        """A plain replay must match bit for bit; a changed-knob replay's divergence is information."""
+        return self.first_diff is None or bool(self.knobs)
+
+    def text(self) -> str:
+        """The report ``areal replay`` prints."""
+        lines = [*self.notes, *(s.line() for s in self.steps)]
+        first = self.first_diff
+        if first is None:
+            lines.append(f"replay matches the record bit for bit at every step (0..{self.steps[-1].step})")
+        elif self.knobs:
+            lines.append(f"with {' '.join(self.knobs)} the weights first differ at step {first.step} (expected: "
+                         "a changed knob on the original samples; see docs/viewer.md, 'Replay')")
+        else:
+            lines.append(f"MISMATCH: the replay first differs from the record at step {first.step}, "
+                         f"tensor {first.tensor!r}")
+        return "\n".join(lines)
+
+
+def read_meta(run_dir: str | Path) -> dict[str, Any]:
+    """RUN_DIR/replay/meta.json, or FileNotFoundError naming how to record one."""
+    path = Path(run_dir) / REPLAY_DIR / "meta.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: {run_dir} was not recorded for replay; run it with "
+                                "stats_logger.replay.enabled=true")
+    return json.loads(path.read_text())
+
+
+def _recorded_hashes(root: Path) -> dict[int, dict[str, str]]:
+    lines = (root / HASHES).read_text().splitlines() if (root / HASHES).is_file() else []
+    return {rec["step"]: rec["tensors"] for rec in map(json.loads, lines)}
+
+
+def check_step(root: Path, step: int, recorded: dict[str, str], state: dict[str, torch.Tensor]) -> StepCheck:
+    """Compare ``state`` (the replay's actor after ``step``) with the recorded hashes of ``step``."""
+    if list(recorded) != list(state):
+        raise ValueError(f"step {step}: the replay's actor has tensors {sorted(set(state) ^ set(recorded))[:5]} "
+                         "that the record does not (or the reverse); replay with the recorded model "
+                         "(actor.path, actor.lora.*)")
+    now = tensor_hashes(state)
+    differing = [k for k in recorded if recorded[k] != now[k]]
+    if not differing:
+        return StepCheck(step, True)
+    weights = root / f"weights-{step:06d}.pt"
+    max_diff = None
+    if weights.is_file():
+        before = torch.load(weights, map_location="cpu", weights_only=True)[differing[0]]
+        max_diff = (state[differing[0]].double() - before.double()).abs().max().item()
+    return StepCheck(step, False, len(differing), differing[0], max_diff)
+
+
+def load_step(root: Path, step: int) -> tuple[PackedBatch, dict[str, Any]]:
+    """The recorded batch of ``step`` (rank 0) and its record (RNG states, version)."""
+    path = _step_path(root, step, 0)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: step {step} was not recorded; replay fewer steps "
+                                "with --to")
+    record = torch.load(path, map_location="cpu", weights_only=False)  # our own file: RNG states are tuples
+    return PackedBatch(record["cu_seqlens"], record["tokens"], record["seqs"]), record
+
+
+def replay_overrides(run_dir: Path) -> list[str]:
+    """What a replay changes in the recorded config: its own run dir, and nothing recorded,
+    published or resumed."""
+    return [f"fileroot={json.dumps(str(run_dir))}", "experiment_name=replays", "trial_name=latest",
+            "stats_logger.replay.enabled=false", "stats_logger.samples.enabled=false", "stats_logger.console=false",
+            "stats_logger.tensorboard=false", "stats_logger.wandb=disabled", "recover.mode=disabled"]
+
+
+def replay_run(run_dir: str | Path, config_class: type, setup_trainers: Callable, train_step: Callable,
+               to: int | None = None, knobs: tuple[str, ...] = ()) -> ReplayReport:
+    """Re-run the trainer of ``run_dir`` on its recorded batches (see the module docstring);
+    ``knobs`` are dotted overrides of the recorded config (a what-if replay)."""
+    from areal.api.config import load_config
+    from areal.runtime.run import init_run, set_rng_state
+
+    run_dir = Path(run_dir)
+    meta, root = read_meta(run_dir), run_dir / REPLAY_DIR
+    if meta["world_size"] != 1:
+        raise ValueError(f"{run_dir} was trained on {meta['world_size']} trainer ranks; areal replay re-runs one "
+                         "process, so it replays runs of one rank (record with cluster.trainer_nprocs=1)")
+    hashes = _recorded_hashes(root)
+    last = max(hashes, default=0)
+    if last == 0:
+        raise FileNotFoundError(f"{root / HASHES} records no trained step yet; replay after step 1 ends")
+    if to is not None and not 1 <= to <= last:
+        raise ValueError(f"--to {to}: {run_dir} recorded steps 1..{last}; pass 1 <= --to <= {last}")
+    fixed = [k for k in knobs if k.split("=", 1)[0].split(".", 1)[0] in BATCH_SECTIONS]
+    if fixed:
+        raise ValueError(f"{' '.join(fixed)}: a replay trains on the recorded batches, so "
+                         f"{'/'.join(BATCH_SECTIONS)} cannot change; change a trainer knob (actor.*, critic.*, ref.*)")
+    cfg = load_config(config_class, ["--config", str(run_dir / "config.yaml"), *replay_overrides(run_dir), *knobs])
+    notes = [] if meta["torch"] == torch.__version__ else [
+        f"note: recorded with torch {meta['torch']}, replayed with {torch.__version__}: bit-identity needs the same build"]
+    make_deterministic()
+    run = init_run(cfg, cfg.actor.path)
+    torch.set_num_threads(meta["threads"])  # reductions split by thread count: the recorded one
+    actor, critic, ref = setup_trainers(cfg, run, run.load_data().ft_spec)
+    checks = [check_step(root, 0, hashes[0], actor.full_state_dict())]
+    for step in range(1, (to or last) + 1):
+        batch, record = load_step(root, step)
+        for engine in (actor, critic):
+            if engine is not None:
+                engine.set_version(record["version"])
+        set_rng_state(record["rng"])
+        train_step(cfg, run, actor, critic, ref, batch)
+        checks.append(check_step(root, step, hashes[step], actor.full_state_dict()))
+        run.commit(step, to or last, run.tracker.export())
+    for engine in (actor, critic, ref):
+        if engine is not None:
+            engine.destroy()
+    run.close()
+    return ReplayReport(checks, list(knobs), notes)
