@@ -256,17 +256,22 @@ def parse_chat(
     return jobs, want
 
 
-def _top_entries(ids: list[int], lps: list, tops: list, n: int | None, token_str: Callable) -> list:
+def _top_entries(ids: list[int], lps: list, tops: list, n: int | None, token_str: Callable,
+                 pieces: list[str]) -> list:
     """OpenAI completions ``top_logprobs``: per position a {token: logprob} dict of the ``n``
-    most likely tokens plus the chosen one (None where no logprob exists: a prompt's first)."""
+    most likely tokens plus the chosen one (None where no logprob exists: a prompt's first).
+    The chosen token is keyed as in ``tokens`` (its piece of the text), so a client comparing
+    ``tokens[i]`` with the best key (lm-eval's is_greedy) sees the same string."""
     out = []
-    for t, lp, top in zip(ids, lps, tops):
+    for t, lp, top, piece in zip(ids, lps, tops, pieces):
         if lp is None:
             out.append(None)
             continue
-        entry = {token_str(u): v for u, v in (top or [])[: n or 0]}
-        entry.setdefault(token_str(t), lp)
-        out.append(entry)
+        entry = {piece: lp}
+        for u, v in (top or [])[: n or 0]:
+            if u != t:
+                entry.setdefault(token_str(u), v)
+        out.append(dict(sorted(entry.items(), key=lambda kv: -kv[1])))
     return out
 
 
@@ -291,7 +296,8 @@ def completion_response(
             pieces = text.pieces(r.input_ids) + text.pieces(r.output_ids) if echo else text.pieces(ids)
             offsets = [sum(map(len, pieces[:k])) for k in range(len(pieces))]
             lp = {"tokens": pieces, "token_logprobs": lps,
-                  "top_logprobs": _top_entries(ids, lps, tops, logprobs, text.token_str), "text_offset": offsets}
+                  "top_logprobs": _top_entries(ids, lps, tops, logprobs, text.token_str, pieces),
+                  "text_offset": offsets}
         choices.append(
             {"index": job.extra["index"], "text": out_text, "logprobs": lp, "finish_reason": r.finish_reason}
         )
