@@ -126,17 +126,37 @@ def sft_conversations(tokenizer, n: int, guess_fraction: float = 0.0) -> list[di
     return rows
 
 
+async def mean_reward(solve, n: int) -> float:
+    """Mean of ``await solve(item)`` over ``n`` test problems (two-digit products)."""
+    from areal.api.config.data import ArithmeticConfig
+    from areal.dataset.arithmetic import make_arithmetic
+
+    items = make_arithmetic(ArithmeticConfig(min_digits=2, max_digits=2, operators="*", n_test=n), "test")
+    rewards = await asyncio.gather(*(solve(item) for item in items))
+    return sum(rewards) / len(rewards)
+
+
+async def run_episode(solve) -> None:
+    """An agent program's training episode (``workflow.type: agent_cmd``): the item from stdin,
+    ``await solve(item)`` scored, the reward posted to the proxy's ``$OPENAI_BASE_URL/reward``
+    with the session's key."""
+    import os
+
+    import httpx
+
+    reward = await solve(json.loads(sys.stdin.readline()))
+    base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+    async with httpx.AsyncClient() as http:
+        (await http.post(f"{base}/reward", json={"reward": reward},
+                         headers={"Authorization": f"Bearer {key}"})).raise_for_status()
+
+
 async def _main(base_url: str, n: int, api_key: str) -> float:
     """Mean reward of the agent over ``n`` test problems against an OpenAI-compatible server."""
     from openai import AsyncOpenAI
 
-    from areal.api.config.data import ArithmeticConfig
-    from areal.dataset.arithmetic import make_arithmetic
-
     client = AsyncOpenAI(base_url=base_url, api_key=api_key)
-    items = make_arithmetic(ArithmeticConfig(min_digits=2, max_digits=2, operators="*", n_test=n), "test")
-    rewards = await asyncio.gather(*(calculator_agent(client, item) for item in items))
-    return sum(rewards) / len(rewards)
+    return await mean_reward(lambda item: calculator_agent(client, item), n)
 
 
 if __name__ == "__main__":

@@ -14,17 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import sys
 import warnings
 
-import httpx
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.errors import GraphRecursionError
 from langgraph.prebuilt import create_react_agent
 
-from agent_arithmetic import MAX_TOKENS, MAX_TURNS, calculator, question, score
+from agent_arithmetic import MAX_TOKENS, MAX_TURNS, calculator, mean_reward, question, run_episode, score
 
 
 # langgraph 1.x points at langchain.agents.create_agent (another package); the prebuilt one stays
@@ -53,25 +50,10 @@ def model(base_url: str | None = None, api_key: str | None = None) -> ChatOpenAI
                       **({"base_url": base_url, "api_key": api_key} if base_url else {}))
 
 
-async def episode() -> None:
-    """Training: the item from stdin, the reward to the proxy."""
-    item = json.loads(sys.stdin.readline())
-    reward = await solve(model(), item)
-    base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
-    async with httpx.AsyncClient() as http:
-        (await http.post(f"{base}/reward", json={"reward": reward},
-                         headers={"Authorization": f"Bearer {key}"})).raise_for_status()
-
-
 async def evaluate(base_url: str, n: int, api_key: str) -> float:
     """Mean reward over ``n`` test problems against an OpenAI-compatible server."""
-    from areal.api.config.data import ArithmeticConfig
-    from areal.dataset.arithmetic import make_arithmetic
-
     llm = model(base_url, api_key)
-    items = make_arithmetic(ArithmeticConfig(min_digits=2, max_digits=2, operators="*", n_test=n), "test")
-    rewards = await asyncio.gather(*(solve(llm, item) for item in items))
-    return sum(rewards) / len(rewards)
+    return await mean_reward(lambda item: solve(llm, item), n)
 
 
 if __name__ == "__main__":
@@ -83,4 +65,5 @@ if __name__ == "__main__":
     if args.base_url:
         print(f"mean reward: {asyncio.run(evaluate(args.base_url, args.n, args.api_key)):.3f}")
     else:
-        asyncio.run(episode())
+        llm = model()
+        asyncio.run(run_episode(lambda item: solve(llm, item)))

@@ -15,15 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import sys
-
-import httpx
 from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
 from agents.exceptions import AgentsException
 from openai import AsyncOpenAI
 
-from agent_arithmetic import MAX_TOKENS, MAX_TURNS, calculator, question, score
+from agent_arithmetic import MAX_TOKENS, MAX_TURNS, calculator, mean_reward, question, run_episode, score
 
 
 @function_tool
@@ -43,25 +39,10 @@ async def solve(client: AsyncOpenAI, item: dict) -> float:
     return score(str(result.final_output), item["reference"])
 
 
-async def episode() -> None:
-    """Training: the item from stdin, the reward to the proxy."""
-    item = json.loads(sys.stdin.readline())
-    reward = await solve(AsyncOpenAI(), item)
-    base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
-    async with httpx.AsyncClient() as http:
-        (await http.post(f"{base}/reward", json={"reward": reward},
-                         headers={"Authorization": f"Bearer {key}"})).raise_for_status()
-
-
 async def evaluate(base_url: str, n: int, api_key: str) -> float:
     """Mean reward over ``n`` test problems against an OpenAI-compatible server."""
-    from areal.api.config.data import ArithmeticConfig
-    from areal.dataset.arithmetic import make_arithmetic
-
     client = AsyncOpenAI(base_url=base_url, api_key=api_key)
-    items = make_arithmetic(ArithmeticConfig(min_digits=2, max_digits=2, operators="*", n_test=n), "test")
-    rewards = await asyncio.gather(*(solve(client, item) for item in items))
-    return sum(rewards) / len(rewards)
+    return await mean_reward(lambda item: solve(client, item), n)
 
 
 if __name__ == "__main__":
@@ -74,4 +55,5 @@ if __name__ == "__main__":
     if args.base_url:
         print(f"mean reward: {asyncio.run(evaluate(args.base_url, args.n, args.api_key)):.3f}")
     else:
-        asyncio.run(episode())
+        client = AsyncOpenAI()
+        asyncio.run(run_episode(lambda item: solve(client, item)))
