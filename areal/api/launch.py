@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, MutableMapping
 
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"
@@ -30,6 +30,7 @@ VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 SERVER_API_KEY = "AREAL_SERVER_API_KEY"  # servers and trainers get the admin key by env, not argv
 LAUNCHER_PID = "AREAL_LAUNCHER_PID"  # every started process dies when this process exits
 COLOCATED = "AREAL_COLOCATED"  # "1": the trainer's GPUs also host generation servers
+RAY_AUTH_MODE = "RAY_AUTH_MODE"  # Ray's token auth: "disabled" unless the user opts in
 PROGRESS = "AREAL_PROGRESS"  # "bar": a terminal shows the launcher's echo (tqdm redraws); "lines": a log
 # What torchrun sets for a rank beyond the names above (a process that is not a rank drops them all).
 TORCHRUN_ONLY = ("LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
@@ -79,6 +80,14 @@ class LaunchEnv:
         if self.progress in ("bar", "lines"):
             return self.progress
         return "bar" if stderr_is_tty else "lines"
+
+
+def disable_ray_token_auth(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Call before a ``ray.init`` that may start a local Ray instance: Ray 2.60 would write
+    ~/.ray/auth_token, which every later ``ray start`` on the machine then enforces on clients
+    that do not send it (test clusters and other users' jobs included). ``RAY_AUTH_MODE=token``
+    in the environment opts in."""
+    environ.setdefault(RAY_AUTH_MODE, "disabled")
 
 
 def threads_env(n: int) -> dict[str, str]:

@@ -32,7 +32,7 @@ import torch
 
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.experiments import DistillConfig
-from areal.api.launch import TORCHRUN_VARS
+from areal.api.launch import TORCHRUN_VARS, disable_ray_token_auth
 from areal.api.io import FinetuneSpec, SaveLoadMeta
 from areal.core.dfg import Allocation, DataflowGraph, ModelFn, ModelName
 from areal.core.master import split_by_tokens
@@ -287,9 +287,8 @@ def attach_ray(address: str, num_cpus: int) -> None:
         return
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address or None, log_to_driver=False, include_dashboard=False)
-    else:  # token auth off: Ray 2.60 would write ~/.ray/auth_token, which every later `ray start`
-        # on the machine then enforces on clients that do not send it (RAY_AUTH_MODE=token opts in)
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    else:
+        disable_ray_token_auth()
         ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", log_to_driver=False, include_dashboard=False)
 
 

@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal.api.launch import api_key_env, devices_env, threads_env, torch_dist_env, trainer_env
+from areal.api.launch import (api_key_env, devices_env, disable_ray_token_auth, threads_env, torch_dist_env,
+                              trainer_env)
 from areal.launcher.common import COLOCATE_LOCAL_ONLY, launch, reset_trial, wait_for_servers
 from areal.launcher.local import without_secrets
 from areal.launcher.procs import ProcessSupervisor, record_failure
@@ -182,6 +183,7 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
         return 2
     handler = signal.getsignal(signal.SIGTERM)
     if not ray.is_initialized():
+        disable_ray_token_auth()  # an empty address may start a local instance
         ray.init(address=lc.ray.address or None, log_to_driver=lc.echo, include_dashboard=False)
     signal.signal(signal.SIGTERM, handler)  # ray.init installs its own; ours tears down first
     try:
