@@ -1,7 +1,7 @@
 """Tier 2: lossless automatic resume through the launcher (recover.mode=auto).
 
 A run whose trainer worker is SIGKILLed mid-training, and one whose only generation server is
-SIGKILLed, must be relaunched, resume from the last recover checkpoint, and train exactly the
+SIGKILLed with server restarts off, must be relaunched, resume from the last recover checkpoint, and train exactly the
 sample ids of the uninterrupted run, step by step (async GRPO, max_staleness=1), with no step's
 ids twice, no token staler than the bound, and the servers back on the checkpoint's version.
 """
@@ -33,8 +33,9 @@ def _victim(run: Launch, which: str) -> int:
     raise AssertionError(f"no live {which} process among {run.seen}")
 
 
-def _run_killing(launcher: Launcher, model: str, which: str) -> Path:
-    run, run_dir = launcher.start(f"kill-{which}", GRPO_SCRIPT, GRPO_YAML, [f"actor.path={model}", *RESUMABLE])
+def _run_killing(launcher: Launcher, model: str, which: str, *extra: str) -> Path:
+    run, run_dir = launcher.start(f"kill-{which}", GRPO_SCRIPT, GRPO_YAML,
+                                  [f"actor.path={model}", *RESUMABLE, *extra])
     passed = lambda: KILL_AFTER_STEP in train_steps(run_dir)  # noqa: E731
     assert run.wait(RUN_TIMEOUT, until=passed) is None, f"run ended before step {KILL_AFTER_STEP}:\n{run.output()}"
     os.kill(_victim(run, which), signal.SIGKILL)
@@ -72,10 +73,12 @@ def test_trainer_sigkilled_mid_training_resumes_and_trains_the_same_samples(
     _check_same_training(run_dir, async_grpo_reference)
 
 
-def test_server_sigkilled_mid_training_stops_the_trainer_then_resumes_losslessly(
+def test_server_sigkilled_mid_training_without_restarts_stops_the_trainer_then_resumes_losslessly(
     launcher, tiny_model_dir, async_grpo_reference
 ):
-    run_dir = _run_killing(launcher, tiny_model_dir, "server")
+    # With server restarts the trainer waits for the restarted server (tests/examples/
+    # test_server_loss.py); without them it stops naming the server, and the relaunch resumes.
+    run_dir = _run_killing(launcher, tiny_model_dir, "server", "launcher.server_restarts=0")
     trainer_log = (run_dir / "logs" / "trainer.log").read_text(errors="replace")
     assert "generation servers are dead (127.0.0.1:" in trainer_log  # a clear error naming the server
     _check_same_training(run_dir, async_grpo_reference)
