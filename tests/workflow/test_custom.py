@@ -28,4 +28,4 @@ def test_a_subclass_by_import_path_is_built_with_reward_gconfig_tokenizer(tmp_pa
 def test_the_config_refuses_a_type_that_is_neither_builtin_nor_an_import_path():
     assert list(WorkflowConfig(type="my_wf:W").check()) == []
     [problem] = list(WorkflowConfig(type="rlvr2").check())
-    assert problem.startswith("type: 'rlvr2' is not rlvr, multi_turn, agent or an import path")
+    assert problem.startswith("type: 'rlvr2' is not rlvr, multi_turn, agent, agent_cmd or an import path")
