@@ -151,6 +151,23 @@ async def run_episode(solve) -> None:
                          headers={"Authorization": f"Bearer {key}"})).raise_for_status()
 
 
+def agent_program(doc: str, make_client, solve) -> None:
+    """The command line of an agent program written with a framework: with ``--base-url``, its
+    mean reward on test problems against that server; else one training episode
+    (:func:`run_episode`). ``make_client(base_url, api_key)`` (None, None: the environment's
+    ``OPENAI_BASE_URL``/``OPENAI_API_KEY``) gives what ``solve(client, item)`` runs on."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--base-url", help="run on test problems, e.g. http://127.0.0.1:8000/v1")
+    parser.add_argument("--n", type=int, default=20, help="test problems")
+    parser.add_argument("--api-key", default="none", help="the server's key, if it has one")
+    args = parser.parse_args()
+    client = make_client(args.base_url, args.api_key if args.base_url else None)
+    if args.base_url:
+        print(f"mean reward: {asyncio.run(mean_reward(lambda item: solve(client, item), args.n)):.3f}")
+    else:
+        asyncio.run(run_episode(lambda item: solve(client, item)))
+
+
 async def _main(base_url: str, n: int, api_key: str) -> float:
     """Mean reward of the agent over ``n`` test problems against an OpenAI-compatible server."""
     from openai import AsyncOpenAI

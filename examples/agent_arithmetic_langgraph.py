@@ -11,8 +11,6 @@ problems against any OpenAI-compatible server and prints its success rate.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import warnings
 
@@ -21,7 +19,7 @@ from langchain_openai import ChatOpenAI
 from langgraph.errors import GraphRecursionError
 from langgraph.prebuilt import create_react_agent
 
-from agent_arithmetic import MAX_TOKENS, MAX_TURNS, calculator, mean_reward, question, run_episode, score
+from agent_arithmetic import MAX_TOKENS, MAX_TURNS, agent_program, calculator, question, score
 
 
 # langgraph 1.x points at langchain.agents.create_agent (another package); the prebuilt one stays
@@ -50,20 +48,5 @@ def model(base_url: str | None = None, api_key: str | None = None) -> ChatOpenAI
                       **({"base_url": base_url, "api_key": api_key} if base_url else {}))
 
 
-async def evaluate(base_url: str, n: int, api_key: str) -> float:
-    """Mean reward over ``n`` test problems against an OpenAI-compatible server."""
-    llm = model(base_url, api_key)
-    return await mean_reward(lambda item: solve(llm, item), n)
-
-
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", help="run on test problems, e.g. http://127.0.0.1:8000/v1")
-    parser.add_argument("--n", type=int, default=20, help="test problems")
-    parser.add_argument("--api-key", default="none", help="the server's key, if it has one")
-    args = parser.parse_args()
-    if args.base_url:
-        print(f"mean reward: {asyncio.run(evaluate(args.base_url, args.n, args.api_key)):.3f}")
-    else:
-        llm = model()
-        asyncio.run(run_episode(lambda item: solve(llm, item)))
+    agent_program(__doc__, model, solve)

@@ -12,14 +12,12 @@ success rate.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
 from agents.exceptions import AgentsException
 from openai import AsyncOpenAI
 
-from agent_arithmetic import MAX_TOKENS, MAX_TURNS, calculator, mean_reward, question, run_episode, score
+from agent_arithmetic import MAX_TOKENS, MAX_TURNS, agent_program, calculator, question, score
 
 
 @function_tool
@@ -39,21 +37,6 @@ async def solve(client: AsyncOpenAI, item: dict) -> float:
     return score(str(result.final_output), item["reference"])
 
 
-async def evaluate(base_url: str, n: int, api_key: str) -> float:
-    """Mean reward over ``n`` test problems against an OpenAI-compatible server."""
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key)
-    return await mean_reward(lambda item: solve(client, item), n)
-
-
 if __name__ == "__main__":
     set_tracing_disabled(True)  # no traces uploaded anywhere
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", help="run on test problems, e.g. http://127.0.0.1:8000/v1")
-    parser.add_argument("--n", type=int, default=20, help="test problems")
-    parser.add_argument("--api-key", default="none", help="the server's key, if it has one")
-    args = parser.parse_args()
-    if args.base_url:
-        print(f"mean reward: {asyncio.run(evaluate(args.base_url, args.n, args.api_key)):.3f}")
-    else:
-        client = AsyncOpenAI()
-        asyncio.run(run_episode(lambda item: solve(client, item)))
+    agent_program(__doc__, lambda base_url, api_key: AsyncOpenAI(base_url=base_url, api_key=api_key), solve)
