@@ -36,12 +36,16 @@ def run_eval(model: str, argv: list[str]) -> dict[str, Any]:
     """Evaluate ``model`` on the config's held-out data; the summary (see the module docstring)."""
     from transformers import AutoTokenizer
 
-    scratch = tempfile.mkdtemp(prefix="areal-eval-")  # the server's logs; the run dirs stay untouched
+    scratch = tempfile.mkdtemp(
+        prefix="areal-eval-"
+    )  # the server's logs; the run dirs stay untouched
     base = ["actor.use_critic=false", "cluster.n_servers=1", "rollout.max_staleness=0"]
     cfg = load_config(GRPOConfig, [*base, *argv, f"actor.path={model}", f"fileroot={scratch}"])
     problems = preflight(cfg)
     if cfg.valid_dataset is None:
-        problems.append("valid_dataset: null; areal eval needs held-out data (set valid_dataset.path)")
+        problems.append(
+            "valid_dataset: null; areal eval needs held-out data (set valid_dataset.path)"
+        )
     if problems:
         raise ConfigError(problems, "areal eval")
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or model)
@@ -57,7 +61,9 @@ def run_eval(model: str, argv: list[str]) -> dict[str, Any]:
         executor.initialize()
         try:
             with RewardRunner(resolve_reward(cfg.reward_fn), cfg.reward) as reward:
-                groups = executor.rollout_batch(items, RLVRWorkflow(reward, cfg.eval_gconfig, tokenizer))
+                groups = executor.rollout_batch(
+                    items, RLVRWorkflow(reward, cfg.eval_gconfig, tokenizer)
+                )
                 failures = reward.commit_batch()
         finally:
             executor.destroy()
@@ -65,10 +71,14 @@ def run_eval(model: str, argv: list[str]) -> dict[str, Any]:
     shutil.rmtree(scratch, ignore_errors=True)  # kept when the evaluation failed: its logs
     rewards = [t.reward for g in groups for t in g]
     return {
-        "model": model, "dataset": cfg.valid_dataset.path, "split": cfg.valid_dataset.split,
-        "n_items": len(items), "n_samples": len(rewards),
+        "model": model,
+        "dataset": cfg.valid_dataset.path,
+        "split": cfg.valid_dataset.split,
+        "n_items": len(items),
+        "n_samples": len(rewards),
         "accuracy": sum(rewards) / len(rewards) if rewards else math.nan,
-        "greedy": cfg.eval_gconfig.greedy, "reward_fn": cfg.reward_fn,
+        "greedy": cfg.eval_gconfig.greedy,
+        "reward_fn": cfg.reward_fn,
         "reward_failures": int(failures.get("reward/n_failed", 0)),
     }
 

@@ -59,11 +59,15 @@ def _last_checkpoint(run_dir: Path, name: str) -> Path:
     return steps[-1]
 
 
-def summarize(rows: list[dict], wall_seconds: float, rl_seconds: float, samples_per_step: int) -> dict:
+def summarize(
+    rows: list[dict], wall_seconds: float, rl_seconds: float, samples_per_step: int
+) -> dict:
     """Summary numbers from the GRPO run's stats rows."""
     evals = [r for r in rows if "eval/accuracy" in r]
     if len(evals) < 2 or evals[0]["step"] != 0:
-        raise RuntimeError("the GRPO run logged no step-0 and final evaluation; is valid_dataset set?")
+        raise RuntimeError(
+            "the GRPO run logged no step-0 and final evaluation; is valid_dataset set?"
+        )
     steps = [r for r in rows if r["step"] > 0]
     return {
         "acc_before": evals[0]["eval/accuracy"],
@@ -126,10 +130,15 @@ def _device_overrides() -> list[str]:
 
     if not torch.cuda.is_available():
         return []
-    print(f"[quickstart] GPU: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}; the "
-          "generation server runs on cuda (on one GPU, colocated with the trainer)")
+    print(
+        f"[quickstart] GPU: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}; the "
+        "generation server runs on cuda (on one GPU, colocated with the trainer)"
+    )
     shm = Path("/dev/shm")  # weight updates through memory, not the disk
-    return ["server.device=cuda", *([f"weight_update_dir={shm / 'areal-quickstart'}"] if shm.is_dir() else [])]
+    return [
+        "server.device=cuda",
+        *([f"weight_update_dir={shm / 'areal-quickstart'}"] if shm.is_dir() else []),
+    ]
 
 
 def run_quickstart(
@@ -153,7 +162,9 @@ def run_quickstart(
     for stale in ("sft", "grpo", "model"):
         shutil.rmtree(out / stale, ignore_errors=True)
     model = build_tiny_model(out / "model", size="tiny", seed=0)
-    print(f"[quickstart] task {task}; tiny model: {count_parameters(model):,} parameters at {model}")
+    print(
+        f"[quickstart] task {task}; tiny model: {count_parameters(model):,} parameters at {model}"
+    )
 
     common = [f"fileroot={out}", "trial_name=run"]
     sft, grpo = _stages(task, examples, model, out, n_sft)
@@ -162,8 +173,14 @@ def run_quickstart(
     print(f"[quickstart] SFT done: {sft_model}")
 
     rl_start = time.time()
-    grpo_args = [*common, "experiment_name=grpo", f"actor.path={sft_model}", *grpo[2], *_device_overrides(),
-                 *grpo_overrides]
+    grpo_args = [
+        *common,
+        "experiment_name=grpo",
+        f"actor.path={sft_model}",
+        *grpo[2],
+        *_device_overrides(),
+        *grpo_overrides,
+    ]
     _launch(grpo[0], grpo[1], grpo_args)
     rl_seconds = time.time() - rl_start
     cfg = load_config(GRPOConfig, ["--config", str(grpo[1]), *grpo_args])

@@ -38,7 +38,11 @@ def _run(cmd: list[str]) -> float:
 
 
 def _accuracy(run_dir: Path) -> tuple[float, float]:
-    rows = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "stats.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     evals = [r for r in rows if "eval/accuracy" in r]
     if len(evals) < 2 or evals[0]["step"] != 0:
         raise RuntimeError(f"{run_dir}: no step-0 and final evaluation in stats.jsonl")
@@ -47,10 +51,14 @@ def _accuracy(run_dir: Path) -> tuple[float, float]:
 
 def newest_demo_checkpoint(stage: str, model: str, flag: str) -> Path:
     """The newest ``step*`` HF checkpoint of ``make demo``'s ``stage`` (sft, grpo) for ``model``."""
-    steps = sorted((REPO / "runs" / "quickstart" / stage / "run" / "checkpoints" / model).glob("step*"),
-                   key=lambda p: int(p.name[4:]))
+    steps = sorted(
+        (REPO / "runs" / "quickstart" / stage / "run" / "checkpoints" / model).glob("step*"),
+        key=lambda p: int(p.name[4:]),
+    )
     if not steps:
-        raise SystemExit(f"no {stage} checkpoint under runs/quickstart: run `make demo` first or pass {flag} DIR")
+        raise SystemExit(
+            f"no {stage} checkpoint under runs/quickstart: run `make demo` first or pass {flag} DIR"
+        )
     return steps[-1]
 
 
@@ -64,37 +72,81 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sft", type=Path, default=None, help="SFT model dir (default: make demo's)")
     ap.add_argument("--workers", type=int, default=2, help="Core model workers (Ray actors)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench_core_sync")
-    ap.add_argument("--reuse-lite", action="store_true", help="take the Lite side from OUT/lite (a previous run)")
+    ap.add_argument(
+        "--reuse-lite",
+        action="store_true",
+        help="take the Lite side from OUT/lite (a previous run)",
+    )
     args = ap.parse_args(argv)
     sft = (args.sft or _default_sft()).resolve()
     out = args.out.resolve()
-    common = ["--config", str(YAML), f"fileroot={out}", "trial_name=run", f"actor.path={sft}",
-              f"total_train_steps={args.steps}", "saver.freq_steps=null", "launcher.echo=false"]
+    common = [
+        "--config",
+        str(YAML),
+        f"fileroot={out}",
+        "trial_name=run",
+        f"actor.path={sft}",
+        f"total_train_steps={args.steps}",
+        "saver.freq_steps=null",
+        "launcher.echo=false",
+    ]
     areal = [sys.executable, "-m", "areal.cli"]
     sides = {  # name -> (experiment name, command)
-        "lite_async": ("lite", [*areal, "launch", "local", str(REPO / "examples" / "gsm8k_grpo.py"), *common,
-                                "experiment_name=lite"]),
-        "core_sync": ("core", [*areal, "core", "sync-ppo", *common, "experiment_name=core",
-                               "rollout.max_staleness=0", "core.backend=ray", f"core.n_workers={args.workers}"]),
+        "lite_async": (
+            "lite",
+            [
+                *areal,
+                "launch",
+                "local",
+                str(REPO / "examples" / "gsm8k_grpo.py"),
+                *common,
+                "experiment_name=lite",
+            ],
+        ),
+        "core_sync": (
+            "core",
+            [
+                *areal,
+                "core",
+                "sync-ppo",
+                *common,
+                "experiment_name=core",
+                "rollout.max_staleness=0",
+                "core.backend=ray",
+                f"core.n_workers={args.workers}",
+            ],
+        ),
     }
     result: dict[str, dict] = {}
     for name, (experiment, cmd) in sides.items():
         if name == "lite_async" and args.reuse_lite:
-            wall = json.loads((out / "core_sync.json").read_text())["lite_async"]["wall_seconds"] \
-                if (out / "core_sync.json").is_file() else float("nan")
+            wall = (
+                json.loads((out / "core_sync.json").read_text())["lite_async"]["wall_seconds"]
+                if (out / "core_sync.json").is_file()
+                else float("nan")
+            )
         else:
             wall = _run(cmd)
         before, after = _accuracy(out / experiment / "run")
-        result[name] = {"acc_before": before, "acc_after": after, "gain": after - before, "wall_seconds": wall}
-        print(f"[core_sync] {name}: held-out {before:.3f} -> {after:.3f} ({(after - before) * 100:+.1f} points) "
-              f"in {wall:.0f} s")
+        result[name] = {
+            "acc_before": before,
+            "acc_after": after,
+            "gain": after - before,
+            "wall_seconds": wall,
+        }
+        print(
+            f"[core_sync] {name}: held-out {before:.3f} -> {after:.3f} ({(after - before) * 100:+.1f} points) "
+            f"in {wall:.0f} s"
+        )
     lite, core = result["lite_async"], result["core_sync"]
     result["gain_difference_points"] = (core["gain"] - lite["gain"]) * 100
     result["wall_ratio_core_over_lite"] = core["wall_seconds"] / lite["wall_seconds"]
-    print(f"[core_sync] {args.steps} steps: gain Core sync {core['gain'] * 100:+.1f} vs Lite async "
-          f"{lite['gain'] * 100:+.1f} points (difference {result['gain_difference_points']:+.1f}; within 5: "
-          f"{'yes' if abs(result['gain_difference_points']) <= 5 else 'no'}); wall Core/Lite "
-          f"{result['wall_ratio_core_over_lite']:.2f}x")
+    print(
+        f"[core_sync] {args.steps} steps: gain Core sync {core['gain'] * 100:+.1f} vs Lite async "
+        f"{lite['gain'] * 100:+.1f} points (difference {result['gain_difference_points']:+.1f}; within 5: "
+        f"{'yes' if abs(result['gain_difference_points']) <= 5 else 'no'}); wall Core/Lite "
+        f"{result['wall_ratio_core_over_lite']:.2f}x"
+    )
     out.mkdir(parents=True, exist_ok=True)
     (out / "core_sync.json").write_text(json.dumps(result, indent=2))
     return 0

@@ -30,7 +30,11 @@ DISTILL_YAML = REPO / "examples" / "arithmetic_distill.yaml"
 
 
 def _evals(run_dir: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "stats.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     return [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
 
 
@@ -43,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--teacher", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench_distill")
     args = ap.parse_args(argv)
-    sft, teacher = (args.sft or _default_sft()).resolve(), (args.teacher or newest_demo_checkpoint("grpo", "actor", "--teacher")).resolve()
+    sft, teacher = (
+        (args.sft or _default_sft()).resolve(),
+        (args.teacher or newest_demo_checkpoint("grpo", "actor", "--teacher")).resolve(),
+    )
     from areal.evaluate import run_eval
 
     target = float(run_eval(str(teacher), ["--config", str(YAML)])["accuracy"])
@@ -53,26 +60,64 @@ def main(argv: list[str] | None = None) -> int:
     for seed in [int(s) for s in args.seeds.split(",")]:
         for side, (config, *extra) in sides.items():
             name = f"{side}-s{seed}"
-            wall = _run([sys.executable, "-m", "areal.cli", "launch", "local", str(REPO / "examples" / "gsm8k_grpo.py"),
-                         "--config", str(config), f"fileroot={args.out}", f"experiment_name={name}",
-                         "trial_name=run", f"actor.path={sft}", f"total_train_steps={args.steps}",
-                         f"evaluator.freq_steps={args.eval_every}", "saver.freq_steps=null",
-                         "launcher.echo=false", f"seed={seed}", *extra])
+            wall = _run(
+                [
+                    sys.executable,
+                    "-m",
+                    "areal.cli",
+                    "launch",
+                    "local",
+                    str(REPO / "examples" / "gsm8k_grpo.py"),
+                    "--config",
+                    str(config),
+                    f"fileroot={args.out}",
+                    f"experiment_name={name}",
+                    "trial_name=run",
+                    f"actor.path={sft}",
+                    f"total_train_steps={args.steps}",
+                    f"evaluator.freq_steps={args.eval_every}",
+                    "saver.freq_steps=null",
+                    "launcher.echo=false",
+                    f"seed={seed}",
+                    *extra,
+                ]
+            )
             evals = _evals(args.out / name / "run")
             reached = next((step for step, acc in evals if step > 0 and acc >= target), None)
-            results[side].append({"seed": seed, "reached_at": reached, "start": evals[0][1],
-                                  "final": evals[-1][1], "wall_s": wall, "evals": evals})
-            print(f"[distill] {name}: reaches {target:.3f} at step {reached}; {evals[0][1]:.3f} -> "
-                  f"{evals[-1][1]:.3f} in {wall:.0f} s", flush=True)
-    print(f"\nteacher accuracy {target:.3f}; {args.steps} steps, evaluation every {args.eval_every}")
-    print("| side | steps to the teacher's accuracy (per seed) | final accuracy (mean) | wall s (mean) |\n"
-          "| --- | --- | --- | --- |")
+            results[side].append(
+                {
+                    "seed": seed,
+                    "reached_at": reached,
+                    "start": evals[0][1],
+                    "final": evals[-1][1],
+                    "wall_s": wall,
+                    "evals": evals,
+                }
+            )
+            print(
+                f"[distill] {name}: reaches {target:.3f} at step {reached}; {evals[0][1]:.3f} -> "
+                f"{evals[-1][1]:.3f} in {wall:.0f} s",
+                flush=True,
+            )
+    print(
+        f"\nteacher accuracy {target:.3f}; {args.steps} steps, evaluation every {args.eval_every}"
+    )
+    print(
+        "| side | steps to the teacher's accuracy (per seed) | final accuracy (mean) | wall s (mean) |\n"
+        "| --- | --- | --- | --- |"
+    )
     for side, runs in results.items():
-        reached = ", ".join(str(r["reached_at"]) if r["reached_at"] is not None else f">{args.steps}" for r in runs)
-        print(f"| {side} | {reached} | {statistics.fmean(r['final'] for r in runs):.3f} | "
-              f"{statistics.fmean(r['wall_s'] for r in runs):.0f} |")
+        reached = ", ".join(
+            str(r["reached_at"]) if r["reached_at"] is not None else f">{args.steps}" for r in runs
+        )
+        print(
+            f"| {side} | {reached} | {statistics.fmean(r['final'] for r in runs):.3f} | "
+            f"{statistics.fmean(r['wall_s'] for r in runs):.0f} |"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "distill.json").write_text(json.dumps({"teacher_accuracy": target, **results}, indent=2))
+    (args.out / "distill.json").write_text(
+        json.dumps({"teacher_accuracy": target, **results}, indent=2)
+    )
     return 0
 
 

@@ -125,7 +125,9 @@ def _run_side() -> float:
     return _SIDE.run()
 
 
-def compare(model_dir: str, work, threads: int, repeats: int, attention: str) -> tuple[float, float]:
+def compare(
+    model_dir: str, work, threads: int, repeats: int, attention: str
+) -> tuple[float, float]:
     """Best tokens/s of (ours, HF): each side in its own process, timed runs alternating.
 
     Alternating puts both sides in the same stretches of a shared host's load, so a quiet or a

@@ -131,8 +131,13 @@ class Bench:
         self.add(metric, f"skipped: past --budget-s {self.args.budget_s:g}")
         return True
 
-    def add(self, metric: str, value: float | str | None, unit: str = "",
-            target: tuple[str, float] | None = None) -> None:
+    def add(
+        self,
+        metric: str,
+        value: float | str | None,
+        unit: str = "",
+        target: tuple[str, float] | None = None,
+    ) -> None:
         """One table row; ``met`` is yes/no when there is a target and a number."""
         met = ""
         if target is not None and isinstance(value, (int, float)):
@@ -194,9 +199,16 @@ def build_model(out: Path, shape: str, device: torch.device) -> str:
         return str(build_tiny_model(out, size="tiny", seed=0, max_position_embeddings=2048))
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = build_tokenizer()  # 259 tokens: text of the ids past it is empty (ids are what count)
-    config = Qwen2Config(**QWEN2_5_0_5B, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, torch_dtype="bfloat16")
+    tokenizer = (
+        build_tokenizer()
+    )  # 259 tokens: text of the ids past it is empty (ids are what count)
+    config = Qwen2Config(
+        **QWEN2_5_0_5B,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        torch_dtype="bfloat16",
+    )
     with torch.random.fork_rng(devices=[]), torch.device(device):  # init on the GPU: seconds
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -220,7 +232,9 @@ def bandwidth_limit(b: Bench, concurrency: int) -> float:
     cfg = json.loads((Path(b.model_dir) / "config.json").read_text())
     elem = torch.finfo(b.dtype).bits // 8  # bytes per weight and per cached value
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * elem  # K+V
+    kv_per_token = (
+        2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * elem
+    )  # K+V
     mean_context = b.sizes.prompt_len + b.sizes.new_tokens / 2  # tokens
     step_bytes = b.facts["n_params"] * elem + concurrency * mean_context * kv_per_token
     return b.facts["copy_bandwidth"] / step_bytes * concurrency
@@ -254,8 +268,9 @@ def _gen_run(b: Bench, gen: Generator, concurrency: int, temperature: float) -> 
     if b.skip(metric):
         return
     prompts = _prompts(concurrency, b.sizes.prompt_len, seed=concurrency)
-    params = SamplingParams(max_new_tokens=b.sizes.new_tokens, temperature=temperature, top_p=1.0,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_new_tokens=b.sizes.new_tokens, temperature=temperature, top_p=1.0, ignore_eos=True
+    )
     t = time.perf_counter()
     results = gen.generate(prompts, params, timeout=max(b.left(), 60.0))
     seconds = time.perf_counter() - t
@@ -263,13 +278,20 @@ def _gen_run(b: Bench, gen: Generator, concurrency: int, temperature: float) -> 
     b.facts[f"gen_{mode}_{concurrency}"] = tps
     target = (">=", GEN_TARGET[concurrency]) if concurrency in GEN_TARGET else None
     b.add(metric, tps, "tok/s", target)
-    b.add(f"time to first token p50, {mode} @{concurrency}", statistics.median(r.ttft for r in results), "s")
+    b.add(
+        f"time to first token p50, {mode} @{concurrency}",
+        statistics.median(r.ttft for r in results),
+        "s",
+    )
 
 
 def stage_gen(b: Bench) -> None:
     """Our generator in this process: tokens/s and TTFT per concurrency and mode."""
     gen = Generator.from_pretrained(
-        b.model_dir, device=str(b.device), dtype=b.dtype, max_batch_size=max(b.sizes.concurrency),
+        b.model_dir,
+        device=str(b.device),
+        dtype=b.dtype,
+        max_batch_size=max(b.sizes.concurrency),
         context_length=_context(b),
         num_threads=0 if b.cuda else 1,  # on CPU as the server runs (tests' helper: 1 thread)
     ).start()
@@ -283,7 +305,11 @@ def stage_gen(b: Bench) -> None:
             if f"gen_sampled_{c}" in b.facts and "copy_bandwidth" in b.facts:
                 limit = bandwidth_limit(b, c)
                 b.add(f"bandwidth limit @{c}", limit, "tok/s")
-                b.add(f"in-process sampled / bandwidth limit @{c}", b.facts[f"gen_sampled_{c}"] / limit, "%")
+                b.add(
+                    f"in-process sampled / bandwidth limit @{c}",
+                    b.facts[f"gen_sampled_{c}"] / limit,
+                    "%",
+                )
     finally:
         gen.shutdown()
         del gen
@@ -297,8 +323,15 @@ def _hf_generate(model, prompts: list[list[int]], new_tokens: int, device: torch
     pad = model.generation_config.pad_token_id
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_p=1.0,
-            top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad,
         )  # [B, P + new_tokens]; min_new_tokens suppresses EOS
     _sync(device)
     return (out.shape[1] - ids.shape[1]) * out.shape[0]
@@ -319,7 +352,9 @@ def stage_hf(b: Bench) -> None:
                 continue
             prompts = _prompts(c, b.sizes.prompt_len, seed=c)
             t = time.perf_counter()
-            tps = _hf_generate(model, prompts, b.sizes.new_tokens, b.device) / (time.perf_counter() - t)
+            tps = _hf_generate(model, prompts, b.sizes.new_tokens, b.device) / (
+                time.perf_counter() - t
+            )
             b.add(f"HF generate sampled @{c}", tps, "tok/s")
             if f"gen_sampled_{c}" in b.facts:
                 b.add(f"in-process / HF, sampled @{c}", b.facts[f"gen_sampled_{c}"] / tps, "x")
@@ -335,13 +370,19 @@ def _server(b: Bench) -> str:
     if not b.server:
         dtype = str(b.dtype).removeprefix("torch.")
         b.server = start_servers(
-            b.model_dir, 1, f"device={b.device}", f"dtype={dtype}",
-            f"max_batch_size={max(b.sizes.concurrency)}", f"context_length={_context(b)}",
+            b.model_dir,
+            1,
+            f"device={b.device}",
+            f"dtype={dtype}",
+            f"max_batch_size={max(b.sizes.concurrency)}",
+            f"context_length={_context(b)}",
         )
     return b.server[0][1]
 
 
-async def _http_batch(session, addr: str, prompts: list[list[int]], sampling: dict) -> tuple[float, int]:
+async def _http_batch(
+    session, addr: str, prompts: list[list[int]], sampling: dict
+) -> tuple[float, int]:
     """All prompts as concurrent ``/generate`` requests: (wall seconds, tokens generated)."""
 
     async def one(prompt: list[int]) -> int:
@@ -367,14 +408,22 @@ async def _http_runs(b: Bench, addr: str) -> None:
     timeout = aiohttp.ClientTimeout(total=max(b.left(), 60.0) + 60.0)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         for c in b.sizes.concurrency:
-            await _http_batch(session, addr, _prompts(c, b.sizes.prompt_len, 1),
-                              {"max_new_tokens": 4, "ignore_eos": True})
+            await _http_batch(
+                session,
+                addr,
+                _prompts(c, b.sizes.prompt_len, 1),
+                {"max_new_tokens": 4, "ignore_eos": True},
+            )
         for c in b.sizes.concurrency:
             for mode, temperature in (("sampled", 1.0), ("greedy", 0.0)):
                 if b.skip(f"gen HTTP {mode} @{c}"):
                     continue
-                sampling = {"max_new_tokens": b.sizes.new_tokens, "temperature": temperature,
-                            "top_p": 1.0, "ignore_eos": True}
+                sampling = {
+                    "max_new_tokens": b.sizes.new_tokens,
+                    "temperature": temperature,
+                    "top_p": 1.0,
+                    "ignore_eos": True,
+                }
                 prompts = _prompts(c, b.sizes.prompt_len, seed=c)
                 seconds, tokens = await _http_batch(session, addr, prompts, sampling)
                 b.add(f"gen HTTP {mode} @{c}", tokens / seconds, "tok/s")
@@ -395,8 +444,11 @@ def _engine(b: Bench):
 
     if b.engine is None:
         tokens = b.sizes.train_seqs * b.sizes.train_len
-        cfg = TrainEngineConfig(path=b.model_dir, mb_spec=MicroBatchSpec(max_tokens_per_mb=tokens),
-                                optimizer=OptimizerConfig(lr=1e-5))
+        cfg = TrainEngineConfig(
+            path=b.model_dir,
+            mb_spec=MicroBatchSpec(max_tokens_per_mb=tokens),
+            optimizer=OptimizerConfig(lr=1e-5),
+        )
         b.engine = SFTEngine(cfg, init_distributed("nccl" if b.cuda else "gloo").mesh)
         b.engine.initialize(None)
     return b.engine
@@ -426,12 +478,17 @@ def stage_train(b: Bench) -> None:
     peak = torch.cuda.max_memory_allocated(b.device) / 2**30 if b.cuda else None
     b.add("train peak memory allocated", peak, "GiB", PEAK_MEMORY_TARGET)
     if not math.isfinite(stats["loss"]):
-        raise RuntimeError(f"training loss is {stats['loss']}; the figures above are of a broken step")
+        raise RuntimeError(
+            f"training loss is {stats['loss']}; the figures above are of a broken step"
+        )
 
 
 def _post(addr: str, path: str, body: dict, timeout: float) -> dict:
-    req = urllib.request.Request(f"http://{addr}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://{addr}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
@@ -456,7 +513,9 @@ def stage_update(b: Bench) -> None:
         answer = _post(addr, "/update_weights_from_disk", body, 600)
         load = time.perf_counter() - t
         if answer.get("weight_version") != version:
-            raise RuntimeError(f"/update_weights_from_disk answered {answer}; expected version {version}")
+            raise RuntimeError(
+                f"/update_weights_from_disk answered {answer}; expected version {version}"
+            )
         if best is None or export + load < sum(best):
             best = (export, load)
     b.add("weight update: trainer HF export to disk", best[0], "s")
@@ -481,7 +540,10 @@ def run_stage(b: Bench, name: str) -> None:
     except Exception as e:  # recorded as data: the other stages still run
         traceback.print_exc()
         b.errors[name] = f"{type(e).__name__}: {e}"
-        b.add(f"stage {name}", f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        b.add(
+            f"stage {name}",
+            f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
+        )
     b.stage_s[name] = time.perf_counter() - t
 
 
@@ -499,22 +561,34 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SIZES), default="qwen2.5-0.5b")
     p.add_argument("--device", default="auto", help="auto = cuda when available, else cpu")
-    p.add_argument("--concurrency", type=int, nargs="+", help="concurrent requests per run "
-                   "(default: 64 256 for the 0.5B shape, 4 16 for tiny)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        help="concurrent requests per run (default: 64 256 for the 0.5B shape, 4 16 for tiny)",
+    )
     p.add_argument("--prompt-len", type=int, help="prompt tokens (default 64; tiny 16)")
     p.add_argument("--new-tokens", type=int, help="new tokens per request (default 256; tiny 32)")
     p.add_argument("--train-seqs", type=int, help="sequences per packed batch (default 32; tiny 4)")
     p.add_argument("--train-len", type=int, help="tokens per sequence (default 512; tiny 128)")
-    p.add_argument("--train-steps", type=int, help="timed steps after a warm-up (default 3; tiny 2)")
+    p.add_argument(
+        "--train-steps", type=int, help="timed steps after a warm-up (default 3; tiny 2)"
+    )
     p.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
-    p.add_argument("--budget-s", type=float, default=240.0,
-                   help="wall-clock bound: no measurement starts past it (seconds)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=240.0,
+        help="wall-clock bound: no measurement starts past it (seconds)",
+    )
     p.add_argument("--out", help="JSON file for the rows (default: none)")
     return p.parse_args()
 
 
 def _sizes(args: argparse.Namespace) -> Sizes:
-    given = {k: getattr(args, k) for k in Sizes.__dataclass_fields__ if getattr(args, k) is not None}
+    given = {
+        k: getattr(args, k) for k in Sizes.__dataclass_fields__ if getattr(args, k) is not None
+    }
     if "concurrency" in given:
         given["concurrency"] = tuple(given["concurrency"])
     return replace(SIZES[args.shape], **given)
@@ -523,9 +597,16 @@ def _sizes(args: argparse.Namespace) -> Sizes:
 def main() -> int:
     """Build the model, run the stages, print the table, write the JSON."""
     args = parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # an outer timeout: still stop the server
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(143)
+    )  # an outer timeout: still stop the server
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if args.device == "auto"
+        else args.device
+    )
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -22,12 +22,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 EX = ROOT / "examples"
 AREAL = [sys.executable, "-m", "areal.cli"]
-SHORT_RL = ["actor.dynamic_sampling=false", "train_dataset.batch_size=4", "gconfig.n_samples=4",
-            "gconfig.max_new_tokens=16", "eval_gconfig.max_new_tokens=16", "rollout.max_concurrent_rollouts=16",
-            "valid_dataset.arithmetic.n_test=16", "valid_dataset.batch_size=16", "server.device=cuda"]
+SHORT_RL = [
+    "actor.dynamic_sampling=false",
+    "train_dataset.batch_size=4",
+    "gconfig.n_samples=4",
+    "gconfig.max_new_tokens=16",
+    "eval_gconfig.max_new_tokens=16",
+    "rollout.max_concurrent_rollouts=16",
+    "valid_dataset.arithmetic.n_test=16",
+    "valid_dataset.batch_size=16",
+    "server.device=cuda",
+]
 SHORT_LM = ["total_train_steps=4", "train_dataset.batch_size=8", "evaluator.freq_steps=null"]
-PAIRS = ["path=arithmetic", "arithmetic.max_digits=1", "arithmetic.operators=+", "arithmetic.n_train=40",
-         "arithmetic.n_test=8", "arithmetic.test_percent=20"]
+PAIRS = [
+    "path=arithmetic",
+    "arithmetic.max_digits=1",
+    "arithmetic.operators=+",
+    "arithmetic.n_train=40",
+    "arithmetic.n_test=8",
+    "arithmetic.test_percent=20",
+]
 
 
 @dataclass
@@ -41,31 +55,112 @@ class Step:
 
 def steps(out: Path, model: Path) -> list[Step]:
     """Every step of the check, in order; ``model`` is the tiny model the entry points train."""
+
     def launch(name: str, script: Path, config: Path, *overrides: str, timeout: float = 90) -> Step:
         common = [f"fileroot={out / 'runs'}", f"experiment_name={name}", "trial_name=t"]
-        return Step(name, [*AREAL, "launch", "local", str(script), "--config", str(config), *common, *overrides],
-                    timeout, str(out / "runs" / name / "t"))
+        return Step(
+            name,
+            [*AREAL, "launch", "local", str(script), "--config", str(config), *common, *overrides],
+            timeout,
+            str(out / "runs" / name / "t"),
+        )
 
     grpo = [f"actor.path={model}", *SHORT_RL, "total_train_steps=5", "rollout.max_staleness=1"]
     return [
-        Step("tier3_tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                             str(ROOT / "tests")], 180),
+        Step(
+            "tier3_tests",
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-m",
+                "gpu",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                str(ROOT / "tests"),
+            ],
+            180,
+        ),
         launch("sft", EX / "sft.py", EX / "sft_arithmetic.yaml", f"model.path={model}", *SHORT_LM),
         launch("rm", EX / "rm.py", EX / "rm.yaml", f"model.path={model}", *SHORT_LM),
-        launch("dpo", EX / "dpo.py", EX / "dpo_arithmetic.yaml", f"model.path={model}", *SHORT_LM,
-               *[f"{s}_dataset.{a}" for s in ("train", "valid") for a in PAIRS], "valid_dataset.split=test"),
-        launch("grpo_colocated", EX / "gsm8k_grpo.py", EX / "arithmetic_grpo.yaml", *grpo, timeout=120),
-        launch("agent", EX / "gsm8k_grpo.py", EX / "agent_arithmetic.yaml", f"actor.path={model}", *SHORT_RL,
-               "total_train_steps=2", timeout=120),
-        Step("python_api", [sys.executable, str(EX / "python_api.py"), "--out", str(out / "runs" / "python_api"),
-                            "--model", str(model), "--sft-steps", "2", "--grpo-steps", "1", "--small"], 150),
-        Step("core_sft", [*AREAL, "core", "sft", "--config", str(EX / "sft_arithmetic.yaml"),
-                          f"fileroot={out / 'runs'}", "experiment_name=core_sft", "trial_name=t",
-                          f"model.path={model}", *SHORT_LM], 90, str(out / "runs" / "core_sft" / "t")),
-        launch("core_sync_ppo", ROOT / "areal" / "core" / "sync_ppo.py", EX / "arithmetic_grpo.yaml",
-               f"actor.path={model}", *SHORT_RL, "total_train_steps=3", "rollout.max_staleness=0", timeout=120),
-        Step("bench_gpu", [sys.executable, str(ROOT / "bench" / "gpu.py"), "--out", str(out / "bench_gpu.json"),
-                           "--budget-s", "150"], 240),
+        launch(
+            "dpo",
+            EX / "dpo.py",
+            EX / "dpo_arithmetic.yaml",
+            f"model.path={model}",
+            *SHORT_LM,
+            *[f"{s}_dataset.{a}" for s in ("train", "valid") for a in PAIRS],
+            "valid_dataset.split=test",
+        ),
+        launch(
+            "grpo_colocated", EX / "gsm8k_grpo.py", EX / "arithmetic_grpo.yaml", *grpo, timeout=120
+        ),
+        launch(
+            "agent",
+            EX / "gsm8k_grpo.py",
+            EX / "agent_arithmetic.yaml",
+            f"actor.path={model}",
+            *SHORT_RL,
+            "total_train_steps=2",
+            timeout=120,
+        ),
+        Step(
+            "python_api",
+            [
+                sys.executable,
+                str(EX / "python_api.py"),
+                "--out",
+                str(out / "runs" / "python_api"),
+                "--model",
+                str(model),
+                "--sft-steps",
+                "2",
+                "--grpo-steps",
+                "1",
+                "--small",
+            ],
+            150,
+        ),
+        Step(
+            "core_sft",
+            [
+                *AREAL,
+                "core",
+                "sft",
+                "--config",
+                str(EX / "sft_arithmetic.yaml"),
+                f"fileroot={out / 'runs'}",
+                "experiment_name=core_sft",
+                "trial_name=t",
+                f"model.path={model}",
+                *SHORT_LM,
+            ],
+            90,
+            str(out / "runs" / "core_sft" / "t"),
+        ),
+        launch(
+            "core_sync_ppo",
+            ROOT / "areal" / "core" / "sync_ppo.py",
+            EX / "arithmetic_grpo.yaml",
+            f"actor.path={model}",
+            *SHORT_RL,
+            "total_train_steps=3",
+            "rollout.max_staleness=0",
+            timeout=120,
+        ),
+        Step(
+            "bench_gpu",
+            [
+                sys.executable,
+                str(ROOT / "bench" / "gpu.py"),
+                "--out",
+                str(out / "bench_gpu.json"),
+                "--budget-s",
+                "150",
+            ],
+            240,
+        ),
     ]
 
 
@@ -83,7 +178,9 @@ def run_step(step: Step, logs: Path) -> None:
     log = logs / f"{step.name}.log"
     start = time.monotonic()
     with open(log, "w") as f:
-        proc = subprocess.Popen(step.argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            step.argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = proc.wait(step.timeout)
         except subprocess.TimeoutExpired:
@@ -92,10 +189,18 @@ def run_step(step: Step, logs: Path) -> None:
             code = "timeout"
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     stats = last_stats(step.run_dir)
-    figure = {k: stats[k] for k in ("step", "loss/loss", "reward/mean", "eval/accuracy", "timing/step/total")
-              if k in stats}
-    step.result = {"passed": code == 0, "code": code, "seconds": round(time.monotonic() - start, 1),
-                   "last_line": lines[-1][:160] if lines else "", "figures": figure}
+    figure = {
+        k: stats[k]
+        for k in ("step", "loss/loss", "reward/mean", "eval/accuracy", "timing/step/total")
+        if k in stats
+    }
+    step.result = {
+        "passed": code == 0,
+        "code": code,
+        "seconds": round(time.monotonic() - start, 1),
+        "last_line": lines[-1][:160] if lines else "",
+        "figures": figure,
+    }
 
 
 def device_line() -> str:
@@ -115,21 +220,30 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     model = out / "model"
-    subprocess.run([*AREAL, "tiny-model", "--out", str(model)], check=True, cwd=ROOT, capture_output=True)
+    subprocess.run(
+        [*AREAL, "tiny-model", "--out", str(model)], check=True, cwd=ROOT, capture_output=True
+    )
     device = device_line()
     print(f"[gpu-check] {device}", flush=True)
     todo = [s for s in steps(out, model) if args.only is None or s.name in args.only]
     for step in todo:
         run_step(step, out / "logs")
         r = step.result
-        print(f"[gpu-check] {step.name}: {'pass' if r['passed'] else 'FAIL'} in {r['seconds']} s "
-              f"{r['figures'] or r['last_line']}", flush=True)
+        print(
+            f"[gpu-check] {step.name}: {'pass' if r['passed'] else 'FAIL'} in {r['seconds']} s "
+            f"{r['figures'] or r['last_line']}",
+            flush=True,
+        )
     print(f"\n| step | result | seconds | figures / last line |\n| --- | --- | --- | --- |")
     for s in todo:
         r = s.result
-        print(f"| {s.name} | {'pass' if r['passed'] else 'FAIL (' + str(r['code']) + ')'} | {r['seconds']} | "
-              f"{r['figures'] or r['last_line']} |")
-    (out / "gpu_check.json").write_text(json.dumps({"device": device, "steps": [asdict(s) for s in todo]}, indent=2))
+        print(
+            f"| {s.name} | {'pass' if r['passed'] else 'FAIL (' + str(r['code']) + ')'} | {r['seconds']} | "
+            f"{r['figures'] or r['last_line']} |"
+        )
+    (out / "gpu_check.json").write_text(
+        json.dumps({"device": device, "steps": [asdict(s) for s in todo]}, indent=2)
+    )
     return 0 if all(s.result["passed"] for s in todo) else 1
 
 

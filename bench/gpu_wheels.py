@@ -22,8 +22,15 @@ IMAGE = ROOT / "bench" / "gpu_image.txt"  # distributions the GPU image already 
 # ours (on PYTHONPATH); Ray: Core runs in process in the check, and its wheel is ~70 MiB; vulture:
 # the dead-code test, not run there
 SKIP = {"areal", "ray", "vulture"}
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
-             "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64", "any"]
+PLATFORMS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+    "any",
+]
 
 
 def canonical(name: str) -> str:
@@ -57,16 +64,36 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / ".whl"))
     args = ap.parse_args(argv)
-    image = {canonical(line.split("#")[0].strip()) for line in IMAGE.read_text().splitlines() if line.split("#")[0].strip()}
-    needed = {k: v for k, v in sorted(closure("areal", {"test"}, SKIP).items()) if k not in image and k not in SKIP}
+    image = {
+        canonical(line.split("#")[0].strip())
+        for line in IMAGE.read_text().splitlines()
+        if line.split("#")[0].strip()
+    }
+    needed = {
+        k: v
+        for k, v in sorted(closure("areal", {"test"}, SKIP).items())
+        if k not in image and k not in SKIP
+    }
     out = Path(args.out)
     out.mkdir(exist_ok=True)
     for old in out.glob("*.whl"):  # one version each: a stale one would stop the install there
         old.unlink()
-    flags = ["--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-             *[f for p in PLATFORMS for f in ("--platform", p)], "-d", str(out), "-q"]
+    flags = [
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        *[f for p in PLATFORMS for f in ("--platform", p)],
+        "-d",
+        str(out),
+        "-q",
+    ]
     for name, version in needed.items():
-        subprocess.run([sys.executable, "-m", "pip", "download", *flags, f"{name}=={version}"], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", *flags, f"{name}=={version}"], check=True
+        )
     size = sum(f.stat().st_size for f in out.glob("*.whl")) / 2**20
     print(f"gpu-wheels: {len(needed)} distributions, {size:.1f} MiB in {out}: {' '.join(needed)}")
     return 0

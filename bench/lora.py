@@ -39,19 +39,38 @@ def child(mode: str, model_dir: str, steps: int, rank: int, target: str) -> dict
     from areal.utils.batch import PackedBatch
     from transformers import AutoTokenizer
 
-    lora = [f"model.lora.rank={rank}", f"model.lora.alpha={2 * rank}", f"model.lora.target_modules=[{target}]"]
-    cfg = load_config(SFTConfig, ["--config", str(REPO / "examples" / "sft_arithmetic.yaml"),
-                                  f"model.path={model_dir}", *(lora if mode == "lora" else [])])
+    lora = [
+        f"model.lora.rank={rank}",
+        f"model.lora.alpha={2 * rank}",
+        f"model.lora.target_modules=[{target}]",
+    ]
+    cfg = load_config(
+        SFTConfig,
+        [
+            "--config",
+            str(REPO / "examples" / "sft_arithmetic.yaml"),
+            f"model.path={model_dir}",
+            *(lora if mode == "lora" else []),
+        ],
+    )
     data = load_dataset(cfg.train_dataset, AutoTokenizer.from_pretrained(model_dir), cfg.seed)
     size = cfg.train_dataset.batch_size
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # after imports and data
-    engine = SFTEngine(cfg.model, init_distributed("gloo" if not torch.cuda.is_available() else "nccl").mesh)
-    engine.initialize(FinetuneSpec(1, len(data), size, steps + 1))  # the recipe's warm-up + schedule
+    engine = SFTEngine(
+        cfg.model, init_distributed("gloo" if not torch.cuda.is_available() else "nccl").mesh
+    )
+    engine.initialize(
+        FinetuneSpec(1, len(data), size, steps + 1)
+    )  # the recipe's warm-up + schedule
 
     def batch(i: int) -> PackedBatch:
         items = [data[(i * size + j) % len(data)] for j in range(size)]
-        return PackedBatch.from_sequences({"input_ids": [it["input_ids"] for it in items],
-                                           "loss_mask": [it["loss_mask"] for it in items]})
+        return PackedBatch.from_sequences(
+            {
+                "input_ids": [it["input_ids"] for it in items],
+                "loss_mask": [it["loss_mask"] for it in items],
+            }
+        )
 
     engine.train_lm(batch(0))  # warm-up: allocator, optimizer state
     start = time.perf_counter()
@@ -63,8 +82,13 @@ def child(mode: str, model_dir: str, steps: int, rank: int, target: str) -> dict
     trainable = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in engine.model.parameters())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out = {"s_per_step": elapsed / steps, "peak_rss_mb": peak, "train_rss_mb": peak - base_rss,
-           "trainable_params": trainable, "total_params": total}
+    out = {
+        "s_per_step": elapsed / steps,
+        "peak_rss_mb": peak,
+        "train_rss_mb": peak - base_rss,
+        "trainable_params": trainable,
+        "total_params": total,
+    }
     if torch.cuda.is_available():
         out["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     engine.destroy()
@@ -89,13 +113,27 @@ def main() -> None:
         model_dir = str(build_tiny_model(Path(tmp) / "model", size=args.size, seed=0))
         res = {}
         for mode in ("full", "lora"):
-            cmd = [sys.executable, __file__, "--child", mode, "--model-dir", model_dir, "--steps", str(args.steps),
-                   "--rank", str(args.rank), "--target", args.target]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                mode,
+                "--model-dir",
+                model_dir,
+                "--steps",
+                str(args.steps),
+                "--rank",
+                str(args.rank),
+                "--target",
+                args.target,
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=REPO)
             if proc.returncode != 0:
                 raise RuntimeError(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
             res[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"SFT arithmetic, {args.size} model, batch 32, {args.steps} steps; LoRA rank {args.rank} on {args.target}")
+    print(
+        f"SFT arithmetic, {args.size} model, batch 32, {args.steps} steps; LoRA rank {args.rank} on {args.target}"
+    )
     print(f"{'':22}{'full':>14}{'lora':>14}{'lora/full':>12}")
     for key in [k for k in res["full"] if k in res["lora"]]:
         f, l = res["full"][key], res["lora"][key]

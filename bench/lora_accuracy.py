@@ -40,12 +40,27 @@ AREAL = [sys.executable, "-m", "areal.cli"]
 def sft(work: Path, name: str, model: str, steps: int, extra: list[str]) -> tuple[str, float]:
     """(HF export dir after ``steps`` SFT steps of the recipe from ``model``, wall seconds)."""
     start = time.perf_counter()
-    cmd = [*AREAL, "launch", "local", "examples/sft.py", "--config", str(RECIPE), f"model.path={model}",
-           f"fileroot={work}", f"experiment_name={name}", "trial_name=t", f"total_train_steps={steps}",
-           f"saver.freq_steps={steps}", f"evaluator.freq_steps={steps}", *extra]
+    cmd = [
+        *AREAL,
+        "launch",
+        "local",
+        "examples/sft.py",
+        "--config",
+        str(RECIPE),
+        f"model.path={model}",
+        f"fileroot={work}",
+        f"experiment_name={name}",
+        "trial_name=t",
+        f"total_train_steps={steps}",
+        f"saver.freq_steps={steps}",
+        f"evaluator.freq_steps={steps}",
+        *extra,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=REPO)
     if proc.returncode != 0:
-        raise RuntimeError(f"SFT {name} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"SFT {name} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        )
     out = work / name / "t" / "checkpoints" / "model" / f"step{steps}"
     if not out.is_dir():
         raise RuntimeError(f"SFT {name} finished without its export {out}")
@@ -69,8 +84,11 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--alpha", type=float, default=32.0)
     ap.add_argument("--target", default="all-linear", help="lora.target_modules, comma-separated")
-    ap.add_argument("--save", default="",
-                    help="lora.modules_to_save, comma-separated (e.g. embed_tokens; default: adapters alone)")
+    ap.add_argument(
+        "--save",
+        default="",
+        help="lora.modules_to_save, comma-separated (e.g. embed_tokens; default: adapters alone)",
+    )
     ap.add_argument("--work", help="keep the runs here (default: a temporary dir)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,20 +100,32 @@ def main() -> None:
 
             tiny = str(build_tiny_model(work / "tiny", size="tiny", seed=0))
             base, times["base"] = sft(work, "base", tiny, args.base_steps, [])
-        lora = [f"model.lora.rank={args.rank}", f"model.lora.alpha={args.alpha}",
-                f"model.lora.target_modules=[{args.target}]", f"model.lora.modules_to_save=[{args.save}]"]
-        full, times["full"] = sft(work, "full", base, args.steps, [f"model.optimizer.lr={args.full_lr}"])
+        lora = [
+            f"model.lora.rank={args.rank}",
+            f"model.lora.alpha={args.alpha}",
+            f"model.lora.target_modules=[{args.target}]",
+            f"model.lora.modules_to_save=[{args.save}]",
+        ]
+        full, times["full"] = sft(
+            work, "full", base, args.steps, [f"model.optimizer.lr={args.full_lr}"]
+        )
         acc = {"base": accuracy(base), "full": accuracy(full)}
         for lr in args.lora_lr.split(","):
             name = f"lora lr {lr}"
-            adapted, times[name] = sft(work, f"lora-{lr}", base, args.steps, [*lora, f"model.optimizer.lr={lr}"])
+            adapted, times[name] = sft(
+                work, f"lora-{lr}", base, args.steps, [*lora, f"model.optimizer.lr={lr}"]
+            )
             acc[name] = accuracy(adapted)
     start = f"{args.base_steps} full SFT steps" if args.base is None else args.base
-    print(f"SFT arithmetic, tiny model; base: {start}; then {args.steps} steps each: full (lr {args.full_lr}) "
-          f"vs LoRA (rank {args.rank}, alpha {args.alpha:g}, {args.target}; trained in full: {args.save or 'none'})")
+    print(
+        f"SFT arithmetic, tiny model; base: {start}; then {args.steps} steps each: full (lr {args.full_lr}) "
+        f"vs LoRA (rank {args.rank}, alpha {args.alpha:g}, {args.target}; trained in full: {args.save or 'none'})"
+    )
     print(f"held-out greedy accuracy: base {acc['base']:.1%}, full {acc['full']:.1%}")
     for name in [k for k in acc if k.startswith("lora")]:
-        print(f"  {name}: {acc[name]:.1%}; LoRA - full {100 * (acc[name] - acc['full']):+.1f} points")
+        print(
+            f"  {name}: {acc[name]:.1%}; LoRA - full {100 * (acc[name] - acc['full']):+.1f} points"
+        )
     print("wall seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
 
 

@@ -28,12 +28,17 @@ from core_sync import REPO, YAML, _accuracy, _default_sft, _run  # noqa: E402
 
 
 def _run_figures(run_dir: Path) -> dict[str, float]:
-    rows = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "stats.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     steps = [r for r in rows if r["step"] > 0 and "timing/train" in r]
     first, last = _accuracy(run_dir)
     mean = statistics.fmean
     return {
-        "gain": last - first, "final": last,
+        "gain": last - first,
+        "final": last,
         "update_s": mean(r["timing/train"] + r.get("timing/prox_logp", 0.0) for r in steps),
         "prox_pass_s": mean(r.get("timing/prox_logp", 0.0) for r in steps),
         "step_s": mean(r["perf/step_seconds"] - r.get("timing/eval", 0.0) for r in steps),
@@ -62,25 +67,47 @@ def main(argv: list[str] | None = None) -> int:
     for side in args.sides.split(","):
         for seed in seeds:
             name = f"{side}-s{seed}"
-            _run([sys.executable, "-m", "areal.cli", "launch", "local", str(REPO / "examples" / "gsm8k_grpo.py"),
-                  "--config", str(YAML), f"fileroot={args.out}", f"experiment_name={name}", "trial_name=run",
-                  f"actor.path={sft}", f"total_train_steps={args.steps}", "saver.freq_steps=null",
-                  "launcher.echo=false", f"seed={seed}", f"rollout.max_staleness={args.staleness}",
-                  f"actor.ppo_n_minibatches={args.minibatches}", f"actor.prox_logp={side}"])
+            _run(
+                [
+                    sys.executable,
+                    "-m",
+                    "areal.cli",
+                    "launch",
+                    "local",
+                    str(REPO / "examples" / "gsm8k_grpo.py"),
+                    "--config",
+                    str(YAML),
+                    f"fileroot={args.out}",
+                    f"experiment_name={name}",
+                    "trial_name=run",
+                    f"actor.path={sft}",
+                    f"total_train_steps={args.steps}",
+                    "saver.freq_steps=null",
+                    "launcher.echo=false",
+                    f"seed={seed}",
+                    f"rollout.max_staleness={args.staleness}",
+                    f"actor.ppo_n_minibatches={args.minibatches}",
+                    f"actor.prox_logp={side}",
+                ]
+            )
             figures = _run_figures(args.out / name / "run")
             results.setdefault(side, []).append({"seed": seed, **figures})
             print(f"[prox_logp] {name}: {figures}", flush=True)
-    print(f"\n{args.steps} steps, max_staleness {args.staleness}, {args.minibatches} minibatches, "
-          f"seeds {seeds}: mean (min..max)")
+    print(
+        f"\n{args.steps} steps, max_staleness {args.staleness}, {args.minibatches} minibatches, "
+        f"seeds {seeds}: mean (min..max)"
+    )
     keys = ["gain", "update_s", "prox_pass_s", "step_s", "staleness_mean"]
     print("| side | " + " | ".join(keys) + " |\n|" + " --- |" * (len(keys) + 1))
     for side, runs in results.items():
         print(f"| {side} | " + " | ".join(_spread([r[k] for r in runs]) for k in keys) + " |")
     if {"recompute", "loglinear"} <= set(results):
         mean = {s: {k: statistics.fmean(r[k] for r in results[s]) for k in keys} for s in results}
-        print(f"loglinear / recompute: update time {mean['loglinear']['update_s'] / mean['recompute']['update_s']:.2f}x, "
-              f"step time {mean['loglinear']['step_s'] / mean['recompute']['step_s']:.2f}x, gain "
-              f"{mean['loglinear']['gain'] - mean['recompute']['gain']:+.3f}")
+        print(
+            f"loglinear / recompute: update time {mean['loglinear']['update_s'] / mean['recompute']['update_s']:.2f}x, "
+            f"step time {mean['loglinear']['step_s'] / mean['recompute']['step_s']:.2f}x, gain "
+            f"{mean['loglinear']['gain'] - mean['recompute']['gain']:+.3f}"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "prox_logp.json").write_text(json.dumps(results, indent=2))
     return 0

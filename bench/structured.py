@@ -43,12 +43,14 @@ SPENT = {"seconds": 0.0}  # time inside the constraint path, summed over a run
 
 def timed(fn):
     """``fn`` adding its wall time to SPENT."""
+
     def wrapper(*args):
         t0 = time.perf_counter()
         try:
             return fn(*args)
         finally:
             SPENT["seconds"] += time.perf_counter() - t0
+
     return wrapper
 
 
@@ -56,8 +58,11 @@ def run(gen: Generator, compiler: GrammarCompiler, n_constrained: int) -> float:
     """Seconds for one batch of BATCH requests, the first ``n_constrained`` constrained."""
     prompts = [[(7 * i + j) % 250 for j in range(16)] for i in range(BATCH)]
     params = [SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)] * BATCH
-    guides = compiler.submit(Constraint("json_schema", SCHEMA, "bench"), n_constrained).result(60) \
-        if n_constrained else []
+    guides = (
+        compiler.submit(Constraint("json_schema", SCHEMA, "bench"), n_constrained).result(60)
+        if n_constrained
+        else []
+    )
     t0 = time.perf_counter()
     futures = gen.submit_batch(prompts, params, guides=guides + [None] * (BATCH - n_constrained))
     results = [f.result(600) for f in futures]
@@ -76,9 +81,15 @@ def main() -> None:
     torch.set_num_threads(1)  # as areal serve: model compute on the generator thread only
     path = build_tiny_model(tempfile.mkdtemp(), size=args.size)
     tok = AutoTokenizer.from_pretrained(path)
-    gen = Generator.from_pretrained(path, device=args.device, max_batch_size=BATCH, num_threads=args.threads).start()
-    compiler = GrammarCompiler(tok, gen.model.spec.vocab_size, sorted(gen.eos_token_ids),
-                               GrammarLimits(100_000, 10.0, 1_000_000, 16))
+    gen = Generator.from_pretrained(
+        path, device=args.device, max_batch_size=BATCH, num_threads=args.threads
+    ).start()
+    compiler = GrammarCompiler(
+        tok,
+        gen.model.spec.vocab_size,
+        sorted(gen.eos_token_ids),
+        GrammarLimits(100_000, 10.0, 1_000_000, 16),
+    )
     try:
         cases = {"free": 0, "mixed": BATCH // 2, "constrained": BATCH}
         for n in cases.values():  # warm-up: kernels, caches, the compiled grammar
@@ -96,14 +107,25 @@ def main() -> None:
     finally:
         gen.shutdown()
     seqs = [Seq([1], SamplingParams(), None, frozenset(), None) for _ in range(BATCH)]  # type: ignore[arg-type]
-    check = min(timeit.repeat(lambda: any(s.guide is not None for s in seqs), number=1000, repeat=5)) / 1000
+    check = (
+        min(timeit.repeat(lambda: any(s.guide is not None for s in seqs), number=1000, repeat=5))
+        / 1000
+    )
     free_step = best["free"] / NEW
-    print(f"model={args.size} device={args.device} threads={args.threads} batch={BATCH} new_tokens={NEW}")
+    print(
+        f"model={args.size} device={args.device} threads={args.threads} batch={BATCH} new_tokens={NEW}"
+    )
     for k in cases:
-        print(f"  {k:12s} {best[k] / NEW * 1e3:7.2f} ms/step  ({best[k] / best['free'] - 1:+.1%} vs free)")
-    print(f"  mask + advance, 64 constrained rows: {work / NEW * 1e3:.2f} ms/step = {work / best['free']:.1%} "
-          "of a free step")
-    print(f"  free requests' check per step: {check * 1e6:.1f} us = {check / free_step:.3%} of a free step")
+        print(
+            f"  {k:12s} {best[k] / NEW * 1e3:7.2f} ms/step  ({best[k] / best['free'] - 1:+.1%} vs free)"
+        )
+    print(
+        f"  mask + advance, 64 constrained rows: {work / NEW * 1e3:.2f} ms/step = {work / best['free']:.1%} "
+        "of a free step"
+    )
+    print(
+        f"  free requests' check per step: {check * 1e6:.1f} us = {check / free_step:.3%} of a free step"
+    )
 
 
 if __name__ == "__main__":

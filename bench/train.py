@@ -66,8 +66,11 @@ def nll(logits, mb):
 
 def run_packed(path: str, batch: PackedBatch, budget: int, steps: int) -> float:
     """Seconds per train_batch over the whole batch (after one warm-up step)."""
-    cfg = TrainEngineConfig(path=path, mb_spec=MicroBatchSpec(max_tokens_per_mb=budget),
-                            optimizer=OptimizerConfig(lr=1e-5))
+    cfg = TrainEngineConfig(
+        path=path,
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=budget),
+        optimizer=OptimizerConfig(lr=1e-5),
+    )
     engine = FSDPEngine(cfg, init_distributed().mesh)  # one process: a 1-rank mesh
     engine.initialize(None)
     weight = lambda mb: float(mb.n_tokens - mb.n_seqs)
@@ -85,8 +88,10 @@ def run_padded(path: str, batch: PackedBatch, pad_batch: int, steps: int) -> flo
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    chunks = [batch.select(range(i, min(i + pad_batch, batch.n_seqs)))
-              for i in range(0, batch.n_seqs, pad_batch)]
+    chunks = [
+        batch.select(range(i, min(i + pad_batch, batch.n_seqs)))
+        for i in range(0, batch.n_seqs, pad_batch)
+    ]
 
     def one_pass() -> None:
         for chunk in chunks:
@@ -128,13 +133,17 @@ def main() -> None:
         peak = max(peak, matmul_peak())  # measured before and after: the better one
     tokens = batch.n_tokens
     flops = model_flops(lengths, hf_cfg)
-    print(f"threads={torch.get_num_threads()} seqs={args.n_seqs} tokens={tokens} "
-          f"lengths min/median/max={min(lengths)}/{sorted(lengths)[len(lengths) // 2]}/{max(lengths)}")
+    print(
+        f"threads={torch.get_num_threads()} seqs={args.n_seqs} tokens={tokens} "
+        f"lengths min/median/max={min(lengths)}/{sorted(lengths)[len(lengths) // 2]}/{max(lengths)}"
+    )
     print(f"packed (budget {args.budget}): {tokens / t_packed:,.0f} tokens/s")
     print(f"padded (batch {args.pad_batch}):  {tokens / t_padded:,.0f} tokens/s")
     print(f"packed / padded speed-up: {t_padded / t_packed:.2f}x (target >= 1.5x)")
-    print(f"fp32 matmul peak: {peak / 1e9:,.1f} GFLOP/s; packed achieved {flops / t_packed / 1e9:,.1f} "
-          f"GFLOP/s = {flops / t_packed / peak:.0%} of peak (target >= 40%)")
+    print(
+        f"fp32 matmul peak: {peak / 1e9:,.1f} GFLOP/s; packed achieved {flops / t_packed / 1e9:,.1f} "
+        f"GFLOP/s = {flops / t_packed / peak:.0%} of peak (target >= 40%)"
+    )
 
 
 if __name__ == "__main__":

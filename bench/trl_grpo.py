@@ -40,10 +40,21 @@ class StepTimes(TrainerCallback):
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    for name, kind in (("model", str), ("data", str), ("out", str), ("steps", int), ("lr", float),
-                       ("prompts", int), ("n_samples", int), ("max_new_tokens", int),
-                       ("temperature", float), ("eps_clip", float), ("eps_clip_higher", float),
-                       ("threads", int), ("seed", int)):
+    for name, kind in (
+        ("model", str),
+        ("data", str),
+        ("out", str),
+        ("steps", int),
+        ("lr", float),
+        ("prompts", int),
+        ("n_samples", int),
+        ("max_new_tokens", int),
+        ("temperature", float),
+        ("eps_clip", float),
+        ("eps_clip_higher", float),
+        ("threads", int),
+        ("seed", int),
+    ):
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, required=True)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -54,23 +65,49 @@ def main() -> int:
         return [math_reward(c, r) for c, r in zip(completions, reference)]
 
     cfg = GRPOConfig(
-        output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=a.prompts * a.n_samples,
-        num_generations=a.n_samples, max_completion_length=a.max_new_tokens,
-        temperature=a.temperature, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=a.eps_clip, epsilon_high=a.eps_clip_higher,
-        loss_type="dapo", scale_rewards="group", logging_steps=1, save_strategy="no", report_to=[],
-        use_cpu=True, bf16=False, gradient_checkpointing=False, seed=a.seed, dataloader_num_workers=0,
+        output_dir=a.out,
+        max_steps=a.steps,
+        per_device_train_batch_size=a.prompts * a.n_samples,
+        num_generations=a.n_samples,
+        max_completion_length=a.max_new_tokens,
+        temperature=a.temperature,
+        learning_rate=a.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=a.eps_clip,
+        epsilon_high=a.eps_clip_higher,
+        loss_type="dapo",
+        scale_rewards="group",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        seed=a.seed,
+        dataloader_num_workers=0,
     )
     timer = StepTimes()
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     tokenizer.padding_side = "left"
-    trainer = GRPOTrainer(model=a.model, reward_funcs=reward, args=cfg, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=a.model,
+        reward_funcs=reward,
+        args=cfg,
+        train_dataset=data,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
     trainer.train()
     trainer.save_model(str(Path(a.out) / "final"))
     tokenizer.save_pretrained(str(Path(a.out) / "final"))
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    Path(a.out, "trl_result.json").write_text(json.dumps({"step_seconds": timer.times, "rewards": rewards}))
+    Path(a.out, "trl_result.json").write_text(
+        json.dumps({"step_seconds": timer.times, "rewards": rewards})
+    )
     return 0
 
 

@@ -34,13 +34,21 @@ from tests import vllm_env  # noqa: E402
 
 def _curve(run_dir: Path) -> list[tuple[int, float]]:
     """(step, held-out accuracy) of every evaluation the run logged."""
-    rows = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "stats.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     return [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
 
 
 def _train_reward(run_dir: Path, n: int = 5) -> tuple[float, float]:
     """Mean training reward of the first and of the last ``n`` steps."""
-    rows = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "stats.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     rewards = [r["reward/mean"] for r in rows if r.get("step", 0) > 0 and "reward/mean" in r]
     if not rewards:
         raise RuntimeError(f"{run_dir}: no training step logged reward/mean")
@@ -52,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--sft", type=Path, default=None, help="SFT model dir (default: make demo's)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench_vllm_grpo")
-    ap.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default: at the end)")
+    ap.add_argument(
+        "--eval-every", type=int, default=None, help="evaluate every N steps (default: at the end)"
+    )
     ap.add_argument("--no-baseline", action="store_true", help="run the vLLM side only")
     args = ap.parse_args(argv)
     python, reason = vllm_env.status()
@@ -63,9 +73,21 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--config", str(YAML), f"fileroot={out}", "trial_name=run", f"actor.path={sft}",
               f"total_train_steps={args.steps}", "saver.freq_steps=null", "launcher.echo=false",
               f"evaluator.freq_steps={args.eval_every or args.steps}"]  # fmt: skip
-    launch = [sys.executable, "-m", "areal.cli", "launch", "local", str(REPO / "examples" / "gsm8k_grpo.py")]
-    vllm = ["rollout.backend=vllm", "rollout.served_model_name=tiny", f"rollout.vllm_python={python}",
-            f"rollout.vllm_args={vllm_env.SERVER_ARGS}", f"launcher.server_setup_timeout={vllm_env.READY_DEADLINE}"]
+    launch = [
+        sys.executable,
+        "-m",
+        "areal.cli",
+        "launch",
+        "local",
+        str(REPO / "examples" / "gsm8k_grpo.py"),
+    ]
+    vllm = [
+        "rollout.backend=vllm",
+        "rollout.served_model_name=tiny",
+        f"rollout.vllm_python={python}",
+        f"rollout.vllm_args={vllm_env.SERVER_ARGS}",
+        f"launcher.server_setup_timeout={vllm_env.READY_DEADLINE}",
+    ]
     sides = {"vllm": [*launch, *common, "experiment_name=vllm", *vllm]}
     if not args.no_baseline:
         sides["ours"] = [*launch, *common, "experiment_name=ours"]
@@ -76,11 +98,21 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = out / name / "run"
         before, after = _accuracy(run_dir)
         first, last = _train_reward(run_dir)
-        result[name] = {"acc_before": before, "acc_after": after, "gain": after - before, "wall_seconds": wall,
-                        "train_reward_first5": first, "train_reward_last5": last, "curve": _curve(run_dir)}
-        print(f"[vllm_grpo] {name}: {args.steps} steps, held-out greedy {before:.3f} -> {after:.3f} "
-              f"({(after - before) * 100:+.1f} points), training reward {first:.3f} -> {last:.3f}, "
-              f"{wall:.0f} s wall; curve {result[name]['curve']}", flush=True)
+        result[name] = {
+            "acc_before": before,
+            "acc_after": after,
+            "gain": after - before,
+            "wall_seconds": wall,
+            "train_reward_first5": first,
+            "train_reward_last5": last,
+            "curve": _curve(run_dir),
+        }
+        print(
+            f"[vllm_grpo] {name}: {args.steps} steps, held-out greedy {before:.3f} -> {after:.3f} "
+            f"({(after - before) * 100:+.1f} points), training reward {first:.3f} -> {last:.3f}, "
+            f"{wall:.0f} s wall; curve {result[name]['curve']}",
+            flush=True,
+        )
     out.mkdir(parents=True, exist_ok=True)
     (out / "vllm_grpo.json").write_text(json.dumps(result, indent=2))
     return 0

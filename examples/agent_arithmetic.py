@@ -38,7 +38,11 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 def _eval(node: ast.AST) -> int:
-    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, int)
+        and not isinstance(node.value, bool)
+    ):
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
         return _OPS[type(node.op)](_eval(node.left), _eval(node.right))
@@ -77,13 +81,20 @@ async def calculator_agent(client, item: dict) -> float:
     messages = [{"role": "user", "content": question(item)}]
     for _ in range(MAX_TURNS):
         response = await client.chat.completions.create(
-            model="areal", messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS)
+            model="areal", messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS
+        )
         message = response.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
             return score(message.content, item["reference"])
         for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(call.function.arguments)})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call.id,
+                    "content": calculator(call.function.arguments),
+                }
+            )
     return 0.0  # no answer within MAX_TURNS calls
 
 
@@ -99,30 +110,56 @@ def sft_conversations(tokenizer, n: int, guess_fraction: float = 0.0) -> list[di
     from areal.dataset.arithmetic import make_arithmetic
 
     if not 0.0 <= guess_fraction < 1.0:
-        raise ValueError(f"guess_fraction={guess_fraction} must be in [0, 1): the share of "
-                         "conversations that answer without the tool")
+        raise ValueError(
+            f"guess_fraction={guess_fraction} must be in [0, 1): the share of "
+            "conversations that answer without the tool"
+        )
     probe = [{"role": "user", "content": "x"}]
     with_tools = tokenizer.apply_chat_template(probe, tools=TOOLS, tokenize=False)
-    block = with_tools[: len(with_tools) - len(tokenizer.apply_chat_template(probe, tokenize=False))]
+    block = with_tools[
+        : len(with_tools) - len(tokenizer.apply_chat_template(probe, tokenize=False))
+    ]
     head, tail = "<|im_start|>system\n", "<|im_end|>\n"
     if not (block.startswith(head) and block.endswith(tail)):
-        raise ValueError(f"the chat template renders tools as {block[:60]!r}..., not as a ChatML system turn")
-    system = {"role": "system", "content": block[len(head): -len(tail)]}
+        raise ValueError(
+            f"the chat template renders tools as {block[:60]!r}..., not as a ChatML system turn"
+        )
+    system = {"role": "system", "content": block[len(head) : -len(tail)]}
     guesses = random.Random(0)
     rows = []
-    for item in make_arithmetic(ArithmeticConfig(min_digits=2, max_digits=2, operators="*", n_train=n), "train"):
+    for item in make_arithmetic(
+        ArithmeticConfig(min_digits=2, max_digits=2, operators="*", n_train=n), "train"
+    ):
         expression = question(item)[: -len(" = ?")]
         ask = [system, {"role": "user", "content": question(item)}]
         if guesses.random() < guess_fraction:
-            rows.append({"id": item["id"], "messages": [
-                *ask, {"role": "assistant", "content": f"{expression} = {item['reference']}"}]})
+            rows.append(
+                {
+                    "id": item["id"],
+                    "messages": [
+                        *ask,
+                        {"role": "assistant", "content": f"{expression} = {item['reference']}"},
+                    ],
+                }
+            )
             continue
         arguments = json.dumps({"e": expression})
-        call = {"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": arguments}}
-        rows.append({"id": item["id"], "messages": [
-            *ask, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_0", "content": calculator(arguments)},
-            {"role": "assistant", "content": item["reference"]}]})
+        call = {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": "calc", "arguments": arguments},
+        }
+        rows.append(
+            {
+                "id": item["id"],
+                "messages": [
+                    *ask,
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_0", "content": calculator(arguments)},
+                    {"role": "assistant", "content": item["reference"]},
+                ],
+            }
+        )
     return rows
 
 
@@ -131,7 +168,9 @@ async def mean_reward(solve, n: int) -> float:
     from areal.api.config.data import ArithmeticConfig
     from areal.dataset.arithmetic import make_arithmetic
 
-    items = make_arithmetic(ArithmeticConfig(min_digits=2, max_digits=2, operators="*", n_test=n), "test")
+    items = make_arithmetic(
+        ArithmeticConfig(min_digits=2, max_digits=2, operators="*", n_test=n), "test"
+    )
     rewards = await asyncio.gather(*(solve(item) for item in items))
     return sum(rewards) / len(rewards)
 
@@ -147,8 +186,13 @@ async def run_episode(solve) -> None:
     reward = await solve(json.loads(sys.stdin.readline()))
     base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
     async with httpx.AsyncClient() as http:
-        (await http.post(f"{base}/reward", json={"reward": reward},
-                         headers={"Authorization": f"Bearer {key}"})).raise_for_status()
+        (
+            await http.post(
+                f"{base}/reward",
+                json={"reward": reward},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+        ).raise_for_status()
 
 
 def agent_program(doc: str, make_client, solve) -> None:
@@ -163,7 +207,9 @@ def agent_program(doc: str, make_client, solve) -> None:
     args = parser.parse_args()
     client = make_client(args.base_url, args.api_key if args.base_url else None)
     if args.base_url:
-        print(f"mean reward: {asyncio.run(mean_reward(lambda item: solve(client, item), args.n)):.3f}")
+        print(
+            f"mean reward: {asyncio.run(mean_reward(lambda item: solve(client, item), args.n)):.3f}"
+        )
     else:
         asyncio.run(run_episode(lambda item: solve(client, item)))
 
@@ -178,17 +224,27 @@ async def _main(base_url: str, n: int, api_key: str) -> float:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", help="run the agent on test problems, e.g. http://127.0.0.1:8000/v1")
-    parser.add_argument("--n", type=int, default=20, help="problems to run (or conversations to write)")
+    parser.add_argument(
+        "--base-url", help="run the agent on test problems, e.g. http://127.0.0.1:8000/v1"
+    )
+    parser.add_argument(
+        "--n", type=int, default=20, help="problems to run (or conversations to write)"
+    )
     parser.add_argument("--api-key", default="none", help="the server's key, if it has one")
-    parser.add_argument("--write-sft", metavar="JSONL", help="write --n SFT conversations here instead")
-    parser.add_argument("--model", help="with --write-sft: the model dir whose chat template renders the tools")
+    parser.add_argument(
+        "--write-sft", metavar="JSONL", help="write --n SFT conversations here instead"
+    )
+    parser.add_argument(
+        "--model", help="with --write-sft: the model dir whose chat template renders the tools"
+    )
     args = parser.parse_args()
     if args.write_sft:
         from transformers import AutoTokenizer
 
         with open(args.write_sft, "w") as out:
-            for row in sft_conversations(AutoTokenizer.from_pretrained(args.model), args.n, SFT_GUESS_FRACTION):
+            for row in sft_conversations(
+                AutoTokenizer.from_pretrained(args.model), args.n, SFT_GUESS_FRACTION
+            ):
                 out.write(json.dumps(row) + "\n")
     elif args.base_url:
         print(f"mean reward: {asyncio.run(_main(args.base_url, args.n, args.api_key)):.3f}")

@@ -36,16 +36,21 @@ async def solve(llm: ChatOpenAI, item: dict) -> float:
     """One episode: the ReAct loop (model, tools, model, ...), scored."""
     graph = create_react_agent(llm, [calc])
     try:  # each model call and each tool round is a graph step
-        state = await graph.ainvoke({"messages": [("user", question(item))]},
-                                    {"recursion_limit": 2 * MAX_TURNS})
+        state = await graph.ainvoke(
+            {"messages": [("user", question(item))]}, {"recursion_limit": 2 * MAX_TURNS}
+        )
     except GraphRecursionError:  # no answer within MAX_TURNS calls scores 0
         return 0.0
     return score(str(state["messages"][-1].content), item["reference"])
 
 
 def model(base_url: str | None = None, api_key: str | None = None) -> ChatOpenAI:
-    return ChatOpenAI(model="areal", max_tokens=MAX_TOKENS, max_retries=0,
-                      **({"base_url": base_url, "api_key": api_key} if base_url else {}))
+    return ChatOpenAI(
+        model="areal",
+        max_tokens=MAX_TOKENS,
+        max_retries=0,
+        **({"base_url": base_url, "api_key": api_key} if base_url else {}),
+    )
 
 
 if __name__ == "__main__":

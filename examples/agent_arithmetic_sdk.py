@@ -13,7 +13,14 @@ success rate.
 from __future__ import annotations
 
 import json
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 from agents.exceptions import AgentsException
 from openai import AsyncOpenAI
 
@@ -27,9 +34,13 @@ def calc(e: str) -> str:
 
 async def solve(client: AsyncOpenAI, item: dict) -> float:
     """One episode: the SDK's agent loop (tool rounds, then the answer), scored."""
-    agent = Agent(name="calc", instructions=None, tools=[calc],
-                  model=OpenAIChatCompletionsModel(model="areal", openai_client=client),
-                  model_settings=ModelSettings(max_tokens=MAX_TOKENS))
+    agent = Agent(
+        name="calc",
+        instructions=None,
+        tools=[calc],
+        model=OpenAIChatCompletionsModel(model="areal", openai_client=client),
+        model_settings=ModelSettings(max_tokens=MAX_TOKENS),
+    )
     try:
         result = await Runner.run(agent, question(item), max_turns=MAX_TURNS)
     except AgentsException:  # ran out of turns or a malformed call: the model's failure scores 0
@@ -39,4 +50,6 @@ async def solve(client: AsyncOpenAI, item: dict) -> float:
 
 if __name__ == "__main__":
     set_tracing_disabled(True)  # no traces uploaded anywhere
-    agent_program(__doc__, lambda base_url, api_key: AsyncOpenAI(base_url=base_url, api_key=api_key), solve)
+    agent_program(
+        __doc__, lambda base_url, api_key: AsyncOpenAI(base_url=base_url, api_key=api_key), solve
+    )

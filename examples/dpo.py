@@ -37,22 +37,31 @@ CONFIG = DPOConfig
 def to_batch(items: list[dict]) -> PackedBatch:
     """Pairs as consecutive sequences (chosen at 2k, rejected at 2k+1, what DPOEngine expects),
     with the reference logprobs when the items carry them."""
-    batch = pack_pairs([it["chosen_ids"] for it in items], [it["rejected_ids"] for it in items],
-                       [it["prompt_len"] for it in items])
+    batch = pack_pairs(
+        [it["chosen_ids"] for it in items],
+        [it["rejected_ids"] for it in items],
+        [it["prompt_len"] for it in items],
+    )
     if "ref_logp" in items[0]:
-        batch = batch.with_fields(seqs={"ref_logp": torch.tensor([v for it in items for v in it["ref_logp"]])})
+        batch = batch.with_fields(
+            seqs={"ref_logp": torch.tensor([v for it in items for v in it["ref_logp"]])}
+        )
     return batch
 
 
-def precompute_ref_logp(run: Run, ref: FSDPEngine, dataset: ItemDataset, pairs_per_call: int) -> ItemDataset:
+def precompute_ref_logp(
+    run: Run, ref: FSDPEngine, dataset: ItemDataset, pairs_per_call: int
+) -> ItemDataset:
     """``dataset`` with each pair's reference logprobs ``ref_logp`` = [chosen, rejected]."""
     items, rank, world = dataset.items, run.rank, run.world_size
     mine = list(range(rank, len(items), world))
     scored: dict[int, list[float]] = {}
     for start in range(0, math.ceil(len(items) / world), pairs_per_call):
-        idx = mine[start:start + pairs_per_call] or [0]  # every rank runs the same number of forwards
+        idx = mine[start : start + pairs_per_call] or [
+            0
+        ]  # every rank runs the same number of forwards
         batch = with_ref_logp(ref, to_batch([items[i] for i in idx]))
-        scored.update({i: batch["ref_logp"][2 * k:2 * k + 2].tolist() for k, i in enumerate(idx)})
+        scored.update({i: batch["ref_logp"][2 * k : 2 * k + 2].tolist() for k, i in enumerate(idx)})
     shares = [scored]
     if world > 1:
         shares = [None] * world
@@ -97,16 +106,23 @@ def main(argv: list[str]) -> int:
     cfg = load_config(DPOConfig, argv)
     run = init_run(cfg, cfg.model.path)
     train = load_preferences(cfg.train_dataset, run.tokenizer, cfg.seed)
-    valid = load_preferences(cfg.valid_dataset, run.tokenizer, cfg.seed) if cfg.valid_dataset else None
+    valid = (
+        load_preferences(cfg.valid_dataset, run.tokenizer, cfg.seed) if cfg.valid_dataset else None
+    )
     train, valid, ref = reference(cfg, run, train, valid)
     loader = create_dataloader(train, cfg.train_dataset, cfg.seed, run.rank, run.world_size)
     valid_loader = None
     if valid is not None:
-        valid_loader = create_dataloader(valid, cfg.valid_dataset, cfg.seed, run.rank, run.world_size)
+        valid_loader = create_dataloader(
+            valid, cfg.valid_dataset, cfg.seed, run.rank, run.world_size
+        )
     n_steps = total_steps(cfg, len(loader))
     engine = DPOEngine(cfg.model, run.dist.mesh, cfg.dpo)
-    engine.initialize(FinetuneSpec(cfg.total_train_epochs, len(train), cfg.train_dataset.batch_size,
-                                   cfg.total_train_steps))
+    engine.initialize(
+        FinetuneSpec(
+            cfg.total_train_epochs, len(train), cfg.train_dataset.batch_size, cfg.total_train_steps
+        )
+    )
 
     step = 0
     state = run.load_recover({"model": engine})

@@ -37,13 +37,23 @@ def setup_trainers(cfg: GRPOConfig, run, ft_spec: FinetuneSpec):
     group size and the logprob temperature are the rollout's (``gconfig``). A LoRA actor with
     a KL term and no ``ref`` uses its own frozen base (adapters off) as the reference."""
     g, mesh = cfg.gconfig, run.dist.mesh
-    actor = PPOActor(cfg.actor, mesh, temperature=g.temperature, group_size=g.n_samples,
-                     max_new_tokens=g.max_new_tokens, distill=cfg.distill)
+    actor = PPOActor(
+        cfg.actor,
+        mesh,
+        temperature=g.temperature,
+        group_size=g.n_samples,
+        max_new_tokens=g.max_new_tokens,
+        distill=cfg.distill,
+    )
     actor.initialize(ft_spec)
     critic = PPOCritic(cfg.critic, mesh, group_size=g.n_samples) if cfg.actor.use_critic else None
     if critic is not None:
         critic.initialize(ft_spec)
-    ref = FSDPEngine(cfg.ref, mesh, temperature=g.temperature) if cfg.ref is not None and cfg.actor.kl_ctl > 0 else None
+    ref = (
+        FSDPEngine(cfg.ref, mesh, temperature=g.temperature)
+        if cfg.ref is not None and cfg.actor.kl_ctl > 0
+        else None
+    )
     if ref is not None:
         ref.initialize(None)
     elif cfg.actor.lora.enabled and cfg.actor.kl_ctl > 0:  # no `ref`: the actor's frozen base is it
@@ -87,12 +97,24 @@ def main(argv: list[str]) -> int:
     data = run.load_data()
     loader, valid_loader, n_steps = data.loader, data.valid_loader, data.n_steps
     side = setup_rollout(cfg, run)  # rollout client, reward workers, workflows, executor
-    rollout, reward, workflow, eval_workflow, executor = (side.rollout, side.reward, side.workflow,
-                                                          side.eval_workflow, side.executor)
+    rollout, reward, workflow, eval_workflow, executor = (
+        side.rollout,
+        side.reward,
+        side.workflow,
+        side.eval_workflow,
+        side.executor,
+    )
     actor, critic, ref = setup_trainers(cfg, run, data.ft_spec)
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
-    publisher = WeightPublisher(cfg.weight_update_mode, actor, rollout, executor, run.dist, cfg.weights_dir,
-                                colocated=run.env.colocated)
+    publisher = WeightPublisher(
+        cfg.weight_update_mode,
+        actor,
+        rollout,
+        executor,
+        run.dist,
+        cfg.weights_dir,
+        colocated=run.env.colocated,
+    )
     publisher.connect()
 
     step, state = 0, run.load_recover(engines)
@@ -114,7 +136,9 @@ def main(argv: list[str]) -> int:
         run.log_trained(step, [g[0].group_id for g in groups])
         stats = side.batch_stats()  # executor, reward workers, client (and agent) counters
         publisher.yield_device()  # colocated servers give the GPU to the train step
-        with run.replay.step(step, batch, actor):  # trainer inputs and weight hashes for `areal replay`
+        with run.replay.step(
+            step, batch, actor
+        ):  # trainer inputs and weight hashes for `areal replay`
             batch = train_step(cfg, run, actor, critic, ref, batch)
         run.samples.record(step, groups, batch, actor.get_version())  # for `areal view`
         with run.tracker.timer("update_weights"):
@@ -124,8 +148,11 @@ def main(argv: list[str]) -> int:
         if valid_loader is not None and (run.evaluator.check(step, epoch_done) or step == n_steps):
             evaluate(executor, valid_loader, eval_workflow, run)
         if run.recover_timer.check(step, epoch_done):
-            state = {"dataloader": loader.state_dict(), "executor": executor.state_dict(),
-                     "version": publisher.version}
+            state = {
+                "dataloader": loader.state_dict(),
+                "executor": executor.state_dict(),
+                "version": publisher.version,
+            }
             run.save_recover(step, engines, state)
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
     side.close()

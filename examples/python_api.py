@@ -25,8 +25,14 @@ from areal.utils.tiny_model import build_tiny_model
 
 EXAMPLES = Path(__file__).resolve().parent
 # Two-digit addition, 200 held-out problems: the embedded demo's task (sft_arithmetic.yaml).
-ARITHMETIC = {"min_digits": 2, "max_digits": 2, "operators": "+", "n_train": 2000, "n_test": 200,
-              "test_percent": 10}
+ARITHMETIC = {
+    "min_digits": 2,
+    "max_digits": 2,
+    "operators": "+",
+    "n_train": 2000,
+    "n_test": 200,
+    "test_percent": 10,
+}
 
 
 def _data(kind: str, batch_size: int) -> tuple[dict, dict]:
@@ -72,7 +78,9 @@ def run(script: str, cfg) -> Path:
     path = save_config(cfg, Path(cfg.fileroot) / f"{cfg.experiment_name}.yaml")
     code = launch_local(str(EXAMPLES / script), ["--config", str(path)])
     if code != 0:
-        raise RuntimeError(f"{script} exited with {code}; its logs are under {cfg.run_dir / 'logs'}")
+        raise RuntimeError(
+            f"{script} exited with {code}; its logs are under {cfg.run_dir / 'logs'}"
+        )
     return cfg.run_dir
 
 
@@ -89,21 +97,27 @@ def main(argv: list[str]) -> int:
 
     sft = sft_config(model, out, args.sft_steps)
     if args.small:  # smaller batches: a change to a built config is a dataclasses.replace
-        sft = dataclasses.replace(sft, train_dataset=dataclasses.replace(sft.train_dataset, batch_size=8))
+        sft = dataclasses.replace(
+            sft, train_dataset=dataclasses.replace(sft.train_dataset, batch_size=8)
+        )
     sft_dir = run("sft.py", sft)
     sft_model = sft_dir / "checkpoints" / "model" / f"step{args.sft_steps}"
 
     grpo = grpo_config(str(sft_model), out, args.grpo_steps)
     if args.small:
         grpo = dataclasses.replace(
-            grpo, gconfig=dataclasses.replace(grpo.gconfig, n_samples=4, max_new_tokens=4),
+            grpo,
+            gconfig=dataclasses.replace(grpo.gconfig, n_samples=4, max_new_tokens=4),
             eval_gconfig=dataclasses.replace(grpo.eval_gconfig, max_new_tokens=4),
             train_dataset=dataclasses.replace(grpo.train_dataset, batch_size=2),
-            valid_dataset=dataclasses.replace(grpo.valid_dataset, size=16))
+            valid_dataset=dataclasses.replace(grpo.valid_dataset, size=16),
+        )
     grpo_dir = run("gsm8k_grpo.py", grpo)
     evals = [r for r in read_stats(grpo_dir) if "eval/accuracy" in r]
-    print(f"held-out accuracy {evals[0]['eval/accuracy']:.3f} (after SFT) -> "
-          f"{evals[-1]['eval/accuracy']:.3f} (after {args.grpo_steps} GRPO steps); runs under {out}")
+    print(
+        f"held-out accuracy {evals[0]['eval/accuracy']:.3f} (after SFT) -> "
+        f"{evals[-1]['eval/accuracy']:.3f} (after {args.grpo_steps} GRPO steps); runs under {out}"
+    )
     return 0
 
 

@@ -22,7 +22,10 @@ CONFIG = SFTConfig
 def to_batch(items: list[dict]) -> PackedBatch:
     """Pack tokenized SFT items (``input_ids``, ``loss_mask``) into one batch."""
     return PackedBatch.from_sequences(
-        {"input_ids": [it["input_ids"] for it in items], "loss_mask": [it["loss_mask"] for it in items]}
+        {
+            "input_ids": [it["input_ids"] for it in items],
+            "loss_mask": [it["loss_mask"] for it in items],
+        }
     )
 
 

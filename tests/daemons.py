@@ -61,7 +61,9 @@ class Daemon:
         pids = [self.proc.pid, *_descendants(self.proc.pid)]
         _signal(pids, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and (self.proc.poll() is None or any(map(_alive, pids[1:]))):
+        while time.monotonic() < deadline and (
+            self.proc.poll() is None or any(map(_alive, pids[1:]))
+        ):
             time.sleep(0.1)
         _signal(pids, signal.SIGKILL)
         self.proc.wait(timeout=grace)
@@ -94,7 +96,11 @@ def _wait_ready(proc: subprocess.Popen, scratch: Path, ready, what: str, timeout
             proc.wait(timeout=10)
             log = _tail(scratch / "daemon.log")
             shutil.rmtree(scratch, ignore_errors=True)
-            why = f"exited with code {code}" if code is not None else f"was not ready within {timeout} s"
+            why = (
+                f"exited with code {code}"
+                if code is not None
+                else f"was not ready within {timeout} s"
+            )
             raise DaemonUnavailable(f"{what} {why}; its log ends: {log}")
         time.sleep(0.1)
 
@@ -103,18 +109,38 @@ def start_etcd(timeout: float = 30.0) -> Daemon:
     """A one-member etcd (Debian's etcd-server, >= 3.4) on free loopback ports."""
     exe = shutil.which("etcd")
     if exe is None:
-        raise DaemonUnavailable("no etcd binary on PATH (Debian: /usr/bin/etcd from the etcd-server "
-                                "package; `make install` installs it when run as root)")
+        raise DaemonUnavailable(
+            "no etcd binary on PATH (Debian: /usr/bin/etcd from the etcd-server "
+            "package; `make install` installs it when run as root)"
+        )
     scratch = Path(tempfile.mkdtemp(prefix="etcd-"))
     client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     log = scratch / "daemon.log"
-    cmd = [exe, "--name", "default", "--data-dir", str(scratch / "data"),
-           "--listen-client-urls", client, "--advertise-client-urls", client,
-           "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-           "--initial-cluster", f"default={peer}"]
+    cmd = [
+        exe,
+        "--name",
+        "default",
+        "--data-dir",
+        str(scratch / "data"),
+        "--listen-client-urls",
+        client,
+        "--advertise-client-urls",
+        client,
+        "--listen-peer-urls",
+        peer,
+        "--initial-advertise-peer-urls",
+        peer,
+        "--initial-cluster",
+        f"default={peer}",
+    ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=parent_death_signal(signal.SIGTERM))  # dies with pytest
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=parent_death_signal(signal.SIGTERM),
+        )  # dies with pytest
 
     def healthy() -> bool:  # /health answers true once the member leads its one-member cluster
         try:
@@ -140,17 +166,49 @@ def start_ray_head(timeout: float = 90.0, num_cpus: int = 2) -> Daemon:
         raise DaemonUnavailable(f"the ray command is missing next to {sys.executable}")
     scratch = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
     gcs = free_port()
-    ports = {f"--{name}": str(free_port()) for name in (
-        "ray-client-server-port", "dashboard-port", "dashboard-agent-listen-port",
-        "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
-        "node-manager-port", "object-manager-port")}
-    cmd = [str(exe), "start", "--head", "--block", f"--num-cpus={num_cpus}", "--num-gpus=0", f"--port={gcs}",
-           f"--temp-dir={scratch}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
-           "--disable-usage-stats", *(f"{k}={v}" for k, v in ports.items())]
+    ports = {
+        f"--{name}": str(free_port())
+        for name in (
+            "ray-client-server-port",
+            "dashboard-port",
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "runtime-env-agent-port",
+            "metrics-export-port",
+            "node-manager-port",
+            "object-manager-port",
+        )
+    }
+    cmd = [
+        str(exe),
+        "start",
+        "--head",
+        "--block",
+        f"--num-cpus={num_cpus}",
+        "--num-gpus=0",
+        f"--port={gcs}",
+        f"--temp-dir={scratch}",
+        "--node-ip-address=127.0.0.1",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        *(f"{k}={v}" for k, v in ports.items()),
+    ]
     log = scratch / "daemon.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                                preexec_fn=parent_death_signal(signal.SIGTERM))  # ray start stops its cluster
-    _wait_ready(proc, scratch, lambda: b"Ray runtime started" in log.read_bytes(), "ray start --head", timeout)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            preexec_fn=parent_death_signal(signal.SIGTERM),
+        )  # ray start stops its cluster
+    _wait_ready(
+        proc,
+        scratch,
+        lambda: b"Ray runtime started" in log.read_bytes(),
+        "ray start --head",
+        timeout,
+    )
     return Daemon(proc, f"127.0.0.1:{gcs}", log, scratch)

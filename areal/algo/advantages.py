@@ -33,8 +33,9 @@ from areal.algo.segments import all_reduce_sum, last_true_index, segment_sum, se
 from areal.api.config.actor import NormSpec, PPOActorConfig
 
 
-def _level_sums(per_seq: torch.Tensor, level: str, group_size: int,
-                dp_group: dist.ProcessGroup | None) -> torch.Tensor:
+def _level_sums(
+    per_seq: torch.Tensor, level: str, group_size: int, dp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """[B] the sum of ``per_seq`` [B] over the group or batch each sequence belongs to."""
     if level == "group":
         groups = per_seq.reshape(-1, group_size)  # [B/G, G]
@@ -62,8 +63,10 @@ def normalize(
         return x
     n_seqs = len(cu_seqlens) - 1
     if "group" in (norm.mean_level, norm.std_level) and n_seqs % group_size != 0:
-        raise ValueError(f"group-level normalisation: {n_seqs} sequences is not a multiple of "
-                         f"group_size={group_size}; keep whole groups in each batch")
+        raise ValueError(
+            f"group-level normalisation: {n_seqs} sequences is not a multiple of "
+            f"group_size={group_size}; keep whole groups in each batch"
+        )
     m = mask.to(x.dtype)
     tok_to_seq = seq_ids(cu_seqlens)  # [T]
     xd = x.detach()
@@ -148,8 +151,10 @@ def _token_rewards(seq_rewards, loss_mask, cu_seqlens, cfg: PPOActorConfig, logp
     token_rewards = torch.zeros_like(m)  # [T]
     if cfg.kl_in_reward and cfg.kl_ctl > 0:
         if logprobs is None or ref_logp is None:
-            raise ValueError("actor.kl_in_reward=true with kl_ctl>0 needs logprobs and ref_logp;"
-                             " pass them, or set kl_ctl=0")
+            raise ValueError(
+                "actor.kl_in_reward=true with kl_ctl>0 needs logprobs and ref_logp;"
+                " pass them, or set kl_ctl=0"
+            )
         kl = kl_estimate(logprobs.detach().float(), ref_logp.detach().float(), cfg.kl_estimator)
         token_rewards = -cfg.kl_ctl * kl * m
     last = last_true_index(loss_mask, cu_seqlens)  # [B], -1 = no trained token
@@ -191,23 +196,31 @@ def compute_advantages(
     m = loss_mask.float()  # [T]
     seq_cu = torch.arange(len(rewards) + 1, device=rewards.device)  # one "token" per sequence
     lens = segment_sum(m, cu_seqlens)  # [B] generated (trained) tokens
-    seq_rewards = shape_rewards(rewards, cfg, completion_lens=lens, no_eos=no_eos,
-                                max_new_tokens=max_new_tokens)
+    seq_rewards = shape_rewards(
+        rewards, cfg, completion_lens=lens, no_eos=no_eos, max_new_tokens=max_new_tokens
+    )
     if cfg.remax_baseline:
         if baseline_rewards is None:
-            raise ValueError("actor.remax_baseline=true needs baseline_rewards [B] (greedy "
-                             "rollout rewards from the workflow); pass them or use another preset")
+            raise ValueError(
+                "actor.remax_baseline=true needs baseline_rewards [B] (greedy "
+                "rollout rewards from the workflow); pass them or use another preset"
+            )
         seq_rewards = seq_rewards - scale_rewards(baseline_rewards.float(), cfg)
-    seq_rewards = normalize(seq_rewards, (lens > 0).float(), seq_cu, cfg.reward_norm,
-                            group_size, dp_group)
+    seq_rewards = normalize(
+        seq_rewards, (lens > 0).float(), seq_cu, cfg.reward_norm, group_size, dp_group
+    )
 
     token_rewards = _token_rewards(seq_rewards, loss_mask, cu_seqlens, cfg, logprobs, ref_logp)
     if cfg.use_critic and values is None:
-        raise ValueError(f"actor.use_critic=true (algorithm={cfg.algorithm}) needs critic values;"
-                         " pass values, or set use_critic=false")
+        raise ValueError(
+            f"actor.use_critic=true (algorithm={cfg.algorithm}) needs critic values;"
+            " pass values, or set use_critic=false"
+        )
     if not cfg.use_critic and values is not None:
-        raise ValueError("values were passed but actor.use_critic=false; set use_critic=true to "
-                         "use the critic in GAE")
+        raise ValueError(
+            "values were passed but actor.use_critic=false; set use_critic=true to "
+            "use the critic in GAE"
+        )
     values = torch.zeros_like(m) if values is None else values.detach().float()
     advantages, returns = gae(token_rewards, values, loss_mask, cu_seqlens, cfg.gamma, cfg.lam)
     advantages = normalize(advantages, m, cu_seqlens, cfg.adv_norm, group_size, dp_group)

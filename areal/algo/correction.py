@@ -38,8 +38,13 @@ from areal.api.config.actor import RolloutCorrectionConfig
 STALENESS_BUCKETS = ("0", "1", "2", "3+")
 
 
-def rollout_weights(train_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor,
-                    cu_seqlens: torch.Tensor, rc: RolloutCorrectionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def rollout_weights(
+    train_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    rc: RolloutCorrectionConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Detached weight [T] and [T] bool ``rejected`` (mask mode: outside the band, weight 0)."""
     log_w = (train_logp - behav_logp).detach().float()  # [T] log pi_train / pi_behav
     if rc.level == "sequence":
@@ -54,7 +59,9 @@ def rollout_weights(train_logp: torch.Tensor, behav_logp: torch.Tensor, mask: to
     if rc.lower is not None:
         rejected |= log_w < math.log(rc.lower)
     if rc.mask_sequence:
-        rejected = (segment_sum((rejected & mask.bool()).float(), cu_seqlens) > 0)[seq_ids(cu_seqlens)]
+        rejected = (segment_sum((rejected & mask.bool()).float(), cu_seqlens) > 0)[
+            seq_ids(cu_seqlens)
+        ]
     return torch.where(rejected, torch.zeros_like(clipped), clipped), rejected
 
 
@@ -64,9 +71,14 @@ def staleness_buckets(versions: torch.Tensor, version: int) -> dict[str, torch.T
     return {"0": lag == 0, "1": lag == 1, "2": lag == 2, "3+": lag >= 3}
 
 
-def approx_prox_logp(behav_logp: torch.Tensor, cur_logp: torch.Tensor, versions: torch.Tensor,
-                     prox_version: int, progress: float,
-                     method: Literal["loglinear", "linear", "reuse"]) -> torch.Tensor:
+def approx_prox_logp(
+    behav_logp: torch.Tensor,
+    cur_logp: torch.Tensor,
+    versions: torch.Tensor,
+    prox_version: int,
+    progress: float,
+    method: Literal["loglinear", "linear", "reuse"],
+) -> torch.Tensor:
     """[T] proximal logprobs estimated from the behaviour logprobs (token versions ``versions``)
     and the current ones (version ``prox_version + progress``, ``progress`` = k/n for
     minibatch k of n); detached. See the module docstring."""
@@ -75,7 +87,9 @@ def approx_prox_logp(behav_logp: torch.Tensor, cur_logp: torch.Tensor, versions:
         return behav
     v_b = versions.float()
     span = prox_version + progress - v_b  # distance behaviour -> current, in versions
-    alpha = torch.where(span > 0, (prox_version - v_b) / span.clamp(min=1e-9), torch.ones_like(span))
+    alpha = torch.where(
+        span > 0, (prox_version - v_b) / span.clamp(min=1e-9), torch.ones_like(span)
+    )
     alpha = alpha.clamp(0.0, 1.0)
     if method == "loglinear":
         return behav + alpha * (cur - behav)

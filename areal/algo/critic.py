@@ -42,8 +42,14 @@ def value_loss(
         err_clip = (v_clip - returns).square()
         per_token = 0.5 * torch.maximum(err, err_clip)
         clip_frac = masked_mean(err_clip > err, loss_mask)
-    loss = aggregate_loss(per_token, loss_mask, cu_seqlens, loss_agg_mode,
-                          global_n_tokens=global_n_tokens, global_n_seqs=global_n_seqs)
+    loss = aggregate_loss(
+        per_token,
+        loss_mask,
+        cu_seqlens,
+        loss_agg_mode,
+        global_n_tokens=global_n_tokens,
+        global_n_seqs=global_n_seqs,
+    )
     return loss, {"value_clip_frac": clip_frac, "value_error": masked_mean(err, loss_mask)}
 
 
@@ -57,8 +63,9 @@ class ValueNormalizer:
     def __init__(self, eps: float = 1e-5):
         self.mean, self.var, self.count, self.eps = 0.0, 1.0, 0.0, eps
 
-    def update(self, x: torch.Tensor, mask: torch.Tensor,
-               dp_group: dist.ProcessGroup | None = None) -> None:
+    def update(
+        self, x: torch.Tensor, mask: torch.Tensor, dp_group: dist.ProcessGroup | None = None
+    ) -> None:
         """Merge the masked values of ``x`` [T] into the running moments."""
         m = mask.double()
         xd = x.detach().double()

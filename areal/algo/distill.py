@@ -13,8 +13,14 @@ from __future__ import annotations
 import torch
 
 
-def distill_advantages(task_advantages: torch.Tensor, teacher_logp: torch.Tensor, student_logp: torch.Tensor,
-                       loss_mask: torch.Tensor, coef: float, reward_weight: float) -> torch.Tensor:
+def distill_advantages(
+    task_advantages: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    student_logp: torch.Tensor,
+    loss_mask: torch.Tensor,
+    coef: float,
+    reward_weight: float,
+) -> torch.Tensor:
     """[T] ``reward_weight * task_advantages + coef * (teacher_logp - student_logp)`` on trained
     tokens, 0 elsewhere (all inputs [T], PackedBatch-aligned)."""
     reverse_kl = (student_logp - teacher_logp).float()  # [T] log pi_s - log pi_t of sampled tokens

@@ -53,18 +53,30 @@ class PairLogps:
     ref_r: torch.Tensor | None = None
 
 
-def implicit_rewards(pairs: PairLogps, loss_type: str, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def implicit_rewards(
+    pairs: PairLogps, loss_type: str, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen [P], rejected [P]) implicit rewards (see the module docstring)."""
     if loss_type == "simpo":
-        return beta * pairs.logp_c / pairs.len_c.clamp(min=1), beta * pairs.logp_r / pairs.len_r.clamp(min=1)
+        return beta * pairs.logp_c / pairs.len_c.clamp(
+            min=1
+        ), beta * pairs.logp_r / pairs.len_r.clamp(min=1)
     if pairs.ref_c is None or pairs.ref_r is None:
-        raise ValueError(f"loss_type={loss_type!r} needs reference logprobs (ref_c, ref_r); "
-                         "compute them with the reference model, or use loss_type='simpo'")
+        raise ValueError(
+            f"loss_type={loss_type!r} needs reference logprobs (ref_c, ref_r); "
+            "compute them with the reference model, or use loss_type='simpo'"
+        )
     return beta * (pairs.logp_c - pairs.ref_c), beta * (pairs.logp_r - pairs.ref_r)
 
 
-def preference_loss(pairs: PairLogps, loss_type: str, beta: float, label_smoothing: float = 0.0,
-                    gamma: float = 0.0, nll_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def preference_loss(
+    pairs: PairLogps,
+    loss_type: str,
+    beta: float,
+    label_smoothing: float = 0.0,
+    gamma: float = 0.0,
+    nll_coef: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses ``[P]`` and the (chosen, rejected) implicit rewards ``[P]`` (detached).
 
     ``loss_type`` is one of :data:`LOSS_TYPES`; ``beta`` > 0; ``label_smoothing`` in [0, 0.5)
@@ -81,7 +93,9 @@ def preference_loss(pairs: PairLogps, loss_type: str, beta: float, label_smoothi
     if not nll_coef >= 0:
         raise ValueError(f"nll_coef must be >= 0, got {nll_coef}")
     if gamma and loss_type != "simpo":
-        raise ValueError(f"gamma={gamma} is SimPO's margin; set it to 0 for loss_type={loss_type!r}")
+        raise ValueError(
+            f"gamma={gamma} is SimPO's margin; set it to 0 for loss_type={loss_type!r}"
+        )
     chosen, rejected = implicit_rewards(pairs, loss_type, beta)  # differentiable
     if loss_type == "ipo":
         gap = (pairs.logp_c - pairs.ref_c) - (pairs.logp_r - pairs.ref_r)

@@ -73,8 +73,10 @@ def logprobs_and_entropy(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if logits.shape[:1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} "
-                         "must have the same number of rows")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} "
+            "must have the same number of rows"
+        )
     return _ChunkedLogprobEntropy.apply(logits, labels.long(), float(temperature), chunk_size)
 
 

@@ -35,8 +35,13 @@ from areal.algo.segments import all_reduce_sum, masked_max, masked_mean, segment
 from areal.api.config.actor import PPOActorConfig
 
 
-def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
-                     cu_seqlens: torch.Tensor, level: str) -> torch.Tensor:
+def importance_ratio(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    level: str,
+) -> torch.Tensor:
     """[T] pi_theta / pi_old per token, or GSPO's per-sequence geometric mean (token form)."""
     log_ratio = logp - old_logp.detach()  # [T]
     if level == "token":
@@ -46,8 +51,13 @@ def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Ten
 
 
 def behaviour_weight(
-    old_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor,
-    cu_seqlens: torch.Tensor, cap: float | None, mode: str, level: str,
+    old_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cap: float | None,
+    mode: str,
+    level: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Detached weight pi_old/pi_behav [T] and [T] bool ``over_cap`` (weight above ``cap``).
 
@@ -67,7 +77,10 @@ def behaviour_weight(
 
 
 def ppo_clip_loss(
-    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
     c_clip: float | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """[T] PPO clipped-surrogate loss (asymmetric, optional dual clip) and [T] bool flags
@@ -77,8 +90,10 @@ def ppo_clip_loss(
     clipped = -a * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(unclipped, clipped)
     clip_active = clipped > unclipped
-    flags = {"clip_low": clip_active & (ratio < 1.0 - eps_low),
-             "clip_high": clip_active & (ratio > 1.0 + eps_high)}
+    flags = {
+        "clip_low": clip_active & (ratio < 1.0 - eps_low),
+        "clip_high": clip_active & (ratio > 1.0 + eps_high),
+    }
     if c_clip is not None:
         dual = (a < 0) & (loss > -c_clip * a)
         loss = torch.where(dual, (-c_clip * a).expand_as(loss), loss)
@@ -87,7 +102,10 @@ def ppo_clip_loss(
 
 
 def cispo_loss(
-    logp: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,
+    logp: torch.Tensor,
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
     eps_high: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """[T] CISPO loss ``-sg[clip(r)] * A * logp`` and [T] flags ``clip_low``, ``clip_high``."""
@@ -146,11 +164,15 @@ def aggregate_loss(
         return seq_sum.sum() / n_seqs
     if mode == "seq-mean-token-sum-norm":
         if max_new_tokens is None or max_new_tokens < 1:
-            raise ValueError(f"loss_agg_mode=seq-mean-token-sum-norm needs max_new_tokens >= 1, "
-                             f"got {max_new_tokens}; pass gconfig.max_new_tokens")
+            raise ValueError(
+                f"loss_agg_mode=seq-mean-token-sum-norm needs max_new_tokens >= 1, "
+                f"got {max_new_tokens}; pass gconfig.max_new_tokens"
+            )
         return seq_sum.sum() / (n_seqs * max_new_tokens)
-    raise ValueError(f"loss_agg_mode: got {mode!r}; use token-mean, seq-mean-token-mean, "
-                     "seq-mean-token-sum or seq-mean-token-sum-norm")
+    raise ValueError(
+        f"loss_agg_mode: got {mode!r}; use token-mean, seq-mean-token-mean, "
+        "seq-mean-token-sum or seq-mean-token-sum-norm"
+    )
 
 
 def _off_policy_weight(cfg: PPOActorConfig, logprobs, prox_logp, behav_logp, mask, cu_seqlens):
@@ -160,27 +182,40 @@ def _off_policy_weight(cfg: PPOActorConfig, logprobs, prox_logp, behav_logp, mas
     rc = cfg.rollout_correction
     if rc.mode != "none":
         if behav_logp is None or (rc.form == "decoupled" and prox_logp is None):
-            raise ValueError(f"actor.rollout_correction (form={rc.form}) needs behav_logp (the rollout's "
-                             "logprobs)" + (" and prox_logp" if rc.form == "decoupled" else "") + "; pass them")
+            raise ValueError(
+                f"actor.rollout_correction (form={rc.form}) needs behav_logp (the rollout's "
+                "logprobs)" + (" and prox_logp" if rc.form == "decoupled" else "") + "; pass them"
+            )
         # decoupled: three policies, w = pi_prox / pi_behav; bypass: the ratio's old policy is the
         # behaviour one and w = sg(pi_theta) / pi_behav
-        old_logp, train_logp = (prox_logp, prox_logp) if rc.form == "decoupled" else (behav_logp, logprobs)
+        old_logp, train_logp = (
+            (prox_logp, prox_logp) if rc.form == "decoupled" else (behav_logp, logprobs)
+        )
         weight, rejected = rollout_weights(train_logp, behav_logp, mask, cu_seqlens, rc)
         return old_logp, weight, rejected
     if cfg.use_decoupled_loss:
         if prox_logp is None or behav_logp is None:
-            raise ValueError("actor.use_decoupled_loss=true needs prox_logp (recomputed by the "
-                             "trainer) and behav_logp (from the rollout); pass both")
+            raise ValueError(
+                "actor.use_decoupled_loss=true needs prox_logp (recomputed by the "
+                "trainer) and behav_logp (from the rollout); pass both"
+            )
         weight, over_cap = behaviour_weight(
-            prox_logp, behav_logp, mask, cu_seqlens, cfg.behav_imp_weight_cap,
-            cfg.behav_imp_weight_mode, cfg.behav_imp_weight_level)
+            prox_logp,
+            behav_logp,
+            mask,
+            cu_seqlens,
+            cfg.behav_imp_weight_cap,
+            cfg.behav_imp_weight_mode,
+            cfg.behav_imp_weight_level,
+        )
         return prox_logp, weight, over_cap
     old_logp = prox_logp if prox_logp is not None else behav_logp
     if old_logp is None:
         raise ValueError("policy_loss needs prox_logp or behav_logp as the old policy; got None")
     if cfg.tis_cap is not None and prox_logp is not None and behav_logp is not None:
-        weight, over_cap = behaviour_weight(prox_logp, behav_logp, mask, cu_seqlens,
-                                            cfg.tis_cap, "clamp", "token")
+        weight, over_cap = behaviour_weight(
+            prox_logp, behav_logp, mask, cu_seqlens, cfg.tis_cap, "clamp", "token"
+        )
         return old_logp, weight, over_cap
     return old_logp, None, no_cap
 
@@ -192,22 +227,38 @@ def mismatch_kl(train_logp: torch.Tensor, behav_logp: torch.Tensor) -> dict[str,
     return {"k1": behav - train, "k3": kl_estimate(behav, train, "k3")}
 
 
-def _policy_stats(cfg, pg_loss, logprobs, old_logp, behav_logp, ratio, flags, weight, over_cap, mask):
+def _policy_stats(
+    cfg, pg_loss, logprobs, old_logp, behav_logp, ratio, flags, weight, over_cap, mask
+):
     """Detached scalar stats of the policy-gradient term (see :func:`policy_loss`)."""
     approx_kl = kl_estimate(old_logp.detach(), logprobs.detach(), "k3")  # KL(old || new)
-    stats = {"pg_loss": pg_loss.detach(), "ratio_mean": masked_mean(ratio, mask),
-             "ratio_max": masked_max(ratio, mask), "approx_kl": masked_mean(approx_kl, mask)}
+    stats = {
+        "pg_loss": pg_loss.detach(),
+        "ratio_mean": masked_mean(ratio, mask),
+        "ratio_max": masked_max(ratio, mask),
+        "approx_kl": masked_mean(approx_kl, mask),
+    }
     stats.update({f"{k}_frac": masked_mean(v, mask) for k, v in flags.items()})
     if behav_logp is not None:  # the trainer's policy (proximal, else current) vs the rollout's
         train = old_logp if old_logp is not behav_logp else logprobs
-        stats.update({f"mismatch_{k}": masked_mean(v, mask) for k, v in mismatch_kl(train, behav_logp).items()})
+        stats.update(
+            {
+                f"mismatch_{k}": masked_mean(v, mask)
+                for k, v in mismatch_kl(train, behav_logp).items()
+            }
+        )
     if weight is not None and cfg.rollout_correction.mode != "none":
-        stats.update(rc_weight_mean=masked_mean(weight, mask), rc_weight_max=masked_max(weight, mask),
-                     rc_masked_frac=masked_mean(over_cap, mask))
+        stats.update(
+            rc_weight_mean=masked_mean(weight, mask),
+            rc_weight_max=masked_max(weight, mask),
+            rc_masked_frac=masked_mean(over_cap, mask),
+        )
     elif weight is not None:
-        stats.update(behav_imp_weight_mean=masked_mean(weight, mask),
-                     behav_imp_weight_max=masked_max(weight, mask),
-                     over_cap_frac=masked_mean(over_cap, mask))
+        stats.update(
+            behav_imp_weight_mean=masked_mean(weight, mask),
+            behav_imp_weight_max=masked_max(weight, mask),
+            over_cap_frac=masked_mean(over_cap, mask),
+        )
     return stats
 
 
@@ -248,7 +299,9 @@ def policy_loss(
     behaviour cap), kl_ref, entropy. All are means over this micro-batch's loss-mask tokens.
     """
     mask = loss_mask.bool()
-    old_logp, weight, over_cap = _off_policy_weight(cfg, logprobs, prox_logp, behav_logp, mask, cu_seqlens)
+    old_logp, weight, over_cap = _off_policy_weight(
+        cfg, logprobs, prox_logp, behav_logp, mask, cu_seqlens
+    )
     ratio = importance_ratio(logprobs, old_logp, mask, cu_seqlens, cfg.importance_sampling_level)
     eps_high = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
     if cfg.policy_loss_type == "cispo":
@@ -259,29 +312,40 @@ def policy_loss(
         per_token = per_token * weight
 
     def agg(x: torch.Tensor) -> torch.Tensor:
-        return aggregate_loss(x, mask, cu_seqlens, cfg.loss_agg_mode,
-                              global_n_tokens=global_n_tokens, global_n_seqs=global_n_seqs,
-                              max_new_tokens=max_new_tokens)
+        return aggregate_loss(
+            x,
+            mask,
+            cu_seqlens,
+            cfg.loss_agg_mode,
+            global_n_tokens=global_n_tokens,
+            global_n_seqs=global_n_seqs,
+            max_new_tokens=max_new_tokens,
+        )
 
     loss = agg(per_token)
-    stats = _policy_stats(cfg, loss, logprobs, old_logp, behav_logp, ratio, flags, weight, over_cap, mask)
+    stats = _policy_stats(
+        cfg, loss, logprobs, old_logp, behav_logp, ratio, flags, weight, over_cap, mask
+    )
     return _add_kl_and_entropy(loss, stats, agg, cfg, logprobs, ref_logp, entropy, mask)
 
 
-def _add_kl_and_entropy(loss, stats, agg, cfg: PPOActorConfig, logprobs, ref_logp, entropy,
-                        mask):
+def _add_kl_and_entropy(loss, stats, agg, cfg: PPOActorConfig, logprobs, ref_logp, entropy, mask):
     """``loss + kl_ctl * KL(ref) - entropy_coeff * entropy`` (each when configured), and stats."""
     if not cfg.kl_in_reward and cfg.kl_ctl > 0:
         if ref_logp is None:
-            raise ValueError("actor.kl_in_reward=false with kl_ctl>0 adds a KL loss term and "
-                             "needs ref_logp; pass it, or set kl_ctl=0")
+            raise ValueError(
+                "actor.kl_in_reward=false with kl_ctl>0 adds a KL loss term and "
+                "needs ref_logp; pass it, or set kl_ctl=0"
+            )
         kl = kl_estimate(logprobs, ref_logp.detach(), cfg.kl_estimator)  # [T]
         loss = loss + cfg.kl_ctl * agg(kl)
         stats["kl_ref"] = masked_mean(kl, mask)
     if cfg.entropy_coeff > 0:
         if entropy is None:
-            raise ValueError("actor.entropy_coeff>0 needs entropy [T] (logprob."
-                             "packed_token_logprobs returns it); pass it, or set entropy_coeff=0")
+            raise ValueError(
+                "actor.entropy_coeff>0 needs entropy [T] (logprob."
+                "packed_token_logprobs returns it); pass it, or set entropy_coeff=0"
+            )
         loss = loss - cfg.entropy_coeff * agg(entropy)
     if entropy is not None:
         stats["entropy"] = masked_mean(entropy, mask)

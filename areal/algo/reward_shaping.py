@@ -63,14 +63,19 @@ def shape_rewards(
     out = scale_rewards(rewards.float(), cfg)
     if cfg.overlong_reward_penalty:
         if completion_lens is None or max_new_tokens is None:
-            raise ValueError("actor.overlong_reward_penalty=true needs completion_lens and "
-                             "max_new_tokens; pass them, or set overlong_reward_penalty=false")
-        out = out + overlong_penalty(completion_lens, max_new_tokens, cfg.overlong_tokens,
-                                     cfg.overlong_penalty_factor)
+            raise ValueError(
+                "actor.overlong_reward_penalty=true needs completion_lens and "
+                "max_new_tokens; pass them, or set overlong_reward_penalty=false"
+            )
+        out = out + overlong_penalty(
+            completion_lens, max_new_tokens, cfg.overlong_tokens, cfg.overlong_penalty_factor
+        )
     if cfg.mask_no_eos_with_zero:
         if no_eos is None:
-            raise ValueError("actor.mask_no_eos_with_zero=true needs no_eos [B]; pass it from "
-                             "the trajectories' stop reason, or set mask_no_eos_with_zero=false")
+            raise ValueError(
+                "actor.mask_no_eos_with_zero=true needs no_eos [B]; pass it from "
+                "the trajectories' stop reason, or set mask_no_eos_with_zero=false"
+            )
         out = torch.where(no_eos.bool(), torch.zeros_like(out), out)
     return out
 
@@ -84,8 +89,10 @@ def uniform_reward_groups(
     rejects it and samples more prompts to keep the batch size fixed.
     """
     if group_size < 1 or rewards.numel() % group_size != 0:
-        raise ValueError(f"group_size={group_size} must divide the {rewards.numel()} rewards; "
-                         "pass actor.group_size (= n_samples)")
+        raise ValueError(
+            f"group_size={group_size} must divide the {rewards.numel()} rewards; "
+            "pass actor.group_size (= n_samples)"
+        )
     groups = rewards.reshape(-1, group_size)  # [B/G, G]
     spread = groups.max(dim=1).values - groups.min(dim=1).values
     return spread <= atol

@@ -31,9 +31,17 @@ SERVER_API_KEY = "AREAL_SERVER_API_KEY"  # servers and trainers get the admin ke
 LAUNCHER_PID = "AREAL_LAUNCHER_PID"  # every started process dies when this process exits
 COLOCATED = "AREAL_COLOCATED"  # "1": the trainer's GPUs also host generation servers
 RAY_AUTH_MODE = "RAY_AUTH_MODE"  # Ray's token auth: "disabled" unless the user opts in
-PROGRESS = "AREAL_PROGRESS"  # "bar": a terminal shows the launcher's echo (tqdm redraws); "lines": a log
+PROGRESS = (
+    "AREAL_PROGRESS"  # "bar": a terminal shows the launcher's echo (tqdm redraws); "lines": a log
+)
 # What torchrun sets for a rank beyond the names above (a process that is not a rank drops them all).
-TORCHRUN_ONLY = ("LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
+TORCHRUN_ONLY = (
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+)
 TORCHRUN_VARS = (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, *TORCHRUN_ONLY)
 
 
@@ -62,12 +70,17 @@ class LaunchEnv:
             try:
                 return int(raw)
             except ValueError:
-                raise ValueError(f"environment variable {name}={raw!r} is not an integer; "
-                                 "it is set by the launcher (torchrun / areal launch)") from None
+                raise ValueError(
+                    f"environment variable {name}={raw!r} is not an integer; "
+                    "it is set by the launcher (torchrun / areal launch)"
+                ) from None
 
         return cls(
-            rank=number(RANK, 0), world_size=number(WORLD_SIZE, 1), local_rank=number(LOCAL_RANK, 0),
-            attempt=number(LAUNCH_ATTEMPT, 0), torch_threads=number(TORCH_THREADS, 0),
+            rank=number(RANK, 0),
+            world_size=number(WORLD_SIZE, 1),
+            local_rank=number(LOCAL_RANK, 0),
+            attempt=number(LAUNCH_ATTEMPT, 0),
+            torch_threads=number(TORCH_THREADS, 0),
             launcher_pid=number(LAUNCHER_PID, 0),
             launched=RANK in environ and WORLD_SIZE in environ,
             colocated=number(COLOCATED, 0) == 1,
@@ -114,17 +127,28 @@ def launcher_env() -> dict[str, str]:
     return {LAUNCHER_PID: str(os.getpid())}
 
 
-def torch_dist_env(rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int) -> dict[str, str]:
+def torch_dist_env(
+    rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int
+) -> dict[str, str]:
     """torchrun's variables for one trainer rank started without torchrun (Ray, Slurm)."""
-    return {RANK: str(rank), WORLD_SIZE: str(world_size), LOCAL_RANK: str(local_rank),
-            MASTER_ADDR: master_addr, MASTER_PORT: str(master_port)}
+    return {
+        RANK: str(rank),
+        WORLD_SIZE: str(world_size),
+        LOCAL_RANK: str(local_rank),
+        MASTER_ADDR: master_addr,
+        MASTER_PORT: str(master_port),
+    }
 
 
 def trainer_env(attempt: int, colocated: bool = False, progress: str = "lines") -> dict[str, str]:
     """Our variables for the trainer ranks of launch attempt ``attempt`` (``colocated``: their
     GPUs also host generation servers; ``progress``: ``bar`` when the launcher's console is a
     terminal that shows their output as it comes, else ``lines``)."""
-    return {LAUNCH_ATTEMPT: str(attempt), PROGRESS: progress, **({COLOCATED: "1"} if colocated else {})}
+    return {
+        LAUNCH_ATTEMPT: str(attempt),
+        PROGRESS: progress,
+        **({COLOCATED: "1"} if colocated else {}),
+    }
 
 
 def api_key_env(key: str) -> dict[str, str]:

@@ -13,5 +13,7 @@ class RolloutWorkflow(abc.ABC):
     """Turns one dataset item into a scored group of trajectories."""
 
     @abc.abstractmethod
-    async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> list[Trajectory] | None:
+    async def arun_episode(
+        self, engine: InferenceEngine, item: dict[str, Any]
+    ) -> list[Trajectory] | None:
         """Run one episode; return the group, or None to reject the item (it is not trained on)."""

@@ -49,11 +49,16 @@ CONFIG = CoreAsyncGRPOConfig  # what the launcher validates before starting anyt
 def worker_stats(status: dict[str, Any]) -> dict[str, float]:
     """The manager's counters plus each rollout worker's episodes, tokens/s, reward failure
     metrics (``reward/*``) and server counters (``remote/*``)."""
-    out = {**status["manager"], "core/servers": float(len(status["servers"])),
-           "core/servers_refused": float(len(status["servers_refused"])),
-           "core/rollout_workers": float(sum(not w["draining"] for w in status["workers"]))}
+    out = {
+        **status["manager"],
+        "core/servers": float(len(status["servers"])),
+        "core/servers_refused": float(len(status["servers_refused"])),
+        "core/rollout_workers": float(sum(not w["draining"] for w in status["workers"])),
+    }
     for w in status["workers"]:
-        out.update({f"rollout_worker/{w['index']}/{k}": float(w[k]) for k in ("episodes", "tokens_per_s")})
+        out.update(
+            {f"rollout_worker/{w['index']}/{k}": float(w[k]) for k in ("episodes", "tokens_per_s")}
+        )
         out.update({f"rollout_worker/{w['index']}/{k}": float(v) for k, v in w["stats"].items()})
     return out
 
@@ -62,8 +67,20 @@ def write_status(run_dir, step: int, n_steps: int, status: dict[str, Any]) -> No
     """RUN_DIR/core_status.json: the live state ``areal core status RUN_DIR`` prints (``state``
     becomes ``finished`` at the end, :func:`mark_finished`; the master's pid tells a crashed run)."""
     tmp = run_dir / f"{STATUS_FILE}.tmp"
-    tmp.write_text(json.dumps({"step": step, "total_steps": n_steps, "time": time.time(), "state": "running",
-                               "master_pid": os.getpid(), "master_host": socket.gethostname(), **status}, indent=1))
+    tmp.write_text(
+        json.dumps(
+            {
+                "step": step,
+                "total_steps": n_steps,
+                "time": time.time(),
+                "state": "running",
+                "master_pid": os.getpid(),
+                "master_host": socket.gethostname(),
+                **status,
+            },
+            indent=1,
+        )
+    )
     tmp.replace(run_dir / STATUS_FILE)
 
 
@@ -83,27 +100,40 @@ def format_status(run_dir) -> str:
 
     path = Path(run_dir) / STATUS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: RUN_DIR must be an `areal core async-ppo` run "
-                                "that finished at least one step")
+        raise FileNotFoundError(
+            f"{path} does not exist: RUN_DIR must be an `areal core async-ppo` run "
+            "that finished at least one step"
+        )
     st = json.loads(path.read_text())
     m, ended = st["manager"], run_ended(st)
-    refused = ", ".join(f"{k.rsplit('/', 1)[1]} {v:.0f}" for k, v in m.items() if k.startswith("manager/refused/"))
+    refused = ", ".join(
+        f"{k.rsplit('/', 1)[1]} {v:.0f}" for k, v in m.items() if k.startswith("manager/refused/")
+    )
     when = f"step {st['step']}/{st['total_steps']}, {time.time() - st['time']:.0f} s ago"
-    rollouts = (f"rollouts running {m['manager/running']:.0f}, buffered {m['manager/buffered']:.0f}" if not ended else
-                f"rollouts in flight at its last step {m['manager/running']:.0f} (dropped at the end), buffered "
-                f"{m['manager/buffered']:.0f}")
-    lines = [(f"run ended: {ended}, {time.time() - st['time']:.0f} s ago" if ended else when)
-             + f"; version {m['manager/version']:.0f}; {rollouts}, lost {m['manager/lost']:.0f}; refused asks: {refused}",
-             f"model workers (pids): {st['model_worker_pids']}; servers: {st['servers']}"
-             + (f"; refused servers: {st['servers_refused']}" if st["servers_refused"] else ""),
-             f"{'worker':>6} {'pid':>8} {'episodes':>9} {'tok/s':>8} {'in_flight':>9} {'accepted':>9} "
-             f"{'rejected':>9} {'failed':>7} {'restarts':>9}"]
+    rollouts = (
+        f"rollouts running {m['manager/running']:.0f}, buffered {m['manager/buffered']:.0f}"
+        if not ended
+        else f"rollouts in flight at its last step {m['manager/running']:.0f} (dropped at the end), buffered "
+        f"{m['manager/buffered']:.0f}"
+    )
+    lines = [
+        (f"run ended: {ended}, {time.time() - st['time']:.0f} s ago" if ended else when)
+        + f"; version {m['manager/version']:.0f}; {rollouts}, lost {m['manager/lost']:.0f}; refused asks: {refused}",
+        f"model workers (pids): {st['model_worker_pids']}; servers: {st['servers']}"
+        + (f"; refused servers: {st['servers_refused']}" if st["servers_refused"] else ""),
+        f"{'worker':>6} {'pid':>8} {'episodes':>9} {'tok/s':>8} {'in_flight':>9} {'accepted':>9} "
+        f"{'rejected':>9} {'failed':>7} {'restarts':>9}",
+    ]
     for w in st["workers"]:
-        c = {k: m.get(f"rollout_worker/{w['index']}/{k}", 0.0) for k in
-             ("in_flight", "accepted", "rejected", "failed", "restarts")}
+        c = {
+            k: m.get(f"rollout_worker/{w['index']}/{k}", 0.0)
+            for k in ("in_flight", "accepted", "rejected", "failed", "restarts")
+        }
         name = f"{w['index']}{'*' if w['draining'] else ''}"
-        lines.append(f"{name:>6} {w['pid']:>8} {w['episodes']:>9} {w['tokens_per_s']:>8.1f} {c['in_flight']:>9.0f} "
-                     f"{c['accepted']:>9.0f} {c['rejected']:>9.0f} {c['failed']:>7.0f} {c['restarts']:>9.0f}")
+        lines.append(
+            f"{name:>6} {w['pid']:>8} {w['episodes']:>9} {w['tokens_per_s']:>8.1f} {c['in_flight']:>9.0f} "
+            f"{c['accepted']:>9.0f} {c['rejected']:>9.0f} {c['failed']:>7.0f} {c['restarts']:>9.0f}"
+        )
     return "\n".join(lines)
 
 
@@ -115,8 +145,10 @@ def lag_stats(groups: list, version: int, bound: int) -> dict[str, float]:
             if v < 0:  # nothing of it is trained
                 continue
             if version - v > bound:
-                raise RuntimeError(f"group {g.group_id} (ticket {g.ticket}) has a sample generated at version "
-                                   f"{v}, trained at {version}: lag {version - v} > rollout.max_staleness={bound}")
+                raise RuntimeError(
+                    f"group {g.group_id} (ticket {g.ticket}) has a sample generated at version "
+                    f"{v}, trained at {version}: lag {version - v} > rollout.max_staleness={bound}"
+                )
             lags[version - v] += 1
     n = sum(lags.values())
     out = {f"core/lag/hist/{d}": float(c) for d, c in sorted(lags.items())}
@@ -126,7 +158,9 @@ def lag_stats(groups: list, version: int, bound: int) -> dict[str, float]:
     return out
 
 
-def resume_or_evaluate(run, saved, rollout, master: Master, publisher, side, valid_loader, n_steps: int) -> int:
+def resume_or_evaluate(
+    run, saved, rollout, master: Master, publisher, side, valid_loader, n_steps: int
+) -> int:
     """The step to start after: a resume's (the manager re-issues what was admitted but not
     trained; the servers get the checkpoint's weights and version), else 0 after the starting
     model's held-out accuracy."""
@@ -148,24 +182,43 @@ def main(argv: list[str]) -> int:
     data = run.load_data()
     valid_loader, n_steps, steps_per_epoch = data.valid_loader, data.n_steps, len(data.loader)
     side = setup_rollout(cfg, run)  # the master's client: evaluation and weight updates
-    graph = graph_from_config(CoreGraphConfig(
-        graph="async_ppo", n_workers=cfg.core.n_workers, use_critic=cfg.actor.use_critic,
-        use_ref=uses_ref(cfg), prox_logp=needs_prox_pass(cfg.actor), use_teacher=cfg.distill.enabled,
-        allocations=cfg.core.allocations))
+    graph = graph_from_config(
+        CoreGraphConfig(
+            graph="async_ppo",
+            n_workers=cfg.core.n_workers,
+            use_critic=cfg.actor.use_critic,
+            use_ref=uses_ref(cfg),
+            prox_logp=needs_prox_pass(cfg.actor),
+            use_teacher=cfg.distill.enabled,
+            allocations=cfg.core.allocations,
+        )
+    )
     workers, engines = start_model_workers(cfg, run, graph, data.ft_spec)  # attaches Ray
-    rollout = RayRolloutSide(cfg, [s.address for s in side.rollout.servers], str(run.run_dir / "rollouts"),
-                             data.n_train)
+    rollout = RayRolloutSide(
+        cfg, [s.address for s in side.rollout.servers], str(run.run_dir / "rollouts"), data.n_train
+    )
     rollout.client = side.rollout
-    publisher = WeightPublisher(cfg.weight_update_mode, engines[ACTOR], ManagedServers(rollout), rollout, run.dist,
-                                cfg.weights_dir)
+    publisher = WeightPublisher(
+        cfg.weight_update_mode,
+        engines[ACTOR],
+        ManagedServers(rollout),
+        rollout,
+        run.dist,
+        cfg.weights_dir,
+    )
     publisher.connect()
-    master = Master(graph, workers, group_size=cfg.gconfig.n_samples, mfc_timeout=cfg.core.mfc_timeout)
+    master = Master(
+        graph, workers, group_size=cfg.gconfig.n_samples, mfc_timeout=cfg.core.mfc_timeout
+    )
     saved = {"actor": engines[ACTOR], **({"critic": engines[CRITIC]} if CRITIC in engines else {})}
 
     step = resume_or_evaluate(run, saved, rollout, master, publisher, side, valid_loader, n_steps)
     rollout.start()
     model_pids = rollout.get([w.handle.pid.remote() for w in workers], "the model workers")
-    n_groups, n_samples = cfg.train_dataset.batch_size, cfg.train_dataset.batch_size * cfg.gconfig.n_samples
+    n_groups, n_samples = (
+        cfg.train_dataset.batch_size,
+        cfg.train_dataset.batch_size * cfg.gconfig.n_samples,
+    )
     registry = run.registry()
     while step < n_steps:
         step, epoch_done = step + 1, (step + 1) % steps_per_epoch == 0
@@ -182,13 +235,22 @@ def main(argv: list[str]) -> int:
         rewards = [r for g in groups for r in g.rewards]
         status = rollout.check_health()
         write_status(run.run_dir, step, n_steps, {**status, "model_worker_pids": model_pids})
-        stats = {**lags, **step_stats(out), **worker_stats(status), "reward/mean": sum(rewards) / len(rewards)}
+        stats = {
+            **lags,
+            **step_stats(out),
+            **worker_stats(status),
+            "reward/mean": sum(rewards) / len(rewards),
+        }
         if run.saver.check(step, epoch_done) or step == n_steps:
             run.export_hf(engines[ACTOR], step)
         if valid_loader is not None and (run.evaluator.check(step, epoch_done) or step == n_steps):
             evaluate(side.executor, valid_loader, side.eval_workflow, run)
         if run.recover_timer.check(step, epoch_done):
-            run.save_recover(step, saved, {"manager": rollout.get(rollout.manager.state_dict.remote(), "the manager")})
+            run.save_recover(
+                step,
+                saved,
+                {"manager": rollout.get(rollout.manager.state_dict.remote(), "the manager")},
+            )
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
     mark_finished(run.run_dir)
     rollout.close()

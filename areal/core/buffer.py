@@ -53,8 +53,10 @@ class SampleBuffer:
     def check_room(self, n: int) -> None:
         """Raise :class:`BufferFull` unless ``n`` more samples fit."""
         if not self.has_room(n):
-            raise BufferFull(f"the buffer holds {len(self)} of {self.capacity} samples and cannot take "
-                             f"{n} more; run a step first or raise the buffer capacity")
+            raise BufferFull(
+                f"the buffer holds {len(self)} of {self.capacity} samples and cannot take "
+                f"{n} more; run a step first or raise the buffer capacity"
+            )
 
     def put(self, metas: list[SampleMeta]) -> None:
         """Add samples (newest last); all or none."""
@@ -72,8 +74,10 @@ class SampleBuffer:
         """Ids of the ``n`` oldest samples not in a step yet, oldest first; they join the step."""
         free = [m for m in self._samples.values() if not m.in_step]
         if len(free) < n:
-            raise ValueError(f"a step of {n} samples was asked for but the buffer has {len(free)} "
-                             "waiting; put more samples first")
+            raise ValueError(
+                f"a step of {n} samples was asked for but the buffer has {len(free)} "
+                "waiting; put more samples first"
+            )
         for m in free[:n]:
             m.in_step = True
         return [m.sample_id for m in free[:n]]

@@ -16,26 +16,53 @@ from areal.core.graphs import ModelAllocationConfig
 class CoreWorkersConfig:
     """Where Core's model workers run."""
 
-    backend: Literal["in_process", "ray"] = param("in_process", help="in_process: one worker in this "
-                                                  "process; ray: n_workers Ray actors.")
+    backend: Literal["in_process", "ray"] = param(
+        "in_process", help="in_process: one worker in this process; ray: n_workers Ray actors."
+    )
     n_workers: int = param(1, ge=1, help="Model workers (ray); in_process has exactly one.")
     allocations: list[ModelAllocationConfig] = param(
-        factory=list, help="Which model workers host each model, and its mesh (docs/core.md); "
-        "empty = every model on every worker, dp = n_workers.")
-    ray_address: str = param("", help="Ray cluster address (host:port); empty = RAY_ADDRESS, else a "
-                             "local instance on 127.0.0.1 sized for the workers.")
+        factory=list,
+        help="Which model workers host each model, and its mesh (docs/core.md); "
+        "empty = every model on every worker, dp = n_workers.",
+    )
+    ray_address: str = param(
+        "",
+        help="Ray cluster address (host:port); empty = RAY_ADDRESS, else a "
+        "local instance on 127.0.0.1 sized for the workers.",
+    )
     cpus_per_worker: float = param(1.0, gt=0, help="Ray CPUs reserved per worker actor.")
     torch_threads: int = param(1, ge=1, help="torch intra-op threads per worker actor.")
-    mfc_timeout: float = param(600.0, gt=0, help="Seconds an MFC (generation included) may run before "
-                               "the step stops naming it and its workers.")
-    gpus_per_worker: int = param(0, ge=0, le=1, help="GPUs per worker actor (ray): 0 = CPU and gloo; "
-                                 "1 = one GPU each, placed by Ray, NCCL.")
-    n_rollout_workers: int = param(2, ge=1, help="Async PPO: rollout worker actors (each runs the "
-                                   "workflow against the generation servers).")
-    rollout_worker_restarts: int = param(3, ge=0, help="Async PPO: times Ray restarts a rollout worker "
-                                         "that died (its slots are reclaimed and its work redone).")
-    health_timeout: float = param(60.0, gt=0, help="Async PPO: seconds a rollout worker or the manager "
-                                  "may take to answer the master's health check before it is named hung.")
+    mfc_timeout: float = param(
+        600.0,
+        gt=0,
+        help="Seconds an MFC (generation included) may run before "
+        "the step stops naming it and its workers.",
+    )
+    gpus_per_worker: int = param(
+        0,
+        ge=0,
+        le=1,
+        help="GPUs per worker actor (ray): 0 = CPU and gloo; "
+        "1 = one GPU each, placed by Ray, NCCL.",
+    )
+    n_rollout_workers: int = param(
+        2,
+        ge=1,
+        help="Async PPO: rollout worker actors (each runs the "
+        "workflow against the generation servers).",
+    )
+    rollout_worker_restarts: int = param(
+        3,
+        ge=0,
+        help="Async PPO: times Ray restarts a rollout worker "
+        "that died (its slots are reclaimed and its work redone).",
+    )
+    health_timeout: float = param(
+        60.0,
+        gt=0,
+        help="Async PPO: seconds a rollout worker or the manager "
+        "may take to answer the master's health check before it is named hung.",
+    )
 
     def check(self) -> Iterator[str]:
         if self.backend == "in_process" and self.n_workers != 1:
@@ -47,16 +74,20 @@ class CoreWorkersConfig:
 def one_master(cluster) -> Iterator[str]:
     """Core's master is one process: the trainer launch of one rank on one node."""
     if cluster.trainer_nprocs != 1 or cluster.n_nodes != 1:
-        yield (f"cluster.trainer_nprocs: the Core master is one process (got trainer_nprocs="
-               f"{cluster.trainer_nprocs}, n_nodes={cluster.n_nodes}); set both to 1 and size the "
-               "workers with core.n_workers (and core.n_rollout_workers)")
+        yield (
+            f"cluster.trainer_nprocs: the Core master is one process (got trainer_nprocs="
+            f"{cluster.trainer_nprocs}, n_nodes={cluster.n_nodes}); set both to 1 and size the "
+            "workers with core.n_workers (and core.n_rollout_workers)"
+        )
 
 
 @dataclass(frozen=True)
 class CoreGRPOConfig(GRPOConfig):
     """Sync PPO / GRPO through Core's master (areal core sync-ppo)."""
 
-    core: CoreWorkersConfig = param(factory=CoreWorkersConfig, help="Core: where the model workers run.")
+    core: CoreWorkersConfig = param(
+        factory=CoreWorkersConfig, help="Core: where the model workers run."
+    )
 
     def distill_problems(self, scored_by: str = "teacher") -> Iterator[str]:
         """Core scores with a teacher node (see :meth:`GRPOConfig.distill_problems`)."""
@@ -65,8 +96,10 @@ class CoreGRPOConfig(GRPOConfig):
     def check(self) -> Iterator[str]:
         yield from super().check()
         if self.rollout.max_staleness != 0:
-            yield (f"rollout.max_staleness: {self.rollout.max_staleness}; sync PPO generates every batch "
-                   "with the current weights, set rollout.max_staleness=0")
+            yield (
+                f"rollout.max_staleness: {self.rollout.max_staleness}; sync PPO generates every batch "
+                "with the current weights, set rollout.max_staleness=0"
+            )
         yield from one_master(self.cluster)
 
 
@@ -75,8 +108,10 @@ class CoreAsyncGRPOConfig(GRPOConfig):
     """Async PPO / GRPO through Core: rollout workers and the generation manager on Ray feed the
     master's graph (areal core async-ppo)."""
 
-    core: CoreWorkersConfig = param(factory=lambda: CoreWorkersConfig(backend="ray", n_workers=2),
-                                    help="Core: model workers, rollout workers.")
+    core: CoreWorkersConfig = param(
+        factory=lambda: CoreWorkersConfig(backend="ray", n_workers=2),
+        help="Core: model workers, rollout workers.",
+    )
 
     def distill_problems(self, scored_by: str = "teacher") -> Iterator[str]:
         """Core scores with a teacher node (see :meth:`GRPOConfig.distill_problems`)."""
@@ -85,6 +120,8 @@ class CoreAsyncGRPOConfig(GRPOConfig):
     def check(self) -> Iterator[str]:
         yield from super().check()
         if self.core.backend != "ray":
-            yield (f"core.backend: {self.core.backend!r}; async PPO runs its rollout workers and manager "
-                   "as Ray actors, set core.backend=ray")
+            yield (
+                f"core.backend: {self.core.backend!r}; async PPO runs its rollout workers and manager "
+                "as Ray actors, set core.backend=ray"
+            )
         yield from one_master(self.cluster)

@@ -84,7 +84,9 @@ class ModelName:
         """``"actor"`` or ``"actor@1"``."""
         role, _, replica = text.partition("@")
         if not role or (replica and not replica.isdigit()):
-            raise ValueError(f"model name {text!r}: write ROLE or ROLE@REPLICA, e.g. 'actor' or 'actor@1'")
+            raise ValueError(
+                f"model name {text!r}: write ROLE or ROLE@REPLICA, e.g. 'actor' or 'actor@1'"
+            )
         return cls(role, int(replica) if replica else 0)
 
     def __str__(self) -> str:
@@ -164,39 +166,55 @@ class GraphError(ValueError):
 
     def __init__(self, name: str, problems: list[str]):
         self.problems = problems
-        super().__init__(f"graph {name!r} is invalid ({len(problems)} problem(s)):\n"
-                         + "\n".join(f"  - {p}" for p in problems))
+        super().__init__(
+            f"graph {name!r} is invalid ({len(problems)} problem(s)):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
 
 
-def _check_keys(mfcs: list[MFC], dataset_keys: tuple[str, ...], problems: list[str]) -> dict[str, str]:
+def _check_keys(
+    mfcs: list[MFC], dataset_keys: tuple[str, ...], problems: list[str]
+) -> dict[str, str]:
     """Producers of each key; problems for duplicate writers, dataset overwrites, wrong outputs."""
     producers: dict[str, str] = {}
     for m in mfcs:
         added = added_fields(m.fn, m.kwargs)
         if added is not None and tuple(sorted(m.outputs)) != tuple(sorted(added)):
             call = f"{m.fn.value}({', '.join(f'{k}={v!r}' for k, v in m.kwargs.items())})"
-            problems.append(f"MFC {m.name!r} calls {call}, which adds {list(added)}, but declares "
-                            f"outputs {list(m.outputs)}; declare exactly {list(added)}")
+            problems.append(
+                f"MFC {m.name!r} calls {call}, which adds {list(added)}, but declares "
+                f"outputs {list(m.outputs)}; declare exactly {list(added)}"
+            )
         if m.fn is ModelFn.GENERATE and m.inputs:
-            problems.append(f"MFC {m.name!r} (generate) reads {list(m.inputs)}; a generate MFC draws its "
-                            "prompts from the train dataset itself and reads no keys")
+            problems.append(
+                f"MFC {m.name!r} (generate) reads {list(m.inputs)}; a generate MFC draws its "
+                "prompts from the train dataset itself and reads no keys"
+            )
         if m.fn is not ModelFn.GENERATE and "input_ids" not in m.inputs:
-            problems.append(f"MFC {m.name!r} does not read key 'input_ids'; every model function "
-                            "takes a packed batch, add 'input_ids' to its inputs")
+            problems.append(
+                f"MFC {m.name!r} does not read key 'input_ids'; every model function "
+                "takes a packed batch, add 'input_ids' to its inputs"
+            )
         for key in m.outputs:
             if key in dataset_keys:
-                problems.append(f"MFC {m.name!r} writes key {key!r}, which comes from the dataset; "
-                                "rename the output")
+                problems.append(
+                    f"MFC {m.name!r} writes key {key!r}, which comes from the dataset; "
+                    "rename the output"
+                )
             elif key in producers:
-                problems.append(f"key {key!r} is written by MFC {producers[key]!r} and by MFC "
-                                f"{m.name!r}; each key has one producer, rename one output")
+                problems.append(
+                    f"key {key!r} is written by MFC {producers[key]!r} and by MFC "
+                    f"{m.name!r}; each key has one producer, rename one output"
+                )
             else:
                 producers[key] = m.name
     for m in mfcs:
         for key in m.inputs:
             if key not in producers and key not in dataset_keys:
-                problems.append(f"MFC {m.name!r} reads key {key!r}, which no MFC writes and the "
-                                f"dataset does not provide (dataset keys: {list(dataset_keys)})")
+                problems.append(
+                    f"MFC {m.name!r} reads key {key!r}, which no MFC writes and the "
+                    f"dataset does not provide (dataset keys: {list(dataset_keys)})"
+                )
     return producers
 
 
@@ -207,7 +225,7 @@ def _find_cycle(names: list[str], deps: dict[str, dict[str, str]]) -> list[tuple
     while node not in path:
         path.append(node)
         node = next(p for p in deps[node] if p in names)
-    cycle = path[path.index(node):]
+    cycle = path[path.index(node) :]
     return [(a, deps[a][b]) for a, b in zip(cycle, cycle[1:] + cycle[:1])]
 
 
@@ -226,9 +244,13 @@ def _topological(mfcs: list[MFC], producers: dict[str, str], problems: list[str]
             names = [m.name for m in remaining]
             cycle = _find_cycle([n for n in names if any(p in names for p in deps[n])], deps)
             nxt = [b for b, _ in cycle[1:] + cycle[:1]]
-            text = ", ".join(f"MFC {a!r} reads key {k!r} from MFC {b!r}" for (a, k), b in zip(cycle, nxt))
-            problems.append(f"MFCs form a cycle: {text}; break it by reading one of these keys "
-                            "from the dataset or another MFC")
+            text = ", ".join(
+                f"MFC {a!r} reads key {k!r} from MFC {b!r}" for (a, k), b in zip(cycle, nxt)
+            )
+            problems.append(
+                f"MFCs form a cycle: {text}; break it by reading one of these keys "
+                "from the dataset or another MFC"
+            )
             return order + remaining
         order.append(ready[0])
         done.add(ready[0].name)
@@ -236,24 +258,33 @@ def _topological(mfcs: list[MFC], producers: dict[str, str], problems: list[str]
     return order
 
 
-def _check_allocations(mfcs: list[MFC], allocations: dict[ModelName, Allocation], n_workers: int,
-                       problems: list[str]) -> None:
+def _check_allocations(
+    mfcs: list[MFC], allocations: dict[ModelName, Allocation], n_workers: int, problems: list[str]
+) -> None:
     generating = {m.model for m in mfcs if m.fn is ModelFn.GENERATE}
     for m in mfcs:
         if m.model not in allocations:
-            problems.append(f"MFC {m.name!r} runs on model '{m.model}', which has no allocation; "
-                            f"allocate it workers (allocated: {sorted(str(a) for a in allocations)})")
+            problems.append(
+                f"MFC {m.name!r} runs on model '{m.model}', which has no allocation; "
+                f"allocate it workers (allocated: {sorted(str(a) for a in allocations)})"
+            )
         for h in m.hooks:
             if h.source == m.model or h.source not in allocations:
                 why = "is its own model" if h.source == m.model else "has no allocation"
-                problems.append(f"MFC {m.name!r} takes weights from model '{h.source}', which {why}; "
-                                "name another allocated model")
+                problems.append(
+                    f"MFC {m.name!r} takes weights from model '{h.source}', which {why}; "
+                    "name another allocated model"
+                )
             if isinstance(h, UpdateServers) and m.fn is not ModelFn.GENERATE:
-                problems.append(f"MFC {m.name!r} ({m.fn.value}) has an UpdateServers hook, which only a "
-                                "generate MFC can have (its model is the generation servers)")
+                problems.append(
+                    f"MFC {m.name!r} ({m.fn.value}) has an UpdateServers hook, which only a "
+                    "generate MFC can have (its model is the generation servers)"
+                )
             if isinstance(h, ParamRealloc) and (m.fn is ModelFn.GENERATE or h.source in generating):
-                problems.append(f"MFC {m.name!r}: parameter reallocation to or from a generate MFC's model "
-                                "(the generation servers); use an UpdateServers hook")
+                problems.append(
+                    f"MFC {m.name!r}: parameter reallocation to or from a generate MFC's model "
+                    "(the generation servers); use an UpdateServers hook"
+                )
             if isinstance(h, ParamRealloc) and not 0.0 <= h.ema < 1.0:
                 problems.append(f"MFC {m.name!r}: reallocation ema={h.ema} must be in [0, 1)")
     for model, a in sorted(allocations.items()):
@@ -262,21 +293,31 @@ def _check_allocations(mfcs: list[MFC], allocations: dict[ModelName, Allocation]
         if a.dp < 1:
             problems.append(f"{who}: dp={a.dp}; dp must be >= 1")
         if len(a.workers) != a.dp * a.tp:
-            problems.append(f"{who}: mesh dp={a.dp} x tp={a.tp} needs {a.dp * a.tp} workers, "
-                            f"allocated {len(a.workers)} ({list(a.workers)})")
+            problems.append(
+                f"{who}: mesh dp={a.dp} x tp={a.tp} needs {a.dp * a.tp} workers, "
+                f"allocated {len(a.workers)} ({list(a.workers)})"
+            )
         bad = [w for w in a.workers if not 0 <= w < n_workers]
         if bad:
-            problems.append(f"{who}: workers {bad} do not exist; there are {n_workers} workers "
-                            f"(0..{n_workers - 1})")
+            problems.append(
+                f"{who}: workers {bad} do not exist; there are {n_workers} workers "
+                f"(0..{n_workers - 1})"
+            )
         if len(set(a.workers)) != len(a.workers):
             problems.append(f"{who}: a worker appears twice in {list(a.workers)}; list each once")
         if not users:
-            problems.append(f"model '{model}' is allocated workers but no MFC runs on it; "
-                            "remove its allocation")
+            problems.append(
+                f"model '{model}' is allocated workers but no MFC runs on it; remove its allocation"
+            )
 
 
-def build_graph(name: str, mfcs: list[MFC], dataset_keys: tuple[str, ...],
-                allocations: list[Allocation], n_workers: int) -> DataflowGraph:
+def build_graph(
+    name: str,
+    mfcs: list[MFC],
+    dataset_keys: tuple[str, ...],
+    allocations: list[Allocation],
+    n_workers: int,
+) -> DataflowGraph:
     """Check and build a graph; raises :class:`GraphError` listing every problem at once."""
     problems: list[str] = []
     seen: set[str] = set()
@@ -295,31 +336,53 @@ def build_graph(name: str, mfcs: list[MFC], dataset_keys: tuple[str, ...],
     if problems:
         raise GraphError(name, problems)
     edges = tuple((producers[k], m.name, k) for m in order for k in m.inputs if k in producers)
-    return DataflowGraph(name, tuple(order), tuple(dataset_keys), by_model, n_workers, producers, edges)
+    return DataflowGraph(
+        name, tuple(order), tuple(dataset_keys), by_model, n_workers, producers, edges
+    )
 
 
 def format_graph(graph: DataflowGraph) -> str:
     """The graph as text: models and their meshes, nodes in dispatch order, edges."""
-    generating = {w for m in graph.mfcs if m.fn is ModelFn.GENERATE for w in graph.allocations[m.model].workers}
+    generating = {
+        w
+        for m in graph.mfcs
+        if m.fn is ModelFn.GENERATE
+        for w in graph.allocations[m.model].workers
+    }
     workers = f"{graph.n_workers - len(generating)} model workers"
     if generating:
         workers += f" + {len(generating)} generation worker{'s' if len(generating) > 1 else ''} {sorted(generating)}"
-    keys = ", ".join(graph.dataset_keys) or "none (the generation worker draws prompts from the train dataset)"
-    lines = [f"graph {graph.name}: {len(graph.mfcs)} MFCs, {len(graph.allocations)} models, {workers}",
-             f"dataset keys: {keys}", "models:"]
+    keys = (
+        ", ".join(graph.dataset_keys)
+        or "none (the generation worker draws prompts from the train dataset)"
+    )
+    lines = [
+        f"graph {graph.name}: {len(graph.mfcs)} MFCs, {len(graph.allocations)} models, {workers}",
+        f"dataset keys: {keys}",
+        "models:",
+    ]
     for model, a in sorted(graph.allocations.items()):
         users = ", ".join(m.name for m in graph.mfcs if m.model == model)
-        lines.append(f"  {str(model):<12} mesh dp={a.dp} x tp={a.tp}  workers {list(a.workers)}  MFCs: {users}")
+        lines.append(
+            f"  {str(model):<12} mesh dp={a.dp} x tp={a.tp}  workers {list(a.workers)}  MFCs: {users}"
+        )
     lines.append("nodes (dispatch order):")
     for m in graph.mfcs:
         args = ", ".join(f"{k}={v!r}" for k, v in m.kwargs.items())
         lines.append(f"  {m.name:<16} {str(m.model)}.{m.fn.value}({args})")
         for h in m.hooks:
             if isinstance(h, UpdateServers):
-                lines.append(f"  {'':<16}   before: {h.source}'s weights pushed to the generation servers")
+                lines.append(
+                    f"  {'':<16}   before: {h.source}'s weights pushed to the generation servers"
+                )
             else:
-                lines.append(f"  {'':<16}   before: weights from {h.source}" + (f" (ema {h.ema})" if h.ema else ""))
-        lines.append(f"  {'':<16}   reads {', '.join(m.inputs) or '-'}; adds {', '.join(m.outputs) or '-'}")
+                lines.append(
+                    f"  {'':<16}   before: weights from {h.source}"
+                    + (f" (ema {h.ema})" if h.ema else "")
+                )
+        lines.append(
+            f"  {'':<16}   reads {', '.join(m.inputs) or '-'}; adds {', '.join(m.outputs) or '-'}"
+        )
     lines.append("edges:")
     grouped: dict[tuple[str, str], list[str]] = {}
     for src, dst, key in graph.edges:

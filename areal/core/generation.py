@@ -29,10 +29,23 @@ from areal.runtime.rl import RolloutSide
 class GenerationWorker(InProcessWorker):
     """The ``rollout`` model's host (worker ``index``); ``publisher`` pushes ``source``'s weights."""
 
-    def __init__(self, index: int, side: RolloutSide, loader: Any, publisher: WeightPublisher,
-                 source: ModelName, accept: Any = None):
+    def __init__(
+        self,
+        index: int,
+        side: RolloutSide,
+        loader: Any,
+        publisher: WeightPublisher,
+        source: ModelName,
+        accept: Any = None,
+    ):
         super().__init__(index, engines={})
-        self.side, self.loader, self.publisher, self.source, self.accept = side, loader, publisher, source, accept
+        self.side, self.loader, self.publisher, self.source, self.accept = (
+            side,
+            loader,
+            publisher,
+            source,
+            accept,
+        )
         self.last_groups: list = []  # the groups of the last generate call
         self.last_stats: dict[str, float] = {}  # its executor, reward, client and batch stats
 
@@ -63,18 +76,35 @@ class GenerationWorker(InProcessWorker):
         groups = executor.prepare_batch(self.loader, self.side.workflow, self.accept)
         batch = groups_to_batch(groups)
         if batch.n_seqs != len(request.sample_ids):
-            raise RuntimeError(f"generation made {batch.n_seqs} sequences; the step asked for "
-                               f"{len(request.sample_ids)} (train_dataset.batch_size x gconfig.n_samples)")
+            raise RuntimeError(
+                f"generation made {batch.n_seqs} sequences; the step asked for "
+                f"{len(request.sample_ids)} (train_dataset.batch_size x gconfig.n_samples)"
+            )
         missing = set(mfc.outputs) - set(batch.tokens) - set(batch.seqs)
         if missing:
-            raise ValueError(f"MFC {mfc.name!r} declares outputs {sorted(missing)}, which rollouts lack")
+            raise ValueError(
+                f"MFC {mfc.name!r} declares outputs {sorted(missing)}, which rollouts lack"
+            )
         with self._lock:
-            self._store_fields(list(request.sample_ids), batch, set(batch.tokens) & set(mfc.outputs),
-                               set(batch.seqs) & set(mfc.outputs))
+            self._store_fields(
+                list(request.sample_ids),
+                batch,
+                set(batch.tokens) & set(mfc.outputs),
+                set(batch.seqs) & set(mfc.outputs),
+            )
         self.last_groups = groups
-        self.last_stats = {**executor.last_batch_stats, **self.side.reward.commit_batch(),
-                           **self.side.rollout.stats(), "reward/mean": float(batch["rewards"].float().mean()),
-                           "perf/n_tokens": float(batch.n_tokens),
-                           "perf/n_trained_tokens": float(batch["loss_mask"].sum())}
-        return MFCReply({}, tuple(sorted(mfc.outputs)), batch.n_tokens, time.perf_counter() - start,
-                        tuple(batch.seqlens.tolist()))
+        self.last_stats = {
+            **executor.last_batch_stats,
+            **self.side.reward.commit_batch(),
+            **self.side.rollout.stats(),
+            "reward/mean": float(batch["rewards"].float().mean()),
+            "perf/n_tokens": float(batch.n_tokens),
+            "perf/n_trained_tokens": float(batch["loss_mask"].sum()),
+        }
+        return MFCReply(
+            {},
+            tuple(sorted(mfc.outputs)),
+            batch.n_tokens,
+            time.perf_counter() - start,
+            tuple(batch.seqlens.tolist()),
+        )

@@ -78,7 +78,9 @@ class WorkerCounts:
 class GenerationManager:
     """Admission, items, the ordered stream and per-worker accounting (module docstring)."""
 
-    def __init__(self, max_staleness: int, batch_groups: int, max_concurrent: int, loader: Iterable):
+    def __init__(
+        self, max_staleness: int, batch_groups: int, max_concurrent: int, loader: Iterable
+    ):
         self.staleness = StalenessManager(max_staleness, batch_groups, max_concurrent)
         self.loader = loader
         self.version = 0
@@ -108,12 +110,25 @@ class GenerationManager:
             return []
         granted = min(want, self.staleness.capacity(self.version))
         waiting = [self.workers[w].in_flight for w in self._waiting if w != worker]
-        if granted and waiting and (counts.in_flight > min(waiting) or
-                                    (worker not in self._waiting and counts.in_flight == min(waiting))):
-            granted, cause = 0, "fair_share"  # a refused worker holding fewer slots (or as few) goes first
+        if (
+            granted
+            and waiting
+            and (
+                counts.in_flight > min(waiting)
+                or (worker not in self._waiting and counts.in_flight == min(waiting))
+            )
+        ):
+            granted, cause = (
+                0,
+                "fair_share",
+            )  # a refused worker holding fewer slots (or as few) goes first
         elif granted < want:  # the bound binds (ties included), else max_concurrent does
             s = self.staleness
-            by_staleness = (s.max_staleness + self.version + 1) * s.consumer_batch_size - s.accepted - s.running
+            by_staleness = (
+                (s.max_staleness + self.version + 1) * s.consumer_batch_size
+                - s.accepted
+                - s.running
+            )
             cause = "staleness" if by_staleness <= s.concurrency_capacity() else "capacity"
         if granted < want:
             self.refused[cause] += 1
@@ -131,7 +146,9 @@ class GenerationManager:
         return out
 
     def _next_item(self) -> Any:
-        while not self._rest:  # the loader yields batches (lists) of items; a new epoch when it ends
+        while (
+            not self._rest
+        ):  # the loader yields batches (lists) of items; a new epoch when it ends
             if self._batches is None:
                 self._batches = iter(self.loader)
             try:
@@ -140,7 +157,9 @@ class GenerationManager:
                 self._batches = None
         return self._rest.popleft()
 
-    def finish(self, worker: int, ticket: int, group: Finished | None, failed: bool = False) -> bool:
+    def finish(
+        self, worker: int, ticket: int, group: Finished | None, failed: bool = False
+    ) -> bool:
         """``worker`` finished ``ticket``: ``group`` accepted, or ``None`` (filtered out, or
         ``failed``). False when the ticket was reclaimed meanwhile (the report is dropped)."""
         job = self._running.get(ticket)
@@ -189,8 +208,9 @@ class GenerationManager:
     def holds(self, worker: int) -> int:
         """Rollouts of ``worker`` running or finished and untaken (a draining worker is stopped
         at 0: the untaken groups' tensors live with it)."""
-        return (sum(job.worker == worker for job in self._running.values())
-                + sum(g.worker == worker for g, _ in self._done.values()))
+        return sum(job.worker == worker for job in self._running.values()) + sum(
+            g.worker == worker for g, _ in self._done.values()
+        )
 
     # -- the master's side ---------------------------------------------------------------------
 
@@ -215,9 +235,14 @@ class GenerationManager:
 
     def stats(self) -> dict[str, float]:
         """Counters: admission, refusals by cause, buffer occupancy, per-worker work."""
-        out = {"manager/version": float(self.version), "manager/accepted": float(self.staleness.accepted),
-               "manager/running": float(len(self._running)), "manager/buffered": float(len(self._done)),
-               "manager/lost": float(self.lost), "manager/late_reports": float(self.late)}
+        out = {
+            "manager/version": float(self.version),
+            "manager/accepted": float(self.staleness.accepted),
+            "manager/running": float(len(self._running)),
+            "manager/buffered": float(len(self._done)),
+            "manager/lost": float(self.lost),
+            "manager/late_reports": float(self.late),
+        }
         out.update({f"manager/refused/{c}": float(n) for c, n in self.refused.items()})
         for w, c in sorted(self.workers.items()):
             out.update({f"rollout_worker/{w}/{k}": float(v) for k, v in vars(c).items()})
@@ -228,13 +253,20 @@ class GenerationManager:
     def state_dict(self) -> dict[str, Any]:
         """Version, admission counters, loader position and every admitted, untrained item."""
         admitted = {**{t: job for t, (_, job) in self._done.items()}, **self._running}
-        pending = [admitted[t].item for t in sorted(admitted)] + list(self._reissue)  # admission order
+        pending = [admitted[t].item for t in sorted(admitted)] + list(
+            self._reissue
+        )  # admission order
         pending += list(self._rest)  # the loader's position is past them
         staleness = self.staleness.state_dict()
         staleness["accepted"] -= len(self._done)  # delivered only: the untaken ones are redone
-        return {"version": self.version, "staleness": staleness,
-                "loader": self.loader.state_dict() if hasattr(self.loader, "state_dict") else None,
-                "pending": pending, "refused": dict(self.refused), "lost": self.lost}
+        return {
+            "version": self.version,
+            "staleness": staleness,
+            "loader": self.loader.state_dict() if hasattr(self.loader, "state_dict") else None,
+            "pending": pending,
+            "refused": dict(self.refused),
+            "lost": self.lost,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output before any slot is granted."""
@@ -249,4 +281,3 @@ class GenerationManager:
         self._reissue = deque(state["pending"])
         self.refused.update({c: int(n) for c, n in state["refused"].items()})
         self.lost = int(state["lost"])
-

@@ -58,7 +58,9 @@ def split_by_tokens(seqlens: list[int], n_ranks: int, group_size: int) -> list[l
     cu = torch.zeros(len(seqlens) + 1, dtype=torch.long)
     cu[1:] = torch.tensor(seqlens, dtype=torch.long).cumsum(0)
     # Lengths only: a stride-0 view stands in for input_ids, so no token memory is allocated.
-    lengths_only = PackedBatch(cu, {"input_ids": torch.zeros(1, dtype=torch.long).expand(int(cu[-1]))})
+    lengths_only = PackedBatch(
+        cu, {"input_ids": torch.zeros(1, dtype=torch.long).expand(int(cu[-1]))}
+    )
     return balance_across_ranks(lengths_only, n_ranks, granularity=group_size)
 
 
@@ -77,20 +79,37 @@ class _Running:
 class Master:
     """Walks ``graph`` each step over ``workers`` (indexed as the allocations name them)."""
 
-    def __init__(self, graph: DataflowGraph, workers: list[ModelWorker], group_size: int = 1,
-                 buffer_capacity: int = 1 << 20, mfc_timeout: float = 600.0):
+    def __init__(
+        self,
+        graph: DataflowGraph,
+        workers: list[ModelWorker],
+        group_size: int = 1,
+        buffer_capacity: int = 1 << 20,
+        mfc_timeout: float = 600.0,
+    ):
         if len(workers) != graph.n_workers:
-            raise ValueError(f"graph {graph.name!r} is allocated over {graph.n_workers} workers, "
-                             f"got {len(workers)}")
-        problems = [f"MFC {m.name!r}: {why}" for m in graph.mfcs
-                    for w in graph.allocations[m.model].workers
-                    if (why := workers[w].hosts(m.model, m.fn)) is not None]
-        problems += [f"MFC {m.name!r}: worker {w} cannot push weights to generation servers "
-                     f"({type(workers[w]).__name__})" for m in graph.mfcs
-                     if any(isinstance(h, UpdateServers) for h in m.hooks)
-                     for w in graph.allocations[m.model].workers if not hasattr(workers[w], "update_servers")]
+            raise ValueError(
+                f"graph {graph.name!r} is allocated over {graph.n_workers} workers, "
+                f"got {len(workers)}"
+            )
+        problems = [
+            f"MFC {m.name!r}: {why}"
+            for m in graph.mfcs
+            for w in graph.allocations[m.model].workers
+            if (why := workers[w].hosts(m.model, m.fn)) is not None
+        ]
+        problems += [
+            f"MFC {m.name!r}: worker {w} cannot push weights to generation servers "
+            f"({type(workers[w]).__name__})"
+            for m in graph.mfcs
+            if any(isinstance(h, UpdateServers) for h in m.hooks)
+            for w in graph.allocations[m.model].workers
+            if not hasattr(workers[w], "update_servers")
+        ]
         if problems:
-            raise ValueError("the workers cannot run the graph:\n" + "\n".join(f"  - {p}" for p in problems))
+            raise ValueError(
+                "the workers cannot run the graph:\n" + "\n".join(f"  - {p}" for p in problems)
+            )
         self.graph, self.workers, self.group_size = graph, workers, group_size
         self.mfc_timeout = mfc_timeout
         consumers: dict[str, set[str]] = defaultdict(set)
@@ -101,7 +120,9 @@ class Master:
         self.trace: list[tuple[str, str]] = []  # ("dispatch" | "done", MFC name), in order
         self.versions: dict[ModelName, int] = {m: 0 for m in graph.allocations}  # training MFCs run
         self._generate = next((m for m in graph.mfcs if m.fn is ModelFn.GENERATE), None)
-        generation = set(graph.allocations[self._generate.model].workers) if self._generate else set()
+        generation = (
+            set(graph.allocations[self._generate.model].workers) if self._generate else set()
+        )
         self._model_workers = [w for w in range(graph.n_workers) if w not in generation]
         self._next_id = 0
         self._steps = 0
@@ -112,16 +133,21 @@ class Master:
         """Add dataset samples (the graph's dataset keys of ``batch``); returns their ids."""
         missing = [k for k in self.graph.dataset_keys if k not in batch]
         if missing:
-            raise ValueError(f"graph {self.graph.name!r} reads dataset keys {missing}, which the batch "
-                             f"lacks (it has {sorted(set(batch.tokens) | set(batch.seqs))})")
+            raise ValueError(
+                f"graph {self.graph.name!r} reads dataset keys {missing}, which the batch "
+                f"lacks (it has {sorted(set(batch.tokens) | set(batch.seqs))})"
+            )
         if batch.n_seqs % self.group_size:
             raise ValueError(f"{batch.n_seqs} sequences are not whole groups of {self.group_size}")
         self.buffer.check_room(batch.n_seqs)  # before any tensor is placed
         ids = list(range(self._next_id, self._next_id + batch.n_seqs))
         self._next_id += batch.n_seqs
         keys = self.graph.dataset_keys
-        data = PackedBatch(batch.cu_seqlens, {k: v for k, v in batch.tokens.items() if k in keys},
-                           {k: v for k, v in batch.seqs.items() if k in keys})
+        data = PackedBatch(
+            batch.cu_seqlens,
+            {k: v for k, v in batch.tokens.items() if k in keys},
+            {k: v for k, v in batch.seqs.items() if k in keys},
+        )
         seqlens = batch.seqlens.tolist()
         n_place = min(len(self.workers), batch.n_seqs // self.group_size)
         metas = []
@@ -148,7 +174,7 @@ class Master:
         for rank, positions in enumerate(split_by_tokens(seqlens, n_place, size)):
             target = self._model_workers[rank]
             for g in sorted({p // size for p in positions}):
-                self.workers[target].put(ids[g * size:(g + 1) * size], groups[g].ref[0])
+                self.workers[target].put(ids[g * size : (g + 1) * size], groups[g].ref[0])
             metas += [SampleMeta(ids[i], seqlens[i], {k: target for k in keys}) for i in positions]
         self.buffer.put(sorted(metas, key=lambda m: m.sample_id))
         return ids
@@ -161,7 +187,9 @@ class Master:
         ``wall_time`` (dispatch to done) and ``compute_time`` (the slowest rank), in seconds."""
         if self._generate is not None:  # new samples, made by the generate MFC
             if n_samples % self.group_size:
-                raise ValueError(f"a step of {n_samples} samples is not whole groups of {self.group_size}")
+                raise ValueError(
+                    f"a step of {n_samples} samples is not whole groups of {self.group_size}"
+                )
             self.buffer.check_room(n_samples)
             ids = list(range(self._next_id, self._next_id + n_samples))
             self._next_id += n_samples
@@ -175,7 +203,9 @@ class Master:
                 running[m.name] = self._dispatch(m, ids)
                 pending.remove(m)
                 self.trace.append(("dispatch", m.name))
-            assert running, f"no MFC of {[m.name for m in pending]} can run; build_graph admits no such graph"
+            assert running, (
+                f"no MFC of {[m.name for m in pending]} can run; build_graph admits no such graph"
+            )
             self._wait(running)
             for name, run in list(running.items()):
                 if all(f.done() for f in run.all_futures()):
@@ -200,30 +230,52 @@ class Master:
         for i, hook in enumerate(mfc.hooks):
             if isinstance(hook, UpdateServers):
                 version = self.versions[hook.source]
-                queued += [(f"weights of {hook.source} to the servers", w,
-                            self.workers[w].update_servers(hook.source, version)) for w in target]
+                queued += [
+                    (
+                        f"weights of {hook.source} to the servers",
+                        w,
+                        self.workers[w].update_servers(hook.source, version),
+                    )
+                    for w in target
+                ]
                 continue
             token = f"step{self._steps}/{mfc.name}/{i}"
             source = self.graph.allocations[hook.source].workers
             for w in source:
-                queued.append((f"snapshot of {hook.source}", w,
-                               self.workers[w].snapshot(hook.source, token, len(target))))
+                queued.append(
+                    (
+                        f"snapshot of {hook.source}",
+                        w,
+                        self.workers[w].snapshot(hook.source, token, len(target)),
+                    )
+                )
             for w in target:
-                queued.append((f"load from {hook.source}", w,
-                               self.workers[w].load_weights(mfc.model, source[0], token, hook.ema)))
+                queued.append(
+                    (
+                        f"load from {hook.source}",
+                        w,
+                        self.workers[w].load_weights(mfc.model, source[0], token, hook.ema),
+                    )
+                )
         return queued
 
     def _dispatch(self, mfc: MFC, ids: list[int]) -> _Running:
         hooks = self._reallocate(mfc)  # queued first, so the call runs on the moved weights
         alloc = self.graph.allocations[mfc.model]
         if mfc.fn is ModelFn.GENERATE:  # no lengths yet: whole groups, near-equal counts
-            groups = [ids[i:i + self.group_size] for i in range(0, len(ids), self.group_size)]
-            shares = [(w, [s for g in groups[r::alloc.dp] for s in g]) for r, w in enumerate(alloc.workers)]
+            groups = [ids[i : i + self.group_size] for i in range(0, len(ids), self.group_size)]
+            shares = [
+                (w, [s for g in groups[r :: alloc.dp] for s in g])
+                for r, w in enumerate(alloc.workers)
+            ]
         else:  # each dp rank's share goes to every tp worker of that rank (workers are dp-major)
             seqlens = [self.buffer.meta(sid).seqlen for sid in ids]
             parts = split_by_tokens(seqlens, alloc.dp, self.group_size)
-            shares = [(alloc.workers[d * alloc.tp + t], [ids[i] for i in part])
-                      for d, part in enumerate(parts) for t in range(alloc.tp)]
+            shares = [
+                (alloc.workers[d * alloc.tp + t], [ids[i] for i in part])
+                for d, part in enumerate(parts)
+                for t in range(alloc.tp)
+            ]
         futures = []
         for worker, sids in shares:  # every rank of the mesh gets it before any later MFC
             sources: dict[str, dict[int, list[int]]] = {}
@@ -239,20 +291,31 @@ class Master:
         """Until some MFC share finishes; raise on a failed share or a passed deadline."""
         futures = [f for run in running.values() for f in run.all_futures()]
         first_deadline = min(run.start for run in running.values()) + self.mfc_timeout
-        wait(futures, timeout=max(0.0, first_deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+        wait(
+            futures,
+            timeout=max(0.0, first_deadline - time.monotonic()),
+            return_when=FIRST_COMPLETED,
+        )
         for run in running.values():
             parts = [*run.hooks, *(("", w, f) for (w, _), f in zip(run.shares, run.futures))]
             for what, worker, f in parts:
                 if f.done() and f.exception() is not None:
                     during = f" ({what})" if what else ""
-                    raise RuntimeError(f"MFC {run.mfc.name!r} ({run.mfc.model}.{run.mfc.fn.value}) failed on "
-                                       f"worker {worker}{during}: {f.exception()}") from f.exception()
-        late = [f"{r.mfc.name!r} on workers {[w for (w, _), f in zip(r.shares, r.futures) if not f.done()]}"
-                for r in running.values()
-                if time.monotonic() - r.start > self.mfc_timeout and not all(f.done() for f in r.all_futures())]
+                    raise RuntimeError(
+                        f"MFC {run.mfc.name!r} ({run.mfc.model}.{run.mfc.fn.value}) failed on "
+                        f"worker {worker}{during}: {f.exception()}"
+                    ) from f.exception()
+        late = [
+            f"{r.mfc.name!r} on workers {[w for (w, _), f in zip(r.shares, r.futures) if not f.done()]}"
+            for r in running.values()
+            if time.monotonic() - r.start > self.mfc_timeout
+            and not all(f.done() for f in r.all_futures())
+        ]
         if late:
-            raise TimeoutError(f"MFCs still running after mfc_timeout={self.mfc_timeout} s: "
-                               f"{', '.join(late)}; a worker is stuck or the timeout is too short")
+            raise TimeoutError(
+                f"MFCs still running after mfc_timeout={self.mfc_timeout} s: "
+                f"{', '.join(late)}; a worker is stuck or the timeout is too short"
+            )
 
     def _admit_generated(self, run: _Running, replies: list[MFCReply]) -> None:
         """Place a generate MFC's new samples on the model workers by token count (the
@@ -260,15 +323,23 @@ class Master:
         metas = []
         for (gen, sids), reply in zip(run.shares, replies):
             if len(reply.seqlens) != len(sids):
-                raise RuntimeError(f"MFC {run.mfc.name!r}: worker {gen} generated {len(reply.seqlens)} "
-                                   f"samples, {len(sids)} were asked for")
+                raise RuntimeError(
+                    f"MFC {run.mfc.name!r}: worker {gen} generated {len(reply.seqlens)} "
+                    f"samples, {len(sids)} were asked for"
+                )
             n_place = min(len(self._model_workers), len(sids) // self.group_size)
-            for rank, positions in enumerate(split_by_tokens(list(reply.seqlens), n_place, self.group_size)):
+            for rank, positions in enumerate(
+                split_by_tokens(list(reply.seqlens), n_place, self.group_size)
+            ):
                 target = self._model_workers[rank]
                 part = [sids[i] for i in positions]
                 self.workers[gen].send(part, reply.outputs, self.workers[target])
-                metas += [SampleMeta(sids[i], reply.seqlens[i], {k: target for k in reply.outputs},
-                                     in_step=True) for i in positions]
+                metas += [
+                    SampleMeta(
+                        sids[i], reply.seqlens[i], {k: target for k in reply.outputs}, in_step=True
+                    )
+                    for i in positions
+                ]
         self.buffer.put(sorted(metas, key=lambda m: m.sample_id))
 
     def set_version(self, model: ModelName, version: int) -> None:
@@ -283,7 +354,11 @@ class Master:
         if run.mfc.fn in TRAINING_FNS:
             self.versions[run.mfc.model] += 1
         tp = self.graph.allocations[run.mfc.model].tp
-        heads = [(share, reply) for i, (share, reply) in enumerate(zip(run.shares, replies)) if i % tp == 0]
+        heads = [
+            (share, reply)
+            for i, (share, reply) in enumerate(zip(run.shares, replies))
+            if i % tp == 0
+        ]
         for i, ((worker, sids), reply) in enumerate(zip(run.shares, replies)):
             if i % tp:  # a tp rank's copy of its dp rank's outputs: the first tp rank's is kept
                 self.workers[worker].free([(k, sid) for sid in sids for k in reply.outputs])
@@ -297,6 +372,9 @@ class Master:
             released[worker].append((key, sid))
         for worker, items in released.items():
             self.workers[worker].free(items)
-        return {**replies[0].stats, "n_tokens": float(sum(r.n_tokens for _, r in heads)),
-                "wall_time": time.monotonic() - run.start,
-                "compute_time": max(r.compute_time for r in replies)}
+        return {
+            **replies[0].stats,
+            "n_tokens": float(sum(r.n_tokens for _, r in heads)),
+            "wall_time": time.monotonic() - run.start,
+            "compute_time": max(r.compute_time for r in replies),
+        }

@@ -63,8 +63,14 @@ class EngineSpec:
 def build_engine(spec: EngineSpec, mesh) -> Any:
     """The initialized Lite engine ``spec`` describes, sharded over ``mesh``."""
     if spec.kind == "ppo_actor":
-        engine = PPOActor(spec.config, mesh, temperature=spec.temperature, group_size=spec.group_size,
-                          max_new_tokens=spec.max_new_tokens, distill=spec.distill)
+        engine = PPOActor(
+            spec.config,
+            mesh,
+            temperature=spec.temperature,
+            group_size=spec.group_size,
+            max_new_tokens=spec.max_new_tokens,
+            distill=spec.distill,
+        )
     elif spec.kind == "ppo_critic":
         engine = PPOCritic(spec.config, mesh, group_size=spec.group_size)
     elif spec.kind == "lm":
@@ -123,8 +129,14 @@ class WorkerActor:
         host = ray.util.get_node_ip_address()
         return host, free_port(host)
 
-    def setup(self, host: str, port: int, allocations: list[Allocation], specs: dict[ModelName, EngineSpec],
-              peers: list) -> None:
+    def setup(
+        self,
+        host: str,
+        port: int,
+        allocations: list[Allocation],
+        specs: dict[ModelName, EngineSpec],
+        peers: list,
+    ) -> None:
         """Join the job, build every model's sub-mesh (all workers, same order), build my engines."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
@@ -133,20 +145,31 @@ class WorkerActor:
         backend, device = ("nccl", "cuda") if self.gpu else ("gloo", "cpu")
         if self.gpu:  # Ray gives each worker actor one GPU as CUDA_VISIBLE_DEVICES: device 0 here
             torch.cuda.set_device(0)
-        dist.init_process_group(group_backend(backend), init_method=f"tcp://{host}:{port}", rank=self.index,
-                                world_size=self.n_workers, timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group(
+            group_backend(backend),
+            init_method=f"tcp://{host}:{port}",
+            rank=self.index,
+            world_size=self.n_workers,
+            timeout=datetime.timedelta(minutes=10),
+        )
         meshes = {}
         for a in sorted(allocations, key=lambda a: a.model):
             if a.tp == 1:
                 mesh = DeviceMesh(device, torch.tensor(a.workers), mesh_dim_names=("dp",))
             else:  # dp-major: workers[d * tp + t] is dp rank d, tp rank t
-                mesh = DeviceMesh(device, torch.tensor(a.workers).reshape(a.dp, a.tp), mesh_dim_names=("dp", "tp"))
-                mesh._flatten("dp_tp")  # its whole-mesh group (engines' checkpoints), made by every worker
+                mesh = DeviceMesh(
+                    device, torch.tensor(a.workers).reshape(a.dp, a.tp), mesh_dim_names=("dp", "tp")
+                )
+                mesh._flatten(
+                    "dp_tp"
+                )  # its whole-mesh group (engines' checkpoints), made by every worker
             if self.index in a.workers:
                 meshes[a.model] = mesh
         engines = {model: build_engine(specs[model], mesh) for model, mesh in meshes.items()}
         self.inner = InProcessWorker(self.index, engines)
-        self.inner.connect([self.inner if i == self.index else _RayPeer(h) for i, h in enumerate(peers)])
+        self.inner.connect(
+            [self.inner if i == self.index else _RayPeer(h) for i, h in enumerate(peers)]
+        )
 
     def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
         return self.inner.hosts(model, fn)
@@ -159,8 +182,10 @@ class WorkerActor:
         """Queue request ``number`` (0, 1, ...) on the worker only after all lower numbers."""
         with self._order:
             if not self._order.wait_for(lambda: self._turn == number, timeout=RPC_TIMEOUT):
-                raise TimeoutError(f"worker {self.index}: request {number} waited {RPC_TIMEOUT} s for "
-                                   f"request {self._turn}, which never arrived")
+                raise TimeoutError(
+                    f"worker {self.index}: request {number} waited {RPC_TIMEOUT} s for "
+                    f"request {self._turn}, which never arrived"
+                )
             future = queue()
             self._turn += 1
             self._order.notify_all()
@@ -177,7 +202,9 @@ class WorkerActor:
     def snapshot(self, number: int, model: ModelName, token: str, n_readers: int) -> None:
         self._in_turn(number, lambda: self.inner.snapshot(model, token, n_readers)).result()
 
-    def load_weights(self, number: int, model: ModelName, holder: int, token: str, ema: float) -> None:
+    def load_weights(
+        self, number: int, model: ModelName, holder: int, token: str, ema: float
+    ) -> None:
         self._in_turn(number, lambda: self.inner.load_weights(model, holder, token, ema)).result()
 
     def read_snapshot(self, token: str) -> dict[str, torch.Tensor]:
@@ -199,8 +226,10 @@ class WorkerActor:
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _world
 
-        return {tuple(dist.get_process_group_ranks(pg)): pg._get_sequence_number_for_group()
-                for pg in _world.pg_map}
+        return {
+            tuple(dist.get_process_group_ranks(pg)): pg._get_sequence_number_for_group()
+            for pg in _world.pg_map
+        }
 
     def full_state_dict(self, model: ModelName) -> dict[str, torch.Tensor]:
         """The model's full weights (on its mesh's first rank; {} elsewhere). Collective."""
@@ -289,32 +318,54 @@ def attach_ray(address: str, num_cpus: int) -> None:
         ray.init(address=address or None, log_to_driver=False, include_dashboard=False)
     else:
         disable_ray_token_auth()
-        ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", log_to_driver=False, include_dashboard=False)
+        ray.init(
+            num_cpus=num_cpus,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+            include_dashboard=False,
+        )
 
 
-def start_ray_workers(graph: DataflowGraph, specs: dict[ModelName, EngineSpec], cpus_per_worker: float = 1,
-                      torch_threads: int = 1, gpus_per_worker: int = 0) -> list[RayWorker]:
+def start_ray_workers(
+    graph: DataflowGraph,
+    specs: dict[ModelName, EngineSpec],
+    cpus_per_worker: float = 1,
+    torch_threads: int = 1,
+    gpus_per_worker: int = 0,
+) -> list[RayWorker]:
     """One worker actor per model worker of ``graph`` (generation workers excluded: they are the
     caller's), hosting the graph's models; ``ray.init`` must have run. ``gpus_per_worker=1``:
     each actor gets one GPU from Ray's placement and the job runs NCCL (0: CPU, gloo)."""
     if gpus_per_worker not in (0, 1):
-        raise ValueError(f"gpus_per_worker={gpus_per_worker}: a model worker uses no GPU (0) or one (1)")
+        raise ValueError(
+            f"gpus_per_worker={gpus_per_worker}: a model worker uses no GPU (0) or one (1)"
+        )
     import ray
 
-    generating = {m.model for m in graph.mfcs if m.fn is ModelFn.GENERATE}  # generation workers host them
+    generating = {
+        m.model for m in graph.mfcs if m.fn is ModelFn.GENERATE
+    }  # generation workers host them
     missing = [str(m) for m in graph.allocations if m not in specs and m not in generating]
     if missing:
         raise ValueError(f"no EngineSpec for models {missing}; give every allocated model one")
     allocations = [a for m, a in graph.allocations.items() if m not in generating]
     n_model = 1 + max(w for a in allocations for w in a.workers)
     if any(w < n_model for m in generating for w in graph.allocations[m].workers):
-        raise ValueError(f"generation workers must come after the {n_model} model workers in the allocation")
+        raise ValueError(
+            f"generation workers must come after the {n_model} model workers in the allocation"
+        )
     actor_cls = ray.remote(WorkerActor)
-    actors = [actor_cls.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_concurrency=16,
-                                max_restarts=0).remote(i, n_model, torch_threads, bool(gpus_per_worker))
-              for i in range(n_model)]
+    actors = [
+        actor_cls.options(
+            num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_concurrency=16, max_restarts=0
+        ).remote(i, n_model, torch_threads, bool(gpus_per_worker))
+        for i in range(n_model)
+    ]
     host, port = ray.get(actors[0].rendezvous.remote(), timeout=RPC_TIMEOUT)
-    ray.get([a.setup.remote(host, port, allocations, specs, actors) for a in actors], timeout=RPC_TIMEOUT)
+    ray.get(
+        [a.setup.remote(host, port, allocations, specs, actors) for a in actors],
+        timeout=RPC_TIMEOUT,
+    )
     return [RayWorker(i, a) for i, a in enumerate(actors)]
 
 

@@ -60,7 +60,9 @@ def run_ended(status: dict) -> str:
     return ""
 
 
-def request_scale(run_dir: Path, rollout_workers: int | None, add: list[str], remove: list[str]) -> dict:
+def request_scale(
+    run_dir: Path, rollout_workers: int | None, add: list[str], remove: list[str]
+) -> dict:
     """Merge a scaling request into RUN_DIR/core_scale.json (the master takes it next step);
     refused for a run that has ended (nobody would take it)."""
     path = Path(run_dir) / SCALE_FILE
@@ -69,12 +71,18 @@ def request_scale(run_dir: Path, rollout_workers: int | None, add: list[str], re
     status = Path(run_dir) / STATUS_FILE
     ended = run_ended(json.loads(status.read_text())) if status.is_file() else ""
     if ended:
-        raise ValueError(f"{run_dir}: the run has ended ({ended}); scaling applies to a running `areal core "
-                         "async-ppo` job: launch it again (it resumes from its recover checkpoint, if any) "
-                         "and scale that")
+        raise ValueError(
+            f"{run_dir}: the run has ended ({ended}); scaling applies to a running `areal core "
+            "async-ppo` job: launch it again (it resumes from its recover checkpoint, if any) "
+            "and scale that"
+        )
     if rollout_workers is not None and rollout_workers < 1:
         raise ValueError(f"--rollout-workers {rollout_workers}: keep at least 1")
-    req = json.loads(path.read_text()) if path.is_file() else {"add_servers": [], "remove_servers": []}
+    req = (
+        json.loads(path.read_text())
+        if path.is_file()
+        else {"add_servers": [], "remove_servers": []}
+    )
     if rollout_workers is not None:
         req["rollout_workers"] = rollout_workers
     req["add_servers"] += add
@@ -110,9 +118,16 @@ class RayRolloutSide:
         # actor's constructor arguments lives in the object store, which Ray cannot promise to
         # keep for a restart (ray-project/ray#53727; it logs an error line for each such actor).
         manager_name = f"areal-manager-{uuid.uuid4().hex}"
-        self.manager = ray.remote(concurrency_groups={SERVERS: 1})(ManagerActor).options(  # not an option
-            name=manager_name, num_cpus=0, max_restarts=0).remote(cfg, addresses)
-        self._cls = ray.remote(RolloutWorker).options(num_cpus=0, max_restarts=cfg.core.rollout_worker_restarts)
+        self.manager = (
+            ray.remote(concurrency_groups={SERVERS: 1})(ManagerActor)
+            .options(  # not an option
+                name=manager_name, num_cpus=0, max_restarts=0
+            )
+            .remote(cfg, addresses)
+        )
+        self._cls = ray.remote(RolloutWorker).options(
+            num_cpus=0, max_restarts=cfg.core.rollout_worker_restarts
+        )
         self._args = (cfg, manager_name, dump_dir, reject_limit)
         self.servers = list(addresses)  # what the rollout workers route to
         self.removed: set[str] = set()  # servers removed by request: not picked up again
@@ -123,7 +138,9 @@ class RayRolloutSide:
         self.pids: dict[int, int] = {}
         self.started = False
         self.client = None  # the master's own client, for evaluation (set by main)
-        self.get(self.manager.stats.remote(), "the manager", self.server_timeout)  # built, servers healthy
+        self.get(
+            self.manager.stats.remote(), "the manager", self.server_timeout
+        )  # built, servers healthy
         self.add_workers(cfg.core.n_rollout_workers)
 
     def get(self, ref, who: str, timeout: float | None = None) -> Any:
@@ -132,7 +149,9 @@ class RayRolloutSide:
             return self._ray.get(ref, timeout=timeout or self.timeout)
         except self._ray.exceptions.GetTimeoutError:
             what = f"{timeout} s" if timeout else f"core.health_timeout={self.timeout} s"
-            raise TimeoutError(f"{who} did not answer within {what}: it is hung or overloaded") from None
+            raise TimeoutError(
+                f"{who} did not answer within {what}: it is hung or overloaded"
+            ) from None
 
     def start(self) -> None:
         self.started = True
@@ -151,7 +170,9 @@ class RayRolloutSide:
         cfg, manager, dump_dir, reject_limit = self._args
         for _ in range(n):
             i, self._next_index = self._next_index, self._next_index + 1  # never reused
-            self.workers[i] = self._cls.remote(i, cfg, self.servers, manager, dump_dir, reject_limit)
+            self.workers[i] = self._cls.remote(
+                i, cfg, self.servers, manager, dump_dir, reject_limit
+            )
             logger.info(f"rollout worker {i} added ({len(self.active)} active)")
         self._share()
 
@@ -175,8 +196,10 @@ class RayRolloutSide:
                 return self.get(self.workers[i].health.remote(), f"rollout worker {i}")
             except self._ray.exceptions.RayActorError as e:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"rollout worker {i} died and did not come back within "
-                                       f"core.health_timeout={self.timeout} s: {e}") from e
+                    raise RuntimeError(
+                        f"rollout worker {i} died and did not come back within "
+                        f"core.health_timeout={self.timeout} s: {e}"
+                    ) from e
                 time.sleep(0.5)
 
     def check_health(self) -> dict[str, Any]:
@@ -186,12 +209,16 @@ class RayRolloutSide:
         for i in list(self.workers):
             h = self._health(i)
             if h["errors"]:
-                raise RuntimeError(f"rollout worker {i} failed: {h['errors'][0]} ({len(h['errors'])} errors)")
+                raise RuntimeError(
+                    f"rollout worker {i} failed: {h['errors'][0]} ({len(h['errors'])} errors)"
+                )
             if self.pids.setdefault(i, h["pid"]) != h["pid"]:  # Ray restarted it
                 lost = self.get(self.manager.reclaim.remote(i, True), "the manager")
                 lost += self.get(self.manager.drop_worker_groups.remote(i), "the manager")
-                logger.warning(f"rollout worker {i} restarted (pid {self.pids[i]} -> {h['pid']}); "
-                               f"{lost} of its rollouts are redone")
+                logger.warning(
+                    f"rollout worker {i} restarted (pid {self.pids[i]} -> {h['pid']}); "
+                    f"{lost} of its rollouts are redone"
+                )
                 self.pids[i] = h["pid"]
                 if i in self.draining:
                     self.get(self.workers[i].drain.remote(), f"rollout worker {i}")
@@ -201,10 +228,19 @@ class RayRolloutSide:
                 self._stop(i)
                 logger.info(f"rollout worker {i} drained and stopped")
                 continue
-            workers.append({"index": i, "draining": i in self.draining,
-                            **{k: h[k] for k in ("pid", "episodes", "tokens_per_s", "stats")}})
-        return {"workers": workers, "servers": list(self.servers), "servers_refused": sorted(self.refused),
-                "manager": self.get(self.manager.stats.remote(), "the manager")}
+            workers.append(
+                {
+                    "index": i,
+                    "draining": i in self.draining,
+                    **{k: h[k] for k in ("pid", "episodes", "tokens_per_s", "stats")},
+                }
+            )
+        return {
+            "workers": workers,
+            "servers": list(self.servers),
+            "servers_refused": sorted(self.refused),
+            "manager": self.get(self.manager.stats.remote(), "the manager"),
+        }
 
     def _stop(self, i: int) -> None:
         w = self.workers.pop(i)
@@ -230,11 +266,17 @@ class RayRolloutSide:
         self.removed |= set(req["remove_servers"])
         self.removed -= set(req["add_servers"])
         current = self.get(self.manager.servers.remote(), "the manager")
-        wanted = [a for a in dict.fromkeys([*current, *registered, *req["add_servers"]]) if a not in self.removed]
+        wanted = [
+            a
+            for a in dict.fromkeys([*current, *registered, *req["add_servers"]])
+            if a not in self.removed
+        ]
         new = [a for a in wanted if a not in current]
         if new and self.cfg.weight_update_mode == "distributed":
-            logger.error(f"servers {new} cannot join the running weight broadcast group "
-                         "(weight_update_mode=distributed); they are not used")
+            logger.error(
+                f"servers {new} cannot join the running weight broadcast group "
+                "(weight_update_mode=distributed); they are not used"
+            )
             self.refused |= set(new)
             wanted = [a for a in wanted if a not in new]
         if wanted and wanted != current:  # new servers: once healthy
@@ -265,8 +307,10 @@ class RayRolloutSide:
                 self.check_health()
             if time.monotonic() - start > deadline_s:
                 stats = self.get(self.manager.stats.remote(), "the manager")
-                raise TimeoutError(f"no batch of {n_groups} groups within rollout.watchdog_timeout="
-                                   f"{deadline_s} s; manager: {stats}")
+                raise TimeoutError(
+                    f"no batch of {n_groups} groups within rollout.watchdog_timeout="
+                    f"{deadline_s} s; manager: {stats}"
+                )
             time.sleep(POLL_S)
 
     # the WeightPublisher's "executor": admission stops with the servers, resumes at the new version
@@ -277,7 +321,11 @@ class RayRolloutSide:
         """Servers resume; the rollout workers move to the servers that got this update; only
         then does admission resume at the new version (no new rollout on stale weights)."""
         version = self.client.get_version()  # ManagedServers.set_version gave it the new one
-        self.sync_servers(self.get(self.manager.resume_servers.remote(version), "the manager", self.server_timeout))
+        self.sync_servers(
+            self.get(
+                self.manager.resume_servers.remote(version), "the manager", self.server_timeout
+            )
+        )
         self.get(self.manager.resume_at.remote(version), "the manager")
 
     def close(self) -> None:
@@ -299,8 +347,10 @@ class _Pending:
         deadline = time.monotonic() + timeout
         while not self.side.get(self.side.manager.update_done.remote(), "the manager"):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.what} did not finish on the servers within {timeout} s "
-                                   "(rollout.weight_update_timeout); see the server logs")
+                raise TimeoutError(
+                    f"{self.what} did not finish on the servers within {timeout} s "
+                    "(rollout.weight_update_timeout); see the server logs"
+                )
             time.sleep(POLL_S)
 
 

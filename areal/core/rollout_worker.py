@@ -68,8 +68,12 @@ class ManagerActor(GenerationManager):
         drop_torchrun_env()
         train = load_dataset(cfg.train_dataset, _tokenizer(cfg), cfg.seed)
         loader = create_dataloader(train, cfg.train_dataset, cfg.seed)
-        super().__init__(cfg.rollout.max_staleness, cfg.train_dataset.batch_size,
-                         cfg.rollout.max_concurrent_rollouts, loader)
+        super().__init__(
+            cfg.rollout.max_staleness,
+            cfg.train_dataset.batch_size,
+            cfg.rollout.max_concurrent_rollouts,
+            loader,
+        )
         self.client = RemoteInferenceEngine(cfg.rollout, api_key=cfg.server.api_key)
         self.client.initialize(addresses)
         self._update: concurrent.futures.Future | None = None  # the weight push running
@@ -158,8 +162,15 @@ def min_versions(group: list) -> tuple[int, ...]:
 class RolloutWorker:
     """One rollout worker (wrapped by ``ray.remote``); see the module docstring."""
 
-    def __init__(self, index: int, cfg: GRPOConfig, addresses: list[str], manager_name: str, dump_dir: str,
-                 reject_limit: int):
+    def __init__(
+        self,
+        index: int,
+        cfg: GRPOConfig,
+        addresses: list[str],
+        manager_name: str,
+        dump_dir: str,
+        reject_limit: int,
+    ):
         """``manager_name``: the :class:`ManagerActor`'s Ray name, looked up here (also when Ray
         restarts this worker)."""
         import ray
@@ -203,7 +214,9 @@ class RolloutWorker:
                 tasks = {t for t in tasks if not t.done()}
                 self.running = len(tasks)
                 want = 0 if self.draining else self.max_in_flight - len(tasks)
-                version, slots = await self._ask("acquire_at", self.index, want) if want > 0 else (0, [])
+                version, slots = (
+                    await self._ask("acquire_at", self.index, want) if want > 0 else (0, [])
+                )
                 if slots:
                     self.engine.set_version(version)
                 for ticket, item in slots:
@@ -226,7 +239,9 @@ class RolloutWorker:
                 group = None
         except Exception as e:  # noqa: BLE001 -- counted by the manager, named to the master
             failed = True
-            self._record(f"rollout worker {self.index}: ticket {ticket} failed: {type(e).__name__}: {e}")
+            self._record(
+                f"rollout worker {self.index}: ticket {ticket} failed: {type(e).__name__}: {e}"
+            )
         self.n_episodes += 1
         entry = self._publish(ticket, group) if group else None
         try:
@@ -241,10 +256,19 @@ class RolloutWorker:
         batch = groups_to_batch([group])
         seqs = {k: v for k, v in batch.seqs.items() if k in ROLLOUT_KEYS}
         seqs["group_index"] = torch.full_like(seqs["group_index"], ticket)
-        packed = PackedBatch(batch.cu_seqlens, {k: v for k, v in batch.tokens.items() if k in ROLLOUT_KEYS}, seqs)
+        packed = PackedBatch(
+            batch.cu_seqlens, {k: v for k, v in batch.tokens.items() if k in ROLLOUT_KEYS}, seqs
+        )
         self.n_tokens += packed.n_tokens
-        return Finished(ticket, self.index, [ray.put(packed)], tuple(packed.seqlens.tolist()),
-                        group[0].group_id, min_versions(group), tuple(float(t.reward) for t in group))
+        return Finished(
+            ticket,
+            self.index,
+            [ray.put(packed)],
+            tuple(packed.seqlens.tolist()),
+            group[0].group_id,
+            min_versions(group),
+            tuple(float(t.reward) for t in group),
+        )
 
     def set_max_in_flight(self, n: int) -> None:
         """Keep at most ``n`` episodes running (this worker's share of the global cap)."""
@@ -263,10 +287,15 @@ class RolloutWorker:
         metrics since the last call (committing them applies ``reward.max_failure_fraction``:
         past it this call raises, which stops the run) and the client's server counters."""
         wall = time.monotonic() - self.started
-        return {"pid": os.getpid(), "started": self._main is not None, "errors": list(self.errors),
-                "episodes": self.n_episodes, "running": self.running,
-                "tokens_per_s": self.n_tokens / max(wall, 1e-9),
-                "stats": {**self.reward.commit_batch(), **self.engine.stats()}}
+        return {
+            "pid": os.getpid(),
+            "started": self._main is not None,
+            "errors": list(self.errors),
+            "episodes": self.n_episodes,
+            "running": self.running,
+            "tokens_per_s": self.n_tokens / max(wall, 1e-9),
+            "stats": {**self.reward.commit_batch(), **self.engine.stats()},
+        }
 
     def shutdown(self) -> None:
         self._thread.stop()

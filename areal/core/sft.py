@@ -34,13 +34,18 @@ from areal.utils.batch import PackedBatch
 class CoreSFTConfig(SFTConfig):
     """SFT through Core's master (areal core sft)."""
 
-    core: CoreWorkersConfig = param(factory=CoreWorkersConfig, help="Core: where the model workers run.")
+    core: CoreWorkersConfig = param(
+        factory=CoreWorkersConfig, help="Core: where the model workers run."
+    )
 
 
 def to_batch(items: list[dict]) -> PackedBatch:
     """Pack tokenized SFT items (``input_ids``, ``loss_mask``) into one batch."""
     return PackedBatch.from_sequences(
-        {"input_ids": [it["input_ids"] for it in items], "loss_mask": [it["loss_mask"] for it in items]}
+        {
+            "input_ids": [it["input_ids"] for it in items],
+            "loss_mask": [it["loss_mask"] for it in items],
+        }
     )
 
 
@@ -57,16 +62,31 @@ def start_workers(cfg: CoreSFTConfig, run, graph: DataflowGraph, ft_spec):
     """The workers and what the script uses as the engine (the engine, or a Ray proxy of it)."""
     (mfc,) = graph.mfcs
     if cfg.core.backend == "ray":
-        from areal.core.ray_worker import EngineSpec, RayModel, attach_ray, ray_cpus, start_ray_workers
+        from areal.core.ray_worker import (
+            EngineSpec,
+            RayModel,
+            attach_ray,
+            ray_cpus,
+            start_ray_workers,
+        )
 
         attach_ray(cfg.core.ray_address, ray_cpus(cfg.core.n_workers, cfg.core.cpus_per_worker))
         spec = EngineSpec("sft", cfg.model, ft_spec=ft_spec)
-        workers = start_ray_workers(graph, {mfc.model: spec}, cfg.core.cpus_per_worker, cfg.core.torch_threads,
-                                    cfg.core.gpus_per_worker)
+        workers = start_ray_workers(
+            graph,
+            {mfc.model: spec},
+            cfg.core.cpus_per_worker,
+            cfg.core.torch_threads,
+            cfg.core.gpus_per_worker,
+        )
         return workers, RayModel(workers, mfc.model, graph.allocations[mfc.model].workers)
     if run.world_size != 1:
-        raise ConfigError([f"core.backend=in_process runs one model worker, got {run.world_size} trainer "
-                           "ranks; run it as one process, or set core.backend=ray"])
+        raise ConfigError(
+            [
+                f"core.backend=in_process runs one model worker, got {run.world_size} trainer "
+                "ranks; run it as one process, or set core.backend=ray"
+            ]
+        )
     engine = SFTEngine(cfg.model, run.dist.mesh)
     engine.initialize(ft_spec)
     worker = InProcessWorker(0, {mfc.model: engine})
@@ -86,8 +106,9 @@ def main(argv: list[str]) -> int:
     run = init_run(cfg, cfg.model.path)
     data = run.load_data()
     loader, valid_loader, n_steps = data.loader, data.valid_loader, data.n_steps
-    graph = graph_from_config(CoreGraphConfig(graph="sft", n_workers=cfg.core.n_workers,
-                                              allocations=cfg.core.allocations))
+    graph = graph_from_config(
+        CoreGraphConfig(graph="sft", n_workers=cfg.core.n_workers, allocations=cfg.core.allocations)
+    )
     (mfc,) = graph.mfcs
     workers, engine = start_workers(cfg, run, graph, data.ft_spec)
     master = Master(graph, workers, mfc_timeout=cfg.core.mfc_timeout)
@@ -116,7 +137,9 @@ def main(argv: list[str]) -> int:
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
     close_workers(workers, engine)
     run.close()
-    print(f"run finished; logs and outputs in {run.run_dir} (the model: {run.run_dir / 'checkpoints' / 'model'})")
+    print(
+        f"run finished; logs and outputs in {run.run_dir} (the model: {run.run_dir / 'checkpoints' / 'model'})"
+    )
     return 0
 
 

@@ -55,13 +55,26 @@ def engine_specs(cfg: GRPOConfig, ft_spec) -> dict[ModelName, EngineSpec]:
     """How the model workers build the actor, the critic, the reference and a distillation
     teacher (Lite's engines)."""
     g = cfg.gconfig
-    specs = {ACTOR: EngineSpec("ppo_actor", cfg.actor, g.temperature, g.n_samples, g.max_new_tokens, ft_spec,
-                               distill=cfg.distill)}
+    specs = {
+        ACTOR: EngineSpec(
+            "ppo_actor",
+            cfg.actor,
+            g.temperature,
+            g.n_samples,
+            g.max_new_tokens,
+            ft_spec,
+            distill=cfg.distill,
+        )
+    }
     if cfg.actor.use_critic:
-        specs[CRITIC] = EngineSpec("ppo_critic", cfg.critic, group_size=g.n_samples, ft_spec=ft_spec)
+        specs[CRITIC] = EngineSpec(
+            "ppo_critic", cfg.critic, group_size=g.n_samples, ft_spec=ft_spec
+        )
     if uses_ref(cfg):
         specs[REF] = EngineSpec("lm", cfg.ref, temperature=g.temperature)
-    if cfg.distill.enabled:  # frozen, at temperature 1 like the student's logprobs (gconfig.temperature=1)
+    if (
+        cfg.distill.enabled
+    ):  # frozen, at temperature 1 like the student's logprobs (gconfig.temperature=1)
         specs[TEACHER] = EngineSpec("lm", TrainEngineConfig(path=cfg.distill.teacher_path))
     return specs
 
@@ -73,16 +86,28 @@ def start_model_workers(cfg: CoreGRPOConfig, run, graph: DataflowGraph, ft_spec)
     if cfg.core.backend == "ray":
         from areal.core.ray_worker import RayModel, attach_ray, ray_cpus, start_ray_workers
 
-        start = time.monotonic()  # Ray's start and the workers' model loads take ~25 s on CPU: said, not silent
-        where = f"the Ray cluster at {cfg.core.ray_address}" if cfg.core.ray_address else "Ray (a local instance " \
-            "unless RAY_ADDRESS names a cluster)"
-        logger.info(f"core: attaching {where}, then starting {cfg.core.n_workers} model worker(s) as Ray actors ...")
+        start = (
+            time.monotonic()
+        )  # Ray's start and the workers' model loads take ~25 s on CPU: said, not silent
+        where = (
+            f"the Ray cluster at {cfg.core.ray_address}"
+            if cfg.core.ray_address
+            else "Ray (a local instance unless RAY_ADDRESS names a cluster)"
+        )
+        logger.info(
+            f"core: attaching {where}, then starting {cfg.core.n_workers} model worker(s) as Ray actors ..."
+        )
         attach_ray(cfg.core.ray_address, ray_cpus(cfg.core.n_workers, cfg.core.cpus_per_worker))
-        logger.info(f"core: Ray attached after {time.monotonic() - start:.0f} s; the model workers load "
-                    f"{', '.join(map(str, specs))} ...")
-        workers = start_ray_workers(graph, specs, cfg.core.cpus_per_worker, cfg.core.torch_threads,
-                                    cfg.core.gpus_per_worker)
-        logger.info(f"core: {len(workers)} model worker(s) ready after {time.monotonic() - start:.0f} s")
+        logger.info(
+            f"core: Ray attached after {time.monotonic() - start:.0f} s; the model workers load "
+            f"{', '.join(map(str, specs))} ..."
+        )
+        workers = start_ray_workers(
+            graph, specs, cfg.core.cpus_per_worker, cfg.core.torch_threads, cfg.core.gpus_per_worker
+        )
+        logger.info(
+            f"core: {len(workers)} model worker(s) ready after {time.monotonic() - start:.0f} s"
+        )
         return workers, {m: RayModel(workers, m, graph.allocations[m].workers) for m in specs}
     engines = {m: build_engine(spec, run.dist.mesh) for m, spec in specs.items()}
     worker = InProcessWorker(0, engines)
@@ -115,20 +140,35 @@ def main(argv: list[str]) -> int:
     data = run.load_data()
     loader, valid_loader, n_steps = data.loader, data.valid_loader, data.n_steps
     side = setup_rollout(cfg, run)
-    graph = graph_from_config(CoreGraphConfig(
-        graph="sync_ppo", n_workers=cfg.core.n_workers, use_critic=cfg.actor.use_critic,
-        use_ref=uses_ref(cfg), prox_logp=needs_prox_pass(cfg.actor), use_teacher=cfg.distill.enabled,
-        allocations=cfg.core.allocations))
+    graph = graph_from_config(
+        CoreGraphConfig(
+            graph="sync_ppo",
+            n_workers=cfg.core.n_workers,
+            use_critic=cfg.actor.use_critic,
+            use_ref=uses_ref(cfg),
+            prox_logp=needs_prox_pass(cfg.actor),
+            use_teacher=cfg.distill.enabled,
+            allocations=cfg.core.allocations,
+        )
+    )
     workers, engines = start_model_workers(cfg, run, graph, data.ft_spec)
-    publisher = WeightPublisher(cfg.weight_update_mode, engines[ACTOR], side.rollout, side.executor,
-                                run.dist, cfg.weights_dir)
+    publisher = WeightPublisher(
+        cfg.weight_update_mode,
+        engines[ACTOR],
+        side.rollout,
+        side.executor,
+        run.dist,
+        cfg.weights_dir,
+    )
     publisher.connect()
     accept = DynamicSamplingFilter(data.n_train) if cfg.actor.dynamic_sampling else None
     gen = GenerationWorker(graph.n_workers - 1, side, loader, publisher, ACTOR, accept)
     for w in [*workers, gen]:
         if isinstance(w, InProcessWorker):
             w.connect([*workers, gen])
-    master = Master(graph, [*workers, gen], group_size=cfg.gconfig.n_samples, mfc_timeout=cfg.core.mfc_timeout)
+    master = Master(
+        graph, [*workers, gen], group_size=cfg.gconfig.n_samples, mfc_timeout=cfg.core.mfc_timeout
+    )
     saved = {"actor": engines[ACTOR], **({"critic": engines[CRITIC]} if CRITIC in engines else {})}
 
     step, state = 0, run.load_recover(saved)
@@ -154,8 +194,11 @@ def main(argv: list[str]) -> int:
             gen.push(master.versions[ACTOR])  # eval runs the newest weights
             evaluate(side.executor, valid_loader, side.eval_workflow, run)
         if run.recover_timer.check(step, epoch_done):
-            state = {"dataloader": loader.state_dict(), "executor": side.executor.state_dict(),
-                     "version": master.versions[ACTOR]}
+            state = {
+                "dataloader": loader.state_dict(),
+                "executor": side.executor.state_dict(),
+                "version": master.versions[ACTOR],
+            }
             run.save_recover(step, saved, state)
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
     close(workers, gen, engines)

@@ -32,7 +32,11 @@ from areal.core.dfg import MFC, ModelFn, ModelName
 from areal.utils.batch import PackedBatch
 
 SNAPSHOT_WAIT = 600.0  # seconds a reader waits for a weight snapshot to be taken
-TRAINING_FNS = (ModelFn.PPO_UPDATE, ModelFn.TRAIN_LM, ModelFn.TRAIN_RW)  # the worker steps the LR after
+TRAINING_FNS = (
+    ModelFn.PPO_UPDATE,
+    ModelFn.TRAIN_LM,
+    ModelFn.TRAIN_RW,
+)  # the worker steps the LR after
 
 
 @dataclass(frozen=True)
@@ -125,12 +129,16 @@ def load_full_state(engine: Any, full: dict[str, torch.Tensor], ema: float) -> N
     with torch.no_grad():
         for name, param in engine.model.named_parameters():
             if name not in full:
-                raise KeyError(f"the reallocated weights have no {name!r}; source and target must be "
-                               "the same architecture")
+                raise KeyError(
+                    f"the reallocated weights have no {name!r}; source and target must be "
+                    "the same architecture"
+                )
             src = full[name].to(param.dtype)
             if isinstance(param, DTensor):
                 own = param.to_local()
-                src = distribute_tensor(src, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                src = distribute_tensor(
+                    src, param.device_mesh, param.placements, src_data_rank=None
+                ).to_local()
             else:
                 own = param.data
             own.copy_(own * ema + src.to(own.device) * (1.0 - ema) if ema else src.to(own.device))
@@ -159,8 +167,10 @@ class InProcessWorker(ModelWorker):
         if engine is None:
             return f"worker {self.index} hosts no model '{model}' (it hosts {sorted(map(str, self.engines))})"
         if not callable(getattr(engine, fn.value, None)):
-            return (f"worker {self.index}'s model '{model}' ({type(engine).__name__}) has no "
-                    f"model function {fn.value}")
+            return (
+                f"worker {self.index}'s model '{model}' ({type(engine).__name__}) has no "
+                f"model function {fn.value}"
+            )
         return None
 
     def submit(self, request: MFCRequest) -> Future[MFCReply]:
@@ -168,11 +178,15 @@ class InProcessWorker(ModelWorker):
 
     def put(self, sample_ids: list[int], batch: PackedBatch) -> None:
         if len(sample_ids) != batch.n_seqs:
-            raise ValueError(f"{len(sample_ids)} sample ids for a batch of {batch.n_seqs} sequences")
+            raise ValueError(
+                f"{len(sample_ids)} sample ids for a batch of {batch.n_seqs} sequences"
+            )
         with self._lock:
             self._store_fields(sample_ids, batch, set(batch.tokens), set(batch.seqs))
 
-    def _store_fields(self, sample_ids, batch: PackedBatch, tokens: set[str], seqs: set[str]) -> None:
+    def _store_fields(
+        self, sample_ids, batch: PackedBatch, tokens: set[str], seqs: set[str]
+    ) -> None:
         lens = batch.seqlens.tolist()
         split = {k: torch.split(batch.tokens[k], lens) for k in tokens}
         for i, sid in enumerate(sample_ids):
@@ -185,11 +199,17 @@ class InProcessWorker(ModelWorker):
         with self._lock:
             for sid in sample_ids:
                 have = self._store.get(sid)
-                missing = [k for k in keys if have is None or (k not in have.tokens and k not in have.seqs)]
+                missing = [
+                    k for k in keys if have is None or (k not in have.tokens and k not in have.seqs)
+                ]
                 if missing:
                     raise KeyError(f"worker {self.index} holds no {missing} of sample {sid}")
-                out.append(SampleFields({k: have.tokens[k] for k in keys if k in have.tokens},
-                                   {k: have.seqs[k] for k in keys if k in have.seqs}))
+                out.append(
+                    SampleFields(
+                        {k: have.tokens[k] for k in keys if k in have.tokens},
+                        {k: have.seqs[k] for k in keys if k in have.seqs},
+                    )
+                )
         return out
 
     def free(self, items: list[tuple[str, int]]) -> None:
@@ -222,9 +242,12 @@ class InProcessWorker(ModelWorker):
 
     def read_snapshot(self, token: str) -> dict[str, torch.Tensor]:
         with self._snapshot_ready:
-            if not self._snapshot_ready.wait_for(lambda: token in self._snapshots, timeout=SNAPSHOT_WAIT):
-                raise TimeoutError(f"worker {self.index} has no weight snapshot {token!r} after "
-                                   f"{SNAPSHOT_WAIT} s")
+            if not self._snapshot_ready.wait_for(
+                lambda: token in self._snapshots, timeout=SNAPSHOT_WAIT
+            ):
+                raise TimeoutError(
+                    f"worker {self.index} has no weight snapshot {token!r} after {SNAPSHOT_WAIT} s"
+                )
             entry = self._snapshots[token]
             entry[1] -= 1
             if entry[1] == 0:  # the last reader: drop it
@@ -275,9 +298,15 @@ class InProcessWorker(ModelWorker):
         after_t, after_s = out.keys()
         added_t, added_s = after_t - before_t, after_s - before_s
         if added_t | added_s != set(mfc.outputs):
-            raise ValueError(f"MFC {mfc.name!r} ({mfc.model}.{mfc.fn.value}) added keys "
-                             f"{sorted(added_t | added_s)} but the graph declares {sorted(mfc.outputs)}")
+            raise ValueError(
+                f"MFC {mfc.name!r} ({mfc.model}.{mfc.fn.value}) added keys "
+                f"{sorted(added_t | added_s)} but the graph declares {sorted(mfc.outputs)}"
+            )
         with self._lock:
             self._store_fields(request.sample_ids, out, added_t, added_s)
-        return MFCReply({k: float(v) for k, v in stats.items()}, tuple(sorted(added_t | added_s)),
-                        batch.n_tokens, time.perf_counter() - start)
+        return MFCReply(
+            {k: float(v) for k, v in stats.items()},
+            tuple(sorted(added_t | added_s)),
+            batch.n_tokens,
+            time.perf_counter() - start,
+        )

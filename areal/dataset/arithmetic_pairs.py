@@ -51,8 +51,10 @@ class ArithmeticPairsConfig:
     pairs_per_prompt: int = param(2, ge=1, help="Most (right, wrong) pairs kept per problem.")
     batch_size: int = param(64, ge=1, help="Problems per generate call.")
     seed: int = param(
-        1, ge=0, help="Seed of the problem stream, sampling and pairing (1: the demo runs' seed, "
-        "so the problems are those SFT trained on and the held-out ones they evaluate on)."
+        1,
+        ge=0,
+        help="Seed of the problem stream, sampling and pairing (1: the demo runs' seed, "
+        "so the problems are those SFT trained on and the held-out ones they evaluate on).",
     )
 
     def check(self):
@@ -66,11 +68,20 @@ def sample_answers(model: Any, tokenizer: Any, items: list[dict[str, Any]], cfg:
     """``cfg.n_samples`` decoded answers per item (up to the end-of-turn token)."""
     answers: list[list[str]] = []
     for start in range(0, len(items), cfg.batch_size):
-        prompts = [prompt_ids(tokenizer, it["messages"]) for it in items[start:start + cfg.batch_size]]
-        rows = _sample(model, prompts, cfg.n_samples, cfg.temperature, cfg.max_new_tokens, tokenizer.eos_token_id,
-                       tokenizer.pad_token_id)
+        prompts = [
+            prompt_ids(tokenizer, it["messages"]) for it in items[start : start + cfg.batch_size]
+        ]
+        rows = _sample(
+            model,
+            prompts,
+            cfg.n_samples,
+            cfg.temperature,
+            cfg.max_new_tokens,
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+        )
         texts = [tokenizer.decode(row, skip_special_tokens=True) for row in rows]
-        answers += [texts[k:k + cfg.n_samples] for k in range(0, len(texts), cfg.n_samples)]
+        answers += [texts[k : k + cfg.n_samples] for k in range(0, len(texts), cfg.n_samples)]
     return answers
 
 
@@ -84,7 +95,12 @@ def _sample(model: Any, prompts: list[list[int]], n: int, temperature: float, ma
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, P] left-padded
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, P]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+    )
     cache = out.past_key_values
     cache.batch_repeat_interleave(n)
     logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # [B*n, V]
@@ -99,8 +115,13 @@ def _sample(model: Any, prompts: list[list[int]], n: int, temperature: float, ma
             break
         positions = mask.sum(-1, keepdim=True)  # [B*n, 1] next position of each row
         mask = torch.cat([mask, torch.ones_like(positions)], -1)
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True)
+        out = model(
+            input_ids=tok[:, None],
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
         logits = out.logits[:, -1].float()
     rows = torch.stack(tokens, 1).tolist()  # [B*n, <= max_new_tokens]
     return [row[: row.index(eos)] if eos in row else row for row in rows]
@@ -125,11 +146,21 @@ def make_pairs(item: dict[str, Any], answers: list[str], pairs_per_prompt: int,
     rng.shuffle(right)
     rng.shuffle(wrong)
     n = min(pairs_per_prompt, max(len(right), len(wrong)))
-    return [{"id": f"{item['id']}-p{k}", "messages": item["messages"], "chosen": right[k % len(right)],
-             "rejected": wrong[k % len(wrong)], "reference": item["reference"]} for k in range(n)]
+    return [
+        {
+            "id": f"{item['id']}-p{k}",
+            "messages": item["messages"],
+            "chosen": right[k % len(right)],
+            "rejected": wrong[k % len(wrong)],
+            "reference": item["reference"],
+        }
+        for k in range(n)
+    ]
 
 
-def build_pairs(cfg: ArithmeticPairsConfig, split: str, model: Any, tokenizer: Any) -> tuple[list[dict], dict]:
+def build_pairs(
+    cfg: ArithmeticPairsConfig, split: str, model: Any, tokenizer: Any
+) -> tuple[list[dict], dict]:
     """(pair rows, stats) of one split: sampled accuracy, problems with a pair, pairs."""
     items = make_arithmetic(cfg.arithmetic, split, cfg.seed, INSTRUCTION)
     with torch.random.fork_rng(devices=[]):
@@ -142,8 +173,12 @@ def build_pairs(cfg: ArithmeticPairsConfig, split: str, model: Any, tokenizer: A
         pairs = make_pairs(item, group, cfg.pairs_per_prompt, rng)
         n_paired += bool(pairs)
         rows += pairs
-    stats = {"problems": len(items), "sample_accuracy": n_right / (len(items) * cfg.n_samples),
-             "problems_with_pairs": n_paired, "pairs": len(rows)}
+    stats = {
+        "problems": len(items),
+        "sample_accuracy": n_right / (len(items) * cfg.n_samples),
+        "problems_with_pairs": n_paired,
+        "pairs": len(rows),
+    }
     return rows, stats
 
 
@@ -160,9 +195,11 @@ def write_arithmetic_pairs(cfg: ArithmeticPairsConfig) -> dict[str, Any]:
     for split in ("train", "test"):
         rows, stats = build_pairs(cfg, split, model, tokenizer)
         if not rows:
-            raise RuntimeError(f"{split}: no problem had both a right and a wrong answer among "
-                               f"{cfg.n_samples} samples (accuracy {stats['sample_accuracy']:.3f}); "
-                               "raise n_samples or use a model that sometimes answers right")
+            raise RuntimeError(
+                f"{split}: no problem had both a right and a wrong answer among "
+                f"{cfg.n_samples} samples (accuracy {stats['sample_accuracy']:.3f}); "
+                "raise n_samples or use a model that sometimes answers right"
+            )
         with open(out / f"{split}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         summary[split] = stats

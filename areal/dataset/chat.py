@@ -49,8 +49,8 @@ def sft_tokens(tokenizer: Any, messages: Messages) -> tuple[list[int], list[int]
                 "sft_tokens: the chat template does not render prefixes of the conversation as "
                 "prefixes; SFT loss masks need a prefix-stable template such as ChatML"
             )
-        context = encode(tokenizer, head[len(rendered):])
-        turn = encode(tokenizer, full[len(head):])
+        context = encode(tokenizer, head[len(rendered) :])
+        turn = encode(tokenizer, full[len(head) :])
         train = 1 if message["role"] == "assistant" else 0
         input_ids += context + turn
         loss_mask += [0] * len(context) + [train] * len(turn)

@@ -35,7 +35,9 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path}:{lineno}: invalid JSON ({e.msg}); one object per line")
             if not isinstance(row, dict):
-                raise DatasetError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+                raise DatasetError(
+                    f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}"
+                )
             yield lineno, row
 
 
@@ -116,7 +118,9 @@ def load_jsonl(path: str | Path, type: str) -> list[dict[str, Any]]:
         raise DatasetError(f"dataset type {type!r} is not one of {sorted(_BUILDERS)}")
     path = Path(path)
     build = _BUILDERS[type]
-    items = [build(row, f"{path}:{lineno}", f"{path.stem}-{lineno}") for lineno, row in read_jsonl(path)]
+    items = [
+        build(row, f"{path}:{lineno}", f"{path.stem}-{lineno}") for lineno, row in read_jsonl(path)
+    ]
     check_unique_ids(items, str(path))
     return items
 

@@ -74,8 +74,11 @@ def _raw_items(cfg: DatasetConfig, seed: int) -> list[dict[str, Any]]:
             rng = random.Random(seed)
             for item in items:
                 wrong = int(item["reference"]) + rng.choice((-2, -1, 1, 2))
-                item.update(prompt=item["messages"][-1]["content"], chosen=item["solution"],
-                            rejected=str(wrong))
+                item.update(
+                    prompt=item["messages"][-1]["content"],
+                    chosen=item["solution"],
+                    rejected=str(wrong),
+                )
         return items
     if fmt == "gsm8k":
         items = load_gsm8k(cfg.path, cfg.split, cfg.instruction)
@@ -105,7 +108,9 @@ def tokenize_item(item: dict[str, Any], type: str, tokenizer: Any) -> dict[str, 
         return {**item, "input_ids": input_ids, "loss_mask": loss_mask}
     user = [{"role": "user", "content": item["prompt"]}]
     pair = {
-        f"{side}_ids": sft_tokens(tokenizer, user + [{"role": "assistant", "content": item[side]}])[0]
+        f"{side}_ids": sft_tokens(tokenizer, user + [{"role": "assistant", "content": item[side]}])[
+            0
+        ]
         for side in ("chosen", "rejected")
     }
     return {**item, **pair, "prompt_len": len(prompt_ids(tokenizer, user))}
@@ -216,4 +221,6 @@ def create_dataloader(dataset: ItemDataset, cfg: DatasetConfig, seed: int, dp_ra
     # silenced here, for this call only.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
-        return StatefulDataLoader(dataset, batch_sampler=sampler, collate_fn=collate_items, num_workers=0)
+        return StatefulDataLoader(
+            dataset, batch_sampler=sampler, collate_fn=collate_items, num_workers=0
+        )

@@ -60,8 +60,14 @@ def export_names(hf_config: Any, names: Iterable[str]) -> list[str]:
     return [n for n in names if not (tied and n in TIED_KEYS)]
 
 
-def save_hf(state: dict[str, torch.Tensor], hf_config: Any, path: str, tokenizer_path: str | None,
-            extra: dict | None, group: dist.ProcessGroup) -> None:
+def save_hf(
+    state: dict[str, torch.Tensor],
+    hf_config: Any,
+    path: str,
+    tokenizer_path: str | None,
+    extra: dict | None,
+    group: dist.ProcessGroup,
+) -> None:
     """Write an HF dir at ``path`` from ``state`` (the engine's ``full_state_dict``: full on
     the mesh's first rank, which writes; ``{}`` on the others). ``extra`` goes to
     areal_meta.json. Collective over ``group`` (every rank of the mesh)."""
@@ -73,8 +79,11 @@ def save_hf(state: dict[str, torch.Tensor], hf_config: Any, path: str, tokenizer
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         keep = export_names(hf_config, state)
-        save_file({k: state[k].contiguous() for k in keep}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: state[k].contiguous() for k in keep},
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         hf_config.save_pretrained(tmp)
         _copy_tokenizer(tokenizer_path, tmp)
         (tmp / "areal_meta.json").write_text(json.dumps(extra or {}))
@@ -86,8 +95,15 @@ def save_hf(state: dict[str, torch.Tensor], hf_config: Any, path: str, tokenizer
 def _copy_tokenizer(src: str | None, dst: Path) -> None:
     if not src:
         return
-    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-             "merges.txt", "chat_template.jinja", "generation_config.json")
+    names = (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "vocab.json",
+        "merges.txt",
+        "chat_template.jinja",
+        "generation_config.json",
+    )
     for name in names:
         if (Path(src) / name).exists():
             shutil.copy(Path(src) / name, dst / name)
@@ -125,7 +141,11 @@ def load_hf_weights(model: torch.nn.Module, path: str, hf_config: Any) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -141,12 +161,22 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def _dcp_options(trainable_only: bool) -> StateDictOptions:
     """Whole model, or its trainable parameters only (a missing one still fails ``dcp.load``)."""
-    return StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else StateDictOptions()
+    return (
+        StateDictOptions(ignore_frozen_params=True, strict=False)
+        if trainable_only
+        else StateDictOptions()
+    )
 
 
-def save_dcp(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-             scheduler: Any, extra: dict[str, Any], group: dist.ProcessGroup,
-             trainable_only: bool = False) -> None:
+def save_dcp(
+    path: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    extra: dict[str, Any],
+    group: dist.ProcessGroup,
+    trainable_only: bool = False,
+) -> None:
     """Sharded checkpoint of model (+ optimizer), plus scheduler/RNG/``extra`` per rank of
     ``group`` (the model's mesh); ``trainable_only`` leaves frozen parameters out (LoRA).
     Collective over ``group``."""
@@ -157,14 +187,24 @@ def save_dcp(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
         state = {"model": model_sd, "optim": optim_sd}
     dcp.save(state, checkpoint_id=path, process_group=group)
-    rank_state = {"rng": _rng_state(), "extra": extra, "world_size": dist.get_world_size(group),
-                  "scheduler": scheduler.state_dict() if scheduler is not None else None}
+    rank_state = {
+        "rng": _rng_state(),
+        "extra": extra,
+        "world_size": dist.get_world_size(group),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+    }
     torch.save(rank_state, Path(path) / f"areal_rank{dist.get_rank(group)}.pt")
     dist.barrier(group=group)
 
 
-def load_dcp(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-             scheduler: Any, group: dist.ProcessGroup, trainable_only: bool = False) -> dict[str, Any]:
+def load_dcp(
+    path: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    group: dist.ProcessGroup,
+    trainable_only: bool = False,
+) -> dict[str, Any]:
     """Load what :func:`save_dcp` wrote (same mesh size); returns the saved ``extra``. A file
     that cannot be read raises :class:`~areal.utils.recover.CheckpointError` naming the
     checkpoint and the file. Collective over ``group``."""
@@ -183,9 +223,16 @@ def load_dcp(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
         state = {"model": model_sd, "optim": optim_sd}
         _dcp_load(state, path, group)
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=opts)
-    rank_state = read_torch_file(rank_file)  # after the collective read: a bad file fails one rank alone
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=opts,
+        )
+    rank_state = read_torch_file(
+        rank_file
+    )  # after the collective read: a bad file fails one rank alone
     if scheduler is not None and rank_state["scheduler"] is not None:
         scheduler.load_state_dict(rank_state["scheduler"])
     _set_rng_state(rank_state["rng"])
@@ -199,7 +246,10 @@ def _dcp_load(state: dict[str, Any], path: str, group: dist.ProcessGroup) -> Non
         dcp.load(state, checkpoint_id=path, process_group=group)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised with the checkpoint named
         if isinstance(e, CheckpointException):  # one per failed rank, each with its traceback
-            cause = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
+            cause = "; ".join(
+                f"rank {r}: {type(exc).__name__}: {exc}"
+                for r, (exc, _) in sorted(e.failures.items())
+            )
         else:
             cause = f"{type(e).__name__}: {e}"
         files = sorted(p.name for p in Path(path).iterdir()) if Path(path).is_dir() else []
@@ -208,7 +258,9 @@ def _dcp_load(state: dict[str, Any], path: str, group: dist.ProcessGroup) -> Non
         ) from e
 
 
-def save_replicated_state(path: str, name: str, state: dict[str, Any], group: dist.ProcessGroup) -> None:
+def save_replicated_state(
+    path: str, name: str, state: dict[str, Any], group: dist.ProcessGroup
+) -> None:
     """Write ``state`` (the same on every rank) as ``path/name`` from ``group``'s first rank.
     Collective over ``group``. With tensor parallelism ``group`` is the data-parallel one, so
     each tp rank's first dp rank writes the same bytes: each through its own temporary file."""

@@ -30,20 +30,26 @@ from areal.utils.batch import PackedBatch
 from areal.utils.comm import all_reduce
 
 
-def pack_pairs(chosen: list[list[int]], rejected: list[list[int]], prompt_lens: list[int]) -> PackedBatch:
+def pack_pairs(
+    chosen: list[list[int]], rejected: list[list[int]], prompt_lens: list[int]
+) -> PackedBatch:
     """Pairs as consecutive sequences (chosen at 2k, rejected at 2k+1) with ``loss_mask`` on the
     tokens after each pair's prompt and the fields of the shared-prefix layout."""
     seqs, masks = [], []
     for c, r, p in zip(chosen, rejected, prompt_lens, strict=True):
         if not 0 < p < min(len(c), len(r)) or c[:p] != r[:p]:
-            raise ValueError(f"a pair's two sides must share their first prompt_len={p} tokens and "
-                             f"each have a reply after them (lengths {len(c)}, {len(r)})")
+            raise ValueError(
+                f"a pair's two sides must share their first prompt_len={p} tokens and "
+                f"each have a reply after them (lengths {len(c)}, {len(r)})"
+            )
         for ids in (c, r):
             seqs.append(ids)
             masks.append([0] * p + [1] * (len(ids) - p))
     pair = torch.arange(len(prompt_lens)).repeat_interleave(2)  # [B] pair index of each sequence
-    return PackedBatch.from_sequences({"input_ids": seqs, "loss_mask": masks},
-                                      {"group_index": pair, "prompt_lens": torch.tensor(prompt_lens).repeat_interleave(2)})
+    return PackedBatch.from_sequences(
+        {"input_ids": seqs, "loss_mask": masks},
+        {"group_index": pair, "prompt_lens": torch.tensor(prompt_lens).repeat_interleave(2)},
+    )
 
 
 def sequence_logp(logp: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
@@ -54,10 +60,18 @@ def sequence_logp(logp: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
 
 def pair_logps(seq_logp: torch.Tensor, batch: PackedBatch, with_ref: bool) -> PairLogps:
     """Split per-sequence values [B] of a pair batch into chosen (even) and rejected (odd)."""
-    lens = segment_sum(batch["loss_mask"].to(seq_logp.device, seq_logp.dtype), batch.cu_seqlens.to(seq_logp.device))
+    lens = segment_sum(
+        batch["loss_mask"].to(seq_logp.device, seq_logp.dtype), batch.cu_seqlens.to(seq_logp.device)
+    )
     ref = batch["ref_logp"].to(seq_logp.device, seq_logp.dtype) if with_ref else None
-    return PairLogps(seq_logp[0::2], seq_logp[1::2], lens[0::2], lens[1::2],
-                     ref[0::2] if with_ref else None, ref[1::2] if with_ref else None)
+    return PairLogps(
+        seq_logp[0::2],
+        seq_logp[1::2],
+        lens[0::2],
+        lens[1::2],
+        ref[0::2] if with_ref else None,
+        ref[1::2] if with_ref else None,
+    )
 
 
 def with_ref_logp(ref: TrainEngine, batch: PackedBatch) -> PackedBatch:
@@ -72,20 +86,26 @@ class DPOEngine(FSDPEngine):
 
     def __init__(self, config: TrainEngineConfig, mesh: DeviceMesh, loss: DPOLossConfig):
         if config.mb_spec.granularity % 2:
-            raise ValueError(f"mb_spec.granularity must be even for pairs, got {config.mb_spec.granularity}; "
-                             "set mb_spec.granularity=2")
+            raise ValueError(
+                f"mb_spec.granularity must be even for pairs, got {config.mb_spec.granularity}; "
+                "set mb_spec.granularity=2"
+            )
         super().__init__(config, mesh, head="lm")
         self.loss = loss
         self.needs_ref = loss.loss_type != "simpo"
 
-    def _pair_loss(self, logits: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def _pair_loss(
+        self, logits: torch.Tensor, mb: PackedBatch
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """Mean preference loss over the micro-batch's pairs; ``logits`` [T, V]."""
-        logp, _ = packed_token_logprobs(logits, mb["input_ids"], mb.cu_seqlens, 1.0,
-                                        self.config.logprob_chunk_size)  # [T]
+        logp, _ = packed_token_logprobs(
+            logits, mb["input_ids"], mb.cu_seqlens, 1.0, self.config.logprob_chunk_size
+        )  # [T]
         pairs = pair_logps(sequence_logp(logp, mb), mb, self.needs_ref)
         cfg = self.loss
-        losses, chosen, rejected = preference_loss(pairs, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.gamma,
-                                                   cfg.nll_coef)
+        losses, chosen, rejected = preference_loss(
+            pairs, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.gamma, cfg.nll_coef
+        )
         stats = reward_stats(chosen, rejected)
         stats["chosen_logp"] = float(pairs.logp_c.detach().mean())
         stats["rejected_logp"] = float(pairs.logp_r.detach().mean())
@@ -104,22 +124,39 @@ class DPOEngine(FSDPEngine):
         batch, _ = self.compute_logp(batch)
         pairs = pair_logps(sequence_logp(batch["logp"].double(), batch), batch, self.needs_ref)
         cfg = self.loss
-        losses, chosen, rejected = preference_loss(pairs, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.gamma,
-                                                   cfg.nll_coef)
-        sums = torch.stack([losses.sum(), (chosen > rejected).double().sum(), (chosen - rejected).sum(),
-                            torch.tensor(float(len(losses)), dtype=torch.float64, device=losses.device)])
+        losses, chosen, rejected = preference_loss(
+            pairs, cfg.loss_type, cfg.beta, cfg.label_smoothing, cfg.gamma, cfg.nll_coef
+        )
+        sums = torch.stack(
+            [
+                losses.sum(),
+                (chosen > rejected).double().sum(),
+                (chosen - rejected).sum(),
+                torch.tensor(float(len(losses)), dtype=torch.float64, device=losses.device),
+            ]
+        )
         all_reduce(sums, group=self.group)
         n = float(sums[3])
-        return batch, {"loss": float(sums[0]) / n, "reward_acc": float(sums[1]) / n,
-                       "margin": float(sums[2]) / n, "n_pairs": n}
+        return batch, {
+            "loss": float(sums[0]) / n,
+            "reward_acc": float(sums[1]) / n,
+            "margin": float(sums[2]) / n,
+            "n_pairs": n,
+        }
 
     def _check(self, batch: PackedBatch) -> None:
         if batch.n_seqs % 2:
-            raise ValueError(f"DPO batches hold (chosen, rejected) pairs; got {batch.n_seqs} sequences, "
-                             "an odd number")
+            raise ValueError(
+                f"DPO batches hold (chosen, rejected) pairs; got {batch.n_seqs} sequences, "
+                "an odd number"
+            )
         if "loss_mask" not in batch.tokens:
-            raise ValueError(f"DPO batches need token field 'loss_mask' (1 on reply tokens), got "
-                             f"{sorted(batch.tokens)}")
+            raise ValueError(
+                f"DPO batches need token field 'loss_mask' (1 on reply tokens), got "
+                f"{sorted(batch.tokens)}"
+            )
         if self.needs_ref and "ref_logp" not in batch.seqs:
-            raise ValueError(f"loss_type={self.loss.loss_type} needs sequence field 'ref_logp'; add it "
-                             "with with_ref_logp(reference_engine, batch)")
+            raise ValueError(
+                f"loss_type={self.loss.loss_type} needs sequence field 'ref_logp'; add it "
+                "with with_ref_logp(reference_engine, batch)"
+            )

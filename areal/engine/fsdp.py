@@ -44,7 +44,12 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+)
 
 from areal.algo.logprob import packed_token_logprobs
 from areal.api.config.engine import TrainEngineConfig
@@ -61,8 +66,9 @@ from areal.utils.prefix import share_prefixes
 ATTN_IMPL = "areal_varlen"
 
 
-def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                     is_causal=None, **kwargs):
+def varlen_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
     """Attention within each segment of one packed row; the segments come via the forward
     kwargs: ``areal_segments`` ``[(start, end, mask)]`` (mask ``[n, n]`` bool, or None for
     causal; the shared-prefix layout) or else ``cu_seqlens`` ``[B+1]`` (one causal segment per
@@ -81,8 +87,14 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         )
     outs = [
         F.scaled_dot_product_attention(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], attn_mask=mask, is_causal=mask is None,
-            scale=scaling, dropout_p=dropout if module.training else 0.0, enable_gqa=True,
+            query[:, :, s:e],
+            key[:, :, s:e],
+            value[:, :, s:e],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scaling,
+            dropout_p=dropout if module.training else 0.0,
+            enable_gqa=True,
         )
         for s, e, mask in segments
     ]
@@ -103,9 +115,11 @@ def _split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
         return mesh, None
     if mesh.ndim == 2 and mesh.mesh_dim_names == ("dp", "tp"):
         return mesh["dp"], mesh["tp"]
-    raise ValueError(f"FSDPEngine needs a 1-D data-parallel mesh or a 2-D mesh named ('dp', 'tp'), got "
-                     f"{mesh.ndim}-D {mesh} with dims {mesh.mesh_dim_names}; build it with "
-                     "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+    raise ValueError(
+        f"FSDPEngine needs a 1-D data-parallel mesh or a 2-D mesh named ('dp', 'tp'), got "
+        f"{mesh.ndim}-D {mesh} with dims {mesh.mesh_dim_names}; build it with "
+        "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+    )
 
 
 def _whole_mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
@@ -129,8 +143,13 @@ class FSDPEngine(TrainEngine):
     :meth:`compute_logp`.
     """
 
-    def __init__(self, config: TrainEngineConfig, mesh: DeviceMesh, head: str = "lm",
-                 temperature: float = 1.0):
+    def __init__(
+        self,
+        config: TrainEngineConfig,
+        mesh: DeviceMesh,
+        head: str = "lm",
+        temperature: float = 1.0,
+    ):
         if head not in ("lm", "value"):
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
         if not config.path:
@@ -148,12 +167,18 @@ class FSDPEngine(TrainEngine):
         self.mesh_group = self.group if self.tp_mesh is None else _whole_mesh_group(mesh)
         self.first = all(c == 0 for c in mesh.get_coordinate())  # the mesh's first rank
         cuda = mesh.device_type == "cuda"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        )
         if config.lora.enabled and self.tp_mesh is not None:
-            raise ValueError(f"lora.rank={config.lora.rank} with tensor parallelism (mesh {mesh.mesh_dim_names}) "
-                             "is not supported; use a 1-D data-parallel mesh (tp=1) for LoRA")
+            raise ValueError(
+                f"lora.rank={config.lora.rank} with tensor parallelism (mesh {mesh.mesh_dim_names}) "
+                "is not supported; use a 1-D data-parallel mesh (tp=1) for LoRA"
+            )
         if config.cpu_offload and not cuda:
-            raise ValueError("cpu_offload=True needs a GPU (backend nccl); set cpu_offload=false on CPU")
+            raise ValueError(
+                "cpu_offload=True needs a GPU (backend nccl); set cpu_offload=false on CPU"
+            )
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
@@ -169,7 +194,10 @@ class FSDPEngine(TrainEngine):
         self._shard(self.model)
         opt = self.config.optimizer
         self.optimizer = torch.optim.AdamW(  # frozen parameters (LoRA's base) get no state
-            [p for p in self.model.parameters() if p.requires_grad], lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=opt.lr,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
             weight_decay=opt.weight_decay,
         )
         total = ft_spec.total_train_steps if ft_spec is not None else None
@@ -204,7 +232,9 @@ class FSDPEngine(TrainEngine):
         compute = self.config.param_dtype
         if compute == "auto":
             compute = "bfloat16" if self.device.type == "cuda" else "float32"
-        mp = MixedPrecisionPolicy(param_dtype=_dtype(compute), reduce_dtype=_dtype(self.config.reduce_dtype))
+        mp = MixedPrecisionPolicy(
+            param_dtype=_dtype(compute), reduce_dtype=_dtype(self.config.reduce_dtype)
+        )
         kw: dict[str, Any] = {"mesh": self.dp_mesh, "mp_policy": mp}
         if self.config.cpu_offload:
             kw["offload_policy"] = CPUOffloadPolicy()
@@ -212,7 +242,9 @@ class FSDPEngine(TrainEngine):
             model.to(self.device)
         layers = getattr(getattr(lora.base_model(model), "model", None), "layers", None)
         if layers is None:
-            raise ValueError(f"{type(model).__name__} has no .model.layers; only decoder-only HF models are supported")
+            raise ValueError(
+                f"{type(model).__name__} has no .model.layers; only decoder-only HF models are supported"
+            )
         if self.tp_mesh is not None:
             apply_tensor_parallel(model, self.tp_mesh)
         for layer in layers:
@@ -231,18 +263,27 @@ class FSDPEngine(TrainEngine):
             # FSDP2 warns that the value model's output is a view, on which an in-place op would
             # skip the backward all-gather. Nothing here modifies it in place (indexing, .float()),
             # and its gradients equal the unsharded model's (tests/engine/test_rw.py).
-            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+            warnings.filterwarnings(
+                "ignore", message="FSDP2-wrapped module .* returned a view tensor"
+            )
             if row is None:
                 mb = mb.to(self.device)
                 out = self.model(
-                    input_ids=mb["input_ids"][None], position_ids=mb.position_ids()[None],
-                    cu_seqlens=mb.cu_seqlens.cpu(), use_cache=False,
+                    input_ids=mb["input_ids"][None],
+                    position_ids=mb.position_ids()[None],
+                    cu_seqlens=mb.cu_seqlens.cpu(),
+                    use_cache=False,
                 )
                 return out.logits[0].float()
-            segments = [(s, e, None if m is None else m.to(self.device)) for (s, e), m in zip(row.bounds, row.masks)]
+            segments = [
+                (s, e, None if m is None else m.to(self.device))
+                for (s, e), m in zip(row.bounds, row.masks)
+            ]
             out = self.model(
-                input_ids=row.input_ids.to(self.device)[None], position_ids=row.position_ids.to(self.device)[None],
-                areal_segments=segments, use_cache=False,
+                input_ids=row.input_ids.to(self.device)[None],
+                position_ids=row.position_ids.to(self.device)[None],
+                areal_segments=segments,
+                use_cache=False,
             )
         return out.logits[0].float()[row.index.to(self.device)]
 
@@ -264,15 +305,19 @@ class FSDPEngine(TrainEngine):
         all_reduce(t, group=self.group)
         return t.tolist()
 
-    def train_batch(self, batch: PackedBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+    def train_batch(
+        self, batch: PackedBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn
+    ) -> dict[str, float]:
         """One optimizer step over ``batch``; returns weighted loss stats, grad_norm, lr, skipped."""
         self.model.train()
         mbs, n_run = self._split(batch)
         weights = [float(loss_weight_fn(mb)) for mb in mbs.mbs]
         (total,) = self._all_reduce_sum([sum(weights)])
         if not total > 0:
-            raise ValueError(f"loss_weight_fn sums to {total} over the global batch; "
-                             "the batch has nothing to train on (check loss_mask)")
+            raise ValueError(
+                f"loss_weight_fn sums to {total} over the global batch; "
+                "the batch has nothing to train on (check loss_mask)"
+            )
         sums: dict[str, float] = defaultdict(float)
         for i in range(n_run):
             real = i < len(mbs.mbs)
@@ -332,7 +377,9 @@ class FSDPEngine(TrainEngine):
         chunk = self.config.logprob_chunk_size
 
         def hook(logits: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
-            return packed_token_logprobs(logits, mb["input_ids"], mb.cu_seqlens, self.temperature, chunk)[0]
+            return packed_token_logprobs(
+                logits, mb["input_ids"], mb.cu_seqlens, self.temperature, chunk
+            )[0]
 
         return batch.with_fields(tokens={out: self.forward(batch, hook)}), {}
 
@@ -347,36 +394,63 @@ class FSDPEngine(TrainEngine):
         if meta.weight_format == "hf":
             tok = meta.tokenizer_path or self.config.path
             raw = self._gathered_state()
-            checkpoint.save_hf(self._merged(raw), self.hf_config, meta.path, tok,
-                               {"version": self.version}, self.mesh_group)
+            checkpoint.save_hf(
+                self._merged(raw),
+                self.hf_config,
+                meta.path,
+                tok,
+                {"version": self.version},
+                self.mesh_group,
+            )
             if self.config.lora.enabled:  # the adapter alone too, in peft's layout
                 if self.first:
-                    lora.save_adapter(self.model, raw, f"{meta.path}/{lora.ADAPTER_DIR}", self.config.path)
+                    lora.save_adapter(
+                        self.model, raw, f"{meta.path}/{lora.ADAPTER_DIR}", self.config.path
+                    )
                 dist.barrier(group=self.mesh_group)
         elif meta.weight_format == "dcp":
             optim = self.optimizer if meta.with_optim else None
             sched = self.lr_scheduler if meta.with_optim else None
             extra = {"version": self.version, "global_step": self.global_step}
-            checkpoint.save_dcp(meta.path, self.model, optim, sched, extra, self.mesh_group,
-                                trainable_only=self.config.lora.enabled)
+            checkpoint.save_dcp(
+                meta.path,
+                self.model,
+                optim,
+                sched,
+                extra,
+                self.mesh_group,
+                trainable_only=self.config.lora.enabled,
+            )
         else:
-            raise ValueError(f"SaveLoadMeta.weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
+            raise ValueError(
+                f"SaveLoadMeta.weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}"
+            )
 
     def load(self, meta: SaveLoadMeta) -> None:
         """Load an HF dir (weights only) or a DCP checkpoint saved by :meth:`save`. Collective."""
         if meta.weight_format == "hf":
             if self.config.lora.enabled:
-                raise ValueError(f"load(weight_format='hf') of {meta.path!r} would replace the frozen base of a "
-                                 "LoRA model; set the model's `path` to that HF dir instead")
+                raise ValueError(
+                    f"load(weight_format='hf') of {meta.path!r} would replace the frozen base of a "
+                    "LoRA model; set the model's `path` to that HF dir instead"
+                )
             checkpoint.load_hf_weights(self.model, meta.path, self.hf_config)
         elif meta.weight_format == "dcp":
             optim = self.optimizer if meta.with_optim else None
             sched = self.lr_scheduler if meta.with_optim else None
-            extra = checkpoint.load_dcp(meta.path, self.model, optim, sched, self.mesh_group,
-                                        trainable_only=self.config.lora.enabled)
+            extra = checkpoint.load_dcp(
+                meta.path,
+                self.model,
+                optim,
+                sched,
+                self.mesh_group,
+                trainable_only=self.config.lora.enabled,
+            )
             self.version, self.global_step = extra["version"], extra["global_step"]
         else:
-            raise ValueError(f"SaveLoadMeta.weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
+            raise ValueError(
+                f"SaveLoadMeta.weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}"
+            )
 
     # ------------------------------------------------------------------------------ weight export
 
@@ -387,16 +461,19 @@ class FSDPEngine(TrainEngine):
         """
         if self.first:
             self._weight_group = weight_sync.init_weight_update_group(
-                meta.master_address, meta.master_port, 0, world_size, meta.backend)
+                meta.master_address, meta.master_port, 0, world_size, meta.backend
+            )
 
     def weight_announcement(self) -> dict[str, list]:
         """``names``/``dtypes``/``shapes`` of what :meth:`update_weights` broadcasts, in order.
 
         The client sends this with ``/update_weights_from_distributed``; no collective.
         """
-        return {"names": [s.name for s in self._weight_specs()],
-                "dtypes": [weight_sync.dtype_name(s.dtype) for s in self._weight_specs()],
-                "shapes": [list(s.shape) for s in self._weight_specs()]}
+        return {
+            "names": [s.name for s in self._weight_specs()],
+            "dtypes": [weight_sync.dtype_name(s.dtype) for s in self._weight_specs()],
+            "shapes": [list(s.shape) for s in self._weight_specs()],
+        }
 
     def _export_plan(self, state: dict[str, Any]) -> dict[str, lora.Source]:
         """HF name -> where it comes from in ``state`` (LoRA: the merged ``W + s * B @ A``)."""
@@ -408,8 +485,10 @@ class FSDPEngine(TrainEngine):
         state = self.model.state_dict()  # DTensors report global shapes
         plan = self._export_plan(state)
         names = checkpoint.export_names(self.hf_config, plan)
-        return [weight_sync.TensorSpec(n, state[plan[n].base].dtype, tuple(state[plan[n].base].shape))
-                for n in names]
+        return [
+            weight_sync.TensorSpec(n, state[plan[n].base].dtype, tuple(state[plan[n].base].shape))
+            for n in names
+        ]
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         """Trainer side of a weight update; telling servers to load/receive is the client's job.
@@ -424,25 +503,42 @@ class FSDPEngine(TrainEngine):
         """
         if meta.type == "disk":
             if not meta.path:
-                raise ValueError("WeightUpdateMeta.path is empty for type='disk'; set the HF dir to write")
-            checkpoint.save_hf(self.full_state_dict(), self.hf_config, meta.path, self.config.path,
-                               {"version": meta.version}, self.mesh_group)
+                raise ValueError(
+                    "WeightUpdateMeta.path is empty for type='disk'; set the HF dir to write"
+                )
+            checkpoint.save_hf(
+                self.full_state_dict(),
+                self.hf_config,
+                meta.path,
+                self.config.path,
+                {"version": meta.version},
+                self.mesh_group,
+            )
         elif meta.type == "distributed":
             if self.first and self._weight_group is None:
-                raise RuntimeError("update_weights(type='distributed') before init_weight_update_group()")
+                raise RuntimeError(
+                    "update_weights(type='distributed') before init_weight_update_group()"
+                )
             state = self.model.state_dict()
             plan, specs = self._export_plan(state), self._weight_specs()
             device = self.device if meta.backend == "nccl" else torch.device("cpu")
             scaling = self.config.lora.alpha / max(self.config.lora.rank, 1)
             full = lambda key: self._full_tensor(state[key])  # noqa: E731
             for bucket in weight_sync.plan_buckets(specs, meta.bucket_bytes):
-                named = [(specs[i].name, lora.merged_tensor(plan[specs[i].name], full, scaling).to(device))
-                         for i in bucket]
+                named = [
+                    (
+                        specs[i].name,
+                        lora.merged_tensor(plan[specs[i].name], full, scaling).to(device),
+                    )
+                    for i in bucket
+                ]
                 if self._weight_group is not None:
                     weight_sync.broadcast_weights(named, self._weight_group, meta.bucket_bytes)
             dist.barrier(group=self.mesh_group)
         else:
-            raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'distributed', got {meta.type!r}")
+            raise ValueError(
+                f"WeightUpdateMeta.type must be 'disk' or 'distributed', got {meta.type!r}"
+            )
 
     def _full_tensor(self, t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, DTensor):

@@ -47,12 +47,19 @@ def peft_config(cfg: LoRAConfig, head: str):
     trained in full too, weights tied to them (a tied ``lm_head``) staying tied."""
     from peft import LoraConfig
 
-    targets = "all-linear" if list(cfg.target_modules) == ["all-linear"] else list(cfg.target_modules)
+    targets = (
+        "all-linear" if list(cfg.target_modules) == ["all-linear"] else list(cfg.target_modules)
+    )
     value = head == "value"
     save = [*cfg.modules_to_save, *([VALUE_HEAD] if value else [])]
     return LoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-        bias="none", modules_to_save=save or None, exclude_modules=[VALUE_HEAD] if value else None,
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        bias="none",
+        modules_to_save=save or None,
+        exclude_modules=[VALUE_HEAD] if value else None,
         ensure_weight_tying=bool(cfg.modules_to_save),
     )
 
@@ -67,18 +74,29 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, head: str, seed: int) ->
         try:
             wrapped = get_peft_model(model, peft_config(cfg, head))
         except ValueError as e:  # peft: "Target modules {...} not found in the base model"
-            raise ValueError(f"lora.target_modules={list(cfg.target_modules)} does not fit "
-                             f"{type(model).__name__}: {e}; name its linear layers (e.g. q_proj, "
-                             "v_proj) or use [all-linear]") from e
+            raise ValueError(
+                f"lora.target_modules={list(cfg.target_modules)} does not fit "
+                f"{type(model).__name__}: {e}; name its linear layers (e.g. q_proj, "
+                "v_proj) or use [all-linear]"
+            ) from e
     if not any("lora_" in n for n, _ in wrapped.named_parameters()):
-        raise ValueError(f"lora.target_modules={list(cfg.target_modules)} matched no linear layer of "
-                         f"{type(model).__name__}; name its linear layers or use [all-linear]")
-    saved = {n.split(f".modules_to_save.{ADAPTER}.")[0] for n, _ in wrapped.named_parameters()
-             if f".modules_to_save.{ADAPTER}." in n}
-    missing = [m for m in cfg.modules_to_save if not any(s == m or s.endswith(f".{m}") for s in saved)]
+        raise ValueError(
+            f"lora.target_modules={list(cfg.target_modules)} matched no linear layer of "
+            f"{type(model).__name__}; name its linear layers or use [all-linear]"
+        )
+    saved = {
+        n.split(f".modules_to_save.{ADAPTER}.")[0]
+        for n, _ in wrapped.named_parameters()
+        if f".modules_to_save.{ADAPTER}." in n
+    }
+    missing = [
+        m for m in cfg.modules_to_save if not any(s == m or s.endswith(f".{m}") for s in saved)
+    ]
     if missing:  # peft skips a name that matches nothing
-        raise ValueError(f"lora.modules_to_save={list(cfg.modules_to_save)}: {missing} matched no module "
-                         f"of {type(model).__name__}; name modules by suffix, e.g. embed_tokens")
+        raise ValueError(
+            f"lora.modules_to_save={list(cfg.modules_to_save)}: {missing} matched no module "
+            f"of {type(model).__name__}; name modules by suffix, e.g. embed_tokens"
+        )
     return wrapped
 
 
@@ -102,7 +120,7 @@ class Source:
 
 
 def _strip(key: str) -> str:
-    return key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+    return key[len(PEFT_PREFIX) :] if key.startswith(PEFT_PREFIX) else key
 
 
 def merge_plan(keys) -> dict[str, Source]:
@@ -145,13 +163,18 @@ def merge_state_dict(state: dict[str, torch.Tensor], cfg: LoRAConfig) -> dict[st
     if not state:
         return {}
     scaling = cfg.alpha / cfg.rank
-    return {name: merged_tensor(src, state.__getitem__, scaling) for name, src in merge_plan(state).items()}
+    return {
+        name: merged_tensor(src, state.__getitem__, scaling)
+        for name, src in merge_plan(state).items()
+    }
 
 
 # ------------------------------------------------------------------------------ adapter dir
 
 
-def save_adapter(model: torch.nn.Module, state: dict[str, torch.Tensor], path: str, base_path: str) -> None:
+def save_adapter(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], path: str, base_path: str
+) -> None:
     """Write the adapter of ``model`` (a PeftModel; ``state`` its full state dict) at ``path``
     in peft's layout (``adapter_config.json`` + ``adapter_model.safetensors``), loadable with
     ``PeftModel.from_pretrained(<base model from base_path>, path)``. Called on one rank."""
@@ -161,8 +184,11 @@ def save_adapter(model: torch.nn.Module, state: dict[str, torch.Tensor], path: s
     adapter = get_peft_model_state_dict(model, state_dict=state, save_embedding_layers=False)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in adapter.items()}, str(out / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in adapter.items()},
+        str(out / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     config = model.peft_config[ADAPTER].to_dict()
     config["base_model_name_or_path"] = base_path
     config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
@@ -182,8 +208,10 @@ class FrozenBase:
 
     def __init__(self, actor):
         if not actor.config.lora.enabled:
-            raise ValueError("FrozenBase needs an actor with lora.rank > 0 (its base is frozen); "
-                             "without LoRA configure a separate `ref` model")
+            raise ValueError(
+                "FrozenBase needs an actor with lora.rank > 0 (its base is frozen); "
+                "without LoRA configure a separate `ref` model"
+            )
         self.actor = actor
 
     def compute_logp(self, batch: PackedBatch, out: str = "logp") -> ModelFnResult:

@@ -58,8 +58,10 @@ def minibatches(batch: PackedBatch, n: int, group_size: int) -> list[PackedBatch
     """``n`` token-balanced minibatches of whole groups (every rank must get ``n``)."""
     mbs = split_microbatches(batch, n_mbs=n, granularity=group_size).mbs
     if len(mbs) != n:
-        raise ValueError(f"ppo_n_minibatches={n} but this rank holds {batch.n_seqs // group_size} "
-                         "groups; lower ppo_n_minibatches or raise the batch size")
+        raise ValueError(
+            f"ppo_n_minibatches={n} but this rank holds {batch.n_seqs // group_size} "
+            "groups; lower ppo_n_minibatches or raise the batch size"
+        )
     return mbs
 
 
@@ -82,15 +84,21 @@ def needs_prox_pass(cfg: PPOActorConfig) -> bool:
     return cfg.use_decoupled_loss and cfg.prox_logp == "recompute" and needed
 
 
-def staleness_sums(train_logp: torch.Tensor, mb: PackedBatch, version: int, weight: float) -> dict[str, float]:
+def staleness_sums(
+    train_logp: torch.Tensor, mb: PackedBatch, version: int, weight: float
+) -> dict[str, float]:
     """Per staleness bucket, the mismatch k3 summed over trained tokens and their count, each
     divided by the micro-batch's loss ``weight``: ``train_batch`` sums stats weighted by it, so
     :func:`staleness_means` turns its result back into exact per-bucket means."""
     mask = mb["loss_mask"].bool()
     k3 = mismatch_kl(train_logp, mb["logprobs"].to(train_logp.device))["k3"]
     buckets = staleness_buckets(mb["versions"].to(mask.device), version)
-    sums = torch.stack([torch.stack([(k3 * (sel & mask)).sum(), (sel & mask).sum().to(k3.dtype)])
-                        for sel in buckets.values()])  # [bucket, (k3 sum, tokens)]
+    sums = torch.stack(
+        [
+            torch.stack([(k3 * (sel & mask)).sum(), (sel & mask).sum().to(k3.dtype)])
+            for sel in buckets.values()
+        ]
+    )  # [bucket, (k3 sum, tokens)]
     values = (sums / weight if weight else torch.zeros_like(sums)).tolist()  # one device sync
     out = {}
     for name, (k3_sum, n) in zip(buckets, values):
@@ -117,8 +125,16 @@ class PPOActor(FSDPEngine):
     settings (``gconfig``), so the importance ratio uses the behaviour policy's temperature.
     """
 
-    def __init__(self, config: PPOActorConfig, mesh: DeviceMesh, *, temperature: float = 1.0,
-                 group_size: int = 1, max_new_tokens: int | None = None, distill: DistillConfig | None = None):
+    def __init__(
+        self,
+        config: PPOActorConfig,
+        mesh: DeviceMesh,
+        *,
+        temperature: float = 1.0,
+        group_size: int = 1,
+        max_new_tokens: int | None = None,
+        distill: DistillConfig | None = None,
+    ):
         super().__init__(config, mesh, head="lm", temperature=temperature)
         self.config: PPOActorConfig = config
         self.distill = distill if distill is not None and distill.enabled else None
@@ -148,64 +164,111 @@ class PPOActor(FSDPEngine):
         when distilling, the advantages mix in the teacher's reverse KL (:mod:`areal.algo.distill`)
         and the stats hold its mean ``distill_reverse_kl``."""
         old_logp = batch["prox_logp"] if "prox_logp" in batch else batch["logprobs"]
-        optional = {k: batch[k] for k in ("values", "ref_logp", "baseline_rewards", "no_eos") if k in batch}
+        optional = {
+            k: batch[k] for k in ("values", "ref_logp", "baseline_rewards", "no_eos") if k in batch
+        }
         adv = compute_advantages(
-            batch["rewards"].float(), batch["loss_mask"], batch.cu_seqlens, self.config,
+            batch["rewards"].float(),
+            batch["loss_mask"],
+            batch.cu_seqlens,
+            self.config,
             values=optional.get("values") if self.config.use_critic else None,
-            logprobs=old_logp, ref_logp=optional.get("ref_logp"),
-            baseline_rewards=optional.get("baseline_rewards"), no_eos=optional.get("no_eos"),
-            max_new_tokens=self.max_new_tokens, group_size=self.group_size, dp_group=self._dp_group(),
+            logprobs=old_logp,
+            ref_logp=optional.get("ref_logp"),
+            baseline_rewards=optional.get("baseline_rewards"),
+            no_eos=optional.get("no_eos"),
+            max_new_tokens=self.max_new_tokens,
+            group_size=self.group_size,
+            dp_group=self._dp_group(),
         )
         advantages, stats = adv.advantages, {}
         if self.distill is not None:  # on-policy distillation: the teacher's per-token reverse KL
             if "teacher_logp" not in batch:
-                raise ValueError("distillation needs token field 'teacher_logp' (the teacher's logprobs of "
-                                 "each completion token: its servers' scores, or Core's teacher_logp node)")
+                raise ValueError(
+                    "distillation needs token field 'teacher_logp' (the teacher's logprobs of "
+                    "each completion token: its servers' scores, or Core's teacher_logp node)"
+                )
             d, mask = self.distill, batch["loss_mask"]
-            advantages = distill_advantages(adv.advantages, batch["teacher_logp"], batch["logprobs"], mask,
-                                            d.coef, d.reward_weight)
+            advantages = distill_advantages(
+                adv.advantages,
+                batch["teacher_logp"],
+                batch["logprobs"],
+                mask,
+                d.coef,
+                d.reward_weight,
+            )
             reverse_kl = (batch["logprobs"] - batch["teacher_logp"]).float() * mask
             stats["distill_reverse_kl"] = float(reverse_kl.sum() / mask.sum().clamp(min=1))
         return batch.with_fields(
-            tokens={"advantages": advantages, "returns": adv.returns, "token_rewards": adv.token_rewards},
+            tokens={
+                "advantages": advantages,
+                "returns": adv.returns,
+                "token_rewards": adv.token_rewards,
+            },
             seqs={"seq_rewards": adv.seq_rewards},
         ), stats
 
     def _loss(self, logits: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
-        logp, entropy = packed_token_logprobs(logits, mb["input_ids"], mb.cu_seqlens,
-                                              self.temperature, cfg.logprob_chunk_size)
+        logp, entropy = packed_token_logprobs(
+            logits, mb["input_ids"], mb.cu_seqlens, self.temperature, cfg.logprob_chunk_size
+        )
         if "prox_logp" in mb:
             prox = mb["prox_logp"]
         elif cfg.use_decoupled_loss and cfg.prox_logp != "recompute":  # no forward pass for it
-            prox = approx_prox_logp(mb["logprobs"], logp, mb["versions"], self.get_version(),
-                                    self._progress, cfg.prox_logp)
+            prox = approx_prox_logp(
+                mb["logprobs"],
+                logp,
+                mb["versions"],
+                self.get_version(),
+                self._progress,
+                cfg.prox_logp,
+            )
         else:  # one minibatch: these weights are the proximal policy (see needs_prox_pass)
             if self.needs_prox_pass:
-                raise ValueError("the decoupled loss with several minibatches, KL in the reward or "
-                                 "recompute_prox_logp needs prox_logp; call "
-                                 "compute_logp(batch, out='prox_logp') first")
+                raise ValueError(
+                    "the decoupled loss with several minibatches, KL in the reward or "
+                    "recompute_prox_logp needs prox_logp; call "
+                    "compute_logp(batch, out='prox_logp') first"
+                )
             prox = logp.detach()
         loss, stats = policy_loss(
-            logp, prox if cfg.use_decoupled_loss else None, mb["logprobs"], mb["advantages"],
-            mb["loss_mask"], mb.cu_seqlens, cfg, entropy=entropy,
-            ref_logp=mb["ref_logp"] if "ref_logp" in mb else None, max_new_tokens=self.max_new_tokens,
+            logp,
+            prox if cfg.use_decoupled_loss else None,
+            mb["logprobs"],
+            mb["advantages"],
+            mb["loss_mask"],
+            mb.cu_seqlens,
+            cfg,
+            entropy=entropy,
+            ref_logp=mb["ref_logp"] if "ref_logp" in mb else None,
+            max_new_tokens=self.max_new_tokens,
         )
-        mask = mb["loss_mask"].to(prox.device, prox.dtype)  # trainer's proximal vs server's logprobs
+        mask = mb["loss_mask"].to(
+            prox.device, prox.dtype
+        )  # trainer's proximal vs server's logprobs
         gap = ((prox - mb["logprobs"].to(prox.device)).abs() * mask).sum() / mask.sum().clamp(min=1)
         out = {**{k: float(v) for k, v in stats.items()}, "logp_mismatch": float(gap)}
         if "versions" in mb:
             weight = loss_weight_for(cfg.loss_agg_mode)(mb)
-            out.update(staleness_sums(prox if cfg.use_decoupled_loss else logp, mb, self.get_version(), weight))
+            out.update(
+                staleness_sums(
+                    prox if cfg.use_decoupled_loss else logp, mb, self.get_version(), weight
+                )
+            )
         return loss, out
 
     def ppo_update(self, batch: PackedBatch) -> ModelFnResult:
         """``ppo_n_minibatches`` optimizer steps over ``batch``; stats are means over the steps."""
         if "advantages" not in batch.tokens:
-            raise ValueError("ppo_update needs token field 'advantages'; call compute_advantages first")
+            raise ValueError(
+                "ppo_update needs token field 'advantages'; call compute_advantages first"
+            )
         if self.config.prox_logp != "recompute" and "versions" not in batch.tokens:
-            raise ValueError(f"actor.prox_logp={self.config.prox_logp} needs token field 'versions' "
-                             "(the weight version of each token, from the rollout)")
+            raise ValueError(
+                f"actor.prox_logp={self.config.prox_logp} needs token field 'versions' "
+                "(the weight version of each token, from the rollout)"
+            )
         weight = loss_weight_for(self.config.loss_agg_mode)
         parts = minibatches(batch, self.config.ppo_n_minibatches, self.group_size)
         steps = []
@@ -235,23 +298,36 @@ class PPOCritic(FSDPEngine):
         head = self.forward(batch, lambda logits, mb: logits[:, 0])  # [T]
         if self.value_normalizer is not None:
             head = self.value_normalizer.denormalize(head)
-        return batch.with_fields(tokens={"values": shift_to_state_values(head, batch.cu_seqlens)}), {}
+        return batch.with_fields(
+            tokens={"values": shift_to_state_values(head, batch.cu_seqlens)}
+        ), {}
 
     def _loss(self, logits: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
         values = shift_to_state_values(logits[:, 0], mb.cu_seqlens)  # [T], with grad
         old, returns = mb["values"], mb["returns"]
         if self.value_normalizer is not None:  # the head learns normalised targets
-            old, returns = self.value_normalizer.normalize(old), self.value_normalizer.normalize(returns)
-        loss, stats = value_loss(values, old, returns, mb["loss_mask"], mb.cu_seqlens,
-                                 self.config.value_eps_clip, self.config.loss_agg_mode)
+            old, returns = (
+                self.value_normalizer.normalize(old),
+                self.value_normalizer.normalize(returns),
+            )
+        loss, stats = value_loss(
+            values,
+            old,
+            returns,
+            mb["loss_mask"],
+            mb.cu_seqlens,
+            self.config.value_eps_clip,
+            self.config.loss_agg_mode,
+        )
         return loss, {k: float(v) for k, v in stats.items()}
 
     def save(self, meta: SaveLoadMeta) -> None:
         """The engine's save; a DCP checkpoint also keeps the value normaliser's moments."""
         super().save(meta)
         if meta.weight_format == "dcp" and self.value_normalizer is not None:
-            checkpoint.save_replicated_state(meta.path, VALUE_NORM_FILE, self.value_normalizer.state_dict(),
-                                             self.group)
+            checkpoint.save_replicated_state(
+                meta.path, VALUE_NORM_FILE, self.value_normalizer.state_dict(), self.group
+            )
 
     def load(self, meta: SaveLoadMeta) -> None:
         """The engine's load; from a DCP checkpoint also the value normaliser's moments."""
@@ -264,8 +340,10 @@ class PPOCritic(FSDPEngine):
         """``ppo_n_minibatches`` steps regressing ``values`` toward ``returns``; mean stats."""
         for key in ("values", "returns"):
             if key not in batch.tokens:
-                raise ValueError(f"critic ppo_update needs token field {key!r}; set values from "
-                                 "compute_values and returns from the actor's compute_advantages")
+                raise ValueError(
+                    f"critic ppo_update needs token field {key!r}; set values from "
+                    "compute_values and returns from the actor's compute_advantages"
+                )
         if self.value_normalizer is not None:
             group = self.group if self.world_size > 1 else None
             self.value_normalizer.update(batch["returns"], batch["loss_mask"], group)

@@ -27,7 +27,9 @@ def last_token_scores(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.T
     return values.reshape(values.shape[0], -1)[cu_seqlens[1:].to(values.device) - 1, 0]
 
 
-def bradley_terry_loss(logits: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+def bradley_terry_loss(
+    logits: torch.Tensor, mb: PackedBatch
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Mean BT loss over the micro-batch's pairs; ``logits`` are values ``[T, 1]``."""
     scores = last_token_scores(logits, mb.cu_seqlens)  # [B]
     margin = scores[0::2] - scores[1::2]  # [B/2] chosen - rejected
@@ -69,13 +71,20 @@ class RWEngine(FSDPEngine):
         batch, _ = self.score(batch)
         scores = batch["scores"].double()
         margin = scores[0::2] - scores[1::2]
-        sums = torch.stack([-F.logsigmoid(margin).sum(), (margin > 0).double().sum(),
-                            torch.tensor(float(len(margin)), dtype=torch.float64, device=margin.device)])
+        sums = torch.stack(
+            [
+                -F.logsigmoid(margin).sum(),
+                (margin > 0).double().sum(),
+                torch.tensor(float(len(margin)), dtype=torch.float64, device=margin.device),
+            ]
+        )
         all_reduce(sums, group=self.group)
         return batch, {"loss": float(sums[0] / sums[2]), "pair_acc": float(sums[1] / sums[2])}
 
 
 def _check_pairs(batch: PackedBatch) -> None:
     if batch.n_seqs % 2:
-        raise ValueError(f"reward-model batches hold (chosen, rejected) pairs; got {batch.n_seqs} "
-                         "sequences, an odd number")
+        raise ValueError(
+            f"reward-model batches hold (chosen, rejected) pairs; got {batch.n_seqs} "
+            "sequences, an odd number"
+        )

@@ -57,5 +57,7 @@ class SFTEngine(FSDPEngine):
 
 def _check_fields(batch: PackedBatch) -> None:
     if "loss_mask" not in batch.tokens:
-        raise ValueError(f"SFT batches need token field 'loss_mask', got {sorted(batch.tokens)}; "
-                         "mark the completion tokens with 1")
+        raise ValueError(
+            f"SFT batches need token field 'loss_mask', got {sorted(batch.tokens)}; "
+            "mark the completion tokens with 1"
+        )

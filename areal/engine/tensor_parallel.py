@@ -51,16 +51,22 @@ def check_tensor_parallel(hf_config: Any, tp: int) -> None:
     cannot be split over ``tp`` ranks with :data:`LAYER_PLAN`."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"tensor parallelism (tp={tp}) supports model types {list(SUPPORTED_MODEL_TYPES)}, "
-                         f"got {model_type!r}; use tp=1 for this model")
+        raise ValueError(
+            f"tensor parallelism (tp={tp}) supports model types {list(SUPPORTED_MODEL_TYPES)}, "
+            f"got {model_type!r}; use tp=1 for this model"
+        )
     heads = hf_config.num_attention_heads
-    sizes = {"num_attention_heads": heads,
-             "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or heads,
-             "intermediate_size": hf_config.intermediate_size}
+    sizes = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or heads,
+        "intermediate_size": hf_config.intermediate_size,
+    }
     bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
     if bad:
-        raise ValueError(f"{model_type} model: {', '.join(bad)} not divisible by tp={tp}; "
-                         f"choose a tp that divides {sorted(set(sizes.values()))}")
+        raise ValueError(
+            f"{model_type} model: {', '.join(bad)} not divisible by tp={tp}; "
+            f"choose a tp that divides {sorted(set(sizes.values()))}"
+        )
 
 
 def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -68,7 +74,9 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
     check_tensor_parallel(model.config, tp_mesh.size())
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for layer in model.model.layers:
-        parallelize_module(layer, tp_mesh, {name: styles[kind]() for name, kind in LAYER_PLAN.items()})
+        parallelize_module(
+            layer, tp_mesh, {name: styles[kind]() for name, kind in LAYER_PLAN.items()}
+        )
     replicate_remaining(model, tp_mesh)
 
 
@@ -78,7 +86,9 @@ def replicate_remaining(model: torch.nn.Module, mesh: DeviceMesh) -> None:
     by several modules (tied embeddings) becomes one DTensor parameter shared the same way."""
     done: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
-        owned = [(k, p) for k, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        owned = [
+            (k, p) for k, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)
+        ]
         for key, param in owned:
             if id(param) not in done:
                 full = distribute_tensor(param.data, mesh, [Replicate()], src_data_rank=None)

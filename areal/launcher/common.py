@@ -38,8 +38,10 @@ class ScriptError(ValueError):
     """SCRIPT cannot be launched as it is (it defines no ``CONFIG``): a user error, no crash."""
 
 
-COLOCATE_LOCAL_ONLY = ("cluster.colocate: true, but only `areal launch local` puts servers on the trainers' GPUs; "
-                       "use it on one machine, or cluster.colocate=null to give each server a GPU of its own")
+COLOCATE_LOCAL_ONLY = (
+    "cluster.colocate: true, but only `areal launch local` puts servers on the trainers' GPUs; "
+    "use it on one machine, or cluster.colocate=null to give each server a GPU of its own"
+)
 
 
 def load_script_config_class(script: str | Path) -> type:
@@ -91,7 +93,10 @@ def launch(script: str, argv: list[str], run_once: Callable[[Any, int], int]) ->
         problems = preflight(cfg)
         if problems:
             raise ConfigError(problems, "what the config points at")
-    except (ConfigError, ScriptError) as e:  # a message for the user, not a crash: nothing was started
+    except (
+        ConfigError,
+        ScriptError,
+    ) as e:  # a message for the user, not a crash: nothing was started
         print(f"areal launch: {e}", file=sys.stderr)
         return 2
     if not resume_pending(cfg.run_dir / "recover", cfg.recover.mode):
@@ -102,7 +107,9 @@ def launch(script: str, argv: list[str], run_once: Callable[[Any, int], int]) ->
     # SIGINT too, explicitly: a launcher started in the background by a shell without job
     # control (nohup ... &, CI runners) inherits SIGINT ignored, and Python then never raises
     # KeyboardInterrupt for it
-    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {
+        sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
     try:
         last_cause = ""
         for attempt in range(retries + 1):
@@ -123,8 +130,10 @@ def launch(script: str, argv: list[str], run_once: Callable[[Any, int], int]) ->
                 )
                 break
             last_cause = cause
-            logger.warning(f"attempt {attempt + 1} failed (code {code}: {cause or 'cause unknown'}); "
-                           "relaunching (recover.mode=auto)")
+            logger.warning(
+                f"attempt {attempt + 1} failed (code {code}: {cause or 'cause unknown'}); "
+                "relaunching (recover.mode=auto)"
+            )
         return code
     except KeyboardInterrupt:
         logger.warning("interrupted: every process was stopped")
@@ -138,6 +147,7 @@ def same_cause(cause: str, previous: str) -> bool:
     """True when ``cause`` repeats ``previous`` (both known), hex addresses and numbers of four
     digits or more (pids, ports, timestamps) masked; shorter numbers such as exit codes or steps
     still tell causes apart."""
+
     def key(text: str) -> str:
         return re.sub(r"0x[0-9a-fA-F]+|\d{4,}", "#", text.strip())
 
@@ -157,8 +167,9 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def thread_split(server_threads: int, trainer_threads: int, n_servers: int, n_trainers: int,
-                 cores: int) -> tuple[int, int, str]:
+def thread_split(
+    server_threads: int, trainer_threads: int, n_servers: int, n_trainers: int, cores: int
+) -> tuple[int, int, str]:
     """(threads per server, threads per trainer rank, the log line saying so). A count of 0
     (``launcher.server_threads`` / ``trainer_threads``) becomes an even share of ``cores``
     among the ``n_servers + n_trainers`` processes of this machine, at least 1: torch's own
@@ -173,6 +184,8 @@ def thread_split(server_threads: int, trainer_threads: int, n_servers: int, n_tr
 
     server, server_how = pick(server_threads, "server_threads")
     trainer, trainer_how = pick(trainer_threads, "trainer_threads")
-    line = (f"threads: {cores} usable cores for {n_servers} server(s) + {n_trainers} trainer rank(s) "
-            f"on this machine; per server {server_how}, per trainer rank {trainer_how}")
+    line = (
+        f"threads: {cores} usable cores for {n_servers} server(s) + {n_trainers} trainer rank(s) "
+        f"on this machine; per server {server_how}, per trainer rank {trainer_how}"
+    )
     return server, trainer, line

@@ -43,7 +43,9 @@ class Console:
         self.tty = self.out.isatty() if tty is None else tty
         self._lock = threading.Lock()
         self._bar = ""  # the redraw now on the console's last row ('' none)
-        self.broken = False  # the console is gone (a write failed) or muted (teardown): nothing more
+        self.broken = (
+            False  # the console is gone (a write failed) or muted (teardown): nothing more
+        )
 
     def line(self, prefix: str, text: str) -> None:
         """Echo one line; a bar of this child that the line ends is gone, another one is redrawn."""

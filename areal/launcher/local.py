@@ -26,7 +26,14 @@ import time
 
 from areal.api.config.loader import iter_fields
 from areal.api.launch import api_key_env, devices_env, threads_env, trainer_env, visible_devices
-from areal.launcher.common import launch, register_server, reset_trial, thread_split, usable_cores, wait_for_servers
+from areal.launcher.common import (
+    launch,
+    register_server,
+    reset_trial,
+    thread_split,
+    usable_cores,
+    wait_for_servers,
+)
 from areal.launcher.procs import ProcessSupervisor
 from areal.launcher.servers import ManagedServer, server_command, server_env
 from areal.utils.logging import get_logger
@@ -36,8 +43,9 @@ from areal.utils.network import free_port
 logger = get_logger("launcher")
 
 
-def gpu_layout(gpus: list[str], trainer_nprocs: int, n_servers: int,
-               colocate: bool | None = None) -> tuple[str | None, list[str | None]]:
+def gpu_layout(
+    gpus: list[str], trainer_nprocs: int, n_servers: int, colocate: bool | None = None
+) -> tuple[str | None, list[str | None]]:
     """CUDA_VISIBLE_DEVICES for the trainer and for each server, from the GPUs ``gpus`` this
     launch may use (the user's CUDA_VISIBLE_DEVICES, else all): trainers take the first
     trainer_nprocs (torchrun's LOCAL_RANK picks one each); server i takes the next one, or with
@@ -47,30 +55,42 @@ def gpu_layout(gpus: list[str], trainer_nprocs: int, n_servers: int,
         return None, [None] * n_servers
     have = f"this launch may use {len(gpus)} ({','.join(gpus)})"
     if len(gpus) < trainer_nprocs:
-        raise ValueError(f"launcher: {trainer_nprocs} trainer ranks need {trainer_nprocs} GPUs, {have}; lower "
-                         "cluster.trainer_nprocs or widen CUDA_VISIBLE_DEVICES")
+        raise ValueError(
+            f"launcher: {trainer_nprocs} trainer ranks need {trainer_nprocs} GPUs, {have}; lower "
+            "cluster.trainer_nprocs or widen CUDA_VISIBLE_DEVICES"
+        )
     need = trainer_nprocs + n_servers
     colocated = len(gpus) < need if colocate is None else colocate
     if not colocated and len(gpus) < need:
-        raise ValueError(f"launcher: {trainer_nprocs} trainer ranks + {n_servers} servers need {need} GPUs, "
-                         f"{have}; set cluster.colocate=true to put the servers on the trainers' GPUs, "
-                         "lower cluster.n_servers, or widen CUDA_VISIBLE_DEVICES")
+        raise ValueError(
+            f"launcher: {trainer_nprocs} trainer ranks + {n_servers} servers need {need} GPUs, "
+            f"{have}; set cluster.colocate=true to put the servers on the trainers' GPUs, "
+            "lower cluster.n_servers, or widen CUDA_VISIBLE_DEVICES"
+        )
     trainers = gpus[:trainer_nprocs]
     if not colocated:
         return ",".join(trainers), gpus[trainer_nprocs:need]
     if colocate is None:
-        logger.info(f"launcher: {len(gpus)} GPU(s) for {trainer_nprocs} trainer ranks + {n_servers} servers: "
-                    "each server shares a trainer's GPU (cluster.colocate=false refuses instead)")
+        logger.info(
+            f"launcher: {len(gpus)} GPU(s) for {trainer_nprocs} trainer ranks + {n_servers} servers: "
+            "each server shares a trainer's GPU (cluster.colocate=false refuses instead)"
+        )
     return ",".join(trainers), [trainers[i % trainer_nprocs] for i in range(n_servers)]
 
 
-def _start_servers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None], threads: int) -> list[ManagedServer]:
+def _start_servers(
+    sup: ProcessSupervisor, cfg, server_gpus: list[str | None], threads: int
+) -> list[ManagedServer]:
     """Start the servers (``threads`` OMP/torch threads each), register each once healthy."""
     lc = cfg.launcher
     registry = reset_trial(cfg)
     servers = []
     for i in range(cfg.cluster.n_servers):
-        env = {**threads_env(threads), **devices_env(server_gpus[i]), **api_key_env(cfg.server.api_key)}
+        env = {
+            **threads_env(threads),
+            **devices_env(server_gpus[i]),
+            **api_key_env(cfg.server.api_key),
+        }
         servers.append(ManagedServer.start(sup, cfg, f"server{i}", free_port(), env))
     for s in servers:
         sup.wait_http_ok(s.child, f"{s.url}/health", lc.server_setup_timeout)
@@ -90,9 +110,15 @@ def _start_teachers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) 
     started = []
     for i in range(distill.n_servers):
         port, gpu = free_port(), server_gpus[i % len(server_gpus)] if server_gpus else None
-        env = {**threads_env(lc.server_threads), **devices_env(gpu), **api_key_env(cfg.server.api_key),
-               **server_env(cfg)}
-        cmd = server_command(cfg, port, cfg.run_dir / f"teacher{i}.yaml", model=distill.teacher_path)
+        env = {
+            **threads_env(lc.server_threads),
+            **devices_env(gpu),
+            **api_key_env(cfg.server.api_key),
+            **server_env(cfg),
+        }
+        cmd = server_command(
+            cfg, port, cfg.run_dir / f"teacher{i}.yaml", model=distill.teacher_path
+        )
         started.append((sup.start(f"teacher{i}", cmd, env=env), f"127.0.0.1:{port}"))
     for child, address in started:
         sup.wait_http_ok(child, f"http://{address}/health", lc.server_setup_timeout)
@@ -132,18 +158,30 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
     """Start servers and trainer, wait for the trainer, tear everything down; trainer's code."""
     lc, cluster = cfg.launcher, cfg.cluster
     with ProcessSupervisor(cfg.run_dir / "logs", echo=lc.echo, stop_timeout=lc.stop_timeout) as sup:
-        trainer_gpus, server_gpus = gpu_layout(_usable_gpus(cfg), cluster.trainer_nprocs, cluster.n_servers,
-                                                 cluster.colocate)
-        server_threads, trainer_threads, how = thread_split(lc.server_threads, lc.trainer_threads, cluster.n_servers,
-                                                            cluster.trainer_nprocs, usable_cores())
+        trainer_gpus, server_gpus = gpu_layout(
+            _usable_gpus(cfg), cluster.trainer_nprocs, cluster.n_servers, cluster.colocate
+        )
+        server_threads, trainer_threads, how = thread_split(
+            lc.server_threads,
+            lc.trainer_threads,
+            cluster.n_servers,
+            cluster.trainer_nprocs,
+            usable_cores(),
+        )
         logger.info(f"launcher: {how}")
         servers = _start_servers(sup, cfg, server_gpus, server_threads)
         _start_teachers(sup, cfg, server_gpus)
         server_cfg = getattr(cfg, "server", None)  # experiments without servers (SFT) have none
-        colocated = trainer_gpus is not None and bool(set(trainer_gpus.split(",")) & set(server_gpus))
+        colocated = trainer_gpus is not None and bool(
+            set(trainer_gpus.split(",")) & set(server_gpus)
+        )
         progress = "bar" if sup.console is not None and sup.console.tty else "lines"
-        env = {**trainer_env(attempt, colocated, progress), **threads_env(trainer_threads),
-               **devices_env(trainer_gpus), **api_key_env(server_cfg.api_key if server_cfg else "")}
+        env = {
+            **trainer_env(attempt, colocated, progress),
+            **threads_env(trainer_threads),
+            **devices_env(trainer_gpus),
+            **api_key_env(server_cfg.api_key if server_cfg else ""),
+        }
         cmd = _trainer_command(script, without_secrets(argv, cfg), cluster.trainer_nprocs)
         trainer = sup.start("trainer", cmd, env=env)
         watched = list(servers)
@@ -154,8 +192,10 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
             time.sleep(0.2)
         code = trainer.proc.returncode
         if code != 0:
-            logger.error(f"trainer exited with code {code}: {trainer.root_cause()}\n"
-                         f"last lines of this run's trainer output:\n{trainer.tail(20)}")
+            logger.error(
+                f"trainer exited with code {code}: {trainer.root_cause()}\n"
+                f"last lines of this run's trainer output:\n{trainer.tail(20)}"
+            )
         return code
 
 
@@ -164,8 +204,10 @@ def launch_local(script: str, argv: list[str]) -> int:
 
     def run_local(cfg, attempt: int) -> int:
         if cfg.cluster.n_nodes != 1:
-            logger.error(f"cluster.n_nodes={cfg.cluster.n_nodes}: `areal launch local` runs one "
-                         "machine; set cluster.n_nodes=1")
+            logger.error(
+                f"cluster.n_nodes={cfg.cluster.n_nodes}: `areal launch local` runs one "
+                "machine; set cluster.n_nodes=1"
+            )
             return 2
         return run_once(script, argv, cfg, attempt)
 

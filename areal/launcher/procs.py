@@ -47,8 +47,15 @@ class LogPump(threading.Thread):
     last lines in memory. The first failed write to the log (e.g. ENOSPC) is kept in ``error``
     and ends writing to the file, never the draining of the pipe."""
 
-    def __init__(self, stream: IO[bytes], log: IO[bytes], prefix: str, console: Console | None,
-                 header: bytes = b"", keep: int = 400):
+    def __init__(
+        self,
+        stream: IO[bytes],
+        log: IO[bytes],
+        prefix: str,
+        console: Console | None,
+        header: bytes = b"",
+        keep: int = 400,
+    ):
         super().__init__(daemon=True, name=f"log-pump-{prefix}")
         self.stream, self.log, self.prefix, self.console = stream, log, prefix, console
         self.header = header  # written to the log before the child's output
@@ -68,7 +75,9 @@ class LogPump(threading.Thread):
                 if kind == "line":
                     self.recent.append(text)
                 if self.console is not None:
-                    (self.console.line if kind == "line" else self.console.redraw)(self.prefix, text)
+                    (self.console.line if kind == "line" else self.console.redraw)(
+                        self.prefix, text
+                    )
         if pending.strip(b"\r"):  # the last line had no newline
             text = pending.rsplit(b"\r", 1)[-1].decode(errors="replace")
             self.recent.append(text)
@@ -112,8 +121,10 @@ class Child:
             lines = list(self._pump.recent)[-n:]
             if self._pump.error is None:
                 return "\n".join(lines)
-            note = (f"(writing {self.log_path} failed: {self._pump.error}; these last lines were kept "
-                    "in memory and the rest of the output is lost; free space on that disk)")
+            note = (
+                f"(writing {self.log_path} failed: {self._pump.error}; these last lines were kept "
+                "in memory and the rest of the output is lost; free space on that disk)"
+            )
             return "\n".join([*lines, note])
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -154,7 +165,11 @@ def _killed_by_signal(lines: list[str], code: int | None) -> str:
         return f"killed by {_signal_name(-code)} (exit code {code})"
     for i, line in enumerate(lines):
         if (m := _TORCHRUN_EXIT.match(line)) and int(m.group(1)) < 0:
-            ranks = (r.group(1) for earlier in reversed(lines[:i]) if (r := _TORCHRUN_RANK.match(earlier)))
+            ranks = (
+                r.group(1)
+                for earlier in reversed(lines[:i])
+                if (r := _TORCHRUN_RANK.match(earlier))
+            )
             rank = next(ranks, "?")
             return f"trainer rank {rank} killed by {_signal_name(-int(m.group(1)))} (exit code {m.group(1)})"
     return ""
@@ -188,12 +203,15 @@ class ProcessSupervisor:
     def __init__(self, log_dir: str | Path, echo: bool = True, stop_timeout: float = 20.0):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.console = Console() if echo else None  # one for all children: their echoes never interleave
+        self.console = (
+            Console() if echo else None
+        )  # one for all children: their echoes never interleave
         self.stop_timeout = stop_timeout
         self.children: list[Child] = []
 
-    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None,
-              cwd: str | None = None) -> Child:
+    def start(
+        self, name: str, cmd: list[str], env: dict[str, str] | None = None, cwd: str | None = None
+    ) -> Child:
         """Start ``cmd`` (in ``cwd``) in a new session; output to RUN_DIR/logs/<name>.log and the
         console."""
         log_path = self.log_dir / f"{name}.log"
@@ -293,7 +311,9 @@ class ProcessSupervisor:
         try:
             record_failure(self.log_dir, last.name, last.proc.returncode, last.root_cause())
         except OSError as e:  # a full disk: the relaunch loop then sees no cause and relaunches
-            logger.error(f"could not record why {last.name} failed in {self.log_dir / FAILURES}: {e}")
+            logger.error(
+                f"could not record why {last.name} failed in {self.log_dir / FAILURES}: {e}"
+            )
 
     def _descendants(self) -> dict[int, int]:
         tree: dict[int, int] = {}
@@ -335,8 +355,11 @@ def descendants(root: int) -> dict[int, int]:
     """pid -> start time of every live descendant of ``root`` (from /proc; empty without it)."""
     if not os.path.isdir("/proc"):
         return {}
-    stats = {pid: st for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-             if (st := _proc_stat(pid)) is not None}
+    stats = {
+        pid: st
+        for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+        if (st := _proc_stat(pid)) is not None
+    }
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in stats.items():
         children.setdefault(ppid, []).append(pid)
@@ -350,7 +373,9 @@ def descendants(root: int) -> dict[int, int]:
 
 def _live(tree: dict[int, int]) -> list[int]:
     """The pids of ``tree`` that still run (same start time, so a reused pid does not count)."""
-    return [pid for pid, start in tree.items() if (st := _proc_stat(pid)) is not None and st[1] == start]
+    return [
+        pid for pid, start in tree.items() if (st := _proc_stat(pid)) is not None and st[1] == start
+    ]
 
 
 def _signal_pids(tree: dict[int, int], sig: signal.Signals) -> None:

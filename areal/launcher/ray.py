@@ -32,8 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal.api.launch import (api_key_env, devices_env, disable_ray_token_auth, threads_env, torch_dist_env,
-                              trainer_env)
+from areal.api.launch import (
+    api_key_env,
+    devices_env,
+    disable_ray_token_auth,
+    threads_env,
+    torch_dist_env,
+    trainer_env,
+)
 from areal.launcher.common import COLOCATE_LOCAL_ONLY, launch, reset_trial, wait_for_servers
 from areal.launcher.local import without_secrets
 from areal.launcher.procs import ProcessSupervisor, record_failure
@@ -50,8 +56,10 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise SystemExit("areal launch ray: Ray is not installed; install the extra with "
-                         "`pip install -e '.[ray]'` (or `pip install 'ray>=2.30'`)") from None
+        raise SystemExit(
+            "areal launch ray: Ray is not installed; install the extra with "
+            "`pip install -e '.[ray]'` (or `pip install 'ray>=2.30'`)"
+        ) from None
     return ray
 
 
@@ -65,8 +73,12 @@ class ProcessHost:
         """This actor's node: IP, accelerator ids Ray gave it, and a free port there."""
         import ray
 
-        return {"ip": ray.util.get_node_ip_address(), "gpus": [str(g) for g in ray.get_gpu_ids()],
-                "port": free_port(), "host": socket.gethostname()}
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "gpus": [str(g) for g in ray.get_gpu_ids()],
+            "port": free_port(),
+            "host": socket.gethostname(),
+        }
 
     def start(self, name: str, cmd: list[str], env: dict[str, str], cwd: str) -> int:
         """Start the process; its pid."""
@@ -146,8 +158,13 @@ class _Job:
         lc = self.cfg.launcher
         gpus = self.pg.bundle_specs[bundle].get("GPU", 0)
         a = self.host_cls.options(
-            name=None, num_cpus=lc.ray.cpus_per_process, num_gpus=gpus, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+            name=None,
+            num_cpus=lc.ray.cpus_per_process,
+            num_gpus=gpus,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=bundle
+            ),
         ).remote(str(self.cfg.run_dir / "logs"), lc.echo, lc.stop_timeout)
         self.actors[name] = a
         return a
@@ -156,7 +173,9 @@ class _Job:
         try:
             return self.ray.get(ref, timeout=RPC_TIMEOUT_S)
         except self.ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"launch ray: {what} did not answer within {RPC_TIMEOUT_S:g} s") from None
+            raise TimeoutError(
+                f"launch ray: {what} did not answer within {RPC_TIMEOUT_S:g} s"
+            ) from None
 
     def stop(self) -> None:
         """Stop every process (in parallel, bounded), kill every actor, free the bundles."""
@@ -178,8 +197,10 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
     cluster, lc = cfg.cluster, cfg.launcher
     n_ranks = cluster.n_nodes * cluster.trainer_nprocs
     if cluster.n_nodes > 1 and cluster.n_servers and not cfg.server.api_key:
-        logger.error("cluster.n_nodes > 1: servers bind their node's address, which needs "
-                     "server.api_key (pass it by env: AREAL_SERVER_API_KEY)")
+        logger.error(
+            "cluster.n_nodes > 1: servers bind their node's address, which needs "
+            "server.api_key (pass it by env: AREAL_SERVER_API_KEY)"
+        )
         return 2
     handler = signal.getsignal(signal.SIGTERM)
     if not ray.is_initialized():
@@ -212,17 +233,34 @@ def _run(job: _Job, script: str, argv: list[str], attempt: int, n_ranks: int) ->
     public = without_secrets(argv, cfg)
     reserved = max(1, int(lc.ray.cpus_per_process))  # each process's bundle: its threads by default
     server_threads, trainer_threads = lc.server_threads or reserved, lc.trainer_threads or reserved
-    logger.info(f"threads: per server {server_threads}, per trainer rank {trainer_threads} "
-                f"(launcher.server_threads / trainer_threads; 0 = the bundle's launcher.ray.cpus_per_process)")
+    logger.info(
+        f"threads: per server {server_threads}, per trainer rank {trainer_threads} "
+        f"(launcher.server_threads / trainer_threads; 0 = the bundle's launcher.ray.cpus_per_process)"
+    )
     server_cfg = getattr(cfg, "server", None)
-    key = {**forwarded_env(lc.ray.forward_env), **api_key_env(server_cfg.api_key if server_cfg else "")}
+    key = {
+        **forwarded_env(lc.ray.forward_env),
+        **api_key_env(server_cfg.api_key if server_cfg else ""),
+    }
     registry = reset_trial(cfg)
     servers = {f"server{i}": job.actor(f"server{i}", i) for i in range(cluster.n_servers)}
     for name, a in servers.items():
         node = job.call(a.node.remote(), f"{name}'s actor")
         host = "127.0.0.1" if cluster.n_nodes == 1 else node["ip"]
-        cmd = [sys.executable, "-m", "areal.launcher.server_task", "--name", name, "--host", host, script, *public]
-        job.call(a.start.remote(f"{name}-task", cmd, {**threads_env(server_threads), **key}, cwd), name)
+        cmd = [
+            sys.executable,
+            "-m",
+            "areal.launcher.server_task",
+            "--name",
+            name,
+            "--host",
+            host,
+            script,
+            *public,
+        ]
+        job.call(
+            a.start.remote(f"{name}-task", cmd, {**threads_env(server_threads), **key}, cwd), name
+        )
     if servers:
         _wait_registered(job, registry, servers)
     ranks = [job.actor(f"trainer{r}", cluster.n_servers + r) for r in range(n_ranks)]
@@ -233,10 +271,20 @@ def _run(job: _Job, script: str, argv: list[str], attempt: int, n_ranks: int) ->
         local.setdefault(node["ip"], []).append(r)
     for r, (a, node) in enumerate(zip(ranks, nodes)):
         peers = local[node["ip"]]
-        gpus = ",".join(g for p in peers for g in nodes[p]["gpus"]) or None  # cuda:LOCAL_RANK is ours
-        env = {**torch_dist_env(r, n_ranks, peers.index(r), master_addr, master_port),
-               **trainer_env(attempt), **threads_env(trainer_threads), **devices_env(gpus), **key}
-        job.call(a.start.remote(f"trainer{r}", [sys.executable, script, *public], env, cwd), f"trainer rank {r}")
+        gpus = (
+            ",".join(g for p in peers for g in nodes[p]["gpus"]) or None
+        )  # cuda:LOCAL_RANK is ours
+        env = {
+            **torch_dist_env(r, n_ranks, peers.index(r), master_addr, master_port),
+            **trainer_env(attempt),
+            **threads_env(trainer_threads),
+            **devices_env(gpus),
+            **key,
+        }
+        job.call(
+            a.start.remote(f"trainer{r}", [sys.executable, script, *public], env, cwd),
+            f"trainer rank {r}",
+        )
     return _follow(job, servers, ranks)
 
 
@@ -249,8 +297,10 @@ def _wait_registered(job: _Job, registry, servers: dict[str, Any]) -> None:
         for name, a in servers.items():
             code, cause = job.call(a.poll.remote(), name)
             if code is not None:
-                raise RuntimeError(f"{name} exited with code {code} before registering: {cause}; "
-                                   f"see {cfg.run_dir / 'logs' / name}.log")
+                raise RuntimeError(
+                    f"{name} exited with code {code} before registering: {cause}; "
+                    f"see {cfg.run_dir / 'logs' / name}.log"
+                )
         try:
             wait_for_servers(registry, cfg, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
             return
@@ -290,8 +340,10 @@ def _follow(job: _Job, servers: dict[str, Any], ranks: list) -> int:
                 code, cause = 1, f"its actor died: {e}"
             if code is not None:
                 gone.add(name)
-                logger.error(f"{name} is gone (code {code}: {cause}); the trainer continues on the "
-                             "other servers")
+                logger.error(
+                    f"{name} is gone (code {code}: {cause}); the trainer continues on the "
+                    "other servers"
+                )
         time.sleep(POLL_S)
     return 0
 

@@ -40,12 +40,16 @@ def run_server_task(name: str, host: str, script: str, argv: list[str]) -> int:
         die_with(launcher)
     env = {**threads_env(lc.server_threads), **api_key_env(cfg.server.api_key)}
     stop = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
+        for sig in (signal.SIGTERM, signal.SIGINT)
+    }
     try:
         # The server's output goes to its own log only: this task's output (the caller's log)
         # says where it serves, and when it was restarted.
-        with ProcessSupervisor(cfg.run_dir / "logs", echo=False, stop_timeout=lc.stop_timeout) as sup:
+        with ProcessSupervisor(
+            cfg.run_dir / "logs", echo=False, stop_timeout=lc.stop_timeout
+        ) as sup:
             server = ManagedServer.start(sup, cfg, name, free_port(), env, host)
             sup.wait_http_ok(server.child, f"{server.url}/health", lc.server_setup_timeout)
             registry = make_repository(cfg.cluster.name_resolve, cfg.name_resolve_root)
@@ -64,10 +68,14 @@ def run_server_task(name: str, host: str, script: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m areal.launcher.server_task")
-    parser.add_argument("--name", required=True, help="process name: its log is RUN_DIR/logs/NAME.log")
+    parser.add_argument(
+        "--name", required=True, help="process name: its log is RUN_DIR/logs/NAME.log"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind and to register")
     parser.add_argument("script", help="the entry script (its CONFIG class reads the config)")
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help="--config YAML and key=value overrides")
+    parser.add_argument(
+        "rest", nargs=argparse.REMAINDER, help="--config YAML and key=value overrides"
+    )
     args = parser.parse_args(argv)
     try:
         return run_server_task(args.name, args.host, args.script, args.rest)

@@ -40,7 +40,9 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def pin_newest_weights(weights_dir: str | Path, pinned: Path, tries: int = 3) -> tuple[str, int] | None:
+def pin_newest_weights(
+    weights_dir: str | Path, pinned: Path, tries: int = 3
+) -> tuple[str, int] | None:
     """:func:`newest_weights`, hard-linked into ``pinned`` (replaced): the trainer's publisher
     deletes old weight dirs (it keeps the newest few), which could happen between choosing a dir
     for a restarted server and the server loading it. None if nothing is published."""
@@ -55,12 +57,15 @@ def pin_newest_weights(weights_dir: str | Path, pinned: Path, tries: int = 3) ->
         except (FileNotFoundError, shutil.Error):  # deleted while linking: a newer one exists
             continue
         return str(pinned), found[1]
-    raise RuntimeError(f"the newest weights under {weights_dir} kept disappearing while being pinned "
-                       f"for a restarted server ({tries} tries)")
+    raise RuntimeError(
+        f"the newest weights under {weights_dir} kept disappearing while being pinned "
+        f"for a restarted server ({tries} tries)"
+    )
 
 
-def server_command(cfg, port: int, config_path: Path, model: str = "", version: int = 0,
-                   host: str = "127.0.0.1") -> list[str]:
+def server_command(
+    cfg, port: int, config_path: Path, model: str = "", version: int = 0, host: str = "127.0.0.1"
+) -> list[str]:
     """Command line for one server on ``host:port`` serving ``model`` (default
     ``cfg.served_model_path``) whose tokens carry ``version`` until the first weight update.
 
@@ -85,7 +90,9 @@ def server_command(cfg, port: int, config_path: Path, model: str = "", version: 
         ]  # fmt: skip
     if backend == "vllm":
         r = cfg.rollout
-        return vllm_command(vllm_python(r.vllm_python), model, host, port, r.served_model_name, r.vllm_args)
+        return vllm_command(
+            vllm_python(r.vllm_python), model, host, port, r.served_model_name, r.vllm_args
+        )
     raise ValueError(f"rollout.backend={backend!r} is not one of areal, sglang, vllm")
 
 
@@ -101,8 +108,15 @@ class ManagedServer:
     restarts: int = 0
 
     @classmethod
-    def start(cls, sup: ProcessSupervisor, cfg, name: str, port: int, env: dict[str, str],
-              host: str = "127.0.0.1") -> ManagedServer:
+    def start(
+        cls,
+        sup: ProcessSupervisor,
+        cfg,
+        name: str,
+        port: int,
+        env: dict[str, str],
+        host: str = "127.0.0.1",
+    ) -> ManagedServer:
         """Start server ``name`` on ``host:port`` with the actor's initial weights."""
         cmd = server_command(cfg, port, cfg.run_dir / f"{name}.yaml", host=host)
         env = {**env, **server_env(cfg)}
@@ -122,18 +136,28 @@ class ManagedServer:
         and their version (the trainer's client takes it back at its next weight update), up to
         ``launcher.server_restarts`` times; False (logged with the reason) if it stays dead."""
         child, limit = self.child, cfg.launcher.server_restarts
-        why = cfg.server_restart_blocker() or (f"it was restarted {limit} time(s) already (launcher.server_restarts)"
-                                    if self.restarts >= limit else "")
+        why = cfg.server_restart_blocker() or (
+            f"it was restarted {limit} time(s) already (launcher.server_restarts)"
+            if self.restarts >= limit
+            else ""
+        )
         if why:
-            logger.error(f"{child.name} exited with code {child.proc.returncode}; not restarting it: {why}. "
-                         f"The trainer continues on the other servers. Last lines:\n{child.tail(10)}")
+            logger.error(
+                f"{child.name} exited with code {child.proc.returncode}; not restarting it: {why}. "
+                f"The trainer continues on the other servers. Last lines:\n{child.tail(10)}"
+            )
             return False
-        model, version = pin_newest_weights(cfg.weights_dir, cfg.run_dir / "servers" / f"{child.name}-weights") \
-            or (cfg.served_model_path, 0)
+        model, version = pin_newest_weights(
+            cfg.weights_dir, cfg.run_dir / "servers" / f"{child.name}-weights"
+        ) or (cfg.served_model_path, 0)
         self.restarts += 1
-        logger.error(f"{child.name} exited with code {child.proc.returncode}; restarting it on port {self.port} "
-                     f"with weights version {version} ({self.restarts} of {limit}). Last lines:\n{child.tail(10)}")
-        cmd = server_command(cfg, self.port, cfg.run_dir / f"{child.name}.yaml", model, version, self.host)
+        logger.error(
+            f"{child.name} exited with code {child.proc.returncode}; restarting it on port {self.port} "
+            f"with weights version {version} ({self.restarts} of {limit}). Last lines:\n{child.tail(10)}"
+        )
+        cmd = server_command(
+            cfg, self.port, cfg.run_dir / f"{child.name}.yaml", model, version, self.host
+        )
         sup.children.remove(child)
         self.child = sup.start(child.name, cmd, env=self.env)
         return True
@@ -158,8 +182,9 @@ def vllm_python(configured: str) -> str:
 VLLM_EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
 
 
-def vllm_command(python: str, model: str, host: str, port: int, served_model_name: str,
-                 extra_args: list[str]) -> list[str]:
+def vllm_command(
+    python: str, model: str, host: str, port: int, served_model_name: str, extra_args: list[str]
+) -> list[str]:
     """A vLLM OpenAI server as the rollout client needs it (run it with :func:`vllm_env`).
 
     The module, not the ``vllm`` console script (which fails for the CPU wheel's dist name,

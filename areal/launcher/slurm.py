@@ -43,8 +43,13 @@ from pathlib import Path
 
 from areal.api.config import ConfigError, load_config
 from areal.api.launch import LAUNCHER_PID, api_key_env, server_api_key, threads_env, trainer_env
-from areal.launcher.common import (COLOCATE_LOCAL_ONLY, launch, load_script_config_class, reset_trial,
-                                   wait_for_servers)
+from areal.launcher.common import (
+    COLOCATE_LOCAL_ONLY,
+    launch,
+    load_script_config_class,
+    reset_trial,
+    wait_for_servers,
+)
 from areal.launcher.local import without_secrets
 from areal.launcher.procs import record_failure, root_cause
 from areal.launcher.slurm_errors import controller_problem
@@ -59,8 +64,19 @@ POLL_S = 1.0  # seconds between looks at the job's state and logs
 COMMAND_TIMEOUT_S = 60.0  # one call of sbatch / scontrol / scancel / sinfo
 CONTROLLER_TIMEOUT_S = 120.0  # slurmctld unreachable this long while the job runs: stop
 STEP_SLACK_S = 60.0  # beyond server_setup_timeout: srun step creation, interpreter and config load
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-         "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"}
+ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+    "SPECIAL_EXIT",
+    "REVOKED",
+}
 # Pending reasons of a request Slurm will never start as it stands (slurm.schedmd.com
 # job_reason_codes). ReqNodeNotAvail is not one: Slurm also shows it for a while during backfill
 # and for nodes that come back; such a job waits out start_timeout like Resources or Priority.
@@ -113,16 +129,23 @@ class Layout:
 
     def wanted(self, time_limit: str = "") -> str:
         k, c = self.processes_per_node, self.cpus_per_process
-        text = (f"{self.nodes} node(s), each {k} process(es) ({self.trainer_nprocs} trainer rank(s) + "
-                f"up to {self.servers_per_node} server(s)) x {c} CPU(s) = {k * c} CPUs")
+        text = (
+            f"{self.nodes} node(s), each {k} process(es) ({self.trainer_nprocs} trainer rank(s) + "
+            f"up to {self.servers_per_node} server(s)) x {c} CPU(s) = {k * c} CPUs"
+        )
         text += f" and {k} GPU(s)" if self.gpus else ""
         return text + (f", time limit {time_limit}" if time_limit else "")
 
 
 def layout(cfg) -> Layout:
     c = cfg.cluster
-    return Layout(c.n_nodes, c.trainer_nprocs, c.n_servers, cfg.launcher.slurm.cpus_per_process,
-                  bool(c.devices_per_node))
+    return Layout(
+        c.n_nodes,
+        c.trainer_nprocs,
+        c.n_servers,
+        cfg.launcher.slurm.cpus_per_process,
+        bool(c.devices_per_node),
+    )
 
 
 def job_name(cfg) -> str:
@@ -132,35 +155,49 @@ def job_name(cfg) -> str:
 def slurm_problems(cfg) -> list[str]:
     """What stops this config from being submitted, each with the fix (empty: none)."""
     sc, cluster = cfg.launcher.slurm, cfg.cluster
-    problems = [f"{tool} is not on PATH: `areal launch slurm` runs where Slurm's client commands "
-                "do (a login node; apt-get install slurm-client, or your site's slurm module)"
-                for tool in ("sbatch", "srun", "scontrol", "scancel", "squeue", "sinfo") if shutil.which(tool) is None]
+    problems = [
+        f"{tool} is not on PATH: `areal launch slurm` runs where Slurm's client commands "
+        "do (a login node; apt-get install slurm-client, or your site's slurm module)"
+        for tool in ("sbatch", "srun", "scontrol", "scancel", "squeue", "sinfo")
+        if shutil.which(tool) is None
+    ]
     if cluster.devices_per_node is None:
-        problems.append("cluster.devices_per_node: null; on Slurm say what to ask for per node: the "
-                        "GPUs of each node (one per server and per trainer rank), or 0 for CPU only")
+        problems.append(
+            "cluster.devices_per_node: null; on Slurm say what to ask for per node: the "
+            "GPUs of each node (one per server and per trainer rank), or 0 for CPU only"
+        )
     elif cluster.devices_per_node and layout(cfg).processes_per_node > cluster.devices_per_node:
         lay = layout(cfg)
         problems.append(
             f"cluster.devices_per_node: {cluster.devices_per_node} GPUs per node cannot hold "
             f"{lay.trainer_nprocs} trainer rank(s) + {lay.servers_per_node} server(s) per node "
             f"(ceil(cluster.n_servers={cluster.n_servers} / cluster.n_nodes={cluster.n_nodes})); lower "
-            "cluster.trainer_nprocs or cluster.n_servers, or raise cluster.n_nodes")
+            "cluster.trainer_nprocs or cluster.n_servers, or raise cluster.n_nodes"
+        )
     if cluster.colocate:
         problems.append(COLOCATE_LOCAL_ONLY)
     if cluster.name_resolve.type == "memory":
-        problems.append("cluster.name_resolve.type: memory lives in one process, but the job's servers "
-                        "and trainers are many; use file (a directory every node sees) or etcd")
+        problems.append(
+            "cluster.name_resolve.type: memory lives in one process, but the job's servers "
+            "and trainers are many; use file (a directory every node sees) or etcd"
+        )
     server = getattr(cfg, "server", None)
     if cluster.n_nodes > 1 and cluster.n_servers and not server_api_key(server.api_key):
         problems.append(
             f"server.api_key: empty, but with cluster.n_nodes={cluster.n_nodes} the servers bind their "
             "node's address, which other machines reach; export AREAL_SERVER_API_KEY=<key> before "
-            "launching (it reaches the job by environment, never a file or a command line)")
-    if sc.container_image and not problems and "--container-image" not in _run(["srun", "--help"]).stdout:
+            "launching (it reaches the job by environment, never a file or a command line)"
+        )
+    if (
+        sc.container_image
+        and not problems
+        and "--container-image" not in _run(["srun", "--help"]).stdout
+    ):
         problems.append(
             f"launcher.slurm.container_image: {sc.container_image!r}, but this srun has no "
             "--container-image option (the pyxis plugin is not installed here); leave it empty or "
-            "ask your administrators for pyxis")
+            "ask your administrators for pyxis"
+        )
     return problems
 
 
@@ -168,10 +205,18 @@ def _run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Comple
     """Run a Slurm command (deadline COMMAND_TIMEOUT_S); its completed process, never raising on
     a non-zero exit."""
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, env=env,
-                              stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT_S,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(cmd, 124, "", f"{cmd[0]} did not answer within {COMMAND_TIMEOUT_S:g} s")
+        return subprocess.CompletedProcess(
+            cmd, 124, "", f"{cmd[0]} did not answer within {COMMAND_TIMEOUT_S:g} s"
+        )
 
 
 # ----------------------------------------------------------------------------- the batch script
@@ -184,7 +229,9 @@ def _srun(cfg, options: list[str], command: list[str]) -> list[str]:
     cmd = ["srun", "--exact", "--mem=0", *options]
     if sc.container_image:
         cmd += [f"--container-image={sc.container_image}", f"--container-workdir={os.getcwd()}"]
-        cmd += [f"--container-mounts={','.join(sc.container_mounts)}"] if sc.container_mounts else []
+        cmd += (
+            [f"--container-mounts={','.join(sc.container_mounts)}"] if sc.container_mounts else []
+        )
     return cmd + command
 
 
@@ -199,14 +246,22 @@ def _line(words: list[str], raw: set[str] = frozenset()) -> str:
 
 def _sbatch_header(cfg, lay: Layout) -> list[str]:
     sc = cfg.launcher.slurm
-    options = [f"--job-name={job_name(cfg)}", f"--nodes={lay.nodes}",
-               f"--ntasks-per-node={lay.processes_per_node}", f"--cpus-per-task={lay.cpus_per_process}"]
+    options = [
+        f"--job-name={job_name(cfg)}",
+        f"--nodes={lay.nodes}",
+        f"--ntasks-per-node={lay.processes_per_node}",
+        f"--cpus-per-task={lay.cpus_per_process}",
+    ]
     options += [f"--gpus-per-node={lay.processes_per_node}"] if lay.gpus else []
     options += [f"--partition={sc.partition}"] if sc.partition else []
     options += [f"--account={sc.account}"] if sc.account else []
     options += [f"--time={sc.time_limit}"] if sc.time_limit else []
-    options += [f"--chdir={os.getcwd()}", f"--output={cfg.run_dir.resolve() / 'logs' / 'job.log'}",
-                "--open-mode=append", *sc.sbatch_lines]
+    options += [
+        f"--chdir={os.getcwd()}",
+        f"--output={cfg.run_dir.resolve() / 'logs' / 'job.log'}",
+        "--open-mode=append",
+        *sc.sbatch_lines,
+    ]
     return [f"#SBATCH {o}" for o in options]
 
 
@@ -231,21 +286,41 @@ def _preamble(cfg, lay: Layout, attempt: int) -> list[str]:
     if lay.nodes == 1:
         return lines + ["master_addr=127.0.0.1"]
     # the address Slurm reaches each node at: servers bind it, rank 0's node hosts the rendezvous
-    return lines + ['nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
-                    "node_addr() { scontrol show node -o \"$1\" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p'; }",
-                    'master_addr=$(node_addr "${nodes[0]}")']
+    return lines + [
+        'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
+        "node_addr() { scontrol show node -o \"$1\" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p'; }",
+        'master_addr=$(node_addr "${nodes[0]}")',
+    ]
 
 
 def _trainer_lines(cfg, lay: Layout, attempt: int, args: list[str]) -> list[str]:
     """One torchrun per node (node rank = the node's index in the job); its code ends the job."""
     per_node = [f"--gpus-per-task={lay.trainer_nprocs}"] if lay.gpus else []
     env = {**trainer_env(attempt), **threads_env(cfg.launcher.trainer_threads)}
-    torchrun = ["bash", "-c", 'exec "$0" -m torch.distributed.run --node_rank="$SLURM_NODEID" "$@"', PY,
-                f"--nnodes={lay.nodes}", f"--nproc_per_node={lay.trainer_nprocs}",
-                '--master_addr="$master_addr"', '--master_port="$master_port"', *args]
-    trainer = _srun(cfg, ["--job-name=trainer", f"--nodes={lay.nodes}", f"--ntasks={lay.nodes}", "--ntasks-per-node=1",
-                          f"--cpus-per-task={lay.trainer_nprocs * lay.cpus_per_process}", *per_node,
-                          "--kill-on-bad-exit=1"], [*_env(env), *torchrun])
+    torchrun = [
+        "bash",
+        "-c",
+        'exec "$0" -m torch.distributed.run --node_rank="$SLURM_NODEID" "$@"',
+        PY,
+        f"--nnodes={lay.nodes}",
+        f"--nproc_per_node={lay.trainer_nprocs}",
+        '--master_addr="$master_addr"',
+        '--master_port="$master_port"',
+        *args,
+    ]
+    trainer = _srun(
+        cfg,
+        [
+            "--job-name=trainer",
+            f"--nodes={lay.nodes}",
+            f"--ntasks={lay.nodes}",
+            "--ntasks-per-node=1",
+            f"--cpus-per-task={lay.trainer_nprocs * lay.cpus_per_process}",
+            *per_node,
+            "--kill-on-bad-exit=1",
+        ],
+        [*_env(env), *torchrun],
+    )
     raw = {PY, '--master_addr="$master_addr"', '--master_port="$master_port"'}
     return [
         f'{_line(trainer, raw)} >> "$run_dir/logs/trainer.log" 2>&1',
@@ -262,9 +337,18 @@ def job_script(cfg, script: str, argv: list[str], attempt: int) -> str:
     args = [str(Path(script).resolve()), *argv]
     lines = _preamble(cfg, lay, attempt)
     no_gpu = ["--gres=none"] if lay.gpus else []
-    prologue = _srun(cfg, ["--job-name=prologue", "--nodes=1", "--ntasks=1", "--relative=0",
-                           "--cpus-per-task=1", *no_gpu],
-                     [PY, "-m", "areal.launcher.slurm", "--job-prologue", *args])
+    prologue = _srun(
+        cfg,
+        [
+            "--job-name=prologue",
+            "--nodes=1",
+            "--ntasks=1",
+            "--relative=0",
+            "--cpus-per-task=1",
+            *no_gpu,
+        ],
+        [PY, "-m", "areal.launcher.slurm", "--job-prologue", *args],
+    )
     lines += [
         "# clear the trial's registry (no address of an earlier run survives), pick the rendezvous port",
         f"master_port=$({_line(prologue, {PY})} | tail -n 1)",
@@ -273,10 +357,29 @@ def job_script(cfg, script: str, argv: list[str], attempt: int) -> str:
     gpu = ["--gpus-per-task=1"] if lay.gpus else []
     for i in range(lay.servers):
         host = f'"$(node_addr "${{nodes[{i % lay.nodes}]}}")"' if lay.nodes > 1 else "127.0.0.1"
-        cmd = _srun(cfg, [f"--job-name=server{i}", "--nodes=1", "--ntasks=1", f"--relative={i % lay.nodes}",
-                          f"--cpus-per-task={lay.cpus_per_process}", *gpu],
-                    [*_env(threads_env(cfg.launcher.server_threads)), PY, "-m", "areal.launcher.server_task",
-                     "--name", f"server{i}", "--host", host, *args, "launcher.echo=false"])
+        cmd = _srun(
+            cfg,
+            [
+                f"--job-name=server{i}",
+                "--nodes=1",
+                "--ntasks=1",
+                f"--relative={i % lay.nodes}",
+                f"--cpus-per-task={lay.cpus_per_process}",
+                *gpu,
+            ],
+            [
+                *_env(threads_env(cfg.launcher.server_threads)),
+                PY,
+                "-m",
+                "areal.launcher.server_task",
+                "--name",
+                f"server{i}",
+                "--host",
+                host,
+                *args,
+                "launcher.echo=false",
+            ],
+        )
         lines.append(f'{_line(cmd, {PY, host})} >> "$run_dir/logs/server{i}-task.log" 2>&1 &')
     return "\n".join(lines + _trainer_lines(cfg, lay, attempt, args)) + "\n"
 
@@ -312,8 +415,10 @@ def available(partition: str) -> str:
         note = f" (default {default})" if default else ""
         return f"there is no partition {name!r}; partitions here: {there}{note}"
     rows = parts[name]
-    shown = "; ".join(f"{node}: {cpus} CPUs, {'GRES ' + gres if gres != '(null)' else 'no GPUs'}, {state}"
-                      for node, _, cpus, gres, state, _ in rows[:8])
+    shown = "; ".join(
+        f"{node}: {cpus} CPUs, {'GRES ' + gres if gres != '(null)' else 'no GPUs'}, {state}"
+        for node, _, cpus, gres, state, _ in rows[:8]
+    )
     more = f"; {len(rows) - 8} more" if len(rows) > 8 else ""
     return f"partition {name} has {len(rows)} node(s) ({shown}{more}), time limit {rows[0][5]}"
 
@@ -349,8 +454,10 @@ class SlurmJob:
         elif "Invalid job id" in proc.stderr:  # purged (MinJobAge) or never known
             self.fields = {**self.fields, "JobState": "GONE"}
         elif time.monotonic() - self._answered > CONTROLLER_TIMEOUT_S:
-            raise JobFailed(f"slurmctld did not answer `scontrol show job` for {CONTROLLER_TIMEOUT_S:g} s: "
-                            f"{proc.stderr.strip()}")
+            raise JobFailed(
+                f"slurmctld did not answer `scontrol show job` for {CONTROLLER_TIMEOUT_S:g} s: "
+                f"{proc.stderr.strip()}"
+            )
         return self.state
 
     def steps(self) -> set[str] | None:
@@ -378,9 +485,11 @@ class SlurmJob:
             except JobFailed:
                 break
         if not self.ended:
-            logger.error(f"job {self.id} is still {self.state} {timeout:g} s later (launcher.slurm.cancel_timeout); "
-                         f"check `squeue -j {self.id}`, scancel it again, or ask an administrator about "
-                         "nodes stuck in COMPLETING")
+            logger.error(
+                f"job {self.id} is still {self.state} {timeout:g} s later (launcher.slurm.cancel_timeout); "
+                f"check `squeue -j {self.id}`, scancel it again, or ask an administrator about "
+                "nodes stuck in COMPLETING"
+            )
 
 
 class LogFollower:
@@ -405,7 +514,9 @@ class LogFollower:
                     data = f.read()
             except OSError:
                 continue
-            *lines, rest = data.split(b"\n")  # a last line without its newline waits for the next poll
+            *lines, rest = data.split(
+                b"\n"
+            )  # a last line without its newline waits for the next poll
             self.offsets[path] = start + len(data) - len(rest)
             for line in lines:
                 sys.stdout.write(f"[{path.stem}] {line.decode(errors='replace')}\n")
@@ -431,14 +542,23 @@ def submit(cfg, path: Path, lay: Layout) -> SlurmJob:
     if proc.returncode == 0:
         return SlurmJob(proc.stdout.strip().split(";")[0])
     error = proc.stderr.strip().replace("\n", "; ")
-    if problem := controller_problem(error, timed_out=proc.returncode == 124):  # not the request's size
+    if problem := controller_problem(
+        error, timed_out=proc.returncode == 124
+    ):  # not the request's size
         raise JobFailed(problem)
-    raise ConfigError([f"sbatch refused the job ({error}). Wanted {lay.wanted(sc.time_limit)}; "
-                       f"{available(sc.partition)}. {_FIX}"], "the Slurm placement")
+    raise ConfigError(
+        [
+            f"sbatch refused the job ({error}). Wanted {lay.wanted(sc.time_limit)}; "
+            f"{available(sc.partition)}. {_FIX}"
+        ],
+        "the Slurm placement",
+    )
 
 
-_FIX = ("Ask for less (cluster.n_nodes, cluster.trainer_nprocs, cluster.n_servers, cluster.devices_per_node, "
-        "launcher.slurm.cpus_per_process, launcher.slurm.time_limit) or choose another launcher.slurm.partition")
+_FIX = (
+    "Ask for less (cluster.n_nodes, cluster.trainer_nprocs, cluster.n_servers, cluster.devices_per_node, "
+    "launcher.slurm.cpus_per_process, launcher.slurm.time_limit) or choose another launcher.slurm.partition"
+)
 
 
 def wait_started(job: SlurmJob, cfg, lay: Layout) -> None:
@@ -450,15 +570,19 @@ def wait_started(job: SlurmJob, cfg, lay: Layout) -> None:
         reason = job.reason
         meaning = never_placed(reason)
         if meaning:
-            raise ConfigError([
-                f"job {job.id} can never start as asked: Slurm says {reason}: {meaning}. Wanted "
-                f"{lay.wanted(sc.time_limit)}; {available(sc.partition or job.fields.get('Partition', ''))}. {_FIX}"
-            ], "the Slurm placement")
+            raise ConfigError(
+                [
+                    f"job {job.id} can never start as asked: Slurm says {reason}: {meaning}. Wanted "
+                    f"{lay.wanted(sc.time_limit)}; {available(sc.partition or job.fields.get('Partition', ''))}. {_FIX}"
+                ],
+                "the Slurm placement",
+            )
         if time.monotonic() > deadline:
             raise JobFailed(
                 f"the job did not start within {sc.start_timeout:g} s (launcher.slurm.start_timeout); "
                 f"Slurm's last pending reason: {reason}. Wanted {lay.wanted(sc.time_limit)}; "
-                f"{available(sc.partition)}. Raise the timeout to wait for a busy cluster, or ask for less")
+                f"{available(sc.partition)}. Raise the timeout to wait for a busy cluster, or ask for less"
+            )
         time.sleep(POLL_S)
     if job.state != "RUNNING":
         raise JobFailed(f"the job went {job.state} (reason {job.reason}) before it ran")
@@ -489,19 +613,27 @@ def wait_registered(job: SlurmJob, registry, cfg, follower: LogFollower) -> None
             why = f"the step of {', '.join(ended)} ended before all servers registered"
         elif time.monotonic() > deadline:
             got = len(registry.get_subtree(gen_servers_key(cfg.experiment_name, cfg.trial_name)))
-            why = (f"{got} of {n} server(s) registered within {limit:g} s (launcher.server_setup_timeout="
-                   f"{cfg.launcher.server_setup_timeout:g} + {STEP_SLACK_S:g} s to start the steps)")
+            why = (
+                f"{got} of {n} server(s) registered within {limit:g} s (launcher.server_setup_timeout="
+                f"{cfg.launcher.server_setup_timeout:g} + {STEP_SLACK_S:g} s to start the steps)"
+            )
         if why:
             for s in ended or names:
-                logger.error(f"last lines of {logs / s}-task.log:\n{_tail(logs / f'{s}-task.log', 8)}")
+                logger.error(
+                    f"last lines of {logs / s}-task.log:\n{_tail(logs / f'{s}-task.log', 8)}"
+                )
             raise JobFailed(why)
 
 
 ENDED_WHY = {
     "CANCELLED": "was cancelled (scancel by a user or an administrator, or preemption)",
     "TIMEOUT": "reached its time limit (launcher.slurm.time_limit, or the partition's)",
-    "NODE_FAIL": "lost a node (NODE_FAIL)", "PREEMPTED": "was preempted", "BOOT_FAIL": "could not boot its nodes",
-    "OUT_OF_MEMORY": "ran out of memory", "DEADLINE": "passed its deadline", "GONE": "is unknown to Slurm",
+    "NODE_FAIL": "lost a node (NODE_FAIL)",
+    "PREEMPTED": "was preempted",
+    "BOOT_FAIL": "could not boot its nodes",
+    "OUT_OF_MEMORY": "ran out of memory",
+    "DEADLINE": "passed its deadline",
+    "GONE": "is unknown to Slurm",
 }
 
 
@@ -515,7 +647,9 @@ def follow(job: SlurmJob, cfg, follower: LogFollower) -> int:
     exit_file = cfg.run_dir / "slurm" / "trainer.exit"
     if not exit_file.is_file():
         why = ENDED_WHY.get(job.state, f"ended {job.state}")
-        raise JobFailed(f"the job {why} before the trainer finished (ExitCode {job.fields.get('ExitCode', '?')})")
+        raise JobFailed(
+            f"the job {why} before the trainer finished (ExitCode {job.fields.get('ExitCode', '?')})"
+        )
     return int(exit_file.read_text().strip())
 
 
@@ -550,8 +684,10 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
         with _SignalsHeld():  # a Ctrl-C during sbatch arrives once the job is known, to cancel it
             job = submit(cfg, path, lay)
         (slurm_dir / "job.id").write_text(f"{job.id}\n")
-        logger.info(f"submitted job {job.id} ({path}); should this launcher be killed, cancel it with "
-                    f"`scancel {job.id}` or `scancel --name={job_name(cfg)}`")
+        logger.info(
+            f"submitted job {job.id} ({path}); should this launcher be killed, cancel it with "
+            f"`scancel {job.id}` or `scancel --name={job_name(cfg)}`"
+        )
         wait_started(job, cfg, lay)
         logger.info(f"job {job.id} runs on {job.fields.get('NodeList', '?')}")
         wait_registered(job, registry, cfg, follower)
@@ -568,7 +704,9 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
     if code != 0:
         lines = _tail(logs / "trainer.log", 400, trainer_start).splitlines()
         cause = root_cause(lines, code)
-        logger.error(f"trainer exited with code {code} ({cause}); last lines:\n" + "\n".join(lines[-20:]))
+        logger.error(
+            f"trainer exited with code {code} ({cause}); last lines:\n" + "\n".join(lines[-20:])
+        )
         record_failure(logs, "trainer", code, cause)
     return code
 

@@ -61,8 +61,13 @@ def _setup(inputs):
         resource.setrlimit(resource.RLIMIT_NPROC, (spec["nproc"], spec["nproc"]))
     # Not dumpable: this runner's /proc/<pid>/mem (/proc/1/mem in the pid namespace) and its
     # other ptrace-guarded files are closed to the solution, which runs as the same uid.
-    if ctypes.CDLL(None, use_errno=True).prctl(ctypes.c_int(_PR_SET_DUMPABLE), ctypes.c_ulong(0),
-                                               ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)):
+    if ctypes.CDLL(None, use_errno=True).prctl(
+        ctypes.c_int(_PR_SET_DUMPABLE),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+        ctypes.c_ulong(0),
+    ):
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
     if spec["seccomp"]:
         with open(os.path.join(inputs, "seccomp.bpf"), "rb") as f:

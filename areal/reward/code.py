@@ -98,7 +98,9 @@ def values_equal(got: Any, expected: Any) -> bool:
         return len(got) == len(expected) and all(map(values_equal, got, expected))
     if isinstance(got, dict) and isinstance(expected, dict):
         return got.keys() == expected.keys() and all(values_equal(got[k], expected[k]) for k in got)
-    return json.loads(json.dumps(got, default=repr)) == json.loads(json.dumps(expected, default=repr))
+    return json.loads(json.dumps(got, default=repr)) == json.loads(
+        json.dumps(expected, default=repr)
+    )
 
 
 def case_passed(case: dict, result: SandboxResult) -> bool:

@@ -204,7 +204,8 @@ class RewardRunner:
     def map(self, sample_ids: list[str], *arg_lists: list[Any]) -> list[float]:
         """Score many calls concurrently (blocking): ``fn(a[i], b[i], ...)`` per sample id."""
         futures = [
-            self._threads.submit(self.call, sid, *args) for sid, *args in zip(sample_ids, *arg_lists)
+            self._threads.submit(self.call, sid, *args)
+            for sid, *args in zip(sample_ids, *arg_lists)
         ]
         return [f.result() for f in futures]
 

@@ -79,7 +79,9 @@ _NAMESPACE_FLAGS = (0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x2
 
 # bad_result: a function-call case whose result descriptor holds no parsable result (missing,
 # malformed, nested past the parser's depth); untrusted output, so the case fails (scores 0).
-Status = Literal["ok", "runtime_error", "timeout", "memory", "output_limit", "bad_result", "sandbox_error"]
+Status = Literal[
+    "ok", "runtime_error", "timeout", "memory", "output_limit", "bad_result", "sandbox_error"
+]
 
 
 @dataclass
@@ -195,8 +197,10 @@ def _seccomp_problem() -> str:
     try:
         seccomp_program()
     except (ImportError, OSError, RuntimeError, ValueError) as e:
-        return (f"seccomp: cannot build the filter ({e!r}); fix: pip install pyseccomp and "
-                "apt-get install libseccomp2")
+        return (
+            f"seccomp: cannot build the filter ({e!r}); fix: pip install pyseccomp and "
+            "apt-get install libseccomp2"
+        )
     return ""
 
 
@@ -443,7 +447,9 @@ def run_python(
     if not layers.namespaces and not root:
         nproc += _tasks_of_uid(os.getuid())  # per-user count: headroom over what we hold now
     case = Path(tempfile.mkdtemp(prefix="areal_sandbox_"))
-    ready_r, ready_w = os.pipe()  # the runner writes "ready" here, then closes it, before the code runs
+    ready_r, ready_w = (
+        os.pipe()
+    )  # the runner writes "ready" here, then closes it, before the code runs
     try:
         with open(case / "result.json", "wb") as result_file:
             spec = {
@@ -465,7 +471,9 @@ def run_python(
         result = None
         if status == "ok" and fn_name is not None:
             try:
-                result = json.loads(_read_capped(case / "result.json", cfg.max_file_mb << 20))["result"]
+                result = json.loads(_read_capped(case / "result.json", cfg.max_file_mb << 20))[
+                    "result"
+                ]
             except (ValueError, KeyError, TypeError, RecursionError):
                 # Untrusted output (the submission can write anything to its result descriptor):
                 # one that does not parse scores 0, counted by its status, never raises.

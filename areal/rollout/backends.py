@@ -88,8 +88,14 @@ class Backend(abc.ABC):
     health = HttpCall("GET", "/health")
 
     @abc.abstractmethod
-    def generate(self, input_ids: list[int], g: GenerationHyperparameters, max_new_tokens: int,
-                 min_new_tokens: int, seed: int | None) -> HttpCall:
+    def generate(
+        self,
+        input_ids: list[int],
+        g: GenerationHyperparameters,
+        max_new_tokens: int,
+        min_new_tokens: int,
+        seed: int | None,
+    ) -> HttpCall:
         """Generate up to ``max_new_tokens`` after ``input_ids`` (a continuation after abort
         passes prompt + partial output and the remaining budget)."""
 
@@ -128,11 +134,15 @@ class Backend(abc.ABC):
         """Load HF weights from ``path``; new tokens carry ``version``."""
 
     @abc.abstractmethod
-    def init_weight_group(self, meta: WeightUpdateMeta, rank_offset: int, world_size: int) -> HttpCall:
+    def init_weight_group(
+        self, meta: WeightUpdateMeta, rank_offset: int, world_size: int
+    ) -> HttpCall:
         """Join the trainer's torch.distributed weight-update group as rank ``rank_offset``."""
 
     @abc.abstractmethod
-    def update_from_distributed(self, meta: WeightUpdateMeta, announcement: dict[str, list]) -> HttpCall:
+    def update_from_distributed(
+        self, meta: WeightUpdateMeta, announcement: dict[str, list]
+    ) -> HttpCall:
         """Receive the announced tensors over the group; new tokens carry ``meta.version``."""
 
 
@@ -175,8 +185,10 @@ class NativeBackend(Backend):
                 f"{self.name} /generate answer lacks meta_info.output_token_logprobs or "
                 f"finish_reason ({e!r}): {str(body)[:300]}"
             ) from None
-        if "output_ids" in body and list(body["output_ids"])[-len(ids):] != ids and ids:
-            raise BadServerResponse(f"output_ids disagree with output_token_logprobs: {str(body)[:300]}")
+        if "output_ids" in body and list(body["output_ids"])[-len(ids) :] != ids and ids:
+            raise BadServerResponse(
+                f"output_ids disagree with output_token_logprobs: {str(body)[:300]}"
+            )
         versions = meta.get("output_token_versions")
         scalar = meta.get("weight_version")  # ours: int; SGLang: a string such as "3"
         if versions is None and str(scalar).lstrip("-").isdigit():
@@ -188,8 +200,12 @@ class NativeBackend(Backend):
     def score(self, input_ids: list[int], start: int) -> HttpCall:
         """``/generate`` with no new token and the prompt's logprobs from ``start`` (SGLang's
         ``logprob_start_len`` counts from the token before the first scored one)."""
-        body = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": start - 1,
-                "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}
+        body = {
+            "input_ids": list(input_ids),
+            "return_logprob": True,
+            "logprob_start_len": start - 1,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+        }
         return HttpCall("POST", "/generate", json=body)
 
     def parse_score(self, body: Any, input_ids: list[int], start: int) -> list[float]:
@@ -198,16 +214,26 @@ class NativeBackend(Backend):
         try:
             triples = body["meta_info"]["input_token_logprobs"]
         except (KeyError, TypeError):
-            raise BadServerResponse(f"score answer lacks meta_info.input_token_logprobs: {str(body)[:300]}") from None
-        scored = [t for t in triples if t[0] is not None][-(len(input_ids) - start):] if len(input_ids) > start else []
+            raise BadServerResponse(
+                f"score answer lacks meta_info.input_token_logprobs: {str(body)[:300]}"
+            ) from None
+        scored = (
+            [t for t in triples if t[0] is not None][-(len(input_ids) - start) :]
+            if len(input_ids) > start
+            else []
+        )
         if [int(t[1]) for t in scored] != list(input_ids[start:]):
-            raise BadServerResponse(f"score answer covers tokens {[t[1] for t in scored][:8]}..., expected "
-                                    f"{list(input_ids[start:])[:8]}...")
+            raise BadServerResponse(
+                f"score answer covers tokens {[t[1] for t in scored][:8]}..., expected "
+                f"{list(input_ids[start:])[:8]}..."
+            )
         return [float(t[0]) for t in scored]
 
     def pause(self) -> HttpCall:
         """``/pause_generation`` (abort mode: in-flight requests return their partial output)."""
-        return HttpCall("POST", "/pause_generation", json={"mode": "abort"} if self.name == "sglang" else None)
+        return HttpCall(
+            "POST", "/pause_generation", json={"mode": "abort"} if self.name == "sglang" else None
+        )
 
     def resume(self) -> HttpCall:
         """``/continue_generation``."""
@@ -251,8 +277,9 @@ class NativeBackend(Backend):
         self._check_distributed()
         missing = {"names", "dtypes", "shapes"} - set(announcement)
         if missing:
-            raise ValueError(f"weight announcement lacks {sorted(missing)}; pass "
-                             "actor.weight_announcement()")
+            raise ValueError(
+                f"weight announcement lacks {sorted(missing)}; pass actor.weight_announcement()"
+            )
         body = {
             "names": announcement["names"], "dtypes": announcement["dtypes"],
             "shapes": announcement["shapes"], "group_name": meta.group_name,
@@ -291,9 +318,12 @@ class VLLMBackend(Backend):
         if seed is not None:
             body["seed"] = seed
         if g.grammar:  # vLLM's structured_outputs names
-            (key, value), = g.grammar.items()
-            body["structured_outputs"] = {"json": json.loads(value)} if key == "json_schema" else \
-                {"regex" if key == "regex" else "grammar": value}
+            ((key, value),) = g.grammar.items()
+            body["structured_outputs"] = (
+                {"json": json.loads(value)}
+                if key == "json_schema"
+                else {"regex" if key == "regex" else "grammar": value}
+            )
         return HttpCall("POST", "/v1/completions", json=body)
 
     def parse_generate(self, body: Any) -> GenerationChunk:
@@ -315,14 +345,22 @@ class VLLMBackend(Backend):
                 f"{str(body)[:300]}"
             ) from None
         if len(ids) != len(logprobs):
-            raise BadServerResponse(f"vllm answer has {len(ids)} tokens but {len(logprobs)} logprobs")
+            raise BadServerResponse(
+                f"vllm answer has {len(ids)} tokens but {len(logprobs)} logprobs"
+            )
         return GenerationChunk(ids, logprobs, None, _stop_reason(kind, body))
 
     def score(self, input_ids: list[int], start: int) -> HttpCall:
         """``/v1/completions`` echoing the prompt with ``prompt_logprobs`` (one token generated,
         ignored)."""
-        body = {"model": self.model, "prompt": list(input_ids), "max_tokens": 1, "temperature": 1.0,
-                "prompt_logprobs": 0, "return_tokens_as_token_ids": True}
+        body = {
+            "model": self.model,
+            "prompt": list(input_ids),
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
         return HttpCall("POST", "/v1/completions", json=body)
 
     def parse_score(self, body: Any, input_ids: list[int], start: int) -> list[float]:
@@ -335,8 +373,10 @@ class VLLMBackend(Backend):
                 entry = positions[t]
                 out.append(float(entry[str(input_ids[t])]["logprob"]))
         except (KeyError, IndexError, TypeError) as e:
-            raise BadServerResponse(f"vllm score answer lacks prompt_logprobs for the prompt tokens ({e!r}): "
-                                    f"{str(body)[:300]}") from None
+            raise BadServerResponse(
+                f"vllm score answer lacks prompt_logprobs for the prompt tokens ({e!r}): "
+                f"{str(body)[:300]}"
+            ) from None
         return out
 
     def pause(self) -> HttpCall:

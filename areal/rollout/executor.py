@@ -208,10 +208,15 @@ class WorkflowExecutor:
             version = self.engine.get_version()
             queues = ((self._pending_exempt, True), (self._pending, False))
             for queue, exempt in queues:
-                while queue and (
-                    self.staleness.concurrency_capacity() if exempt
-                    else self.staleness.capacity(version)
-                ) > 0:
+                while (
+                    queue
+                    and (
+                        self.staleness.concurrency_capacity()
+                        if exempt
+                        else self.staleness.capacity(version)
+                    )
+                    > 0
+                ):
                     if not self._running:
                         self._last_progress = time.monotonic()
                     job = queue.popleft()
@@ -287,8 +292,14 @@ class WorkflowExecutor:
 
     # -- the trainer side ---------------------------------------------------------------------
 
-    def _enqueue(self, item: Any, workflow: RolloutWorkflow, should_accept: ShouldAccept | None,
-                 exempt: bool, seq: int | None = None) -> int:
+    def _enqueue(
+        self,
+        item: Any,
+        workflow: RolloutWorkflow,
+        should_accept: ShouldAccept | None,
+        exempt: bool,
+        seq: int | None = None,
+    ) -> int:
         if not isinstance(workflow, RolloutWorkflow):
             raise TypeError(f"workflow must be a RolloutWorkflow, got {type(workflow).__name__}")
         thread = self._loop_thread()
@@ -300,8 +311,9 @@ class WorkflowExecutor:
         thread.call_soon(self._schedule)
         return seq
 
-    def submit(self, item: Any, workflow: RolloutWorkflow,
-               should_accept: ShouldAccept | None = None) -> int:
+    def submit(
+        self, item: Any, workflow: RolloutWorkflow, should_accept: ShouldAccept | None = None
+    ) -> int:
         """Queue one episode (admitted when staleness allows); returns its submission number."""
         return self._enqueue(item, workflow, should_accept, exempt=False)
 
@@ -309,8 +321,9 @@ class WorkflowExecutor:
         if self._error is not None:
             raise self._error
 
-    def _take(self, count: int, timeout: float | None, strict: bool,
-              in_order: bool = False) -> list[Group] | None:
+    def _take(
+        self, count: int, timeout: float | None, strict: bool, in_order: bool = False
+    ) -> list[Group] | None:
         """Up to ``timeout`` seconds for ``count`` accepted groups; None on timeout.
 
         ``strict``: raise when nothing is running or queued (the wait could never end).
@@ -347,13 +360,16 @@ class WorkflowExecutor:
         got = self._take(count, timeout, strict=True)
         if got is None:
             with self._cond:
-                state = (f"{len(self._finished)} ready, {len(self._running)} running, "
-                         f"{len(self._pending)} queued")
+                state = (
+                    f"{len(self._finished)} ready, {len(self._running)} running, "
+                    f"{len(self._pending)} queued"
+                )
             raise TimeoutError(f"wait({count}) timed out after {timeout} s: {state}")
         return got
 
-    def rollout_batch(self, items: list[Any], workflow: RolloutWorkflow,
-                      should_accept: ShouldAccept | None = None) -> list[Group]:
+    def rollout_batch(
+        self, items: list[Any], workflow: RolloutWorkflow, should_accept: ShouldAccept | None = None
+    ) -> list[Group]:
         """Run one episode per item now and return the accepted groups in item order (for
         evaluation; training batches come from :meth:`prepare_batch`).
 
@@ -367,8 +383,12 @@ class WorkflowExecutor:
                 self._cond.wait(1.0)
             return [g for g in (self._exempt_done.pop(s) for s in seqs) if g is not None]
 
-    def prepare_batch(self, dataloader: Iterable, workflow: RolloutWorkflow,
-                      should_accept: ShouldAccept | None = None) -> list[Group]:
+    def prepare_batch(
+        self,
+        dataloader: Iterable,
+        workflow: RolloutWorkflow,
+        should_accept: ShouldAccept | None = None,
+    ) -> list[Group]:
         """One training batch: the :attr:`batch_size` oldest-submitted accepted groups.
 
         Keeps pulling items from ``dataloader`` (which yields lists of items; it is restarted at
@@ -411,8 +431,10 @@ class WorkflowExecutor:
 
     def _log_progress(self, waited: float, before: dict[str, float]) -> None:
         now = self.stats()
-        delta = {k.split("/")[1]: int(now[k] - before[k]) for k in ("rollout/accepted", "rollout/rejected",
-                                                                     "rollout/errors")}
+        delta = {
+            k.split("/")[1]: int(now[k] - before[k])
+            for k in ("rollout/accepted", "rollout/rejected", "rollout/errors")
+        }
         logger.info(
             f"waiting {waited:.0f} s for a batch of {self.batch_size} groups: {int(now['rollout/buffered'])} "
             f"ready, {int(now['rollout/running'])} running, {int(now['rollout/queued'])} queued; since "
@@ -464,8 +486,10 @@ class WorkflowExecutor:
                 "staleness": self.staleness.state_dict(),
                 "version": self.engine.get_version(),
                 "next_seq": self._next_seq,
-                "finished": [(s, [dataclasses.asdict(t) for t in g])
-                             for s, g in sorted(self._finished.items())],
+                "finished": [
+                    (s, [dataclasses.asdict(t) for t in g])
+                    for s, g in sorted(self._finished.items())
+                ],
                 "in_flight": sorted(in_flight, key=lambda x: x[0]),
             }
 

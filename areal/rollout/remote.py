@@ -94,24 +94,32 @@ class _Server:
         return self.address if "://" in self.address else f"http://{self.address}"
 
 
-def discover_servers(config: InferenceEngineConfig, registry: NameRepository | None, key: str,
-                     n_servers: int) -> list[str]:
+def discover_servers(
+    config: InferenceEngineConfig, registry: NameRepository | None, key: str, n_servers: int
+) -> list[str]:
     """Server addresses: ``rollout.addresses`` when set (servers started by hand), else the
     ``n_servers`` (at least one) entries registered under ``key``, waiting up to
     ``rollout.setup_timeout`` seconds for them."""
     if config.addresses:
         return list(config.addresses)
     if registry is None:
-        raise ValueError("no generation server addresses: set rollout.addresses=[host:port,...] "
-                         "or start the run with `areal launch`, which registers its servers")
+        raise ValueError(
+            "no generation server addresses: set rollout.addresses=[host:port,...] "
+            "or start the run with `areal launch`, which registers its servers"
+        )
     return sorted(registry.wait_subtree(key, max(1, n_servers), config.setup_timeout))
 
 
 class RemoteInferenceEngine(InferenceEngine, TokenScorer):
     """An :class:`InferenceEngine` over HTTP generation servers."""
 
-    def __init__(self, config: InferenceEngineConfig, api_key: str = "", server_restarts: int = 0,
-                 no_restart_reason: str = "nothing restarts them"):
+    def __init__(
+        self,
+        config: InferenceEngineConfig,
+        api_key: str = "",
+        server_restarts: int = 0,
+        no_restart_reason: str = "nothing restarts them",
+    ):
         """``api_key``: the servers' admin key (``server.api_key``); empty = the one a launcher
         passed by env, if any. Sent as ``Authorization: Bearer`` on every call.
         ``server_restarts``: how many times the launcher restarts a server that dies (0: none,
@@ -153,7 +161,9 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
 
     async def _setup(self) -> None:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else None
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), headers=headers
+        )
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._revive_lock = asyncio.Lock()
@@ -164,7 +174,9 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
         call, last = self.backend.health, "no answer"
         while time.monotonic() < deadline:
             try:
-                timeout = aiohttp.ClientTimeout(total=max(0.1, min(5.0, deadline - time.monotonic())))
+                timeout = aiohttp.ClientTimeout(
+                    total=max(0.1, min(5.0, deadline - time.monotonic()))
+                )
                 async with self._session.get(server.url + call.path, timeout=timeout) as resp:
                     if resp.status == 200:
                         return
@@ -195,7 +207,9 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
         wanted = list(dict.fromkeys(a.rstrip("/") for a in addresses))
         if not wanted:
             raise ValueError("set_servers needs at least one server address")
-        self._loop_thread().run(self._aset_servers(wanted), self.config.setup_timeout + 10, "adding servers")
+        self._loop_thread().run(
+            self._aset_servers(wanted), self.config.setup_timeout + 10, "adding servers"
+        )
 
     async def _aset_servers(self, wanted: list[str]) -> None:
         known = {s.address: s for s in self.servers}
@@ -221,7 +235,9 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
     def _alive(self, why: str = "") -> list[_Server]:
         alive = [s for s in self.servers if s.alive]
         if not alive:
-            causes = "; ".join(f"{s.address}: {s.last_error or 'no error recorded'}" for s in self.servers)
+            causes = "; ".join(
+                f"{s.address}: {s.last_error or 'no error recorded'}" for s in self.servers
+            )
             raise AllServersDeadError(
                 f"all {len(self.servers)} generation servers are dead ({causes}) and "
                 f"{why or f'are not restarted ({self.no_restart_reason})'}; the run cannot "
@@ -238,19 +254,27 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
             if any(s.alive for s in self.servers):
                 return self._alive()
             if all(s.revivals >= self.server_restarts for s in self.servers):
-                self._alive(f"were restarted launcher.server_restarts={self.server_restarts} time(s) already")
+                self._alive(
+                    f"were restarted launcher.server_restarts={self.server_restarts} time(s) already"
+                )
             timeout = self.config.server_restart_timeout
-            logger.warning("all %d generation server(s) are down; the launcher restarts them: waiting up "
-                           "to %.0f s (rollout.server_restart_timeout) for one to answer %s",
-                           len(self.servers), timeout, self.backend.health.path)
+            logger.warning(
+                "all %d generation server(s) are down; the launcher restarts them: waiting up "
+                "to %.0f s (rollout.server_restart_timeout) for one to answer %s",
+                len(self.servers),
+                timeout,
+                self.backend.health.path,
+            )
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 await self._arevive()
                 if any(s.alive for s in self.servers):
                     break
                 await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-            return self._alive(f"none answered within rollout.server_restart_timeout={timeout} s although "
-                               "the launcher restarts them; raise it if a restart takes longer")
+            return self._alive(
+                f"none answered within rollout.server_restart_timeout={timeout} s although "
+                "the launcher restarts them; raise it if a restart takes longer"
+            )
 
     def _choose(self, group_id: str | None, exclude: set[str]) -> _Server:
         alive = self._alive()
@@ -277,9 +301,15 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
         if server.alive and (fatal or server.failures >= self.config.server_failure_threshold):
             server.alive = False
             left = sum(s.alive for s in self.servers)
-            logger.error("generation server %s declared dead after %d failure(s) (last: %s); "
-                         "%d of %d servers left", server.address, server.failures, cause, left,
-                         len(self.servers))
+            logger.error(
+                "generation server %s declared dead after %d failure(s) (last: %s); "
+                "%d of %d servers left",
+                server.address,
+                server.failures,
+                cause,
+                left,
+                len(self.servers),
+            )
 
     async def _send(self, server: _Server, call: HttpCall, deadline: float) -> dict:
         """One HTTP call; raises _Retryable (connection/5xx), RemoteEngineError (4xx) or
@@ -291,7 +321,10 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
         server.n_requests += 1
         try:
             async with self._session.request(
-                call.method, server.url + call.path, json=call.json, params=call.params,
+                call.method,
+                server.url + call.path,
+                json=call.json,
+                params=call.params,
                 timeout=aiohttp.ClientTimeout(total=left),
             ) as resp:
                 text = await resp.text()
@@ -316,8 +349,9 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
         finally:
             server.outstanding -= 1
 
-    async def _send_with_failover(self, call: HttpCall, group_id: str | None, deadline: float,
-                                  what: str) -> dict:
+    async def _send_with_failover(
+        self, call: HttpCall, group_id: str | None, deadline: float, what: str
+    ) -> dict:
         tried: set[str] = set()
         for attempt in itertools.count(1):
             await self._await_alive()
@@ -391,16 +425,25 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
         while len(ids) < g.max_new_tokens:
             await self._wait_resumed(deadline, req.rid)
             call = self.backend.generate(
-                req.input_ids + ids, g, g.max_new_tokens - len(ids),
-                max(0, g.min_new_tokens - len(ids)), continuation_seed(req.seed, len(ids)),
+                req.input_ids + ids,
+                g,
+                g.max_new_tokens - len(ids),
+                max(0, g.min_new_tokens - len(ids)),
+                continuation_seed(req.seed, len(ids)),
             )
-            body = await self._send_with_failover(call, req.group_id, deadline, f"request {req.rid}")
+            body = await self._send_with_failover(
+                call, req.group_id, deadline, f"request {req.rid}"
+            )
             chunk = self.backend.parse_generate(body)
             if chunk.output_ids and not ids:
                 ttft = time.monotonic() - t0
             ids += chunk.output_ids
             logprobs += chunk.logprobs
-            versions += chunk.versions if chunk.versions is not None else [self._version] * len(chunk.output_ids)
+            versions += (
+                chunk.versions
+                if chunk.versions is not None
+                else [self._version] * len(chunk.output_ids)
+            )
             stop = chunk.stop_reason
             if stop != "abort":
                 break
@@ -414,8 +457,15 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
                 break
         if stop == "abort" and len(ids) >= g.max_new_tokens:
             stop = "length"
-        return ModelResponse(list(req.input_ids), ids, logprobs, versions, stop,
-                             latency=time.monotonic() - t0, ttft=ttft)
+        return ModelResponse(
+            list(req.input_ids),
+            ids,
+            logprobs,
+            versions,
+            stop,
+            latency=time.monotonic() - t0,
+            ttft=ttft,
+        )
 
     async def ascore(self, input_ids: list[int], start: int) -> list[float]:
         """Logprobs (temperature 1) of ``input_ids[start:]`` under the served model: a
@@ -426,7 +476,9 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
         if start >= len(input_ids):
             return []
         deadline = time.monotonic() + self.config.request_timeout
-        body = await self._send_with_failover(self.backend.score(input_ids, start), None, deadline, "score")
+        body = await self._send_with_failover(
+            self.backend.score(input_ids, start), None, deadline, "score"
+        )
         return self.backend.parse_score(body, input_ids, start)
 
     # -- control ------------------------------------------------------------------------------
@@ -434,33 +486,47 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
     async def _apause(self) -> None:
         self._paused = True  # before the servers abort, so aborted requests wait for resume
         self._resumed.clear()
-        await self._broadcast(await self._call_alive(self.backend.pause()), "pause", self.config.setup_timeout)
+        await self._broadcast(
+            await self._call_alive(self.backend.pause()), "pause", self.config.setup_timeout
+        )
 
     async def _aresume(self) -> None:
-        await self._broadcast(await self._call_alive(self.backend.resume()), "resume", self.config.setup_timeout)
+        await self._broadcast(
+            await self._call_alive(self.backend.resume()), "resume", self.config.setup_timeout
+        )
         self._paused = False
         self._resumed.set()
 
     def pause(self) -> None:
         """Abort in-flight generations on every server; they are re-submitted after resume()."""
-        self._loop_thread().run(self._apause(), self.config.setup_timeout + self._restart_wait + 5, "pause")
+        self._loop_thread().run(
+            self._apause(), self.config.setup_timeout + self._restart_wait + 5, "pause"
+        )
 
     def resume(self) -> None:
         """Let every server generate again; interrupted requests continue."""
-        self._loop_thread().run(self._aresume(), self.config.setup_timeout + self._restart_wait + 5, "resume")
+        self._loop_thread().run(
+            self._aresume(), self.config.setup_timeout + self._restart_wait + 5, "resume"
+        )
 
     def release_memory(self) -> None:
         """Paused servers give back their accelerator memory (colocated with a trainer that is
         about to step); every server must answer within ``setup_timeout``."""
         calls = self._call_all(self.backend.release_memory())
-        self._loop_thread().run(self._broadcast(calls, "release memory", self.config.setup_timeout),
-                                self.config.setup_timeout + 5, "release memory")
+        self._loop_thread().run(
+            self._broadcast(calls, "release memory", self.config.setup_timeout),
+            self.config.setup_timeout + 5,
+            "release memory",
+        )
 
     def resume_memory(self) -> None:
         """Servers take back the memory :meth:`release_memory` gave back."""
         calls = self._call_all(self.backend.resume_memory())
-        self._loop_thread().run(self._broadcast(calls, "resume memory", self.config.setup_timeout),
-                                self.config.setup_timeout + 5, "resume memory")
+        self._loop_thread().run(
+            self._broadcast(calls, "resume memory", self.config.setup_timeout),
+            self.config.setup_timeout + 5,
+            "resume memory",
+        )
 
     def get_version(self) -> int:
         """The version the client tags tokens with when a server reports none."""
@@ -481,7 +547,9 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
                 continue
             try:
                 timeout = aiohttp.ClientTimeout(total=REVIVE_PROBE_S)
-                async with self._session.get(server.url + self.backend.health.path, timeout=timeout) as resp:
+                async with self._session.get(
+                    server.url + self.backend.health.path, timeout=timeout
+                ) as resp:
                     healthy = resp.status == 200
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 healthy = False
@@ -489,15 +557,19 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
                 server.alive, server.failures = True, 0
                 server.revivals += 1
                 self.n_revived += 1
-                logger.warning("generation server %s answers again (restarted); it serves again, with the "
-                               "newest published weights or this weight update", server.address)
+                logger.warning(
+                    "generation server %s answers again (restarted); it serves again, with the "
+                    "newest published weights or this weight update",
+                    server.address,
+                )
 
     async def _aupdate_disk(self, call: HttpCall, what: str) -> None:
         await self._arevive()
         await self._aupdate(await self._call_alive(call), what)
 
-    def update_weights_async(self, meta: WeightUpdateMeta,
-                             announcement: dict[str, list] | None = None) -> concurrent.futures.Future:
+    def update_weights_async(
+        self, meta: WeightUpdateMeta, announcement: dict[str, list] | None = None
+    ) -> concurrent.futures.Future:
         """Start a weight update on every live server; returns a future (``.result(timeout)``).
 
         ``disk``: the servers load ``meta.path``. ``distributed``: the servers receive the
@@ -513,13 +585,19 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
             return self._loop_thread().submit(self._aupdate_disk(call, what))
         if meta.type == "distributed":
             if announcement is None:
-                raise ValueError("type='distributed' needs announcement=actor.weight_announcement()")
+                raise ValueError(
+                    "type='distributed' needs announcement=actor.weight_announcement()"
+                )
             call = self.backend.update_from_distributed(meta, announcement)
         else:
-            raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'distributed', got {meta.type!r}")
+            raise ValueError(
+                f"WeightUpdateMeta.type must be 'disk' or 'distributed', got {meta.type!r}"
+            )
         return self._loop_thread().submit(self._aupdate(self._call_all(call), what))
 
-    def update_weights(self, meta: WeightUpdateMeta, announcement: dict[str, list] | None = None) -> None:
+    def update_weights(
+        self, meta: WeightUpdateMeta, announcement: dict[str, list] | None = None
+    ) -> None:
         """Blocking :meth:`update_weights_async` (for ``distributed`` the trainer must broadcast
         from another thread or process meanwhile)."""
         fut = self.update_weights_async(meta, announcement)
@@ -533,8 +611,10 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
         an infrastructure error that stops the run (restart servers, resume from a checkpoint).
         """
         alive = self._alive()
-        calls = {s.address: self.backend.init_weight_group(meta, 1 + i, 1 + len(alive))
-                 for i, s in enumerate(alive)}
+        calls = {
+            s.address: self.backend.init_weight_group(meta, 1 + i, 1 + len(alive))
+            for i, s in enumerate(alive)
+        }
         return self._loop_thread().submit(self._aupdate(calls, "init_weights_update_group"))
 
     @property

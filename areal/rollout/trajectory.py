@@ -38,8 +38,17 @@ from areal.utils.batch import PackedBatch
 
 STATUS_CODES: tuple[RolloutStatus, ...] = tuple(RolloutStatus)
 TRAINABLE = (RolloutStatus.COMPLETED, RolloutStatus.TRUNCATED)
-_BUILTIN_FIELDS = {"input_ids", "logprobs", "versions", "loss_mask", "rewards", "group_index",
-                   "prompt_lens", "status_code", "no_eos"}
+_BUILTIN_FIELDS = {
+    "input_ids",
+    "logprobs",
+    "versions",
+    "loss_mask",
+    "rewards",
+    "group_index",
+    "prompt_lens",
+    "status_code",
+    "no_eos",
+}
 
 
 def _extras_keys(trajs: list[Trajectory]) -> list[str]:
@@ -90,8 +99,12 @@ def groups_to_batch(
     batch = PackedBatch.from_sequences(tok, seqs)
     # from_sequences infers dtype from the first value; pin the documented dtypes.
     return batch.with_fields(
-        tokens={"logprobs": batch["logprobs"].float(), "versions": batch["versions"].long(),
-                "loss_mask": batch["loss_mask"].long(), **{k: batch[k].float() for k in per_token}},
+        tokens={
+            "logprobs": batch["logprobs"].float(),
+            "versions": batch["versions"].long(),
+            "loss_mask": batch["loss_mask"].long(),
+            **{k: batch[k].float() for k in per_token},
+        },
         seqs={k: batch[k].float() for k in ["rewards", *(k for k in extras if k not in per_token)]},
     )
 
@@ -99,13 +112,17 @@ def groups_to_batch(
 def _token_extra(t: Trajectory, key: str) -> list[float]:
     values = t.extras[key]
     if not isinstance(values, (list, tuple)) or len(values) != len(t.completion_ids):
-        raise ValueError(f"trajectory {t.sample_id!r}: extras[{key!r}] must hold one float per completion "
-                         f"token ({len(t.completion_ids)}), got {type(values).__name__} of "
-                         f"{len(values) if isinstance(values, (list, tuple)) else 1}")
+        raise ValueError(
+            f"trajectory {t.sample_id!r}: extras[{key!r}] must hold one float per completion "
+            f"token ({len(t.completion_ids)}), got {type(values).__name__} of "
+            f"{len(values) if isinstance(values, (list, tuple)) else 1}"
+        )
     return [float(v) for v in values]
 
 
-def staleness_stats(groups: Sequence[Sequence[Trajectory]], current_version: int) -> dict[str, float]:
+def staleness_stats(
+    groups: Sequence[Sequence[Trajectory]], current_version: int
+) -> dict[str, float]:
     """Staleness of the trained tokens of one batch, relative to the trainer's ``current_version``.
 
     Over completion tokens with loss_mask 1 and a version >= 0:

@@ -37,8 +37,10 @@ class DistContext:
         """Disjoint data-parallel sub-meshes of ``world_size // n_models`` consecutive ranks:
         ``(index of this rank's sub-mesh, the sub-mesh)``. Collective: every rank calls it."""
         if n_models < 1 or self.world_size % n_models:
-            raise ValueError(f"split({n_models}): {self.world_size} ranks do not divide into "
-                             f"{n_models} equal sub-meshes; use a divisor of the world size")
+            raise ValueError(
+                f"split({n_models}): {self.world_size} ranks do not divide into "
+                f"{n_models} equal sub-meshes; use a divisor of the world size"
+            )
         per = self.world_size // n_models
         grid = init_device_mesh(self.device.type, (n_models, per), mesh_dim_names=("model", "dp"))
         return self.rank // per, grid["dp"]
@@ -56,8 +58,9 @@ def group_backend(backend: Literal["gloo", "nccl"]) -> str:
     return "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
 
 
-def init_distributed(backend: Literal["auto", "gloo", "nccl"] = "auto",
-                     env: LaunchEnv | None = None) -> DistContext:
+def init_distributed(
+    backend: Literal["auto", "gloo", "nccl"] = "auto", env: LaunchEnv | None = None
+) -> DistContext:
     """Initialise ``torch.distributed`` for this process (a later call joins what is already
     initialised). Under torchrun the ranks rendezvous through ``MASTER_ADDR``/``MASTER_PORT``; a
     process started without them is a job of one rank. ``auto`` = NCCL on GPU, gloo on CPU.
@@ -74,11 +77,17 @@ def init_distributed(backend: Literal["auto", "gloo", "nccl"] = "auto",
         device = torch.device("cpu")
     if not dist.is_initialized():
         if env.launched:
-            dist.init_process_group(group_backend(backend), rank=env.rank, world_size=env.world_size,
-                                    timeout=TIMEOUT)
+            dist.init_process_group(
+                group_backend(backend), rank=env.rank, world_size=env.world_size, timeout=TIMEOUT
+            )
         else:  # one process: no rendezvous
-            dist.init_process_group(group_backend(backend), store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=TIMEOUT)
+            dist.init_process_group(
+                group_backend(backend),
+                store=dist.HashStore(),
+                rank=0,
+                world_size=1,
+                timeout=TIMEOUT,
+            )
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     return DistContext(dist.get_rank(), world, device, mesh)

@@ -37,12 +37,16 @@ def model_dir_problem(field: str, path: str) -> str | None:
     if not (d / "config.json").is_file():
         what = "does not exist" if not d.exists() else "has no config.json"
         if "checkpoints" in d.parts:  # a training run's output: the run that writes it is missing
-            return (f"{field}: {path!r} {what}; it is a training run's export (RUN_DIR/checkpoints/<name>/"
-                    "step<N>): run that stage first, or pass the one a run wrote (`make demo` writes its "
-                    "SFT model to runs/quickstart/sft/run/checkpoints/model/step300)")
-        return (f"{field}: {path!r} {what}; it must be a local Hugging Face model directory: one a run "
-                "wrote (RUN_DIR/checkpoints/<name>/step<N>), `areal tiny-model --out DIR`, or a hub model "
-                "(`hf download ORG/NAME --local-dir DIR`)")
+            return (
+                f"{field}: {path!r} {what}; it is a training run's export (RUN_DIR/checkpoints/<name>/"
+                "step<N>): run that stage first, or pass the one a run wrote (`make demo` writes its "
+                "SFT model to runs/quickstart/sft/run/checkpoints/model/step300)"
+            )
+        return (
+            f"{field}: {path!r} {what}; it must be a local Hugging Face model directory: one a run "
+            "wrote (RUN_DIR/checkpoints/<name>/step<N>), `areal tiny-model --out DIR`, or a hub model "
+            "(`hf download ORG/NAME --local-dir DIR`)"
+        )
     if not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
         return f"{field}: {path!r} has config.json but no *.safetensors or *.bin weights"
     return None
@@ -65,19 +69,25 @@ def preflight(cfg: Any) -> list[str]:
             p = section.path
             file_like = p.endswith(DATA_SUFFIXES) or p.startswith(("/", "./", "../", "~"))
             if p != "arithmetic" and file_like and not Path(p).expanduser().exists():
-                problems.append(f"{prefix}path: {p!r} does not exist; pass an existing .jsonl/.parquet "
-                                "file, 'arithmetic', or a dataset id")
+                problems.append(
+                    f"{prefix}path: {p!r} does not exist; pass an existing .jsonl/.parquet "
+                    "file, 'arithmetic', or a dataset id"
+                )
     tok = getattr(cfg, "tokenizer_path", "")
     if tok and not (Path(tok).expanduser() / "tokenizer_config.json").is_file():
-        problems.append(f"tokenizer_path: {tok!r} has no tokenizer_config.json; pass a local "
-                        "tokenizer (or model) directory, or leave it empty to use the model's")
+        problems.append(
+            f"tokenizer_path: {tok!r} has no tokenizer_config.json; pass a local "
+            "tokenizer (or model) directory, or leave it empty to use the model's"
+        )
     workflow = getattr(getattr(cfg, "workflow", None), "type", "rlvr")
     if workflow == "agent":  # the user's agent function must import here already
         try:
             load_agent(cfg.workflow.agent.path)
         except ValueError as e:
             problems.append(str(e))
-    elif workflow == "agent_cmd":  # the agent program and its reward function must be found here already
+    elif (
+        workflow == "agent_cmd"
+    ):  # the agent program and its reward function must be found here already
         problems += command_problems(cfg.workflow.agent)
     elif workflow not in ("rlvr", "multi_turn"):  # the user's class must import here already
         try:
@@ -96,8 +106,10 @@ def preflight(cfg: Any) -> list[str]:
             if isinstance(section, GenerationHyperparameters):
                 bad = [t for t in section.stop_token_ids if not 0 <= t < vocab]
                 if bad:
-                    problems.append(f"{prefix}stop_token_ids: {bad[:3]} outside the model's vocabulary "
-                                    f"[0, {vocab}); use ids of the actor's tokenizer")
+                    problems.append(
+                        f"{prefix}stop_token_ids: {bad[:3]} outside the model's vocabulary "
+                        f"[0, {vocab}); use ids of the actor's tokenizer"
+                    )
     problems.append(teacher_problem(cfg))
     return [p for p in problems if p]
 
@@ -116,7 +128,9 @@ def teacher_problem(cfg: Any) -> str:
     student = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
     teacher = AutoTokenizer.from_pretrained(distill.teacher_path)
     if student.get_vocab() != teacher.get_vocab():
-        return (f"distill.teacher_path: {distill.teacher_path!r} has another tokenizer than the student "
-                f"({len(teacher)} vs {len(student)} tokens, or other ids); the teacher scores the student's "
-                "token ids, so pick a teacher of the same tokenizer family")
+        return (
+            f"distill.teacher_path: {distill.teacher_path!r} has another tokenizer than the student "
+            f"({len(teacher)} vs {len(student)} tokens, or other ids); the teacher scores the student's "
+            "token ids, so pick a teacher of the same tokenizer family"
+        )
     return ""

@@ -28,9 +28,17 @@ from areal.utils.network import free_port
 class WeightPublisher:
     """Pushes ``actor``'s weights to the servers behind ``rollout`` (see the module docstring)."""
 
-    def __init__(self, mode: Literal["disk", "distributed"], actor: FSDPEngine,
-                 rollout: RemoteInferenceEngine, executor: WorkflowExecutor, dist_ctx: DistContext,
-                 weights_dir: Path, keep: int = 2, colocated: bool = False):
+    def __init__(
+        self,
+        mode: Literal["disk", "distributed"],
+        actor: FSDPEngine,
+        rollout: RemoteInferenceEngine,
+        executor: WorkflowExecutor,
+        dist_ctx: DistContext,
+        weights_dir: Path,
+        keep: int = 2,
+        colocated: bool = False,
+    ):
         if mode not in ("disk", "distributed"):
             raise ValueError(f"weight_update_mode must be 'disk' or 'distributed', got {mode!r}")
         if keep < 1:
@@ -110,7 +118,11 @@ class WeightPublisher:
     def _push_broadcast(self, version: int) -> None:
         self.connect()
         meta = dataclasses.replace(self._group_meta, version=version)
-        future = self.rollout.update_weights_async(meta, self.actor.weight_announcement()) if self._leader else None
+        future = (
+            self.rollout.update_weights_async(meta, self.actor.weight_announcement())
+            if self._leader
+            else None
+        )
         self.actor.update_weights(meta)  # collective: broadcast in buckets from rank 0
         if future is not None:
             future.result(self.rollout.config.weight_update_timeout + 10)

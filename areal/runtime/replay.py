@@ -72,7 +72,9 @@ def _atomic_save(obj: Any, path: Path) -> None:
 class ReplayRecorder:
     """Writes this rank's trainer inputs and (rank 0) the actor's weight hashes of every step."""
 
-    def __init__(self, cfg: ReplayConfig, run_dir: str | Path, rank: int, world_size: int, fresh: bool = True):
+    def __init__(
+        self, cfg: ReplayConfig, run_dir: str | Path, rank: int, world_size: int, fresh: bool = True
+    ):
         """``fresh``: a new run of the trial; an earlier run's replay dir is moved aside."""
         self.cfg = cfg
         self.root = Path(run_dir) / REPLAY_DIR
@@ -81,15 +83,23 @@ class ReplayRecorder:
             return
         make_deterministic()
         if fresh and rank == 0 and self.root.is_dir() and any(self.root.iterdir()):
-            k = next(k for k in range(1, 10_000) if not self.root.with_name(f"{REPLAY_DIR}.{k}").exists())
+            k = next(
+                k for k in range(1, 10_000) if not self.root.with_name(f"{REPLAY_DIR}.{k}").exists()
+            )
             self.root.rename(self.root.with_name(f"{REPLAY_DIR}.{k}"))
-            logger.warning(f"{self.root} held the replay record of an earlier run of this trial; moved to "
-                           f"{REPLAY_DIR}.{k}")
+            logger.warning(
+                f"{self.root} held the replay record of an earlier run of this trial; moved to "
+                f"{REPLAY_DIR}.{k}"
+            )
         self.root.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             main = getattr(sys.modules.get("__main__"), "__file__", None)
-            meta = {"script": str(Path(main).resolve()) if main else None, "world_size": world_size,
-                    "torch": torch.__version__, "threads": torch.get_num_threads()}
+            meta = {
+                "script": str(Path(main).resolve()) if main else None,
+                "world_size": world_size,
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+            }
             (self.root / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
     @contextlib.contextmanager
@@ -152,8 +162,11 @@ class StepCheck:
         """One human line for the report."""
         if self.equal:
             return f"step {self.step}: weights bit-identical"
-        diff = (f"max |diff| {self.max_diff:.3g}" if self.max_diff is not None
-                else "max |diff| unknown (record with stats_logger.replay.keep_weights=true to get it)")
+        diff = (
+            f"max |diff| {self.max_diff:.3g}"
+            if self.max_diff is not None
+            else "max |diff| unknown (record with stats_logger.replay.keep_weights=true to get it)"
+        )
         return f"step {self.step}: {self.n_differing} tensors differ, first {self.tensor!r}, {diff}"
 
 
@@ -163,7 +176,9 @@ class ReplayReport:
 
     steps: list[StepCheck]
     knobs: list[str]
-    notes: list[str] = field(default_factory=list)  # environment differences that break bit-identity
+    notes: list[str] = field(
+        default_factory=list
+    )  # environment differences that break bit-identity
 
     @property
     def first_diff(self) -> StepCheck | None:
@@ -180,13 +195,19 @@ class ReplayReport:
         lines = [*self.notes, *(s.line() for s in self.steps)]
         first = self.first_diff
         if first is None:
-            lines.append(f"replay matches the record bit for bit at every step (0..{self.steps[-1].step})")
+            lines.append(
+                f"replay matches the record bit for bit at every step (0..{self.steps[-1].step})"
+            )
         elif self.knobs:
-            lines.append(f"with {' '.join(self.knobs)} the weights first differ at step {first.step} (expected: "
-                         "a changed knob on the original samples; see docs/viewer.md, 'Replay')")
+            lines.append(
+                f"with {' '.join(self.knobs)} the weights first differ at step {first.step} (expected: "
+                "a changed knob on the original samples; see docs/viewer.md, 'Replay')"
+            )
         else:
-            lines.append(f"MISMATCH: the replay first differs from the record at step {first.step}, "
-                         f"tensor {first.tensor!r}")
+            lines.append(
+                f"MISMATCH: the replay first differs from the record at step {first.step}, "
+                f"tensor {first.tensor!r}"
+            )
         return "\n".join(lines)
 
 
@@ -194,8 +215,10 @@ def read_meta(run_dir: str | Path) -> dict[str, Any]:
     """RUN_DIR/replay/meta.json, or FileNotFoundError naming how to record one."""
     path = Path(run_dir) / REPLAY_DIR / "meta.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: {run_dir} was not recorded for replay; run it with "
-                                "stats_logger.replay.enabled=true")
+        raise FileNotFoundError(
+            f"{path} is missing: {run_dir} was not recorded for replay; run it with "
+            "stats_logger.replay.enabled=true"
+        )
     return json.loads(path.read_text())
 
 
@@ -204,12 +227,16 @@ def _recorded_hashes(root: Path) -> dict[int, dict[str, str]]:
     return {rec["step"]: rec["tensors"] for rec in map(json.loads, lines)}
 
 
-def check_step(root: Path, step: int, recorded: dict[str, str], state: dict[str, torch.Tensor]) -> StepCheck:
+def check_step(
+    root: Path, step: int, recorded: dict[str, str], state: dict[str, torch.Tensor]
+) -> StepCheck:
     """Compare ``state`` (the replay's actor after ``step``) with the recorded hashes of ``step``."""
     if list(recorded) != list(state):
-        raise ValueError(f"step {step}: the replay's actor has tensors {sorted(set(state) ^ set(recorded))[:5]} "
-                         "that the record does not (or the reverse); replay with the recorded model "
-                         "(actor.path, actor.lora.*)")
+        raise ValueError(
+            f"step {step}: the replay's actor has tensors {sorted(set(state) ^ set(recorded))[:5]} "
+            "that the record does not (or the reverse); replay with the recorded model "
+            "(actor.path, actor.lora.*)"
+        )
     now = tensor_hashes(state)
     differing = [k for k in recorded if recorded[k] != now[k]]
     if not differing:
@@ -226,22 +253,39 @@ def load_step(root: Path, step: int) -> tuple[PackedBatch, dict[str, Any]]:
     """The recorded batch of ``step`` (rank 0) and its record (RNG states, version)."""
     path = _step_path(root, step, 0)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: step {step} was not recorded; replay fewer steps "
-                                "with --to")
-    record = torch.load(path, map_location="cpu", weights_only=False)  # our own file: RNG states are tuples
+        raise FileNotFoundError(
+            f"{path} is missing: step {step} was not recorded; replay fewer steps with --to"
+        )
+    record = torch.load(
+        path, map_location="cpu", weights_only=False
+    )  # our own file: RNG states are tuples
     return PackedBatch(record["cu_seqlens"], record["tokens"], record["seqs"]), record
 
 
 def replay_overrides(run_dir: Path) -> list[str]:
     """What a replay changes in the recorded config: its own run dir, and nothing recorded,
     published or resumed."""
-    return [f"fileroot={json.dumps(str(run_dir))}", "experiment_name=replays", "trial_name=latest",
-            "stats_logger.replay.enabled=false", "stats_logger.samples.enabled=false", "stats_logger.console=false",
-            "stats_logger.tensorboard=false", "stats_logger.wandb=disabled", "recover.mode=disabled"]
+    return [
+        f"fileroot={json.dumps(str(run_dir))}",
+        "experiment_name=replays",
+        "trial_name=latest",
+        "stats_logger.replay.enabled=false",
+        "stats_logger.samples.enabled=false",
+        "stats_logger.console=false",
+        "stats_logger.tensorboard=false",
+        "stats_logger.wandb=disabled",
+        "recover.mode=disabled",
+    ]
 
 
-def replay_run(run_dir: str | Path, config_class: type, setup_trainers: Callable, train_step: Callable,
-               to: int | None = None, knobs: tuple[str, ...] = ()) -> ReplayReport:
+def replay_run(
+    run_dir: str | Path,
+    config_class: type,
+    setup_trainers: Callable,
+    train_step: Callable,
+    to: int | None = None,
+    knobs: tuple[str, ...] = (),
+) -> ReplayReport:
     """Re-run the trainer of ``run_dir`` on its recorded batches (see the module docstring);
     ``knobs`` are dotted overrides of the recorded config (a what-if replay)."""
     from areal.api.config import load_config
@@ -250,21 +294,34 @@ def replay_run(run_dir: str | Path, config_class: type, setup_trainers: Callable
     run_dir = Path(run_dir)
     meta, root = read_meta(run_dir), run_dir / REPLAY_DIR
     if meta["world_size"] != 1:
-        raise ValueError(f"{run_dir} was trained on {meta['world_size']} trainer ranks; areal replay re-runs one "
-                         "process, so it replays runs of one rank (record with cluster.trainer_nprocs=1)")
+        raise ValueError(
+            f"{run_dir} was trained on {meta['world_size']} trainer ranks; areal replay re-runs one "
+            "process, so it replays runs of one rank (record with cluster.trainer_nprocs=1)"
+        )
     hashes = _recorded_hashes(root)
     last = max(hashes, default=0)
     if last == 0:
-        raise FileNotFoundError(f"{root / HASHES} records no trained step yet; replay after step 1 ends")
+        raise FileNotFoundError(
+            f"{root / HASHES} records no trained step yet; replay after step 1 ends"
+        )
     if to is not None and not 1 <= to <= last:
         raise ValueError(f"--to {to}: {run_dir} recorded steps 1..{last}; pass 1 <= --to <= {last}")
     fixed = [k for k in knobs if k.split("=", 1)[0].split(".", 1)[0] in BATCH_SECTIONS]
     if fixed:
-        raise ValueError(f"{' '.join(fixed)}: a replay trains on the recorded batches, so "
-                         f"{'/'.join(BATCH_SECTIONS)} cannot change; change a trainer knob (actor.*, critic.*, ref.*)")
-    cfg = load_config(config_class, ["--config", str(run_dir / "config.yaml"), *replay_overrides(run_dir), *knobs])
-    notes = [] if meta["torch"] == torch.__version__ else [
-        f"note: recorded with torch {meta['torch']}, replayed with {torch.__version__}: bit-identity needs the same build"]
+        raise ValueError(
+            f"{' '.join(fixed)}: a replay trains on the recorded batches, so "
+            f"{'/'.join(BATCH_SECTIONS)} cannot change; change a trainer knob (actor.*, critic.*, ref.*)"
+        )
+    cfg = load_config(
+        config_class, ["--config", str(run_dir / "config.yaml"), *replay_overrides(run_dir), *knobs]
+    )
+    notes = (
+        []
+        if meta["torch"] == torch.__version__
+        else [
+            f"note: recorded with torch {meta['torch']}, replayed with {torch.__version__}: bit-identity needs the same build"
+        ]
+    )
     make_deterministic()
     run = init_run(cfg, cfg.actor.path)
     torch.set_num_threads(meta["threads"])  # reductions split by thread count: the recorded one

@@ -34,12 +34,22 @@ def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RolloutWorkfl
         return MultiTurnWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir)
     if cfg.workflow.type == "agent":  # your openai-client agent, trained as it is (docs/agents.md)
         return AgentWorkflow(cfg.workflow.agent, cfg.gconfig, tokenizer)
-    if cfg.workflow.type == "agent_cmd":  # your agent program, through the agent proxy (docs/agents.md)
-        return AgentCommandWorkflow(cfg.workflow.agent, cfg.gconfig, tokenizer, Path(dump_dir).parent / "logs")
+    if (
+        cfg.workflow.type == "agent_cmd"
+    ):  # your agent program, through the agent proxy (docs/agents.md)
+        return AgentCommandWorkflow(
+            cfg.workflow.agent, cfg.gconfig, tokenizer, Path(dump_dir).parent / "logs"
+        )
     if cfg.workflow.type != "rlvr":
         return make_custom_workflow(cfg.workflow.type, reward, cfg.gconfig, tokenizer)
-    return RLVRWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir,
-                        greedy_baseline=cfg.actor.remax_baseline)
+    return RLVRWorkflow(
+        reward,
+        cfg.gconfig,
+        tokenizer,
+        cfg.workflow,
+        dump_dir,
+        greedy_baseline=cfg.actor.remax_baseline,
+    )
 
 
 @dataclass
@@ -57,7 +67,12 @@ class RolloutSide:
     def batch_stats(self) -> dict[str, float]:
         """The last training batch's rollout stats: executor, reward workers, client, agents."""
         agent = self.agent.stats() if self.agent is not None else {}
-        return {**self.executor.last_batch_stats, **self.reward.commit_batch(), **self.rollout.stats(), **agent}
+        return {
+            **self.executor.last_batch_stats,
+            **self.reward.commit_batch(),
+            **self.rollout.stats(),
+            **agent,
+        }
 
     def close(self) -> None:
         for wf in {id(w): w for w in (self.agent, self.eval_workflow)}.values():
@@ -79,8 +94,11 @@ def make_teacher(cfg: GRPOConfig, run) -> RemoteInferenceEngine | None:
     if not d.enabled or not (d.addresses or d.n_servers):
         return None
     config = dataclasses.replace(cfg.rollout, addresses=list(d.addresses))
-    teacher = RemoteInferenceEngine(config, api_key=cfg.server.api_key,
-                                    no_restart_reason="distillation teacher servers are not restarted")
+    teacher = RemoteInferenceEngine(
+        config,
+        api_key=cfg.server.api_key,
+        no_restart_reason="distillation teacher servers are not restarted",
+    )
     key = gen_teacher_key(cfg.experiment_name, cfg.trial_name)
     teacher.initialize(discover_servers(config, run.registry(), key, d.n_servers))
     return teacher
@@ -103,23 +121,38 @@ def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
     """Client to the registered servers, reward workers, workflows, executor (its batch is this
     trainer rank's share of ``train_dataset.batch_size`` groups)."""
     restarts, why_not = server_restarts(cfg, run.env)
-    rollout = RemoteInferenceEngine(cfg.rollout, api_key=cfg.server.api_key, server_restarts=restarts,
-                                    no_restart_reason=why_not)
-    rollout.initialize(discover_servers(cfg.rollout, run.registry(), run.servers_key, cfg.cluster.n_servers))
+    rollout = RemoteInferenceEngine(
+        cfg.rollout, api_key=cfg.server.api_key, server_restarts=restarts, no_restart_reason=why_not
+    )
+    rollout.initialize(
+        discover_servers(cfg.rollout, run.registry(), run.servers_key, cfg.cluster.n_servers)
+    )
     reward = RewardRunner(resolve_reward(cfg.reward_fn), cfg.reward)
     workflow = make_workflow(cfg, reward, run.tokenizer, run.run_dir / "rollouts")
     teacher = make_teacher(cfg, run)
-    train_workflow = workflow if teacher is None else TeacherScored(workflow, teacher, cfg.distill.timeout)
+    train_workflow = (
+        workflow if teacher is None else TeacherScored(workflow, teacher, cfg.distill.timeout)
+    )
     eval_workflow = RLVRWorkflow(reward, cfg.eval_gconfig, run.tokenizer)
     if cfg.workflow.type == "agent":
         eval_workflow = AgentWorkflow(cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer)
     elif cfg.workflow.type == "agent_cmd":
-        eval_workflow = AgentCommandWorkflow(cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer,
-                                             run.run_dir / "logs")
-    executor = WorkflowExecutor(cfg.rollout, rollout, batch_size=cfg.train_dataset.batch_size // run.world_size)
+        eval_workflow = AgentCommandWorkflow(
+            cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer, run.run_dir / "logs"
+        )
+    executor = WorkflowExecutor(
+        cfg.rollout, rollout, batch_size=cfg.train_dataset.batch_size // run.world_size
+    )
     executor.initialize()
-    return RolloutSide(rollout, reward, train_workflow, eval_workflow, executor,
-                       agent=workflow if isinstance(workflow, AgentWorkflow) else None, teacher=teacher)
+    return RolloutSide(
+        rollout,
+        reward,
+        train_workflow,
+        eval_workflow,
+        executor,
+        agent=workflow if isinstance(workflow, AgentWorkflow) else None,
+        teacher=teacher,
+    )
 
 
 def evaluate(executor: WorkflowExecutor, valid_loader, workflow: RolloutWorkflow, run) -> None:

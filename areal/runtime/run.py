@@ -40,7 +40,14 @@ from areal.utils.logging import add_log_file, get_logger
 from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository
 from areal.utils.progress import StepProgress
 from areal.utils.process import die_with
-from areal.utils.recover import Ranks, RecoverDir, RecoverError, load_state, resume_pending, save_state
+from areal.utils.recover import (
+    Ranks,
+    RecoverDir,
+    RecoverError,
+    load_state,
+    resume_pending,
+    save_state,
+)
 from areal.utils.stats import StatsTracker
 from areal.utils.stats_logger import StatsLogger
 from areal.utils.timers import FrequencyControl
@@ -50,7 +57,11 @@ logger = get_logger("run")
 
 def rng_state() -> dict[str, Any]:
     """Python, NumPy and torch RNG states of this process."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -101,8 +112,12 @@ class Run:
         self.recover_dir = RecoverDir(self.run_dir / "recover", ranks, keep=cfg.recover.keep)
         fresh = not resume_pending(self.run_dir / "recover", cfg.recover.mode)
         self.stats_logger = StatsLogger(cfg.stats_logger, self.run_dir, self.rank, fresh=fresh)
-        self.samples = SampleRecorder(cfg.stats_logger.samples, self.run_dir, self.rank, self.tokenizer, fresh=fresh)
-        self.replay = ReplayRecorder(cfg.stats_logger.replay, self.run_dir, self.rank, self.world_size, fresh=fresh)
+        self.samples = SampleRecorder(
+            cfg.stats_logger.samples, self.run_dir, self.rank, self.tokenizer, fresh=fresh
+        )
+        self.replay = ReplayRecorder(
+            cfg.stats_logger.replay, self.run_dir, self.rank, self.world_size, fresh=fresh
+        )
         self._bar = None
         self._last_commit: float | None = None
 
@@ -114,7 +129,9 @@ class Run:
         valid_loader = None
         if cfg.valid_dataset is not None:
             valid = load_dataset(cfg.valid_dataset, tok, cfg.seed)
-            valid_loader = create_dataloader(valid, cfg.valid_dataset, cfg.seed, self.rank, self.world_size)
+            valid_loader = create_dataloader(
+                valid, cfg.valid_dataset, cfg.seed, self.rank, self.world_size
+            )
         ft_spec = FinetuneSpec(
             cfg.total_train_epochs, len(train), cfg.train_dataset.batch_size, cfg.total_train_steps
         )
@@ -196,17 +213,25 @@ class Run:
     def export_hf(self, engine: TrainEngine, step: int, name: str = "actor") -> Path:
         """Save an HF model dir under RUN_DIR/checkpoints/<name>/step<step> (collective)."""
         path = self.run_dir / "checkpoints" / name / f"step{step}"
-        engine.save(SaveLoadMeta(str(path), weight_format="hf", tokenizer_path=self.tokenizer.name_or_path))
+        engine.save(
+            SaveLoadMeta(str(path), weight_format="hf", tokenizer_path=self.tokenizer.name_or_path)
+        )
         return path
 
-    def save_recover(self, step: int, engines: dict[str, TrainEngine], state: dict[str, Any]) -> None:
+    def save_recover(
+        self, step: int, engines: dict[str, TrainEngine], state: dict[str, Any]
+    ) -> None:
         """Write a recover checkpoint atomically: DCP per engine + this rank's ``state``."""
         timers = {k: t.state_dict() for k, t in self._timers().items()}
         with self.recover_dir.writing(step) as tmp:
             for name, engine in engines.items():
                 engine.save(SaveLoadMeta(str(tmp / name), weight_format="dcp", with_optim=True))
-            save_state(tmp, self.rank, {**state, "step": step, "timers": timers, "rng": rng_state()})
-        logger.info(f"recover checkpoint for step {step} in {self.recover_dir.root / f'ckpt-{step}'}")
+            save_state(
+                tmp, self.rank, {**state, "step": step, "timers": timers, "rng": rng_state()}
+            )
+        logger.info(
+            f"recover checkpoint for step {step} in {self.recover_dir.root / f'ckpt-{step}'}"
+        )
 
     def load_recover(self, engines: dict[str, TrainEngine]) -> dict[str, Any] | None:
         """Resume from the newest usable recover checkpoint when ``recover.mode`` allows (a
@@ -238,7 +263,9 @@ class Run:
         for name, engine in engines.items():
             meta = SaveLoadMeta(str(ckpt / name), weight_format="dcp", with_optim=True)
             agreed(lambda: engine.load(meta), f"loading {name} from {ckpt / name}")  # noqa: B023 - called at once
-        state = agreed(lambda: load_state(ckpt, self.rank), f"loading {ckpt / f'state-rank{self.rank}.pt'}")
+        state = agreed(
+            lambda: load_state(ckpt, self.rank), f"loading {ckpt / f'state-rank{self.rank}.pt'}"
+        )
 
         def restore() -> None:
             for name, timer in self._timers().items():

@@ -36,10 +36,13 @@ if TYPE_CHECKING:
 
 logger = get_logger("samples")
 
+
 class SampleRecorder:
     """Writes each recorded step's trained samples of this rank (see the module docstring)."""
 
-    def __init__(self, cfg: SamplesConfig, run_dir: str | Path, rank: int, tokenizer: Any, fresh: bool = True):
+    def __init__(
+        self, cfg: SamplesConfig, run_dir: str | Path, rank: int, tokenizer: Any, fresh: bool = True
+    ):
         """``fresh``: a new run of the trial; an earlier run's samples dir is moved aside."""
         self.cfg = cfg
         self.root = Path(run_dir) / SAMPLES_DIR
@@ -50,43 +53,64 @@ class SampleRecorder:
         if not cfg.enabled:
             return
         if fresh and rank == 0 and self.root.is_dir() and any(self.root.iterdir()):
-            k = next(k for k in range(1, 10_000) if not self.root.with_name(f"{SAMPLES_DIR}.{k}").exists())
+            k = next(
+                k
+                for k in range(1, 10_000)
+                if not self.root.with_name(f"{SAMPLES_DIR}.{k}").exists()
+            )
             self.root.rename(self.root.with_name(f"{SAMPLES_DIR}.{k}"))
-            logger.warning(f"{self.root} held the samples of an earlier run of this trial; moved to "
-                           f"{SAMPLES_DIR}.{k}")
-        self._bytes = sum(p.stat().st_size for p in self.root.glob("*.parquet"))  # a resume's so far
+            logger.warning(
+                f"{self.root} held the samples of an earlier run of this trial; moved to "
+                f"{SAMPLES_DIR}.{k}"
+            )
+        self._bytes = sum(
+            p.stat().st_size for p in self.root.glob("*.parquet")
+        )  # a resume's so far
 
-    def record(self, step: int, groups: Sequence[Sequence[Trajectory]], batch: PackedBatch, version: int) -> None:
+    def record(
+        self, step: int, groups: Sequence[Sequence[Trajectory]], batch: PackedBatch, version: int
+    ) -> None:
         """Write the samples of ``step`` (``groups`` as trained, ``batch`` with ``advantages``,
         ``version`` the trainer's weights they were trained on) when this step is kept."""
         if not self.cfg.enabled or self._full or step % self.cfg.keep_every:
             return
         if self.cfg.max_bytes and self._bytes >= self.cfg.max_bytes:
             self._full = True
-            logger.warning(f"{self.root} holds {self._bytes} bytes >= stats_logger.samples.max_bytes="
-                           f"{self.cfg.max_bytes}; no more samples are recorded (raise it, or record fewer "
-                           "steps with stats_logger.samples.keep_every)")
+            logger.warning(
+                f"{self.root} holds {self._bytes} bytes >= stats_logger.samples.max_bytes="
+                f"{self.cfg.max_bytes}; no more samples are recorded (raise it, or record fewer "
+                "steps with stats_logger.samples.keep_every)"
+            )
             return
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         rows = self.rows(step, groups, batch, version)
-        self.root.mkdir(parents=True, exist_ok=True)  # here: rank 0 may move an old one aside at start
+        self.root.mkdir(
+            parents=True, exist_ok=True
+        )  # here: rank 0 may move an old one aside at start
         path = self.root / f"step-{step:06d}-rank{self.rank}.parquet"
         tmp = path.with_suffix(".tmp")
         pq.write_table(pa.Table.from_pylist(rows), tmp, compression="zstd")
         os.replace(tmp, path)
         self._bytes += path.stat().st_size
 
-    def rows(self, step: int, groups: Sequence[Sequence[Trajectory]], batch: PackedBatch,
-             version: int) -> list[dict[str, Any]]:
+    def rows(
+        self, step: int, groups: Sequence[Sequence[Trajectory]], batch: PackedBatch, version: int
+    ) -> list[dict[str, Any]]:
         """One dict per sequence of ``batch`` (columns: the module docstring)."""
         trajs = [t for g in groups for t in g]
         if len(trajs) != batch.n_seqs:
-            raise ValueError(f"{len(trajs)} trajectories but the batch holds {batch.n_seqs} sequences; "
-                             "record the batch groups_to_batch built from these groups")
+            raise ValueError(
+                f"{len(trajs)} trajectories but the batch holds {batch.n_seqs} sequences; "
+                "record the batch groups_to_batch built from these groups"
+            )
         cu = batch.cu_seqlens.tolist()
-        token = {k: batch[k].detach().cpu().tolist() for k in ("logprobs", "advantages", "prox_logp") if k in batch}
+        token = {
+            k: batch[k].detach().cpu().tolist()
+            for k in ("logprobs", "advantages", "prox_logp")
+            if k in batch
+        }
         rows = []
         for i, t in enumerate(trajs):
             lo, hi = cu[i] + len(t.prompt_ids), cu[i + 1]  # the completion's tokens in the batch

@@ -30,15 +30,25 @@ def connection_limit(wanted: int) -> int:
     hard one first, and ``FD_RESERVE`` descriptors are kept for the rest of the process."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < wanted + FD_RESERVE:
-        target = wanted + FD_RESERVE if hard == resource.RLIM_INFINITY else min(hard, wanted + FD_RESERVE)
+        target = (
+            wanted + FD_RESERVE
+            if hard == resource.RLIM_INFINITY
+            else min(hard, wanted + FD_RESERVE)
+        )
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
     if soft == resource.RLIM_INFINITY or soft >= wanted + FD_RESERVE:
         return wanted
     limit = max(1, soft - FD_RESERVE)
-    logger.warning("max_connections=%d exceeds the open-file limit %d less %d reserved; capping at %d "
-                   "(raise `ulimit -n` for more)", wanted, soft, FD_RESERVE, limit)
+    logger.warning(
+        "max_connections=%d exceeds the open-file limit %d less %d reserved; capping at %d "
+        "(raise `ulimit -n` for more)",
+        wanted,
+        soft,
+        FD_RESERVE,
+        limit,
+    )
     return limit
 
 
@@ -48,9 +58,13 @@ class ConnectionGuard:
     ``in_request(handler)`` marks a connection as inside a request (the server enters it once a
     request's body has arrived), which exempts it from eviction."""
 
-    def __init__(self, factory: Callable[[], Any], limit: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, factory: Callable[[], Any], limit: int, clock: Callable[[], float] = time.monotonic
+    ):
         self.factory, self.limit, self.clock = factory, limit, clock
-        self.opened: dict[Any, _Tracked] = {}  # aiohttp's protocol -> its wrapper, until connection_lost
+        self.opened: dict[
+            Any, _Tracked
+        ] = {}  # aiohttp's protocol -> its wrapper, until connection_lost
         self.busy: set[Any] = set()
         self.n_evicted = 0  # connections closed to make room for a new one
         self.n_refused = 0  # new connections closed at once: every open one was inside a request
@@ -89,8 +103,11 @@ class ConnectionGuard:
 
     def stats(self) -> dict[str, int]:
         """Open, evicted and refused connection counts (for /get_server_info)."""
-        return {"connections": len(self.opened), "connections_evicted": self.n_evicted,
-                "connections_refused": self.n_refused}
+        return {
+            "connections": len(self.opened),
+            "connections_evicted": self.n_evicted,
+            "connections_refused": self.n_refused,
+        }
 
 
 class _Tracked(asyncio.Protocol):
@@ -162,5 +179,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
     except OSError as e:
         if sock is not None:
             sock.close()
-        raise PortUnavailable([f"port: cannot listen on {host}:{port}: {e.strerror or e}; stop what holds it, "
-                           "pick another (--port N) or let the server pick one (--port 0)"]) from None
+        raise PortUnavailable(
+            [
+                f"port: cannot listen on {host}:{port}: {e.strerror or e}; stop what holds it, "
+                "pick another (--port N) or let the server pick one (--port 0)"
+            ]
+        ) from None

@@ -97,7 +97,11 @@ class GrammarLimits:
 
 def choice_grammar(choices: Any, field: str) -> str:
     """A Lark grammar matching exactly one of ``choices`` (a non-empty list of strings)."""
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+    if (
+        not isinstance(choices, list)
+        or not choices
+        or not all(isinstance(c, str) and c for c in choices)
+    ):
         raise BadRequest(field, "expected a non-empty list of non-empty strings")
     return "start: " + " | ".join(json.dumps(c) for c in choices)
 
@@ -108,7 +112,9 @@ def schema_text(value: Any, field: str) -> str:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise BadRequest(field, f"not valid JSON ({e.msg} at position {e.pos}); send a JSON schema") from None
+            raise BadRequest(
+                field, f"not valid JSON ({e.msg} at position {e.pos}); send a JSON schema"
+            ) from None
     if not isinstance(value, (dict, bool)):
         raise BadRequest(field, f"expected a JSON schema object, got {str(value)[:80]}")
     return json.dumps(value)
@@ -117,8 +123,11 @@ def schema_text(value: Any, field: str) -> str:
 def to_grammar(c: Constraint) -> str:
     """The llguidance grammar of ``c`` (not yet checked: the matcher reports its errors)."""
     if c.kind == "json_schema":
-        return llg.LLMatcher.grammar_from_json_schema(c.source, defaults=JSON_LAYOUT,  # type: ignore[arg-type]
-                                                      overrides={"lenient": not c.strict})
+        return llg.LLMatcher.grammar_from_json_schema(
+            c.source,
+            defaults=JSON_LAYOUT,  # type: ignore[arg-type]
+            overrides={"lenient": not c.strict},
+        )
     if c.kind == "regex":
         return llg.LLMatcher.grammar_from_regex(c.source)
     if c.kind == "choice":
@@ -164,7 +173,9 @@ def _regexes(c: Constraint) -> list[str]:
     if c.kind == "regex":
         return [c.source]
     if c.kind in ("lark", "ebnf"):
-        return _LARK_REGEX.findall(c.source) + [json.loads(s) for s in _JSON_PATTERN.findall(c.source)]
+        return _LARK_REGEX.findall(c.source) + [
+            json.loads(s) for s in _JSON_PATTERN.findall(c.source)
+        ]
     if c.kind != "json_schema":
         return []
     found, stack = [], [json.loads(c.source)]
@@ -186,9 +197,12 @@ def check_regexes(c: Constraint) -> None:
     for pattern in _regexes(c):
         units = regex_units(pattern)
         if units > MAX_REGEX_UNITS:
-            raise BadRequest(c.field, f"the regex {pattern[:60]!r} unrolls to {units} characters (counted repeats "
-                             f"multiplied out); this server compiles at most {MAX_REGEX_UNITS}; use * or + "
-                             "or smaller counts")
+            raise BadRequest(
+                c.field,
+                f"the regex {pattern[:60]!r} unrolls to {units} characters (counted repeats "
+                f"multiplied out); this server compiles at most {MAX_REGEX_UNITS}; use * or + "
+                "or smaller counts",
+            )
 
 
 def _big_stack_threads(n: int, target: Callable[[], None], name: str) -> None:
@@ -209,12 +223,21 @@ class GrammarCompiler:
     """Compiles constraints on its own threads and keeps the newest ``cache_size`` compiled
     grammars (an initial matcher each, copied for every generation)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int], limits: GrammarLimits,
-                 n_threads: int = 1):
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        limits: GrammarLimits,
+        n_threads: int = 1,
+    ):
+        self.tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids
+        )
         self.limits = limits
-        self.parser_limits = llg.LLParserLimits(initial_lexer_fuel=limits.lexer_fuel,
-                                                step_lexer_fuel=limits.lexer_fuel)
+        self.parser_limits = llg.LLParserLimits(
+            initial_lexer_fuel=limits.lexer_fuel, step_lexer_fuel=limits.lexer_fuel
+        )
         self._cache: collections.OrderedDict[Constraint, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -224,8 +247,11 @@ class GrammarCompiler:
         """Compile ``c`` (or take it from the cache) on a compile thread; the future holds
         ``n`` fresh :class:`Guide` s or raises :class:`BadRequest` naming ``c.field``."""
         if len(c.source) > self.limits.max_chars:
-            raise BadRequest(c.field, f"a grammar of {len(c.source)} characters; this server compiles at most "
-                             f"{self.limits.max_chars} (server.max_grammar_chars); send a smaller one")
+            raise BadRequest(
+                c.field,
+                f"a grammar of {len(c.source)} characters; this server compiles at most "
+                f"{self.limits.max_chars} (server.max_grammar_chars); send a smaller one",
+            )
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._jobs.put((c, n, fut))
         return fut
@@ -256,7 +282,9 @@ class GrammarCompiler:
             matcher.compute_bitmask()  # the first mask: builds the initial lexer states now
         if matcher.is_error():
             error = _first_line(matcher.get_error())
-            hint = f" (server.grammar_lexer_fuel={self.limits.lexer_fuel})" if "fuel" in error else ""
+            hint = (
+                f" (server.grammar_lexer_fuel={self.limits.lexer_fuel})" if "fuel" in error else ""
+            )
             raise BadRequest(c.field, f"cannot compile: {error}{hint}; fix or simplify it")
         with self._lock:
             self._cache[c] = matcher
@@ -269,8 +297,9 @@ def _first_line(message: str) -> str:
     return " ".join(message.split())[:300]
 
 
-async def compile_guides(compiler: GrammarCompiler, constraints: list[Constraint | None]
-                         ) -> list[Guide | None] | None:
+async def compile_guides(
+    compiler: GrammarCompiler, constraints: list[Constraint | None]
+) -> list[Guide | None] | None:
     """One :class:`Guide` per constrained job (None for free jobs; None for all when none is
     constrained), each distinct constraint compiled once, within ``server.grammar_compile_timeout``."""
     if all(c is None for c in constraints):
@@ -283,10 +312,14 @@ async def compile_guides(compiler: GrammarCompiler, constraints: list[Constraint
     timeout = compiler.limits.compile_timeout
     for c, rows in where.items():
         try:
-            made = await asyncio.wait_for(asyncio.wrap_future(compiler.submit(c, len(rows))), timeout)
+            made = await asyncio.wait_for(
+                asyncio.wrap_future(compiler.submit(c, len(rows))), timeout
+            )
         except asyncio.TimeoutError:
-            raise BadRequest(c.field, f"did not compile within {timeout} s (server.grammar_compile_timeout); "
-                             "simplify it") from None
+            raise BadRequest(
+                c.field,
+                f"did not compile within {timeout} s (server.grammar_compile_timeout); simplify it",
+            ) from None
         for i, guide in zip(rows, made):
             guides[i] = guide
     return guides
@@ -299,10 +332,14 @@ def mask_logits(logits: torch.Tensor, guides: list[Guide | None]) -> torch.Tenso
     if not rows:
         return logits
     B, V = len(rows), logits.shape[-1]
-    bitmask = llg_torch.allocate_token_bitmask(B, V)  # [B, ceil(V/32)] int32, bit v of row = allowed
+    bitmask = llg_torch.allocate_token_bitmask(
+        B, V
+    )  # [B, ceil(V/32)] int32, bit v of row = allowed
     for j, i in enumerate(rows):
         llg_torch.fill_next_token_bitmask(guides[i].matcher, bitmask, j)  # type: ignore[union-attr]
-    bits = bitmask.to(logits.device)[:, :, None] >> torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = bitmask.to(logits.device)[:, :, None] >> torch.arange(
+        32, dtype=torch.int32, device=logits.device
+    )
     allowed = (bits & 1).bool().reshape(B, -1)[:, :V]  # [B, V]
     logits = logits.clone()
     index = torch.tensor(rows, device=logits.device)
@@ -314,7 +351,8 @@ def advance(guide: Guide, token: int) -> bool:
     """Feed the sampled ``token`` to ``guide``; True when the grammar is complete (the output
     must end here). Raises :class:`ConstraintFailed` when the matcher failed."""
     if not guide.matcher.consume_token(token) or guide.matcher.is_error():
-        raise ConstraintFailed(guide.field, f"the grammar failed at output token {token}: "
-                               f"{_first_line(guide.matcher.get_error())}")
+        raise ConstraintFailed(
+            guide.field,
+            f"the grammar failed at output token {token}: {_first_line(guide.matcher.get_error())}",
+        )
     return guide.matcher.is_stopped()
-

@@ -74,12 +74,16 @@ class Generator:
         self.model = model
         self.share_prompts = share_prompts  # one prefill for identical prompts admitted together
         self.max_batch_size = max_batch_size
-        self.context_length = min(context_length or model.spec.max_positions, model.spec.max_positions)
+        self.context_length = min(
+            context_length or model.spec.max_positions, model.spec.max_positions
+        )
         self.max_prefill_tokens = max_prefill_tokens
         self.decode_text = decode
         self.num_threads = num_threads
         self.eos_token_ids = frozenset(model.spec.eos_token_ids)
-        self.cache = KVCache(model.spec, max_batch_size, self.context_length, model.device, model.dtype)
+        self.cache = KVCache(
+            model.spec, max_batch_size, self.context_length, model.device, model.dtype
+        )
         self._version = version
         self._paused = False
         self._released = False  # KV cache given back (release_memory) until resume_memory
@@ -155,8 +159,11 @@ class Generator:
 
     def faults(self) -> dict[str, int | str]:
         """Failed steps, requests failed by non-finite logits and the last such failure."""
-        return {"failed_steps": self.n_failed_steps, "nonfinite_logits": self.n_nonfinite,
-                "last_nonfinite": self.last_nonfinite}
+        return {
+            "failed_steps": self.n_failed_steps,
+            "nonfinite_logits": self.n_nonfinite,
+            "last_nonfinite": self.last_nonfinite,
+        }
 
     def check_request(self, input_ids: list[int], params: SamplingParams) -> list[str]:
         """``"field: problem"`` strings for a request this generator cannot run."""
@@ -174,11 +181,16 @@ class Generator:
             problems.append(f"input_ids: token ids must be ints in [0, {V}), got {bad[:3]}")
         bad = [t for t in params.stop_token_ids if not (isinstance(t, int) and 0 <= t < V)]
         if bad:
-            problems.append(f"sampling_params.stop_token_ids: token ids must be ints in [0, {V}), got {bad[:3]}")
+            problems.append(
+                f"sampling_params.stop_token_ids: token ids must be ints in [0, {V}), got {bad[:3]}"
+            )
         if params.stop and self.decode_text is None:
             problems.append("sampling_params.stop: stop strings need a tokenizer")
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        if params.min_new_tokens > 0 and sum(1 for t in stops if isinstance(t, int) and 0 <= t < V) >= V:
+        if (
+            params.min_new_tokens > 0
+            and sum(1 for t in stops if isinstance(t, int) and 0 <= t < V) >= V
+        ):
             problems.append(
                 f"sampling_params.stop_token_ids: all {V} token ids of the vocabulary stop (stop_token_ids "
                 f"plus EOS unless ignore_eos), so no token can be sampled before min_new_tokens="
@@ -191,8 +203,11 @@ class Generator:
         return self.submit_batch([input_ids], [params])[0]
 
     def submit_batch(
-        self, batch: list[list[int]], params: list[SamplingParams],
-        on_token: list[Callable[[int], None] | None] | None = None, guides: list[Guide | None] | None = None,
+        self,
+        batch: list[list[int]],
+        params: list[SamplingParams],
+        on_token: list[Callable[[int], None] | None] | None = None,
+        guides: list[Guide | None] | None = None,
     ) -> list[concurrent.futures.Future]:
         """Queue several requests at once (so they can share one prefill); one future each.
 
@@ -207,7 +222,9 @@ class Generator:
             seq.guide = guide
         with self._cv:
             if self._error is not None or self._stopping:
-                raise GeneratorStopped(f"generator is not running: {self._error or 'shutting down'}")
+                raise GeneratorStopped(
+                    f"generator is not running: {self._error or 'shutting down'}"
+                )
             for seq in seqs:
                 if seq.params.max_new_tokens == 0:
                     seq.resolve("length", None)
@@ -228,12 +245,19 @@ class Generator:
         if params.seed is not None:
             gen = torch.Generator(device=self.model.device).manual_seed(int(params.seed))
         seq = Seq(list(input_ids), params, fut, frozenset(stop_ids), gen)
-        if params.min_new_tokens > 0 and stop_ids:  # built once, used at each step before the minimum
-            seq.stop_index = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.model.device)
+        if (
+            params.min_new_tokens > 0 and stop_ids
+        ):  # built once, used at each step before the minimum
+            seq.stop_index = torch.tensor(
+                sorted(stop_ids), dtype=torch.long, device=self.model.device
+            )
         return seq
 
     def generate(
-        self, batch: list[list[int]], params: SamplingParams | list[SamplingParams], timeout: float = 600.0
+        self,
+        batch: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        timeout: float = 600.0,
     ) -> list[GenerationResult]:
         """Blocking convenience: submit all prompts and wait (deadline ``timeout`` seconds)."""
         plist = params if isinstance(params, list) else [params] * len(batch)
@@ -319,8 +343,9 @@ class Generator:
             raise ValueError(f"{path}: cannot read the weights: {e}") from e
         return self.update_weights(params, version, complete=True)
 
-    def prompt_logprobs(self, input_ids: list[int], top: int = 0
-                        ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    def prompt_logprobs(
+        self, input_ids: list[int], top: int = 0
+    ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
         """Logprob of each prompt token given the ones before it (the first has none: None) and,
         with ``top``, each position's ``top`` most likely tokens; runs between steps."""
         problems = self.check_request(input_ids, SamplingParams(max_new_tokens=0, top_logprobs=top))
@@ -328,13 +353,22 @@ class Generator:
             raise ValueError("; ".join(problems))
 
         def _score():
-            logits = self.model.score(torch.tensor(input_ids, dtype=torch.long, device=self.model.device))
+            logits = self.model.score(
+                torch.tensor(input_ids, dtype=torch.long, device=self.model.device)
+            )
             if not bool(torch.isfinite(logits).all()):
                 raise self._nonfinite(f"scoring a prompt of {len(input_ids)} tokens")
             logp = torch.log_softmax(logits[:-1].float(), dim=-1)
-            chosen = logp.gather(1, torch.tensor(input_ids[1:], device=logp.device)[:, None])[:, 0].tolist()
-            tops = top_logprobs(logits[:-1], [1.0] * (len(input_ids) - 1), [top] * (len(input_ids) - 1)) \
-                if top and len(input_ids) > 1 else [[] for _ in input_ids[1:]]
+            chosen = logp.gather(1, torch.tensor(input_ids[1:], device=logp.device)[:, None])[
+                :, 0
+            ].tolist()
+            tops = (
+                top_logprobs(
+                    logits[:-1], [1.0] * (len(input_ids) - 1), [top] * (len(input_ids) - 1)
+                )
+                if top and len(input_ids) > 1
+                else [[] for _ in input_ids[1:]]
+            )
             return [None, *chosen], [None, *tops]
 
         return self._call(_score)
@@ -387,7 +421,9 @@ class Generator:
             with self._cv:
                 commands, self._commands = self._commands, []
             for _, fut in commands:
-                fut.set_exception(GeneratorStopped(f"generator stopped: {self._error or 'shutdown'}"))
+                fut.set_exception(
+                    GeneratorStopped(f"generator stopped: {self._error or 'shutdown'}")
+                )
             if self._error is None:
                 self._abort_all()  # shutdown: partial outputs, finish reason abort
             else:
@@ -425,7 +461,9 @@ class Generator:
             self._failed_in_a_row += 1
             if self._failed_in_a_row >= MAX_FAILED_STEPS:
                 raise
-            logger.exception("generation step failed; failing its %d request(s)", len(self._running))
+            logger.exception(
+                "generation step failed; failing its %d request(s)", len(self._running)
+            )
             failed, self._running = self._running, []  # their cache slots are free again
             for seq in failed:
                 seq.fail(StepFailed(f"generation step failed: {e!r}"))
@@ -472,7 +510,8 @@ class Generator:
         rows = [i for i, ok in enumerate(finite) if ok]
         retire: list[tuple[int, FinishReason, int | str | None, BaseException | None]] = [
             (first_slot + i, "abort", None, self._nonfinite(f"output token {len(seqs[i].out)}"))
-            for i, ok in enumerate(finite) if not ok
+            for i, ok in enumerate(finite)
+            if not ok
         ]
         if rows:
             kept = logits if len(rows) == len(seqs) else logits[rows]
@@ -485,19 +524,24 @@ class Generator:
     def _nonfinite(self, where: str) -> NonFiniteLogits:
         """Count a numerical fault and the error its request fails with."""
         self.n_nonfinite += 1
-        self.last_nonfinite = (f"non-finite logits (NaN or inf) at {where} of a request under weight version "
-                               f"{self._version}; that request failed, the server goes on")
+        self.last_nonfinite = (
+            f"non-finite logits (NaN or inf) at {where} of a request under weight version "
+            f"{self._version}; that request failed, the server goes on"
+        )
         logger.warning("%s", self.last_nonfinite)
         return NonFiniteLogits(self.last_nonfinite)
 
-    def _sample(self, seqs: list[Seq], logits: torch.Tensor
-                ) -> list[tuple[FinishReason, int | str | None, BaseException | None] | None]:
+    def _sample(
+        self, seqs: list[Seq], logits: torch.Tensor
+    ) -> list[tuple[FinishReason, int | str | None, BaseException | None] | None]:
         """Sample and append one token to each of ``seqs``; returns how each finished (or None).
         Rows of constrained requests sample from their grammar's masked distribution."""
         if any(s.guide is not None for s in seqs):
             logits = mask_logits(logits, [s.guide for s in seqs])
         suppress = [s.stop_index if len(s.out) < s.params.min_new_tokens else None for s in seqs]
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], suppress)
+        tokens, logprobs = sample(
+            logits, [s.params for s in seqs], [s.generator for s in seqs], suppress
+        )
         asked = [i for i, s in enumerate(seqs) if s.params.top_logprobs]
         if asked:
             temps = [1.0 if seqs[i].params.greedy else seqs[i].params.temperature for i in asked]
@@ -544,8 +588,13 @@ class Generator:
             return "length", None
         return None
 
-    def _retire(self, slot: int, reason: FinishReason, matched: int | str | None,
-                error: BaseException | None = None) -> None:
+    def _retire(
+        self,
+        slot: int,
+        reason: FinishReason,
+        matched: int | str | None,
+        error: BaseException | None = None,
+    ) -> None:
         """Answer the request in ``slot`` (or fail it with ``error``, clearing its cached keys,
         which may hold NaN a later occupant's attention would read) and refill the slot so
         running requests stay compact.

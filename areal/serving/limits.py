@@ -21,7 +21,9 @@ def loads(raw: bytes) -> Any:
     try:
         return json.loads(raw)
     except RecursionError:  # the C parser's recursion guard: deeper than the interpreter allows
-        raise BadRequest("body", "JSON nested too deeply to parse; send at most a few dozen levels") from None
+        raise BadRequest(
+            "body", "JSON nested too deeply to parse; send at most a few dozen levels"
+        ) from None
     except json.JSONDecodeError as e:
         raise BadRequest("body", f"malformed JSON ({e.msg} at position {e.pos})") from None
     except UnicodeDecodeError as e:
@@ -39,14 +41,20 @@ def check_body(body: Any, max_depth: int, max_chars: int) -> None:
         if isinstance(value, str):
             chars += len(value)
             if chars > max_chars:
-                raise BadRequest(field, f"the request's strings hold more than {max_chars} characters "
-                                 "together (server.max_text_chars); send less text or raise the limit")
+                raise BadRequest(
+                    field,
+                    f"the request's strings hold more than {max_chars} characters "
+                    "together (server.max_text_chars); send less text or raise the limit",
+                )
             if not value.isascii():
                 _check_utf8(value, field)
         elif isinstance(value, (list, dict)):
             if depth > max_depth:
-                raise BadRequest(field, f"nested deeper than {max_depth} levels (server.max_json_depth); "
-                                 "flatten it or raise the limit")
+                raise BadRequest(
+                    field,
+                    f"nested deeper than {max_depth} levels (server.max_json_depth); "
+                    "flatten it or raise the limit",
+                )
             if isinstance(value, dict):
                 for key, item in value.items():
                     stack.append((key, depth, key if field == "body" else field))
@@ -59,5 +67,8 @@ def _check_utf8(value: str, field: str) -> None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise BadRequest(field, f"holds a lone surrogate ({value[e.start]!a} at character {e.start}), which "
-                         "is not text; send valid UTF-16 pairs or the character itself") from None
+        raise BadRequest(
+            field,
+            f"holds a lone surrogate ({value[e.start]!a} at character {e.start}), which "
+            "is not text; send valid UTF-16 pairs or the character itself",
+        ) from None

@@ -39,7 +39,9 @@ class ModelSpec:
                 f"supported: {list(SUPPORTED_MODEL_TYPES)} (serve other models with SGLang/vLLM)"
             )
         if config.get("use_sliding_window"):
-            raise ValueError("use_sliding_window=true is not supported; set it false in config.json")
+            raise ValueError(
+                "use_sliding_window=true is not supported; set it false in config.json"
+            )
         self.vocab_size = int(config["vocab_size"])
         self.hidden = int(config["hidden_size"])
         self.n_layers = int(config["num_hidden_layers"])
@@ -181,7 +183,12 @@ class Qwen2Forward:
     """Qwen2 decoder over a dict of HF-named tensors; weights replaceable in place."""
 
     def __init__(
-        self, config: dict, params: dict[str, torch.Tensor], device, dtype, cpu_attention: Mode = "auto"
+        self,
+        config: dict,
+        params: dict[str, torch.Tensor],
+        device,
+        dtype,
+        cpu_attention: Mode = "auto",
     ):
         self.spec = ModelSpec(config)
         self.device, self.dtype = torch.device(device), dtype
@@ -236,12 +243,19 @@ class Qwen2Forward:
                 dict(
                     ln1=p[pre + "input_layernorm.weight"],
                     ln2=p[pre + "post_attention_layernorm.weight"],
-                    qkv_w=pack(torch.cat([p[att + "q_proj.weight"] * scale]
-                                         + [p[att + f"{x}_proj.weight"] for x in "kv"])),
-                    qkv_b=torch.cat([p[att + "q_proj.bias"] * scale]
-                                    + [p[att + f"{x}_proj.bias"] for x in "kv"]),
+                    qkv_w=pack(
+                        torch.cat(
+                            [p[att + "q_proj.weight"] * scale]
+                            + [p[att + f"{x}_proj.weight"] for x in "kv"]
+                        )
+                    ),
+                    qkv_b=torch.cat(
+                        [p[att + "q_proj.bias"] * scale] + [p[att + f"{x}_proj.bias"] for x in "kv"]
+                    ),
                     o_w=pack(p[att + "o_proj.weight"]),
-                    gate_up_w=pack(torch.cat([p[mlp + f"{x}_proj.weight"] for x in ("gate", "up")])),
+                    gate_up_w=pack(
+                        torch.cat([p[mlp + f"{x}_proj.weight"] for x in ("gate", "up")])
+                    ),
                     down_w=pack(p[mlp + "down_proj.weight"]),
                 )
             )
@@ -257,15 +271,23 @@ class Qwen2Forward:
         partial state dict)."""
         problems = []
         for name, t in named.items():
-            if name == "lm_head.weight" and name not in self.params and self.spec.tie_word_embeddings:
+            if (
+                name == "lm_head.weight"
+                and name not in self.params
+                and self.spec.tie_word_embeddings
+            ):
                 continue  # tied: lm_head is the embedding, sent separately
             if name not in self.params:
                 problems.append(f"unknown weight {name!r}")
             elif tuple(t.shape) != tuple(self.params[name].shape):
-                problems.append(f"{name}: shape {tuple(t.shape)} != {tuple(self.params[name].shape)}")
+                problems.append(
+                    f"{name}: shape {tuple(t.shape)} != {tuple(self.params[name].shape)}"
+                )
             elif not t.is_floating_point():
-                problems.append(f"{name}: dtype {t.dtype} is not floating point; send {self.dtype} "
-                                "(or any float dtype: it is cast)")
+                problems.append(
+                    f"{name}: dtype {t.dtype} is not floating point; send {self.dtype} "
+                    "(or any float dtype: it is cast)"
+                )
             elif not bool(torch.isfinite(t.to(self.dtype)).all()):
                 problems.append(f"{name}: holds NaN or inf values once cast to {self.dtype}")
         if complete:
@@ -365,7 +387,12 @@ class Qwen2Forward:
             if last_only:
                 qs = qs[:, :, -1:]
             att = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=not last_only, enable_gqa=True, scale=1.0  # q pre-scaled
+                qs,
+                ks,
+                vs,
+                is_causal=not last_only,
+                enable_gqa=True,
+                scale=1.0,  # q pre-scaled
             )
             out.append(att.transpose(1, 2).reshape(-1, qs.shape[1] * qs.shape[3]))
             start, j = start + m * n, j + m

@@ -46,20 +46,31 @@ COMMON_KEYS = {
 }  # fmt: skip
 CHAT_UNLIMITED = 1 << 30  # max_tokens of a chat request that sets none: the context ends it
 COMPLETION_KEYS = COMMON_KEYS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-CHAT_KEYS = COMMON_KEYS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools",
-                          "tool_choice", "parallel_tool_calls"}
+CHAT_KEYS = COMMON_KEYS | {
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
 
 
-def _common(body: dict, max_tokens: int | None, cfg: GenerationServerConfig) -> tuple[SamplingParams, dict, int]:
+def _common(
+    body: dict, max_tokens: int | None, cfg: GenerationServerConfig
+) -> tuple[SamplingParams, dict, int]:
     """Sampling fields shared by completions and chat -> (params, render opts, n); ``n`` is
     checked against ``server.max_n`` here, before any job is built."""
     if _bool(body, "stream", "", False):
         options = body.get("stream_options") or {}
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise BadRequest("stream_options", "expected {\"include_usage\": true|false}")
+            raise BadRequest("stream_options", 'expected {"include_usage": true|false}')
         _bool(options, "include_usage", "stream_options.", False)
         if body.get("logprobs") or body.get("echo"):
-            raise BadRequest("stream", "logprobs and echo are not streamed; send stream=false for them")
+            raise BadRequest(
+                "stream", "logprobs and echo are not streamed; send stream=false for them"
+            )
     if body.get("logit_bias"):
         raise BadRequest("logit_bias", "logit_bias is not supported; send none or {}")
     n = _int(body, "n", "", 1, lo=1)
@@ -92,7 +103,9 @@ def output_constraint(body: dict) -> Constraint | None:
     ``grammar``, ``json_object``) asks for; at most one of the two."""
     fmt, so = body.get("response_format"), body.get("structured_outputs")
     if fmt is not None and fmt != {"type": "text"} and so is not None:
-        raise BadRequest("structured_outputs", "send response_format or structured_outputs, not both")
+        raise BadRequest(
+            "structured_outputs", "send response_format or structured_outputs, not both"
+        )
     if so is not None:
         return _structured_outputs(so)
     if fmt is None or fmt == {"type": "text"}:
@@ -101,26 +114,41 @@ def output_constraint(body: dict) -> Constraint | None:
     if kind == "json_object":
         return Constraint("json_schema", '{"type": "object"}', "response_format")
     if kind != "json_schema":
-        raise BadRequest("response_format.type", f"expected text, json_object or json_schema, got {str(fmt)[:80]}")
+        raise BadRequest(
+            "response_format.type",
+            f"expected text, json_object or json_schema, got {str(fmt)[:80]}",
+        )
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict) or spec.get("strict") not in (None, True, False):
-        raise BadRequest("response_format.json_schema", "expected {\"name\", \"schema\", \"strict\": bool}")
+        raise BadRequest(
+            "response_format.json_schema", 'expected {"name", "schema", "strict": bool}'
+        )
     where = "response_format.json_schema.schema"
     schema = schema_text(spec.get("schema", {"type": "object"}), where)
     return Constraint("json_schema", schema, where, strict=bool(spec.get("strict")))
 
 
 def _structured_outputs(so: Any) -> Constraint:
-    given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if isinstance(so, dict)
-             and so.get(k) not in (None, False)]
+    given = [
+        k
+        for k in ("json", "regex", "choice", "grammar", "json_object")
+        if isinstance(so, dict) and so.get(k) not in (None, False)
+    ]
     if len(given) != 1 or set(so) - {"json", "regex", "choice", "grammar", "json_object"}:
-        raise BadRequest("structured_outputs", "expected exactly one of json, regex, choice, grammar, "
-                         f"json_object, got {str(so)[:80]}")
+        raise BadRequest(
+            "structured_outputs",
+            "expected exactly one of json, regex, choice, grammar, "
+            f"json_object, got {str(so)[:80]}",
+        )
     key, value = given[0], so[given[0]]
     where = f"structured_outputs.{key}"
     if key in ("json", "json_object"):
-        return Constraint("json_schema", schema_text(value if key == "json" else {"type": "object"}, where),
-                          where, strict=False)
+        return Constraint(
+            "json_schema",
+            schema_text(value if key == "json" else {"type": "object"}, where),
+            where,
+            strict=False,
+        )
     if key == "choice":
         choice_grammar(value, where)  # checks the list
         return Constraint("choice", json.dumps(value), where)
@@ -132,14 +160,19 @@ def _structured_outputs(so: Any) -> Constraint:
 def _constrain(jobs: list[Job], constraint: Constraint | None) -> list[Job]:
     """Give ``jobs`` their grammar; a grammar with min_tokens is refused (it decides the end)."""
     if constraint is not None and jobs and jobs[0].params.min_new_tokens:
-        raise BadRequest("min_tokens", "cannot be combined with a grammar (response_format, "
-                         "structured_outputs or a forced tool call decides where the output ends); send 0")
+        raise BadRequest(
+            "min_tokens",
+            "cannot be combined with a grammar (response_format, "
+            "structured_outputs or a forced tool call decides where the output ends); send 0",
+        )
     for job in jobs:
         job.constraint = constraint
     return jobs
 
 
-def _fan_out(prompt: list[int], params: SamplingParams, opts: dict, n: int, index0: int) -> list[Job]:
+def _fan_out(
+    prompt: list[int], params: SamplingParams, opts: dict, n: int, index0: int
+) -> list[Job]:
     """``n`` jobs for one prompt; seeded requests get seeds seed, seed+1, ... so samples differ."""
     jobs = []
     opts = dict(opts)
@@ -185,16 +218,21 @@ def parse_completions(
     return jobs, logprobs
 
 
-def _prompts(prompt: Any, n: int, encode: Callable[[str], list[int]], cfg: GenerationServerConfig
-             ) -> list[list[int]]:
+def _prompts(
+    prompt: Any, n: int, encode: Callable[[str], list[int]], cfg: GenerationServerConfig
+) -> list[list[int]]:
     """A completions ``prompt`` (string, strings, token ids or lists of them) -> token id lists;
     prompts x n is checked against ``server.max_n`` before any is tokenized."""
     if isinstance(prompt, str):
         raw: list = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         raw = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) \
-            and len({type(p) for p in prompt}) == 1:
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, (str, list)) for p in prompt)
+        and len({type(p) for p in prompt}) == 1
+    ):
         raw = prompt
     else:
         raise BadRequest("prompt", "expected a string, a list of strings or token id list(s)")
@@ -206,7 +244,9 @@ def _prompts(prompt: Any, n: int, encode: Callable[[str], list[int]], cfg: Gener
 
 
 def parse_chat(
-    body: Any, apply_template: Callable[[list[dict], list[dict] | None], list[int]], cfg: GenerationServerConfig,
+    body: Any,
+    apply_template: Callable[[list[dict], list[dict] | None], list[int]],
+    cfg: GenerationServerConfig,
 ) -> tuple[list[Job], bool]:
     """``/v1/chat/completions`` body -> (jobs, want logprobs); ``apply_template(messages,
     tools)`` renders the prompt; a forced tool call or a response format constrains the answer."""
@@ -219,8 +259,11 @@ def parse_chat(
     tools, parse_calls, forced, parallel = parse_tools(body)
     constraint = output_constraint(body)
     if forced is not None and constraint is not None:
-        raise BadRequest("tool_choice", "a forced tool call cannot also follow response_format or "
-                         "structured_outputs; send tool_choice 'auto' or drop the format")
+        raise BadRequest(
+            "tool_choice",
+            "a forced tool call cannot also follow response_format or "
+            "structured_outputs; send tool_choice 'auto' or drop the format",
+        )
     clean = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -231,7 +274,9 @@ def parse_chat(
             clean.append({"role": "assistant", "content": content or "", "tool_calls": calls})
             continue
         if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
-            raise BadRequest(f"messages[{i}].tool_call_id", "a tool message needs the tool_call_id it answers")
+            raise BadRequest(
+                f"messages[{i}].tool_call_id", "a tool message needs the tool_call_id it answers"
+            )
         if isinstance(content, list):  # content parts: keep the text ones
             if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
                 raise BadRequest(f"messages[{i}].content", "only text content parts are supported")
@@ -250,14 +295,17 @@ def parse_chat(
     if top > MAX_TOP_LOGPROBS:
         raise BadRequest("top_logprobs", f"must be <= {MAX_TOP_LOGPROBS}, got {top}")
     params = dataclasses.replace(params, top_logprobs=top)
-    jobs = _constrain(_fan_out(apply_template(clean, tools), params, opts, n, 0), forced or constraint)
+    jobs = _constrain(
+        _fan_out(apply_template(clean, tools), params, opts, n, 0), forced or constraint
+    )
     for job in jobs:
         job.extra["tool_calls"], job.extra["parallel_tool_calls"] = parse_calls, parallel
     return jobs, want
 
 
-def _top_entries(ids: list[int], lps: list, tops: list, n: int | None, token_str: Callable,
-                 pieces: list[str]) -> list:
+def _top_entries(
+    ids: list[int], lps: list, tops: list, n: int | None, token_str: Callable, pieces: list[str]
+) -> list:
     """OpenAI completions ``top_logprobs``: per position a {token: logprob} dict of the ``n``
     most likely tokens plus the chosen one (None where no logprob exists: a prompt's first).
     The chosen token is keyed as in ``tokens`` (its piece of the text), so a client comparing
@@ -293,13 +341,23 @@ def completion_response(
             lps = (job.extra["input_logprobs"] if echo else []) + r.output_logprobs
             out_tops = r.output_top_logprobs or [[] for _ in r.output_ids]
             tops = (job.extra["input_tops"] if echo else []) + out_tops
-            pieces = text.pieces(r.input_ids) + text.pieces(r.output_ids) if echo else text.pieces(ids)
+            pieces = (
+                text.pieces(r.input_ids) + text.pieces(r.output_ids) if echo else text.pieces(ids)
+            )
             offsets = [sum(map(len, pieces[:k])) for k in range(len(pieces))]
-            lp = {"tokens": pieces, "token_logprobs": lps,
-                  "top_logprobs": _top_entries(ids, lps, tops, logprobs, text.token_str, pieces),
-                  "text_offset": offsets}
+            lp = {
+                "tokens": pieces,
+                "token_logprobs": lps,
+                "top_logprobs": _top_entries(ids, lps, tops, logprobs, text.token_str, pieces),
+                "text_offset": offsets,
+            }
         choices.append(
-            {"index": job.extra["index"], "text": out_text, "logprobs": lp, "finish_reason": r.finish_reason}
+            {
+                "index": job.extra["index"],
+                "text": out_text,
+                "logprobs": lp,
+                "finish_reason": r.finish_reason,
+            }
         )
     return {
         "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": now(),
@@ -312,8 +370,14 @@ def _chat_logprobs(r: GenerationResult, text: TokenText) -> dict:
         return {"token": token, "logprob": v, "bytes": list(text.token_bytes(t))}
 
     tops = r.output_top_logprobs or [[] for _ in r.output_ids]
-    return {"content": [{**item(t, v, piece), "top_logprobs": [item(u, w, text.token_str(u)) for u, w in top]}
-                        for t, v, top, piece in zip(r.output_ids, r.output_logprobs, tops, text.pieces(r.output_ids))]}
+    return {
+        "content": [
+            {**item(t, v, piece), "top_logprobs": [item(u, w, text.token_str(u)) for u, w in top]}
+            for t, v, top, piece in zip(
+                r.output_ids, r.output_logprobs, tops, text.pieces(r.output_ids)
+            )
+        ]
+    }
 
 
 def chat_finish(calls: list[dict], r: GenerationResult) -> str:
@@ -331,9 +395,19 @@ def chat_response(
         if job.extra.get("tool_calls"):
             content, calls = extract_tool_calls(content)
             calls = calls if job.extra.get("parallel_tool_calls", True) else calls[:1]
-        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-        choices.append({"index": job.extra["index"], "message": message,
-                        "logprobs": _chat_logprobs(r, text) if logprobs else None, "finish_reason": chat_finish(calls, r)})
+        message = {
+            "role": "assistant",
+            "content": content,
+            **({"tool_calls": calls} if calls else {}),
+        }
+        choices.append(
+            {
+                "index": job.extra["index"],
+                "message": message,
+                "logprobs": _chat_logprobs(r, text) if logprobs else None,
+                "finish_reason": chat_finish(calls, r),
+            }
+        )
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": now(),
         "model": model, "choices": choices, "usage": usage(jobs, results),

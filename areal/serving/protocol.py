@@ -36,7 +36,12 @@ class Job:
 
 
 # Parameters accepted only at their neutral value (we do not implement penalties).
-NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
+NEUTRAL = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+}
 SGLANG_SAMPLING_KEYS = {
     "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop",
     "stop_token_ids", "ignore_eos", "seed", "sampling_seed", "no_stop_trim",
@@ -90,33 +95,49 @@ def _stop_strings(v: Any, path: str, cfg: GenerationServerConfig) -> tuple[str, 
         raise BadRequest(path, f"expected a string or a list of strings, got {str(v)[:80]}")
     stops = tuple(s for s in v if s)
     if len(stops) > cfg.max_stop_strings:
-        raise BadRequest(path, f"{len(stops)} stop strings; this server allows {cfg.max_stop_strings} "
-                         "(server.max_stop_strings)")
+        raise BadRequest(
+            path,
+            f"{len(stops)} stop strings; this server allows {cfg.max_stop_strings} "
+            "(server.max_stop_strings)",
+        )
     if sum(map(len, stops)) > cfg.max_stop_chars:
-        raise BadRequest(path, f"stop strings of {sum(map(len, stops))} characters together; this server "
-                         f"allows {cfg.max_stop_chars} (server.max_stop_chars)")
+        raise BadRequest(
+            path,
+            f"stop strings of {sum(map(len, stops))} characters together; this server "
+            f"allows {cfg.max_stop_chars} (server.max_stop_chars)",
+        )
     return stops
 
 
 def check_count(count: int, cfg: GenerationServerConfig) -> None:
     """Refuse more than ``server.max_n`` completions (prompts x n) before any job is built."""
     if count > cfg.max_n:
-        raise BadRequest("n", f"{count} completions asked in one request (prompts x n); this server "
-                         f"allows {cfg.max_n} (server.max_n)")
+        raise BadRequest(
+            "n",
+            f"{count} completions asked in one request (prompts x n); this server "
+            f"allows {cfg.max_n} (server.max_n)",
+        )
 
 
-def check_prompt_logprobs(prompts: list[list[int]], field: str, cfg: GenerationServerConfig) -> None:
+def check_prompt_logprobs(
+    prompts: list[list[int]], field: str, cfg: GenerationServerConfig
+) -> None:
     """Refuse prompt logprobs over more than ``server.max_prompt_logprob_tokens`` tokens: each
     prompt costs a forward pass of its own between decode steps."""
     total = sum(map(len, prompts))
     if total > cfg.max_prompt_logprob_tokens:
-        raise BadRequest(field, f"prompt logprobs asked for {total} prompt tokens; this server scores at "
-                         f"most {cfg.max_prompt_logprob_tokens} per request (server.max_prompt_logprob_tokens); "
-                         "send fewer or shorter prompts per request")
+        raise BadRequest(
+            field,
+            f"prompt logprobs asked for {total} prompt tokens; this server scores at "
+            f"most {cfg.max_prompt_logprob_tokens} per request (server.max_prompt_logprob_tokens); "
+            "send fewer or shorter prompts per request",
+        )
 
 
 def _token_list(v: Any, path: str) -> list[int]:
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+    if not isinstance(v, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in v
+    ):
         raise BadRequest(path, f"expected a list of token ids (ints), got {str(v)[:80]}")
     return v
 
@@ -170,10 +191,14 @@ def constraint_from_sglang(sp: dict, path: str = "sampling_params.") -> Constrai
         return None
     key = path + given[0]
     if len(given) > 1:
-        raise BadRequest(path + given[1], f"send at most one of json_schema, regex and ebnf, got {given}")
+        raise BadRequest(
+            path + given[1], f"send at most one of json_schema, regex and ebnf, got {given}"
+        )
     if sp.get("min_new_tokens"):
-        raise BadRequest(f"{path}min_new_tokens", "cannot be combined with a grammar (the grammar decides "
-                         "where the output ends); send 0")
+        raise BadRequest(
+            f"{path}min_new_tokens",
+            "cannot be combined with a grammar (the grammar decides where the output ends); send 0",
+        )
     if given[0] == "json_schema":
         return Constraint("json_schema", schema_text(sp["json_schema"], key), key, strict=False)
     value = sp[given[0]]
@@ -191,7 +216,10 @@ def parse_generate(
         raise BadRequest("body", "expected a JSON object")
     _check_known(body, GENERATE_KEYS, "")
     if body.get("stream"):
-        raise BadRequest("stream", "/generate does not stream; use /v1/completions or /v1/chat/completions with stream=true")
+        raise BadRequest(
+            "stream",
+            "/generate does not stream; use /v1/completions or /v1/chat/completions with stream=true",
+        )
     if (body.get("text") is None) == (body.get("input_ids") is None):
         raise BadRequest("input_ids", "send exactly one of text or input_ids")
     params, opts = sampling_from_sglang(body.get("sampling_params"), cfg)
@@ -209,7 +237,9 @@ def parse_generate(
         check_count(len(texts), cfg)
         prompts = [encode(t) for t in texts]
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise BadRequest("input_ids" if body.get("input_ids") is not None else "text", "empty prompt")
+        raise BadRequest(
+            "input_ids" if body.get("input_ids") is not None else "text", "empty prompt"
+        )
     return_logprob = _bool(body, "return_logprob", "", False)
     start = _int(body, "logprob_start_len", "", -1, lo=-1)
     top = _int(body, "top_logprobs_num", "", 0, lo=0)
@@ -222,8 +252,10 @@ def parse_generate(
             check_prompt_logprobs(prompts, "logprob_start_len", cfg)
             extra = {"prompt_logprobs": top, "logprob_start_len": start}
     constraint = constraint_from_sglang(body.get("sampling_params") or {})
-    jobs = [Job(p, params, **opts, extra={**extra, "prompt_index": i}, constraint=constraint)
-            for i, p in enumerate(prompts)]
+    jobs = [
+        Job(p, params, **opts, extra={**extra, "prompt_index": i}, constraint=constraint)
+        for i, p in enumerate(prompts)
+    ]
     return jobs, batch, return_logprob
 
 
@@ -267,13 +299,22 @@ def generate_response(
         ]
         start = job.extra.get("logprob_start_len", -1)
         lps, tops = job.extra.get("input_logprobs", []), job.extra.get("input_tops", [])
-        meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(lps, r.input_ids)][max(start, 0):] \
-            if start >= 0 else []
+        meta["input_token_logprobs"] = (
+            [[lp, tok, None] for lp, tok in zip(lps, r.input_ids)][max(start, 0) :]
+            if start >= 0
+            else []
+        )
         if job.params.top_logprobs:
-            meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in r.output_top_logprobs]
-            meta["input_top_logprobs"] = [
-                None if top is None else [[lp, t, None] for t, lp in top] for top in tops
-            ][max(start, 0):] if start >= 0 else []
+            meta["output_top_logprobs"] = [
+                [[lp, t, None] for t, lp in top] for top in r.output_top_logprobs
+            ]
+            meta["input_top_logprobs"] = (
+                [None if top is None else [[lp, t, None] for t, lp in top] for top in tops][
+                    max(start, 0) :
+                ]
+                if start >= 0
+                else []
+            )
     return {"text": render_text(job, r, decode), "output_ids": r.output_ids, "meta_info": meta}
 
 
@@ -283,7 +324,11 @@ def usage(jobs: list[Job], results: list[GenerationResult]) -> dict:
     first = {job.extra.get("prompt_index", i): r for i, (job, r) in enumerate(zip(jobs, results))}
     prompt = sum(len(r.input_ids) for r in first.values())
     completion = sum(len(r.output_ids) for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def now() -> int:

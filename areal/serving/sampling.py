@@ -61,8 +61,10 @@ class SamplingParams:
                 out.append(f"{name}: must be <= {MAX_INT}, got {getattr(self, name)}")
         t = self.temperature
         if not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):  # NaN fails both
-            out.append(f"temperature: must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
-                       f"got {t}")
+            out.append(
+                f"temperature: must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                f"got {t}"
+            )
         if not 0 < self.top_p <= 1:  # NaN fails too
             out.append(f"top_p: must be in (0, 1], got {self.top_p}")
         if not -1 <= self.top_k <= MAX_INT:
@@ -131,15 +133,24 @@ def sample(
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
 
-def top_logprobs(logits: torch.Tensor, temperatures: list[float], ks: list[int]) -> list[list[tuple[int, float]]]:
+def top_logprobs(
+    logits: torch.Tensor, temperatures: list[float], ks: list[int]
+) -> list[list[tuple[int, float]]]:
     """The ``ks[i]`` most likely ``(token, logprob)`` of row ``i`` under the reported
     distribution ``log_softmax(logits / T)`` (``T = 1`` for greedy rows: pass 1.0)."""
-    logp = torch.log_softmax(logits.float() / torch.tensor(temperatures, device=logits.device)[:, None], dim=-1)
+    logp = torch.log_softmax(
+        logits.float() / torch.tensor(temperatures, device=logits.device)[:, None], dim=-1
+    )
     top = logp.topk(max(ks), dim=-1)
-    return [list(zip(ids[:k].tolist(), lps[:k].tolist())) for ids, lps, k in zip(top.indices, top.values, ks)]
+    return [
+        list(zip(ids[:k].tolist(), lps[:k].tolist()))
+        for ids, lps, k in zip(top.indices, top.values, ks)
+    ]
 
 
-def _multinomial_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def _multinomial_rows(
+    probs: torch.Tensor, generators: list[torch.Generator | None]
+) -> torch.Tensor:
     """One draw per row: seeded rows use their own generator, the rest one batched call."""
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     shared = [i for i, g in enumerate(generators) if g is None]

@@ -56,7 +56,12 @@ from areal.utils import weight_sync
 from areal.utils.process import die_with
 from areal.serving import limits, openai_api, protocol, streaming, tokens
 from areal.serving.connections import ConnectionGuard, connection_limit, listen_socket
-from areal.serving.constraints import ConstraintFailed, GrammarCompiler, GrammarLimits, compile_guides
+from areal.serving.constraints import (
+    ConstraintFailed,
+    GrammarCompiler,
+    GrammarLimits,
+    compile_guides,
+)
 from areal.serving.generator import Generator, GeneratorStopped, StepFailed
 from areal.serving.protocol import BadRequest, Job
 from areal.serving.sampling import SamplingParams
@@ -72,7 +77,9 @@ GENERATOR_WATCH_S = 0.5  # how often serve() checks that the generator is still 
 T = TypeVar("T")
 
 
-def _error(status: int, message: str, param: str | None = None, code: str | int | None = None) -> web.Response:
+def _error(
+    status: int, message: str, param: str | None = None, code: str | int | None = None
+) -> web.Response:
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
     return web.json_response(body, status=status)
@@ -103,9 +110,14 @@ def gpu_memory_cap(cfg: GenerationServerConfig) -> Iterator[None]:
         yield
     except torch.cuda.OutOfMemoryError as e:
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
-        raise ConfigError([f"gpu_memory_fraction: {cfg.gpu_memory_fraction} of {total:.1f} GiB does not hold "
-                           f"the model at {cfg.model_path} ({str(e).splitlines()[0]}); raise "
-                           "server.gpu_memory_fraction or use a smaller server.dtype"], "server") from None
+        raise ConfigError(
+            [
+                f"gpu_memory_fraction: {cfg.gpu_memory_fraction} of {total:.1f} GiB does not hold "
+                f"the model at {cfg.model_path} ({str(e).splitlines()[0]}); raise "
+                "server.gpu_memory_fraction or use a smaller server.dtype"
+            ],
+            "server",
+        ) from None
 
 
 class GenerationServer:
@@ -134,9 +146,20 @@ class GenerationServer:
         self.text = tokens.TokenText(self.tokenizer)
         self.encode, self.decode = self.text.encode, self.text.decode
         spec = self.generator.model.spec
-        self.grammars = GrammarCompiler(self.tokenizer, spec.vocab_size, sorted(spec.eos_token_ids), GrammarLimits(
-            cfg.max_grammar_chars, cfg.grammar_compile_timeout, cfg.grammar_lexer_fuel, cfg.grammar_cache_size))
-        self.group: Any = None  # torch.distributed ProcessGroup joined via /init_weights_update_group
+        self.grammars = GrammarCompiler(
+            self.tokenizer,
+            spec.vocab_size,
+            sorted(spec.eos_token_ids),
+            GrammarLimits(
+                cfg.max_grammar_chars,
+                cfg.grammar_compile_timeout,
+                cfg.grammar_lexer_fuel,
+                cfg.grammar_cache_size,
+            ),
+        )
+        self.group: Any = (
+            None  # torch.distributed ProcessGroup joined via /init_weights_update_group
+        )
         self.hf_config = json.loads((Path(cfg.model_path) / "config.json").read_text())
         # JSON decoding, tokenizing and chat templates run here, off the event loop, one request
         # at a time (a tokenizer call is not safe from two threads at once)
@@ -150,11 +173,15 @@ class GenerationServer:
         """Chat messages (and tools) -> prompt ids via the tokenizer's chat template."""
         template = self.tokenizer.chat_template or ""
         if tools and "tools" not in template:
-            raise BadRequest("tools", "this model's chat template does not render tools, so the model "
-                             "would never see them; use a model whose template does (e.g. Qwen2.5)")
+            raise BadRequest(
+                "tools",
+                "this model's chat template does not render tools, so the model "
+                "would never see them; use a model whose template does (e.g. Qwen2.5)",
+            )
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                      tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
         except TemplateError as e:  # the template's own raise_exception (a role it does not take)
             raise BadRequest("messages", f"the model's chat template refused them: {e}") from None
         return self.encode(text)
@@ -184,7 +211,9 @@ class GenerationServer:
         the generator frees their slots at its next step)."""
         self._validate(jobs)
         guides = await compile_guides(self.grammars, [j.constraint for j in jobs])
-        futures = self.generator.submit_batch([j.input_ids for j in jobs], [j.params for j in jobs], guides=guides)
+        futures = self.generator.submit_batch(
+            [j.input_ids for j in jobs], [j.params for j in jobs], guides=guides
+        )
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         scored: dict[int, tuple] = {}  # prompt index -> its prompt logprobs (once per prompt)
         for job in jobs:
@@ -192,7 +221,8 @@ class GenerationServer:
                 key = job.extra.get("prompt_index", id(job))
                 if key not in scored:
                     scored[key] = await asyncio.to_thread(
-                        self.generator.prompt_logprobs, job.input_ids, job.extra["prompt_logprobs"])
+                        self.generator.prompt_logprobs, job.input_ids, job.extra["prompt_logprobs"]
+                    )
                 job.extra["input_logprobs"], job.extra["input_tops"] = scored[key]
         return results
 
@@ -211,11 +241,19 @@ class GenerationServer:
             await asyncio.wait_for(request.read(), self.cfg.request_body_timeout)
             return None
         except asyncio.TimeoutError:
-            resp = _error(408, f"body: not received within {self.cfg.request_body_timeout} s "
-                          "(server.request_body_timeout)", "body")
+            resp = _error(
+                408,
+                f"body: not received within {self.cfg.request_body_timeout} s "
+                "(server.request_body_timeout)",
+                "body",
+            )
         except web.HTTPRequestEntityTooLarge:
-            resp = _error(413, f"body: longer than {limit} bytes (server.max_body_bytes); send less or "
-                          "raise the limit", "body")
+            resp = _error(
+                413,
+                f"body: longer than {limit} bytes (server.max_body_bytes); send less or "
+                "raise the limit",
+                "body",
+            )
         resp.force_close()  # the rest of the body is never read
         return resp
 
@@ -231,7 +269,9 @@ class GenerationServer:
         refused = await self._receive_body(request)
         if refused is not None:
             return refused
-        in_request = self.guard.in_request(request.protocol) if self.guard else contextlib.nullcontext()
+        in_request = (
+            self.guard.in_request(request.protocol) if self.guard else contextlib.nullcontext()
+        )
         try:
             with in_request:
                 return await handler(request)
@@ -254,31 +294,33 @@ class GenerationServer:
     async def generate(self, request: web.Request) -> web.Response:
         """SGLang native ``/generate``."""
         _, (jobs, batch, want_lp) = await self._parse(
-            request, lambda body: protocol.parse_generate(body, self.encode, self.cfg))
+            request, lambda body: protocol.parse_generate(body, self.encode, self.cfg)
+        )
         results = await self.run_jobs(jobs)
         version = self.generator.version
         out = [
-            protocol.generate_response(j, r, version, want_lp, self.decode) for j, r in zip(jobs, results)
+            protocol.generate_response(j, r, version, want_lp, self.decode)
+            for j, r in zip(jobs, results)
         ]
         return web.json_response(out if batch else out[0])
 
     async def completions(self, request: web.Request) -> web.Response:
         """OpenAI ``/v1/completions``."""
         body, (jobs, logprobs) = await self._parse(
-            request, lambda body: openai_api.parse_completions(body, self.encode, self.cfg))
+            request, lambda body: openai_api.parse_completions(body, self.encode, self.cfg)
+        )
         self._check_model(body)
         if body.get("stream"):
             return await self._stream(request, "completion", body, jobs)
         results = await self.run_jobs(jobs)
-        body = openai_api.completion_response(
-            self.model_name, jobs, results, logprobs, self.text
-        )
+        body = openai_api.completion_response(self.model_name, jobs, results, logprobs, self.text)
         return web.json_response(body)
 
     async def chat(self, request: web.Request) -> web.Response:
         """OpenAI ``/v1/chat/completions``."""
         body, (jobs, logprobs) = await self._parse(
-            request, lambda body: openai_api.parse_chat(body, self.apply_template, self.cfg))
+            request, lambda body: openai_api.parse_chat(body, self.apply_template, self.cfg)
+        )
         self._check_model(body)
         if body.get("stream"):
             return await self._stream(request, "chat", body, jobs)
@@ -286,38 +328,58 @@ class GenerationServer:
         body = openai_api.chat_response(self.model_name, jobs, results, logprobs, self.text)
         return web.json_response(body)
 
-    async def _stream(self, request: web.Request, kind: str, body: dict, jobs: list[Job]) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, kind: str, body: dict, jobs: list[Job]
+    ) -> web.StreamResponse:
         self._validate(jobs)
         guides = await compile_guides(self.grammars, [j.constraint for j in jobs])
 
         def submit(callbacks):
-            return self.generator.submit_batch([j.input_ids for j in jobs], [j.params for j in jobs], callbacks,
-                                               guides)
+            return self.generator.submit_batch(
+                [j.input_ids for j in jobs], [j.params for j in jobs], callbacks, guides
+            )
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return await streaming.stream(request, kind, self.model_name, jobs, submit, self.decode, include_usage)
+        return await streaming.stream(
+            request, kind, self.model_name, jobs, submit, self.decode, include_usage
+        )
 
     def _check_model(self, body: dict) -> None:
         model = body.get("model")
         if model is not None and model != self.model_name:
-            raise ModelNotFound(f"The model {model!r} does not exist; this server serves "
-                                f"{self.model_name!r} (see GET /v1/models)")
+            raise ModelNotFound(
+                f"The model {model!r} does not exist; this server serves "
+                f"{self.model_name!r} (see GET /v1/models)"
+            )
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """``/tokenize`` (vLLM and SGLang): a prompt or chat messages -> token ids."""
-        _, out = await self._parse(request, lambda body: tokens.parse_tokenize(
-            body, self.text, self.apply_template, self.generator.context_length))
+        _, out = await self._parse(
+            request,
+            lambda body: tokens.parse_tokenize(
+                body, self.text, self.apply_template, self.generator.context_length
+            ),
+        )
         return web.json_response(out)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """``/detokenize`` (vLLM and SGLang): token ids -> text."""
-        _, out = await self._parse(request, lambda body: tokens.parse_detokenize(
-            body, self.text, self.generator.model.spec.vocab_size))
+        _, out = await self._parse(
+            request,
+            lambda body: tokens.parse_detokenize(
+                body, self.text, self.generator.model.spec.vocab_size
+            ),
+        )
         return web.json_response(out)
 
     async def models(self, request: web.Request) -> web.Response:
         """OpenAI ``/v1/models``."""
-        card = {"id": self.model_name, "object": "model", "created": protocol.now(), "owned_by": "areal"}
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": protocol.now(),
+            "owned_by": "areal",
+        }
         return web.json_response({"object": "list", "data": [card]})
 
     # ------------------------------------------------------------------ info routes
@@ -444,13 +506,23 @@ class GenerationServer:
         world = _bounded_int(body, "world_size", 2, 1 << 16)
         offset = _bounded_int(body, "rank_offset", 1, world - 1)
         timeout = body.get("timeout", 300.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout <= 86400
+        ):
             raise BadRequest("timeout", f"expected seconds in (0, 86400], got {timeout!r}")
         backend = body.get("backend", "gloo")
         if backend not in ("gloo", "nccl"):
             raise BadRequest("backend", f"expected 'gloo' or 'nccl', got {backend!r}")
         self.group = await asyncio.to_thread(
-            weight_sync.init_weight_update_group, address, port, offset, world, backend, float(timeout)
+            weight_sync.init_weight_update_group,
+            address,
+            port,
+            offset,
+            world,
+            backend,
+            float(timeout),
         )
         return web.json_response({"success": True, "message": "joined weight update group"})
 
@@ -458,7 +530,9 @@ class GenerationServer:
         """Receive announced tensors over the group, then swap them in between steps."""
         body = await self._body(request)
         if self.group is None:
-            raise BadRequest("group_name", "no weight update group; call /init_weights_update_group")
+            raise BadRequest(
+                "group_name", "no weight update group; call /init_weights_update_group"
+            )
         try:
             specs = weight_sync.specs_from_announcement(
                 body.get("names"), body.get("dtypes"), body.get("shapes")
@@ -469,10 +543,16 @@ class GenerationServer:
         if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise BadRequest("bucket_bytes", f"expected a positive integer, got {bucket_bytes!r}")
         named = await asyncio.to_thread(
-            weight_sync.receive_weights, specs, self.group, bucket_bytes, self.generator.model.device
+            weight_sync.receive_weights,
+            specs,
+            self.group,
+            bucket_bytes,
+            self.generator.model.device,
         )
         try:
-            v = await asyncio.to_thread(self.generator.update_weights, named, self._version_arg(body))
+            v = await asyncio.to_thread(
+                self.generator.update_weights, named, self._version_arg(body)
+            )
         except ValueError as e:  # NaN/inf or wrong tensors: the old weights stay
             raise BadRequest("names", str(e)) from None
         return web.json_response({"success": True, "message": "updated", "weight_version": v})
@@ -481,7 +561,9 @@ class GenerationServer:
 
     def build_app(self) -> web.Application:
         """The aiohttp application with every route."""
-        app = web.Application(middlewares=[self.middleware], client_max_size=self.cfg.max_body_bytes)
+        app = web.Application(
+            middlewares=[self.middleware], client_max_size=self.cfg.max_body_bytes
+        )
         post, get = web.post, web.get
         app.add_routes(
             [
@@ -509,14 +591,18 @@ class GenerationServer:
         return app
 
 
-async def serve(cfg: GenerationServerConfig, num_threads: int = 0, sock: socket.socket | None = None) -> int:
+async def serve(
+    cfg: GenerationServerConfig, num_threads: int = 0, sock: socket.socket | None = None
+) -> int:
     """Run until SIGTERM/SIGINT on ``sock`` (default: bound to cfg.host:cfg.port); in-flight
     requests are answered with abort; returns 0."""
     sock = sock or listen_socket(cfg.host, cfg.port)
     server = GenerationServer(cfg, num_threads)
     server.generator.start()
     runner = web.AppRunner(
-        server.build_app(), shutdown_timeout=cfg.shutdown_timeout, access_log=None,
+        server.build_app(),
+        shutdown_timeout=cfg.shutdown_timeout,
+        access_log=None,
         handler_cancellation=True,  # a client that goes away cancels its generation
         # aiohttp closes a connection whose next request head has not fully arrived this long
         # after its opening or its previous response: the head deadline

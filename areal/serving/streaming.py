@@ -29,15 +29,29 @@ from areal.serving.protocol import Job, now, render_text, usage
 from areal.serving.tools import extract_tool_calls
 
 
-def _chunk(kind: str, ident: str, model: str, index: int, text: str, finish: str | None,
-           role: bool = False) -> dict:
+def _chunk(
+    kind: str, ident: str, model: str, index: int, text: str, finish: str | None, role: bool = False
+) -> dict:
     if kind == "chat":
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        delta = (
+            {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        )
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"id": ident, "object": "chat.completion.chunk", "created": now(), "model": model,
-                "choices": [choice]}
+        return {
+            "id": ident,
+            "object": "chat.completion.chunk",
+            "created": now(),
+            "model": model,
+            "choices": [choice],
+        }
     choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-    return {"id": ident, "object": "text_completion", "created": now(), "model": model, "choices": [choice]}
+    return {
+        "id": ident,
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": [choice],
+    }
 
 
 def _safe_prefix(text: str, jobs_stop: tuple[str, ...]) -> str:
@@ -51,23 +65,42 @@ def _safe_prefix(text: str, jobs_stop: tuple[str, ...]) -> str:
     return text[: len(text) - hold] if hold else text
 
 
-def _tool_chunk(ident: str, model: str, index: int, text: str, r: GenerationResult, parallel: bool) -> dict:
+def _tool_chunk(
+    ident: str, model: str, index: int, text: str, r: GenerationResult, parallel: bool
+) -> dict:
     content, calls = extract_tool_calls(text)
     calls = calls if parallel else calls[:1]
     delta: dict[str, Any] = {"content": content} if content else {}
     if calls:
         delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-    choice = {"index": index, "delta": delta, "logprobs": None,
-              "finish_reason": chat_finish(calls, r)}
-    return {"id": ident, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": [choice]}
+    choice = {
+        "index": index,
+        "delta": delta,
+        "logprobs": None,
+        "finish_reason": chat_finish(calls, r),
+    }
+    return {
+        "id": ident,
+        "object": "chat.completion.chunk",
+        "created": now(),
+        "model": model,
+        "choices": [choice],
+    }
 
 
 class _Stream:
     """The state of one streamed request: per choice the tokens so far, the text sent, the
     result once it finished."""
 
-    def __init__(self, resp: web.StreamResponse, kind: str, model: str, jobs: list[Job], decode: Callable,
-                 include_usage: bool):
+    def __init__(
+        self,
+        resp: web.StreamResponse,
+        kind: str,
+        model: str,
+        jobs: list[Job],
+        decode: Callable,
+        include_usage: bool,
+    ):
         self.resp, self.kind, self.model, self.jobs, self.decode = resp, kind, model, jobs, decode
         self.include_usage = include_usage
         self.ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -85,7 +118,9 @@ class _Stream:
         await self.resp.write(f"data: {json.dumps(obj)}\n\n".encode())
 
     def chunk(self, i: int, text: str, finish: str | None, role: bool = False) -> dict:
-        return _chunk(self.kind, self.ident, self.model, self.jobs[i].extra["index"], text, finish, role)
+        return _chunk(
+            self.kind, self.ident, self.model, self.jobs[i].extra["index"], text, finish, role
+        )
 
     async def open(self, i: int) -> None:
         """Send chat choice ``i``'s role-only chunk, once, before its first text."""
@@ -99,7 +134,7 @@ class _Stream:
         job = self.jobs[i]
         text = _safe_prefix(self.decode(self.ids[i], job.skip_special_tokens), job.params.stop)
         if len(text) > len(self.sent[i]) and text.startswith(self.sent[i]):
-            await self.send(self.chunk(i, text[len(self.sent[i]):], None))
+            await self.send(self.chunk(i, text[len(self.sent[i]) :], None))
             self.sent[i] = text
 
     async def finish(self, i: int, r: GenerationResult) -> None:
@@ -109,22 +144,41 @@ class _Stream:
         final = render_text(self.jobs[i], r, self.decode)
         if i in self.calls_parsed:
             job = self.jobs[i]
-            await self.send(_tool_chunk(self.ident, self.model, job.extra["index"], final, r,
-                                        job.extra.get("parallel_tool_calls", True)))
+            await self.send(
+                _tool_chunk(
+                    self.ident,
+                    self.model,
+                    job.extra["index"],
+                    final,
+                    r,
+                    job.extra.get("parallel_tool_calls", True),
+                )
+            )
         else:
-            rest = final[len(self.sent[i]):] if final.startswith(self.sent[i]) else ""
+            rest = final[len(self.sent[i]) :] if final.startswith(self.sent[i]) else ""
             await self.send(self.chunk(i, rest, r.finish_reason))
 
 
-async def stream(request: web.Request, kind: str, model: str, jobs: list[Job],
-                 submit: Callable[[list[Callable[[int], None]]], list], decode: Callable,
-                 include_usage: bool) -> web.StreamResponse:
+async def stream(
+    request: web.Request,
+    kind: str,
+    model: str,
+    jobs: list[Job],
+    submit: Callable[[list[Callable[[int], None]]], list],
+    decode: Callable,
+    include_usage: bool,
+) -> web.StreamResponse:
     """Run ``jobs`` (``submit(on_token callbacks) -> futures``) and stream their text."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
-    callbacks = [lambda tok, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, tok)) for i in range(len(jobs))]
+    callbacks = [
+        lambda tok, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, tok))
+        for i in range(len(jobs))
+    ]
     futures = [asyncio.wrap_future(f) for f in submit(callbacks)]
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
     await resp.prepare(request)
     st = _Stream(resp, kind, model, jobs, decode, include_usage)
     try:
@@ -148,14 +202,24 @@ async def stream(request: web.Request, kind: str, model: str, jobs: list[Job],
                 if st.results[i] is None and f.done() and queue.empty():
                     await st.finish(i, f.result())
         if include_usage:
-            await st.send({"id": st.ident, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                           "created": now(), "model": model, "choices": [], "usage": usage(jobs, st.results)})
+            await st.send(
+                {
+                    "id": st.ident,
+                    "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                    "created": now(),
+                    "model": model,
+                    "choices": [],
+                    "usage": usage(jobs, st.results),
+                }
+            )
     except (asyncio.CancelledError, ConnectionResetError):
         for f in futures:
             f.cancel()  # the client went away: free the slots
         raise
     except Exception as e:  # headers are sent: the error travels as an event
-        await st.send({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "code": 500}})
+        await st.send(
+            {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "code": 500}}
+        )
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

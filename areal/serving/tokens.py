@@ -71,8 +71,14 @@ def parse_tokenize(body: Any, text: TokenText, apply_template: Any, context_leng
     "count", "max_model_len"}``; ``"return_token_strs": true`` adds each token's string."""
     if not isinstance(body, dict):
         raise BadRequest("body", "expected a JSON object")
-    unknown = set(body) - {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                           "return_token_strs"}
+    unknown = set(body) - {
+        "model",
+        "prompt",
+        "messages",
+        "add_special_tokens",
+        "add_generation_prompt",
+        "return_token_strs",
+    }
     if unknown:
         raise BadRequest(sorted(unknown)[0], "unknown parameter; send prompt or messages")
     if isinstance(body.get("prompt"), str):
@@ -94,10 +100,13 @@ def parse_detokenize(body: Any, text: TokenText, vocab_size: int) -> dict:
     """``POST /detokenize`` ``{"tokens": [ids]}`` -> ``{"prompt": text}`` (vLLM) with the same
     text under ``"text"`` (SGLang)."""
     if not isinstance(body, dict) or set(body) - {"model", "tokens", "skip_special_tokens"}:
-        raise BadRequest("body", "expected {\"tokens\": [token ids]}")
+        raise BadRequest("body", 'expected {"tokens": [token ids]}')
     ids = body.get("tokens")
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
-                                            for t in ids):
-        raise BadRequest("tokens", f"expected a list of token ids in [0, {vocab_size}), got {str(ids)[:80]}")
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
+    ):
+        raise BadRequest(
+            "tokens", f"expected a list of token ids in [0, {vocab_size}), got {str(ids)[:80]}"
+        )
     decoded = text.decode(ids, skip_special_tokens=bool(body.get("skip_special_tokens", False)))
     return {"prompt": decoded, "text": decoded}

@@ -32,7 +32,12 @@ from typing import Any
 
 from areal.serving.constraints import JSON_LAYOUT, Constraint
 from areal.serving.requests import BadRequest
-from areal.utils.tool_calls import CALL_OPEN, ToolChoiceError, extract_tool_calls, tool_choice_prefill
+from areal.utils.tool_calls import (
+    CALL_OPEN,
+    ToolChoiceError,
+    extract_tool_calls,
+    tool_choice_prefill,
+)
 
 CALL_CLOSE = "}\n</tool_call>"  # what ends a call's JSON object and its block
 
@@ -49,16 +54,27 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, bool, Constraint | None,
         raise BadRequest("parallel_tool_calls", f"expected true or false, got {str(parallel)[:40]}")
     if tools is not None:
         if not isinstance(tools, list) or not tools:
-            raise BadRequest("tools", "expected a non-empty list of {type: function, function: {...}}")
+            raise BadRequest(
+                "tools", "expected a non-empty list of {type: function, function: {...}}"
+            )
         for i, t in enumerate(tools):
             fn = t.get("function") if isinstance(t, dict) else None
-            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
-                    or not isinstance(fn.get("name"), str) or not fn["name"]:
-                raise BadRequest(f"tools[{i}]", "expected {\"type\": \"function\", \"function\": {\"name\": ...}}")
+            if (
+                not isinstance(t, dict)
+                or t.get("type") != "function"
+                or not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str)
+                or not fn["name"]
+            ):
+                raise BadRequest(
+                    f"tools[{i}]", 'expected {"type": "function", "function": {"name": ...}}'
+                )
             if "parameters" in fn and not isinstance(fn["parameters"], dict):
                 raise BadRequest(f"tools[{i}].function.parameters", "expected a JSON schema object")
     try:  # validates the choice; a forced one is constrained rather than prefilled here
-        forced = tool_choice_prefill(choice, None if tools is None else [t["function"]["name"] for t in tools])
+        forced = tool_choice_prefill(
+            choice, None if tools is None else [t["function"]["name"] for t in tools]
+        )
     except ToolChoiceError as e:
         raise BadRequest("tool_choice", e.detail) from e
     constraint = None
@@ -78,10 +94,14 @@ def tool_call_grammar(functions: list[dict], parallel: bool) -> str:
         schema = dict(fn.get("parameters") or {"type": "object"})
         schema["x-guidance"] = {**JSON_LAYOUT, "lenient": not fn.get("strict", False)}
         opening = f'{CALL_OPEN}{{"name": {json.dumps(fn["name"])}, "arguments": '
-        rules += [f"call{k}: {json.dumps(opening)} args{k} {json.dumps(CALL_CLOSE)}",
-                  f"args{k}: %json {json.dumps(schema)}"]
+        rules += [
+            f"call{k}: {json.dumps(opening)} args{k} {json.dumps(CALL_CLOSE)}",
+            f"args{k}: %json {json.dumps(schema)}",
+        ]
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return "\n".join([start, "call: " + " | ".join(f"call{k}" for k in range(len(functions))), *rules])
+    return "\n".join(
+        [start, "call: " + " | ".join(f"call{k}" for k in range(len(functions))), *rules]
+    )
 
 
 def clean_tool_calls(calls: Any, where: str) -> list[dict]:
@@ -91,9 +111,21 @@ def clean_tool_calls(calls: Any, where: str) -> list[dict]:
     out = []
     for j, c in enumerate(calls):
         fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
-            raise BadRequest(f"{where}[{j}]", "expected {\"id\", \"type\": \"function\", \"function\": "
-                             "{\"name\": str, \"arguments\": JSON string}}")
-        out.append({"id": str(c.get("id", "")), "type": "function",
-                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments"), str)
+        ):
+            raise BadRequest(
+                f"{where}[{j}]",
+                'expected {"id", "type": "function", "function": '
+                '{"name": str, "arguments": JSON string}}',
+            )
+        out.append(
+            {
+                "id": str(c.get("id", "")),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": fn["arguments"]},
+            }
+        )
     return out

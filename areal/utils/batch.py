@@ -36,7 +36,9 @@ class PackedBatch:
         if int(self.cu_seqlens[0]) != 0 or bool((self.cu_seqlens.diff() < 0).any()):
             raise ValueError(f"cu_seqlens must start at 0 and not decrease: {self.cu_seqlens}")
         if "input_ids" not in self.tokens:
-            raise ValueError(f"a PackedBatch needs token field 'input_ids', got {list(self.tokens)}")
+            raise ValueError(
+                f"a PackedBatch needs token field 'input_ids', got {list(self.tokens)}"
+            )
         for k, v in self.tokens.items():
             if v.shape[0] != n_tok:
                 raise ValueError(f"token field {k!r} has {v.shape[0]} rows, expected {n_tok}")
@@ -51,7 +53,9 @@ class PackedBatch:
 
     @classmethod
     def from_sequences(
-        cls, token_fields: dict[str, Sequence[Sequence]], seq_fields: dict[str, Sequence] | None = None
+        cls,
+        token_fields: dict[str, Sequence[Sequence]],
+        seq_fields: dict[str, Sequence] | None = None,
     ) -> PackedBatch:
         """Pack lists of per-sequence lists, e.g. ``{"input_ids": [[1, 2], [3]]}``."""
         lens = [len(s) for s in token_fields["input_ids"]]
@@ -90,17 +94,23 @@ class PackedBatch:
             return self.tokens[key]
         if key in self.seqs:
             return self.seqs[key]
-        raise KeyError(f"{key!r} is not a field; token fields {sorted(self.tokens)}, "
-                       f"sequence fields {sorted(self.seqs)}")
+        raise KeyError(
+            f"{key!r} is not a field; token fields {sorted(self.tokens)}, "
+            f"sequence fields {sorted(self.seqs)}"
+        )
 
     def __contains__(self, key: str) -> bool:
         return key in self.tokens or key in self.seqs
 
     def with_fields(
-        self, tokens: dict[str, torch.Tensor] | None = None, seqs: dict[str, torch.Tensor] | None = None
+        self,
+        tokens: dict[str, torch.Tensor] | None = None,
+        seqs: dict[str, torch.Tensor] | None = None,
     ) -> PackedBatch:
         """A new batch with extra/replaced fields (the original is unchanged)."""
-        return PackedBatch(self.cu_seqlens, {**self.tokens, **(tokens or {})}, {**self.seqs, **(seqs or {})})
+        return PackedBatch(
+            self.cu_seqlens, {**self.tokens, **(tokens or {})}, {**self.seqs, **(seqs or {})}
+        )
 
     def position_ids(self) -> torch.Tensor:
         """[T] position of each token within its own sequence."""
@@ -109,7 +119,9 @@ class PackedBatch:
 
     def seq_index(self) -> torch.Tensor:
         """[T] index of the sequence each token belongs to."""
-        return torch.repeat_interleave(torch.arange(self.n_seqs, device=self.cu_seqlens.device), self.seqlens)
+        return torch.repeat_interleave(
+            torch.arange(self.n_seqs, device=self.cu_seqlens.device), self.seqlens
+        )
 
     def to(self, device: torch.device | str) -> PackedBatch:
         return PackedBatch(
@@ -122,8 +134,11 @@ class PackedBatch:
         """The sequences at ``indices``, in that order."""
         idx = torch.as_tensor(list(indices), dtype=torch.long)
         cpu_cu = self.cu_seqlens.cpu()
-        token_idx = torch.cat([torch.arange(int(cpu_cu[i]), int(cpu_cu[i + 1])) for i in idx.tolist()]) \
-            if len(idx) else torch.zeros(0, dtype=torch.long)
+        token_idx = (
+            torch.cat([torch.arange(int(cpu_cu[i]), int(cpu_cu[i + 1])) for i in idx.tolist()])
+            if len(idx)
+            else torch.zeros(0, dtype=torch.long)
+        )
         token_idx = token_idx.to(self.cu_seqlens.device)
         lens = self.seqlens[idx.to(self.cu_seqlens.device)]
         cu = torch.zeros(len(idx) + 1, dtype=torch.long, device=self.cu_seqlens.device)
@@ -145,7 +160,9 @@ class PackedBatch:
         mask[rows, pos] = True
         out = {}
         for k, v in self.tokens.items():
-            padded = torch.full((self.n_seqs, lmax, *v.shape[1:]), pad_value, dtype=v.dtype, device=v.device)
+            padded = torch.full(
+                (self.n_seqs, lmax, *v.shape[1:]), pad_value, dtype=v.dtype, device=v.device
+            )
             padded[rows, pos] = v
             out[k] = padded
         return out, mask
@@ -192,7 +209,9 @@ def allocate_bins(
     loads = [0] * n_bins
     for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
         order = sorted(range(len(bins)), key=lambda b: (loads[b], b))
-        target = next((b for b in order if capacity is None or loads[b] + lengths[i] <= capacity), None)
+        target = next(
+            (b for b in order if capacity is None or loads[b] + lengths[i] <= capacity), None
+        )
         if target is None:
             bins.append([])
             loads.append(0)
@@ -264,7 +283,9 @@ def balance_across_ranks(batch: PackedBatch, n_ranks: int, granularity: int = 1)
     quota = [per_rank + (1 if r < extra else 0) for r in range(n_ranks)]
     loads, parts = [0] * n_ranks, [[] for _ in range(n_ranks)]
     for u in sorted(range(len(units)), key=lambda j: (-unit_lens[j], j)):
-        r = min((r for r in range(n_ranks) if len(parts[r]) < quota[r]), key=lambda r: (loads[r], r))
+        r = min(
+            (r for r in range(n_ranks) if len(parts[r]) < quota[r]), key=lambda r: (loads[r], r)
+        )
         parts[r].append(u)
         loads[r] += unit_lens[u]
     return [[i for u in sorted(p) for i in units[u]] for p in parts]

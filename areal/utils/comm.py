@@ -34,7 +34,8 @@ def check_served(tensor: torch.Tensor, group: dist.ProcessGroup | None, what: st
         raise ValueError(
             f"{what}: a {tensor.device.type} tensor cannot go through process group {backend!r}, "
             f"which serves {', '.join(served)}; move it to {served[0]} first (comm.all_reduce_host "
-            f"stages host values), or build the group with 'cpu:gloo,cuda:nccl'")
+            f"stages host values), or build the group with 'cpu:gloo,cuda:nccl'"
+        )
 
 
 def group_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -45,13 +46,18 @@ def group_device(group: dist.ProcessGroup | None) -> torch.device:
         return torch.device("cpu")
     module = getattr(torch, kind)
     if not module.is_available():
-        raise ValueError(f"process group {dist.get_backend(group)!r} serves only {kind}, which this "
-                         f"process does not have; use a gloo group (cluster.dist_backend=gloo) on CPU")
+        raise ValueError(
+            f"process group {dist.get_backend(group)!r} serves only {kind}, which this "
+            f"process does not have; use a gloo group (cluster.dist_backend=gloo) on CPU"
+        )
     return torch.device(kind, module.current_device())
 
 
-def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-               group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """In-place all-reduce of ``tensor`` over ``group``, refused (``ValueError``) when the group
     cannot serve its device; returns ``tensor``."""
     check_served(tensor, group, "all_reduce")
@@ -59,8 +65,11 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp
     return tensor
 
 
-def all_reduce_host(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def all_reduce_host(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """All-reduce a host (CPU) tensor over any group: reduced on the CPU where the group serves
     it, else on the group's device and copied back. Returns a CPU tensor."""
     device = group_device(group)

@@ -18,8 +18,10 @@ def import_by_path(spec: str, field: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"{field}: cannot import {module_name!r} ({e}); put {module_name}.py beside "
-                         "the entry script or on PYTHONPATH") from None
+        raise ValueError(
+            f"{field}: cannot import {module_name!r} ({e}); put {module_name}.py beside "
+            "the entry script or on PYTHONPATH"
+        ) from None
     if not hasattr(module, name):
         public = sorted(n for n in vars(module) if not n.startswith("_"))[:10]
         raise ValueError(f"{field}: {module_name} has no {name!r} (found: {public})")

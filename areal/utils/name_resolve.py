@@ -114,7 +114,9 @@ class NameRepository(abc.ABC):
             except NameEntryNotFoundError:
                 continue
 
-    def wait_subtree(self, prefix: str, count: int, timeout: float, poll_interval: float = 0.1) -> list[str]:
+    def wait_subtree(
+        self, prefix: str, count: int, timeout: float, poll_interval: float = 0.1
+    ) -> list[str]:
         """Block until at least ``count`` values are under ``prefix`` (at most ``timeout``
         seconds) and return all of them, ordered by key."""
         deadline = time.monotonic() + timeout
@@ -239,7 +241,9 @@ class _KeyValueStore:
     def items(self, prefix: str) -> list[tuple[str, str]]:
         """(key, value) of ``prefix`` and every key below it, sorted by key."""
         with self._lock:
-            return sorted((k, v) for k, v in self._kv.items() if k == prefix or k.startswith(prefix + "/"))
+            return sorted(
+                (k, v) for k, v in self._kv.items() if k == prefix or k.startswith(prefix + "/")
+            )
 
     def delete_subtree(self, prefix: str) -> None:
         with self._lock:
@@ -272,13 +276,17 @@ class _StoreRepository(NameRepository):
         """The value under ``name``."""
         value = self._call(_KeyValueStore.get, _clean(name))
         if value is None:
-            raise NameEntryNotFoundError(f"registry key {_clean(name)!r} is not set in {self.where}")
+            raise NameEntryNotFoundError(
+                f"registry key {_clean(name)!r} is not set in {self.where}"
+            )
         return value
 
     def delete(self, name: str) -> None:
         """Remove ``name``."""
         if not self._call(_KeyValueStore.delete, _clean(name)):
-            raise NameEntryNotFoundError(f"registry key {_clean(name)!r} is not set in {self.where}")
+            raise NameEntryNotFoundError(
+                f"registry key {_clean(name)!r} is not set in {self.where}"
+            )
 
     def find_subtree(self, prefix: str) -> list[str]:
         """Keys under ``prefix``."""
@@ -335,7 +343,10 @@ class RayNameRepository(_StoreRepository):
         self.where = f"the Ray actor {self.actor_name!r}"
         actor_class = ray.remote(num_cpus=0)(_KeyValueStore)
         self.actor = actor_class.options(
-            name=self.actor_name, namespace=self.RAY_NAMESPACE, get_if_exists=True, lifetime="detached"
+            name=self.actor_name,
+            namespace=self.RAY_NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
         ).remote()
 
     def _call(self, op: Callable[..., Any], *args: Any) -> Any:
@@ -363,16 +374,22 @@ class EtcdNameRepository(NameRepository):
     deleting them at once. ``add`` without ``replace`` is one transaction (create only if the
     key has no revision). Each thread talks to etcd through its own HTTP session."""
 
-    def __init__(self, address: str, namespace: str, ttl: int, timeout: float, prefix: str = "areal"):
+    def __init__(
+        self, address: str, namespace: str, ttl: int, timeout: float, prefix: str = "areal"
+    ):
         import etcd3gw  # a dependency of areal, imported here so the other backends never load it
         import etcd3gw.exceptions
 
         host, _, port = address.rpartition(":")
         if not (host and port.isdigit()):
-            raise ValueError(f"cluster.name_resolve.etcd_address must be host:port, got {address!r}")
+            raise ValueError(
+                f"cluster.name_resolve.etcd_address must be host:port, got {address!r}"
+            )
         self.address, self.ttl, self.timeout = address, ttl, timeout
         self._etcd3gw, self._host, self._port = etcd3gw, host, int(port)
-        self._root = ("/".join(p for p in (prefix.strip("/"), namespace.strip("/")) if p) + "/").encode()
+        self._root = (
+            "/".join(p for p in (prefix.strip("/"), namespace.strip("/")) if p) + "/"
+        ).encode()
         self._local = threading.local()
         self._lease_lock = threading.Lock()
         self._lease: Any = None  # etcd3gw.Lease, granted by the first add
@@ -386,7 +403,9 @@ class EtcdNameRepository(NameRepository):
     def _client(self) -> Any:
         client = getattr(self._local, "client", None)
         if client is None:
-            client = self._etcd3gw.client(host=self._host, port=self._port, timeout=self.timeout, api_path="/v3/")
+            client = self._etcd3gw.client(
+                host=self._host, port=self._port, timeout=self.timeout, api_path="/v3/"
+            )
             self._local.client = client
         return client
 
@@ -406,9 +425,14 @@ class EtcdNameRepository(NameRepository):
             if self._lease_lost:
                 raise RegistryUnavailableError(self._lease_lost)
             if self._lease is None:
-                self._lease = self._request("grant a lease", lambda client: client.lease(ttl=self.ttl))
+                self._lease = self._request(
+                    "grant a lease", lambda client: client.lease(ttl=self.ttl)
+                )
                 threading.Thread(
-                    target=self._keep_alive, args=(self._lease.id,), name="name-resolve-lease", daemon=True
+                    target=self._keep_alive,
+                    args=(self._lease.id,),
+                    name="name-resolve-lease",
+                    daemon=True,
                 ).start()
             return self._lease
 
@@ -418,7 +442,9 @@ class EtcdNameRepository(NameRepository):
             try:
                 remaining = self._etcd3gw.Lease(lease_id, self._client()).refresh()
             except self._etcd3gw.exceptions.Etcd3Exception as e:
-                logger.warning(f"etcd at {self.address}: lease refresh failed ({e}); retrying in {period:.1f} s")
+                logger.warning(
+                    f"etcd at {self.address}: lease refresh failed ({e}); retrying in {period:.1f} s"
+                )
                 continue
             if remaining <= 0:
                 self._lease_lost = (
@@ -435,7 +461,9 @@ class EtcdNameRepository(NameRepository):
         key, data, lease = self._key(name), str(value).encode(), self._owned_lease()
         if replace:
             self._request(f"put {name!r}", lambda client: client.put(key, data, lease=lease))
-        elif not self._request(f"create {name!r}", lambda client: client.create(key, data, lease=lease)):
+        elif not self._request(
+            f"create {name!r}", lambda client: client.create(key, data, lease=lease)
+        ):
             raise NameEntryExistsError(
                 f"registry key {_clean(name)!r} is already set in etcd at {self.address}; pass "
                 "replace=True to overwrite it"
@@ -445,25 +473,30 @@ class EtcdNameRepository(NameRepository):
         """The value under ``name``."""
         values = self._request(f"read {name!r}", lambda client: client.get(self._key(name)))
         if not values:
-            raise NameEntryNotFoundError(f"registry key {_clean(name)!r} is not set in etcd at {self.address}")
+            raise NameEntryNotFoundError(
+                f"registry key {_clean(name)!r} is not set in etcd at {self.address}"
+            )
         return values[0].decode()
 
     def delete(self, name: str) -> None:
         """Remove ``name``."""
         if not self._request(f"delete {name!r}", lambda client: client.delete(self._key(name))):
-            raise NameEntryNotFoundError(f"registry key {_clean(name)!r} is not set in etcd at {self.address}")
+            raise NameEntryNotFoundError(
+                f"registry key {_clean(name)!r} is not set in etcd at {self.address}"
+            )
 
     def _items(self, prefix: str) -> list[tuple[str, str]]:
         # One range read, a consistent snapshot: [key, key + "0") holds key, key/... and keys
         # such as key-x that only share the string prefix ("0" follows "/"); those are dropped.
         start = self._key(prefix)
         found = self._request(
-            f"list {prefix!r}", lambda client: client.get(start, metadata=True, range_end=start + b"0")
+            f"list {prefix!r}",
+            lambda client: client.get(start, metadata=True, range_end=start + b"0"),
         )
         out = []
         for value, meta in found:
             if meta["key"] == start or meta["key"].startswith(start + b"/"):
-                out.append((meta["key"][len(self._root):].decode(), value.decode()))
+                out.append((meta["key"][len(self._root) :].decode(), value.decode()))
         return sorted(out)
 
     def find_subtree(self, prefix: str) -> list[str]:
@@ -477,10 +510,19 @@ class EtcdNameRepository(NameRepository):
     def clear_subtree(self, prefix: str) -> None:
         """Delete ``prefix`` and every key below it in one transaction."""
         start = self._key(prefix)
-        txn = {"compare": [], "failure": [], "success": [
-            {"request_delete_range": {"key": _b64(start)}},
-            {"request_delete_range": {"key": _b64(start + b"/"), "range_end": _b64(start + b"0")}},
-        ]}
+        txn = {
+            "compare": [],
+            "failure": [],
+            "success": [
+                {"request_delete_range": {"key": _b64(start)}},
+                {
+                    "request_delete_range": {
+                        "key": _b64(start + b"/"),
+                        "range_end": _b64(start + b"0"),
+                    }
+                },
+            ],
+        }
         self._request(f"clear {prefix!r}", lambda client: client.transaction(txn))
 
     def close(self) -> None:
@@ -488,7 +530,9 @@ class EtcdNameRepository(NameRepository):
         self._stop.set()
         with self._lease_lock:
             lease, self._lease = self._lease, None
-            self._lease_lost = self._lease_lost or f"{self!r} was closed; make a new registry to add entries"
+            self._lease_lost = (
+                self._lease_lost or f"{self!r} was closed; make a new registry to add entries"
+            )
         if lease is None:
             return
         try:
@@ -510,10 +554,14 @@ def make_repository(config: NameResolveConfig, root: str | os.PathLike) -> NameR
     if config.type == "memory":
         return MemoryNameRepository()
     if config.type == "etcd":
-        return EtcdNameRepository(config.etcd_address, str(root), config.ttl, config.timeout, config.etcd_prefix)
+        return EtcdNameRepository(
+            config.etcd_address, str(root), config.ttl, config.timeout, config.etcd_prefix
+        )
     if config.type == "ray":
         return RayNameRepository(config.ray_address, str(root), config.timeout)
-    raise ValueError(f"cluster.name_resolve.type must be file, memory, etcd or ray; got {config.type!r}")
+    raise ValueError(
+        f"cluster.name_resolve.type must be file, memory, etcd or ray; got {config.type!r}"
+    )
 
 
 def trial_key(experiment_name: str, trial_name: str) -> str:

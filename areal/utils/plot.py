@@ -17,8 +17,10 @@ PANELS = [
     ("pair accuracy (reward model)", ["loss/pair_acc", "eval/pair_acc"]),
     ("version lag of trained samples (Core async)", ["core/lag/max", "core/lag/mean"]),
     ("rollouts buffered / running (Core async)", ["manager/buffered", "manager/running"]),
-    ("admission refusals, asks so far (Core async)", [f"manager/refused/{c}" for c in
-                                                      ("staleness", "capacity", "paused", "fair_share")]),
+    (
+        "admission refusals, asks so far (Core async)",
+        [f"manager/refused/{c}" for c in ("staleness", "capacity", "paused", "fair_share")],
+    ),
 ]
 WORKER_THROUGHPUT = ("rollout worker tokens/s (Core async)", "rollout_worker/", "/tokens_per_s")
 
@@ -27,7 +29,9 @@ def read_stats(run_dir: str | Path) -> list[dict]:
     """Rows of RUN_DIR/stats.jsonl; a clear error if the run wrote none."""
     path = Path(run_dir) / "stats.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: is {run_dir} a run dir with stats_logger.jsonl=true?")
+        raise FileNotFoundError(
+            f"{path} not found: is {run_dir} a run dir with stats_logger.jsonl=true?"
+        )
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not rows:
         raise ValueError(f"{path} is empty: the run logged no step yet")
@@ -43,7 +47,10 @@ def panels(rows: list[dict]) -> list[tuple[str, list[str]]]:
     per_worker = sorted(k for k in logged if k.startswith(prefix) and k.endswith(suffix))
     if per_worker:
         chosen.append((title, per_worker))
-    return [*chosen, ("seconds per stage", sorted(k for k in logged if k.startswith(TIMING_PREFIX)))]
+    return [
+        *chosen,
+        ("seconds per stage", sorted(k for k in logged if k.startswith(TIMING_PREFIX))),
+    ]
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:

@@ -44,8 +44,12 @@ def _groups(mb: PackedBatch) -> list[list[int]]:
         if runs:
             first = runs[-1][0]
             p = plen[s]
-            if (gidx[s] == gidx[first] and p == plen[first] and 0 < p <= cu[s + 1] - cu[s]
-                    and torch.equal(ids[cu[s]:cu[s] + p], ids[cu[first]:cu[first] + p])):
+            if (
+                gidx[s] == gidx[first]
+                and p == plen[first]
+                and 0 < p <= cu[s + 1] - cu[s]
+                and torch.equal(ids[cu[s] : cu[s] + p], ids[cu[first] : cu[first] + p])
+            ):
                 runs[-1].append(s)
                 continue
         runs.append([s])
@@ -60,8 +64,10 @@ def _group_mask(prompt: int, lens: list[int]) -> torch.Tensor:
     mask[:prompt, :prompt] = torch.ones(prompt, prompt, dtype=torch.bool).tril()
     start = prompt
     for length in lens:
-        mask[start:start + length, :prompt] = True
-        mask[start:start + length, start:start + length] = torch.ones(length, length, dtype=torch.bool).tril()
+        mask[start : start + length, :prompt] = True
+        mask[start : start + length, start : start + length] = torch.ones(
+            length, length, dtype=torch.bool
+        ).tril()
         start += length
     return mask
 
@@ -81,16 +87,16 @@ def share_prefixes(mb: PackedBatch) -> SharedPrefixRow | None:
     for run in runs:
         prompt = int(mb["prompt_lens"][run[0]]) if len(run) > 1 else cu[run[0] + 1] - cu[run[0]]
         s0 = cu[run[0]]
-        row_ids.append(ids[s0:s0 + prompt])
+        row_ids.append(ids[s0 : s0 + prompt])
         row_pos.append(torch.arange(prompt))
         offset = start + prompt
         lens = []
         for s in run:
             a, b = cu[s], cu[s + 1]
-            index[a:a + prompt] = torch.arange(start, start + prompt)
+            index[a : a + prompt] = torch.arange(start, start + prompt)
             length = b - a - prompt
-            index[a + prompt:b] = torch.arange(offset, offset + length)
-            row_ids.append(ids[a + prompt:b])
+            index[a + prompt : b] = torch.arange(offset, offset + length)
+            row_ids.append(ids[a + prompt : b])
             row_pos.append(torch.arange(prompt, prompt + length))
             lens.append(length)
             offset += length

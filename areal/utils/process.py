@@ -51,7 +51,9 @@ def die_with(pid: int, sig: int = signal.SIGTERM, what: str = "launcher") -> Non
         os.kill(os.getpid(), sig)
         return
     except (OSError, AttributeError) as e:  # no pidfd here (old kernel, not Linux)
-        logger.warning(f"cannot watch the {what} (pid {pid}): {e!r}; relying on the parent-death signal")
+        logger.warning(
+            f"cannot watch the {what} (pid {pid}): {e!r}; relying on the parent-death signal"
+        )
         return
 
     def wait() -> None:

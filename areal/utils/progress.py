@@ -31,8 +31,15 @@ def format_seconds(seconds: float) -> str:
 class StepProgress:
     """Reports steps ``initial+1 .. total`` as they are done (``update()`` once per step)."""
 
-    def __init__(self, total: int, initial: int, mode: str, out: IO[str] | None = None,
-                 interval: float = LINE_INTERVAL, desc: str = "steps"):
+    def __init__(
+        self,
+        total: int,
+        initial: int,
+        mode: str,
+        out: IO[str] | None = None,
+        interval: float = LINE_INTERVAL,
+        desc: str = "steps",
+    ):
         if mode not in MODES:
             raise ValueError(f"progress mode {mode!r} is not one of {list(MODES)}")
         self.total, self.step, self.mode, self.desc = total, initial, mode, desc
@@ -45,7 +52,9 @@ class StepProgress:
         if mode == "bar":
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, file=self.out)
+            self._bar = tqdm(
+                total=total, initial=initial, desc=desc, dynamic_ncols=True, file=self.out
+            )
 
     def update(self) -> None:
         """One more step done."""
@@ -55,7 +64,12 @@ class StepProgress:
             return
         now = time.monotonic()
         done = self.step - self._initial
-        if done == 1 or self.step % self.every == 0 or self.step >= self.total or now - self._last_line >= self.interval:
+        if (
+            done == 1
+            or self.step % self.every == 0
+            or self.step >= self.total
+            or now - self._last_line >= self.interval
+        ):
             self._last_line = now
             print(self.line(now), file=self.out, flush=True)
 

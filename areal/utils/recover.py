@@ -77,7 +77,9 @@ class RecoverDir:
 
     def __init__(self, root: str | Path, ranks: Ranks = Ranks(), keep: int = 2):
         if keep < 1:
-            raise ValueError(f"RecoverDir keep={keep}: keep at least 1 checkpoint (recover.keep >= 1)")
+            raise ValueError(
+                f"RecoverDir keep={keep}: keep at least 1 checkpoint (recover.keep >= 1)"
+            )
         self.root = Path(root)
         self.ranks = ranks
         self.keep = keep
@@ -90,8 +92,11 @@ class RecoverDir:
     def checkpoints(self) -> list[Path]:
         """Published checkpoint dirs, newest step first; a dir ``LATEST`` names that is gone
         is listed too (at its place), so a resume reports it instead of skipping it."""
-        found = {int(m.group(1)): p for p in self.root.glob("ckpt-*")
-                 if (m := _CKPT.fullmatch(p.name)) and p.is_dir()}
+        found = {
+            int(m.group(1)): p
+            for p in self.root.glob("ckpt-*")
+            if (m := _CKPT.fullmatch(p.name)) and p.is_dir()
+        }
         latest = self.latest()
         if latest is not None and (m := _CKPT.fullmatch(latest.name)):
             found.setdefault(int(m.group(1)), latest)
@@ -115,8 +120,13 @@ class RecoverDir:
         mine = {rel: _describe(tmp / rel) for rel in self._share(files)}  # also fsyncs each file
         entries = {rel: e for part in self.ranks.all_gather(mine) for rel, e in part.items()}
         if self.ranks.rank == 0:
-            manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": self.ranks.world_size,
-                        "digest": "blake2b-256", "files": dict(sorted(entries.items()))}
+            manifest = {
+                "format": MANIFEST_FORMAT,
+                "step": step,
+                "world_size": self.ranks.world_size,
+                "digest": "blake2b-256",
+                "files": dict(sorted(entries.items())),
+            }
             _atomic_write(tmp / MANIFEST, json.dumps(manifest, indent=1))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -167,10 +177,15 @@ class RecoverDir:
         try:
             result, error = fn(), None
         except Exception as e:  # noqa: BLE001 - reported to every rank below, then raised
-            result, error = None, str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+            result, error = (
+                None,
+                str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}",
+            )
         errors = [(r, e) for r, e in enumerate(self.ranks.all_gather(error)) if e is not None]
         if errors:
-            ranks = "; ".join(f"rank {r}: {e}" if self.ranks.world_size > 1 else e for r, e in errors)
+            ranks = "; ".join(
+                f"rank {r}: {e}" if self.ranks.world_size > 1 else e for r, e in errors
+            )
             raise CheckpointError(f"{what} failed: {ranks}")
         return result
 
@@ -194,7 +209,11 @@ class RecoverDir:
                 except CheckpointError as e:  # the same on every rank (agreed)
                     problem = str(e)
             tried.append(f"{ckpt.name}: {problem}")
-            after = f"trying {candidates[i + 1].name}" if i + 1 < len(candidates) else "none left to try"
+            after = (
+                f"trying {candidates[i + 1].name}"
+                if i + 1 < len(candidates)
+                else "none left to try"
+            )
             logger.warning(f"recover checkpoint {ckpt} is corrupt: {problem}; {after}")
         if not tried:
             return None
@@ -253,7 +272,9 @@ def read_torch_file(path: Path) -> Any:
 
 def _listing(root: Path) -> list[str]:
     """Every file under ``root``, relative, sorted (the manifest itself excluded)."""
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return sorted(
+        str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MANIFEST
+    )
 
 
 def _digest(path: Path) -> str:
@@ -278,17 +299,24 @@ def _read_manifest(ckpt: Path) -> dict[str, Any] | str:
         return "the directory is missing (LATEST names it)"
     if not path.is_file():
         what = "the dir is empty" if not any(ckpt.iterdir()) else "the checkpoint is incomplete"
-        return (f"{MANIFEST} is missing: {what} (emptied or edited by hand, or written before "
-                "checkpoints had manifests)")
+        return (
+            f"{MANIFEST} is missing: {what} (emptied or edited by hand, or written before "
+            "checkpoints had manifests)"
+        )
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
     files = manifest.get("files") if isinstance(manifest, dict) else None
     well_formed = (
-        isinstance(files, dict) and isinstance(manifest.get("world_size"), int)
-        and all(isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("blake2b"), str)
-                for e in files.values())
+        isinstance(files, dict)
+        and isinstance(manifest.get("world_size"), int)
+        and all(
+            isinstance(e, dict)
+            and isinstance(e.get("size"), int)
+            and isinstance(e.get("blake2b"), str)
+            for e in files.values()
+        )
     )
     if not well_formed or manifest.get("format") != MANIFEST_FORMAT:
         return f"{MANIFEST} is not a format-{MANIFEST_FORMAT} manifest (damaged or written by another version)"

@@ -10,14 +10,31 @@ from typing import Any
 SAMPLES_DIR = "samples"
 FILE_RE = re.compile(r"step-(\d+)-rank(\d+)\.parquet")
 # The columns of a table row; the per-token lists are read only for one sample's page.
-SUMMARY_COLUMNS = ["step", "rank", "index", "group", "sample_id", "status", "reward", "advantage",
-                   "trainer_version", "staleness", "prompt_len", "length", "completion_text"]
+SUMMARY_COLUMNS = [
+    "step",
+    "rank",
+    "index",
+    "group",
+    "sample_id",
+    "status",
+    "reward",
+    "advantage",
+    "trainer_version",
+    "staleness",
+    "prompt_len",
+    "length",
+    "completion_text",
+]
 
 
 def sample_files(run_dir: str | Path) -> list[tuple[int, int, Path]]:
     """``(step, rank, path)`` of every recorded step file of RUN_DIR, in step then rank order."""
     root = Path(run_dir) / SAMPLES_DIR
-    found = [(int(m[1]), int(m[2]), p) for p in root.glob("step-*-rank*.parquet") if (m := FILE_RE.fullmatch(p.name))]
+    found = [
+        (int(m[1]), int(m[2]), p)
+        for p in root.glob("step-*-rank*.parquet")
+        if (m := FILE_RE.fullmatch(p.name))
+    ]
     return sorted(found)
 
 
@@ -39,7 +56,10 @@ class SampleIndex:
             mtime = path.stat().st_mtime
             cached = self._cache.get(path)
             if cached is None or cached[0] != mtime:
-                cached = self._cache[path] = (mtime, pq.read_table(path, columns=SUMMARY_COLUMNS).to_pylist())
+                cached = self._cache[path] = (
+                    mtime,
+                    pq.read_table(path, columns=SUMMARY_COLUMNS).to_pylist(),
+                )
             out.extend(cached[1])
         for gone in set(self._cache) - seen:  # a resume dropped it
             del self._cache[gone]
@@ -54,7 +74,9 @@ class SampleIndex:
             raise KeyError(f"no samples of step {step} rank {rank} in {path.parent}")
         rows = pq.read_table(path).to_pylist()
         if not 0 <= index < len(rows):
-            raise KeyError(f"step {step} rank {rank} holds {len(rows)} samples; index {index} is not one")
+            raise KeyError(
+                f"step {step} rank {rank} holds {len(rows)} samples; index {index} is not one"
+            )
         return rows[index]
 
 

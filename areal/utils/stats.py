@@ -55,12 +55,20 @@ class StatsTracker:
             raise ValueError(f"metric {key!r} was recorded as {prev!r}, now as {kind!r}")
         return key
 
-    def mean(self, name: str, values: torch.Tensor | float, mask: torch.Tensor | None = None) -> None:
+    def mean(
+        self, name: str, values: torch.Tensor | float, mask: torch.Tensor | None = None
+    ) -> None:
         """Add elements to a masked mean (``mask`` selects tokens/sequences; None = all)."""
         v = torch.as_tensor(values, dtype=torch.float64).detach().cpu().flatten()
-        m = torch.ones_like(v) if mask is None else torch.as_tensor(mask).detach().cpu().flatten().double()
+        m = (
+            torch.ones_like(v)
+            if mask is None
+            else torch.as_tensor(mask).detach().cpu().flatten().double()
+        )
         if m.shape != v.shape:
-            raise ValueError(f"stat {name!r}: values {tuple(v.shape)} and mask {tuple(m.shape)} differ")
+            raise ValueError(
+                f"stat {name!r}: values {tuple(v.shape)} and mask {tuple(m.shape)} differ"
+            )
         key = self._key(name, "mean")
         self._num[key] += float((v * m).sum())
         self._den[key] += float(m.sum())
@@ -72,7 +80,9 @@ class StatsTracker:
 
     def sum(self, name: str, value: torch.Tensor | float) -> None:
         """Add to a sum (e.g. token counts)."""
-        self._num[self._key(name, "sum")] += float(torch.as_tensor(value, dtype=torch.float64).sum())
+        self._num[self._key(name, "sum")] += float(
+            torch.as_tensor(value, dtype=torch.float64).sum()
+        )
 
     def _extreme(self, name: str, values, mask, kind: str) -> None:
         v = torch.as_tensor(values, dtype=torch.float64).detach().cpu().flatten()
@@ -105,7 +115,9 @@ class StatsTracker:
 
     # -- export -------------------------------------------------------------------------------
 
-    def export(self, group: dist.ProcessGroup | None = None, reset: bool = True) -> dict[str, float]:
+    def export(
+        self, group: dist.ProcessGroup | None = None, reset: bool = True
+    ) -> dict[str, float]:
         """Reduce over ``group`` (when torch.distributed is initialised) and return name -> value.
 
         Means with an empty denominator on every rank are left out rather than reported as 0.
@@ -113,7 +125,9 @@ class StatsTracker:
         kinds = dict(self._kind)
         distributed = dist.is_available() and dist.is_initialized()
         if distributed:  # ranks may have recorded different names: use the union
-            group_device(group)  # a group this process cannot stage on is refused before any collective
+            group_device(
+                group
+            )  # a group this process cannot stage on is refused before any collective
             gathered: list[dict[str, str]] = [{} for _ in range(dist.get_world_size(group))]
             dist.all_gather_object(gathered, kinds, group=group)
             for g in gathered:
@@ -123,8 +137,13 @@ class StatsTracker:
             [[self._num.get(k, 0.0), self._den.get(k, 0.0)] for k in keys], dtype=torch.float64
         ).reshape(-1, 2)
         inf = float("inf")
-        mins = torch.tensor([self._ext.get(k, inf) if kinds[k] == "min" else inf for k in keys], dtype=torch.float64)
-        maxs = torch.tensor([self._ext.get(k, -inf) if kinds[k] == "max" else -inf for k in keys], dtype=torch.float64)
+        mins = torch.tensor(
+            [self._ext.get(k, inf) if kinds[k] == "min" else inf for k in keys], dtype=torch.float64
+        )
+        maxs = torch.tensor(
+            [self._ext.get(k, -inf) if kinds[k] == "max" else -inf for k in keys],
+            dtype=torch.float64,
+        )
         if distributed:  # host values: staged on a device the group serves (NCCL-only on a GPU)
             sums = all_reduce_host(sums, dist.ReduceOp.SUM, group)
             mins = all_reduce_host(mins, dist.ReduceOp.MIN, group)

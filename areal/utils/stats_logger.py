@@ -40,8 +40,14 @@ def format_table(step: int, stats: dict[str, float]) -> str:
 class StatsLogger:
     """Writes each step's metrics to the sinks enabled in ``StatsLoggerConfig``."""
 
-    def __init__(self, cfg: StatsLoggerConfig, run_dir: str | Path, rank: int = 0, config_dict: dict | None = None,
-                 fresh: bool = True):
+    def __init__(
+        self,
+        cfg: StatsLoggerConfig,
+        run_dir: str | Path,
+        rank: int = 0,
+        config_dict: dict | None = None,
+        fresh: bool = True,
+    ):
         """``fresh``: a new run of the trial (not a resume): an earlier run's stats.jsonl is moved
         aside to stats.jsonl.<k>, so steps never restart inside one file."""
         self.cfg = cfg
@@ -55,10 +61,14 @@ class StatsLogger:
         if cfg.jsonl:
             path = self.run_dir / "stats.jsonl"
             if fresh and path.is_file() and path.stat().st_size:
-                k = next(k for k in range(1, 10_000) if not path.with_name(f"stats.jsonl.{k}").exists())
+                k = next(
+                    k for k in range(1, 10_000) if not path.with_name(f"stats.jsonl.{k}").exists()
+                )
                 path.rename(path.with_name(f"stats.jsonl.{k}"))
-                logger.warning(f"{path} held the stats of an earlier run of this trial; moved to "
-                               f"stats.jsonl.{k} (a new trial_name keeps runs apart; recover.mode=resume continues one)")
+                logger.warning(
+                    f"{path} held the stats of an earlier run of this trial; moved to "
+                    f"stats.jsonl.{k} (a new trial_name keeps runs apart; recover.mode=resume continues one)"
+                )
             self._jsonl = open(path, "a", buffering=1)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -80,7 +90,11 @@ class StatsLogger:
         """Log one step's metrics to every enabled sink (rank 0 only)."""
         if self.rank != 0:
             return
-        clean = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        clean = {
+            k: float(v)
+            for k, v in stats.items()
+            if isinstance(v, (int, float)) and math.isfinite(v)
+        }
         if self.cfg.console:
             logger.info("\n" + format_table(step, clean))
         if self._jsonl is not None:
@@ -99,8 +113,11 @@ class StatsLogger:
             return
         self._jsonl.close()
         path = self.run_dir / "stats.jsonl"
-        kept = [line for line in path.read_text().splitlines(keepends=True)
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [
+            line
+            for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
         tmp = path.with_name("stats.jsonl.tmp")
         tmp.write_text("".join(kept))
         tmp.replace(path)

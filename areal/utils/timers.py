@@ -36,7 +36,11 @@ class FrequencyControl:
             self.epochs_done += 1
         due = (
             (self.freq_steps is not None and step % self.freq_steps == 0)
-            or (epoch_done and self.freq_epochs is not None and self.epochs_done % self.freq_epochs == 0)
+            or (
+                epoch_done
+                and self.freq_epochs is not None
+                and self.epochs_done % self.freq_epochs == 0
+            )
             or (self.freq_secs is not None and self.clock() - self.last_fire >= self.freq_secs)
         )
         if due:

@@ -47,16 +47,26 @@ def tool_choice_prefill(choice: Any, names: list[str] | None) -> str:
     if choice in ("auto", "none"):
         return ""
     if names is None:
-        raise ToolChoiceError(f"{json.dumps(choice, default=repr)[:120]} needs tools; pass tools=[...] or use 'auto'")
+        raise ToolChoiceError(
+            f"{json.dumps(choice, default=repr)[:120]} needs tools; pass tools=[...] or use 'auto'"
+        )
     if choice == "required":
         return CALL_OPEN
     fn = choice.get("function") if isinstance(choice, dict) else None
-    if not isinstance(fn, dict) or choice.get("type") != "function" or not isinstance(fn.get("name"), str):
-        raise ToolChoiceError("expected 'auto', 'none', 'required' or {\"type\": \"function\", \"function\": "
-                              f"{{\"name\": ...}}}}, got {json.dumps(choice, default=repr)[:120]}")
+    if (
+        not isinstance(fn, dict)
+        or choice.get("type") != "function"
+        or not isinstance(fn.get("name"), str)
+    ):
+        raise ToolChoiceError(
+            "expected 'auto', 'none', 'required' or {\"type\": \"function\", \"function\": "
+            f'{{"name": ...}}}}, got {json.dumps(choice, default=repr)[:120]}'
+        )
     if fn["name"] not in names:
-        raise ToolChoiceError(f"names function {fn['name']!r}, which is not among the tools {names}")
-    return f"{CALL_OPEN}{{\"name\": {json.dumps(fn['name'])}, \"arguments\": "
+        raise ToolChoiceError(
+            f"names function {fn['name']!r}, which is not among the tools {names}"
+        )
+    return f'{CALL_OPEN}{{"name": {json.dumps(fn["name"])}, "arguments": '
 
 
 def extract_tool_calls(text: str) -> tuple[str | None, list[dict]]:
@@ -75,11 +85,18 @@ def extract_tool_calls(text: str) -> tuple[str | None, list[dict]]:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             continue
         args = obj.get("arguments", {})
-        kept.append(text[last:m.start()])
+        kept.append(text[last : m.start()])
         last = m.end()
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": obj["name"],
+                    "arguments": args if isinstance(args, str) else json.dumps(args),
+                },
+            }
+        )
     if not calls:
         return text, []
     content = ("".join(kept) + text[last:]).strip()

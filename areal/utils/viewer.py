@@ -49,8 +49,10 @@ class RunData:
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
         if not self.run_dir.is_dir():
-            raise FileNotFoundError(f"{run_dir}: not a directory; pass a RUN_DIR "
-                                    "(fileroot/experiment_name/trial_name, holding stats.jsonl)")
+            raise FileNotFoundError(
+                f"{run_dir}: not a directory; pass a RUN_DIR "
+                "(fileroot/experiment_name/trial_name, holding stats.jsonl)"
+            )
         self.samples = SampleIndex(self.run_dir)
 
     def stats(self) -> list[dict[str, Any]]:
@@ -67,8 +69,11 @@ class RunData:
         """Summary rows matching the ``<column>_min`` / ``<column>_max`` ranges of ``query``."""
         bounds = parse_bounds(query)
         limit = int(query.get("limit", TABLE_LIMIT))
-        rows = [r for r in self.samples.rows()
-                if all(lo <= r[col] <= hi for col, (lo, hi) in bounds.items())]
+        rows = [
+            r
+            for r in self.samples.rows()
+            if all(lo <= r[col] <= hi for col, (lo, hi) in bounds.items())
+        ]
         return {"total": len(rows), "rows": rows[:limit]}
 
 
@@ -85,7 +90,9 @@ def parse_bounds(query: dict[str, str]) -> dict[str, tuple[float, float]]:
             try:
                 value = float(raw)
             except ValueError:
-                raise ValueError(f"{col}_{side}={raw!r} is not a number; give a number or leave it empty") from None
+                raise ValueError(
+                    f"{col}_{side}={raw!r} is not a number; give a number or leave it empty"
+                ) from None
             lo, hi = (value, hi) if side == "min" else (lo, value)
         if (lo, hi) != (-math.inf, math.inf):
             out[col] = (lo, hi)
@@ -108,8 +115,16 @@ def make_app(run_dirs: list[str | Path]):
         return web.FileResponse(STATIC / "index.html")
 
     async def run_list(_request):
-        return web.json_response([{"id": i, "name": f"{r.run_dir.parent.name}/{r.run_dir.name}", "path": str(r.run_dir)}
-                                  for i, r in enumerate(runs)])
+        return web.json_response(
+            [
+                {
+                    "id": i,
+                    "name": f"{r.run_dir.parent.name}/{r.run_dir.name}",
+                    "path": str(r.run_dir),
+                }
+                for i, r in enumerate(runs)
+            ]
+        )
 
     async def stats(request):
         return web.json_response(run_of(request).stats())
@@ -123,7 +138,9 @@ def make_app(run_dirs: list[str | Path]):
     async def sample(request):
         m = request.match_info
         try:
-            return web.json_response(run_of(request).samples.sample(int(m["step"]), int(m["rank"]), int(m["index"])))
+            return web.json_response(
+                run_of(request).samples.sample(int(m["step"]), int(m["rank"]), int(m["index"]))
+            )
         except KeyError as e:
             raise web.HTTPNotFound(text=str(e.args[0])) from None
 

@@ -138,7 +138,9 @@ def broadcast_weights(
     specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in named_tensors]
     device = named_tensors[0][1].device if named_tensors else torch.device("cpu")
     for bucket in plan_buckets(specs, bucket_bytes):
-        parts = [named_tensors[i][1].detach().contiguous().view(-1).view(torch.uint8) for i in bucket]
+        parts = [
+            named_tensors[i][1].detach().contiguous().view(-1).view(torch.uint8) for i in bucket
+        ]
         buf = torch.cat(parts).to(device) if len(parts) > 1 else parts[0].clone()
         group.broadcast(buf, 0, datetime.timedelta(seconds=timeout)).wait()
 

@@ -47,29 +47,42 @@ def load_agent(spec: str) -> Agent:
     function."""
     fn = import_by_path(spec, "workflow.agent.path")
     if not asyncio.iscoroutinefunction(fn):
-        raise ValueError(f"workflow.agent.path: {spec} is not an async function "
-                         "`async def agent(client, item) -> float`")
+        raise ValueError(
+            f"workflow.agent.path: {spec} is not an async function "
+            "`async def agent(client, item) -> float`"
+        )
     return fn
 
 
 class AgentWorkflow(RolloutWorkflow):
     """``n_samples`` episodes of an openai-client agent per item -> one trajectory group."""
 
-    def __init__(self, config: AgentConfig, gconfig: GenerationHyperparameters, tokenizer: Any,
-                 agent: Agent | None = None):
+    def __init__(
+        self,
+        config: AgentConfig,
+        gconfig: GenerationHyperparameters,
+        tokenizer: Any,
+        agent: Agent | None = None,
+    ):
         per_call = config.trajectory == "per_call" or config.on_template_mismatch == "per_call"
         if per_call and gconfig.n_samples > 1:
             raise ValueError(
                 f"workflow.agent: trajectory={config.trajectory}, on_template_mismatch="
                 f"{config.on_template_mismatch} give a varying number of trajectories per episode, but "
                 f"gconfig.n_samples={gconfig.n_samples} groups must hold n_samples sequences each; use "
-                "trajectory=concat with on_template_mismatch=error, or gconfig.n_samples=1")
+                "trajectory=concat with on_template_mismatch=error, or gconfig.n_samples=1"
+            )
         self.config = config
         self.gconfig = gconfig
         self.tokenizer = tokenizer
         self.agent = agent if agent is not None or config.command else load_agent(config.path)
-        self.counts = {"episodes": 0, "episodes_failed": 0, "groups_dropped": 0, "template_fallbacks": 0,
-                       "calls": 0}
+        self.counts = {
+            "episodes": 0,
+            "episodes_failed": 0,
+            "groups_dropped": 0,
+            "template_fallbacks": 0,
+            "calls": 0,
+        }
         self._recent: deque[bool] = deque(maxlen=WINDOW)  # True = that episode failed
 
     def stats(self) -> dict[str, float]:
@@ -79,8 +92,9 @@ class AgentWorkflow(RolloutWorkflow):
         out["agent/calls_per_episode"] = self.counts["calls"] / max(1, done)  # of the episodes kept
         return out
 
-    async def _run_agent(self, engine: InferenceEngine, item: dict, group_id: str,
-                         index: int) -> tuple[ArealOpenAI, Any]:
+    async def _run_agent(
+        self, engine: InferenceEngine, item: dict, group_id: str, index: int
+    ) -> tuple[ArealOpenAI, Any]:
         """Run one episode of the agent: (its client, what it returned as the reward)."""
         client = ArealOpenAI(engine, self.tokenizer, self.gconfig, group_id=group_id)
         try:
@@ -90,17 +104,31 @@ class AgentWorkflow(RolloutWorkflow):
                 raise client.engine_failure
         return client, reward
 
-    async def _episode(self, engine: InferenceEngine, item: dict, group_id: str, index: int) -> list[Trajectory]:
+    async def _episode(
+        self, engine: InferenceEngine, item: dict, group_id: str, index: int
+    ) -> list[Trajectory]:
         client, reward = await self._run_agent(engine, item, group_id, index)
         if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-            raise TypeError(f"the agent returned {reward!r}; it must return the episode reward (a float)")
+            raise TypeError(
+                f"the agent returned {reward!r}; it must return the episode reward (a float)"
+            )
         self.counts["calls"] += len({c.turn for c in client.calls})
         trajs, fell_back = episode_trajectories(
-            client.calls, client.call_rewards, float(reward), self.config.gamma, self.config.trajectory,
-            self.config.on_template_mismatch, f"{group_id}/{index}", group_id, self.tokenizer)
+            client.calls,
+            client.call_rewards,
+            float(reward),
+            self.config.gamma,
+            self.config.trajectory,
+            self.config.on_template_mismatch,
+            f"{group_id}/{index}",
+            group_id,
+            self.tokenizer,
+        )
         self.counts["template_fallbacks"] += int(bool(fell_back))
         if fell_back and self.counts["template_fallbacks"] == 1:  # say once why concat did not run
-            logger.warning("episode %s/%d fell back to per-call trajectories: %s", group_id, index, fell_back)
+            logger.warning(
+                "episode %s/%d fell back to per-call trajectories: %s", group_id, index, fell_back
+            )
         return trajs
 
     def _record(self, failed: bool, item_id: str, error: BaseException | None) -> None:
@@ -110,19 +138,28 @@ class AgentWorkflow(RolloutWorkflow):
             return
         self.counts["episodes_failed"] += 1
         logger.warning("agent episode on item %s failed and is dropped: %r", item_id, error)
-        if len(self._recent) == WINDOW and sum(self._recent) > self.config.max_failure_fraction * WINDOW:
+        if (
+            len(self._recent) == WINDOW
+            and sum(self._recent) > self.config.max_failure_fraction * WINDOW
+        ):
             raise AgentFailureRate(
                 f"{sum(self._recent)} of the last {WINDOW} agent episodes raised (more than "
                 f"workflow.agent.max_failure_fraction={self.config.max_failure_fraction}); the last: "
-                f"{error!r}. Fix the agent {self.config.path or self.agent!r} or raise the fraction")
+                f"{error!r}. Fix the agent {self.config.path or self.agent!r} or raise the fraction"
+            )
 
-    async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> list[Trajectory] | None:
+    async def arun_episode(
+        self, engine: InferenceEngine, item: dict[str, Any]
+    ) -> list[Trajectory] | None:
         """The group of ``n_samples`` episodes, or None (item rejected) when any of them failed."""
         group_id = str(item.get("id", "")) if isinstance(item, dict) else ""
         outcomes = await asyncio.gather(
             *(self._episode(engine, item, group_id, i) for i in range(self.gconfig.n_samples)),
-            return_exceptions=True)
-        for out in outcomes:  # cancellation and engine failures stop the run, never count as the agent's
+            return_exceptions=True,
+        )
+        for (
+            out
+        ) in outcomes:  # cancellation and engine failures stop the run, never count as the agent's
             if isinstance(out, BaseException) and not _agent_failure(out):
                 raise out
         group: list[Trajectory] = []

@@ -65,8 +65,10 @@ def command_problems(config: AgentConfig) -> list[str]:
     problems = []
     argv = command_argv(config.command)
     if argv and shutil.which(argv[0]) is None:
-        problems.append(f"workflow.agent.command: program {argv[0]!r} is not found (not a file, not on "
-                        "PATH); give its path, e.g. 'python my_agent.py'")
+        problems.append(
+            f"workflow.agent.command: program {argv[0]!r} is not found (not a file, not on "
+            "PATH); give its path, e.g. 'python my_agent.py'"
+        )
     if config.reward_path:
         try:
             import_by_path(config.reward_path, "workflow.agent.reward_path")
@@ -82,14 +84,24 @@ class AgentEpisodeError(RuntimeError):
 class AgentCommandWorkflow(AgentWorkflow):
     """``n_samples`` episodes of an agent program per item, through the agent proxy."""
 
-    def __init__(self, config: AgentConfig, gconfig: GenerationHyperparameters, tokenizer: Any,
-                 log_dir: Path | None = None):
+    def __init__(
+        self,
+        config: AgentConfig,
+        gconfig: GenerationHyperparameters,
+        tokenizer: Any,
+        log_dir: Path | None = None,
+    ):
         if not config.command.strip():
-            raise ValueError("workflow.agent.command: empty; name the agent program, e.g. 'python my_agent.py'")
+            raise ValueError(
+                "workflow.agent.command: empty; name the agent program, e.g. 'python my_agent.py'"
+            )
         super().__init__(config, gconfig, tokenizer)
         self.argv = command_argv(config.command)
-        self.reward_fn = import_by_path(config.reward_path, "workflow.agent.reward_path") \
-            if config.reward_path else None
+        self.reward_fn = (
+            import_by_path(config.reward_path, "workflow.agent.reward_path")
+            if config.reward_path
+            else None
+        )
         self.log_path = None if log_dir is None else Path(log_dir) / "agent_stderr.log"
         self.counts["deadline_drops"] = 0
         self.proxy = AgentProxy(tokenizer, int(config.max_request_mb * (1 << 20)))
@@ -112,12 +124,15 @@ class AgentCommandWorkflow(AgentWorkflow):
         """Stop the proxy (on the loop it runs on)."""
         await self.proxy.stop()
 
-    async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> list[Trajectory] | None:
+    async def arun_episode(
+        self, engine: InferenceEngine, item: dict[str, Any]
+    ) -> list[Trajectory] | None:
         await self._start()
         return await super().arun_episode(engine, item)
 
-    async def _run_agent(self, engine: InferenceEngine, item: dict, group_id: str,
-                         index: int) -> tuple[ArealOpenAI, Any]:
+    async def _run_agent(
+        self, engine: InferenceEngine, item: dict, group_id: str, index: int
+    ) -> tuple[ArealOpenAI, Any]:
         name = f"{group_id}/{index}"
         key, session = self.proxy.open(engine, self.gconfig, group_id, name)
         try:
@@ -134,10 +149,17 @@ class AgentCommandWorkflow(AgentWorkflow):
         """Run the agent until it posts a reward, exits, or its deadline passes."""
         env = {**os.environ, "OPENAI_BASE_URL": self.proxy.base_url, "OPENAI_API_KEY": key}
         proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,
-            preexec_fn=parent_death_signal(signal.SIGKILL))
-        pipes = asyncio.gather(_read(proc.stdout, STDOUT_LIMIT), self._log_stderr(proc.stderr, name))
+            *self.argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            preexec_fn=parent_death_signal(signal.SIGKILL),
+        )
+        pipes = asyncio.gather(
+            _read(proc.stdout, STDOUT_LIMIT), self._log_stderr(proc.stderr, name)
+        )
         try:
             proc.stdin.write(json.dumps(item, default=str).encode() + b"\n")
             await proc.stdin.drain()
@@ -147,18 +169,26 @@ class AgentCommandWorkflow(AgentWorkflow):
         ended = asyncio.ensure_future(session.ended.wait())
         exited = asyncio.ensure_future(proc.wait())
         try:
-            await asyncio.wait([ended, exited], timeout=self.config.episode_timeout,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                [ended, exited],
+                timeout=self.config.episode_timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
             if session.reward is not None:
                 await asyncio.wait([exited], timeout=EXIT_GRACE)
                 return session.reward
             if not exited.done():
                 self.counts["deadline_drops"] += 1
-                logger.warning("agent %s passed its deadline (workflow.agent.episode_timeout=%s s): "
-                               "killed, dropped", name, self.config.episode_timeout)
+                logger.warning(
+                    "agent %s passed its deadline (workflow.agent.episode_timeout=%s s): "
+                    "killed, dropped",
+                    name,
+                    self.config.episode_timeout,
+                )
                 raise AgentEpisodeError(
                     f"agent {name} posted no reward within workflow.agent.episode_timeout="
-                    f"{self.config.episode_timeout} s; killed and dropped")
+                    f"{self.config.episode_timeout} s; killed and dropped"
+                )
             stdout, _ = await pipes
             return await self._exit_reward(proc.returncode, stdout, item, name)
         finally:
@@ -170,7 +200,9 @@ class AgentCommandWorkflow(AgentWorkflow):
         """The reward of an agent that exited without posting one (module docstring)."""
         if code != 0 or self.reward_fn is None:
             where = f"; its stderr is in {self.log_path}" if self.log_path else ""
-            raise AgentEpisodeError(f"agent {name} exited with code {code} without posting a reward{where}")
+            raise AgentEpisodeError(
+                f"agent {name} exited with code {code} without posting a reward{where}"
+            )
         return float(await asyncio.to_thread(self.reward_fn, item, stdout.decode(errors="replace")))
 
     async def _log_stderr(self, stream: asyncio.StreamReader, name: str) -> None:

@@ -62,7 +62,9 @@ class Session:
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     """An error in OpenAI's shape, which openai's clients raise with the message."""
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "code": status}}, status=status
+    )
 
 
 class AgentProxy:
@@ -78,9 +80,17 @@ class AgentProxy:
     async def start(self) -> str:
         """Serve on a free loopback port of the running loop; returns the base URL (``.../v1``)."""
         app = web.Application(client_max_size=self.max_request_bytes, middlewares=[self._errors])
-        app.add_routes([web.post("/v1/chat/completions", self._chat), web.post("/v1/completions", self._text),
-                        web.post("/v1/reward", self._reward), web.get("/v1/models", self._models)])
-        self._runner = web.AppRunner(app, access_log=None)  # the access log would carry no key, but no need
+        app.add_routes(
+            [
+                web.post("/v1/chat/completions", self._chat),
+                web.post("/v1/completions", self._text),
+                web.post("/v1/reward", self._reward),
+                web.get("/v1/models", self._models),
+            ]
+        )
+        self._runner = web.AppRunner(
+            app, access_log=None
+        )  # the access log would carry no key, but no need
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -98,11 +108,14 @@ class AgentProxy:
             await self._runner.cleanup()
             self._runner = None
 
-    def open(self, engine: InferenceEngine, gconfig: GenerationHyperparameters, group_id: str,
-             name: str) -> tuple[str, Session]:
+    def open(
+        self, engine: InferenceEngine, gconfig: GenerationHyperparameters, group_id: str, name: str
+    ) -> tuple[str, Session]:
         """A new session and its key (a secret: hand it to the agent only)."""
         key = f"areal-{secrets.token_urlsafe(32)}"
-        session = Session(name, ArealOpenAI(engine, self.tokenizer, gconfig, group_id=group_id, model=MODEL))
+        session = Session(
+            name, ArealOpenAI(engine, self.tokenizer, gconfig, group_id=group_id, model=MODEL)
+        )
         self._sessions[key] = session
         return key, session
 
@@ -121,18 +134,25 @@ class AgentProxy:
         try:
             return await handler(request)
         except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"request body over workflow.agent.max_request_mb "
-                          f"({self.max_request_bytes} bytes); send a smaller conversation or raise it")
+            return _error(
+                413,
+                f"request body over workflow.agent.max_request_mb "
+                f"({self.max_request_bytes} bytes); send a smaller conversation or raise it",
+            )
         except web.HTTPException as e:
             return _error(e.status, e.reason)
 
     def _session(self, request: web.Request) -> tuple[str, Session] | web.Response:
         auth = request.headers.get("Authorization", "")
-        key = auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else ""
+        key = auth[len("Bearer ") :].strip() if auth.startswith("Bearer ") else ""
         session = self._sessions.get(key)
         if session is None:  # the key itself is never echoed nor logged
-            return _error(401, "unknown or ended session key: each episode's agent must use the "
-                          "OPENAI_API_KEY it was started with, until it posts its reward", "authentication_error")
+            return _error(
+                401,
+                "unknown or ended session key: each episode's agent must use the "
+                "OPENAI_API_KEY it was started with, until it posts its reward",
+                "authentication_error",
+            )
         return key, session
 
     async def _body(self, request: web.Request) -> dict | web.Response:
@@ -153,7 +173,9 @@ class AgentProxy:
         if isinstance(body, web.Response):
             return body
         stream = bool(body.pop("stream", False))
-        usage = bool((body.pop("stream_options", None) or {}).get("include_usage")) if stream else False
+        usage = (
+            bool((body.pop("stream_options", None) or {}).get("include_usage")) if stream else False
+        )
         client = found[1].client
         try:
             out = await (client.create(**body) if chat else client.complete(**body))
@@ -162,7 +184,11 @@ class AgentProxy:
         except (ValueError, TypeError) as e:  # what training cannot honour, named by the client
             return _error(400, str(e))
         if found[0] not in self._sessions:  # the episode ended while the call ran
-            return _error(401, "the session ended while this call ran (deadline or reward)", "authentication_error")
+            return _error(
+                401,
+                "the session ended while this call ran (deadline or reward)",
+                "authentication_error",
+            )
         answer = out.model_dump(exclude_none=True)
         if not stream:
             return web.json_response(answer)
@@ -178,8 +204,12 @@ class AgentProxy:
         found = self._session(request)
         if isinstance(found, web.Response):
             return found
-        return web.json_response({"object": "list", "data": [
-            {"id": MODEL, "object": "model", "created": 0, "owned_by": "areal"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "areal"}],
+            }
+        )
 
     async def _reward(self, request: web.Request) -> web.Response:
         found = self._session(request)
@@ -190,8 +220,12 @@ class AgentProxy:
             return body
         key, session = found
         reward = body.get("reward")
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward \
-                or abs(reward) == float("inf"):
+        if (
+            isinstance(reward, bool)
+            or not isinstance(reward, (int, float))
+            or reward != reward
+            or abs(reward) == float("inf")
+        ):
             return _error(400, f"reward: expected a finite number, got {reward!r}")
         if body.get("completion_id") is not None:
             try:
@@ -207,34 +241,87 @@ class AgentProxy:
 def _chunks(answer: dict, chat: bool) -> list[dict]:
     """The streamed form of a whole answer: per choice its content (and tool calls), then its
     finish reason."""
-    head = {"id": answer["id"], "created": answer["created"], "model": answer["model"],
-            "object": "chat.completion.chunk" if chat else "text_completion"}
+    head = {
+        "id": answer["id"],
+        "created": answer["created"],
+        "model": answer["model"],
+        "object": "chat.completion.chunk" if chat else "text_completion",
+    }
     out = []
     for c in answer["choices"]:
         if chat:
             message = c["message"]
             delta: dict = {"role": "assistant", "content": message.get("content") or ""}
             if message.get("tool_calls"):
-                delta["tool_calls"] = [{"index": j, **t} for j, t in enumerate(message["tool_calls"])]
-            out.append({**head, "choices": [{"index": c["index"], "delta": delta, "logprobs": c.get("logprobs"),
-                                             "finish_reason": None}]})
-            out.append({**head, "choices": [{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}]})
+                delta["tool_calls"] = [
+                    {"index": j, **t} for j, t in enumerate(message["tool_calls"])
+                ]
+            out.append(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": c["index"],
+                            "delta": delta,
+                            "logprobs": c.get("logprobs"),
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
+            out.append(
+                {
+                    **head,
+                    "choices": [
+                        {"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}
+                    ],
+                }
+            )
         else:
-            out.append({**head, "choices": [{"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),
-                                             "finish_reason": None}]})
-            out.append({**head, "choices": [{"index": c["index"], "text": "", "finish_reason": c["finish_reason"]}]})
+            out.append(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": c["index"],
+                            "text": c["text"],
+                            "logprobs": c.get("logprobs"),
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
+            out.append(
+                {
+                    **head,
+                    "choices": [
+                        {"index": c["index"], "text": "", "finish_reason": c["finish_reason"]}
+                    ],
+                }
+            )
     return out
 
 
-async def _stream(request: web.Request, answer: dict, chat: bool, usage: bool) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, answer: dict, chat: bool, usage: bool
+) -> web.StreamResponse:
     """Server-sent events of a whole answer (module docstring)."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
     await response.prepare(request)
     events = _chunks(answer, chat)
     if usage:
-        events.append({"id": answer["id"], "created": answer["created"] or int(time.time()),
-                       "model": answer["model"], "object": events[0]["object"], "choices": [],
-                       "usage": answer["usage"]})
+        events.append(
+            {
+                "id": answer["id"],
+                "created": answer["created"] or int(time.time()),
+                "model": answer["model"],
+                "object": events[0]["object"],
+                "choices": [],
+                "usage": answer["usage"],
+            }
+        )
     for event in events:
         await response.write(f"data: {json.dumps(event)}\n\n".encode())
     await response.write(b"data: [DONE]\n\n")

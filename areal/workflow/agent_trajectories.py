@@ -35,8 +35,9 @@ class TemplateMismatch(ValueError):
     """Call k+1's prompt does not extend call k's prompt + completion (concat impossible)."""
 
 
-def episode_returns(n_turns: int, call_rewards: dict[int, float], episode_reward: float,
-                    gamma: float) -> list[float]:
+def episode_returns(
+    n_turns: int, call_rewards: dict[int, float], episode_reward: float, gamma: float
+) -> list[float]:
     """Discounted return ``G_k`` of each of ``n_turns`` calls (module docstring)."""
     if n_turns < 1:
         raise ValueError("episode_returns: the episode made no model call")
@@ -49,14 +50,22 @@ def episode_returns(n_turns: int, call_rewards: dict[int, float], episode_reward
     return returns
 
 
-def per_call_trajectories(calls: list[Call], returns: list[float], sample_id: str,
-                          group_id: str) -> list[Trajectory]:
+def per_call_trajectories(
+    calls: list[Call], returns: list[float], sample_id: str, group_id: str
+) -> list[Trajectory]:
     """One trajectory per completion, reward = its call's return."""
     return [
-        Trajectory(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, logprobs=c.logprobs,
-                   versions=c.versions, loss_mask=[1] * len(c.completion_ids), reward=returns[c.turn],
-                   status=STATUS[c.stop_reason], sample_id=f"{sample_id}/call{c.turn}.{c.choice}",
-                   group_id=group_id)
+        Trajectory(
+            prompt_ids=c.prompt_ids,
+            completion_ids=c.completion_ids,
+            logprobs=c.logprobs,
+            versions=c.versions,
+            loss_mask=[1] * len(c.completion_ids),
+            reward=returns[c.turn],
+            status=STATUS[c.stop_reason],
+            sample_id=f"{sample_id}/call{c.turn}.{c.choice}",
+            group_id=group_id,
+        )
         for c in calls
     ]
 
@@ -65,26 +74,37 @@ def _mismatch(calls: list[Call], k: int, tokenizer: Any) -> str | None:
     """Why call ``k``'s prompt does not extend call ``k-1``'s full sequence, or None."""
     prev = calls[k - 1].prompt_ids + calls[k - 1].completion_ids
     prompt = calls[k].prompt_ids
-    if prompt[:len(prev)] == prev:
+    if prompt[: len(prev)] == prev:
         return None
-    at = next((i for i, (a, b) in enumerate(zip(prev, prompt)) if a != b), min(len(prev), len(prompt)))
+    at = next(
+        (i for i, (a, b) in enumerate(zip(prev, prompt)) if a != b), min(len(prev), len(prompt))
+    )
 
     def show(ids: list[int]) -> str:
-        return repr(tokenizer.decode(ids[max(0, at - 20): at + 20])) if tokenizer is not None else str(ids[at:at + 8])
+        return (
+            repr(tokenizer.decode(ids[max(0, at - 20) : at + 20]))
+            if tokenizer is not None
+            else str(ids[at : at + 8])
+        )
 
-    return (f"call {k}'s prompt does not start with call {k - 1}'s prompt + completion: they differ "
-            f"at token {at} (call {k - 1} had {show(prev)}, call {k} has {show(prompt)}); the chat "
-            "template re-renders the conversation differently from what the model generated. Use "
-            "workflow.agent.trajectory=per_call, or on_template_mismatch=per_call to fall back per episode")
+    return (
+        f"call {k}'s prompt does not start with call {k - 1}'s prompt + completion: they differ "
+        f"at token {at} (call {k - 1} had {show(prev)}, call {k} has {show(prompt)}); the chat "
+        "template re-renders the conversation differently from what the model generated. Use "
+        "workflow.agent.trajectory=per_call, or on_template_mismatch=per_call to fall back per episode"
+    )
 
 
-def concat_trajectory(calls: list[Call], returns: list[float], sample_id: str, group_id: str,
-                      tokenizer: Any = None) -> Trajectory:
+def concat_trajectory(
+    calls: list[Call], returns: list[float], sample_id: str, group_id: str, tokenizer: Any = None
+) -> Trajectory:
     """The episode as one sequence, injected tokens masked out; TemplateMismatch when the calls
     do not chain (or a call had n > 1 choices: which one continued is ambiguous)."""
     if any(c.choice > 0 for c in calls):
-        raise TemplateMismatch("concat needs one choice per call (n=1); with n > 1 use "
-                               "workflow.agent.trajectory=per_call")
+        raise TemplateMismatch(
+            "concat needs one choice per call (n=1); with n > 1 use "
+            "workflow.agent.trajectory=per_call"
+        )
     completion, logprobs, versions, mask = [], [], [], []
     at = len(calls[0].prompt_ids)  # position in the full sequence where the next call's part starts
     for k, c in enumerate(calls):
@@ -102,9 +122,17 @@ def concat_trajectory(calls: list[Call], returns: list[float], sample_id: str, g
         versions += c.versions
         mask += [1] * len(c.completion_ids)
         at = len(c.prompt_ids) + len(c.completion_ids)
-    return Trajectory(prompt_ids=list(calls[0].prompt_ids), completion_ids=completion, logprobs=logprobs,
-                      versions=versions, loss_mask=mask, reward=returns[0],
-                      status=STATUS[calls[-1].stop_reason], sample_id=sample_id, group_id=group_id)
+    return Trajectory(
+        prompt_ids=list(calls[0].prompt_ids),
+        completion_ids=completion,
+        logprobs=logprobs,
+        versions=versions,
+        loss_mask=mask,
+        reward=returns[0],
+        status=STATUS[calls[-1].stop_reason],
+        sample_id=sample_id,
+        group_id=group_id,
+    )
 
 
 def episode_trajectories(

@@ -15,7 +15,9 @@ def workflow_class(spec: str) -> type[RolloutWorkflow]:
     is not a RolloutWorkflow subclass."""
     cls = import_by_path(spec, "workflow.type")
     if not (isinstance(cls, type) and issubclass(cls, RolloutWorkflow)):
-        raise ValueError(f"workflow.type: {spec} is not a subclass of areal.api.workflow.RolloutWorkflow")
+        raise ValueError(
+            f"workflow.type: {spec} is not a subclass of areal.api.workflow.RolloutWorkflow"
+        )
     return cls
 
 

@@ -26,16 +26,23 @@ class TeacherScored(RolloutWorkflow):
     def __init__(self, inner: RolloutWorkflow, teacher: TokenScorer, timeout: float):
         self.inner, self.teacher, self.timeout = inner, teacher, timeout
 
-    async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> list[Trajectory] | None:
+    async def arun_episode(
+        self, engine: InferenceEngine, item: dict[str, Any]
+    ) -> list[Trajectory] | None:
         group = await self.inner.arun_episode(engine, item)
         if group is None:
             return None
-        calls = [self.teacher.ascore([*t.prompt_ids, *t.completion_ids], len(t.prompt_ids)) for t in group]
+        calls = [
+            self.teacher.ascore([*t.prompt_ids, *t.completion_ids], len(t.prompt_ids))
+            for t in group
+        ]
         try:
             scores = await asyncio.wait_for(asyncio.gather(*calls), self.timeout)
         except TimeoutError:
-            raise RuntimeError(f"the teacher did not score a group of {len(group)} within distill.timeout="
-                               f"{self.timeout} s; check its servers' logs, or raise distill.timeout") from None
+            raise RuntimeError(
+                f"the teacher did not score a group of {len(group)} within distill.timeout="
+                f"{self.timeout} s; check its servers' logs, or raise distill.timeout"
+            ) from None
         for t, logp in zip(group, scores):
             t.extras[TEACHER_FIELD] = list(logp)
         return group

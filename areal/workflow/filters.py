@@ -21,7 +21,9 @@ class DynamicSamplingFilter:
 
     def __init__(self, max_consecutive_rejections: int):
         if max_consecutive_rejections < 1:
-            raise ValueError(f"max_consecutive_rejections must be >= 1, got {max_consecutive_rejections}")
+            raise ValueError(
+                f"max_consecutive_rejections must be >= 1, got {max_consecutive_rejections}"
+            )
         self.limit = max_consecutive_rejections
         self.streak = 0
         self._lock = threading.Lock()

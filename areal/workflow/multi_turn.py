@@ -36,7 +36,9 @@ from areal.workflow.rlvr import (
 )
 
 
-def feedback_ids(tokenizer: Any, messages: list[dict], said_ids: list[int], feedback: str) -> list[int]:
+def feedback_ids(
+    tokenizer: Any, messages: list[dict], said_ids: list[int], feedback: str
+) -> list[int]:
     """Tokens injected after the model's reply ``said_ids`` to ``messages``: the end of the
     assistant turn, the feedback user turn and the next assistant header."""
     head = chat_text(tokenizer, messages, add_generation_prompt=True)
@@ -125,8 +127,12 @@ class MultiTurnWorkflow(RolloutWorkflow):
             ep.add_model(resp)
             text = self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
             texts.append(text)
-            outcome = await self.reward.ascore(f"{sample_id}/turn{turn}", text, item["reference"],
-                                               **prompt_kwargs(self.reward, self.tokenizer.decode(prompt)))
+            outcome = await self.reward.ascore(
+                f"{sample_id}/turn{turn}",
+                text,
+                item["reference"],
+                **prompt_kwargs(self.reward, self.tokenizer.decode(prompt)),
+            )
             last_turn = turn == self.cfg.max_turns - 1
             if outcome.reward >= 1.0 or resp.stop_reason != "stop" or not outcome.ok or last_turn:
                 break

@@ -42,11 +42,40 @@ from areal.api.io import ModelRequest, ModelResponse
 from areal.dataset.chat import encode
 from areal.utils.tool_calls import extract_tool_calls, tool_choice_prefill
 
-_KNOWN = {"messages", "model", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p",
-          "max_tokens", "max_completion_tokens", "n", "stop", "seed", "logprobs", "top_logprobs",
-          "stream", "user"}
-_KNOWN_TEXT = {"prompt", "model", "temperature", "top_p", "max_tokens", "n", "stop", "seed", "logprobs",
-               "stream", "user", "echo", "best_of", "suffix"}
+_KNOWN = {
+    "messages",
+    "model",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "stream",
+    "user",
+}
+_KNOWN_TEXT = {
+    "prompt",
+    "model",
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "n",
+    "stop",
+    "seed",
+    "logprobs",
+    "stream",
+    "user",
+    "echo",
+    "best_of",
+    "suffix",
+}
 
 
 @dataclass
@@ -94,16 +123,28 @@ def clean_messages(messages: Any) -> list[dict]:
             calls = []
             for j, c in enumerate(m["tool_calls"]):
                 fn = c.get("function") if isinstance(c, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
-                        or not isinstance(fn.get("arguments"), str):
-                    raise ValueError(f"messages[{i}].tool_calls[{j}]: expected {{id, type: function, "
-                                     "function: {name: str, arguments: JSON string}}")
-                calls.append({"id": str(c.get("id", "")), "type": "function",
-                              "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+                if (
+                    not isinstance(fn, dict)
+                    or not isinstance(fn.get("name"), str)
+                    or not isinstance(fn.get("arguments"), str)
+                ):
+                    raise ValueError(
+                        f"messages[{i}].tool_calls[{j}]: expected {{id, type: function, "
+                        "function: {name: str, arguments: JSON string}}"
+                    )
+                calls.append(
+                    {
+                        "id": str(c.get("id", "")),
+                        "type": "function",
+                        "function": {"name": fn["name"], "arguments": fn["arguments"]},
+                    }
+                )
             clean.append({"role": "assistant", "content": content or "", "tool_calls": calls})
             continue
         if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
-            raise ValueError(f"messages[{i}].tool_call_id: a tool message needs the tool_call_id it answers")
+            raise ValueError(
+                f"messages[{i}].tool_call_id: a tool message needs the tool_call_id it answers"
+            )
         if isinstance(content, list):
             if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
                 raise ValueError(f"messages[{i}].content: only text content parts are supported")
@@ -119,25 +160,40 @@ def check_tools(tools: Any, tool_choice: Any, template: str) -> tuple[list[dict]
     assistant's answer: empty unless ``tool_choice`` forces a call), as the server decides."""
     if tools is not None:
         if not isinstance(tools, list) or not tools:
-            raise ValueError("tools: expected a non-empty list of {type: function, function: {...}}")
+            raise ValueError(
+                "tools: expected a non-empty list of {type: function, function: {...}}"
+            )
         for i, t in enumerate(tools):
             fn = t.get("function") if isinstance(t, dict) else None
-            if not isinstance(fn, dict) or t.get("type") != "function" or not isinstance(fn.get("name"), str):
-                raise ValueError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+            if (
+                not isinstance(fn, dict)
+                or t.get("type") != "function"
+                or not isinstance(fn.get("name"), str)
+            ):
+                raise ValueError(
+                    f'tools[{i}]: expected {{"type": "function", "function": {{"name": ...}}}}'
+                )
         if "tools" not in template:
-            raise ValueError("tools: this model's chat template does not render tools, so the model would "
-                             "never see them; use a model whose template does (e.g. Qwen2.5)")
-    prefill = tool_choice_prefill(tool_choice, None if tools is None else [t["function"]["name"] for t in tools])
+            raise ValueError(
+                "tools: this model's chat template does not render tools, so the model would "
+                "never see them; use a model whose template does (e.g. Qwen2.5)"
+            )
+    prefill = tool_choice_prefill(
+        tool_choice, None if tools is None else [t["function"]["name"] for t in tools]
+    )
     return tools, tools is not None and tool_choice != "none", prefill
 
 
 def signature(content: str | None, tool_calls: list[dict]) -> tuple:
     """What identifies an assistant message the client returned when the agent passes it back."""
-    return content or "", tuple((c["function"]["name"], c["function"]["arguments"]) for c in tool_calls)
+    return content or "", tuple(
+        (c["function"]["name"], c["function"]["arguments"]) for c in tool_calls
+    )
 
 
-def render_prompt(tokenizer: Any, messages: list[dict], tools: list[dict] | None,
-                  generated: dict[tuple, Call]) -> list[int]:
+def render_prompt(
+    tokenizer: Any, messages: list[dict], tools: list[dict] | None, generated: dict[tuple, Call]
+) -> list[int]:
     """Prompt ids of ``messages`` by the chat template, with the model's own tokens for every
     assistant turn this client generated (``generated``: signature -> call).
 
@@ -152,17 +208,25 @@ def render_prompt(tokenizer: Any, messages: list[dict], tools: list[dict] | None
     """
     spliced, turns = [], []
     for i, m in enumerate(messages):
-        call = generated.get(signature(m["content"], m.get("tool_calls", []))) if m["role"] == "assistant" else None
+        call = (
+            generated.get(signature(m["content"], m.get("tool_calls", [])))
+            if m["role"] == "assistant"
+            else None
+        )
         if call is not None:
             turns.append(call)
             m = {"role": "assistant", "content": f"AREALTURN{i}X{uuid.uuid4().hex}"}
         spliced.append(m)
     if turns:
-        text = tokenizer.apply_chat_template(spliced, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            spliced, tools=tools, add_generation_prompt=True, tokenize=False
+        )
         marks = [m["content"] for m, orig in zip(spliced, messages) if m is not orig]
         if all(text.count(mark) == 1 for mark in marks):
             return _splice(tokenizer, text, marks, turns)
-    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
     return encode(tokenizer, text)
 
 
@@ -172,13 +236,13 @@ def _splice(tokenizer: Any, text: str, marks: list[str], turns: list[Call]) -> l
     rest = text
     for mark, call in zip(marks, turns):
         head, rest = rest.split(mark, 1)
-        opening = call.prompt_ids[len(call.prompt_ids) - call.prefill:]  # [] without a forced call
+        opening = call.prompt_ids[len(call.prompt_ids) - call.prefill :]  # [] without a forced call
         ids += encode(tokenizer, head) + opening + call.completion_ids
         # a call that stopped on its stop token (EOS, <|im_end|>, ...) already holds the template's
         # end-of-turn token, which the template writes right after the content
         end = tokenizer.decode(call.completion_ids[-1:]) if call.stop_reason == "stop" else ""
         if end and rest.startswith(end):
-            rest = rest[len(end):]
+            rest = rest[len(end) :]
     return ids + encode(tokenizer, rest)
 
 
@@ -200,8 +264,14 @@ class ArealOpenAI:
     """Drop-in for the part of ``openai.AsyncOpenAI`` an agent uses (``chat.completions.create``);
     one client per episode, whose :attr:`calls` are the episode's record."""
 
-    def __init__(self, engine: InferenceEngine, tokenizer: Any, gconfig: GenerationHyperparameters,
-                 group_id: str | None = None, model: str = "areal"):
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        tokenizer: Any,
+        gconfig: GenerationHyperparameters,
+        group_id: str | None = None,
+        model: str = "areal",
+    ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.gconfig = gconfig
@@ -217,31 +287,44 @@ class ArealOpenAI:
     def set_reward(self, completion_id: str, reward: float) -> None:
         """Give the call that returned ``completion_id`` its own reward (see episode_returns)."""
         if completion_id not in self._turn_of:
-            raise ValueError(f"set_reward: {completion_id!r} is not a completion of this episode's client")
+            raise ValueError(
+                f"set_reward: {completion_id!r} is not a completion of this episode's client"
+            )
         self.call_rewards[self._turn_of[completion_id]] = float(reward)
 
     def _gconfig(self, kw: dict) -> GenerationHyperparameters:
         g = self.gconfig
         temperature = kw.get("temperature")
         if temperature is not None and abs(float(temperature) - g.temperature) > 1e-6:
-            raise ValueError(f"temperature: {temperature} differs from the rollout's gconfig.temperature "
-                             f"{g.temperature}, which the trainer's logprobs use; drop it from the call "
-                             f"or set gconfig.temperature={temperature}")
+            raise ValueError(
+                f"temperature: {temperature} differs from the rollout's gconfig.temperature "
+                f"{g.temperature}, which the trainer's logprobs use; drop it from the call "
+                f"or set gconfig.temperature={temperature}"
+            )
         limit = kw.get("max_completion_tokens") or kw.get("max_tokens") or g.max_new_tokens
         if not isinstance(limit, int) or limit < 1:
             raise ValueError(f"max_tokens: expected a positive int, got {limit!r}")
         stop = kw.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
         top_p = g.top_p if kw.get("top_p") is None else float(kw["top_p"])
-        return dataclasses.replace(g, n_samples=1, max_new_tokens=min(limit, g.max_new_tokens),
-                                   top_p=top_p, stop=stop or list(g.stop))
+        return dataclasses.replace(
+            g,
+            n_samples=1,
+            max_new_tokens=min(limit, g.max_new_tokens),
+            top_p=top_p,
+            stop=stop or list(g.stop),
+        )
 
     def _check_args(self, kw: dict) -> int:
         unknown = sorted(set(kw) - _KNOWN)
         if unknown:
-            raise TypeError(f"chat.completions.create: unsupported arguments {unknown} (supported: {sorted(_KNOWN)})")
+            raise TypeError(
+                f"chat.completions.create: unsupported arguments {unknown} (supported: {sorted(_KNOWN)})"
+            )
         if kw.get("stream"):
-            raise ValueError("stream: streaming is not supported in training; call with stream=False")
+            raise ValueError(
+                "stream: streaming is not supported in training; call with stream=False"
+            )
         if kw.get("top_logprobs"):
             raise ValueError("top_logprobs: not available from the rollout engine; leave it unset")
         n = kw.get("n") or 1
@@ -249,17 +332,33 @@ class ArealOpenAI:
             raise ValueError(f"n: expected a positive int, got {n!r}")
         return n
 
-    async def _generate(self, prompt: list[int], prefill: int, gconfig: GenerationHyperparameters,
-                        n: int, seed: Any, id_prefix: str = "chatcmpl") -> tuple[str, list[ModelResponse]]:
+    async def _generate(
+        self,
+        prompt: list[int],
+        prefill: int,
+        gconfig: GenerationHyperparameters,
+        n: int,
+        seed: Any,
+        id_prefix: str = "chatcmpl",
+    ) -> tuple[str, list[ModelResponse]]:
         """Generate ``n`` completions of ``prompt`` and record a :class:`Call` for each: (the
         completion id, the responses). The one recording path of chat and text completions, in
         process and through the agent proxy (areal.workflow.agent_proxy)."""
-        reqs = [ModelRequest(input_ids=list(prompt), gconfig=gconfig, group_id=self.group_id,
-                             seed=None if seed is None else seed + i) for i in range(n)]
+        reqs = [
+            ModelRequest(
+                input_ids=list(prompt),
+                gconfig=gconfig,
+                group_id=self.group_id,
+                seed=None if seed is None else seed + i,
+            )
+            for i in range(n)
+        ]
         try:
             resps = await asyncio.gather(*(self.engine.agenerate(r) for r in reqs))
         except Exception as e:  # the engine retried and failed over already: infrastructure
-            self.engine_failure = EngineFailure(f"inference engine failed under an agent call: {e!r}")
+            self.engine_failure = EngineFailure(
+                f"inference engine failed under an agent call: {e!r}"
+            )
             raise self.engine_failure from e
         turn, cid = len(self._turn_of), f"{id_prefix}-{uuid.uuid4().hex}"
         self._turn_of[cid] = turn
@@ -267,48 +366,86 @@ class ArealOpenAI:
             if r.stop_reason not in ("stop", "length"):
                 self.engine_failure = EngineFailure(f"generation ended with {r.stop_reason!r}")
                 raise self.engine_failure
-            self.calls.append(Call(turn, i, cid, list(prompt), list(r.output_ids), list(r.output_logprobs),
-                                   list(r.output_versions), r.stop_reason, prefill))
+            self.calls.append(
+                Call(
+                    turn,
+                    i,
+                    cid,
+                    list(prompt),
+                    list(r.output_ids),
+                    list(r.output_logprobs),
+                    list(r.output_versions),
+                    r.stop_reason,
+                    prefill,
+                )
+            )
         return cid, resps
 
     async def create(self, **kw: Any) -> ChatCompletion:
         """Render, generate ``n`` completions, parse tool calls, record, answer."""
         n = self._check_args(kw)
         template = self.tokenizer.chat_template or ""
-        tools, parse_calls, prefill = check_tools(kw.get("tools"), kw.get("tool_choice", "auto"), template)
-        prompt = render_prompt(self.tokenizer, clean_messages(kw.get("messages")), tools, self._generated)
+        tools, parse_calls, prefill = check_tools(
+            kw.get("tools"), kw.get("tool_choice", "auto"), template
+        )
+        prompt = render_prompt(
+            self.tokenizer, clean_messages(kw.get("messages")), tools, self._generated
+        )
         opening = encode(self.tokenizer, prefill) if prefill else []  # prompt, as on the server
         prompt += opening
         gconfig = self._gconfig(kw)
         cid, resps = await self._generate(prompt, len(opening), gconfig, n, kw.get("seed"))
         choices = []
         for i, r in enumerate(resps):
-            choices.append(self._choice(i, r, gconfig, prefill, parse_calls, bool(kw.get("logprobs"))))
+            choices.append(
+                self._choice(i, r, gconfig, prefill, parse_calls, bool(kw.get("logprobs")))
+            )
             message = choices[-1]["message"]
-            self._generated[signature(message["content"], message.get("tool_calls", []))] = \
+            self._generated[signature(message["content"], message.get("tool_calls", []))] = (
                 self.calls[len(self.calls) - n + i]
+            )
         n_out = sum(len(r.output_ids) for r in resps)
-        return ChatCompletion.model_validate({
-            "id": cid, "object": "chat.completion", "created": int(time.time()), "model": kw.get("model") or self.model,
-            "choices": choices, "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out,
-                                          "total_tokens": len(prompt) + n_out}})
+        return ChatCompletion.model_validate(
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": kw.get("model") or self.model,
+                "choices": choices,
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": n_out,
+                    "total_tokens": len(prompt) + n_out,
+                },
+            }
+        )
 
     async def complete(self, **kw: Any) -> Completion:
         """``completions.create`` (the legacy text API): ``prompt`` as a string or token ids,
         generated and recorded as a chat call is; no chat template, no tool parsing."""
         unknown = sorted(set(kw) - _KNOWN_TEXT)
         if unknown:
-            raise TypeError(f"completions.create: unsupported arguments {unknown} (supported: {sorted(_KNOWN_TEXT)})")
+            raise TypeError(
+                f"completions.create: unsupported arguments {unknown} (supported: {sorted(_KNOWN_TEXT)})"
+            )
         if kw.get("echo") or kw.get("best_of") not in (None, 1) or kw.get("suffix"):
-            raise ValueError("echo, best_of and suffix: not available in training; leave them unset")
+            raise ValueError(
+                "echo, best_of and suffix: not available in training; leave them unset"
+            )
         n = self._check_args({"n": kw.get("n"), "stream": kw.get("stream")})
         prompt = kw.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             ids = list(prompt)
         elif isinstance(prompt, str) and prompt:
             ids = encode(self.tokenizer, prompt)
         else:
-            raise ValueError("prompt: expected a non-empty string or list of token ids (one prompt per call)")
+            raise ValueError(
+                "prompt: expected a non-empty string or list of token ids (one prompt per call)"
+            )
         gconfig = self._gconfig(kw)
         cid, resps = await self._generate(ids, 0, gconfig, n, kw.get("seed"), "cmpl")
         choices = []
@@ -317,32 +454,73 @@ class ArealOpenAI:
             cuts = [text.find(s) for s in gconfig.stop if s and s in text]
             lp = None
             if kw.get("logprobs"):
-                lp = {"tokens": [self.tokenizer.decode([t]) for t in r.output_ids],
-                      "token_logprobs": list(r.output_logprobs)}
-            choices.append({"index": i, "text": text[:min(cuts)] if cuts else text, "logprobs": lp,
-                            "finish_reason": r.stop_reason})
+                lp = {
+                    "tokens": [self.tokenizer.decode([t]) for t in r.output_ids],
+                    "token_logprobs": list(r.output_logprobs),
+                }
+            choices.append(
+                {
+                    "index": i,
+                    "text": text[: min(cuts)] if cuts else text,
+                    "logprobs": lp,
+                    "finish_reason": r.stop_reason,
+                }
+            )
         n_out = sum(len(r.output_ids) for r in resps)
-        return Completion.model_validate({
-            "id": cid, "object": "text_completion", "created": int(time.time()),
-            "model": kw.get("model") or self.model, "choices": choices,
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out}})
+        return Completion.model_validate(
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": kw.get("model") or self.model,
+                "choices": choices,
+                "usage": {
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": n_out,
+                    "total_tokens": len(ids) + n_out,
+                },
+            }
+        )
 
-    def _choice(self, index: int, r: ModelResponse, g: GenerationHyperparameters, prefill: str,
-                parse_calls: bool, logprobs: bool) -> dict:
+    def _choice(
+        self,
+        index: int,
+        r: ModelResponse,
+        g: GenerationHyperparameters,
+        prefill: str,
+        parse_calls: bool,
+        logprobs: bool,
+    ) -> dict:
         """One ``choices[i]`` entry: the forced opening + the text (a matched stop string and what
         follows cut, as OpenAI does), the parsed tool calls, the finish reason, logprobs (of the
         generated tokens) when asked."""
         content = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
         cuts = [content.find(s) for s in g.stop if s and s in content]
-        content = prefill + (content[:min(cuts)] if cuts else content)
+        content = prefill + (content[: min(cuts)] if cuts else content)
         calls: list[dict] = []
         if parse_calls:
             content, calls = extract_tool_calls(content)
         lp = None
         if logprobs:
-            lp = {"content": [{"token": self.tokenizer.decode([t]), "logprob": v,
-                               "bytes": list(self.tokenizer.decode([t]).encode()), "top_logprobs": []}
-                              for t, v in zip(r.output_ids, r.output_logprobs)]}
-        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-        return {"index": index, "message": message, "logprobs": lp,
-                "finish_reason": "tool_calls" if calls else r.stop_reason}
+            lp = {
+                "content": [
+                    {
+                        "token": self.tokenizer.decode([t]),
+                        "logprob": v,
+                        "bytes": list(self.tokenizer.decode([t]).encode()),
+                        "top_logprobs": [],
+                    }
+                    for t, v in zip(r.output_ids, r.output_logprobs)
+                ]
+            }
+        message = {
+            "role": "assistant",
+            "content": content,
+            **({"tool_calls": calls} if calls else {}),
+        }
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": lp,
+            "finish_reason": "tool_calls" if calls else r.stop_reason,
+        }

@@ -126,9 +126,13 @@ class RLVRWorkflow(RolloutWorkflow):
         ids = item_prompt_ids(item, self.tokenizer)
         version = engine.get_version()
         requests = [
-            ModelRequest(input_ids=ids, gconfig=self.gconfig, group_id=item["id"],
-                         metadata={"sample_id": f"{item['id']}/{k}"},
-                         seed=sample_seed(self.gconfig.seed, item["id"], k, version))  # fmt: skip
+            ModelRequest(
+                input_ids=ids,
+                gconfig=self.gconfig,
+                group_id=item["id"],
+                metadata={"sample_id": f"{item['id']}/{k}"},
+                seed=sample_seed(self.gconfig.seed, item["id"], k, version),
+            )  # fmt: skip
             for k in range(self.n_samples)
         ]
         responses = await asyncio.gather(*(engine.agenerate(r) for r in requests))
@@ -165,11 +169,17 @@ class RLVRWorkflow(RolloutWorkflow):
             self.dumper.dump(group, group_version(group, engine))
         return group
 
-    async def _greedy_reward(self, engine: InferenceEngine, ids: list[int], item: dict[str, Any]) -> float:
+    async def _greedy_reward(
+        self, engine: InferenceEngine, ids: list[int], item: dict[str, Any]
+    ) -> float:
         """Reward of the greedy completion of the prompt (ReMax's baseline; not trained on)."""
         greedy = dataclasses.replace(self.gconfig, greedy=True)
-        resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=greedy, group_id=item["id"]))
+        resp = await engine.agenerate(
+            ModelRequest(input_ids=ids, gconfig=greedy, group_id=item["id"])
+        )
         text = self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)
         # a failed baseline reward scores 0 (and is counted by the runner like any other)
         extra = prompt_kwargs(self.reward, self.tokenizer.decode(ids))
-        return (await self.reward.ascore(f"{item['id']}/greedy", text, item["reference"], **extra)).reward
+        return (
+            await self.reward.ascore(f"{item['id']}/greedy", text, item["reference"], **extra)
+        ).reward

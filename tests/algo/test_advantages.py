@@ -102,8 +102,12 @@ def _gae_reference(rewards, values, mask, cu, gamma, lam):
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.integers(0, 9), min_size=1, max_size=6), st.floats(0, 1), st.floats(0, 1),
-       st.integers(0, 2**31 - 1))
+@given(
+    st.lists(st.integers(0, 9), min_size=1, max_size=6),
+    st.floats(0, 1),
+    st.floats(0, 1),
+    st.integers(0, 2**31 - 1),
+)
 def test_gae_matches_a_plain_loop_on_random_masked_inputs(lens, gamma, lam, seed):
     g = torch.Generator().manual_seed(seed)
     cu = torch.tensor([0] + lens).cumsum(0)
@@ -128,12 +132,14 @@ def test_grpo_broadcasts_the_group_normalised_reward_to_every_trained_token():
 
 
 def test_kl_in_reward_gives_return_to_go_with_penalties():
-    cfg = PPOActorConfig(algorithm="reinforce_pp", kl_ctl=0.1, adv_norm_mean_level="none",
-                         adv_norm_std_level="none")
+    cfg = PPOActorConfig(
+        algorithm="reinforce_pp", kl_ctl=0.1, adv_norm_mean_level="none", adv_norm_std_level="none"
+    )
     mask = torch.tensor([0.0, 1, 1, 1])
     logp, ref = torch.tensor([0.0, -1.0, -1.0, -1.0]), torch.tensor([0.0, -1.5, -1.0, -2.0])
-    out = compute_advantages(torch.tensor([2.0]), mask, torch.tensor([0, 4]), cfg,
-                             logprobs=logp, ref_logp=ref)
+    out = compute_advantages(
+        torch.tensor([2.0]), mask, torch.tensor([0, 4]), cfg, logprobs=logp, ref_logp=ref
+    )
     # k1 = logp - ref = [., 0.5, 0, 1] -> token rewards -0.1*k1 = [0, -0.05, 0, -0.1] + 2 at end
     assert torch.allclose(out.token_rewards, torch.tensor([0.0, -0.05, 0.0, 1.9]))
     # return-to-go (gamma = 1): [0, -0.05 + 0 + 1.9, 0 + 1.9, 1.9]
@@ -142,8 +148,13 @@ def test_kl_in_reward_gives_return_to_go_with_penalties():
 
 def test_remax_subtracts_the_greedy_rollout_reward():
     cfg = PPOActorConfig(algorithm="remax", reward_scaling=2.0)
-    out = compute_advantages(torch.tensor([1.0, 0.0]), torch.ones(4), torch.tensor([0, 2, 4]),
-                             cfg, baseline_rewards=torch.tensor([0.25, 0.5]))
+    out = compute_advantages(
+        torch.tensor([1.0, 0.0]),
+        torch.ones(4),
+        torch.tensor([0, 2, 4]),
+        cfg,
+        baseline_rewards=torch.tensor([0.25, 0.5]),
+    )
     # (1 - 0.25) * 2 = 1.5; (0 - 0.5) * 2 = -1
     assert torch.allclose(out.seq_rewards, torch.tensor([1.5, -1.0]))
     with pytest.raises(ValueError, match="remax_baseline"):
@@ -151,8 +162,9 @@ def test_remax_subtracts_the_greedy_rollout_reward():
 
 
 def test_ppo_uses_critic_values_and_requires_them():
-    cfg = PPOActorConfig(algorithm="ppo", gamma=1.0, lam=1.0, adv_norm_mean_level="none",
-                         adv_norm_std_level="none")
+    cfg = PPOActorConfig(
+        algorithm="ppo", gamma=1.0, lam=1.0, adv_norm_mean_level="none", adv_norm_std_level="none"
+    )
     cu, mask = torch.tensor([0, 2]), torch.ones(2)
     out = compute_advantages(torch.tensor([1.0]), mask, cu, cfg, values=torch.tensor([0.2, 0.5]))
     # lam = 1: A_t = R - V_t -> [0.8, 0.5]; returns = A + V = [1, 1]
@@ -163,8 +175,7 @@ def test_ppo_uses_critic_values_and_requires_them():
 
 
 def _dp_rank(rank, world, init_file, x, mask, cu, queue):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         out = normalize(x, mask, cu, _norm("batch", "batch", eps=1e-5), dp_group=dist.group.WORLD)
         queue.put((rank, out.tolist()))  # plain lists: tensors would be shared-memory handles
@@ -176,13 +187,16 @@ def test_batch_statistics_are_all_reduced_over_data_parallel_ranks():
     torch.manual_seed(3)
     x, mask = torch.randn(9), (torch.rand(9) > 0.2).float()
     expected = normalize(x, mask, torch.tensor([0, 4, 6, 9]), _norm("batch", "batch", eps=1e-5))
-    shards = [(x[:4], mask[:4], torch.tensor([0, 4])),  # rank 0: sequence 0
-              (x[4:], mask[4:], torch.tensor([0, 2, 5]))]  # rank 1: sequences 1 and 2
+    shards = [
+        (x[:4], mask[:4], torch.tensor([0, 4])),  # rank 0: sequence 0
+        (x[4:], mask[4:], torch.tensor([0, 2, 5])),
+    ]  # rank 1: sequences 1 and 2
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(), "pg_init")
-    procs = [ctx.Process(target=_dp_rank, args=(r, 2, init_file, *shards[r], queue))
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=_dp_rank, args=(r, 2, init_file, *shards[r], queue)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     got = dict(queue.get(timeout=60) for _ in procs)

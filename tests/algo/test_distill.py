@@ -18,8 +18,9 @@ def test_the_advantage_is_the_teachers_log_ratio_over_the_student_on_trained_tok
     assert adv.tolist() == pytest.approx([0.0, -math.log(2), math.log(2), math.log(1 / 9)])
     mixed = distill_advantages(task, teacher, student, mask, coef=0.5, reward_weight=2.0)
     # 2 * task + 0.5 * log ratio
-    assert mixed.tolist() == pytest.approx([0.0, 2 - 0.5 * math.log(2), 2 + 0.5 * math.log(2),
-                                            2 + 0.5 * math.log(1 / 9)])
+    assert mixed.tolist() == pytest.approx(
+        [0.0, 2 - 0.5 * math.log(2), 2 + 0.5 * math.log(2), 2 + 0.5 * math.log(1 / 9)]
+    )
 
 
 def test_a_student_equal_to_its_teacher_gets_no_distillation_signal():

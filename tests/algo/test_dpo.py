@@ -12,8 +12,14 @@ def _pairs(**kw) -> PairLogps:
 
 # Two pairs. Pair 0: log-ratios chosen -2 - (-3) = +1, rejected -5 - (-4) = -1 (gap +2).
 # Pair 1: the policy equals the reference on both sides (gap 0).
-TWO = dict(logp_c=[-2.0, -4.0], logp_r=[-5.0, -6.0], ref_c=[-3.0, -4.0], ref_r=[-4.0, -6.0],
-           len_c=[2.0, 2.0], len_r=[3.0, 3.0])
+TWO = dict(
+    logp_c=[-2.0, -4.0],
+    logp_r=[-5.0, -6.0],
+    ref_c=[-3.0, -4.0],
+    ref_r=[-4.0, -6.0],
+    len_c=[2.0, 2.0],
+    len_r=[3.0, 3.0],
+)
 
 
 def test_sigmoid_dpo_by_hand():
@@ -61,8 +67,14 @@ def test_nll_term_adds_the_chosen_mean_token_nll_by_hand():
     assert losses.tolist() == pytest.approx([0.201413 + 2.0 * 1.0], abs=1e-6)  # NLL -(-2) / 2 = 1
     # its gradient on logp_c is -nll_coef / len_c on top of the preference part (0 here: IPO at its target)
     logp_c = torch.tensor([-2.0], dtype=torch.float64, requires_grad=True)
-    at_target = PairLogps(logp_c, torch.tensor([-5.0]), torch.tensor([2.0]), torch.tensor([3.0]),
-                          torch.tensor([-3.0]), torch.tensor([-4.0]))  # gap 2 = 1 / (2 * 0.25)
+    at_target = PairLogps(
+        logp_c,
+        torch.tensor([-5.0]),
+        torch.tensor([2.0]),
+        torch.tensor([3.0]),
+        torch.tensor([-3.0]),
+        torch.tensor([-4.0]),
+    )  # gap 2 = 1 / (2 * 0.25)
     preference_loss(at_target, "ipo", beta=0.25, nll_coef=0.4)[0].sum().backward()
     assert logp_c.grad.item() == pytest.approx(-0.2)
 
@@ -70,8 +82,9 @@ def test_nll_term_adds_the_chosen_mean_token_nll_by_hand():
 def test_reward_stats_by_hand():
     stats = reward_stats(torch.tensor([0.5, 0.0, -1.0]), torch.tensor([-0.5, 0.0, 1.0]))
     # chosen > rejected only for the first pair (a tie is not a win); margins 1, 0, -2
-    assert stats == pytest.approx({"reward_acc": 1 / 3, "margin": -1 / 3, "chosen_reward": -1 / 6,
-                                   "rejected_reward": 1 / 6})
+    assert stats == pytest.approx(
+        {"reward_acc": 1 / 3, "margin": -1 / 3, "chosen_reward": -1 / 6, "rejected_reward": 1 / 6}
+    )
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])

@@ -40,8 +40,9 @@ def test_dual_clip_caps_the_loss_for_negative_advantages():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.floats(-3, 3), min_size=1, max_size=10), st.floats(0.01, 0.5),
-       st.floats(0.01, 0.5))
+@given(
+    st.lists(st.floats(-3, 3), min_size=1, max_size=10), st.floats(0.01, 0.5), st.floats(0.01, 0.5)
+)
 def test_clipped_loss_equals_unclipped_at_ratio_one(advs, eps_low, eps_high):
     adv = torch.tensor(advs)
     logp = torch.zeros(len(advs), requires_grad=True)
@@ -105,26 +106,42 @@ def _random_batch(seed, lens=(3, 5, 1, 4)):
     n = int(cu[-1])
     old = -torch.rand(n, generator=g) * 2
     logp = (old + 0.3 * torch.randn(n, generator=g)).requires_grad_()
-    return dict(logp=logp, old=old, adv=torch.randn(n, generator=g), cu=cu,
-                mask=(torch.rand(n, generator=g) > 0.2).float(),
-                behav=old + 0.5 * torch.randn(n, generator=g))
+    return dict(
+        logp=logp,
+        old=old,
+        adv=torch.randn(n, generator=g),
+        cu=cu,
+        mask=(torch.rand(n, generator=g) > 0.2).float(),
+        behav=old + 0.5 * torch.randn(n, generator=g),
+    )
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                  "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
 def test_micro_batch_losses_with_global_normalisers_sum_to_the_full_batch_loss(mode):
     b = _random_batch(0)
     cfg = PPOActorConfig(loss_agg_mode=mode)
-    full, _ = policy_loss(b["logp"], b["old"], None, b["adv"], b["mask"], b["cu"], cfg,
-                          max_new_tokens=8)
+    full, _ = policy_loss(
+        b["logp"], b["old"], None, b["adv"], b["mask"], b["cu"], cfg, max_new_tokens=8
+    )
     n_tok, n_seq = loss_normalisers(b["mask"], b["cu"])
     parts = []
     for lo, hi in ((0, 2), (2, 4)):  # two micro-batches of two sequences
         t0, t1 = int(b["cu"][lo]), int(b["cu"][hi])
         sl = slice(t0, t1)
-        loss, _ = policy_loss(b["logp"][sl], b["old"][sl], None, b["adv"][sl], b["mask"][sl],
-                              b["cu"][lo : hi + 1] - t0, cfg, global_n_tokens=n_tok,
-                              global_n_seqs=n_seq, max_new_tokens=8)
+        loss, _ = policy_loss(
+            b["logp"][sl],
+            b["old"][sl],
+            None,
+            b["adv"][sl],
+            b["mask"][sl],
+            b["cu"][lo : hi + 1] - t0,
+            cfg,
+            global_n_tokens=n_tok,
+            global_n_seqs=n_seq,
+            max_new_tokens=8,
+        )
         parts.append(loss)
     assert torch.allclose(sum(parts), full, atol=1e-6)
 
@@ -161,8 +178,9 @@ def test_decoupled_loss_hand_worked_with_masked_over_cap_token():
     prox = torch.tensor([-1.0, -1.0])
     behav = prox - torch.log(torch.tensor([2.0, 4.0]))
     cfg = PPOActorConfig(use_decoupled_loss=True, behav_imp_weight_cap=3.0)
-    loss, stats = policy_loss(logp, prox, behav, torch.tensor([1.0, 1.0]), torch.ones(2),
-                              torch.tensor([0, 2]), cfg)
+    loss, stats = policy_loss(
+        logp, prox, behav, torch.tensor([1.0, 1.0]), torch.ones(2), torch.tensor([0, 2]), cfg
+    )
     # token 0: -A * r * w = -1 * 1 * 2 = -2; token 1 dropped (0) but counted: (-2 + 0) / 2 = -1
     assert torch.allclose(loss, torch.tensor(-1.0))
     assert stats["over_cap_frac"] == 0.5
@@ -172,8 +190,9 @@ def test_truncated_importance_sampling_on_the_non_decoupled_path():
     logp = torch.tensor([-1.0], requires_grad=True)
     prox, behav = torch.tensor([-1.0]), torch.tensor([-1.0 - math.log(5.0)])  # weight 5
     cfg = PPOActorConfig(tis_cap=2.0)
-    loss, stats = policy_loss(logp, prox, behav, torch.tensor([1.0]), torch.ones(1),
-                              torch.tensor([0, 1]), cfg)
+    loss, stats = policy_loss(
+        logp, prox, behav, torch.tensor([1.0]), torch.ones(1), torch.tensor([0, 1]), cfg
+    )
     assert torch.allclose(loss, torch.tensor(-2.0))  # -A * r * min(5, 2) = -2
     assert stats["behav_imp_weight_max"] == 2.0
 
@@ -183,21 +202,45 @@ def test_kl_loss_term_and_entropy_bonus_hand_worked():
     ref = torch.tensor([-2.0, -1.0])
     entropy = torch.tensor([0.5, 1.5])
     cfg = PPOActorConfig(kl_in_reward=False, kl_ctl=0.1, kl_estimator="k2", entropy_coeff=0.01)
-    loss, stats = policy_loss(logp, logp.detach(), None, torch.zeros(2), torch.ones(2),
-                              torch.tensor([0, 2]), cfg, entropy=entropy, ref_logp=ref)
+    loss, stats = policy_loss(
+        logp,
+        logp.detach(),
+        None,
+        torch.zeros(2),
+        torch.ones(2),
+        torch.tensor([0, 2]),
+        cfg,
+        entropy=entropy,
+        ref_logp=ref,
+    )
     # pg = 0 (A = 0); k2 = [0.5 * 1^2, 0] -> mean 0.25 -> +0.025; entropy mean 1 -> -0.01
     assert torch.allclose(loss, torch.tensor(0.015))
     assert torch.isclose(stats["kl_ref"], torch.tensor(0.25))
     with pytest.raises(ValueError, match="ref_logp"):
-        policy_loss(logp, logp.detach(), None, torch.zeros(2), torch.ones(2),
-                    torch.tensor([0, 2]), cfg, entropy=entropy)
+        policy_loss(
+            logp,
+            logp.detach(),
+            None,
+            torch.zeros(2),
+            torch.ones(2),
+            torch.tensor([0, 2]),
+            cfg,
+            entropy=entropy,
+        )
 
 
 def test_stats_report_clip_fractions_and_approx_kl():
     logp = torch.log(torch.tensor([1.5, 0.5, 1.0]))  # old = 0 -> ratios 1.5, 0.5, 1
     cfg = PPOActorConfig(c_clip=2.0)
-    _, stats = policy_loss(logp, torch.zeros(3), None, torch.tensor([1.0, -1.0, 1.0]),
-                           torch.ones(3), torch.tensor([0, 3]), cfg)
+    _, stats = policy_loss(
+        logp,
+        torch.zeros(3),
+        None,
+        torch.tensor([1.0, -1.0, 1.0]),
+        torch.ones(3),
+        torch.tensor([0, 3]),
+        cfg,
+    )
     assert stats["clip_high_frac"] == pytest.approx(1 / 3)  # ratio 1.5, A > 0
     assert stats["clip_low_frac"] == pytest.approx(1 / 3)  # ratio 0.5, A < 0
     assert stats["dual_clip_frac"] == 0.0

@@ -29,11 +29,13 @@ def test_overlong_interval_longer_than_max_new_tokens_is_an_error_naming_the_fie
 
 
 def test_no_eos_sequences_get_zero_after_all_other_shaping():
-    cfg = PPOActorConfig(reward_bias=1.0, mask_no_eos_with_zero=True,
-                         overlong_reward_penalty=True, overlong_tokens=2)
+    cfg = PPOActorConfig(
+        reward_bias=1.0, mask_no_eos_with_zero=True, overlong_reward_penalty=True, overlong_tokens=2
+    )
     rewards, lens = torch.tensor([1.0, 1.0]), torch.tensor([3, 4])
-    out = shape_rewards(rewards, cfg, completion_lens=lens, no_eos=torch.tensor([False, True]),
-                        max_new_tokens=4)
+    out = shape_rewards(
+        rewards, cfg, completion_lens=lens, no_eos=torch.tensor([False, True]), max_new_tokens=4
+    )
     # seq 0: 1 + 1 = 2, len 3 is 1 token past threshold 2 -> 2 - 1/2 = 1.5; seq 1: no EOS -> 0
     assert torch.allclose(out, torch.tensor([1.5, 0.0]))
 

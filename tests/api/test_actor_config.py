@@ -19,11 +19,19 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "algorithms.md"
 def preset_table_markdown() -> str:
     """The table in docs/algorithms.md, generated from PRESETS (knobs as rows)."""
     names = list(PRESETS)
-    lines = ["| knob | " + " | ".join(f"`{n}`" for n in names) + " |",
-             "| --- |" + " --- |" * len(names)]
+    lines = [
+        "| knob | " + " | ".join(f"`{n}`" for n in names) + " |",
+        "| --- |" + " --- |" * len(names),
+    ]
     for key in PRESETS["ppo"]:
-        cells = ["null" if PRESETS[n][key] is None else str(PRESETS[n][key]).lower()
-                 if isinstance(PRESETS[n][key], bool) else str(PRESETS[n][key]) for n in names]
+        cells = [
+            "null"
+            if PRESETS[n][key] is None
+            else str(PRESETS[n][key]).lower()
+            if isinstance(PRESETS[n][key], bool)
+            else str(PRESETS[n][key])
+            for n in names
+        ]
         lines.append(f"| `{key}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -45,7 +53,8 @@ def test_every_preset_sets_the_same_knobs_and_defaults_are_the_ppo_preset():
 def test_docs_table_matches_presets():
     assert preset_table_markdown() in DOCS.read_text(), (
         "docs/algorithms.md is out of date; paste tests/api/test_actor_config.py's "
-        "preset_table_markdown() output into it")
+        "preset_table_markdown() output into it"
+    )
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -58,10 +67,17 @@ def test_preset_loads_from_yaml_and_fills_its_knobs(tmp_path, name):
 
 def test_explicit_yaml_and_override_knobs_win_over_the_preset(tmp_path):
     path = tmp_path / "actor.yaml"
-    path.write_text("algorithm: dapo\neps_clip_higher: 0.3\n"
-                    "reward_norm_std_level: none\n")
-    cfg = load_config(PPOActorConfig, ["--config", str(path), "loss_agg_mode=seq-mean-token-mean",
-                                       "use_decoupled_loss=true", "behav_imp_weight_cap=5"])
+    path.write_text("algorithm: dapo\neps_clip_higher: 0.3\nreward_norm_std_level: none\n")
+    cfg = load_config(
+        PPOActorConfig,
+        [
+            "--config",
+            str(path),
+            "loss_agg_mode=seq-mean-token-mean",
+            "use_decoupled_loss=true",
+            "behav_imp_weight_cap=5",
+        ],
+    )
     assert cfg.eps_clip_higher == 0.3 and cfg.reward_norm_std_level == "none"
     assert cfg.loss_agg_mode == "seq-mean-token-mean"
     assert cfg.dynamic_sampling and cfg.reward_norm_mean_level == "group"  # still from dapo
@@ -79,8 +95,7 @@ def test_replace_and_reload_of_a_saved_config_keep_the_values():
 
 def test_cross_field_errors_name_the_field_and_the_fix():
     with pytest.raises(ConfigError) as e:
-        from_dict(PPOActorConfig, {"algorithm": "grpo", "tis_cap": 2.0,
-                                   "use_decoupled_loss": True})
+        from_dict(PPOActorConfig, {"algorithm": "grpo", "tis_cap": 2.0, "use_decoupled_loss": True})
     assert "tis_cap: 2.0" in str(e.value)
     with pytest.raises(ConfigError, match="behav_imp_weight_cap"):
         from_dict(PPOActorConfig, {"behav_imp_weight_cap": 0.5})
@@ -95,8 +110,7 @@ def test_preset_from_yaml_gives_finite_loss_and_gradient_on_a_random_batch(
 ):
     torch.manual_seed(0)
     path = tmp_path / "actor.yaml"
-    path.write_text(f"algorithm: {name}\nkl_ctl: 0.05\nentropy_coeff: 0.01\n"
-                    "overlong_tokens: 4\n")
+    path.write_text(f"algorithm: {name}\nkl_ctl: 0.05\nentropy_coeff: 0.01\noverlong_tokens: 4\n")
     over = ["use_decoupled_loss=true", "behav_imp_weight_cap=2.0"] if decoupled else []
     cfg = load_config(PPOActorConfig, ["--config", str(path), *over])
     cu = torch.tensor([0, 6, 11, 19, 24])
@@ -108,12 +122,32 @@ def test_preset_from_yaml_gives_finite_loss_and_gradient_on_a_random_batch(
     behav = (logp + 0.1 * torch.randn(n)).detach()
     ref = (logp + 0.1 * torch.randn(n)).detach()
     adv = compute_advantages(
-        torch.randn(4), mask, cu, cfg, values=torch.randn(n) if cfg.use_critic else None,
-        logprobs=behav, ref_logp=ref, baseline_rewards=torch.randn(4), max_new_tokens=8, group_size=2)
+        torch.randn(4),
+        mask,
+        cu,
+        cfg,
+        values=torch.randn(n) if cfg.use_critic else None,
+        logprobs=behav,
+        ref_logp=ref,
+        baseline_rewards=torch.randn(4),
+        max_new_tokens=8,
+        group_size=2,
+    )
     n_tok, n_seq = loss_normalisers(mask, cu)
-    loss, stats = policy_loss(logp, logp.detach(), behav, adv.advantages, mask, cu, cfg,
-                              entropy=entropy, ref_logp=ref, global_n_tokens=n_tok,
-                              global_n_seqs=n_seq, max_new_tokens=8)
+    loss, stats = policy_loss(
+        logp,
+        logp.detach(),
+        behav,
+        adv.advantages,
+        mask,
+        cu,
+        cfg,
+        entropy=entropy,
+        ref_logp=ref,
+        global_n_tokens=n_tok,
+        global_n_seqs=n_seq,
+        max_new_tokens=8,
+    )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()
     assert logits.grad.abs().sum() > 0

@@ -61,7 +61,9 @@ def test_config_is_frozen_after_load():
 
 
 def test_resolved_config_round_trips_through_run_dir(tmp_path):
-    cfg = load_config(SFTConfig, ["train_dataset.type=sft", f"fileroot={tmp_path}", "valid_dataset.path=x.jsonl"])
+    cfg = load_config(
+        SFTConfig, ["train_dataset.type=sft", f"fileroot={tmp_path}", "valid_dataset.path=x.jsonl"]
+    )
     path = save_config(cfg, cfg.run_dir / "config.yaml")
     assert path == tmp_path / "areal" / "trial0" / "config.yaml"
     assert load_config(SFTConfig, ["--config", str(path)]) == cfg
@@ -72,14 +74,21 @@ def test_resolved_config_round_trips_through_run_dir(tmp_path):
 def test_every_field_has_help_and_a_default(cls):
     for path, f, _ in iter_fields(cls):
         assert f.metadata.get("help"), f"{path} has no help string"
-        assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, path
+        assert (
+            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        ), path
 
 
 def test_grpo_cross_section_rules_are_reported_together():
     from areal.api.config import GRPOConfig
 
-    argv = ["actor.path=m", "cluster.n_servers=1", "actor.algorithm=dapo", "gconfig.n_samples=1",
-            "gconfig.max_new_tokens=6"]  # dapo turns the overlong penalty on (64 tokens)
+    argv = [
+        "actor.path=m",
+        "cluster.n_servers=1",
+        "actor.algorithm=dapo",
+        "gconfig.n_samples=1",
+        "gconfig.max_new_tokens=6",
+    ]  # dapo turns the overlong penalty on (64 tokens)
     with pytest.raises(ConfigError) as e:
         load_config(GRPOConfig, argv)
     msg = str(e.value)
@@ -90,8 +99,15 @@ def test_grpo_cross_section_rules_are_reported_together():
 def test_sampling_values_a_server_refuses_are_refused_at_load():
     from areal.api.config import GRPOConfig
 
-    argv = ["actor.path=m", "cluster.n_servers=1", "actor.algorithm=grpo", "gconfig.n_samples=2",
-            "gconfig.temperature=1e-45", "gconfig.top_k=100000000000000000000", "eval_gconfig.temperature=.nan"]
+    argv = [
+        "actor.path=m",
+        "cluster.n_servers=1",
+        "actor.algorithm=grpo",
+        "gconfig.n_samples=2",
+        "gconfig.temperature=1e-45",
+        "gconfig.top_k=100000000000000000000",
+        "eval_gconfig.temperature=.nan",
+    ]
     with pytest.raises(ConfigError) as e:
         load_config(GRPOConfig, argv)
     msg = str(e.value)
@@ -107,7 +123,10 @@ def test_experiment_and_trial_names_must_be_plain_folder_names(name):
     with pytest.raises(ConfigError) as e:
         load_config(SFTConfig, [f"trial_name={name}", "train_dataset.type=sft"])
     assert "trial_name:" in str(e.value) and "folder name" in str(e.value)
-    assert load_config(SFTConfig, ["trial_name=run-1.b_2", "train_dataset.type=sft"]).trial_name == "run-1.b_2"
+    assert (
+        load_config(SFTConfig, ["trial_name=run-1.b_2", "train_dataset.type=sft"]).trial_name
+        == "run-1.b_2"
+    )
 
 
 def _sections_with_own_defaults(cls: type, prefix: str = ""):
@@ -127,7 +146,11 @@ def _sections_with_own_defaults(cls: type, prefix: str = ""):
         yield from _sections_with_own_defaults(type(value), path + ".")
 
 
-REQUIRED = {"GRPOConfig": ["actor.use_critic=false", "cluster.n_servers=1"], "SFTConfig": [], "RWConfig": []}
+REQUIRED = {
+    "GRPOConfig": ["actor.use_critic=false", "cluster.n_servers=1"],
+    "SFTConfig": [],
+    "RWConfig": [],
+}
 
 
 @pytest.mark.parametrize("cls_name", sorted(REQUIRED))
@@ -141,8 +164,11 @@ def test_setting_one_field_of_a_section_keeps_the_sections_own_defaults(cls_name
     if cls_name == "GRPOConfig":
         assert sections["eval_gconfig"].greedy  # the case this test was written for
     for path, default in sections.items():
-        name = next(f.name for f in dataclasses.fields(default)
-                    if type(getattr(default, f.name)) in (int, float, bool, str))
+        name = next(
+            f.name
+            for f in dataclasses.fields(default)
+            if type(getattr(default, f.name)) in (int, float, bool, str)
+        )
         override = f"{path}.{name}={json.dumps(getattr(default, name))}"
         section = load_config(cls, [override, *REQUIRED[cls_name]])
         for part in path.split("."):

@@ -23,7 +23,9 @@ def test_committed_config_reference_is_up_to_date():
     )
 
 
-@pytest.mark.parametrize("cls", [GRPOConfig, SFTConfig, RWConfig, DPOConfig], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls", [GRPOConfig, SFTConfig, RWConfig, DPOConfig], ids=lambda c: c.__name__
+)
 def test_every_field_path_and_help_appears_in_the_reference(cls):
     text = render_config_docs()
     missing = [path for path, _, _ in iter_fields(cls) if f"`{path}`" not in text]
@@ -41,7 +43,9 @@ def test_sections_shared_by_experiments_are_documented_once():
     assert text.count("### `actor`\n") == 1
     sft_rm = text.index("## `SFTConfig` and `RWConfig`")
     assert text.index("### `model`\n") > sft_rm
-    assert text.index("## Shared by every experiment") < text.index("### `train_dataset`\n") < sft_rm
+    assert (
+        text.index("## Shared by every experiment") < text.index("### `train_dataset`\n") < sft_rm
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +69,10 @@ class _Outer:
 def test_rendered_rows_show_path_type_yaml_default_and_escaped_help():
     text = render_config_docs([(_Outer, "examples/outer.py")])
     assert "| `_Outer`: Outer config. | `examples/outer.py` |" in text
-    assert "| `name` | str | `\"x\"` | A name. |" in text
+    assert '| `name` | str | `"x"` | A name. |' in text
     assert "| `limit` | int or null | `null` | A limit. |" in text
-    assert "| `tags` | list of str | `[\"t\"]` | Tags. |" in text
-    assert "| `inner.mode` | one of `a`, `b` | `\"a\"` | Which mode \\| pipe. |" in text
+    assert '| `tags` | list of str | `["t"]` | Tags. |' in text
+    assert '| `inner.mode` | one of `a`, `b` | `"a"` | Which mode \\| pipe. |' in text
     assert "`_Inner`: The inner section. Inner knobs." in text
     assert "Default `null` (off)" in text.split("### `extra`")[1]
     assert "| `extra.mode` |" in text

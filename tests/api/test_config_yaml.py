@@ -72,12 +72,28 @@ class Window:
 @pytest.mark.parametrize(
     "text, expected",
     [
-        ("yes", "yes"), ("no", "no"), ("on", "on"), ("off", "off"), ("y", "y"), ("n", "n"),
-        ("true", True), ("True", True), ("FALSE", False),
-        ("1e30", 1e30), ("1e-5", 1e-5), (".5", 0.5), ("-1.5E+3", -1500.0), ("1.", 1.0),
+        ("yes", "yes"),
+        ("no", "no"),
+        ("on", "on"),
+        ("off", "off"),
+        ("y", "y"),
+        ("n", "n"),
+        ("true", True),
+        ("True", True),
+        ("FALSE", False),
+        ("1e30", 1e30),
+        ("1e-5", 1e-5),
+        (".5", 0.5),
+        ("-1.5E+3", -1500.0),
+        ("1.", 1.0),
         ("012", 12),  # YAML 1.1 read this as octal 10
-        ("0o17", 15), ("0x1F", 31), ("+5", 5),
-        ("~", None), ("null", None), ("NULL", None), ("", None),
+        ("0o17", 15),
+        ("0x1F", 31),
+        ("+5", 5),
+        ("~", None),
+        ("null", None),
+        ("NULL", None),
+        ("", None),
         ("2024-01-01", "2024-01-01"),  # YAML 1.1 read this as a datetime.date
         ("1_000", "1_000"),  # not a YAML 1.2 int
     ],
@@ -128,8 +144,9 @@ def test_exponent_without_dot_is_a_float_in_a_file_and_in_overrides(tmp_path):
 
 @pytest.mark.parametrize("word", ["yes", "no", "on", "off", "y", "n"])
 def test_yaml_1_1_boolean_word_for_a_bool_field_names_path_value_and_fix(tmp_path, word):
-    expected = (f"model.gradient_checkpointing: expected true/false, got {word!r}; "
-                "write true or false")
+    expected = (
+        f"model.gradient_checkpointing: expected true/false, got {word!r}; write true or false"
+    )
     from_override = _problems(SFTConfig, [*SFT, f"model.gradient_checkpointing={word}"])
     from_file = _problems(SFTConfig, SFT, f"model:\n  gradient_checkpointing: {word}\n", tmp_path)
     for problems in (from_override, from_file):
@@ -148,9 +165,15 @@ def test_str_field_given_on_keeps_the_word(tmp_path):
 
 @pytest.mark.parametrize(
     "raw, shown",
-    [(".nan", "nan"), (".inf", "inf"), ("-.inf", "-inf"), ('"nan"', "'nan'"),
-     ('"-inf"', "'-inf'"), ("1e400", "inf"),  # 1e400 overflows to inf when read
-     ("1" + "0" * 400, "an integer of 401 digits (too large for a float)")],
+    [
+        (".nan", "nan"),
+        (".inf", "inf"),
+        ("-.inf", "-inf"),
+        ('"nan"', "'nan'"),
+        ('"-inf"', "'-inf'"),
+        ("1e400", "inf"),  # 1e400 overflows to inf when read
+        ("1" + "0" * 400, "an integer of 401 digits (too large for a float)"),
+    ],
 )
 def test_non_finite_float_is_rejected_with_path_value_and_help(tmp_path, raw, shown):
     expected = f"model.optimizer.lr: must be a finite number, got {shown}; Peak learning rate."
@@ -163,8 +186,9 @@ def test_non_finite_float_is_rejected_with_path_value_and_help(tmp_path, raw, sh
 def test_grpo_actor_learning_rate_nan_is_rejected():
     argv = ["actor.path=m", "cluster.n_servers=1", "actor.optimizer.lr=.nan"]
     problems = _problems(GRPOConfig, argv)
-    assert any(p.startswith("actor.optimizer.lr: must be a finite number, got nan")
-               for p in problems), problems
+    assert any(
+        p.startswith("actor.optimizer.lr: must be a finite number, got nan") for p in problems
+    ), problems
 
 
 def test_non_finite_is_found_in_optional_union_and_list_floats():
@@ -204,8 +228,10 @@ def test_field_error_and_cross_field_error_are_reported_together():
 
 def test_cross_field_error_is_reported_beside_an_error_in_another_field_of_its_section():
     with pytest.raises(ConfigError) as e:
-        from_dict(GenerationHyperparameters, {"min_new_tokens": 9, "max_new_tokens": 4,
-                                              "temperature": ".nan"})
+        from_dict(
+            GenerationHyperparameters,
+            {"min_new_tokens": 9, "max_new_tokens": 4, "temperature": ".nan"},
+        )
     assert [p.split(":")[0] for p in e.value.problems] == ["temperature", "min_new_tokens"]
 
 
@@ -237,16 +263,24 @@ def test_int_field_still_accepts_a_whole_float():
 
 
 @pytest.mark.parametrize(
-    "cls", [BaseExperimentConfig, PPOActorConfig, TrainEngineConfig, InferenceEngineConfig,
-            GenerationServerConfig])
+    "cls",
+    [
+        BaseExperimentConfig,
+        PPOActorConfig,
+        TrainEngineConfig,
+        InferenceEngineConfig,
+        GenerationServerConfig,
+    ],
+)
 def test_saved_default_config_loads_back_equal(tmp_path, cls):
     path = save_config(cls(), tmp_path / "config.yaml")
     assert load_config(cls, ["--config", str(path)]) == cls()
 
 
 def test_saved_config_with_ambiguous_strings_reads_back_the_same_in_yaml_1_1_and_1_2(tmp_path):
-    cfg = load_config(SFTConfig, [*SFT, "experiment_name=on", "trial_name='1e5'",
-                                  "model.optimizer.lr=1e-5"])
+    cfg = load_config(
+        SFTConfig, [*SFT, "experiment_name=on", "trial_name='1e5'", "model.optimizer.lr=1e-5"]
+    )
     path = save_config(cfg, tmp_path / "config.yaml")
     assert load_config(SFTConfig, ["--config", str(path)]) == cfg
     plain = yaml.safe_load(path.read_text())  # what other tools reading the run dir see

@@ -1,12 +1,20 @@
 """Tier 1: the launch env contract's helpers."""
 
-from areal.api.launch import COLOCATED, RAY_AUTH_MODE, LaunchEnv, disable_ray_token_auth, trainer_env
+from areal.api.launch import (
+    COLOCATED,
+    RAY_AUTH_MODE,
+    LaunchEnv,
+    disable_ray_token_auth,
+    trainer_env,
+)
 
 
 def test_ray_token_auth_is_turned_off_unless_the_user_opted_in():
     env: dict[str, str] = {}
     disable_ray_token_auth(env)
-    assert env == {RAY_AUTH_MODE: "disabled"}  # else Ray 2.60 writes ~/.ray/auth_token for the machine
+    assert env == {
+        RAY_AUTH_MODE: "disabled"
+    }  # else Ray 2.60 writes ~/.ray/auth_token for the machine
     opted_in = {RAY_AUTH_MODE: "token"}
     disable_ray_token_auth(opted_in)
     assert opted_in == {RAY_AUTH_MODE: "token"}

@@ -56,7 +56,10 @@ ASYNC = [  # 2 prompts x 4 samples x 4 tokens a step, a reward that varies
 
 
 def trained(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "trained_samples-rank0.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line)
+        for line in (run_dir / "trained_samples-rank0.jsonl").read_text().splitlines()
+    ]
 
 
 def check_lags(run_dir: Path, staleness: int, n_steps: int) -> dict[int, dict]:
@@ -66,7 +69,9 @@ def check_lags(run_dir: Path, staleness: int, n_steps: int) -> dict[int, dict]:
     for step, s in steps.items():
         assert s["manager/version"] == step  # one weight update per step
         assert s["core/lag/max"] <= staleness
-        assert sum(v for k, v in s.items() if k.startswith("core/lag/hist/")) == 8  # every sample checked
+        assert (
+            sum(v for k, v in s.items() if k.startswith("core/lag/hist/")) == 8
+        )  # every sample checked
         assert s["mfc/actor_train/n_tokens"] > 0
     assert any(s["loss/grad_norm"] > 0 for s in steps.values())
     if staleness:
@@ -76,12 +81,28 @@ def check_lags(run_dir: Path, staleness: int, n_steps: int) -> dict[int, dict]:
 
 def test_core_async_ppo_on_policy(runs, tiny_model_dir, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    run = runs.run("async0", SCRIPT, [f"actor.path={tiny_model_dir}", *ASYNC, "total_train_steps=4",
-                                      "rollout.max_staleness=0", "weight_update_mode=distributed"])
+    run = runs.run(
+        "async0",
+        SCRIPT,
+        [
+            f"actor.path={tiny_model_dir}",
+            *ASYNC,
+            "total_train_steps=4",
+            "rollout.max_staleness=0",
+            "weight_update_mode=distributed",
+        ],
+    )
     steps = check_lags(run, 0, 4)
-    assert all(s["rollout_worker/0/episodes"] + s["rollout_worker/1/episodes"] >= 2 * n for n, s in steps.items())
-    assert steps[4]["rollout_worker/0/remote/servers_alive"] == 1.0  # each worker's client and reward counters
-    assert steps[4]["manager/remote/servers_alive"] == 1.0  # the manager's client: the one that updates weights
+    assert all(
+        s["rollout_worker/0/episodes"] + s["rollout_worker/1/episodes"] >= 2 * n
+        for n, s in steps.items()
+    )
+    assert (
+        steps[4]["rollout_worker/0/remote/servers_alive"] == 1.0
+    )  # each worker's client and reward counters
+    assert (
+        steps[4]["manager/remote/servers_alive"] == 1.0
+    )  # the manager's client: the one that updates weights
     assert "rollout_worker/1/reward/n_calls" in steps[4]
     ids = [i for r in trained(run) for i in r["ids"]]
     assert len(ids) == 8 and len(set(ids)) == 8  # 4 steps x 2 prompts, each once
@@ -90,10 +111,18 @@ def test_core_async_ppo_on_policy(runs, tiny_model_dir, monkeypatch):
     logs = "".join(p.read_text(errors="replace") for p in (run / "logs").glob("*.log"))
     assert "restart will fail" not in logs and "set_vital" not in logs
     cli = [sys.executable, "-m", "areal.cli", "core"]
-    shown = subprocess.run([*cli, "status", str(run)], capture_output=True, text=True, check=True).stdout
-    assert shown.startswith("run ended: it finished at step 4/4") and "rollouts running" not in shown, shown
-    scale = subprocess.run([*cli, "scale", str(run), "--rollout-workers", "3"], capture_output=True, text=True)
-    assert scale.returncode != 0 and "the run has ended (it finished at step 4/4)" in scale.stderr, scale.stderr
+    shown = subprocess.run(
+        [*cli, "status", str(run)], capture_output=True, text=True, check=True
+    ).stdout
+    assert (
+        shown.startswith("run ended: it finished at step 4/4") and "rollouts running" not in shown
+    ), shown
+    scale = subprocess.run(
+        [*cli, "scale", str(run), "--rollout-workers", "3"], capture_output=True, text=True
+    )
+    assert (
+        scale.returncode != 0 and "the run has ended (it finished at step 4/4)" in scale.stderr
+    ), scale.stderr
     assert not (run / "core_scale.json").exists()
 
 
@@ -103,7 +132,9 @@ def status(run_dir: Path) -> dict | None:
 
 
 def start(runs: Runs, name: str, overrides: list[str]):
-    launch = start_launch(SCRIPT, YAML, [f"experiment_name={name}", "trial_name=t", *overrides], runs.root, env=ENV)
+    launch = start_launch(
+        SCRIPT, YAML, [f"experiment_name={name}", "trial_name=t", *overrides], runs.root, env=ENV
+    )
     runs.launches.append(launch)
     return launch, runs.root / name / "t"
 
@@ -121,44 +152,72 @@ def wait_for_step(launch, run_dir: Path, step: int) -> dict:
     return status(run_dir)
 
 
-def test_a_killed_rollout_worker_is_restarted_and_the_run_goes_on(runs, tiny_model_dir, monkeypatch):
+def test_a_killed_rollout_worker_is_restarted_and_the_run_goes_on(
+    runs, tiny_model_dir, monkeypatch
+):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    launch, run_dir = start(runs, "rwkill", [f"actor.path={tiny_model_dir}", *ASYNC, "total_train_steps=10",
-                                             "rollout.max_staleness=1"])
+    launch, run_dir = start(
+        runs,
+        "rwkill",
+        [f"actor.path={tiny_model_dir}", *ASYNC, "total_train_steps=10", "rollout.max_staleness=1"],
+    )
     victim = wait_for_step(launch, run_dir, 2)["workers"][1]["pid"]
     os.kill(victim, signal.SIGKILL)
     finish(launch, run_dir)
     steps = check_lags(run_dir, 1, 10)
-    assert steps[10]["rollout_worker/1/restarts"] == 1 and steps[10]["rollout_worker/0/restarts"] == 0
+    assert (
+        steps[10]["rollout_worker/1/restarts"] == 1 and steps[10]["rollout_worker/0/restarts"] == 0
+    )
     assert status(run_dir)["workers"][1]["pid"] != victim
     ids = [i for r in effective_ids(run_dir).values() for i in r]
     assert len(ids) == 20 and len(set(ids)) == 20  # redone work is trained once
-    out = subprocess.run([sys.executable, "-m", "areal.cli", "core", "status", str(run_dir)],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "areal.cli", "core", "status", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
     row = [line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["1"]][0]
     assert row[-1] == "1" and "step 10/10" in out.stdout  # worker 1 restarted once
 
 
-def test_a_killed_model_worker_resumes_with_the_uninterrupted_sample_sequence(runs, tiny_model_dir, monkeypatch):
+def test_a_killed_model_worker_resumes_with_the_uninterrupted_sample_sequence(
+    runs, tiny_model_dir, monkeypatch
+):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    common = [f"actor.path={tiny_model_dir}", *ASYNC, "total_train_steps=6", "rollout.max_staleness=2",
-              "recover.mode=auto", "recover.freq_steps=1", "recover.retries=2"]
+    common = [
+        f"actor.path={tiny_model_dir}",
+        *ASYNC,
+        "total_train_steps=6",
+        "rollout.max_staleness=2",
+        "recover.mode=auto",
+        "recover.freq_steps=1",
+        "recover.retries=2",
+    ]
     plain = runs.run("plain", SCRIPT, common)
     check_lags(plain, 2, 6)
     launch, run_dir = start(runs, "mwkill", common)
     victim = wait_for_step(launch, run_dir, 3)["model_worker_pids"][1]
     os.kill(victim, signal.SIGKILL)
     finish(launch, run_dir)
-    attempts = {json.loads(line)["attempt"] for line in (run_dir / "trained_samples-rank0.jsonl").open()}
+    attempts = {
+        json.loads(line)["attempt"] for line in (run_dir / "trained_samples-rank0.jsonl").open()
+    }
     assert attempts == {0, 1}, "the kill did not cost an attempt"
     assert effective_ids(run_dir) == effective_ids(plain)
     check_lags(run_dir, 2, 6)
 
 
 def scale(run_dir: Path, *args: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "areal.cli", "core", "scale", str(run_dir), *args],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "areal.cli", "core", "scale", str(run_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
 
 
@@ -178,17 +237,34 @@ def test_rollout_workers_and_servers_scale_while_the_job_runs(runs, tiny_model_d
     extra = start_servers(str(tiny_model_dir), 1)
     n = 30
     try:
-        launch, run_dir = start(runs, "elastic", [f"actor.path={tiny_model_dir}", *ASYNC, f"total_train_steps={n}",
-                                                  "rollout.max_staleness=1"])
-        (_, added), = extra
+        launch, run_dir = start(
+            runs,
+            "elastic",
+            [
+                f"actor.path={tiny_model_dir}",
+                *ASYNC,
+                f"total_train_steps={n}",
+                "rollout.max_staleness=1",
+            ],
+        )
+        ((_, added),) = extra
         first = wait_for_step(launch, run_dir, 2)["servers"]
         scale(run_dir, "--rollout-workers", "3", "--add-server", added)
         worked = lambda st: any(w["index"] == 2 and w["episodes"] > 0 for w in st["workers"])  # noqa: E731
-        st = wait_for(launch, run_dir, lambda st: len(st["servers"]) == 2 and worked(st), "the new worker rolled out")
+        st = wait_for(
+            launch,
+            run_dir,
+            lambda st: len(st["servers"]) == 2 and worked(st),
+            "the new worker rolled out",
+        )
         grown = st["step"]
         scale(run_dir, "--rollout-workers", "2", "--remove-server", first[0])
-        st = wait_for(launch, run_dir, lambda st: st["servers"] == [added] and len(st["workers"]) == 2,
-                      "scaling down")
+        st = wait_for(
+            launch,
+            run_dir,
+            lambda st: st["servers"] == [added] and len(st["workers"]) == 2,
+            "scaling down",
+        )
         shrunk = st["step"]
         finish(launch, run_dir)
         assert server_version(added) == n  # it got every update from its first step on
@@ -199,7 +275,9 @@ def test_rollout_workers_and_servers_scale_while_the_job_runs(runs, tiny_model_d
     assert steps[grown]["rollout_worker/2/episodes"] > 0  # the added worker rolled out
     assert steps[n]["core/servers"] == 1 and steps[n]["core/rollout_workers"] == 2
     assert shrunk < n, "nothing ran on the new server alone"
-    assert "rollout_worker/2/episodes" not in steps[n]  # it drained (the newest goes first) and stopped
+    assert (
+        "rollout_worker/2/episodes" not in steps[n]
+    )  # it drained (the newest goes first) and stopped
     assert steps[n]["manager/lost"] == 0
     ids = [i for r in effective_ids(run_dir).values() for i in r]
     assert len(ids) == 2 * n and len(set(ids)) == 2 * n
@@ -207,14 +285,34 @@ def test_rollout_workers_and_servers_scale_while_the_job_runs(runs, tiny_model_d
 
 def test_a_killed_server_is_restarted_and_served_again(runs, tiny_model_dir, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    launch, run_dir = start(runs, "srvkill", [f"actor.path={tiny_model_dir}", *ASYNC, "total_train_steps=30",
-                                              "rollout.max_staleness=1", "cluster.n_servers=2"])
+    launch, run_dir = start(
+        runs,
+        "srvkill",
+        [
+            f"actor.path={tiny_model_dir}",
+            *ASYNC,
+            "total_train_steps=30",
+            "rollout.max_staleness=1",
+            "cluster.n_servers=2",
+        ],
+    )
     both = wait_for_step(launch, run_dir, 2)["servers"]
     assert len(both) == 2
-    pid = int(re.search(r"started server1 \(pid (\d+)\)", (run_dir / "logs" / "launcher.log").read_text()).group(1))
+    pid = int(
+        re.search(
+            r"started server1 \(pid (\d+)\)", (run_dir / "logs" / "launcher.log").read_text()
+        ).group(1)
+    )
     os.kill(pid, signal.SIGKILL)
-    wait_for(launch, run_dir, lambda st: len(st["servers"]) == 1, "the rollout workers left the dead server")
-    st = wait_for(launch, run_dir, lambda st: len(st["servers"]) == 2, "the restarted server served again")
+    wait_for(
+        launch,
+        run_dir,
+        lambda st: len(st["servers"]) == 1,
+        "the rollout workers left the dead server",
+    )
+    st = wait_for(
+        launch, run_dir, lambda st: len(st["servers"]) == 2, "the restarted server served again"
+    )
     back = st["step"]
     finish(launch, run_dir)
     check_lags(run_dir, 1, 30)  # no rollout ran on stale weights

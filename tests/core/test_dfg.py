@@ -6,7 +6,15 @@ import pytest
 
 from areal.cli import main as cli_main
 from areal.core.dfg import (
-    MFC, Allocation, GraphError, ModelFn, ModelName, ParamRealloc, UpdateServers, build_graph, format_graph,
+    MFC,
+    Allocation,
+    GraphError,
+    ModelFn,
+    ModelName,
+    ParamRealloc,
+    UpdateServers,
+    build_graph,
+    format_graph,
 )
 from areal.core.graphs import ROLLOUT_KEYS, CoreGraphConfig, graph_from_config
 
@@ -46,7 +54,9 @@ def test_mfc_overwriting_a_dataset_key_is_refused():
 
 
 def test_cycle_names_each_mfc_and_key_on_it():
-    (p,) = problems_of([logp("a", "x", ("input_ids", "y")), logp("b", "y", ("input_ids", "x"), model=B)])
+    (p,) = problems_of(
+        [logp("a", "x", ("input_ids", "y")), logp("b", "y", ("input_ids", "x"), model=B)]
+    )
     assert "cycle" in p
     assert "MFC 'a' reads key 'y' from MFC 'b'" in p and "MFC 'b' reads key 'x' from MFC 'a'" in p
 
@@ -79,7 +89,9 @@ def test_mfc_names_are_unique():
 
 
 def test_model_without_allocation_names_the_mfc_and_model():
-    (p,) = problems_of([logp("a", "x"), logp("b", "y", model=B)], allocations=[Allocation(A, (0, 1), 2)])
+    (p,) = problems_of(
+        [logp("a", "x"), logp("b", "y", model=B)], allocations=[Allocation(A, (0, 1), 2)]
+    )
     assert "MFC 'b' runs on model 'critic@0', which has no allocation" in p
 
 
@@ -112,8 +124,10 @@ def test_allocated_model_without_mfc_is_refused():
 
 
 def test_every_problem_is_reported_at_once():
-    probs = problems_of([logp("a", "x", ("input_ids", "nope")), logp("b", "x")],
-                        allocations=[Allocation(A, (0, 5), 2)])
+    probs = problems_of(
+        [logp("a", "x", ("input_ids", "nope")), logp("b", "x")],
+        allocations=[Allocation(A, (0, 5), 2)],
+    )
     assert len(probs) == 3  # duplicate writer, missing producer, worker 5
 
 
@@ -126,9 +140,18 @@ def test_order_is_topological_and_stable_and_edges_are_derived():
 
 
 def test_sync_ppo_graph_has_generate_then_inference_then_advantages_then_trains():
-    g = graph_from_config(CoreGraphConfig(graph="sync_ppo", use_critic=True, use_ref=True, prox_logp=True))
-    assert [m.name for m in g.mfcs] == ["actor_gen", "actor_logp", "ref_logp", "critic_values",
-                                        "actor_adv", "actor_train", "critic_train"]
+    g = graph_from_config(
+        CoreGraphConfig(graph="sync_ppo", use_critic=True, use_ref=True, prox_logp=True)
+    )
+    assert [m.name for m in g.mfcs] == [
+        "actor_gen",
+        "actor_logp",
+        "ref_logp",
+        "critic_values",
+        "actor_adv",
+        "actor_train",
+        "critic_train",
+    ]
     edges = {(s, d) for s, d, _ in g.edges}
     for mid in ("actor_logp", "ref_logp", "critic_values"):
         assert ("actor_gen", mid) in edges and (mid, "actor_adv") in edges
@@ -152,7 +175,10 @@ def test_sft_graph_is_one_train_lm_node():
 def test_default_allocation_puts_every_model_on_every_worker():
     g = graph_from_config(CoreGraphConfig(n_workers=3, use_critic=True))
     assert {str(m): (a.workers, a.dp) for m, a in g.allocations.items()} == {
-        "actor@0": ((0, 1, 2), 3), "critic@0": ((0, 1, 2), 3), "rollout@0": ((3,), 1)}
+        "actor@0": ((0, 1, 2), 3),
+        "critic@0": ((0, 1, 2), 3),
+        "rollout@0": ((3,), 1),
+    }
     assert g.n_workers == 4  # the generation worker comes after the model workers
 
 
@@ -168,8 +194,10 @@ def test_printed_graph_lists_models_meshes_nodes_and_edges():
 
 def test_areal_core_graph_prints_a_yaml_config(tmp_path, capsys):
     cfg = tmp_path / "core.yaml"
-    cfg.write_text("graph: sync_ppo\nn_workers: 4\nuse_critic: true\nallocations:\n"
-                   "  - {model: actor, workers: [0, 1], dp: 2}\n  - {model: critic, workers: [2, 3], dp: 2}\n")
+    cfg.write_text(
+        "graph: sync_ppo\nn_workers: 4\nuse_critic: true\nallocations:\n"
+        "  - {model: actor, workers: [0, 1], dp: 2}\n  - {model: critic, workers: [2, 3], dp: 2}\n"
+    )
     assert cli_main(["core", "graph", "--config", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "critic@0     mesh dp=2 x tp=1  workers [2, 3]" in out
@@ -178,45 +206,107 @@ def test_areal_core_graph_prints_a_yaml_config(tmp_path, capsys):
 
 def test_areal_core_graph_reports_an_invalid_graph_with_exit_code_2(tmp_path, capsys):
     cfg = tmp_path / "core.yaml"
-    cfg.write_text("use_ref: true\nn_workers: 2\nallocations:\n  - {model: actor, workers: [0, 1], dp: 2}\n")
+    cfg.write_text(
+        "use_ref: true\nn_workers: 2\nallocations:\n  - {model: actor, workers: [0, 1], dp: 2}\n"
+    )
     assert cli_main(["core", "graph", "--config", str(cfg)]) == 2
-    assert "MFC 'ref_logp' runs on model 'ref@0', which has no allocation" in capsys.readouterr().err
+    assert (
+        "MFC 'ref_logp' runs on model 'ref@0', which has no allocation" in capsys.readouterr().err
+    )
 
 
 def test_a_reallocation_hook_needs_another_allocated_source_model():
-    own = MFC("a", A, ModelFn.COMPUTE_LOGP, ("input_ids",), ("x",), {"out": "x"}, hooks=(ParamRealloc(A),))
+    own = MFC(
+        "a", A, ModelFn.COMPUTE_LOGP, ("input_ids",), ("x",), {"out": "x"}, hooks=(ParamRealloc(A),)
+    )
     (p,) = problems_of([own], allocations=[Allocation(A, (0, 1), 2)])
     assert "MFC 'a' takes weights from model 'actor@0', which is its own model" in p
-    other = MFC("a", A, ModelFn.COMPUTE_LOGP, ("input_ids",), ("x",), {"out": "x"}, hooks=(ParamRealloc(B),))
+    other = MFC(
+        "a", A, ModelFn.COMPUTE_LOGP, ("input_ids",), ("x",), {"out": "x"}, hooks=(ParamRealloc(B),)
+    )
     (p,) = problems_of([other], allocations=[Allocation(A, (0, 1), 2)])
     assert "from model 'critic@0', which has no allocation" in p
 
 
 def test_a_reallocation_ema_must_be_below_one():
-    m = MFC("a", A, ModelFn.COMPUTE_LOGP, ("input_ids",), ("x",), {"out": "x"}, hooks=(ParamRealloc(B, ema=1.0),))
+    m = MFC(
+        "a",
+        A,
+        ModelFn.COMPUTE_LOGP,
+        ("input_ids",),
+        ("x",),
+        {"out": "x"},
+        hooks=(ParamRealloc(B, ema=1.0),),
+    )
     (p,) = problems_of([m, logp("b", "y", model=B)])
     assert "MFC 'a': reallocation ema=1.0 must be in [0, 1)" in p
 
 
 def test_a_server_update_hook_belongs_to_a_generate_mfc_that_reads_nothing():
-    gen = MFC("gen", ModelName("rollout"), ModelFn.GENERATE, ("prompt",), ("input_ids",), hooks=(UpdateServers(A),))
-    lp = MFC("a", A, ModelFn.COMPUTE_LOGP, ("input_ids",), ("x",), {"out": "x"}, hooks=(UpdateServers(B),))
-    got = problems_of([gen, lp, logp("b", "y", model=B)], keys=("prompt",),
-                      allocations=[Allocation(A, (0,), 1), Allocation(B, (1,), 1),
-                                   Allocation(ModelName("rollout"), (2,), 1)], n_workers=3)
-    assert any("MFC 'gen' (generate) reads ['prompt']; a generate MFC draws its prompts" in p for p in got)
-    assert any("MFC 'a' (compute_logp) has an UpdateServers hook, which only a generate MFC can have" in p
-               for p in got)
-    realloc = MFC("b", B, ModelFn.COMPUTE_LOGP, ("input_ids",), ("y",), {"out": "y"},
-                  hooks=(ParamRealloc(ModelName("rollout")),))
-    got = problems_of([gen, realloc], keys=("prompt",), n_workers=3,
-                      allocations=[Allocation(B, (1,), 1), Allocation(ModelName("rollout"), (2,), 1)])
-    assert any("MFC 'b': parameter reallocation to or from a generate MFC's model" in p for p in got)
+    gen = MFC(
+        "gen",
+        ModelName("rollout"),
+        ModelFn.GENERATE,
+        ("prompt",),
+        ("input_ids",),
+        hooks=(UpdateServers(A),),
+    )
+    lp = MFC(
+        "a",
+        A,
+        ModelFn.COMPUTE_LOGP,
+        ("input_ids",),
+        ("x",),
+        {"out": "x"},
+        hooks=(UpdateServers(B),),
+    )
+    got = problems_of(
+        [gen, lp, logp("b", "y", model=B)],
+        keys=("prompt",),
+        allocations=[
+            Allocation(A, (0,), 1),
+            Allocation(B, (1,), 1),
+            Allocation(ModelName("rollout"), (2,), 1),
+        ],
+        n_workers=3,
+    )
+    assert any(
+        "MFC 'gen' (generate) reads ['prompt']; a generate MFC draws its prompts" in p for p in got
+    )
+    assert any(
+        "MFC 'a' (compute_logp) has an UpdateServers hook, which only a generate MFC can have" in p
+        for p in got
+    )
+    realloc = MFC(
+        "b",
+        B,
+        ModelFn.COMPUTE_LOGP,
+        ("input_ids",),
+        ("y",),
+        {"out": "y"},
+        hooks=(ParamRealloc(ModelName("rollout")),),
+    )
+    got = problems_of(
+        [gen, realloc],
+        keys=("prompt",),
+        n_workers=3,
+        allocations=[Allocation(B, (1,), 1), Allocation(ModelName("rollout"), (2,), 1)],
+    )
+    assert any(
+        "MFC 'b': parameter reallocation to or from a generate MFC's model" in p for p in got
+    )
 
 
 def test_printed_graph_shows_reallocation_hooks():
-    ref = MFC("ref_logp", B, ModelFn.COMPUTE_LOGP, ("input_ids",), ("r",), {"out": "r"},
-              hooks=(ParamRealloc(A, ema=0.9),))
+    ref = MFC(
+        "ref_logp",
+        B,
+        ModelFn.COMPUTE_LOGP,
+        ("input_ids",),
+        ("r",),
+        {"out": "r"},
+        hooks=(ParamRealloc(A, ema=0.9),),
+    )
     assert "before: weights from actor@0 (ema 0.9)" in format_graph(build([logp("a", "x"), ref]))
 
 
@@ -224,8 +314,15 @@ def test_format_graph_counts_model_workers_apart_from_the_generation_worker():
     from areal.core.dfg import format_graph
     from areal.core.graphs import CoreGraphConfig, graph_from_config
 
-    sync = format_graph(graph_from_config(CoreGraphConfig(graph="sync_ppo", n_workers=4))).splitlines()
+    sync = format_graph(
+        graph_from_config(CoreGraphConfig(graph="sync_ppo", n_workers=4))
+    ).splitlines()
     assert sync[0].endswith("4 model workers + 1 generation worker [4]")
-    assert sync[1] == "dataset keys: none (the generation worker draws prompts from the train dataset)"
+    assert (
+        sync[1] == "dataset keys: none (the generation worker draws prompts from the train dataset)"
+    )
     sft = format_graph(graph_from_config(CoreGraphConfig(graph="sft", n_workers=4))).splitlines()
-    assert sft[0].endswith("1 models, 4 model workers") and sft[1] == "dataset keys: input_ids, loss_mask"
+    assert (
+        sft[0].endswith("1 models, 4 model workers")
+        and sft[1] == "dataset keys: input_ids, loss_mask"
+    )

@@ -49,7 +49,9 @@ def drain(mgr: GenerationManager, n_workers: int, want: int) -> int:
 def test_admission_is_global_over_rollout_workers(eta, n_workers):
     B = 4
     mgr = GenerationManager(eta, B, max_concurrent=1000, loader=ListLoader(10_000, B))
-    first = sum(len(mgr.acquire(w, B)) for w in range(n_workers))  # each worker asks for a batch once
+    first = sum(
+        len(mgr.acquire(w, B)) for w in range(n_workers)
+    )  # each worker asks for a batch once
     assert first == min(B * n_workers, (1 + eta) * B)
     # the first slots finish, then the workers keep asking until refused
     for t, job in list(mgr._running.items()):
@@ -64,7 +66,9 @@ def test_admission_is_global_over_rollout_workers(eta, n_workers):
 
 
 def test_refusals_are_split_by_cause():
-    mgr = GenerationManager(max_staleness=0, batch_groups=4, max_concurrent=2, loader=ListLoader(100, 4))
+    mgr = GenerationManager(
+        max_staleness=0, batch_groups=4, max_concurrent=2, loader=ListLoader(100, 4)
+    )
     assert len(mgr.acquire(0, 3)) == 2  # concurrency allows 2 of the 3
     assert mgr.refused["capacity"] == 1 and mgr.refused["staleness"] == 0  # asks, not slots
     for t in (0, 1):
@@ -78,7 +82,9 @@ def test_refusals_are_split_by_cause():
 
 
 def test_take_waits_for_every_older_ticket():
-    mgr = GenerationManager(max_staleness=1, batch_groups=1, max_concurrent=10, loader=ListLoader(100, 1))
+    mgr = GenerationManager(
+        max_staleness=1, batch_groups=1, max_concurrent=10, loader=ListLoader(100, 1)
+    )
     (t0, i0), (t1, i1) = mgr.acquire(0, 2)
     assert (t0, t1, i0, i1) == (0, 1, 0, 1)
     mgr.finish(0, t1, group(t1, 0))
@@ -90,7 +96,9 @@ def test_take_waits_for_every_older_ticket():
 
 
 def test_a_rejected_group_frees_its_slot_and_is_not_delivered():
-    mgr = GenerationManager(max_staleness=0, batch_groups=2, max_concurrent=10, loader=ListLoader(100, 2))
+    mgr = GenerationManager(
+        max_staleness=0, batch_groups=2, max_concurrent=10, loader=ListLoader(100, 2)
+    )
     (t0, _), (t1, _) = mgr.acquire(0, 2)
     mgr.finish(0, t0, None)  # filtered out
     mgr.finish(0, t1, None, failed=True)
@@ -100,7 +108,9 @@ def test_a_rejected_group_frees_its_slot_and_is_not_delivered():
 
 
 def test_a_dead_workers_slots_are_reclaimed_and_its_items_reissued():
-    mgr = GenerationManager(max_staleness=0, batch_groups=4, max_concurrent=10, loader=ListLoader(100, 4))
+    mgr = GenerationManager(
+        max_staleness=0, batch_groups=4, max_concurrent=10, loader=ListLoader(100, 4)
+    )
     dead = mgr.acquire(0, 2)
     alive = mgr.acquire(1, 2)
     assert mgr.acquire(1, 1) == []  # the bound is full
@@ -117,7 +127,9 @@ def test_a_dead_workers_slots_are_reclaimed_and_its_items_reissued():
 
 
 def test_untaken_groups_of_a_dead_worker_are_redone():
-    mgr = GenerationManager(max_staleness=0, batch_groups=2, max_concurrent=10, loader=ListLoader(100, 2))
+    mgr = GenerationManager(
+        max_staleness=0, batch_groups=2, max_concurrent=10, loader=ListLoader(100, 2)
+    )
     slots = mgr.acquire(0, 2)
     for t, _ in slots:
         mgr.finish(0, t, group(t, 0))
@@ -127,7 +139,9 @@ def test_untaken_groups_of_a_dead_worker_are_redone():
 
 def test_checkpoint_reissues_every_untrained_item_and_keeps_the_bound():
     B = 2
-    mgr = GenerationManager(max_staleness=1, batch_groups=B, max_concurrent=10, loader=ListLoader(100, B))
+    mgr = GenerationManager(
+        max_staleness=1, batch_groups=B, max_concurrent=10, loader=ListLoader(100, B)
+    )
     slots = mgr.acquire(0, 4)  # (1 + 0 + 1) * 2
     for t, _ in [slots[0], slots[1], slots[3]]:
         mgr.finish(0, t, group(t, 0))
@@ -135,29 +149,39 @@ def test_checkpoint_reissues_every_untrained_item_and_keeps_the_bound():
     mgr.set_version(1)
     state = mgr.state_dict()  # ticket 2 running, ticket 3 done untaken
 
-    new = GenerationManager(max_staleness=1, batch_groups=B, max_concurrent=10, loader=ListLoader(100, B))
+    new = GenerationManager(
+        max_staleness=1, batch_groups=B, max_concurrent=10, loader=ListLoader(100, B)
+    )
     new.load_state_dict(state)
     assert new.version == 1 and new.staleness.accepted == B  # the one batch trained
     got = new.acquire(0, 10)
-    assert [i for _, i in got] == [2, 3, 4, 5]  # in admission order, whichever finished first  # items 2 and 3 again, then the loader goes on
+    assert (
+        [i for _, i in got] == [2, 3, 4, 5]
+    )  # in admission order, whichever finished first  # items 2 and 3 again, then the loader goes on
     assert len(got) == (1 + 1 + 1) * B - B  # the bound holds after the resume
     with pytest.raises(RuntimeError, match="before any rollout"):
         new.load_state_dict(state)
 
 
 def test_checkpoint_inside_a_loader_batch_loses_no_item():
-    mgr = GenerationManager(max_staleness=4, batch_groups=1, max_concurrent=10, loader=ListLoader(100, 3))
+    mgr = GenerationManager(
+        max_staleness=4, batch_groups=1, max_concurrent=10, loader=ListLoader(100, 3)
+    )
     for t, _ in mgr.acquire(0, 2):  # items 0 and 1 of the batch [0, 1, 2]
         mgr.finish(0, t, group(t, 0))
     assert len(mgr.take(2)) == 2
     mgr.set_version(2)
-    new = GenerationManager(max_staleness=4, batch_groups=1, max_concurrent=10, loader=ListLoader(100, 3))
+    new = GenerationManager(
+        max_staleness=4, batch_groups=1, max_concurrent=10, loader=ListLoader(100, 3)
+    )
     new.load_state_dict(mgr.state_dict())
     assert [i for _, i in new.acquire(0, 4)] == [2, 3, 4, 5]
 
 
 def test_a_refused_worker_holding_fewer_slots_goes_first():
-    mgr = GenerationManager(max_staleness=0, batch_groups=4, max_concurrent=10, loader=ListLoader(100, 4))
+    mgr = GenerationManager(
+        max_staleness=0, batch_groups=4, max_concurrent=10, loader=ListLoader(100, 4)
+    )
     busy = mgr.acquire(0, 2) + mgr.acquire(1, 2)
     assert mgr.acquire(2, 2) == []  # the bound is full: worker 2 waits with nothing
     assert mgr.refused["staleness"] == 1
@@ -165,22 +189,30 @@ def test_a_refused_worker_holding_fewer_slots_goes_first():
     mgr.finish(0, t, group(t, 0))
     assert len(mgr.take(1)) == 1
     mgr.set_version(1)  # 4 more slots
-    assert mgr.acquire(0, 1) == [] and mgr.refused["fair_share"] == 1  # worker 0 holds 1, worker 2 none
+    assert (
+        mgr.acquire(0, 1) == [] and mgr.refused["fair_share"] == 1
+    )  # worker 0 holds 1, worker 2 none
     assert len(mgr.acquire(2, 2)) == 2  # the waiting worker first
     assert len(mgr.acquire(0, 1)) == 1  # then the others again
 
 
 def test_a_waiting_worker_goes_first_on_a_tie_and_a_full_one_stops_waiting():
-    mgr = GenerationManager(max_staleness=0, batch_groups=2, max_concurrent=10, loader=ListLoader(100, 2))
+    mgr = GenerationManager(
+        max_staleness=0, batch_groups=2, max_concurrent=10, loader=ListLoader(100, 2)
+    )
     first = mgr.acquire(0, 2)
     assert mgr.acquire(1, 2) == []  # refused: waits, holding nothing
     for t, _ in first:
         mgr.finish(0, t, group(t, 0))
     assert len(mgr.take(2)) == 2
     mgr.set_version(1)
-    assert mgr.acquire(0, 2) == [] and mgr.refused["fair_share"] == 1  # 0 holds as few, but 1 waited
+    assert (
+        mgr.acquire(0, 2) == [] and mgr.refused["fair_share"] == 1
+    )  # 0 holds as few, but 1 waited
     assert len(mgr.acquire(1, 2)) == 2
-    assert mgr.acquire(1, 0) == [] and 1 not in mgr._waiting  # full (or draining): waits for nothing
+    assert (
+        mgr.acquire(1, 0) == [] and 1 not in mgr._waiting
+    )  # full (or draining): waits for nothing
     assert mgr.acquire(2, 0) == []
 
 
@@ -192,7 +224,18 @@ def test_async_ppo_config_refuses_an_in_process_backend_and_several_trainer_rank
     cfg = from_dict(CoreAsyncGRPOConfig, base)
     assert cfg.core.backend == "ray" and cfg.core.n_rollout_workers == 2
     with pytest.raises(ConfigError) as e:
-        from_dict(CoreAsyncGRPOConfig, {**base, "core": {"backend": "in_process", "n_workers": 1},
-                                        "cluster": {"n_servers": 1, "trainer_nprocs": 2}})
-    assert "core.backend: 'in_process'; async PPO runs its rollout workers and manager as Ray actors" in str(e.value)
-    assert "cluster.trainer_nprocs: the Core master is one process (got trainer_nprocs=2" in str(e.value)
+        from_dict(
+            CoreAsyncGRPOConfig,
+            {
+                **base,
+                "core": {"backend": "in_process", "n_workers": 1},
+                "cluster": {"n_servers": 1, "trainer_nprocs": 2},
+            },
+        )
+    assert (
+        "core.backend: 'in_process'; async PPO runs its rollout workers and manager as Ray actors"
+        in str(e.value)
+    )
+    assert "cluster.trainer_nprocs: the Core master is one process (got trainer_nprocs=2" in str(
+        e.value
+    )

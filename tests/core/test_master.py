@@ -29,8 +29,16 @@ class StandIn:
         self.lr_steps = 0
 
     def _record(self, fn: str, batch: PackedBatch) -> None:
-        self.seen.append((self.name, fn, threading.current_thread().name, batch.seqlens.tolist(),
-                          sorted(set(batch.tokens) | set(batch.seqs)), self.config.mb_spec.n_mbs))
+        self.seen.append(
+            (
+                self.name,
+                fn,
+                threading.current_thread().name,
+                batch.seqlens.tolist(),
+                sorted(set(batch.tokens) | set(batch.seqs)),
+                self.config.mb_spec.n_mbs,
+            )
+        )
         if self.hook is not None:
             self.hook(fn, batch)
 
@@ -44,9 +52,15 @@ class StandIn:
 
     def compute_advantages(self, batch):
         self._record("compute_advantages", batch)
-        adv = batch["input_ids"].float() + batch["values"] if "values" in batch else batch["input_ids"].float()
-        return batch.with_fields(tokens={"advantages": adv, "returns": adv * 2, "token_rewards": adv},
-                                 seqs={"seq_rewards": batch["rewards"]}), {}
+        adv = (
+            batch["input_ids"].float() + batch["values"]
+            if "values" in batch
+            else batch["input_ids"].float()
+        )
+        return batch.with_fields(
+            tokens={"advantages": adv, "returns": adv * 2, "token_rewards": adv},
+            seqs={"seq_rewards": batch["rewards"]},
+        ), {}
 
     def ppo_update(self, batch):
         self._record("ppo_update", batch)
@@ -63,11 +77,19 @@ def rollout_batch(lengths: list[int], start: int = 0) -> PackedBatch:
     for n in lengths:
         ids.append(list(range(t, t + n)))
         t += n
-    tok = {"input_ids": ids, "loss_mask": [[1] * n for n in lengths], "logprobs": [[0.0] * n for n in lengths],
-           "versions": [[0] * n for n in lengths]}
-    seqs = {"rewards": [float(i) for i in range(len(lengths))], "no_eos": [False] * len(lengths),
-            "group_index": [0] * len(lengths), "prompt_lens": [1] * len(lengths),
-            "status_code": [0] * len(lengths)}
+    tok = {
+        "input_ids": ids,
+        "loss_mask": [[1] * n for n in lengths],
+        "logprobs": [[0.0] * n for n in lengths],
+        "versions": [[0] * n for n in lengths],
+    }
+    seqs = {
+        "rewards": [float(i) for i in range(len(lengths))],
+        "no_eos": [False] * len(lengths),
+        "group_index": [0] * len(lengths),
+        "prompt_lens": [1] * len(lengths),
+        "status_code": [0] * len(lengths),
+    }
     return PackedBatch.from_sequences(tok, seqs)
 
 
@@ -75,9 +97,17 @@ def setup(mfcs, allocations, n_workers, hooks=None, **master_kw):
     seen: list = []
     hooks = hooks or {}
     models = sorted({a.model for a in allocations})
-    workers = [InProcessWorker(w, {m: StandIn(str(m), seen, hooks.get(m)) for m in models
-                                   if any(a.model == m and w in a.workers for a in allocations)})
-               for w in range(n_workers)]
+    workers = [
+        InProcessWorker(
+            w,
+            {
+                m: StandIn(str(m), seen, hooks.get(m))
+                for m in models
+                if any(a.model == m and w in a.workers for a in allocations)
+            },
+        )
+        for w in range(n_workers)
+    ]
     for w in workers:
         w.connect(workers)
     graph = build_graph("test", mfcs, ROLLOUT_KEYS, allocations, n_workers)
@@ -122,7 +152,11 @@ def test_a_step_is_split_over_data_parallel_ranks_by_tokens_keeping_groups_whole
     # groups (lengths) (2,2)=4, (5,5)=10, (1,1)=2, (3,3)=6: 10 -> r0, 6 -> r1, 4 -> r1, 2 -> r0
     master.put_batch(rollout_batch([2, 2, 5, 5, 1, 1, 3, 3]))
     master.step(8)
-    adv = {thread.split("_")[0]: lens for _, fn, thread, lens, _, _ in seen if fn == "compute_advantages"}
+    adv = {
+        thread.split("_")[0]: lens
+        for _, fn, thread, lens, _, _ in seen
+        if fn == "compute_advantages"
+    }
     assert adv == {"model-worker-0": [5, 5, 1, 1], "model-worker-1": [2, 2, 3, 3]}
 
 
@@ -133,7 +167,9 @@ def test_outputs_move_worker_to_worker_and_the_master_holds_no_tensors():
     # critic_train (worker 2) read returns computed by actor_adv on worker 0: returns = 2 * adv,
     # adv = input_ids + values = 2 * input_ids, so the loss is sum(4 * input_ids) = 4 * (0+...+4)
     assert stats["critic_train"]["loss"] == pytest.approx(2 * 2 * sum(range(5)))
-    critic_keys = next(keys for name, fn, *_, keys, _ in seen if name == "critic@0" and fn == "ppo_update")
+    critic_keys = next(
+        keys for name, fn, *_, keys, _ in seen if name == "critic@0" and fn == "ppo_update"
+    )
     assert {"returns", "values"} <= set(critic_keys)
     assert stats["actor_train"]["n_tokens"] == 5.0
     for w in workers:
@@ -149,10 +185,13 @@ def test_a_key_is_freed_on_its_worker_once_its_last_reader_has_run():
     workers_ref: list = []
 
     def look(fn, batch):
-        held_during_c.append(set().union(*(set(f.tokens) | set(f.seqs) for f in workers_ref[0]._store.values())))
+        held_during_c.append(
+            set().union(*(set(f.tokens) | set(f.seqs) for f in workers_ref[0]._store.values()))
+        )
 
-    master, workers, _ = setup([a, b, c], [Allocation(ACTOR, (0,)), Allocation(REF, (1,))], 2,
-                               hooks={REF: look})
+    master, workers, _ = setup(
+        [a, b, c], [Allocation(ACTOR, (0,)), Allocation(REF, (1,))], 2, hooks={REF: look}
+    )
     workers_ref.append(workers[0])
     master.put_batch(rollout_batch([2, 2]))
     master.step(2)
@@ -171,7 +210,9 @@ def test_steps_take_the_oldest_samples_first():
 
 
 def test_a_full_buffer_refuses_a_batch_until_a_step_frees_room():
-    master, workers, _ = setup(ppo_mfcs(False, False, False), [Allocation(ACTOR, (0,))], 1, buffer_capacity=3)
+    master, workers, _ = setup(
+        ppo_mfcs(False, False, False), [Allocation(ACTOR, (0,))], 1, buffer_capacity=3
+    )
     master.put_batch(rollout_batch([2, 2]))
     with pytest.raises(BufferFull):
         master.put_batch(rollout_batch([1, 1]))
@@ -181,8 +222,13 @@ def test_a_full_buffer_refuses_a_batch_until_a_step_frees_room():
 
 
 def test_training_calls_step_the_lr_schedule_and_mb_spec_applies_to_one_call_only():
-    train = MFC("t", ACTOR, ModelFn.PPO_UPDATE, ("input_ids", "loss_mask", "rewards"),
-                mb_spec=MicroBatchSpec(n_mbs=3))
+    train = MFC(
+        "t",
+        ACTOR,
+        ModelFn.PPO_UPDATE,
+        ("input_ids", "loss_mask", "rewards"),
+        mb_spec=MicroBatchSpec(n_mbs=3),
+    )
     look = MFC("l", ACTOR, ModelFn.COMPUTE_LOGP, ("input_ids",), ("x",), {"out": "x"})
     master, workers, seen = setup([look, train], [Allocation(ACTOR, (0,))], 1)
     master.put_batch(rollout_batch([2]))
@@ -198,8 +244,11 @@ def test_a_failing_mfc_stops_the_step_naming_it_and_the_worker():
 
     master, _, _ = ppo_setup(hooks={CRITIC: boom})
     master.put_batch(rollout_batch([2]))
-    with pytest.raises(RuntimeError, match=r"MFC 'critic_values' \(critic@0.compute_values\) failed on "
-                                           r"worker 2: out of memory"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"MFC 'critic_values' \(critic@0.compute_values\) failed on "
+        r"worker 2: out of memory",
+    ):
         master.step(1)
 
 
@@ -218,8 +267,11 @@ def test_a_stuck_mfc_stops_the_step_at_its_deadline():
 
 def test_workers_that_cannot_run_an_mfc_are_refused_before_any_step():
     gen = MFC("gen", ACTOR, ModelFn.GENERATE, (), ("rollout",))
-    with pytest.raises(ValueError, match=r"MFC 'gen': worker 0's model 'actor@0' \(StandIn\) has no "
-                                         r"model function generate"):
+    with pytest.raises(
+        ValueError,
+        match=r"MFC 'gen': worker 0's model 'actor@0' \(StandIn\) has no "
+        r"model function generate",
+    ):
         setup([gen], [Allocation(ACTOR, (0,))], 1)
 
 
@@ -229,14 +281,22 @@ def test_an_engine_adding_undeclared_keys_is_an_error_naming_the_mfc():
             out, stats = super().compute_values(batch)
             return out.with_fields(tokens={"surprise": out["values"]}), stats
 
-    graph = build_graph("g", [MFC("v", ModelName("critic"), ModelFn.COMPUTE_VALUES, ("input_ids",), ("values",))],
-                        ROLLOUT_KEYS, [Allocation(CRITIC, (0,))], 1)
+    graph = build_graph(
+        "g",
+        [MFC("v", ModelName("critic"), ModelFn.COMPUTE_VALUES, ("input_ids",), ("values",))],
+        ROLLOUT_KEYS,
+        [Allocation(CRITIC, (0,))],
+        1,
+    )
     worker = InProcessWorker(0, {CRITIC: Extra("critic", [])})
     worker.connect([worker])
     master = Master(graph, [worker])
     master.put_batch(rollout_batch([2]))
-    with pytest.raises(RuntimeError, match=r"MFC 'v' .* added keys \['surprise', 'values'\] but the graph "
-                                           r"declares \['values'\]"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"MFC 'v' .* added keys \['surprise', 'values'\] but the graph "
+        r"declares \['values'\]",
+    ):
         master.step(1)
 
 

@@ -38,9 +38,19 @@ def rollout_batch(n_groups: int = 3, seed: int = 0) -> PackedBatch:
             behav.append([0.0] * 4 + (-3.0 - torch.rand(n, generator=g)).tolist())
     n = len(ids)
     return PackedBatch.from_sequences(
-        {"input_ids": ids, "loss_mask": masks, "logprobs": behav, "versions": [[0] * len(i) for i in ids]},
-        {"rewards": [float(k % 2) for k in range(n)], "no_eos": [False] * n,
-         "group_index": [k // GROUP for k in range(n)], "prompt_lens": [4] * n, "status_code": [0] * n},
+        {
+            "input_ids": ids,
+            "loss_mask": masks,
+            "logprobs": behav,
+            "versions": [[0] * len(i) for i in ids],
+        },
+        {
+            "rewards": [float(k % 2) for k in range(n)],
+            "no_eos": [False] * n,
+            "group_index": [k // GROUP for k in range(n)],
+            "prompt_lens": [4] * n,
+            "status_code": [0] * n,
+        },
     )
 
 
@@ -48,10 +58,23 @@ def ppo_engines(path: str):
     mesh = init_distributed("gloo").mesh
     opt = OptimizerConfig(lr=1e-2, eps=1.0)
     mb = MicroBatchSpec(max_tokens_per_mb=40, granularity=GROUP)
-    actor = PPOActor(PPOActorConfig(path=path, algorithm="ppo", kl_ctl=0.1, use_decoupled_loss=True,
-                                    ppo_n_minibatches=2, mb_spec=mb, optimizer=opt),
-                     mesh, group_size=GROUP, max_new_tokens=8)
-    critic = PPOCritic(PPOCriticConfig(path=path, mb_spec=mb, optimizer=opt), mesh, group_size=GROUP)
+    actor = PPOActor(
+        PPOActorConfig(
+            path=path,
+            algorithm="ppo",
+            kl_ctl=0.1,
+            use_decoupled_loss=True,
+            ppo_n_minibatches=2,
+            mb_spec=mb,
+            optimizer=opt,
+        ),
+        mesh,
+        group_size=GROUP,
+        max_new_tokens=8,
+    )
+    critic = PPOCritic(
+        PPOCriticConfig(path=path, mb_spec=mb, optimizer=opt), mesh, group_size=GROUP
+    )
     ref = FSDPEngine(TrainEngineConfig(path=path, mb_spec=mb), mesh)
     for e in (actor, critic, ref):
         e.initialize(None)
@@ -92,7 +115,9 @@ def test_core_ppo_step_on_one_in_process_worker_equals_the_lite_step(tiny_model_
     worker = InProcessWorker(0, {ACTOR: actor, CRITIC: critic, REF: ref})
     worker.connect([worker])
     allocs = [Allocation(m, (0,)) for m in (ACTOR, CRITIC, REF)]
-    graph = build_graph("async_ppo", ppo_mfcs(True, True, actor.needs_prox_pass), ROLLOUT_KEYS, allocs, 1)
+    graph = build_graph(
+        "async_ppo", ppo_mfcs(True, True, actor.needs_prox_pass), ROLLOUT_KEYS, allocs, 1
+    )
     master = Master(graph, [worker], group_size=GROUP)
     master.put_batch(batch)
     stats = master.step(batch.n_seqs)
@@ -104,7 +129,9 @@ def test_core_ppo_step_on_one_in_process_worker_equals_the_lite_step(tiny_model_
     assert max_gap(snapshot(critic), lite_weights[1]) < 1e-6
     for key in ("loss", "grad_norm"):
         assert stats["actor_train"][key] == pytest.approx(lite_actor_stats[key], rel=1e-5, abs=1e-7)
-        assert stats["critic_train"][key] == pytest.approx(lite_critic_stats[key], rel=1e-5, abs=1e-7)
+        assert stats["critic_train"][key] == pytest.approx(
+            lite_critic_stats[key], rel=1e-5, abs=1e-7
+        )
     assert stats["actor_train"]["n_tokens"] == batch.n_tokens
     assert worker._store == {} and len(master.buffer) == 0  # everything released after the step
     for e in (actor, critic, ref, *lite):
@@ -117,7 +144,11 @@ def sft_batches() -> list[PackedBatch]:
     for _ in range(3):
         lens = torch.randint(4, 10, (4,), generator=g).tolist()
         ids = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
-        out.append(PackedBatch.from_sequences({"input_ids": ids, "loss_mask": [[0, 0] + [1] * (n - 2) for n in lens]}))
+        out.append(
+            PackedBatch.from_sequences(
+                {"input_ids": ids, "loss_mask": [[0, 0] + [1] * (n - 2) for n in lens]}
+            )
+        )
     return out
 
 
@@ -133,8 +164,13 @@ def test_core_sft_steps_equal_lite_sft_steps(tiny_model_dir):
         lite.step_lr_scheduler()
 
     model = ModelName("model")
-    graph = build_graph("sft", [MFC("sft_train", model, ModelFn.TRAIN_LM, SFT_KEYS)], SFT_KEYS,
-                        [Allocation(model, (0,))], 1)
+    graph = build_graph(
+        "sft",
+        [MFC("sft_train", model, ModelFn.TRAIN_LM, SFT_KEYS)],
+        SFT_KEYS,
+        [Allocation(model, (0,))],
+        1,
+    )
     worker = InProcessWorker(0, {model: core})
     worker.connect([worker])
     master = Master(graph, [worker])
@@ -152,19 +188,34 @@ def test_core_sft_steps_equal_lite_sft_steps(tiny_model_dir):
 def realloc_graph(ema: float, actor_workers=(0,), ref_workers=(0,), n_workers=1):
     """actor trains (SFT); then the reference, its weights first moved from the actor, computes logp."""
     actor, ref = ModelName("actor"), ModelName("ref")
-    mfcs = [MFC("actor_train", actor, ModelFn.TRAIN_LM, SFT_KEYS),
-            MFC("ref_logp", ref, ModelFn.COMPUTE_LOGP, ("input_ids",), ("ref_logp",), {"out": "ref_logp"},
-                hooks=(ParamRealloc(actor, ema=ema),))]
-    allocs = [Allocation(actor, actor_workers, dp=len(actor_workers)),
-              Allocation(ref, ref_workers, dp=len(ref_workers))]
+    mfcs = [
+        MFC("actor_train", actor, ModelFn.TRAIN_LM, SFT_KEYS),
+        MFC(
+            "ref_logp",
+            ref,
+            ModelFn.COMPUTE_LOGP,
+            ("input_ids",),
+            ("ref_logp",),
+            {"out": "ref_logp"},
+            hooks=(ParamRealloc(actor, ema=ema),),
+        ),
+    ]
+    allocs = [
+        Allocation(actor, actor_workers, dp=len(actor_workers)),
+        Allocation(ref, ref_workers, dp=len(ref_workers)),
+    ]
     return build_graph("realloc", mfcs, SFT_KEYS, allocs, n_workers)
 
 
 @pytest.mark.parametrize("ema", [0.0, 0.5])
 def test_reallocation_hook_moves_the_trained_actor_into_the_reference(tiny_model_dir, ema):
     mesh = init_distributed("gloo").mesh
-    actor = SFTEngine(TrainEngineConfig(path=tiny_model_dir, optimizer=OptimizerConfig(lr=1e-2, eps=1.0)), mesh)
-    ref = FSDPEngine(TrainEngineConfig(path=tiny_model_dir, init_from_scratch=True, init_seed=7), mesh)
+    actor = SFTEngine(
+        TrainEngineConfig(path=tiny_model_dir, optimizer=OptimizerConfig(lr=1e-2, eps=1.0)), mesh
+    )
+    ref = FSDPEngine(
+        TrainEngineConfig(path=tiny_model_dir, init_from_scratch=True, init_seed=7), mesh
+    )
     actor.initialize(None)
     ref.initialize(None)
     ref_before = snapshot(ref)
@@ -180,7 +231,9 @@ def test_reallocation_hook_moves_the_trained_actor_into_the_reference(tiny_model
     want = {k: ema * ref_before[k] + (1 - ema) * trained[k] for k in moved}
     assert max_gap(moved, want) < 1e-6
     if ema == 0.0:  # the target's logprobs are the source's
-        gap = (ref.compute_logp(batch)[0]["logp"] - actor.compute_logp(batch)[0]["logp"]).abs().max()
+        gap = (
+            (ref.compute_logp(batch)[0]["logp"] - actor.compute_logp(batch)[0]["logp"]).abs().max()
+        )
         assert gap < 1e-5
     assert worker._snapshots == {}  # the snapshot is dropped after its last reader
     actor.destroy()

@@ -24,15 +24,25 @@ MODEL = ModelName("model")
 def sft_step(path: str, gpus: int) -> tuple[float, dict[str, torch.Tensor]]:
     import ray
 
-    graph = build_graph("sft", [MFC("sft_train", MODEL, ModelFn.TRAIN_LM, SFT_KEYS)], SFT_KEYS,
-                        [Allocation(MODEL, (0, 1), dp=2)], 2)
+    graph = build_graph(
+        "sft",
+        [MFC("sft_train", MODEL, ModelFn.TRAIN_LM, SFT_KEYS)],
+        SFT_KEYS,
+        [Allocation(MODEL, (0, 1), dp=2)],
+        2,
+    )
     cfg = TrainEngineConfig(path=path, optimizer=OptimizerConfig(lr=1e-2, eps=1.0))
     workers = start_ray_workers(graph, {MODEL: EngineSpec("sft", cfg)}, gpus_per_worker=gpus)
     try:
         master = Master(graph, workers, mfc_timeout=300)
-        master.put_batch(PackedBatch.from_sequences(
-            {"input_ids": [[1, 2, 3, 4], [5, 6, 7], [8, 9], [10, 11, 12]],
-             "loss_mask": [[0, 1, 1, 1], [0, 1, 1], [0, 1], [0, 1, 1]]}))
+        master.put_batch(
+            PackedBatch.from_sequences(
+                {
+                    "input_ids": [[1, 2, 3, 4], [5, 6, 7], [8, 9], [10, 11, 12]],
+                    "loss_mask": [[0, 1, 1, 1], [0, 1, 1], [0, 1], [0, 1, 1]],
+                }
+            )
+        )
         loss = master.step(4)["sft_train"]["loss"]
         full = ray.get([w.handle.full_state_dict.remote(MODEL) for w in workers], timeout=300)[0]
         return loss, {k: v.float().cpu() for k, v in full.items()}
@@ -46,7 +56,9 @@ def test_an_sft_step_on_two_gpu_workers_with_nccl_equals_two_cpu_workers(tiny_mo
 
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs for 2 NCCL workers, found {torch.cuda.device_count()}")
-    ray.init(num_cpus=4, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
+    ray.init(
+        num_cpus=4, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False
+    )
     try:
         gpu_loss, gpu_w = sft_step(tiny_model_dir, 1)
         cpu_loss, cpu_w = sft_step(tiny_model_dir, 0)

@@ -22,7 +22,9 @@ from test_ray_worker import check_equal, core_step, lite_step, ray_driver  # noq
 pytestmark = pytest.mark.slow
 
 
-def test_core_ppo_step_on_dp1_tp2_equals_dp2_tp1_and_the_lite_step(ray_driver, tiny_model_dir, lite_step):
+def test_core_ppo_step_on_dp1_tp2_equals_dp2_tp1_and_the_lite_step(
+    ray_driver, tiny_model_dir, lite_step
+):
     tp = [Allocation(m, (0, 1), dp=1, tp=2) for m in (ACTOR, CRITIC, REF)]
     dp = [Allocation(m, (0, 1), dp=2, tp=1) for m in (ACTOR, CRITIC, REF)]
     stats_tp, got_tp = core_step(ray_driver, tiny_model_dir, tp, lite_step[0])
@@ -35,16 +37,31 @@ def test_core_ppo_step_on_dp1_tp2_equals_dp2_tp1_and_the_lite_step(ray_driver, t
             assert stats_tp[mfc][key] == pytest.approx(stats_dp[mfc][key], rel=1e-5, abs=1e-6)
 
 
-def test_reallocation_from_a_dp2_actor_to_a_tp2_reference_gives_equal_logprobs(ray_driver, tiny_model_dir):
+def test_reallocation_from_a_dp2_actor_to_a_tp2_reference_gives_equal_logprobs(
+    ray_driver, tiny_model_dir
+):
     actor, ref = ModelName("actor"), ModelName("ref")
-    mfcs = [MFC("actor_train", actor, ModelFn.TRAIN_LM, SFT_KEYS),
-            MFC("ref_logp", ref, ModelFn.COMPUTE_LOGP, ("input_ids",), ("ref_logp",), {"out": "ref_logp"},
-                hooks=(ParamRealloc(actor),))]
+    mfcs = [
+        MFC("actor_train", actor, ModelFn.TRAIN_LM, SFT_KEYS),
+        MFC(
+            "ref_logp",
+            ref,
+            ModelFn.COMPUTE_LOGP,
+            ("input_ids",),
+            ("ref_logp",),
+            {"out": "ref_logp"},
+            hooks=(ParamRealloc(actor),),
+        ),
+    ]
     allocs = [Allocation(actor, (0, 1), dp=2, tp=1), Allocation(ref, (0, 1), dp=1, tp=2)]
     graph = build_graph("realloc", mfcs, SFT_KEYS, allocs, 2)
     opt = OptimizerConfig(lr=1e-2, eps=1.0)
-    specs = {actor: EngineSpec("sft", TrainEngineConfig(path=tiny_model_dir, optimizer=opt)),
-             ref: EngineSpec("lm", TrainEngineConfig(path=tiny_model_dir, init_from_scratch=True, init_seed=7))}
+    specs = {
+        actor: EngineSpec("sft", TrainEngineConfig(path=tiny_model_dir, optimizer=opt)),
+        ref: EngineSpec(
+            "lm", TrainEngineConfig(path=tiny_model_dir, init_from_scratch=True, init_seed=7)
+        ),
+    }
     workers = start_ray_workers(graph, specs)
     try:
         master = Master(graph, workers, mfc_timeout=300)

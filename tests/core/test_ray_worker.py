@@ -22,7 +22,13 @@ from areal.core.ray_worker import EngineSpec, build_engine, start_ray_workers
 from areal.runtime.dist import init_distributed
 from areal.utils.batch import PackedBatch
 from test_master_engines import (
-    GROUP, lite_train_step, max_gap, realloc_graph, rollout_batch, sft_batches, snapshot,
+    GROUP,
+    lite_train_step,
+    max_gap,
+    realloc_graph,
+    rollout_batch,
+    sft_batches,
+    snapshot,
 )
 
 pytestmark = pytest.mark.slow
@@ -31,11 +37,14 @@ pytestmark = pytest.mark.slow
 def specs(path: str) -> dict:
     opt = OptimizerConfig(lr=1e-2, eps=1.0)
     mb = MicroBatchSpec(max_tokens_per_mb=40, granularity=GROUP)
-    actor = PPOActorConfig(path=path, algorithm="ppo", kl_ctl=0.1, use_decoupled_loss=True,
-                           mb_spec=mb, optimizer=opt)
+    actor = PPOActorConfig(
+        path=path, algorithm="ppo", kl_ctl=0.1, use_decoupled_loss=True, mb_spec=mb, optimizer=opt
+    )
     return {
         ACTOR: EngineSpec("ppo_actor", actor, group_size=GROUP, max_new_tokens=8),
-        CRITIC: EngineSpec("ppo_critic", PPOCriticConfig(path=path, mb_spec=mb, optimizer=opt), group_size=GROUP),
+        CRITIC: EngineSpec(
+            "ppo_critic", PPOCriticConfig(path=path, mb_spec=mb, optimizer=opt), group_size=GROUP
+        ),
         REF: EngineSpec("lm", TrainEngineConfig(path=path, mb_spec=mb)),
     }
 
@@ -79,11 +88,18 @@ def core_step(ray, path: str, allocs: list[Allocation], batch):
             used = [ranks for ranks, n in now.items() if n != was.get(ranks, 0)]
             assert used, f"worker {w} ran no collective"
             crossing = [r for r in used if not any(set(r) <= m for m in meshes)]
-            assert not crossing, f"worker {w}'s collectives spanned {crossing}, beyond its models' meshes {meshes}"
+            assert not crossing, (
+                f"worker {w}'s collectives spanned {crossing}, beyond its models' meshes {meshes}"
+            )
         got = {}
-        for m in (ACTOR, CRITIC):  # collective over the model's ranks; its first rank has the weights
+        for m in (
+            ACTOR,
+            CRITIC,
+        ):  # collective over the model's ranks; its first rank has the weights
             ranks = graph.allocations[m].workers
-            got[m] = ray.get([workers[w].handle.full_state_dict.remote(m) for w in ranks], timeout=300)[0]
+            got[m] = ray.get(
+                [workers[w].handle.full_state_dict.remote(m) for w in ranks], timeout=300
+            )[0]
         for w in workers:  # every field released after its last reader: sample 0 is gone
             with pytest.raises(ray.exceptions.RayTaskError, match="holds no"):
                 ray.get(w.handle.get.remote((0,), ("input_ids",)), timeout=60)
@@ -103,16 +119,24 @@ def check_equal(stats, got, lite) -> None:
     assert stats["actor_train"]["n_tokens"] == batch.n_tokens
 
 
-def test_core_ppo_step_on_two_ray_workers_equals_the_lite_step(ray_driver, tiny_model_dir, lite_step):
+def test_core_ppo_step_on_two_ray_workers_equals_the_lite_step(
+    ray_driver, tiny_model_dir, lite_step
+):
     allocs = [Allocation(m, (0, 1), dp=2) for m in (ACTOR, CRITIC, REF)]
     check_equal(*core_step(ray_driver, tiny_model_dir, allocs, lite_step[0]), lite_step)
 
 
-@pytest.mark.parametrize("allocs", [
-    [Allocation(ACTOR, (0, 1), dp=2), Allocation(REF, (0,)), Allocation(CRITIC, (1,))],
-    [Allocation(ACTOR, (0, 1), dp=2), Allocation(REF, (2,)), Allocation(CRITIC, (3,))],
-], ids=["2-workers", "4-workers"])
-def test_models_on_disjoint_sub_meshes_run_at_once_without_crossing(ray_driver, tiny_model_dir, lite_step, allocs):
+@pytest.mark.parametrize(
+    "allocs",
+    [
+        [Allocation(ACTOR, (0, 1), dp=2), Allocation(REF, (0,)), Allocation(CRITIC, (1,))],
+        [Allocation(ACTOR, (0, 1), dp=2), Allocation(REF, (2,)), Allocation(CRITIC, (3,))],
+    ],
+    ids=["2-workers", "4-workers"],
+)
+def test_models_on_disjoint_sub_meshes_run_at_once_without_crossing(
+    ray_driver, tiny_model_dir, lite_step, allocs
+):
     # ref alone on one worker and critic alone on another run their calls at the same time; a
     # collective of either on a group wider than its own sub-mesh would pair with the other's
     # different call (or wait for a worker that makes none) and hang or corrupt, and the result
@@ -123,29 +147,45 @@ def test_models_on_disjoint_sub_meshes_run_at_once_without_crossing(ray_driver, 
 
 def test_a_dead_ray_worker_stops_the_step_naming_the_mfc_and_the_worker(ray_driver, tiny_model_dir):
     model = ModelName("model")
-    graph = build_graph("sft", [MFC("sft_train", model, ModelFn.TRAIN_LM, SFT_KEYS)], SFT_KEYS,
-                        [Allocation(model, (0, 1), dp=2)], 2)
-    workers = start_ray_workers(graph, {model: EngineSpec("sft", TrainEngineConfig(path=tiny_model_dir))})
+    graph = build_graph(
+        "sft",
+        [MFC("sft_train", model, ModelFn.TRAIN_LM, SFT_KEYS)],
+        SFT_KEYS,
+        [Allocation(model, (0, 1), dp=2)],
+        2,
+    )
+    workers = start_ray_workers(
+        graph, {model: EngineSpec("sft", TrainEngineConfig(path=tiny_model_dir))}
+    )
     try:
         master = Master(graph, workers, mfc_timeout=120)
         batch = {"input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[0, 1, 1], [0, 1]]}
         master.put_batch(PackedBatch.from_sequences(batch))
         ray_driver.kill(workers[1].handle, no_restart=True)
-        with pytest.raises(RuntimeError, match=r"MFC 'sft_train' \(model@0.train_lm\) failed on worker 1: .*"
-                                               r"(actor died|ActorDiedError|RayActorError)"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"MFC 'sft_train' \(model@0.train_lm\) failed on worker 1: .*"
+            r"(actor died|ActorDiedError|RayActorError)",
+        ):
             master.step(2)
     finally:
         ray_driver.kill(workers[0].handle, no_restart=True)
 
 
-def test_reallocation_moves_the_actor_from_dp2_to_a_dp1_reference_on_ray(ray_driver, tiny_model_dir):
+def test_reallocation_moves_the_actor_from_dp2_to_a_dp1_reference_on_ray(
+    ray_driver, tiny_model_dir
+):
     # actor trained on a dp=2 mesh (workers 0, 1); the reference on dp=1 (worker 1) gets its
     # weights before computing logp: its logprobs then equal the actor's (1e-5)
     graph = realloc_graph(0.0, actor_workers=(0, 1), ref_workers=(1,), n_workers=2)
     actor, ref = ModelName("actor"), ModelName("ref")
     opt = OptimizerConfig(lr=1e-2, eps=1.0)
-    specs_ = {actor: EngineSpec("sft", TrainEngineConfig(path=tiny_model_dir, optimizer=opt)),
-              ref: EngineSpec("lm", TrainEngineConfig(path=tiny_model_dir, init_from_scratch=True, init_seed=7))}
+    specs_ = {
+        actor: EngineSpec("sft", TrainEngineConfig(path=tiny_model_dir, optimizer=opt)),
+        ref: EngineSpec(
+            "lm", TrainEngineConfig(path=tiny_model_dir, init_from_scratch=True, init_seed=7)
+        ),
+    }
     workers = start_ray_workers(graph, specs_)
     try:
         master = Master(graph, workers, mfc_timeout=300)
@@ -153,7 +193,9 @@ def test_reallocation_moves_the_actor_from_dp2_to_a_dp1_reference_on_ray(ray_dri
         master.put_batch(batch)
         master.step(batch.n_seqs)
         ref_logp = workers[1].call(ref, "compute_logp", batch).result(timeout=300)[0]["logp"]
-        both = [w.call(actor, "compute_logp", batch) for w in workers]  # collective: same batch on both
+        both = [
+            w.call(actor, "compute_logp", batch) for w in workers
+        ]  # collective: same batch on both
         actor_logp = both[0].result(timeout=300)[0]["logp"]
         both[1].result(timeout=300)
     finally:

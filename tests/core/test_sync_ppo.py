@@ -57,8 +57,13 @@ class Runs:
 
     def run(self, name: str, script: Path, overrides: list[str]) -> Path:
         """Run ``script`` to the end as experiment ``name``; assert exit 0 and no survivors."""
-        launch = start_launch(script, YAML, [f"experiment_name={name}", "trial_name=t", *overrides],
-                              self.root, env=ENV)
+        launch = start_launch(
+            script,
+            YAML,
+            [f"experiment_name={name}", "trial_name=t", *overrides],
+            self.root,
+            env=ENV,
+        )
         self.launches.append(launch)
         code = launch.wait(RUN_TIMEOUT)
         run_dir = self.root / name / "t"
@@ -92,7 +97,9 @@ def test_core_sync_ppo_first_step_on_ray_equals_lite_sync_grpo(runs, tiny_model_
     core = runs.run("core", SCRIPT, [*common, "core.backend=ray", "core.n_workers=2"])
     assert token.exists() == had_token, "the local Ray instance wrote ~/.ray/auth_token"
     lite_stats, core_stats = train_steps(lite)[1], train_steps(core)[1]
-    assert core_stats["mfc/actor_train/n_tokens"] == lite_stats["perf/n_tokens"]  # the same rollouts
+    assert (
+        core_stats["mfc/actor_train/n_tokens"] == lite_stats["perf/n_tokens"]
+    )  # the same rollouts
     for key in ("reward/mean", "perf/n_tokens", "perf/n_trained_tokens"):
         assert core_stats[key] == lite_stats[key], key
     assert lite_stats["loss/grad_norm"] > 0  # the step did something to compare
@@ -109,7 +116,10 @@ def test_core_sync_ppo_pushes_weights_each_step_and_resumes_with_its_version(run
     common = [f"actor.path={tiny_model_dir}", *SYNC, "recover.mode=auto", "recover.freq_steps=1"]
     first = runs.run("resume", SCRIPT, [*common, "total_train_steps=2"])
     steps = train_steps(first)
-    assert steps[1]["staleness/version_share/0"] == 1.0 and steps[2]["staleness/version_share/1"] == 1.0
+    assert (
+        steps[1]["staleness/version_share/0"] == 1.0
+        and steps[2]["staleness/version_share/1"] == 1.0
+    )
     for name in ("actor_gen", "actor_adv", "actor_train"):
         assert steps[2][f"mfc/{name}/wall_time"] > 0 and steps[2][f"mfc/{name}/n_tokens"] > 0
     assert "mfc/actor_logp/wall_time" not in steps[2]  # one minibatch: no proximal-logp node
@@ -124,8 +134,25 @@ def test_core_sync_ppo_pushes_weights_each_step_and_resumes_with_its_version(run
 
 def test_core_sync_ppo_refuses_an_async_staleness_before_starting(tmp_path, tiny_model_dir):
     out = subprocess.run(
-        [sys.executable, "-m", "areal.cli", "core", "sync-ppo", "--config", str(YAML),
-         f"actor.path={tiny_model_dir}", f"fileroot={tmp_path}", "rollout.max_staleness=2"],
-        capture_output=True, text=True, timeout=120, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "areal.cli",
+            "core",
+            "sync-ppo",
+            "--config",
+            str(YAML),
+            f"actor.path={tiny_model_dir}",
+            f"fileroot={tmp_path}",
+            "rollout.max_staleness=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert out.returncode == 2, out.stderr
-    assert "rollout.max_staleness: 2; sync PPO generates every batch with the current weights" in out.stderr
+    assert (
+        "rollout.max_staleness: 2; sync PPO generates every batch with the current weights"
+        in out.stderr
+    )

@@ -80,7 +80,9 @@ def test_gsm8k_from_a_local_directory_keeps_the_reference(tiny_tokenizer):
 
 def test_gsm8k_row_without_answer_names_file_line_and_field(tmp_path):
     path = tmp_path / "gsm8k_bad.jsonl"
-    path.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n" + '{"question": "q"}\n')
+    path.write_text(
+        json.dumps({"question": "q", "answer": "#### 1"}) + "\n" + '{"question": "q"}\n'
+    )
     with pytest.raises(DatasetError, match=r"gsm8k_bad.jsonl:2: GSM8K field 'answer'"):
         load_gsm8k(str(path))
 

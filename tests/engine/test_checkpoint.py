@@ -14,7 +14,14 @@ from areal.api.config.engine import TrainEngineConfig
 from areal.api.io import FinetuneSpec, SaveLoadMeta
 from areal.engine.fsdp import FSDPEngine
 from test_fsdp import (
-    LENGTHS, free_port, make_engine, n_loss_tokens, nll_loss, random_batch, run_processes, set_dist_env,
+    LENGTHS,
+    free_port,
+    make_engine,
+    n_loss_tokens,
+    nll_loss,
+    random_batch,
+    run_processes,
+    set_dist_env,
     world_mesh,
 )
 
@@ -23,7 +30,9 @@ SCHEDULE = OptimizerConfig(lr=1e-3, lr_scheduler_type="cosine", warmup_steps_pro
 
 
 def build(path: str) -> FSDPEngine:
-    cfg = TrainEngineConfig(path=path, mb_spec=MicroBatchSpec(max_tokens_per_mb=40), optimizer=SCHEDULE)
+    cfg = TrainEngineConfig(
+        path=path, mb_spec=MicroBatchSpec(max_tokens_per_mb=40), optimizer=SCHEDULE
+    )
     engine = FSDPEngine(cfg, world_mesh())
     engine.initialize(FinetuneSpec(total_train_epochs=1, dataset_size=10, train_batch_size=1))
     return engine
@@ -34,8 +43,12 @@ def local(t):
 
 
 def optimizer_tensors(engine: FSDPEngine) -> list[torch.Tensor]:
-    return [local(v) for state in engine.optimizer.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor)]
+    return [
+        local(v)
+        for state in engine.optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    ]
 
 
 def test_dcp_round_trip_is_bitwise_and_next_step_identical(tiny_model_dir, tmp_path):
@@ -85,7 +98,9 @@ def test_hf_export_reloads_in_plain_transformers_with_identical_logits(tiny_mode
     assert (plain - engine_logits).abs().max().item() < 1e-5
     assert json.loads((out / "areal_meta.json").read_text()) == {"version": 5}
     text = "<|im_start|>user\nhi<|im_end|>"
-    assert AutoTokenizer.from_pretrained(out).encode(text) == AutoTokenizer.from_pretrained(tiny_model_dir).encode(text)
+    assert AutoTokenizer.from_pretrained(out).encode(text) == AutoTokenizer.from_pretrained(
+        tiny_model_dir
+    ).encode(text)
 
 
 def test_hf_load_into_a_fresh_engine_restores_the_weights(tiny_model_dir, tmp_path):
@@ -114,9 +129,16 @@ def make_run(tmp_path, tiny_model_dir):
     from areal.runtime.run import init_run
 
     def make(*overrides: str):
-        base = [f"fileroot={tmp_path}", "experiment_name=e", "trial_name=t", "recover.mode=resume",
-                f"model.path={tiny_model_dir}", "cluster.n_servers=0", "train_dataset.type=sft",
-                "stats_logger.console=false"]
+        base = [
+            f"fileroot={tmp_path}",
+            "experiment_name=e",
+            "trial_name=t",
+            "recover.mode=resume",
+            f"model.path={tiny_model_dir}",
+            "cluster.n_servers=0",
+            "train_dataset.type=sft",
+            "stats_logger.console=false",
+        ]
         return init_run(load_config(SFTConfig, [*base, *overrides]), tiny_model_dir)
 
     yield make
@@ -126,7 +148,9 @@ def make_run(tmp_path, tiny_model_dir):
         handler.close()
 
 
-def test_dcp_shard_with_4kib_overwritten_resumes_from_the_previous_checkpoint(tiny_model_dir, make_run, caplog):
+def test_dcp_shard_with_4kib_overwritten_resumes_from_the_previous_checkpoint(
+    tiny_model_dir, make_run, caplog
+):
     import logging
 
     run = make_run()
@@ -153,7 +177,9 @@ def test_dcp_shard_with_4kib_overwritten_resumes_from_the_previous_checkpoint(ti
     b.destroy()
 
 
-def test_truncated_dcp_files_fail_with_an_error_naming_the_checkpoint_and_file(tiny_model_dir, tmp_path):
+def test_truncated_dcp_files_fail_with_an_error_naming_the_checkpoint_and_file(
+    tiny_model_dir, tmp_path
+):
     from areal.utils.recover import CheckpointError
 
     a = build(tiny_model_dir)
@@ -166,8 +192,10 @@ def test_truncated_dcp_files_fail_with_an_error_naming_the_checkpoint_and_file(t
     rank_file.write_bytes(rank_file.read_bytes()[:100])
 
     b = build(tiny_model_dir)
-    with pytest.raises(CheckpointError, match=f"DCP checkpoint {tmp_path / 'shard'} is unreadable "
-                                              f"\\(its files: .*{shard.name}"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"DCP checkpoint {tmp_path / 'shard'} is unreadable \\(its files: .*{shard.name}",
+    ):
         b.load(SaveLoadMeta(path=str(tmp_path / "shard"), weight_format="dcp", with_optim=True))
     with pytest.raises(CheckpointError, match=f"{rank_file} is unreadable"):
         b.load(SaveLoadMeta(path=str(tmp_path / "rank"), weight_format="dcp", with_optim=True))
@@ -186,8 +214,10 @@ def test_refused_resume_leaves_config_yaml_byte_identical_and_ends_with_one_mess
     with pytest.raises(SystemExit) as e:  # was a 20-line traceback ending in the message
         second.load_recover({})
     message = e.value.code  # what Python prints, alone, for an uncaught SystemExit
-    assert message.startswith(f"RecoverError: cannot resume: none of the 1 recover checkpoint(s) in "
-                              f"{first.run_dir / 'recover'} is usable; to start the run fresh, delete "), message
+    assert message.startswith(
+        f"RecoverError: cannot resume: none of the 1 recover checkpoint(s) in "
+        f"{first.run_dir / 'recover'} is usable; to start the run fresh, delete "
+    ), message
     assert "ckpt-1: state-rank0.pt: 10 bytes" in message and "\n" not in message
     assert config.read_bytes() == original
 
@@ -212,8 +242,17 @@ def _two_rank_resume(rank: int, path: str, port: int, out: str) -> None:
 
     set_dist_env(rank, 2, port)
     ctx = init_distributed("gloo")
-    cfg = load_config(SFTConfig, [f"fileroot={out}", "recover.mode=resume", f"model.path={path}",
-                                  "cluster.n_servers=0", "train_dataset.type=sft", "stats_logger.console=false"])
+    cfg = load_config(
+        SFTConfig,
+        [
+            f"fileroot={out}",
+            "recover.mode=resume",
+            f"model.path={path}",
+            "cluster.n_servers=0",
+            "train_dataset.type=sft",
+            "stats_logger.console=false",
+        ],
+    )
     run = Run(cfg, ctx, LaunchEnv.read(), tokenizer=None)
     a = make_engine(path, mesh=ctx.mesh)
     a.train_batch(random_batch(seed=rank), nll_loss, n_loss_tokens)
@@ -232,7 +271,10 @@ def _two_rank_resume(rank: int, path: str, port: int, out: str) -> None:
     state = run.load_recover({"actor": b})
     loaded = b.full_state_dict()
     same = all(torch.equal(saved[k], loaded[k]) for k in saved)
-    torch.save({"step": state["step"], "rank": state["rank"], "same_as_step1": same}, Path(out) / f"rank{rank}.pt")
+    torch.save(
+        {"step": state["step"], "rank": state["rank"], "same_as_step1": same},
+        Path(out) / f"rank{rank}.pt",
+    )
     b.destroy()
     close_distributed()
 

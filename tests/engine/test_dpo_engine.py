@@ -34,8 +34,12 @@ def random_pairs(n_pairs: int, seed: int) -> PackedBatch:
 
 
 def _config(path: str, **kw) -> TrainEngineConfig:
-    return TrainEngineConfig(path=path, mb_spec=MicroBatchSpec(max_tokens_per_mb=64, granularity=2),
-                             optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0), **kw)
+    return TrainEngineConfig(
+        path=path,
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=64, granularity=2),
+        optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0),
+        **kw,
+    )
 
 
 def test_packed_pair_forward_equals_separate_forwards(tiny_model_dir):
@@ -53,7 +57,7 @@ def test_packed_pair_forward_equals_separate_forwards(tiny_model_dir):
         with torch.no_grad():
             logits = plain(input_ids=ids[None]).logits[0]  # one sequence alone
         alone = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
-        assert torch.allclose(packed[a + 1:b], alone, atol=1e-5), (a, b)
+        assert torch.allclose(packed[a + 1 : b], alone, atol=1e-5), (a, b)
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
@@ -74,8 +78,15 @@ def test_one_dpo_step_lowers_the_loss_and_widens_the_margin(tiny_model_dir, loss
     assert train["loss"] == pytest.approx(before["loss"], rel=1e-4)  # same weights, same pairs
     assert after["loss"] < before["loss"] and after["margin"] > before["margin"], (before, after)
     if loss_type == "sigmoid":  # policy == reference at the start: every reward is 0, loss log 2
-        assert before["loss"] == pytest.approx(math.log(2), abs=1e-5) and before["margin"] == pytest.approx(0, abs=1e-5)
-    assert before["n_pairs"] == 8 and set(train) >= {"reward_acc", "margin", "chosen_reward", "rejected_reward"}
+        assert before["loss"] == pytest.approx(math.log(2), abs=1e-5) and before[
+            "margin"
+        ] == pytest.approx(0, abs=1e-5)
+    assert before["n_pairs"] == 8 and set(train) >= {
+        "reward_acc",
+        "margin",
+        "chosen_reward",
+        "rejected_reward",
+    }
 
 
 def test_nll_coef_adds_the_chosen_replies_mean_token_nll(tiny_model_dir):
@@ -90,10 +101,15 @@ def test_nll_coef_adds_the_chosen_replies_mean_token_nll(tiny_model_dir):
     _, train = engine.train_dpo(batch)
     engine.destroy()
     bounds, mask = batch.cu_seqlens.tolist(), batch["loss_mask"].bool()
-    nll = [-float(scored["logp"][a:b][mask[a:b]].sum()) / int(mask[a:b].sum())  # chosen: even sequences
-           for a, b in list(zip(bounds, bounds[1:]))[0::2]]
+    nll = [
+        -float(scored["logp"][a:b][mask[a:b]].sum())
+        / int(mask[a:b].sum())  # chosen: even sequences
+        for a, b in list(zip(bounds, bounds[1:]))[0::2]
+    ]
     expected = math.log(2) + 0.5 * sum(nll) / len(nll)  # policy == reference: the DPO part is log 2
-    assert out["loss"] == pytest.approx(expected, rel=1e-5) and train["loss"] == pytest.approx(expected, rel=1e-4)
+    assert out["loss"] == pytest.approx(expected, rel=1e-5) and train["loss"] == pytest.approx(
+        expected, rel=1e-4
+    )
 
 
 def test_dpo_batches_are_checked(tiny_model_dir):

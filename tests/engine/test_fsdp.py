@@ -51,7 +51,9 @@ def world_mesh():
     return init_distributed("gloo").mesh
 
 
-def make_engine(path, mb_spec=MicroBatchSpec(), optimizer=LINEAR_ADAM, mesh=None, **kw) -> FSDPEngine:
+def make_engine(
+    path, mb_spec=MicroBatchSpec(), optimizer=LINEAR_ADAM, mesh=None, **kw
+) -> FSDPEngine:
     cfg = TrainEngineConfig(path=path, mb_spec=mb_spec, optimizer=optimizer, **kw)
     engine = FSDPEngine(cfg, mesh if mesh is not None else world_mesh())
     engine.initialize(None)
@@ -90,8 +92,13 @@ def run_processes(fn, nprocs: int, args: tuple, timeout: float = 150.0) -> None:
 
 
 def set_dist_env(rank: int, world_size: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)
 
 
@@ -110,8 +117,12 @@ def test_packed_logprobs_match_padded_hf_forward(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa").eval()
     padded, mask = batch.to_padded()
     with torch.no_grad():
-        logits = model(input_ids=padded["input_ids"], attention_mask=mask.long()).logits  # [B, L, V]
-    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, padded["input_ids"][:, 1:, None])[..., 0]
+        logits = model(
+            input_ids=padded["input_ids"], attention_mask=mask.long()
+        ).logits  # [B, L, V]
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, padded["input_ids"][:, 1:, None])[
+        ..., 0
+    ]
     logp = torch.cat([torch.zeros(len(LENGTHS), 1), logp], 1)  # first token has none
     reference = logp[mask]
     assert packed.shape == reference.shape
@@ -121,7 +132,9 @@ def test_packed_logprobs_match_padded_hf_forward(tiny_model_dir):
 def test_microbatched_accumulation_equals_one_large_batch(tiny_model_dir):
     batch = random_batch()
     whole, stats_whole = train_and_snapshot(tiny_model_dir, batch, MicroBatchSpec())
-    split, stats_split = train_and_snapshot(tiny_model_dir, batch, MicroBatchSpec(max_tokens_per_mb=30))
+    split, stats_split = train_and_snapshot(
+        tiny_model_dir, batch, MicroBatchSpec(max_tokens_per_mb=30)
+    )
     assert stats_whole[0]["n_mbs"] == 1 and stats_split[0]["n_mbs"] >= 4
     assert stats_split[0]["loss"] == pytest.approx(stats_whole[0]["loss"], abs=1e-5)
     assert stats_split[0]["grad_norm"] == pytest.approx(stats_whole[0]["grad_norm"], rel=1e-5)
@@ -131,7 +144,9 @@ def test_microbatched_accumulation_equals_one_large_batch(tiny_model_dir):
 def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir):
     batch = random_batch(LENGTHS[:4])
     plain, _ = train_and_snapshot(tiny_model_dir, batch, MicroBatchSpec())
-    ckpt, _ = train_and_snapshot(tiny_model_dir, batch, MicroBatchSpec(), gradient_checkpointing=True)
+    ckpt, _ = train_and_snapshot(
+        tiny_model_dir, batch, MicroBatchSpec(), gradient_checkpointing=True
+    )
     assert_states_close(plain, ckpt, atol=1e-6)
 
 
@@ -162,7 +177,9 @@ def test_two_process_fsdp_step_equals_one_process_step(tiny_model_dir, tmp_path)
     out = str(tmp_path / "two_rank.pt")
     run_processes(_two_rank_step, 2, (tiny_model_dir, free_port(), out))
     two = torch.load(out)
-    one, stats = train_and_snapshot(tiny_model_dir, random_batch(), MicroBatchSpec(max_tokens_per_mb=30))
+    one, stats = train_and_snapshot(
+        tiny_model_dir, random_batch(), MicroBatchSpec(max_tokens_per_mb=30)
+    )
     assert two["stats"]["loss"] == pytest.approx(stats[0]["loss"], abs=1e-5)
     assert two["stats"]["grad_norm"] == pytest.approx(stats[0]["grad_norm"], rel=1e-5)
     assert_states_close(one, two["state"], atol=1e-6)

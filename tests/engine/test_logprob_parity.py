@@ -29,7 +29,9 @@ def test_server_logprobs_equal_trainer_compute_logp(tiny_model_dir, generator, t
     actor = PPOActor(PPOActorConfig(path=tiny_model_dir), world_mesh(), temperature=temperature)
     actor.initialize(None)
     try:
-        batch = PackedBatch.from_sequences({"input_ids": [r.input_ids + r.output_ids for r in results]})
+        batch = PackedBatch.from_sequences(
+            {"input_ids": [r.input_ids + r.output_ids for r in results]}
+        )
         logp = actor.compute_logp(batch)[0]["logp"]  # [T]
         for i, r in enumerate(results):
             start = int(batch.cu_seqlens[i]) + len(r.input_ids)

@@ -18,7 +18,15 @@ from areal.engine import lora
 from areal.engine.fsdp import FSDPEngine
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.utils import weight_sync
-from test_fsdp import free_port, n_loss_tokens, nll_loss, random_batch, run_processes, set_dist_env, world_mesh
+from test_fsdp import (
+    free_port,
+    n_loss_tokens,
+    nll_loss,
+    random_batch,
+    run_processes,
+    set_dist_env,
+    world_mesh,
+)
 from test_ppo import GROUP, rollout_batch
 
 pytestmark = pytest.mark.slow
@@ -27,7 +35,9 @@ OPT = OptimizerConfig(lr=1e-2)
 
 
 def lora_engine(path, lora_cfg=LORA, **kw) -> FSDPEngine:
-    engine = FSDPEngine(TrainEngineConfig(path=path, lora=lora_cfg, optimizer=OPT, **kw), world_mesh())
+    engine = FSDPEngine(
+        TrainEngineConfig(path=path, lora=lora_cfg, optimizer=OPT, **kw), world_mesh()
+    )
     engine.initialize(None)
     return engine
 
@@ -44,7 +54,9 @@ def test_only_adapters_train_and_get_optimizer_state(tiny_model_dir):
     assert all(("q_proj" in n or "v_proj" in n) for n in trainable)
     engine.train_batch(random_batch(), nll_loss, n_loss_tokens)
     after = engine._gathered_state()
-    with_state = [p for p in engine.optimizer.param_groups[0]["params"] if engine.optimizer.state.get(p)]
+    with_state = [
+        p for p in engine.optimizer.param_groups[0]["params"] if engine.optimizer.state.get(p)
+    ]
     assert len(with_state) == len(trainable)  # AdamW moments exist for adapters only
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(".lora_B." in k or ".lora_A." in k for k in changed), sorted(changed)[:5]
@@ -63,8 +75,9 @@ def test_gradient_checkpointing_gives_the_same_lora_step(tiny_model_dir):
 
 
 def test_value_head_stays_trainable_under_lora(tiny_model_dir):
-    cfg = PPOCriticConfig(path=tiny_model_dir, lora=LORA, optimizer=OPT,
-                          mb_spec=MicroBatchSpec(granularity=GROUP))
+    cfg = PPOCriticConfig(
+        path=tiny_model_dir, lora=LORA, optimizer=OPT, mb_spec=MicroBatchSpec(granularity=GROUP)
+    )
     critic = PPOCritic(cfg, world_mesh(), group_size=GROUP)
     critic.initialize(None)
     batch = rollout_batch()
@@ -90,7 +103,9 @@ def export_and_compare(engine: FSDPEngine, base_dir, out: Path):
     engine.save(SaveLoadMeta(str(out), weight_format="hf"))
     engine.destroy()
     merged = AutoModelForCausalLM.from_pretrained(out)
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(out / lora.ADAPTER_DIR))
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir), str(out / lora.ADAPTER_DIR)
+    )
     ids = batch["input_ids"][: int(batch.cu_seqlens[1])][None]
     with torch.no_grad():
         a, b = merged(input_ids=ids).logits, peft_model(input_ids=ids).logits
@@ -114,7 +129,9 @@ def test_merged_export_and_adapter_dir_give_the_same_logits(tiny_model_dir, tmp_
 
 
 def test_embeddings_trained_in_full_stay_tied_and_export_merged(tiny_model_dir, tmp_path):
-    engine = lora_engine(tiny_model_dir, LoRAConfig(rank=4, alpha=8.0, modules_to_save=["embed_tokens"]))
+    engine = lora_engine(
+        tiny_model_dir, LoRAConfig(rank=4, alpha=8.0, modules_to_save=["embed_tokens"])
+    )
     trainable = {n for n, p in engine.model.named_parameters() if p.requires_grad}
     whole = sorted(n for n in trainable if "lora_" not in n)
     assert whole == ["base_model.model.model.embed_tokens.modules_to_save.default.weight"], whole
@@ -133,8 +150,14 @@ def test_lora_grpo_step_then_server_logprobs_equal_the_trainers(tiny_model_dir, 
     from areal.serving.generator import Generator
     from areal.serving.sampling import SamplingParams
 
-    cfg = PPOActorConfig(path=tiny_model_dir, algorithm="grpo", lora=LORA, optimizer=OPT,
-                         mb_spec=MicroBatchSpec(granularity=GROUP), kl_ctl=0.1)
+    cfg = PPOActorConfig(
+        path=tiny_model_dir,
+        algorithm="grpo",
+        lora=LORA,
+        optimizer=OPT,
+        mb_spec=MicroBatchSpec(granularity=GROUP),
+        kl_ctl=0.1,
+    )
     actor = PPOActor(cfg, world_mesh(), group_size=GROUP)
     actor.initialize(None)
     batch = rollout_batch()
@@ -146,13 +169,16 @@ def test_lora_grpo_step_then_server_logprobs_equal_the_trainers(tiny_model_dir, 
     moved = actor.compute_logp(batch)[0]["logp"]
     assert (moved - logp0).abs().max() > 1e-4  # the adapters changed the policy
     # the frozen base is the reference: adapters off gives the starting logprobs again
-    torch.testing.assert_close(reference.compute_logp(batch, out="ref_logp")[0]["ref_logp"], logp0,
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        reference.compute_logp(batch, out="ref_logp")[0]["ref_logp"], logp0, atol=1e-6, rtol=0
+    )
     actor.update_weights(WeightUpdateMeta(type="disk", path=str(tmp_path / "w1"), version=1))
     gen = Generator.from_pretrained(tiny_model_dir).start()
     try:
         gen.update_weights_from_disk(tmp_path / "w1")
-        results = gen.generate([[5, 6, 7, 8], [9, 10, 11]], SamplingParams(max_new_tokens=10, seed=1, ignore_eos=True))
+        results = gen.generate(
+            [[5, 6, 7, 8], [9, 10, 11]], SamplingParams(max_new_tokens=10, seed=1, ignore_eos=True)
+        )
     finally:
         gen.shutdown()
     seqs = {"input_ids": [r.input_ids + r.output_ids for r in results]}
@@ -178,7 +204,9 @@ def test_dcp_holds_adapters_and_optimizer_only_and_resumes_exactly(tiny_model_di
     engine.train_batch(random_batch(seed=1), nll_loss, n_loss_tokens)
     want = engine.full_state_dict()
     engine.destroy()
-    resumed = lora_engine(tiny_model_dir, init_seed=9)  # other adapter init: the load must replace it
+    resumed = lora_engine(
+        tiny_model_dir, init_seed=9
+    )  # other adapter init: the load must replace it
     resumed.load(SaveLoadMeta(str(tmp_path / "lora"), weight_format="dcp", with_optim=True))
     resumed.train_batch(random_batch(seed=1), nll_loss, n_loss_tokens)
     got = resumed.full_state_dict()
@@ -187,13 +215,18 @@ def test_dcp_holds_adapters_and_optimizer_only_and_resumes_exactly(tiny_model_di
 
 
 def _broadcast(rank: int, path: str, ports: tuple[int, int], out: str) -> None:
-    meta = WeightUpdateMeta(type="distributed", master_port=ports[1], bucket_bytes=200_000, version=1)
+    meta = WeightUpdateMeta(
+        type="distributed", master_port=ports[1], bucket_bytes=200_000, version=1
+    )
     if rank == 1:  # the server side: joins only the weight-update group
         torch.set_num_threads(1)
         group = weight_sync.init_weight_update_group("127.0.0.1", ports[1], 1, 2, timeout=120)
         ann = json.loads(Path(out + ".json").read_text())
         specs = weight_sync.specs_from_announcement(ann["names"], ann["dtypes"], ann["shapes"])
-        torch.save(weight_sync.receive_weights(specs, group, meta.bucket_bytes, timeout=120), out + ".received")
+        torch.save(
+            weight_sync.receive_weights(specs, group, meta.bucket_bytes, timeout=120),
+            out + ".received",
+        )
         return
     set_dist_env(0, 1, ports[0])
     engine = lora_engine(path)
@@ -209,7 +242,9 @@ def test_broadcast_sends_the_merged_model_under_hf_names(tiny_model_dir, tmp_pat
     out = str(tmp_path / "w")
     run_processes(_broadcast, 2, (tiny_model_dir, (free_port(), free_port()), out))
     sent, received = torch.load(out + ".sent"), torch.load(out + ".received")
-    assert set(received) == set(sent) - {"lm_head.weight"} and not any("lora" in k for k in received)
+    assert set(received) == set(sent) - {"lm_head.weight"} and not any(
+        "lora" in k for k in received
+    )
     for name, tensor in received.items():
         assert torch.equal(tensor, sent[name]), name
 

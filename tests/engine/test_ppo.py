@@ -22,23 +22,32 @@ def rollout_batch(n_groups: int = 3, seed: int = 0) -> PackedBatch:
     for _ in range(n_groups):
         prompt = torch.randint(0, 256, (4,), generator=g).tolist()
         for k in range(GROUP):
-            completion = torch.randint(0, 256, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g)
+            completion = torch.randint(
+                0, 256, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g
+            )
             ids.append(prompt + completion.tolist())
             masks.append([0] * 4 + [1] * len(completion))
             behav.append([0.0] * (4 + len(completion)))  # replaced by the trainer's own logp below
             rewards.append(1.0 if k % 2 == 0 else 0.0)
-    return PackedBatch.from_sequences({"input_ids": ids, "loss_mask": masks, "logprobs": behav},
-                                      {"rewards": rewards})
+    return PackedBatch.from_sequences(
+        {"input_ids": ids, "loss_mask": masks, "logprobs": behav}, {"rewards": rewards}
+    )
 
 
 def actor_config(path, **kw) -> PPOActorConfig:
-    return PPOActorConfig(path=path, algorithm="grpo",
-                          mb_spec=MicroBatchSpec(max_tokens_per_mb=kw.pop("budget", 1000), granularity=GROUP),
-                          optimizer=OptimizerConfig(lr=kw.pop("lr", 1e-3), eps=kw.pop("eps", 1e-8)), **kw)
+    return PPOActorConfig(
+        path=path,
+        algorithm="grpo",
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=kw.pop("budget", 1000), granularity=GROUP),
+        optimizer=OptimizerConfig(lr=kw.pop("lr", 1e-3), eps=kw.pop("eps", 1e-8)),
+        **kw,
+    )
 
 
 def test_grpo_update_raises_logp_of_rewarded_samples(tiny_model_dir):
-    actor = PPOActor(actor_config(tiny_model_dir, ppo_n_minibatches=2), world_mesh(), group_size=GROUP)
+    actor = PPOActor(
+        actor_config(tiny_model_dir, ppo_n_minibatches=2), world_mesh(), group_size=GROUP
+    )
     actor.initialize(None)
     batch = rollout_batch()
     logp = actor.compute_logp(batch)[0]["logp"]
@@ -57,7 +66,9 @@ def test_grpo_update_raises_logp_of_rewarded_samples(tiny_model_dir):
 
 
 def _one_step_state(path, budget, **kw) -> dict:
-    actor = PPOActor(actor_config(path, budget=budget, lr=1e-2, eps=1.0, **kw), world_mesh(), group_size=GROUP)
+    actor = PPOActor(
+        actor_config(path, budget=budget, lr=1e-2, eps=1.0, **kw), world_mesh(), group_size=GROUP
+    )
     actor.initialize(None)
     batch = rollout_batch(n_groups=4)
     logp = actor.compute_logp(batch)[0]["logp"]
@@ -77,9 +88,12 @@ def test_actor_update_is_independent_of_the_micro_batch_split(tiny_model_dir, mo
 
 
 def test_critic_values_move_toward_returns(tiny_model_dir):
-    cfg = PPOCriticConfig(path=tiny_model_dir, value_eps_clip=None,
-                          mb_spec=MicroBatchSpec(max_tokens_per_mb=64),
-                          optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.0))
+    cfg = PPOCriticConfig(
+        path=tiny_model_dir,
+        value_eps_clip=None,
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=64),
+        optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.0),
+    )
     critic = PPOCritic(cfg, world_mesh())
     critic.initialize(None)
     batch = rollout_batch()
@@ -102,8 +116,14 @@ def test_critic_value_normalizer_survives_a_dcp_round_trip(tiny_model_dir, tmp_p
     from areal.engine.ppo import VALUE_NORM_FILE
 
     def critic(value_norm: bool) -> PPOCritic:
-        c = PPOCritic(PPOCriticConfig(path=tiny_model_dir, value_norm=value_norm,
-                                      mb_spec=MicroBatchSpec(max_tokens_per_mb=64)), world_mesh())
+        c = PPOCritic(
+            PPOCriticConfig(
+                path=tiny_model_dir,
+                value_norm=value_norm,
+                mb_spec=MicroBatchSpec(max_tokens_per_mb=64),
+            ),
+            world_mesh(),
+        )
         c.initialize(None)
         return c
 
@@ -131,12 +151,19 @@ def test_critic_value_normalizer_survives_a_dcp_round_trip(tiny_model_dir, tmp_p
 
 
 def _decoupled_step(path, prox_pass: bool) -> tuple[dict, dict]:
-    actor = PPOActor(actor_config(path, lr=1e-2, eps=1.0, use_decoupled_loss=True, behav_imp_weight_cap=5.0),
-                     world_mesh(), group_size=GROUP)
+    actor = PPOActor(
+        actor_config(path, lr=1e-2, eps=1.0, use_decoupled_loss=True, behav_imp_weight_cap=5.0),
+        world_mesh(),
+        group_size=GROUP,
+    )
     actor.initialize(None)
     batch = rollout_batch(n_groups=4)
-    behav = actor.compute_logp(batch)[0]["logp"] + 0.05 * torch.randn(batch.n_tokens, generator=torch.Generator().manual_seed(1))
-    batch = batch.with_fields(tokens={"logprobs": behav * batch["loss_mask"]})  # a stale behaviour policy
+    behav = actor.compute_logp(batch)[0]["logp"] + 0.05 * torch.randn(
+        batch.n_tokens, generator=torch.Generator().manual_seed(1)
+    )
+    batch = batch.with_fields(
+        tokens={"logprobs": behav * batch["loss_mask"]}
+    )  # a stale behaviour policy
     if prox_pass:
         batch, _ = actor.compute_logp(batch, out="prox_logp")
     batch, _ = actor.compute_advantages(batch)
@@ -158,15 +185,20 @@ def test_one_minibatch_update_without_the_prox_pass_equals_the_update_with_it(ti
 
 def test_the_prox_pass_runs_only_where_needed_or_asked_for(tiny_model_dir):
     def needs(**kw) -> bool:
-        return PPOActor(actor_config(tiny_model_dir, use_decoupled_loss=True, **kw), world_mesh()).needs_prox_pass
+        return PPOActor(
+            actor_config(tiny_model_dir, use_decoupled_loss=True, **kw), world_mesh()
+        ).needs_prox_pass
 
     assert not needs() and needs(recompute_prox_logp=True) and needs(ppo_n_minibatches=2)
     assert needs(kl_ctl=0.1, kl_in_reward=True) and not needs(kl_ctl=0.1, kl_in_reward=False)
 
 
 def test_several_minibatches_demand_the_prox_pass(tiny_model_dir):
-    actor = PPOActor(actor_config(tiny_model_dir, ppo_n_minibatches=2, use_decoupled_loss=True),
-                     world_mesh(), group_size=GROUP)
+    actor = PPOActor(
+        actor_config(tiny_model_dir, ppo_n_minibatches=2, use_decoupled_loss=True),
+        world_mesh(),
+        group_size=GROUP,
+    )
     assert actor.needs_prox_pass
     actor.initialize(None)
     batch = rollout_batch()
@@ -178,11 +210,15 @@ def test_several_minibatches_demand_the_prox_pass(tiny_model_dir):
 
 
 def _grpo_step(path, shared: bool, budget: int) -> tuple[torch.Tensor, dict, dict]:
-    actor = PPOActor(actor_config(path, budget=budget, lr=1e-2, eps=1.0, shared_prefix=shared),
-                     world_mesh(), group_size=GROUP)
+    actor = PPOActor(
+        actor_config(path, budget=budget, lr=1e-2, eps=1.0, shared_prefix=shared),
+        world_mesh(),
+        group_size=GROUP,
+    )
     actor.initialize(None)
-    batch = rollout_batch(n_groups=4).with_fields(seqs={"group_index": torch.arange(8) // GROUP,
-                                                        "prompt_lens": torch.full((8,), 4)})
+    batch = rollout_batch(n_groups=4).with_fields(
+        seqs={"group_index": torch.arange(8) // GROUP, "prompt_lens": torch.full((8,), 4)}
+    )
     logp = actor.compute_logp(batch)[0]["logp"]
     batch, _ = actor.compute_advantages(batch.with_fields(tokens={"logprobs": logp}))
     _, stats = actor.ppo_update(batch)
@@ -202,12 +238,24 @@ def test_shared_prefix_training_equals_running_every_prompt_per_sample(tiny_mode
     assert worst < 1e-5
 
 
-def _versioned_step(path, prox_logp: str, n_mb: int, lag: int, rc_mode: str = "none") -> tuple[dict, dict]:
+def _versioned_step(
+    path, prox_logp: str, n_mb: int, lag: int, rc_mode: str = "none"
+) -> tuple[dict, dict]:
     """One decoupled update on tokens of version ``actor version - lag``; the behaviour logprobs
     are the trainer's own (so with lag 0 they are exactly the proximal policy's)."""
-    actor = PPOActor(actor_config(path, lr=1e-2, eps=1.0, use_decoupled_loss=True, ppo_n_minibatches=n_mb,
-                                  prox_logp=prox_logp, rollout_correction=RolloutCorrectionConfig(mode=rc_mode)),
-                     world_mesh(), group_size=GROUP)
+    actor = PPOActor(
+        actor_config(
+            path,
+            lr=1e-2,
+            eps=1.0,
+            use_decoupled_loss=True,
+            ppo_n_minibatches=n_mb,
+            prox_logp=prox_logp,
+            rollout_correction=RolloutCorrectionConfig(mode=rc_mode),
+        ),
+        world_mesh(),
+        group_size=GROUP,
+    )
     actor.initialize(None)
     actor.set_version(3)
     batch = rollout_batch(n_groups=4)
@@ -235,8 +283,16 @@ def test_approximate_prox_logp_equals_recompute_where_it_is_exact(tiny_model_dir
     assert worst < 1e-6
 
 
-def test_stale_tokens_train_over_four_minibatches_without_the_prox_pass_and_log_their_bucket(tiny_model_dir):
+def test_stale_tokens_train_over_four_minibatches_without_the_prox_pass_and_log_their_bucket(
+    tiny_model_dir,
+):
     stats, _ = _versioned_step(tiny_model_dir, "loglinear", n_mb=4, lag=2, rc_mode="mask")
     assert all(torch.isfinite(torch.tensor(v)) for v in stats.values())
-    assert set(stats) >= {"mismatch_k1", "mismatch_k3", "rc_masked_frac", "rc_weight_max", "mismatch_k3_stale2"}
+    assert set(stats) >= {
+        "mismatch_k1",
+        "mismatch_k3",
+        "rc_masked_frac",
+        "rc_weight_max",
+        "mismatch_k3_stale2",
+    }
     assert "mismatch_k3_stale0" not in stats  # no token of the current version

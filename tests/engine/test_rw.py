@@ -49,7 +49,8 @@ def test_bradley_terry_stats_of_values_with_grad_raise_no_warning():
 
 def test_reward_model_reaches_90_percent_pair_accuracy(tiny_model_dir):
     cfg = TrainEngineConfig(
-        path=tiny_model_dir, mb_spec=MicroBatchSpec(max_tokens_per_mb=128, granularity=2),
+        path=tiny_model_dir,
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=128, granularity=2),
         optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0),
     )
     engine = RWEngine(cfg, world_mesh())
@@ -66,10 +67,15 @@ def test_reward_model_reaches_90_percent_pair_accuracy(tiny_model_dir):
 
 def test_reward_model_needs_even_granularity(tiny_model_dir):
     with pytest.raises(ValueError, match="granularity"):
-        RWEngine(TrainEngineConfig(path=tiny_model_dir, mb_spec=MicroBatchSpec(granularity=1)), world_mesh())
+        RWEngine(
+            TrainEngineConfig(path=tiny_model_dir, mb_spec=MicroBatchSpec(granularity=1)),
+            world_mesh(),
+        )
 
 
-def test_value_head_gradients_equal_the_unsharded_models_and_fsdp_view_warning_is_gone(tiny_model_dir):
+def test_value_head_gradients_equal_the_unsharded_models_and_fsdp_view_warning_is_gone(
+    tiny_model_dir,
+):
     """FSDP2 warned that the value model returns a view (an in-place op on it would skip the
     all-gather and give wrong gradients). Nothing modifies it in place: the engine's gradient
     norm equals the plain transformers model's, and the warning is not raised any more."""
@@ -84,8 +90,11 @@ def test_value_head_gradients_equal_the_unsharded_models_and_fsdp_view_warning_i
         mask = mb["loss_mask"].float()
         return (values[:, 0] * mask).sum() / mask.sum(), {}
 
-    engine = FSDPEngine(TrainEngineConfig(path=tiny_model_dir, optimizer=OptimizerConfig(lr=1e-6)),
-                        world_mesh(), head="value")
+    engine = FSDPEngine(
+        TrainEngineConfig(path=tiny_model_dir, optimizer=OptimizerConfig(lr=1e-6)),
+        world_mesh(),
+        head="value",
+    )
     engine.initialize(None)
     start = {k: v.clone() for k, v in engine.full_state_dict().items()}  # incl. the new score head
     with warnings.catch_warnings(record=True) as caught:
@@ -93,7 +102,9 @@ def test_value_head_gradients_equal_the_unsharded_models_and_fsdp_view_warning_i
         stats = engine.train_batch(batch, mean_value, lambda mb: float(mb["loss_mask"].sum()))
     engine.destroy()
     assert not [w for w in caught if "returned a view tensor" in str(w.message)]
-    plain = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=1, dtype=torch.float32)
+    plain = AutoModelForTokenClassification.from_pretrained(
+        tiny_model_dir, num_labels=1, dtype=torch.float32
+    )
     plain.eval()  # no dropout, as the engine's value head (classifier_dropout=0)
     plain.load_state_dict(start, strict=False)
     total, n = 0.0, 0

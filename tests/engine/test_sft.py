@@ -28,8 +28,11 @@ def pattern_batch(n: int, seed: int) -> PackedBatch:
 
 
 def test_sft_lowers_held_out_loss(tiny_model_dir):
-    cfg = TrainEngineConfig(path=tiny_model_dir, mb_spec=MicroBatchSpec(max_tokens_per_mb=96),
-                            optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.0))
+    cfg = TrainEngineConfig(
+        path=tiny_model_dir,
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=96),
+        optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.0),
+    )
     engine = SFTEngine(cfg, world_mesh())
     engine.initialize(None)
     held_out = pattern_batch(16, seed=1000)

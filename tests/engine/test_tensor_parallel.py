@@ -35,7 +35,9 @@ SFT_MB = MicroBatchSpec(max_tokens_per_mb=30)
 
 def _sft_step(path: str, mesh, **kw) -> dict:
     """One SFT step on this dp rank's share of the batch; then logprobs of the whole batch."""
-    engine = SFTEngine(TrainEngineConfig(path=path, mb_spec=SFT_MB, optimizer=LINEAR_ADAM, **kw), mesh)
+    engine = SFTEngine(
+        TrainEngineConfig(path=path, mb_spec=SFT_MB, optimizer=LINEAR_ADAM, **kw), mesh
+    )
     engine.initialize(None)
     batch = random_batch()
     share = batch.select(balance_across_ranks(batch, engine.world_size)[engine.rank])
@@ -66,7 +68,9 @@ def _tp_extras(path: str, mesh, tmp: str) -> dict:
     from areal.engine.checkpoint import read_hf_weights
 
     def build(**kw) -> SFTEngine:
-        engine = SFTEngine(TrainEngineConfig(path=path, mb_spec=SFT_MB, optimizer=LINEAR_ADAM, **kw), mesh)
+        engine = SFTEngine(
+            TrainEngineConfig(path=path, mb_spec=SFT_MB, optimizer=LINEAR_ADAM, **kw), mesh
+        )
         engine.initialize(None)
         return engine
 
@@ -93,7 +97,9 @@ def _tp_extras(path: str, mesh, tmp: str) -> dict:
     return out
 
 
-def _layout_run(rank: int, path: str, port: int, out: str, dp: int, tp: int, tmp: str | None) -> None:
+def _layout_run(
+    rank: int, path: str, port: int, out: str, dp: int, tp: int, tmp: str | None
+) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     set_dist_env(rank, dp * tp, port)
@@ -118,10 +124,12 @@ def run_layout(path: str, tmp: Path, dp: int, tp: int, extras: bool = False) -> 
 def layouts(tiny_model_dir, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("tp")
     mesh = world_mesh()  # one process: the plain engine, no tensor parallelism
-    return {"single": {"sft": _sft_step(tiny_model_dir, mesh), "ppo": _ppo_step(tiny_model_dir, mesh)},
-            "dp1_tp2": run_layout(tiny_model_dir, tmp, 1, 2, extras=True),
-            "dp2_tp1": run_layout(tiny_model_dir, tmp, 2, 1),
-            "hf_dir": tmp / "work_dp1_tp2" / "hf"}
+    return {
+        "single": {"sft": _sft_step(tiny_model_dir, mesh), "ppo": _ppo_step(tiny_model_dir, mesh)},
+        "dp1_tp2": run_layout(tiny_model_dir, tmp, 1, 2, extras=True),
+        "dp2_tp1": run_layout(tiny_model_dir, tmp, 2, 1),
+        "hf_dir": tmp / "work_dp1_tp2" / "hf",
+    }
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -188,9 +196,13 @@ def test_unsupported_architectures_and_indivisible_sizes_are_refused():
 
     with pytest.raises(ValueError, match="model types .* got 'qwen3'; use tp=1"):
         check_tensor_parallel(Qwen3Config(), 2)
-    config = Qwen2Config(num_attention_heads=4, num_key_value_heads=2, intermediate_size=768, hidden_size=256)
+    config = Qwen2Config(
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=768, hidden_size=256
+    )
     check_tensor_parallel(config, 2)
-    with pytest.raises(ValueError, match="qwen2 model: num_key_value_heads=2 not divisible by tp=4"):
+    with pytest.raises(
+        ValueError, match="qwen2 model: num_key_value_heads=2 not divisible by tp=4"
+    ):
         check_tensor_parallel(config, 4)
 
 

@@ -12,7 +12,14 @@ from areal.api.io import SaveLoadMeta, WeightUpdateMeta
 from areal.engine.fsdp import FSDPEngine
 from areal.utils import weight_sync
 from test_fsdp import (
-    free_port, make_engine, n_loss_tokens, nll_loss, random_batch, run_processes, set_dist_env, world_mesh,
+    free_port,
+    make_engine,
+    n_loss_tokens,
+    nll_loss,
+    random_batch,
+    run_processes,
+    set_dist_env,
+    world_mesh,
 )
 
 pytestmark = pytest.mark.slow
@@ -20,11 +27,15 @@ N_TRAINERS = 2  # FSDP ranks; the receiver is one more process outside their wor
 
 
 def _trainer_or_receiver(rank: int, path: str, ports: tuple[int, int], out: str) -> None:
-    meta = WeightUpdateMeta(type="distributed", master_port=ports[1], bucket_bytes=200_000, version=4)
+    meta = WeightUpdateMeta(
+        type="distributed", master_port=ports[1], bucket_bytes=200_000, version=4
+    )
     if rank == N_TRAINERS:  # the "server": joins only the weight-update group, as group rank 1
         torch.set_num_threads(1)
         group = weight_sync.init_weight_update_group("127.0.0.1", ports[1], 1, 2, timeout=120)
-        with open(out + ".json") as f:  # what the client would POST to /update_weights_from_distributed
+        with open(
+            out + ".json"
+        ) as f:  # what the client would POST to /update_weights_from_distributed
             ann = json.load(f)
         specs = weight_sync.specs_from_announcement(ann["names"], ann["dtypes"], ann["shapes"])
         received = weight_sync.receive_weights(specs, group, meta.bucket_bytes, timeout=120)
@@ -45,9 +56,13 @@ def _trainer_or_receiver(rank: int, path: str, ports: tuple[int, int], out: str)
     engine.destroy()
 
 
-def test_broadcast_over_gloo_reproduces_every_tensor_in_a_receiver_process(tiny_model_dir, tmp_path):
+def test_broadcast_over_gloo_reproduces_every_tensor_in_a_receiver_process(
+    tiny_model_dir, tmp_path
+):
     out = str(tmp_path / "weights")
-    run_processes(_trainer_or_receiver, N_TRAINERS + 1, (tiny_model_dir, (free_port(), free_port()), out))
+    run_processes(
+        _trainer_or_receiver, N_TRAINERS + 1, (tiny_model_dir, (free_port(), free_port()), out)
+    )
     sent, received = torch.load(out + ".sent"), torch.load(out + ".received")
     # tied lm_head.weight is not sent (HF stores it once); everything else, bit for bit
     assert set(received) == set(sent) - {"lm_head.weight"}
@@ -92,9 +107,15 @@ def test_a_value_head_export_loads_as_what_it_is(tiny_model_dir, tmp_path):
     cfg = TrainEngineConfig(path=tiny_model_dir)
     engine = FSDPEngine(cfg, world_mesh(), head="value")
     engine.initialize(None)
-    engine.save(SaveLoadMeta(str(tmp_path / "rm"), weight_format="hf", tokenizer_path=tiny_model_dir))
+    engine.save(
+        SaveLoadMeta(str(tmp_path / "rm"), weight_format="hf", tokenizer_path=tiny_model_dir)
+    )
     engine.destroy()
     config = json.loads((tmp_path / "rm" / "config.json").read_text())
-    assert config["architectures"] == ["Qwen2ForTokenClassification"] and len(config["id2label"]) == 1
-    model, info = AutoModelForTokenClassification.from_pretrained(tmp_path / "rm", output_loading_info=True)
+    assert (
+        config["architectures"] == ["Qwen2ForTokenClassification"] and len(config["id2label"]) == 1
+    )
+    model, info = AutoModelForTokenClassification.from_pretrained(
+        tmp_path / "rm", output_loading_info=True
+    )
     assert not info["missing_keys"] and model.score.bias is not None

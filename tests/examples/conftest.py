@@ -21,8 +21,16 @@ SMALL_RL = [  # the random tiny model always scores 0: no dynamic sampling (it w
     "gconfig.max_new_tokens=4", "eval_gconfig.max_new_tokens=4", "rollout.max_concurrent_rollouts=4",
 ]  # fmt: skip
 # The resume tests' run: async GRPO, a recover checkpoint every step, relaunch on failure.
-RESUMABLE = [*SMALL_RL, "total_train_steps=6", "rollout.max_staleness=1", "valid_dataset=null",
-             "recover.mode=auto", "recover.freq_steps=1", "recover.retries=2", "seed=7"]
+RESUMABLE = [
+    *SMALL_RL,
+    "total_train_steps=6",
+    "rollout.max_staleness=1",
+    "valid_dataset=null",
+    "recover.mode=auto",
+    "recover.freq_steps=1",
+    "recover.retries=2",
+    "seed=7",
+]
 
 
 class Launcher:
@@ -33,16 +41,30 @@ class Launcher:
         self.model_dir = model_dir
         self.runs: list[Launch] = []
 
-    def start(self, name: str, script: Path, config: Path, overrides: list[str],
-              env: dict[str, str] | None = None) -> tuple[Launch, Path]:
+    def start(
+        self,
+        name: str,
+        script: Path,
+        config: Path,
+        overrides: list[str],
+        env: dict[str, str] | None = None,
+    ) -> tuple[Launch, Path]:
         """Run ``script`` with ``config`` as experiment ``name`` (trial t); returns RUN_DIR too."""
         fileroot = self.root / name
-        run = start_launch(script, config, [f"experiment_name={name}", "trial_name=t", *overrides], fileroot, env)
+        run = start_launch(
+            script, config, [f"experiment_name={name}", "trial_name=t", *overrides], fileroot, env
+        )
         self.runs.append(run)
         return run, fileroot / name / "t"
 
-    def run(self, name: str, script: Path, config: Path, overrides: list[str],
-            env: dict[str, str] | None = None) -> Path:
+    def run(
+        self,
+        name: str,
+        script: Path,
+        config: Path,
+        overrides: list[str],
+        env: dict[str, str] | None = None,
+    ) -> Path:
         """Run to the end; assert exit 0 and that no process of the run is left."""
         run, run_dir = self.start(name, script, config, overrides, env)
         code = run.wait(RUN_TIMEOUT)

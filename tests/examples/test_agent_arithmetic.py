@@ -31,14 +31,20 @@ def test_sft_conversations_render_the_prompt_the_agent_sends(tiny_tokenizer):
 
     (row,) = sft_conversations(tiny_tokenizer, 1)
     system, user = row["messages"][:2]
-    sft_prompt = tiny_tokenizer.apply_chat_template([system, user], add_generation_prompt=True, tokenize=False)
-    agent_prompt = tiny_tokenizer.apply_chat_template([user], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    sft_prompt = tiny_tokenizer.apply_chat_template(
+        [system, user], add_generation_prompt=True, tokenize=False
+    )
+    agent_prompt = tiny_tokenizer.apply_chat_template(
+        [user], tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
     assert sft_prompt == agent_prompt
     assert len(tiny_tokenizer(agent_prompt)["input_ids"]) < 80  # the compact tools turn: ~45 tokens
     ids, mask = sft_tokens(tiny_tokenizer, row["messages"])
     trained = tiny_tokenizer.decode([t for t, m in zip(ids, mask) if m])
     expression = user["content"].split(" = ?")[0]
-    assert trained.startswith('<tool_call>\n{"name": "calc", "arguments": {"e": "%s"}}' % expression)
+    assert trained.startswith(
+        '<tool_call>\n{"name": "calc", "arguments": {"e": "%s"}}' % expression
+    )
     assert trained.endswith(row["messages"][-1]["content"] + "<|im_end|>\n")
 
 
@@ -50,7 +56,10 @@ def test_sft_guesses_answer_in_the_head_for_their_share_of_problems(tiny_tokeniz
     assert 100 <= len(guesses) <= 140  # a seeded 60% of 200 (binomial sd ~7)
     for row in guesses:
         expression = row["messages"][1]["content"][: -len(" = ?")]
-        assert row["messages"][2] == {"role": "assistant", "content": f"{expression} = {eval(expression)}"}
+        assert row["messages"][2] == {
+            "role": "assistant",
+            "content": f"{expression} = {eval(expression)}",
+        }
     assert all(r["messages"][2]["tool_calls"] for r in rows if r not in guesses)
     assert len({r["id"] for r in rows}) == 200  # distinct problems
     assert sft_conversations(tiny_tokenizer, 200, guess_fraction=0.6) == rows  # seeded
@@ -71,14 +80,18 @@ def test_agent_example_trains_through_the_grpo_script(launcher, tiny_model_dir):
     assert sorted(stats) == [0, 1, 2], sorted(stats)
     assert stats[0]["eval/accuracy"] in (0.0, 0.25, 0.5, 0.75, 1.0)  # the agent's own reward
     for step in (1, 2):
-        assert_finite(stats[step], ["reward/mean", "agent/episodes", "agent/episodes_failed", "loss/pg_loss"])
+        assert_finite(
+            stats[step], ["reward/mean", "agent/episodes", "agent/episodes_failed", "loss/pg_loss"]
+        )
         assert stats[step]["agent/calls_per_episode"] >= 1.0
     assert stats[2]["agent/episodes"] >= 8  # two steps of 2 groups x 2 episodes
 
 
 @pytest.mark.slow
 def test_agents_sdk_program_trains_through_the_proxy_under_the_launcher(launcher, tiny_model_dir):
-    pytest.importorskip("agents", reason="openai-agents is in the test extra: pip install -e .[test]")
+    pytest.importorskip(
+        "agents", reason="openai-agents is in the test extra: pip install -e .[test]"
+    )
     yaml = EXAMPLES / "agent_arithmetic_sdk.yaml"
     run_dir = launcher.run("agent-sdk", GRPO_SCRIPT, yaml, [
         f"actor.path={tiny_model_dir}", "total_train_steps=2", "train_dataset.batch_size=2",
@@ -91,5 +104,7 @@ def test_agents_sdk_program_trains_through_the_proxy_under_the_launcher(launcher
     assert sorted(stats) == [0, 1, 2], sorted(stats)
     for step in (1, 2):
         assert_finite(stats[step], ["reward/mean", "agent/episodes", "loss/pg_loss"])
-        assert stats[step]["agent/calls_per_episode"] >= 1.0  # sessions of the next batch may be open
+        assert (
+            stats[step]["agent/calls_per_episode"] >= 1.0
+        )  # sessions of the next batch may be open
     assert stats[2]["agent/episodes"] >= 8 and stats[2]["agent/deadline_drops"] == 0

@@ -13,7 +13,9 @@ from launch_harness import assert_finite, train_steps
 pytestmark = pytest.mark.slow
 
 
-def test_one_gpu_colocates_trainer_and_server_and_the_server_sleeps_each_step(launcher, tiny_model_dir, tmp_path):
+def test_one_gpu_colocates_trainer_and_server_and_the_server_sleeps_each_step(
+    launcher, tiny_model_dir, tmp_path
+):
     shm = tmp_path / "shm"  # stands in for /dev/shm: the weight updates' own dir, outside RUN_DIR
     run_dir = launcher.run("coloc", GRPO_SCRIPT, GRPO_YAML, [
         f"actor.path={tiny_model_dir}", *SMALL_RL, "total_train_steps=2", "rollout.max_staleness=1",
@@ -22,7 +24,9 @@ def test_one_gpu_colocates_trainer_and_server_and_the_server_sleeps_each_step(la
     assert sorted(p.name for p in (shm / "coloc" / "t").glob("v*")) == ["v1", "v2"]
     assert not (run_dir / "weights").exists()
     out = (launcher.root / "coloc" / "launcher.out").read_text(errors="replace")
-    assert "1 GPU(s) for 1 trainer ranks + 1 servers: each server shares a trainer's GPU" in out, out
+    assert "1 GPU(s) for 1 trainer ranks + 1 servers: each server shares a trainer's GPU" in out, (
+        out
+    )
     stats = train_steps(run_dir)
     assert sorted(stats) == [1, 2]
     for step in (1, 2):

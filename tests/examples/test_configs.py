@@ -14,13 +14,22 @@ YAMLS = sorted(EXAMPLES.glob("*.yaml"))
 
 # A YAML names its script by a word in its file name: *_grpo / *_ppo -> gsm8k_grpo.py (every RL
 # algorithm), sft* -> sft.py, rm* -> rm.py, *dpo* -> dpo.py.
-SCRIPT_BY_WORD = {"grpo": "gsm8k_grpo.py", "ppo": "gsm8k_grpo.py", "sft": "sft.py", "rm": "rm.py",
-                  "dpo": "dpo.py"}
+SCRIPT_BY_WORD = {
+    "grpo": "gsm8k_grpo.py",
+    "ppo": "gsm8k_grpo.py",
+    "sft": "sft.py",
+    "rm": "rm.py",
+    "dpo": "dpo.py",
+}
 
 
 # workflow.type=agent / agent_cmd, and on-policy distillation: the RL script
-SCRIPT_BY_NAME = {"agent_arithmetic.yaml": "gsm8k_grpo.py", "agent_arithmetic_sdk.yaml": "gsm8k_grpo.py",
-                  "agent_arithmetic_langgraph.yaml": "gsm8k_grpo.py", "arithmetic_distill.yaml": "gsm8k_grpo.py"}
+SCRIPT_BY_NAME = {
+    "agent_arithmetic.yaml": "gsm8k_grpo.py",
+    "agent_arithmetic_sdk.yaml": "gsm8k_grpo.py",
+    "agent_arithmetic_langgraph.yaml": "gsm8k_grpo.py",
+    "arithmetic_distill.yaml": "gsm8k_grpo.py",
+}
 
 
 def script_for(yaml_path: Path) -> Path:
@@ -37,8 +46,13 @@ def script_for(yaml_path: Path) -> Path:
 
 def test_examples_hold_the_expected_configs():
     names = {p.name for p in YAMLS}
-    assert {"gsm8k_grpo.yaml", "arithmetic_grpo.yaml", "sft_arithmetic.yaml", "rm.yaml",
-            "dpo_arithmetic.yaml"} <= names
+    assert {
+        "gsm8k_grpo.yaml",
+        "arithmetic_grpo.yaml",
+        "sft_arithmetic.yaml",
+        "rm.yaml",
+        "dpo_arithmetic.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("yaml_path", YAMLS, ids=lambda p: p.name)
@@ -82,4 +96,6 @@ def test_multi_turn_knobs_without_the_multi_turn_workflow_are_an_error():
     from areal.api.config import ConfigError
 
     with pytest.raises(ConfigError, match="max_turns: 3 has no effect with type=rlvr"):
-        load_config(GRPOConfig, ["--config", str(EXAMPLES / "arithmetic_grpo.yaml"), "workflow.max_turns=3"])
+        load_config(
+            GRPOConfig, ["--config", str(EXAMPLES / "arithmetic_grpo.yaml"), "workflow.max_turns=3"]
+        )

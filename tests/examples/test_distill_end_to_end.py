@@ -22,7 +22,9 @@ def teacher_dir(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("teacher"), size="tiny", seed=1))
 
 
-def test_the_distillation_example_trains_on_the_teachers_reverse_kl(launcher, tiny_model_dir, teacher_dir):
+def test_the_distillation_example_trains_on_the_teachers_reverse_kl(
+    launcher, tiny_model_dir, teacher_dir
+):
     run_dir = launcher.run("distill", GRPO_SCRIPT, DISTILL_YAML, [
         f"actor.path={tiny_model_dir}", f"distill.teacher_path={teacher_dir}", *SMALL_RL,
         "total_train_steps=2", "valid_dataset=null",

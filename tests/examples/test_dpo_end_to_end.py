@@ -13,12 +13,31 @@ from test_end_to_end import _changed, _reloads
 pytestmark = pytest.mark.slow
 SCRIPT, YAML = REPO / "examples" / "dpo.py", REPO / "examples" / "dpo_arithmetic.yaml"
 # The reward-model demo's built-in pairs (right answer over a near miss): no sampling needed.
-ARITH = ["path=arithmetic", "arithmetic.max_digits=1", "arithmetic.operators=+", "arithmetic.n_train=40",
-         "arithmetic.n_test=8", "arithmetic.test_percent=20"]
-SMALL = ["total_train_steps=2", "train_dataset.batch_size=8", "evaluator.freq_steps=null",
-         "valid_dataset.split=test", "valid_dataset.batch_size=8", "optimizer.lr=1e-3",
-         *[f"train_dataset.{a}" for a in ARITH], *[f"valid_dataset.{a}" for a in ARITH]]
-LOSSES = ["loss/loss", "loss/reward_acc", "loss/margin", "loss/chosen_reward", "loss/rejected_reward"]
+ARITH = [
+    "path=arithmetic",
+    "arithmetic.max_digits=1",
+    "arithmetic.operators=+",
+    "arithmetic.n_train=40",
+    "arithmetic.n_test=8",
+    "arithmetic.test_percent=20",
+]
+SMALL = [
+    "total_train_steps=2",
+    "train_dataset.batch_size=8",
+    "evaluator.freq_steps=null",
+    "valid_dataset.split=test",
+    "valid_dataset.batch_size=8",
+    "optimizer.lr=1e-3",
+    *[f"train_dataset.{a}" for a in ARITH],
+    *[f"valid_dataset.{a}" for a in ARITH],
+]
+LOSSES = [
+    "loss/loss",
+    "loss/reward_acc",
+    "loss/margin",
+    "loss/chosen_reward",
+    "loss/rejected_reward",
+]
 
 
 def test_dpo_runs_end_to_end_and_precomputed_reference_equals_online(launcher, tiny_model_dir):

@@ -41,7 +41,9 @@ def _changed(ckpt: Path, start: str) -> bool:
     return any(not torch.equal(new[k], old[k]) for k in old if k in new)
 
 
-def _check_rl_run(run_dir: Path, n_steps: int, max_staleness: int, extra: list[str]) -> dict[int, dict]:
+def _check_rl_run(
+    run_dir: Path, n_steps: int, max_staleness: int, extra: list[str]
+) -> dict[int, dict]:
     stats = train_steps(run_dir)
     assert sorted(stats) == [0, *range(1, n_steps + 1)], sorted(stats)
     for step in (0, n_steps):

@@ -22,12 +22,28 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_an_interrupted_quickstart_prints_one_line_and_no_traceback(tmp_path, sig):
-    proc = subprocess.Popen([sys.executable, "-m", "areal.cli", "quickstart", "--out", str(tmp_path),
-                             "--sft", "total_train_steps=500"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "areal.cli",
+            "quickstart",
+            "--out",
+            str(tmp_path),
+            "--sft",
+            "total_train_steps=500",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        cwd=REPO,
+        start_new_session=True,
+    )
     before, after, deadline, tree = b"", b"", time.monotonic() + 300, {}
     try:
-        while b"[trainer] steps" not in before and time.monotonic() < deadline and proc.poll() is None:
+        while (
+            b"[trainer] steps" not in before and time.monotonic() < deadline and proc.poll() is None
+        ):
             if select.select([proc.stdout], [], [], 0.5)[0]:
                 before += os.read(proc.stdout.fileno(), 65536)
         assert b"[trainer] steps" in before, before.decode(errors="replace")[-3000:]
@@ -42,8 +58,15 @@ def test_an_interrupted_quickstart_prints_one_line_and_no_traceback(tmp_path, si
     text = (before + after).decode(errors="replace")
     assert code == 130, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
-    said = [line for line in after.decode(errors="replace").splitlines() if line.strip() and "[trainer] " not in line]
+    said = [
+        line
+        for line in after.decode(errors="replace").splitlines()
+        if line.strip() and "[trainer] " not in line
+    ]
     assert len(said) == 1 and "interrupted" in said[0], said
     time.sleep(1)
-    assert not [pid for pid in tree if Path(f"/proc/{pid}").exists()
-                and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"], "a started process survived"
+    assert not [
+        pid
+        for pid in tree
+        if Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    ], "a started process survived"

@@ -24,17 +24,25 @@ LORA = ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.optimizer.lr=1e-2", "a
 KILL_AFTER_STEP = 2
 
 
-def test_lora_grpo_resumes_sample_exact_with_small_checkpoints(launcher, tiny_model_dir, async_grpo_reference):
-    run, run_dir = launcher.start("lora", GRPO_SCRIPT, GRPO_YAML, [f"actor.path={tiny_model_dir}", *RESUMABLE, *LORA])
+def test_lora_grpo_resumes_sample_exact_with_small_checkpoints(
+    launcher, tiny_model_dir, async_grpo_reference
+):
+    run, run_dir = launcher.start(
+        "lora", GRPO_SCRIPT, GRPO_YAML, [f"actor.path={tiny_model_dir}", *RESUMABLE, *LORA]
+    )
     passed = lambda: KILL_AFTER_STEP in train_steps(run_dir)  # noqa: E731
-    assert run.wait(RUN_TIMEOUT, until=passed) is None, f"run ended before step {KILL_AFTER_STEP}:\n{run.output()}"
+    assert run.wait(RUN_TIMEOUT, until=passed) is None, (
+        f"run ended before step {KILL_AFTER_STEP}:\n{run.output()}"
+    )
     os.kill(_victim(run, "trainer"), signal.SIGKILL)
     code = run.wait(RUN_TIMEOUT)
     assert code == 0, f"the LoRA run did not recover (exit {code}):\n{run.output()}"
     assert "relaunching" in run.output()
     run.assert_no_survivors()
 
-    assert effective_ids(run_dir) == effective_ids(async_grpo_reference), "resumed LoRA run trained other samples"
+    assert effective_ids(run_dir) == effective_ids(async_grpo_reference), (
+        "resumed LoRA run trained other samples"
+    )
     stats = train_steps(run_dir)
     assert sorted(stats) == list(range(1, N_STEPS + 1))
     for rec in stats.values():

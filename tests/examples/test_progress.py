@@ -31,9 +31,21 @@ pytestmark = pytest.mark.slow
 
 
 def _command(model: str, fileroot: Path) -> list[str]:
-    return [sys.executable, "-m", "areal.cli", "launch", "local", str(REPO / "examples" / "sft.py"),
-            "--config", str(REPO / "examples" / "sft_arithmetic.yaml"), f"model.path={model}",
-            f"fileroot={fileroot}", f"total_train_steps={STEPS}", "train_dataset.batch_size=8", "valid_dataset=null"]
+    return [
+        sys.executable,
+        "-m",
+        "areal.cli",
+        "launch",
+        "local",
+        str(REPO / "examples" / "sft.py"),
+        "--config",
+        str(REPO / "examples" / "sft_arithmetic.yaml"),
+        f"model.path={model}",
+        f"fileroot={fileroot}",
+        f"total_train_steps={STEPS}",
+        "train_dataset.batch_size=8",
+        "valid_dataset=null",
+    ]
 
 
 def _read_until_exit(proc: subprocess.Popen, fd: int, timeout: float) -> list[tuple[float, str]]:
@@ -61,25 +73,44 @@ def _read_until_exit(proc: subprocess.Popen, fd: int, timeout: float) -> list[tu
 
 def test_terminal_sees_the_sft_stage_step_count_advance_while_it_runs(tiny_model_dir, tmp_path):
     primary, secondary = pty.openpty()
-    proc = subprocess.Popen(_command(tiny_model_dir, tmp_path), stdin=subprocess.DEVNULL, stdout=secondary,
-                            stderr=secondary, cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen(
+        _command(tiny_model_dir, tmp_path),
+        stdin=subprocess.DEVNULL,
+        stdout=secondary,
+        stderr=secondary,
+        cwd=REPO,
+        start_new_session=True,
+    )
     os.close(secondary)
     chunks = _read_until_exit(proc, primary, timeout=300)
     os.close(primary)
     assert proc.returncode == 0, "".join(text for _, text in chunks)[-3000:]
-    text, frame = "".join(t for _, t in chunks), rf"\[trainer\] steps:\s+\d+%\S*\s*\S*\s*(\d+)/{STEPS}"
+    text, frame = (
+        "".join(t for _, t in chunks),
+        rf"\[trainer\] steps:\s+\d+%\S*\s*\S*\s*(\d+)/{STEPS}",
+    )
     seen = sorted({int(m.group(1)) for m in re.finditer(frame, text)})
     assert len(seen) >= 3 and seen[-1] == STEPS, text[-3000:]
     first_frame_at = min(t for t, chunk in chunks if re.search(frame, chunk))
-    assert first_frame_at < chunks[-1][0] - 1.0  # frames arrived while the stage ran, not at its end
+    assert (
+        first_frame_at < chunks[-1][0] - 1.0
+    )  # frames arrived while the stage ran, not at its end
 
 
 def test_a_log_gets_plain_progress_lines_while_the_sft_stage_runs(tiny_model_dir, tmp_path):
-    proc = subprocess.Popen(_command(tiny_model_dir, tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen(
+        _command(tiny_model_dir, tmp_path),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        start_new_session=True,
+    )
     chunks = _read_until_exit(proc, proc.stdout.fileno(), timeout=300)
     text = "".join(t for _, t in chunks)
     assert proc.returncode == 0, text[-3000:]
-    lines = re.findall(rf"^\[trainer\] steps (\d+)/{STEPS} \(\d+%\) \| [\d.]+ steps/s \| ETA \S+$", text, re.M)
+    lines = re.findall(
+        rf"^\[trainer\] steps (\d+)/{STEPS} \(\d+%\) \| [\d.]+ steps/s \| ETA \S+$", text, re.M
+    )
     assert [int(s) for s in lines][:3] == [1, 2, 3] and int(lines[-1]) == STEPS, text[-3000:]
     assert "\r" not in text  # no redraws in a log

@@ -20,10 +20,27 @@ def test_the_python_api_example_runs_sft_then_grpo(tmp_path, tiny_model_dir):
     from areal.api.config import GRPOConfig, load_config
     from areal.utils.plot import read_stats
 
-    cmd = [sys.executable, str(REPO / "examples" / "python_api.py"), "--out", str(tmp_path),
-           "--model", tiny_model_dir, "--sft-steps", "2", "--grpo-steps", "1", "--small"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        str(REPO / "examples" / "python_api.py"),
+        "--out",
+        str(tmp_path),
+        "--model",
+        tiny_model_dir,
+        "--sft-steps",
+        "2",
+        "--grpo-steps",
+        "1",
+        "--small",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         out, _ = proc.communicate(timeout=DEADLINE_S)
     finally:
@@ -32,8 +49,14 @@ def test_the_python_api_example_runs_sft_then_grpo(tmp_path, tiny_model_dir):
             proc.wait(10)
     assert proc.returncode == 0, out[-4000:]
     assert (tmp_path / "sft" / "run" / "checkpoints" / "model" / "step2" / "config.json").is_file()
-    cfg = load_config(GRPOConfig, ["--config", str(tmp_path / "grpo.yaml")])  # the saved config reloads
-    assert cfg.actor.path.endswith("step2") and cfg.train_dataset.batch_size == 2 and cfg.gconfig.n_samples == 4
+    cfg = load_config(
+        GRPOConfig, ["--config", str(tmp_path / "grpo.yaml")]
+    )  # the saved config reloads
+    assert (
+        cfg.actor.path.endswith("step2")
+        and cfg.train_dataset.batch_size == 2
+        and cfg.gconfig.n_samples == 4
+    )
     rows = read_stats(tmp_path / "grpo" / "run")
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 1]
     assert "held-out accuracy" in out.splitlines()[-1]

@@ -39,13 +39,23 @@ def test_quickstart_tools_runs_sft_then_agent_grpo_and_summarizes(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
     assert proc.returncode == 0, log[-3000:]
-    conversations = [json.loads(line) for line in (out / "agent-sft.jsonl").read_text().splitlines()]
-    tool_calls = [c["messages"][2]["tool_calls"][0] for c in conversations if "tool_calls" in c["messages"][2]]
-    assert len(conversations) == 5000 and all(call["function"]["name"] == "calc" for call in tool_calls)
-    assert 1800 <= len(tool_calls) <= 2200  # the 40% that use the tool (the rest answer in the head)
+    conversations = [
+        json.loads(line) for line in (out / "agent-sft.jsonl").read_text().splitlines()
+    ]
+    tool_calls = [
+        c["messages"][2]["tool_calls"][0] for c in conversations if "tool_calls" in c["messages"][2]
+    ]
+    assert len(conversations) == 5000 and all(
+        call["function"]["name"] == "calc" for call in tool_calls
+    )
+    assert (
+        1800 <= len(tool_calls) <= 2200
+    )  # the 40% that use the tool (the rest answer in the head)
     assert (out / "sft" / "run" / "checkpoints" / "model" / "step3").is_dir()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["task"] == "tools" and summary["rl_steps"] == 2
     for key in ("acc_before", "acc_after"):
-        assert summary[key] in (0.0, 0.25, 0.5, 0.75, 1.0), summary  # the agent's success on 4 problems
+        assert summary[key] in (0.0, 0.25, 0.5, 0.75, 1.0), (
+            summary
+        )  # the agent's success on 4 problems
     assert "held-out agent success rate" in log

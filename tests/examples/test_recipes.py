@@ -28,7 +28,9 @@ def test_readme_reward_recipe_runs_verbatim_from_a_scratch_dir(tmp_path, tiny_mo
     home = tmp_path / "home"
     (home / "my_task").mkdir(parents=True)
     log = tmp_path / "reward_calls.txt"
-    (home / "my_task" / "my_rewards.py").write_text(_readme_block("python", "# my_rewards.py") + f"""
+    (home / "my_task" / "my_rewards.py").write_text(
+        _readme_block("python", "# my_rewards.py")
+        + f"""
 
 import os as _os
 _readme_reward = last_line_reward
@@ -38,18 +40,43 @@ def last_line_reward(completion, reference, prompt):  # the test's wrapper: reco
     with open({str(log)!r}, "a") as f:
         f.write(repr(prompt[-30:]) + "\\n")
     return _readme_reward(completion, reference, prompt)
-""")
+"""
+    )
     export, cp, launch = _readme_block("bash", "export SFT_MODEL=").strip().splitlines()
-    assert export.endswith("/runs/quickstart/sft/run/checkpoints/model/step300")  # what `make demo` writes
-    subprocess.run(cp, shell=True, cwd=REPO, env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, check=True)
+    assert export.endswith(
+        "/runs/quickstart/sft/run/checkpoints/model/step300"
+    )  # what `make demo` writes
+    subprocess.run(
+        cp, shell=True, cwd=REPO, env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, check=True
+    )
     # the README's launch line, verbatim, plus a tiny model and a two-step budget
-    areal = str(REPO / ".venv" / "bin" / "areal") if (REPO / ".venv" / "bin" / "areal").exists() else "areal"
+    areal = (
+        str(REPO / ".venv" / "bin" / "areal")
+        if (REPO / ".venv" / "bin" / "areal").exists()
+        else "areal"
+    )
     cmd = launch.replace("areal launch", f"{areal} launch", 1).replace("$SFT_MODEL", tiny_model_dir)
-    extra = [f"actor.path={tiny_model_dir}", f"fileroot={tmp_path / 'runs'}", "experiment_name=e", "trial_name=t",
-             *SMALL_RL, "total_train_steps=2", "launcher.echo=false", "launcher.server_threads=1",
-             "eval_gconfig.max_new_tokens=1", "valid_dataset.size=4"]
-    out = subprocess.run(f"{cmd} {' '.join(extra)}", shell=True, cwd=home / "my_task", capture_output=True,
-                         text=True, timeout=RUN_TIMEOUT, env={**os.environ, "HOME": str(home)})
+    extra = [
+        f"actor.path={tiny_model_dir}",
+        f"fileroot={tmp_path / 'runs'}",
+        "experiment_name=e",
+        "trial_name=t",
+        *SMALL_RL,
+        "total_train_steps=2",
+        "launcher.echo=false",
+        "launcher.server_threads=1",
+        "eval_gconfig.max_new_tokens=1",
+        "valid_dataset.size=4",
+    ]
+    out = subprocess.run(
+        f"{cmd} {' '.join(extra)}",
+        shell=True,
+        cwd=home / "my_task",
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        env={**os.environ, "HOME": str(home)},
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     stats = {r["step"]: r for r in read_jsonl(tmp_path / "runs" / "e" / "t" / "stats.jsonl")}
     assert {1, 2} <= set(stats), sorted(stats)
@@ -62,10 +89,22 @@ def last_line_reward(completion, reference, prompt):  # the test's wrapper: reco
 def test_a_reward_fn_that_does_not_import_fails_before_anything_starts(tmp_path, tiny_model_dir):
     shutil.copy(REPO / "examples" / "gsm8k_grpo.py", tmp_path)
     out = subprocess.run(
-        [sys.executable, "-m", "areal.cli", "launch", "local", str(tmp_path / "gsm8k_grpo.py"),
-         f"actor.path={tiny_model_dir}", "actor.use_critic=false", "cluster.n_servers=1",
-         f"fileroot={tmp_path / 'runs'}", "reward_fn=my_rewardz:last_line_reward"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "areal.cli",
+            "launch",
+            "local",
+            str(tmp_path / "gsm8k_grpo.py"),
+            f"actor.path={tiny_model_dir}",
+            "actor.use_critic=false",
+            "cluster.n_servers=1",
+            f"fileroot={tmp_path / 'runs'}",
+            "reward_fn=my_rewardz:last_line_reward",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 2, out.stderr
     assert "reward_fn: cannot import 'my_rewardz'" in out.stderr and "Traceback" not in out.stderr
@@ -79,17 +118,40 @@ def test_readme_workflow_recipe_runs_verbatim_from_a_scratch_dir(tmp_path, tiny_
     # The random tiny model scores 0 on arithmetic, and the recipe's workflow rejects groups with
     # equal rewards: a reward that varies lets it train (a test aid, not part of the recipe).
     (task / "varying_reward.py").write_text(
-        "def parity(completion, reference):\n    return float(len(completion) % 2)\n")
+        "def parity(completion, reference):\n    return float(len(completion) % 2)\n"
+    )
     for name in ("gsm8k_grpo.py", "arithmetic_grpo.yaml"):
         shutil.copy(REPO / "examples" / name, task)
-    launch = _readme_block("bash", "areal launch local gsm8k_grpo.py --config arithmetic_grpo.yaml workflow")
-    areal = str(REPO / ".venv" / "bin" / "areal") if (REPO / ".venv" / "bin" / "areal").exists() else "areal"
-    extra = [f"actor.path={tiny_model_dir}", f"fileroot={tmp_path / 'runs'}", "experiment_name=e", "trial_name=t",
-             *SMALL_RL, "gconfig.max_new_tokens=6", "total_train_steps=2", "launcher.echo=false",
-             "launcher.server_threads=1", "valid_dataset=null", "reward_fn=varying_reward:parity"]
-    launch = launch.strip().replace("areal launch", f"{areal} launch", 1).replace("$SFT_MODEL", tiny_model_dir)
+    launch = _readme_block(
+        "bash", "areal launch local gsm8k_grpo.py --config arithmetic_grpo.yaml workflow"
+    )
+    areal = (
+        str(REPO / ".venv" / "bin" / "areal")
+        if (REPO / ".venv" / "bin" / "areal").exists()
+        else "areal"
+    )
+    extra = [
+        f"actor.path={tiny_model_dir}",
+        f"fileroot={tmp_path / 'runs'}",
+        "experiment_name=e",
+        "trial_name=t",
+        *SMALL_RL,
+        "gconfig.max_new_tokens=6",
+        "total_train_steps=2",
+        "launcher.echo=false",
+        "launcher.server_threads=1",
+        "valid_dataset=null",
+        "reward_fn=varying_reward:parity",
+    ]
+    launch = (
+        launch.strip()
+        .replace("areal launch", f"{areal} launch", 1)
+        .replace("$SFT_MODEL", tiny_model_dir)
+    )
     cmd = f"{launch} {' '.join(extra)}"
-    out = subprocess.run(cmd, shell=True, cwd=task, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    out = subprocess.run(
+        cmd, shell=True, cwd=task, capture_output=True, text=True, timeout=RUN_TIMEOUT
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     stats = {r["step"]: r for r in read_jsonl(tmp_path / "runs" / "e" / "t" / "stats.jsonl")}
     assert {1, 2} <= set(stats), sorted(stats)

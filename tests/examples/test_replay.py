@@ -15,28 +15,51 @@ import pytest
 from conftest import GRPO_SCRIPT, GRPO_YAML, SMALL_RL
 
 pytestmark = pytest.mark.slow
-RECORDED = [*SMALL_RL, "total_train_steps=2", "rollout.max_staleness=1", "valid_dataset=null",
-            "stats_logger.replay.enabled=true", "stats_logger.replay.keep_weights=true", "seed=3",
-            "reward_fn=varying_reward:parity"]
+RECORDED = [
+    *SMALL_RL,
+    "total_train_steps=2",
+    "rollout.max_staleness=1",
+    "valid_dataset=null",
+    "stats_logger.replay.enabled=true",
+    "stats_logger.replay.keep_weights=true",
+    "seed=3",
+    "reward_fn=varying_reward:parity",
+]
 # The random tiny model scores 0 on arithmetic: zero advantages, weights that never move. A
 # reward that varies within a group gives the update something to train (a test aid).
 PARITY = "def parity(completion, reference):\n    return float(len(completion) % 2)\n"
 
 
-def _replay(run_dir: Path, env: dict[str, str], *knobs: str, to: int | None = None) -> subprocess.CompletedProcess:
+def _replay(
+    run_dir: Path, env: dict[str, str], *knobs: str, to: int | None = None
+) -> subprocess.CompletedProcess:
     """``areal replay [--to STEP] RUN_DIR [KEY=VALUE ...]``"""
     to_args = ["--to", str(to)] if to is not None else []
-    return subprocess.run([sys.executable, "-m", "areal.cli", "replay", *to_args, str(run_dir), *knobs],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-m", "areal.cli", "replay", *to_args, str(run_dir), *knobs],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+    )
 
 
-def test_replay_matches_every_step_and_a_changed_lr_diverges_at_step_1(launcher, tiny_model_dir, tmp_path):
+def test_replay_matches_every_step_and_a_changed_lr_diverges_at_step_1(
+    launcher, tiny_model_dir, tmp_path
+):
     (tmp_path / "varying_reward.py").write_text(PARITY)
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    run_dir = launcher.run("rec", GRPO_SCRIPT, GRPO_YAML, [f"actor.path={tiny_model_dir}", *RECORDED], env)
+    run_dir = launcher.run(
+        "rec", GRPO_SCRIPT, GRPO_YAML, [f"actor.path={tiny_model_dir}", *RECORDED], env
+    )
     root = run_dir / "replay"
-    assert sorted(p.name for p in root.glob("step-*.pt")) == ["step-000001-rank0.pt", "step-000002-rank0.pt"]
-    hashes = [json.loads(line)["tensors"] for line in (root / "hashes.jsonl").read_text().splitlines()]
+    assert sorted(p.name for p in root.glob("step-*.pt")) == [
+        "step-000001-rank0.pt",
+        "step-000002-rank0.pt",
+    ]
+    hashes = [
+        json.loads(line)["tensors"] for line in (root / "hashes.jsonl").read_text().splitlines()
+    ]
     assert [h == hashes[0] for h in hashes] == [True, False, False]  # every step moved the weights
 
     same = _replay(run_dir, env)
@@ -59,4 +82,7 @@ def test_replay_matches_every_step_and_a_changed_lr_diverges_at_step_1(launcher,
     (root / "hashes.jsonl").write_text("\n".join(lines) + "\n")
     tampered = _replay(run_dir, env)
     assert tampered.returncode == 1, tampered.stdout + tampered.stderr
-    assert f"MISMATCH: the replay first differs from the record at step 2, tensor {name!r}" in tampered.stdout
+    assert (
+        f"MISMATCH: the replay first differs from the record at step 2, tensor {name!r}"
+        in tampered.stdout
+    )

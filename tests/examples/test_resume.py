@@ -34,10 +34,13 @@ def _victim(run: Launch, which: str) -> int:
 
 
 def _run_killing(launcher: Launcher, model: str, which: str, *extra: str) -> Path:
-    run, run_dir = launcher.start(f"kill-{which}", GRPO_SCRIPT, GRPO_YAML,
-                                  [f"actor.path={model}", *RESUMABLE, *extra])
+    run, run_dir = launcher.start(
+        f"kill-{which}", GRPO_SCRIPT, GRPO_YAML, [f"actor.path={model}", *RESUMABLE, *extra]
+    )
     passed = lambda: KILL_AFTER_STEP in train_steps(run_dir)  # noqa: E731
-    assert run.wait(RUN_TIMEOUT, until=passed) is None, f"run ended before step {KILL_AFTER_STEP}:\n{run.output()}"
+    assert run.wait(RUN_TIMEOUT, until=passed) is None, (
+        f"run ended before step {KILL_AFTER_STEP}:\n{run.output()}"
+    )
     os.kill(_victim(run, which), signal.SIGKILL)
     code = run.wait(RUN_TIMEOUT)
     assert code == 0, f"the run did not recover (exit {code}):\n{run.output()}"
@@ -52,7 +55,9 @@ def _check_same_training(run_dir: Path, reference: Path) -> None:
     resumed_at = min(r["step"] for r in records if r["attempt"] == 1)
     assert KILL_AFTER_STEP < resumed_at <= KILL_AFTER_STEP + 2, resumed_at  # from the checkpoint
     ids = effective_ids(run_dir)
-    assert ids == effective_ids(reference), "the resumed run trained other samples than the reference"
+    assert ids == effective_ids(reference), (
+        "the resumed run trained other samples than the reference"
+    )
     flat = [i for step in sorted(ids) for i in ids[step]]
     assert len(flat) == len(set(flat)), "a sample was trained twice"
     stats = train_steps(run_dir)
@@ -61,9 +66,17 @@ def _check_same_training(run_dir: Path, reference: Path) -> None:
         assert_finite(rec, ["reward/mean", "loss/loss", "staleness/max"])
         # Tokens of the first resumed steps were generated after the relaunch (or restored from the
         # checkpoint): a server left at version 0 would make them resumed_at - 1 versions stale.
-        assert rec["staleness/max"] <= 1, f"step {step} trained tokens {rec['staleness/max']} versions old"
-    versions = [int(k.rsplit("/", 1)[1]) for k in stats[resumed_at] if k.startswith("staleness/version_share/")]
-    assert min(versions) >= resumed_at - 2, f"step {resumed_at} trained tokens of versions {versions}"
+        assert rec["staleness/max"] <= 1, (
+            f"step {step} trained tokens {rec['staleness/max']} versions old"
+        )
+    versions = [
+        int(k.rsplit("/", 1)[1])
+        for k in stats[resumed_at]
+        if k.startswith("staleness/version_share/")
+    ]
+    assert min(versions) >= resumed_at - 2, (
+        f"step {resumed_at} trained tokens of versions {versions}"
+    )
 
 
 def test_trainer_sigkilled_mid_training_resumes_and_trains_the_same_samples(
@@ -80,5 +93,7 @@ def test_server_sigkilled_mid_training_without_restarts_stops_the_trainer_then_r
     # test_server_loss.py); without them it stops naming the server, and the relaunch resumes.
     run_dir = _run_killing(launcher, tiny_model_dir, "server", "launcher.server_restarts=0")
     trainer_log = (run_dir / "logs" / "trainer.log").read_text(errors="replace")
-    assert "generation servers are dead (127.0.0.1:" in trainer_log  # a clear error naming the server
+    assert (
+        "generation servers are dead (127.0.0.1:" in trainer_log
+    )  # a clear error naming the server
     _check_same_training(run_dir, async_grpo_reference)

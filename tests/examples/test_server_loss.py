@@ -26,7 +26,12 @@ def test_a_one_server_run_whose_server_is_killed_mid_run_finishes(launcher, tiny
     os.kill(server, signal.SIGKILL)
     code = run.wait(RUN_TIMEOUT)
     trainer_log = (run_dir / "logs" / "trainer.log").read_text(errors="replace")
-    assert code == 0, f"{run.output()}\n{trainer_log[-3000:]}"  # was: AllServersDeadError 3 s after the kill
+    assert code == 0, (
+        f"{run.output()}\n{trainer_log[-3000:]}"
+    )  # was: AllServersDeadError 3 s after the kill
     assert sorted(train_steps(run_dir))[-4:] == [1, 2, 3, 4]
-    assert "server0 exited with code -9; restarting it on port" in (run_dir / "logs" / "launcher.log").read_text()
+    assert (
+        "server0 exited with code -9; restarting it on port"
+        in (run_dir / "logs" / "launcher.log").read_text()
+    )
     run.assert_no_survivors()

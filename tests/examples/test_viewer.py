@@ -23,8 +23,11 @@ WAIT = 30  # seconds for the page to fetch and draw
 
 @pytest.fixture
 def viewer_url(async_grpo_reference):
-    proc = subprocess.Popen([sys.executable, "-m", "areal.cli", "view", str(async_grpo_reference), "--port", "0"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal.cli", "view", str(async_grpo_reference), "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()  # "areal view: http://127.0.0.1:<port>/ (Ctrl-C stops it)"
         assert "http://" in line, f"areal view printed {line!r}"
@@ -37,12 +40,19 @@ def viewer_url(async_grpo_reference):
 @pytest.fixture
 def browser():
     if not (CHROMIUM and DRIVER):
-        pytest.skip("chromium and chromedriver are not installed (make install installs them as root: "
-                    "apt-get install chromium chromium-driver)")
+        pytest.skip(
+            "chromium and chromedriver are not installed (make install installs them as root: "
+            "apt-get install chromium chromium-driver)"
+        )
     webdriver = pytest.importorskip("selenium.webdriver")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1000",
+    ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(DRIVER))
@@ -54,7 +64,9 @@ def _wait(driver, css: str, at_least: int = 1):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    WebDriverWait(driver, WAIT).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, css)) >= at_least)
+    WebDriverWait(driver, WAIT).until(
+        lambda d: len(d.find_elements(By.CSS_SELECTOR, css)) >= at_least
+    )
     return driver.find_elements(By.CSS_SELECTOR, css)
 
 
@@ -66,7 +78,9 @@ def test_viewer_shows_curves_filters_samples_and_colours_tokens(viewer_url, brow
     browser.get(viewer_url)
     points = _wait(browser, 'circle.pt[data-key="reward/mean"]', at_least=6)
     assert sorted(int(p.get_attribute("data-step")) for p in points) == [1, 2, 3, 4, 5, 6]
-    assert _wait(browser, 'circle.pt[data-key^="staleness/hist/"]')  # the staleness histogram is drawn
+    assert _wait(
+        browser, 'circle.pt[data-key^="staleness/hist/"]'
+    )  # the staleness histogram is drawn
     browser.save_screenshot(str(shots / "viewer-curves.png"))
 
     browser.get(viewer_url + "#samples")
@@ -74,7 +88,9 @@ def test_viewer_shows_curves_filters_samples_and_colours_tokens(viewer_url, brow
     assert len(rows) == 48
     browser.find_element(By.NAME, "staleness_min").send_keys("1")
     browser.find_element(By.ID, "apply").click()
-    WebDriverWait(browser, WAIT).until(lambda d: d.find_element(By.ID, "matched").text != "48 samples match")
+    WebDriverWait(browser, WAIT).until(
+        lambda d: d.find_element(By.ID, "matched").text != "48 samples match"
+    )
     stale = browser.find_elements(By.CSS_SELECTOR, "#samples-table tbody tr")
     assert 0 < len(stale) < 48  # the run ran ahead (staleness 1 somewhere), not everywhere
     assert all(r.find_elements(By.TAG_NAME, "td")[6].text == "1" for r in stale)

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.slow
 RUN_TIMEOUT = 900.0  # seconds: vLLM's start (~30 s idle, minutes on a loaded 2-core box) + 3 steps
 
 
-def test_async_grpo_on_a_launcher_started_vllm_server_updates_its_weights_every_step(launcher, tiny_model_dir,
-                                                                                       monkeypatch):
+def test_async_grpo_on_a_launcher_started_vllm_server_updates_its_weights_every_step(
+    launcher, tiny_model_dir, monkeypatch
+):
     python, reason = vllm_env.status()
     if python is None:
         pytest.skip(reason)
@@ -42,11 +43,15 @@ def test_async_grpo_on_a_launcher_started_vllm_server_updates_its_weights_every_
     stats = train_steps(run_dir)
     assert sorted(stats) == list(range(1, n_steps + 1)), sorted(stats)
     for step in stats:
-        assert_finite(stats[step], ["reward/mean", "staleness/max", "loss/pg_loss", "loss/logp_mismatch"])
+        assert_finite(
+            stats[step], ["reward/mean", "staleness/max", "loss/pg_loss", "loss/logp_mismatch"]
+        )
         assert stats[step]["staleness/max"] <= 1
         if stats[step]["staleness/max"] == 0:  # every token from the trained weights: vLLM's
             assert stats[step]["loss/logp_mismatch"] < 1e-3  # logprobs are the trainer's (~1e-6)
-    assert "vllm.entrypoints.openai.api_server" in log and "--logprobs-mode processed_logprobs" in log
+    assert (
+        "vllm.entrypoints.openai.api_server" in log and "--logprobs-mode processed_logprobs" in log
+    )
     reloads = re.findall(r'"POST /collective_rpc HTTP/1.1" 200', log)
     assert len(reloads) >= n_steps - 1, log[-3000:]  # one disk reload per published version
     completions = re.findall(r'"POST /v1/completions HTTP/1.1" 200', log)

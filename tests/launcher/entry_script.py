@@ -38,7 +38,12 @@ def main(argv: list[str]) -> int:
     addrs = registry.get_subtree(gen_servers_key(cfg.experiment_name, cfg.trial_name))
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     with open(cfg.run_dir / "entry.jsonl", "a") as f:
-        f.write(json.dumps({"attempt": attempt, "pid": os.getpid(), "ppid": os.getppid(), "addrs": addrs}) + "\n")
+        f.write(
+            json.dumps(
+                {"attempt": attempt, "pid": os.getpid(), "ppid": os.getppid(), "addrs": addrs}
+            )
+            + "\n"
+        )
     if behaviour == "ok":
         for addr in addrs:
             with urllib.request.urlopen(f"http://{addr}/health", timeout=10) as r:

@@ -25,7 +25,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     """True if nothing listens on ``host:port``."""
     with socket.socket() as s:
@@ -35,6 +34,7 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
             return True
         except OSError:
             return False
+
 
 def _stat(pid: int) -> tuple[str, int, int] | None:
     """(state, ppid, start time in clock ticks) of ``pid``, or None if it is gone."""
@@ -48,7 +48,9 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
 
 def _cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return ""
 
@@ -111,7 +113,9 @@ class Launch:
             if until is not None and until():
                 return None
             time.sleep(0.1)
-        raise AssertionError(f"launcher still running after {timeout:.0f} s; output:\n{self.output()}")
+        raise AssertionError(
+            f"launcher still running after {timeout:.0f} s; output:\n{self.output()}"
+        )
 
     def output(self, n: int = 60) -> str:
         """The last ``n`` lines of the launcher's console output."""
@@ -149,17 +153,31 @@ class Launch:
             pass
 
 
-def start_launch(script: str | Path, config: str | Path | None, overrides: list[str], fileroot: Path,
-                 env: dict[str, str] | None = None, mode: str = "local") -> Launch:
+def start_launch(
+    script: str | Path,
+    config: str | Path | None,
+    overrides: list[str],
+    fileroot: Path,
+    env: dict[str, str] | None = None,
+    mode: str = "local",
+) -> Launch:
     """Start ``areal launch MODE SCRIPT [--config YAML] fileroot=... OVERRIDES`` in a new session."""
     fileroot.mkdir(parents=True, exist_ok=True)
-    argv = [str(script), *(["--config", str(config)] if config else []),
-            f"fileroot={fileroot}", "launcher.echo=false", *overrides]
+    argv = [
+        str(script),
+        *(["--config", str(config)] if config else []),
+        f"fileroot={fileroot}",
+        "launcher.echo=false",
+        *overrides,
+    ]
     out_path = fileroot / "launcher.out"
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "areal.cli", "launch", mode, *argv],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
             start_new_session=True,
         )
@@ -207,6 +225,8 @@ def train_steps(run_dir: Path) -> dict[int, dict]:
 def assert_finite(record: dict, keys: list[str]) -> None:
     """Every key is present in ``record`` and finite."""
     missing = [k for k in keys if k not in record]
-    assert not missing, f"metrics missing from step {record.get('step')}: {missing}; has {sorted(record)}"
+    assert not missing, (
+        f"metrics missing from step {record.get('step')}: {missing}; has {sorted(record)}"
+    )
     bad = {k: record[k] for k in keys if not math.isfinite(record[k])}
     assert not bad, f"non-finite metrics at step {record.get('step')}: {bad}"

@@ -33,7 +33,11 @@ def _pid_listening_on(port: int) -> int:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"serve" in cmd and b"--port" in cmd and cmd[cmd.index(b"--port") + 1] == str(port).encode():
+        if (
+            b"serve" in cmd
+            and b"--port" in cmd
+            and cmd[cmd.index(b"--port") + 1] == str(port).encode()
+        ):
             return int(pid)
     raise RuntimeError(f"no server process on port {port}")
 

@@ -28,15 +28,27 @@ from pathlib import Path
 from areal.utils.process import parent_death_signal
 from launch_harness import REPO, Launch
 
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "squeue", "sinfo")
+DAEMONS = (
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "srun",
+    "scontrol",
+    "scancel",
+    "squeue",
+    "sinfo",
+)
 INSTALL = "apt-get install slurmctld slurmd slurm-client munge (make test does it when run as root)"
 
 
 def unavailable_reason() -> str:
     """Why this machine cannot run the test cluster ('' when it can)."""
     if os.geteuid() != 0:
-        return ("the Slurm tier needs root (munged runs as the munge user, slurmd as root); run "
-                "`make test` as root")
+        return (
+            "the Slurm tier needs root (munged runs as the munge user, slurmd as root); run "
+            "`make test` as root"
+        )
     missing = [d for d in DAEMONS if shutil.which(d) is None and not Path("/usr/sbin", d).exists()]
     if missing:
         return f"not installed: {', '.join(missing)}; {INSTALL}"
@@ -74,8 +86,13 @@ class SlurmCluster:
 
     def run(self, *cmd: str, timeout: float = 30) -> subprocess.CompletedProcess:
         """A Slurm client command against this cluster."""
-        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **self.env})
+        return subprocess.run(
+            list(cmd),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **self.env},
+        )
 
     def jobs(self) -> list[str]:
         """`squeue` lines (id, name, state) of every job still in the queue."""
@@ -89,7 +106,11 @@ class SlurmCluster:
 
     def log_tail(self, name: str, n: int = 15) -> str:
         path = self.root / "log" / f"{name}.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.is_file() else "(no log)"
+        return (
+            "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+            if path.is_file()
+            else "(no log)"
+        )
 
     def stop(self) -> None:
         """Cancel what is left, then stop the daemons by pid (SIGTERM, then SIGKILL)."""
@@ -110,10 +131,15 @@ class SlurmCluster:
 
 def _start(cluster: SlurmCluster, name: str, cmd: list[str], **kwargs) -> None:
     out = open(cluster.root / "log" / f"{name}.log", "ab")
-    cluster.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env={**os.environ, **cluster.env},
-                                           preexec_fn=parent_death_signal(signal.SIGTERM),  # pytest killed: stop too
-                                           **kwargs)
+    cluster.procs[name] = subprocess.Popen(
+        cmd,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **cluster.env},
+        preexec_fn=parent_death_signal(signal.SIGTERM),  # pytest killed: stop too
+        **kwargs,
+    )
 
 
 def _wait(cluster: SlurmCluster, what: str, ready, timeout: float) -> None:
@@ -128,18 +154,37 @@ def _wait(cluster: SlurmCluster, what: str, ready, timeout: float) -> None:
 
 
 def _conf(root: Path, host: str, nodes: list[str], cpus: int) -> str:
-    return "\n".join([
-        "ClusterName=areal-test", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldPort={_free_port()}",
-        "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={root}/munge/socket",
-        "SlurmUser=root", "SlurmdUser=root", f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool/%n",
-        f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd-%n.pid",  # logs: stderr (-D)
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
-        "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "SlurmdParameters=config_overrides",
-        "MpiDefault=none", "ReturnToService=2", "KillWait=10",
-        *(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} State=UNKNOWN"
-          for n in nodes),
-        f"PartitionName=debug Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP", "",
-    ])
+    return "\n".join(
+        [
+            "ClusterName=areal-test",
+            f"SlurmctldHost={host}(127.0.0.1)",
+            f"SlurmctldPort={_free_port()}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={root}/munge/socket",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            f"StateSaveLocation={root}/state",
+            f"SlurmdSpoolDir={root}/spool/%n",
+            f"SlurmctldPidFile={root}/slurmctld.pid",
+            f"SlurmdPidFile={root}/slurmd-%n.pid",  # logs: stderr (-D)
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "SlurmdParameters=config_overrides",
+            "MpiDefault=none",
+            "ReturnToService=2",
+            "KillWait=10",
+            *(
+                f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} State=UNKNOWN"
+                for n in nodes
+            ),
+            f"PartitionName=debug Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP",
+            "",
+        ]
+    )
 
 
 def start_cluster(nodes: int = 2, cpus: int = 4, timeout: float = 60) -> SlurmCluster:
@@ -162,33 +207,64 @@ def start_cluster(nodes: int = 2, cpus: int = 4, timeout: float = 60) -> SlurmCl
     (root / "slurm.conf").write_text(_conf(root, host, names, cpus))
     cluster = SlurmCluster(root, names, cpus)
     try:
-        _start(cluster, "munged", [_exe("munged"), "-F", f"--socket={root}/munge/socket", f"--key-file={key}",
-                                   f"--pid-file={root}/munge/pid", f"--seed-file={root}/munge/seed",
-                                   f"--log-file={root}/munge/log"], user=munge.pw_uid, group=munge.pw_gid)
+        _start(
+            cluster,
+            "munged",
+            [
+                _exe("munged"),
+                "-F",
+                f"--socket={root}/munge/socket",
+                f"--key-file={key}",
+                f"--pid-file={root}/munge/pid",
+                f"--seed-file={root}/munge/seed",
+                f"--log-file={root}/munge/log",
+            ],
+            user=munge.pw_uid,
+            group=munge.pw_gid,
+        )
         _wait(cluster, "munged", (root / "munge" / "socket").exists, timeout)
         conf = str(root / "slurm.conf")
         _start(cluster, "slurmctld", [_exe("slurmctld"), "-D", "-f", conf])
         for n in names:
             _start(cluster, f"slurmd-{n}", [_exe("slurmd"), "-D", "-N", n, "-f", conf])
-        _wait(cluster, "every slurmd registered with slurmctld",
-              lambda: cluster.run("sinfo", "-h", "-N", "-o", "%T").stdout.split() == ["idle"] * nodes, timeout)
+        _wait(
+            cluster,
+            "every slurmd registered with slurmctld",
+            lambda: cluster.run("sinfo", "-h", "-N", "-o", "%T").stdout.split() == ["idle"] * nodes,
+            timeout,
+        )
     except BaseException:
         cluster.stop()
         raise
     return cluster
 
 
-def start_slurm_launch(script: str | Path, config: str | Path | None, overrides: list[str], fileroot: Path,
-                       cluster: SlurmCluster, env: dict[str, str] | None = None) -> Launch:
+def start_slurm_launch(
+    script: str | Path,
+    config: str | Path | None,
+    overrides: list[str],
+    fileroot: Path,
+    cluster: SlurmCluster,
+    env: dict[str, str] | None = None,
+) -> Launch:
     """Start ``areal launch slurm SCRIPT [--config YAML] fileroot=... OVERRIDES`` in a new session."""
     fileroot.mkdir(parents=True, exist_ok=True)
-    argv = [str(script), *(["--config", str(config)] if config else []), f"fileroot={fileroot}",
-            "launcher.echo=false", "cluster.devices_per_node=0", *overrides]
+    argv = [
+        str(script),
+        *(["--config", str(config)] if config else []),
+        f"fileroot={fileroot}",
+        "launcher.echo=false",
+        "cluster.devices_per_node=0",
+        *overrides,
+    ]
     out_path = fileroot / "launcher.out"
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "areal.cli", "launch", "slurm", *argv],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **cluster.env, **(env or {})},
             start_new_session=True,
         )

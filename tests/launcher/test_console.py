@@ -50,10 +50,17 @@ def test_console_drops_redraws_when_not_a_terminal():
 def test_log_pump_echoes_a_progress_frame_before_its_line_ends():
     """A child that redraws with \\r and sleeps: the frame reaches the console while the child
     still runs (it used to wait for the newline at the end of the stage)."""
-    child = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                              "sys.stderr.write('\\rsteps 1/2'); sys.stderr.flush(); time.sleep(5)\n"
-                              "sys.stderr.write('\\rsteps 2/2\\n')"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "sys.stderr.write('\\rsteps 1/2'); sys.stderr.flush(); time.sleep(5)\n"
+            "sys.stderr.write('\\rsteps 2/2\\n')",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     out, log = io.StringIO(), io.BytesIO()
     log.close = lambda: None  # keep it readable
     pump = LogPump(child.stdout, log, "trainer", Console(out, tty=True))
@@ -128,9 +135,11 @@ def test_what_children_print_while_they_are_stopped_stays_in_their_logs(tmp_path
     not echoed; what a child printed before it is, and the log keeps both."""
     from areal.launcher.procs import ProcessSupervisor
 
-    code = ("import signal, sys, time\n"
-            "def bye(*_):\n    print('nanobind: leaked 3 instances!', flush=True); sys.exit(0)\n"
-            "signal.signal(signal.SIGTERM, bye)\nprint('serving', flush=True)\ntime.sleep(60)\n")
+    code = (
+        "import signal, sys, time\n"
+        "def bye(*_):\n    print('nanobind: leaked 3 instances!', flush=True); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\nprint('serving', flush=True)\ntime.sleep(60)\n"
+    )
     out = io.StringIO()
     sup = ProcessSupervisor(tmp_path, echo=True, stop_timeout=10)
     sup.console = Console(out, tty=False)

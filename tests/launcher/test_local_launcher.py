@@ -24,9 +24,17 @@ def launch(tmp_path, tiny_model_dir):
     made: list[Launch] = []
 
     def start(behaviour: str, *overrides: str, config: str = "grpo") -> tuple[Launch, Path]:
-        model = ([f"actor.path={tiny_model_dir}", "actor.use_critic=false"] if config == "grpo"
-                 else [f"model.path={tiny_model_dir}"])
-        common = ["experiment_name=e", "trial_name=t", "launcher.server_threads=1", "launcher.stop_timeout=3"]
+        model = (
+            [f"actor.path={tiny_model_dir}", "actor.use_critic=false"]
+            if config == "grpo"
+            else [f"model.path={tiny_model_dir}"]
+        )
+        common = [
+            "experiment_name=e",
+            "trial_name=t",
+            "launcher.server_threads=1",
+            "launcher.stop_timeout=3",
+        ]
         env = {"AREAL_TEST_BEHAVIOUR": behaviour, "AREAL_TEST_CONFIG": config}
         run = start_launch(SCRIPT, None, [*model, *common, *overrides], tmp_path / "root", env)
         made.append(run)
@@ -45,7 +53,9 @@ def test_finished_run_exits_zero_and_leaves_no_process_or_port(launch, tmp_path)
     from areal.utils.name_resolve import FileNameRepository, gen_servers_key
 
     stale = "127.0.0.1:1"  # a dead server of an earlier launch of the same trial
-    FileNameRepository(tmp_path / "root" / "name_resolve").add_subentry(gen_servers_key("e", "t"), stale)
+    FileNameRepository(tmp_path / "root" / "name_resolve").add_subentry(
+        gen_servers_key("e", "t"), stale
+    )
     run, run_dir = launch("ok", "cluster.n_servers=2")
     assert run.wait(RUN_TIMEOUT) == 0, run.output()
     [entry] = read_jsonl(run_dir / "entry.jsonl")
@@ -58,7 +68,9 @@ def test_finished_run_exits_zero_and_leaves_no_process_or_port(launch, tmp_path)
 
 def test_failed_trainer_stops_the_run_and_tears_everything_down(launch):
     run, run_dir = launch("exit3", "cluster.n_servers=1")
-    assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()  # torchrun's code for a failed worker
+    assert run.wait(RUN_TIMEOUT) not in (0, None), (
+        run.output()
+    )  # torchrun's code for a failed worker
     assert "trainer exited with code" in run.output()
     assert "exitcode  : 3" in (run_dir / "logs" / "trainer.log").read_text()  # the cause is logged
     run.assert_no_survivors()
@@ -74,7 +86,9 @@ def test_the_closing_excerpt_names_the_root_cause_from_this_runs_output_only(lau
     out = run.output(200)
     # the worker's exception, not torchrun's ChildFailedError wrapper
     assert "trainer exited with code 1: RuntimeError: entry script failed on purpose" in out, out
-    assert "OldError" not in out and "OldError" in stale.read_text()  # the log keeps it, the excerpt not
+    assert (
+        "OldError" not in out and "OldError" in stale.read_text()
+    )  # the log keeps it, the excerpt not
 
 
 @pytest.mark.parametrize("sig, behaviour", [(signal.SIGINT, "sleep"), (signal.SIGTERM, "stubborn")])
@@ -103,7 +117,9 @@ def test_a_sigkilled_launcher_leaves_no_process_behind(launch):
 
 
 def test_bad_config_fails_before_any_process_starts_and_names_every_problem(launch):
-    run, run_dir = launch("ok", "rollout.max_staleness=-1", "cluster.trainer_nprocs=0", "cluster.n_servers=1")
+    run, run_dir = launch(
+        "ok", "rollout.max_staleness=-1", "cluster.trainer_nprocs=0", "cluster.n_servers=1"
+    )
     code = run.wait(RUN_TIMEOUT)
     out = run.output()
     assert code == 2
@@ -114,8 +130,14 @@ def test_bad_config_fails_before_any_process_starts_and_names_every_problem(laun
 
 
 def test_auto_recover_relaunches_a_failing_run_up_to_the_retry_limit(launch):
-    run, run_dir = launch("raise_new", "recover.mode=auto", "recover.retries=2", "cluster.n_servers=0",
-                          "train_dataset.type=sft", config="sft")
+    run, run_dir = launch(
+        "raise_new",
+        "recover.mode=auto",
+        "recover.retries=2",
+        "cluster.n_servers=0",
+        "train_dataset.type=sft",
+        config="sft",
+    )
     assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()
     assert [e["attempt"] for e in read_jsonl(run_dir / "entry.jsonl")] == [0, 1, 2]
     assert run.output().count("relaunching") == 2
@@ -124,18 +146,28 @@ def test_auto_recover_relaunches_a_failing_run_up_to_the_retry_limit(launch):
 
 
 def test_auto_recover_does_not_relaunch_a_failure_whose_cause_repeats(launch):
-    run, run_dir = launch("raise", "recover.mode=auto", "recover.retries=3", "cluster.n_servers=0",
-                          "train_dataset.type=sft", config="sft")
+    run, run_dir = launch(
+        "raise",
+        "recover.mode=auto",
+        "recover.retries=3",
+        "cluster.n_servers=0",
+        "train_dataset.type=sft",
+        config="sft",
+    )
     assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()
     assert [e["attempt"] for e in read_jsonl(run_dir / "entry.jsonl")] == [0, 1]  # today: 0..3
     out = run.output()
-    assert "attempt 2 failed with the same cause as attempt 1: RuntimeError: entry script failed " \
-           "on purpose; not relaunching" in out, out
+    assert (
+        "attempt 2 failed with the same cause as attempt 1: RuntimeError: entry script failed "
+        "on purpose; not relaunching" in out
+    ), out
     run.assert_no_survivors()
 
 
 def test_auto_recover_stops_relaunching_once_an_attempt_succeeds(launch):
-    run, run_dir = launch("fail_first", "recover.mode=auto", "recover.retries=3", "cluster.n_servers=1")
+    run, run_dir = launch(
+        "fail_first", "recover.mode=auto", "recover.retries=3", "cluster.n_servers=1"
+    )
     assert run.wait(RUN_TIMEOUT) == 0, run.output()
     entries = read_jsonl(run_dir / "entry.jsonl")
     assert [e["attempt"] for e in entries] == [0, 1]
@@ -145,7 +177,9 @@ def test_auto_recover_stops_relaunching_once_an_attempt_succeeds(launch):
 
 
 def test_recover_disabled_does_not_relaunch(launch):
-    run, run_dir = launch("fail_first", "cluster.n_servers=0", "train_dataset.type=sft", config="sft")
+    run, run_dir = launch(
+        "fail_first", "cluster.n_servers=0", "train_dataset.type=sft", config="sft"
+    )
     assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()
     assert [e["attempt"] for e in read_jsonl(run_dir / "entry.jsonl")] == [0]
 
@@ -157,7 +191,9 @@ def test_gpu_layout_gives_trainers_and_servers_disjoint_gpus():
     assert gpu_layout([], 2, 1) == (None, [None])  # CPU machine: nothing pinned
     assert gpu_layout(ids, 7, 1) == ("0,1,2,3,4,5,6", ["7"])
     assert gpu_layout(ids[:4], 2, 2) == ("0,1", ["2", "3"])
-    with pytest.raises(ValueError, match="need 9 GPUs, this launch may use 8 .*set cluster.colocate=true"):
+    with pytest.raises(
+        ValueError, match="need 9 GPUs, this launch may use 8 .*set cluster.colocate=true"
+    ):
         gpu_layout(ids, 8, 1, colocate=False)
 
 
@@ -169,7 +205,10 @@ def test_one_gpu_hosts_trainer_and_server_colocated(caplog):
     assert "each server shares a trainer's GPU" in caplog.text
     ids = [str(i) for i in range(8)]
     assert gpu_layout(ids, 8, 1) == ("0,1,2,3,4,5,6,7", ["0"])
-    assert gpu_layout(ids[:2], 2, 3, colocate=True) == ("0,1", ["0", "1", "0"])  # server i on rank i mod 2
+    assert gpu_layout(ids[:2], 2, 3, colocate=True) == (
+        "0,1",
+        ["0", "1", "0"],
+    )  # server i on rank i mod 2
     assert gpu_layout(ids, 2, 1, colocate=True) == ("0,1", ["0"])  # asked for, though GPUs are free
     with pytest.raises(ValueError, match="2 trainer ranks need 2 GPUs, this launch may use 1"):
         gpu_layout(["3"], 2, 1, colocate=True)
@@ -200,13 +239,22 @@ def test_a_dead_server_is_restarted_on_its_port_with_the_newest_weights(tmp_path
     from launch_harness import start_launch
 
     script = Path(__file__).parent / "restart_entry.py"
-    overrides = [f"actor.path={tiny_model_dir}", "actor.use_critic=false", "experiment_name=e", "trial_name=t",
-                 "launcher.server_threads=1", "launcher.stop_timeout=3", "cluster.n_servers=1"]
+    overrides = [
+        f"actor.path={tiny_model_dir}",
+        "actor.use_critic=false",
+        "experiment_name=e",
+        "trial_name=t",
+        "launcher.server_threads=1",
+        "launcher.stop_timeout=3",
+        "cluster.n_servers=1",
+    ]
     run = start_launch(script, None, overrides, tmp_path / "root")
     try:
         assert run.wait(RUN_TIMEOUT) == 0, run.output()
         log = (tmp_path / "root" / "e" / "t" / "logs" / "launcher.log").read_text()
-        assert "restarting it on port" in log and "with weights version 3 (1 of 2)" in log, log[-2000:]
+        assert "restarting it on port" in log and "with weights version 3 (1 of 2)" in log, log[
+            -2000:
+        ]
         run.assert_no_survivors()
     finally:
         run.cleanup()
@@ -223,7 +271,9 @@ def test_a_restarted_servers_weights_are_pinned_against_the_publishers_cleanup(t
     (weights / "v7").mkdir()  # unfinished: no safetensors yet
     pinned = tmp_path / "servers" / "server1-weights"
     assert pin_newest_weights(weights, pinned) == (str(pinned), 3)
-    assert (pinned / "model.safetensors").stat().st_ino == (weights / "v3" / "model.safetensors").stat().st_ino
+    assert (pinned / "model.safetensors").stat().st_ino == (
+        weights / "v3" / "model.safetensors"
+    ).stat().st_ino
     for f in (weights / "v3").iterdir():  # the publisher deletes v3 before the server loads it
         f.unlink()
     assert (pinned / "model.safetensors").read_bytes() == bytes([3]) * 16
@@ -245,17 +295,35 @@ def test_a_rank_stops_at_once_when_its_torchrun_is_sigkilled(tmp_path, tiny_mode
     run_dir = tmp_path / "e" / "t"
     env = {**os.environ, LAUNCHER_PID: str(os.getpid()), "AREAL_TEST_BEHAVIOUR": "heartbeat",
            "AREAL_TEST_CONFIG": "sft"}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT),
-           f"fileroot={tmp_path}", "experiment_name=e", "trial_name=t", f"model.path={tiny_model_dir}",
-           "train_dataset.type=sft"]
-    torchrun = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "1",
+        "--nnodes",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(SCRIPT),
+        f"fileroot={tmp_path}",
+        "experiment_name=e",
+        "trial_name=t",
+        f"model.path={tiny_model_dir}",
+        "train_dataset.type=sft",
+    ]
+    torchrun = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     worker = None
     try:
         deadline = time.monotonic() + RUN_TIMEOUT
         while not (run_dir / "heartbeat").is_file():
-            assert torchrun.poll() is None and time.monotonic() < deadline, "the worker never started"
+            assert torchrun.poll() is None and time.monotonic() < deadline, (
+                "the worker never started"
+            )
             time.sleep(0.1)
         [entry] = read_jsonl(run_dir / "entry.jsonl")
         worker = entry["pid"]
@@ -267,7 +335,9 @@ def test_a_rank_stops_at_once_when_its_torchrun_is_sigkilled(tmp_path, tiny_mode
             time.sleep(0.02)
         assert not Path(f"/proc/{worker}").exists(), "the orphaned worker kept running"
         last_beat = float((run_dir / "heartbeat").read_text().split()[-1])
-        assert last_beat < killed_at + 0.5, f"the worker ran {last_beat - killed_at:.2f} s after torchrun died"
+        assert last_beat < killed_at + 0.5, (
+            f"the worker ran {last_beat - killed_at:.2f} s after torchrun died"
+        )
     finally:
         if torchrun.poll() is None:
             torchrun.kill()

@@ -39,8 +39,15 @@ def run_launch(tmp_path, monkeypatch, tiny_model_dir):
             record_failure(cfg.run_dir / "logs", "trainer", 1, causes[attempt])
             return 1
 
-        argv = [f"fileroot={tmp_path}", "experiment_name=e", "trial_name=t", f"model.path={tiny_model_dir}",
-                "cluster.n_servers=0", "train_dataset.type=sft", *overrides]
+        argv = [
+            f"fileroot={tmp_path}",
+            "experiment_name=e",
+            "trial_name=t",
+            f"model.path={tiny_model_dir}",
+            "cluster.n_servers=0",
+            "train_dataset.type=sft",
+            *overrides,
+        ]
         return launch(str(SCRIPT), argv, run_once), attempts, run_dir
 
     yield run
@@ -53,19 +60,30 @@ def run_launch(tmp_path, monkeypatch, tiny_model_dir):
 def test_auto_recover_stops_relaunching_when_the_same_cause_repeats(run_launch, caplog):
     nan = "FloatingPointError: loss is NaN at step 3 (rank 0, pid 41234)"
     with caplog.at_level(logging.ERROR, logger="areal.launcher"):
-        code, attempts, _ = run_launch([nan, nan.replace("41234", "41877"), nan, None],
-                                       "recover.mode=auto", "recover.retries=3")
+        code, attempts, _ = run_launch(
+            [nan, nan.replace("41234", "41877"), nan, None],
+            "recover.mode=auto",
+            "recover.retries=3",
+        )
     assert code == 1 and attempts == [0, 1]  # today: relaunched three times, the same way
-    assert "attempt 2 failed with the same cause as attempt 1: FloatingPointError: loss is NaN" in caplog.text
+    assert (
+        "attempt 2 failed with the same cause as attempt 1: FloatingPointError: loss is NaN"
+        in caplog.text
+    )
     assert "not relaunching" in caplog.text
 
 
 def test_auto_recover_relaunches_while_the_cause_changes(run_launch):
-    code, attempts, run_dir = run_launch(["OSError: disk gone", "RuntimeError: server 1 died", None],
-                                         "recover.mode=auto", "recover.retries=3")
+    code, attempts, run_dir = run_launch(
+        ["OSError: disk gone", "RuntimeError: server 1 died", None],
+        "recover.mode=auto",
+        "recover.retries=3",
+    )
     assert code == 0 and attempts == [0, 1, 2]
-    assert [r["cause"] for r in read_failures(run_dir / "logs")] == ["OSError: disk gone",
-                                                                    "RuntimeError: server 1 died"]
+    assert [r["cause"] for r in read_failures(run_dir / "logs")] == [
+        "OSError: disk gone",
+        "RuntimeError: server 1 died",
+    ]
 
 
 def test_an_unknown_cause_never_counts_as_a_repeat(run_launch):
@@ -74,9 +92,13 @@ def test_an_unknown_cause_never_counts_as_a_repeat(run_launch):
 
 
 def test_same_cause_masks_pids_ports_and_addresses_but_not_small_numbers():
-    assert same_cause("RuntimeError: servers are dead (127.0.0.1:43213)",
-                      "RuntimeError: servers are dead (127.0.0.1:51007)")
-    assert same_cause("ValueError: bad tensor at 0x7f3a2c1d", "ValueError: bad tensor at 0x7f11aa00")
+    assert same_cause(
+        "RuntimeError: servers are dead (127.0.0.1:43213)",
+        "RuntimeError: servers are dead (127.0.0.1:51007)",
+    )
+    assert same_cause(
+        "ValueError: bad tensor at 0x7f3a2c1d", "ValueError: bad tensor at 0x7f11aa00"
+    )
     assert not same_cause("exit code 3", "exit code 1")
     assert not same_cause("RuntimeError: step 5 diverged", "RuntimeError: step 6 diverged")
     assert not same_cause("", "")
@@ -117,11 +139,15 @@ def test_a_rank_killed_by_a_signal_is_the_root_cause_not_a_reward_workers_broken
         "Traceback (most recent call last):",
         '  File "/x/multiprocessing/connection.py", line 289, in _send',
         "BrokenPipeError: [Errno 32] Broken pipe",
-        *[line.replace("exitcode  : 1 (pid: 27361)", "exitcode  : -9 (pid: 27361)")
-          for line in TORCHRUN_OUTPUT.splitlines()[5:]],
+        *[
+            line.replace("exitcode  : 1 (pid: 27361)", "exitcode  : -9 (pid: 27361)")
+            for line in TORCHRUN_OUTPUT.splitlines()[5:]
+        ],
         "  traceback : Signal 9 (SIGKILL) received by PID 27361",
     ]
-    lines.insert(lines.index("  time      : 2026-11-23_11:37:50") + 1, "  rank      : 0 (local_rank: 0)")
+    lines.insert(
+        lines.index("  time      : 2026-11-23_11:37:50") + 1, "  rank      : 0 (local_rank: 0)"
+    )
     assert root_cause(lines, 1) == "trainer rank 0 killed by SIGKILL (exit code -9)"
 
 
@@ -156,19 +182,32 @@ class _FullDisk:
         self.file.close()
 
 
-def test_log_pump_survives_enospc_and_the_excerpt_says_no_space_left_on_device(tmp_path, monkeypatch):
+def test_log_pump_survives_enospc_and_the_excerpt_says_no_space_left_on_device(
+    tmp_path, monkeypatch
+):
     real_open = open
-    monkeypatch.setattr(procs, "open", lambda path, mode="r", *a, **kw: (
-        _FullDisk(path, room=2000) if str(path).endswith(".log") else real_open(path, mode, *a, **kw)
-    ), raising=False)
+    monkeypatch.setattr(
+        procs,
+        "open",
+        lambda path, mode="r", *a, **kw: (
+            _FullDisk(path, room=2000)
+            if str(path).endswith(".log")
+            else real_open(path, mode, *a, **kw)
+        ),
+        raising=False,
+    )
     # ~1 MB of output: far more than a pipe holds, so a pump that stopped draining blocks the child
-    code = "import sys\nfor i in range(20000): print('line', i, 'x' * 40)\nraise RuntimeError('boom')"
+    code = (
+        "import sys\nfor i in range(20000): print('line', i, 'x' * 40)\nraise RuntimeError('boom')"
+    )
     sup = ProcessSupervisor(tmp_path / "logs", echo=False, stop_timeout=3)
     try:
         child = sup.start("trainer", [sys.executable, "-c", code])
         child.proc.wait(timeout=60)  # today the pump thread dies on ENOSPC and this times out
         excerpt = child.tail(5)
-        assert "No space left on device" in excerpt and f"writing {child.log_path} failed" in excerpt
+        assert (
+            "No space left on device" in excerpt and f"writing {child.log_path} failed" in excerpt
+        )
         assert "RuntimeError: boom" in excerpt  # the last lines were kept in memory
         assert child.root_cause() == "RuntimeError: boom"
     finally:
@@ -184,9 +223,15 @@ def test_teardown_records_the_failure_that_ended_the_attempt(tmp_path):
         sup.start("server0", [sys.executable, "-c", server])
         child = sup.start("trainer", [sys.executable, "-c", trainer])
         child.proc.wait(timeout=60)
-        sup.start("server1", [sys.executable, "-c", "import time\ntime.sleep(60)"])  # killed by teardown
+        sup.start(
+            "server1", [sys.executable, "-c", "import time\ntime.sleep(60)"]
+        )  # killed by teardown
     [failure] = read_failures(tmp_path / "logs")
-    assert failure == {"process": "trainer", "code": 1, "cause": "RuntimeError: generation servers are dead"}
+    assert failure == {
+        "process": "trainer",
+        "code": 1,
+        "cause": "RuntimeError: generation servers are dead",
+    }
 
 
 def test_a_child_stopped_by_sigterm_from_outside_is_no_failure(tmp_path):

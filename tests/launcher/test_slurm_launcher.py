@@ -32,8 +32,15 @@ RL_LOSSES = ["loss/pg_loss", "loss/loss", "loss/entropy", "loss/grad_norm", "los
 
 
 def _cfg(*overrides: str):
-    base = ["actor.path=/models/m", "actor.use_critic=false", "cluster.n_servers=1", "experiment_name=e",
-            "trial_name=t", "fileroot=/shared/areal", "cluster.devices_per_node=0"]
+    base = [
+        "actor.path=/models/m",
+        "actor.use_critic=false",
+        "cluster.n_servers=1",
+        "experiment_name=e",
+        "trial_name=t",
+        "fileroot=/shared/areal",
+        "cluster.devices_per_node=0",
+    ]
     return load_config(GRPOConfig, [*base, *overrides])
 
 
@@ -45,51 +52,95 @@ def test_layout_asks_each_node_for_its_trainer_ranks_and_its_share_of_servers():
     # x 4 CPUs = 16 CPUs per node, and one GPU per process = 4 GPUs.
     lay = Layout(nodes=2, trainer_nprocs=2, servers=3, cpus_per_process=4, gpus=True)
     assert (lay.servers_per_node, lay.processes_per_node) == (2, 4)
-    assert lay.wanted("1:00:00") == ("2 node(s), each 4 process(es) (2 trainer rank(s) + up to 2 server(s)) "
-                                     "x 4 CPU(s) = 16 CPUs and 4 GPU(s), time limit 1:00:00")
+    assert lay.wanted("1:00:00") == (
+        "2 node(s), each 4 process(es) (2 trainer rank(s) + up to 2 server(s)) "
+        "x 4 CPU(s) = 16 CPUs and 4 GPU(s), time limit 1:00:00"
+    )
 
 
 def test_job_script_places_server_i_on_node_i_mod_n_and_one_torchrun_per_node():
-    cfg = _cfg("cluster.n_nodes=2", "cluster.n_servers=3", "cluster.trainer_nprocs=2", "cluster.devices_per_node=4",
-               "launcher.slurm.partition=gpu", "launcher.slurm.account=lab", "launcher.slurm.time_limit=2:00:00",
-               "launcher.slurm.sbatch_lines=[--qos=high]", "launcher.slurm.container_image=nvcr.io#pytorch",
-               "launcher.slurm.container_mounts=[/shared:/shared]")
+    cfg = _cfg(
+        "cluster.n_nodes=2",
+        "cluster.n_servers=3",
+        "cluster.trainer_nprocs=2",
+        "cluster.devices_per_node=4",
+        "launcher.slurm.partition=gpu",
+        "launcher.slurm.account=lab",
+        "launcher.slurm.time_limit=2:00:00",
+        "launcher.slurm.sbatch_lines=[--qos=high]",
+        "launcher.slurm.container_image=nvcr.io#pytorch",
+        "launcher.slurm.container_mounts=[/shared:/shared]",
+    )
     text = job_script(cfg, "examples/gsm8k_grpo.py", ["lr=1"], attempt=1)
     header = [line for line in text.splitlines() if line.startswith("#SBATCH")]
-    assert header[:9] == ["#SBATCH --job-name=areal-e-t", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",
-                          "#SBATCH --cpus-per-task=1", "#SBATCH --gpus-per-node=4", "#SBATCH --partition=gpu",
-                          "#SBATCH --account=lab", "#SBATCH --time=2:00:00", f"#SBATCH --chdir={os.getcwd()}"]
+    assert header[:9] == [
+        "#SBATCH --job-name=areal-e-t",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --cpus-per-task=1",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=lab",
+        "#SBATCH --time=2:00:00",
+        f"#SBATCH --chdir={os.getcwd()}",
+    ]
     assert header[-1] == "#SBATCH --qos=high"
     servers = [line for line in text.splitlines() if "areal.launcher.server_task" in line]
     assert len(servers) == 3
     for i, (line, node) in enumerate(zip(servers, [0, 1, 0])):
         step = f"--job-name=server{i} --nodes=1 --ntasks=1 --relative={node} --cpus-per-task=1 --gpus-per-task=1"
         assert step in line
-        assert f'--host "$(node_addr "${{nodes[{node}]}}")"' in line  # its node's address, not loopback
+        assert (
+            f'--host "$(node_addr "${{nodes[{node}]}}")"' in line
+        )  # its node's address, not loopback
         assert line.endswith(f'launcher.echo=false >> "$run_dir/logs/server{i}-task.log" 2>&1 &')
-        assert "--container-image=nvcr.io#pytorch" in line and "--container-mounts=/shared:/shared" in line
+        assert (
+            "--container-image=nvcr.io#pytorch" in line
+            and "--container-mounts=/shared:/shared" in line
+        )
     [trainer] = [line for line in text.splitlines() if "torch.distributed.run" in line]
     step = "--nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=2 --gpus-per-task=2 --kill-on-bad-exit=1"
     assert step in trainer
     assert "AREAL_LAUNCH_ATTEMPT=1" in trainer and '--node_rank="$SLURM_NODEID"' in trainer
-    assert "--nnodes=2 --nproc_per_node=2" in trainer and 'master_addr=$(node_addr "${nodes[0]}")' in text
+    assert (
+        "--nnodes=2 --nproc_per_node=2" in trainer
+        and 'master_addr=$(node_addr "${nodes[0]}")' in text
+    )
     assert trainer.endswith('lr=1 >> "$run_dir/logs/trainer.log" 2>&1')
 
 
 def test_job_script_of_one_node_binds_servers_to_loopback_and_asks_for_no_gpu():
-    text = job_script(_cfg("launcher.slurm.cpus_per_process=2"), "examples/gsm8k_grpo.py", [], attempt=0)
-    assert "--host 127.0.0.1" in text and "master_addr=127.0.0.1" in text and "node_addr" not in text
+    text = job_script(
+        _cfg("launcher.slurm.cpus_per_process=2"), "examples/gsm8k_grpo.py", [], attempt=0
+    )
+    assert (
+        "--host 127.0.0.1" in text and "master_addr=127.0.0.1" in text and "node_addr" not in text
+    )
     assert "gpu" not in text.replace("gsm8k_grpo", "") and "--cpus-per-task=2" in text
     assert "AREAL_LAUNCH_ATTEMPT=0" in text and "container" not in text
 
 
 def test_pending_reasons_that_can_never_start_are_told_from_those_that_wait():
-    for reason in ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
-                   "InvalidAccount", "AssocMaxCpuPerJobLimit", "QOSMaxGRESPerJob"):
+    for reason in (
+        "PartitionConfig",
+        "PartitionNodeLimit",
+        "PartitionTimeLimit",
+        "BadConstraints",
+        "InvalidAccount",
+        "AssocMaxCpuPerJobLimit",
+        "QOSMaxGRESPerJob",
+    ):
         assert never_placed(reason), reason
     # Resources and Priority wait for others; ReqNodeNotAvail also shows during backfill and for
     # nodes coming back: these wait out launcher.slurm.start_timeout.
-    for reason in ("None", "Resources", "Priority", "ReqNodeNotAvail", "AssocGrpCpuLimit", "BeginTime"):
+    for reason in (
+        "None",
+        "Resources",
+        "Priority",
+        "ReqNodeNotAvail",
+        "AssocGrpCpuLimit",
+        "BeginTime",
+    ):
         assert never_placed(reason) == "", reason
 
 
@@ -100,9 +151,15 @@ def test_slurm_problems_name_the_field_and_the_fix(monkeypatch):
     # 4 + 1 <= 4 GPUs x 2 nodes overall, but the node holding the server needs 5
     cfg = _cfg("cluster.devices_per_node=4", "cluster.trainer_nprocs=4", "cluster.n_nodes=2")
     text = "\n".join(slurm_problems(cfg))
-    assert "cluster.devices_per_node: 4 GPUs per node cannot hold 4 trainer rank(s) + 1 server(s)" in text
+    assert (
+        "cluster.devices_per_node: 4 GPUs per node cannot hold 4 trainer rank(s) + 1 server(s)"
+        in text
+    )
     text = "\n".join(slurm_problems(_cfg("cluster.n_nodes=2")))
-    assert "server.api_key: empty, but with cluster.n_nodes=2" in text and "AREAL_SERVER_API_KEY" in text
+    assert (
+        "server.api_key: empty, but with cluster.n_nodes=2" in text
+        and "AREAL_SERVER_API_KEY" in text
+    )
     text = "\n".join(slurm_problems(_cfg("cluster.name_resolve.type=memory")))
     assert "cluster.name_resolve.type: memory lives in one process" in text and "use file" in text
     monkeypatch.setenv("AREAL_SERVER_API_KEY", "k")  # a key by env is enough
@@ -111,8 +168,11 @@ def test_slurm_problems_name_the_field_and_the_fix(monkeypatch):
 
 def test_slurm_config_errors_name_the_field_the_value_and_the_fix():
     with pytest.raises(ConfigError) as e:
-        _cfg("launcher.slurm.time_limit=2h", "launcher.slurm.sbatch_lines=[qos=high]",
-             "launcher.slurm.container_mounts=[/a:/a]")
+        _cfg(
+            "launcher.slurm.time_limit=2h",
+            "launcher.slurm.sbatch_lines=[qos=high]",
+            "launcher.slurm.container_mounts=[/a:/a]",
+        )
     text = str(e.value)
     assert "launcher.slurm.time_limit: '2h' is not a Slurm time" in text
     assert "launcher.slurm.sbatch_lines: 'qos=high' is not an sbatch option" in text
@@ -149,10 +209,23 @@ def launch(tmp_path, tiny_model_dir, slurm):
     made = []
 
     def start(behaviour: str, *overrides: str):
-        common = [f"actor.path={tiny_model_dir}", "actor.use_critic=false", "experiment_name=e", "trial_name=t",
-                  "launcher.server_threads=1", "launcher.stop_timeout=3", "cluster.n_servers=1"]
-        run = start_slurm_launch(ENTRY, None, [*common, *overrides], tmp_path / "root", slurm,
-                                 {"AREAL_TEST_BEHAVIOUR": behaviour, "AREAL_TEST_CONFIG": "grpo"})
+        common = [
+            f"actor.path={tiny_model_dir}",
+            "actor.use_critic=false",
+            "experiment_name=e",
+            "trial_name=t",
+            "launcher.server_threads=1",
+            "launcher.stop_timeout=3",
+            "cluster.n_servers=1",
+        ]
+        run = start_slurm_launch(
+            ENTRY,
+            None,
+            [*common, *overrides],
+            tmp_path / "root",
+            slurm,
+            {"AREAL_TEST_BEHAVIOUR": behaviour, "AREAL_TEST_CONFIG": "grpo"},
+        )
         made.append(run)
         return run, tmp_path / "root" / "e" / "t"
 
@@ -173,7 +246,9 @@ def _assert_gone(run, slurm) -> None:
 
 
 @pytest.mark.slow
-def test_short_grpo_run_on_two_nodes_trains_and_writes_the_local_run_dir_layout(tmp_path, tiny_model_dir, slurm):
+def test_short_grpo_run_on_two_nodes_trains_and_writes_the_local_run_dir_layout(
+    tmp_path, tiny_model_dir, slurm
+):
     from launch_harness import marked_processes
     from slurm_cluster import start_slurm_launch
 
@@ -202,17 +277,31 @@ def test_short_grpo_run_on_two_nodes_trains_and_writes_the_local_run_dir_layout(
             assert_finite(stats[step], ["eval/accuracy"])
         for step in (1, 2):
             assert_finite(stats[step], ["reward/mean", "staleness/max", *RL_LOSSES])
-            assert stats[step]["staleness/max"] == 0  # synchronous: trained on the weights being trained
+            assert (
+                stats[step]["staleness/max"] == 0
+            )  # synchronous: trained on the weights being trained
         # one torchrun per node, one rank each: each rank trains one of the step's 2 groups
-        per_rank = [{r["step"]: r["ids"] for r in read_jsonl(run_dir / f"trained_samples-rank{k}.jsonl")}
-                    for k in (0, 1)]
+        per_rank = [
+            {r["step"]: r["ids"] for r in read_jsonl(run_dir / f"trained_samples-rank{k}.jsonl")}
+            for k in (0, 1)
+        ]
         for step in (1, 2):
             assert len(per_rank[0][step]) == len(per_rank[1][step]) == 1
             assert per_rank[0][step] != per_rank[1][step]
         _reloads(run_dir / "checkpoints" / "actor" / "step2")
-        for name in ("config.yaml", "slurm/job.sbatch", "slurm/job.id", "logs/launcher.log", "logs/trainer.log",
-                     "logs/trainer0.log", "logs/trainer1.log", "logs/server0.log", "logs/server1.log",
-                     "logs/server0-task.log", "logs/job.log"):
+        for name in (
+            "config.yaml",
+            "slurm/job.sbatch",
+            "slurm/job.id",
+            "logs/launcher.log",
+            "logs/trainer.log",
+            "logs/trainer0.log",
+            "logs/trainer1.log",
+            "logs/server0.log",
+            "logs/server1.log",
+            "logs/server0-task.log",
+            "logs/job.log",
+        ):
             assert (run_dir / name).is_file(), name
         assert (run_dir / "slurm" / "trainer.exit").read_text().strip() == "0"
         leaked = [p for p in tmp_path.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
@@ -220,8 +309,13 @@ def test_short_grpo_run_on_two_nodes_trains_and_writes_the_local_run_dir_layout(
         assert any("server_task" in cmd for cmd in commands.values()), commands
         seen = [*commands.values(), *(cmd for _, cmd in run.seen.values())]
         assert not [cmd for cmd in seen if key in cmd], "the admin key was on a command line"
-        plot = subprocess.run([sys.executable, "-m", "areal.cli", "plot", str(run_dir)], cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
+        plot = subprocess.run(
+            [sys.executable, "-m", "areal.cli", "plot", str(run_dir)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert plot.returncode == 0 and (run_dir / "plot.png").is_file(), plot.stderr
         _assert_gone(run, slurm)
     finally:
@@ -245,21 +339,39 @@ def _tail(path: Path, n: int = 40) -> str:
 @pytest.mark.slow
 def test_impossible_placement_fails_fast_naming_wanted_and_available(launch, slurm):
     started = time.monotonic()
-    run, _ = launch("ok", "launcher.slurm.cpus_per_process=64")  # 2 processes x 64 CPUs; a node has 4
+    run, _ = launch(
+        "ok", "launcher.slurm.cpus_per_process=64"
+    )  # 2 processes x 64 CPUs; a node has 4
     assert run.wait(RUN_TIMEOUT) == 2, run.output()
     assert time.monotonic() - started < 90  # one look at the job, not start_timeout (600 s)
     out = run.output()
     assert "Slurm says PartitionConfig" in out, out
-    assert "x 64 CPU(s) = 128 CPUs" in out and "2 node(s) (n1: 4 CPUs, no GPUs, idle; n2: 4 CPUs" in out, out
+    assert (
+        "x 64 CPU(s) = 128 CPUs" in out
+        and "2 node(s) (n1: 4 CPUs, no GPUs, idle; n2: 4 CPUs" in out
+    ), out
     slurm.wait_queue_empty(timeout=30)  # the pending job was cancelled
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("override, wanted, available", [
-    ("launcher.slurm.partition=nope", "invalid partition", "there is no partition 'nope'; partitions here: debug"),
-    ("cluster.devices_per_node=2", "2 GPU(s)", "n1: 4 CPUs, no GPUs"),  # nodes without the resource
-])
-def test_a_request_sbatch_refuses_names_what_the_cluster_has(launch, slurm, override, wanted, available):
+@pytest.mark.parametrize(
+    "override, wanted, available",
+    [
+        (
+            "launcher.slurm.partition=nope",
+            "invalid partition",
+            "there is no partition 'nope'; partitions here: debug",
+        ),
+        (
+            "cluster.devices_per_node=2",
+            "2 GPU(s)",
+            "n1: 4 CPUs, no GPUs",
+        ),  # nodes without the resource
+    ],
+)
+def test_a_request_sbatch_refuses_names_what_the_cluster_has(
+    launch, slurm, override, wanted, available
+):
     run, _ = launch("ok", override)
     assert run.wait(RUN_TIMEOUT) == 2, run.output()
     out = run.output()
@@ -269,13 +381,24 @@ def test_a_request_sbatch_refuses_names_what_the_cluster_has(launch, slurm, over
 
 @pytest.mark.slow
 def test_a_job_that_cannot_start_in_time_is_cancelled_naming_the_pending_reason(launch, slurm):
-    blocker = slurm.run("sbatch", "--parsable", "-n", "8", "--job-name=blocker", "--output=/dev/null",
-                        "--wrap", "sleep 300")
+    blocker = slurm.run(
+        "sbatch",
+        "--parsable",
+        "-n",
+        "8",
+        "--job-name=blocker",
+        "--output=/dev/null",
+        "--wrap",
+        "sleep 300",
+    )
     assert blocker.returncode == 0, blocker.stderr
     run, run_dir = launch("ok", "launcher.slurm.start_timeout=3")
     assert run.wait(RUN_TIMEOUT) == 1, run.output()
     out = run.output()
-    assert "did not start within 3 s (launcher.slurm.start_timeout); Slurm's last pending reason: " in out, out
+    assert (
+        "did not start within 3 s (launcher.slurm.start_timeout); Slurm's last pending reason: "
+        in out
+    ), out
     assert [line.split()[1] for line in slurm.jobs()] == ["blocker"]  # ours was cancelled
     assert "did not start" in read_jsonl(run_dir / "logs" / "failures.jsonl")[-1]["cause"]
 
@@ -286,19 +409,26 @@ def test_a_server_that_cannot_register_stops_the_run_with_its_log(launch, slurm)
     assert run.wait(RUN_TIMEOUT) == 1, run.output()
     out = run.output()
     assert "the step of server0 ended before all servers registered" in out, out
-    assert "did not answer" in out and "raise launcher.server_setup_timeout" in out, out  # server_task's cause
+    assert "did not answer" in out and "raise launcher.server_setup_timeout" in out, (
+        out
+    )  # server_task's cause
     _assert_gone(run, slurm)
 
 
 @pytest.mark.slow
 def test_failed_trainer_stops_the_run_with_the_cause(launch, slurm):
     run, run_dir = launch("raise")
-    assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()  # torchrun's code for a failed worker
+    assert run.wait(RUN_TIMEOUT) not in (0, None), (
+        run.output()
+    )  # torchrun's code for a failed worker
     assert "RuntimeError: entry script failed on purpose" in run.output()
     # the last record is what the relaunch loop reads (server_task may record its server's SIGTERM
     # from the job's end before it)
     failure = read_jsonl(run_dir / "logs" / "failures.jsonl")[-1]
-    assert failure["process"] == "trainer" and failure["cause"] == "RuntimeError: entry script failed on purpose"
+    assert (
+        failure["process"] == "trainer"
+        and failure["cause"] == "RuntimeError: entry script failed on purpose"
+    )
     _assert_gone(run, slurm)
 
 
@@ -309,13 +439,18 @@ def test_a_job_cancelled_from_outside_stops_the_run_with_the_cause(launch, slurm
     job_id = (run_dir / "slurm" / "job.id").read_text().strip()
     assert slurm.run("scancel", job_id).returncode == 0
     assert run.wait(RUN_TIMEOUT) == 1, run.output()
-    assert "the job was cancelled (scancel by a user or an administrator, or preemption)" in run.output()
+    assert (
+        "the job was cancelled (scancel by a user or an administrator, or preemption)"
+        in run.output()
+    )
     _assert_gone(run, slurm)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, behaviour", [(signal.SIGINT, "sleep"), (signal.SIGTERM, "stubborn")])
-def test_interrupted_launcher_cancels_the_job_even_one_ignoring_sigterm(launch, slurm, sig, behaviour):
+def test_interrupted_launcher_cancels_the_job_even_one_ignoring_sigterm(
+    launch, slurm, sig, behaviour
+):
     run, run_dir = launch(behaviour)
     assert run.wait(RUN_TIMEOUT, until=_until(run_dir, "entry.jsonl")) is None, run.output()
     run.proc.send_signal(sig)
@@ -332,7 +467,9 @@ def test_a_killed_launchers_job_is_gone_after_the_documented_scancel(launch, slu
     run.proc.kill()  # SIGKILL: no cleanup of the launcher runs
     run.proc.wait(10)
     time.sleep(2)
-    assert [line.split()[1:] for line in slurm.jobs()] == [["areal-e-t", "RUNNING"]]  # the job lives on
+    assert [line.split()[1:] for line in slurm.jobs()] == [
+        ["areal-e-t", "RUNNING"]
+    ]  # the job lives on
     done = slurm.run("scancel", "--name=areal-e-t")  # as docs/launchers.md says
     assert done.returncode == 0, done.stderr
     _assert_gone(run, slurm)

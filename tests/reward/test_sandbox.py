@@ -211,7 +211,9 @@ def test_a_result_nested_past_the_parsers_depth_scores_zero_as_bad_result():
 def test_a_submission_cannot_forge_the_sandbox_error_label():
     # The sandbox's own failure used to be read from stderr: a submission printing the prefix
     # first was labelled sandbox_error. Now only the runner's "ready" descriptor counts.
-    res = run_python("import sys\nsys.stderr.write('areal-sandbox: setup failed\\n')\nsys.exit(125)", CFG)
+    res = run_python(
+        "import sys\nsys.stderr.write('areal-sandbox: setup failed\\n')\nsys.exit(125)", CFG
+    )
     assert res.status == "runtime_error", res
     res = run_python("import sys\nsys.stderr.write('bwrap: cannot mount\\n')", CFG)
     assert res.status == "ok", res

@@ -14,18 +14,30 @@ from areal.rollout.backends import (
     make_backend,
 )
 
-G = GenerationHyperparameters(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20,
-                              stop_token_ids=[2], stop=["\n\n"])
+G = GenerationHyperparameters(
+    max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=[2], stop=["\n\n"]
+)
 
 
 def test_native_generate_request_uses_sglang_schema_with_remaining_budget():
-    call = NativeBackend("areal").generate([1, 2, 3, 9], G, max_new_tokens=5, min_new_tokens=0, seed=7)
+    call = NativeBackend("areal").generate(
+        [1, 2, 3, 9], G, max_new_tokens=5, min_new_tokens=0, seed=7
+    )
     assert (call.method, call.path) == ("POST", "/generate")
     assert call.json == {
         "input_ids": [1, 2, 3, 9],
-        "sampling_params": {"max_new_tokens": 5, "min_new_tokens": 0, "temperature": 0.7,
-                            "top_p": 0.9, "top_k": 20, "stop_token_ids": [2], "stop": ["\n\n"],
-                            "ignore_eos": False, "no_stop_trim": True, "seed": 7},
+        "sampling_params": {
+            "max_new_tokens": 5,
+            "min_new_tokens": 0,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 20,
+            "stop_token_ids": [2],
+            "stop": ["\n\n"],
+            "ignore_eos": False,
+            "no_stop_trim": True,
+            "seed": 7,
+        },
         "return_logprob": True,
     }
     sglang = NativeBackend("sglang").generate([1], G, 5, 0, seed=7).json["sampling_params"]
@@ -34,16 +46,23 @@ def test_native_generate_request_uses_sglang_schema_with_remaining_budget():
 
 def test_greedy_maps_to_temperature_zero():
     g = GenerationHyperparameters(greedy=True, temperature=0.7)
-    assert NativeBackend("areal").generate([1], g, 4, 0, None).json["sampling_params"]["temperature"] == 0.0
+    assert (
+        NativeBackend("areal").generate([1], g, 4, 0, None).json["sampling_params"]["temperature"]
+        == 0.0
+    )
     assert VLLMBackend("m").generate([1], g, 4, 0, None).json["temperature"] == 0.0
 
 
 def test_native_answer_gives_tokens_logprobs_versions_and_stop_reason():
     body = {
-        "text": "..", "output_ids": [11, 12, 13],
-        "meta_info": {"finish_reason": {"type": "abort", "message": "paused"},
-                      "output_token_logprobs": [[-0.1, 11, None], [-0.2, 12, None], [-0.3, 13, None]],
-                      "output_token_versions": [0, 0, 1], "weight_version": 1},
+        "text": "..",
+        "output_ids": [11, 12, 13],
+        "meta_info": {
+            "finish_reason": {"type": "abort", "message": "paused"},
+            "output_token_logprobs": [[-0.1, 11, None], [-0.2, 12, None], [-0.3, 13, None]],
+            "output_token_versions": [0, 0, 1],
+            "weight_version": 1,
+        },
     }
     chunk = NativeBackend("areal").parse_generate(body)
     assert chunk.output_ids == [11, 12, 13] and chunk.logprobs == [-0.1, -0.2, -0.3]
@@ -51,9 +70,14 @@ def test_native_answer_gives_tokens_logprobs_versions_and_stop_reason():
 
 
 def test_sglang_answer_without_token_versions_uses_its_string_weight_version():
-    body = {"output_ids": [5], "meta_info": {"finish_reason": {"type": "length", "length": 1},
-                                             "output_token_logprobs": [[-1.0, 5, None]],
-                                             "weight_version": "4"}}
+    body = {
+        "output_ids": [5],
+        "meta_info": {
+            "finish_reason": {"type": "length", "length": 1},
+            "output_token_logprobs": [[-1.0, 5, None]],
+            "weight_version": "4",
+        },
+    }
     assert NativeBackend("sglang").parse_generate(body).versions == [4]
     del body["meta_info"]["weight_version"]
     assert NativeBackend("sglang").parse_generate(body).versions is None  # client fills in
@@ -64,7 +88,8 @@ def test_malformed_answers_name_what_is_missing():
         NativeBackend("areal").parse_generate({"output_ids": [1], "meta_info": {}})
     with pytest.raises(BadServerResponse, match="unknown finish reason 'eos'"):
         NativeBackend("areal").parse_generate(
-            {"meta_info": {"finish_reason": {"type": "eos"}, "output_token_logprobs": []}})
+            {"meta_info": {"finish_reason": {"type": "eos"}, "output_token_logprobs": []}}
+        )
 
 
 def test_native_control_and_weight_calls():
@@ -77,8 +102,14 @@ def test_native_control_and_weight_calls():
     assert NativeBackend("sglang").update_from_disk("/ckpt", 3).json["weight_version"] == "3"
     meta = WeightUpdateMeta(type="distributed", version=5, master_port=1234, bucket_bytes=1024)
     init = b.init_weight_group(meta, rank_offset=2, world_size=3)
-    assert init.json == {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 2,
-                         "world_size": 3, "group_name": "areal_weight_update", "backend": "gloo"}
+    assert init.json == {
+        "master_address": "127.0.0.1",
+        "master_port": 1234,
+        "rank_offset": 2,
+        "world_size": 3,
+        "group_name": "areal_weight_update",
+        "backend": "gloo",
+    }
     ann = {"names": ["w"], "dtypes": ["float32"], "shapes": [[2, 2]]}
     upd = b.update_from_distributed(meta, ann)
     assert upd.json["weight_version"] == 5 and upd.json["bucket_bytes"] == 1024
@@ -95,15 +126,29 @@ def test_vllm_completions_request_and_answer():
     body = call.json
     assert body["model"] == "qwen" and body["prompt"] == [4, 5] and body["max_tokens"] == 6
     assert body["min_tokens"] == 1 and body["logprobs"] == 0 and body["return_token_ids"] is True
-    answer = {"choices": [{"index": 0, "text": "ab", "finish_reason": "length",
-                           "logprobs": {"tokens": ["token_id:7", "token_id:8"],
-                                        "token_logprobs": [-0.5, -0.25]}}]}
+    answer = {
+        "choices": [
+            {
+                "index": 0,
+                "text": "ab",
+                "finish_reason": "length",
+                "logprobs": {
+                    "tokens": ["token_id:7", "token_id:8"],
+                    "token_logprobs": [-0.5, -0.25],
+                },
+            }
+        ]
+    }
     chunk = b.parse_generate(answer)
     assert chunk.output_ids == [7, 8] and chunk.logprobs == [-0.5, -0.25]
     assert chunk.versions is None and chunk.stop_reason == "length"
     answer["choices"][0]["token_ids"] = [70, 80]  # return_token_ids wins when present
     assert b.parse_generate(answer).output_ids == [70, 80]
-    assert (b.pause().path, b.pause().params, b.resume().path) == ("/pause", {"mode": "abort"}, "/resume")
+    assert (b.pause().path, b.pause().params, b.resume().path) == (
+        "/pause",
+        {"mode": "abort"},
+        "/resume",
+    )
 
 
 def test_vllm_reloads_weights_from_disk_and_refuses_distributed_updates():
@@ -128,11 +173,14 @@ def test_make_backend_checks_its_arguments():
         make_backend("tgi")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("field,value,vllm", [
-    ("json_schema", '{"type": "object"}', {"json": {"type": "object"}}),
-    ("regex", "[0-9]+", {"regex": "[0-9]+"}),
-    ("ebnf", 'root ::= "a"', {"grammar": 'root ::= "a"'}),
-])
+@pytest.mark.parametrize(
+    "field,value,vllm",
+    [
+        ("json_schema", '{"type": "object"}', {"json": {"type": "object"}}),
+        ("regex", "[0-9]+", {"regex": "[0-9]+"}),
+        ("ebnf", 'root ::= "a"', {"grammar": 'root ::= "a"'}),
+    ],
+)
 def test_a_grammar_travels_in_each_servers_own_field(field, value, vllm):
     g = GenerationHyperparameters(max_new_tokens=8, **{field: value})
     native = NativeBackend("sglang").generate([1, 2], g, 8, 0, None).json
@@ -141,5 +189,9 @@ def test_a_grammar_travels_in_each_servers_own_field(field, value, vllm):
 
 
 def test_two_grammars_or_a_grammar_with_min_new_tokens_are_refused():
-    problems = list(GenerationHyperparameters(regex="a", ebnf="b", min_new_tokens=2, max_new_tokens=4).check())
-    assert problems[0].startswith("json_schema: set at most one") and problems[1].startswith("min_new_tokens:")
+    problems = list(
+        GenerationHyperparameters(regex="a", ebnf="b", min_new_tokens=2, max_new_tokens=4).check()
+    )
+    assert problems[0].startswith("json_schema: set at most one") and problems[1].startswith(
+        "min_new_tokens:"
+    )

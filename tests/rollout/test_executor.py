@@ -70,9 +70,14 @@ class GatedWorkflow(RolloutWorkflow):
             raise ValueError("reward parser exploded")
         resp = await engine.agenerate(ModelRequest(input_ids=[1, 2]))
         traj = Trajectory(
-            prompt_ids=[1, 2], completion_ids=resp.output_ids, logprobs=resp.output_logprobs,
-            versions=resp.output_versions, loss_mask=[1, 1], reward=float(i),
-            status=RolloutStatus.COMPLETED, sample_id=str(i),
+            prompt_ids=[1, 2],
+            completion_ids=resp.output_ids,
+            logprobs=resp.output_logprobs,
+            versions=resp.output_versions,
+            loss_mask=[1, 1],
+            reward=float(i),
+            status=RolloutStatus.COMPLETED,
+            sample_id=str(i),
         )
         return [traj]
 
@@ -95,8 +100,9 @@ def make_executor():
     def make(engine=None, batch_size=4, **cfg) -> WorkflowExecutor:
         cfg.setdefault("max_concurrent_rollouts", 8)
         cfg.setdefault("max_staleness", 4)
-        ex = WorkflowExecutor(InferenceEngineConfig(**cfg), engine or FakeEngine(), batch_size,
-                              poll_interval=0.005)
+        ex = WorkflowExecutor(
+            InferenceEngineConfig(**cfg), engine or FakeEngine(), batch_size, poll_interval=0.005
+        )
         ex.initialize()
         made.append(ex)
         return ex
@@ -220,7 +226,9 @@ def test_prepare_batch_delivers_in_submission_order_whatever_finishes_first(make
     wf = GatedWorkflow()
     wf.release(1, 2, 3)  # item 0 is the slow one
     result: list = []
-    t = threading.Thread(target=lambda: result.append(ex.prepare_batch([[{"id": i}] for i in range(8)], wf)))
+    t = threading.Thread(
+        target=lambda: result.append(ex.prepare_batch([[{"id": i}] for i in range(8)], wf))
+    )
     t.start()
     _until(lambda: ex.stats()["rollout/buffered"] == 3)
     time.sleep(0.05)
@@ -235,8 +243,11 @@ def test_workflow_exception_reaches_wait_with_the_item(make_executor):
     wf = GatedWorkflow(gated=False, fail_on=3)
     ex.submit({"id": 2, "question": "1+1"}, wf)
     ex.submit({"id": 3, "question": "2+2"}, wf)
-    with pytest.raises(RolloutError, match=r"GatedWorkflow on item #1 \{'id': 3, 'question': "
-                                           r"'2\+2'\} failed: ValueError: reward parser exploded") as e:
+    with pytest.raises(
+        RolloutError,
+        match=r"GatedWorkflow on item #1 \{'id': 3, 'question': "
+        r"'2\+2'\} failed: ValueError: reward parser exploded",
+    ) as e:
         _until(lambda: ex.stats()["rollout/errors"] == 1)
         ex.wait(2, timeout=5)
     assert isinstance(e.value.__cause__, ValueError)
@@ -260,7 +271,9 @@ def test_watchdog_stops_the_run_when_nothing_completes(make_executor):
     wf = GatedWorkflow()  # never released
     ex.submit({"id": 0}, wf)
     t0 = time.monotonic()
-    with pytest.raises(RolloutWatchdogError, match=r"no rollout completed in .*watchdog_timeout=0.1\)"):
+    with pytest.raises(
+        RolloutWatchdogError, match=r"no rollout completed in .*watchdog_timeout=0.1\)"
+    ):
         ex.wait(1, timeout=10)
     assert time.monotonic() - t0 < 5
 
@@ -289,8 +302,9 @@ def test_wait_that_can_never_return_says_so(make_executor):
 def test_rollout_batch_returns_accepted_groups_in_item_order(make_executor):
     ex = make_executor(max_staleness=0, batch_size=1, max_concurrent_rollouts=3)
     wf = GatedWorkflow(gated=False)
-    groups = ex.rollout_batch([{"id": i} for i in range(7)], wf,
-                              should_accept=lambda g: g[0].sample_id != "4")
+    groups = ex.rollout_batch(
+        [{"id": i} for i in range(7)], wf, should_accept=lambda g: g[0].sample_id != "4"
+    )
     assert _ids(groups) == [0, 1, 2, 3, 5, 6]  # not bound by staleness; rejected one dropped
     assert ex.staleness.accepted == 0  # evaluation does not use up training capacity
 
@@ -338,4 +352,6 @@ def test_a_long_wait_for_a_batch_logs_progress_with_the_rejections(make_executor
     with caplog.at_level(logging.INFO):
         assert len(ex.prepare_batch(data, wf, should_accept=reject_for_a_while)) == 2
     lines = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
-    assert lines and "for a batch of 2 groups" in lines[0] and "rejected by should_accept" in lines[0], lines
+    assert (
+        lines and "for a batch of 2 groups" in lines[0] and "rejected by should_accept" in lines[0]
+    ), lines

@@ -11,9 +11,16 @@ from areal.rollout.trajectory import STATUS_CODES, groups_to_batch, staleness_st
 
 def _traj(prompt, completion, versions, reward, status=RolloutStatus.COMPLETED, mask=None, **kw):
     n = len(completion)
-    return Trajectory(prompt_ids=prompt, completion_ids=completion,
-                      logprobs=[-0.5 * (i + 1) for i in range(n)], versions=versions,
-                      loss_mask=mask or [1] * n, reward=reward, status=status, **kw)
+    return Trajectory(
+        prompt_ids=prompt,
+        completion_ids=completion,
+        logprobs=[-0.5 * (i + 1) for i in range(n)],
+        versions=versions,
+        loss_mask=mask or [1] * n,
+        reward=reward,
+        status=status,
+        **kw,
+    )
 
 
 def test_groups_become_one_packed_batch_with_documented_fields():
@@ -32,7 +39,10 @@ def test_groups_become_one_packed_batch_with_documented_fields():
     assert b["group_index"].tolist() == [0, 0, 1]
     assert b["prompt_lens"].tolist() == [2, 2, 1]
     assert [STATUS_CODES[i] for i in b["status_code"].tolist()] == [
-        RolloutStatus.COMPLETED, RolloutStatus.COMPLETED, RolloutStatus.ERROR_REWARD]
+        RolloutStatus.COMPLETED,
+        RolloutStatus.COMPLETED,
+        RolloutStatus.ERROR_REWARD,
+    ]
     assert b["logprobs"].dtype == torch.float32 and b["rewards"].dtype == torch.float32
     assert b["versions"].dtype == torch.int64 and b["loss_mask"].dtype == torch.int64
     assert groups_to_batch(groups, mask_untrainable=False)["loss_mask"][-3:].tolist() == [1, 1, 1]
@@ -42,8 +52,12 @@ def test_groups_become_one_packed_batch_with_documented_fields():
 
 
 def test_extras_become_sequence_fields_only_when_every_trajectory_has_them():
-    g = [[_traj([1], [2], [0], 1.0, extras={"baseline": 0.25}),
-          _traj([1], [3], [0], 0.0, extras={"baseline": 0.5})]]
+    g = [
+        [
+            _traj([1], [2], [0], 1.0, extras={"baseline": 0.25}),
+            _traj([1], [3], [0], 0.0, extras={"baseline": 0.5}),
+        ]
+    ]
     assert groups_to_batch(g)["baseline"].tolist() == [0.25, 0.5]
     g[0][1].extras = {}
     with pytest.raises(ValueError, match="same extras keys"):
@@ -51,8 +65,12 @@ def test_extras_become_sequence_fields_only_when_every_trajectory_has_them():
 
 
 def test_per_token_extras_become_token_fields_zero_on_the_prompt():
-    g = [[_traj([1, 2], [3, 4], [0, 0], 1.0, extras={"teacher_logp": [-0.1, -0.2]}),
-          _traj([1, 2], [5], [0], 0.0, extras={"teacher_logp": [-0.3]})]]
+    g = [
+        [
+            _traj([1, 2], [3, 4], [0, 0], 1.0, extras={"teacher_logp": [-0.1, -0.2]}),
+            _traj([1, 2], [5], [0], 0.0, extras={"teacher_logp": [-0.3]}),
+        ]
+    ]
     b = groups_to_batch(g)
     assert b["teacher_logp"].tolist() == pytest.approx([0.0, 0.0, -0.1, -0.2, 0.0, 0.0, -0.3])
     assert "teacher_logp" in b.tokens and b["teacher_logp"].dtype == torch.float32
@@ -64,8 +82,10 @@ def test_per_token_extras_become_token_fields_zero_on_the_prompt():
 def test_staleness_stats_histogram_and_version_shares():
     # Trainer at version 3. Trained tokens: v3 x2, v2 x1, v1 x1; the masked token and the
     # injected token (version -1) do not count.
-    groups = [[_traj([1], [5, 6, 7], [3, 3, 2], 1.0)],
-              [_traj([1], [5, 6, 7], [1, 0, -1], 0.0, mask=[1, 0, 0])]]
+    groups = [
+        [_traj([1], [5, 6, 7], [3, 3, 2], 1.0)],
+        [_traj([1], [5, 6, 7], [1, 0, -1], 0.0, mask=[1, 0, 0])],
+    ]
     s = staleness_stats(groups, current_version=3)
     assert s["staleness/n_tokens"] == 4
     assert s["staleness/hist/0"] == 2 and s["staleness/hist/1"] == 1 and s["staleness/hist/2"] == 1

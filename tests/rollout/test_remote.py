@@ -88,12 +88,23 @@ class SampleN(RolloutWorkflow):
 
     async def arun_episode(self, engine, item):
         gid = f"group-{item['id']}"
-        reqs = [ModelRequest(input_ids=item["prompt"], gconfig=self.g, group_id=gid) for _ in range(self.n)]
+        reqs = [
+            ModelRequest(input_ids=item["prompt"], gconfig=self.g, group_id=gid)
+            for _ in range(self.n)
+        ]
         resps = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
         return [
-            Trajectory(prompt_ids=r.input_ids, completion_ids=r.output_ids, logprobs=r.output_logprobs,
-                       versions=r.output_versions, loss_mask=[1] * len(r.output_ids), reward=0.0,
-                       status=RolloutStatus.TRUNCATED, sample_id=f"{item['id']}/{i}", group_id=gid)
+            Trajectory(
+                prompt_ids=r.input_ids,
+                completion_ids=r.output_ids,
+                logprobs=r.output_logprobs,
+                versions=r.output_versions,
+                loss_mask=[1] * len(r.output_ids),
+                reward=0.0,
+                status=RolloutStatus.TRUNCATED,
+                sample_id=f"{item['id']}/{i}",
+                group_id=gid,
+            )
             for i, r in enumerate(resps)
         ]
 
@@ -110,14 +121,18 @@ def _gather(coros) -> list:
 def test_agenerate_returns_tokens_logprobs_and_versions(servers, make_engine):
     eng = make_engine(servers, schedule_policy="least_requests")
     g = GenerationHyperparameters(max_new_tokens=12, greedy=True, ignore_eos=True)
-    a, b = _gather([eng.agenerate(ModelRequest(input_ids=[5, 17, 99], gconfig=g)) for _ in range(2)])
+    a, b = _gather(
+        [eng.agenerate(ModelRequest(input_ids=[5, 17, 99], gconfig=g)) for _ in range(2)]
+    )
     assert len(a.output_ids) == 12 and a.stop_reason == "length" and a.input_ids == [5, 17, 99]
     assert a.output_ids == b.output_ids  # greedy on identical weights, whichever server
     assert len(a.output_logprobs) == 12 and all(lp <= 0 for lp in a.output_logprobs)
     assert a.output_versions == [0] * 12 and a.latency >= a.ttft > 0
 
 
-def test_a_teacher_scores_a_completion_with_the_models_own_logprobs(servers, make_engine, tiny_model_dir):
+def test_a_teacher_scores_a_completion_with_the_models_own_logprobs(
+    servers, make_engine, tiny_model_dir
+):
     # On-policy distillation's teacher call: no token generated, log p of each completion token
     import torch
     from transformers import AutoModelForCausalLM
@@ -127,7 +142,7 @@ def test_a_teacher_scores_a_completion_with_the_models_own_logprobs(servers, mak
     got = _gather([eng.ascore(prompt + completion, len(prompt))])[0]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
     ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
     assert got == pytest.approx(ref.tolist(), abs=1e-4)
     assert _gather([eng.ascore(prompt, len(prompt))])[0] == []  # nothing to score
@@ -140,7 +155,9 @@ def test_pause_returns_partials_resumed_on_new_weights_with_per_token_versions(
     g = GenerationHyperparameters(max_new_tokens=400, ignore_eos=True)
     reqs = [ModelRequest(input_ids=[3, 1, 4, 1, 5], gconfig=g, group_id=f"g{i}") for i in range(4)]
     results: list = []
-    worker = threading.Thread(target=lambda: results.extend(_gather([eng.agenerate(r) for r in reqs])))
+    worker = threading.Thread(
+        target=lambda: results.extend(_gather([eng.agenerate(r) for r in reqs]))
+    )
     worker.start()
     _wait_running(servers, 4, "requests never started running")
     time.sleep(0.3)  # let every request produce some tokens under version 0
@@ -176,7 +193,9 @@ def test_a_constrained_request_interrupted_by_a_weight_update_restarts_and_still
     g = GenerationHyperparameters(max_new_tokens=400, regex="[a-z]{300}")
     reqs = [ModelRequest(input_ids=[3, 1, 4, 1, 5], gconfig=g, group_id=f"c{i}") for i in range(2)]
     results: list = []
-    worker = threading.Thread(target=lambda: results.extend(_gather([eng.agenerate(r) for r in reqs])))
+    worker = threading.Thread(
+        target=lambda: results.extend(_gather([eng.agenerate(r) for r in reqs]))
+    )
     worker.start()
     _wait_running(servers, 2, "requests never started running")
     time.sleep(0.3)
@@ -232,7 +251,9 @@ def test_an_interrupted_seeded_request_continues_from_its_own_seed(servers, make
     assert direct.output_ids == out.output_ids[k:]
 
 
-def test_killed_server_mid_batch_fails_over_then_all_dead_stops_the_run(tiny_model_dir, make_engine):
+def test_killed_server_mid_batch_fails_over_then_all_dead_stops_the_run(
+    tiny_model_dir, make_engine
+):
     procs = start_servers(tiny_model_dir, 2)
     try:
         victim, survivor = procs
@@ -242,7 +263,8 @@ def test_killed_server_mid_batch_fails_over_then_all_dead_stops_the_run(tiny_mod
         items = [{"id": i, "prompt": [7, i + 1, 9]} for i in range(8)]
         groups: list = []
         batch = threading.Thread(
-            target=lambda: groups.extend(ex.rollout_batch(items, SampleN(n=2, max_new_tokens=150))))
+            target=lambda: groups.extend(ex.rollout_batch(items, SampleN(n=2, max_new_tokens=150)))
+        )
         batch.start()
         _wait_running([victim[1]], 1, "the victim never got work")
         time.sleep(0.1)
@@ -264,7 +286,9 @@ def test_killed_server_mid_batch_fails_over_then_all_dead_stops_the_run(tiny_mod
 
 def test_health_wait_has_a_deadline_naming_the_setting():
     eng = RemoteInferenceEngine(InferenceEngineConfig(setup_timeout=0.5))
-    with pytest.raises(TimeoutError, match=r"did not pass GET /health within 0.5 s \(rollout.setup_timeout\)"):
+    with pytest.raises(
+        TimeoutError, match=r"did not pass GET /health within 0.5 s \(rollout.setup_timeout\)"
+    ):
         eng.initialize([f"127.0.0.1:{free_port()}"])
     eng.destroy()
 
@@ -300,8 +324,9 @@ def test_group_samples_stick_to_one_server_and_failover_moves_the_group():
         eng._choose("g3", set())
 
 
-def test_distributed_update_over_gloo_matches_a_disk_update(servers, make_engine, other_weights_dir,
-                                                            tiny_model_dir):
+def test_distributed_update_over_gloo_matches_a_disk_update(
+    servers, make_engine, other_weights_dir, tiny_model_dir
+):
     """The test process plays trainer rank 0; both servers join the group through the client."""
     from areal.serving.model import read_hf_dir
     from areal.utils.weight_sync import announcement, broadcast_weights, init_weight_update_group
@@ -309,9 +334,13 @@ def test_distributed_update_over_gloo_matches_a_disk_update(servers, make_engine
     eng = make_engine(servers)
     g = GenerationHyperparameters(max_new_tokens=10, greedy=True, ignore_eos=True)
     (before,) = _gather([eng.agenerate(ModelRequest(input_ids=[2, 7, 1], gconfig=g))])
-    meta = WeightUpdateMeta(type="distributed", master_port=free_port(), version=2, bucket_bytes=64 << 10)
+    meta = WeightUpdateMeta(
+        type="distributed", master_port=free_port(), version=2, bucket_bytes=64 << 10
+    )
     joined = eng.init_weights_update_group_async(meta)
-    group = init_weight_update_group("127.0.0.1", meta.master_port, 0, eng.weight_group_size, "gloo", 60)
+    group = init_weight_update_group(
+        "127.0.0.1", meta.master_port, 0, eng.weight_group_size, "gloo", 60
+    )
     joined.result(60)
     named = sorted(read_hf_dir(other_weights_dir)[1].items())
     updated = eng.update_weights_async(meta, announcement(named))
@@ -319,19 +348,24 @@ def test_distributed_update_over_gloo_matches_a_disk_update(servers, make_engine
     updated.result(60)
     assert eng.get_version() == 0  # the client's version has one writer: the weight publisher
     try:
-        over_gloo = _gather([eng.agenerate(ModelRequest(input_ids=[2, 7, 1], gconfig=g)) for _ in range(2)])
+        over_gloo = _gather(
+            [eng.agenerate(ModelRequest(input_ids=[2, 7, 1], gconfig=g)) for _ in range(2)]
+        )
         assert all(r.output_versions == [2] * 10 for r in over_gloo)
         assert over_gloo[0].output_ids != before.output_ids  # the new weights are in use
         eng.update_weights(WeightUpdateMeta(type="disk", path=other_weights_dir, version=3))
-        from_disk = _gather([eng.agenerate(ModelRequest(input_ids=[2, 7, 1], gconfig=g)) for _ in range(2)])
+        from_disk = _gather(
+            [eng.agenerate(ModelRequest(input_ids=[2, 7, 1], gconfig=g)) for _ in range(2)]
+        )
         assert [r.output_ids for r in over_gloo] == [r.output_ids for r in from_disk]
         assert all(r.output_versions == [3] * 10 for r in from_disk)
     finally:
         eng.update_weights(WeightUpdateMeta(type="disk", path=tiny_model_dir, version=0))
 
 
-def test_async_training_loop_keeps_staleness_within_the_bound(servers, make_engine, other_weights_dir,
-                                                               tiny_model_dir):
+def test_async_training_loop_keeps_staleness_within_the_bound(
+    servers, make_engine, other_weights_dir, tiny_model_dir
+):
     """prepare_batch -> pause -> update -> set_version -> resume, as a training script does."""
     eng = make_engine(servers)
     cfg = InferenceEngineConfig(max_staleness=1, max_concurrent_rollouts=4)
@@ -343,7 +377,9 @@ def test_async_training_loop_keeps_staleness_within_the_bound(servers, make_engi
     try:
         for step in range(3):
             batch = ex.prepare_batch(data, wf)
-            assert len(batch) == 2 and all(len(t.completion_ids) == 80 for grp in batch for t in grp)
+            assert len(batch) == 2 and all(
+                len(t.completion_ids) == 80 for grp in batch for t in grp
+            )
             assert ex.last_batch_stats["staleness/max"] <= 1
             seen_versions |= {v for grp in batch for t in grp for v in t.versions}
             ex.pause()
@@ -364,9 +400,20 @@ def _serve_on(model_dir: str, port: int, version: int = 0):
     import sys
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "areal.cli", "serve", "--model", model_dir, "--port", str(port),
-         f"weight_version={version}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "areal.cli",
+            "serve",
+            "--model",
+            model_dir,
+            "--port",
+            str(port),
+            f"weight_version={version}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     deadline = time.monotonic() + 90
     while True:
@@ -378,8 +425,9 @@ def _serve_on(model_dir: str, port: int, version: int = 0):
             time.sleep(0.2)
 
 
-def test_a_restarted_server_rejoins_at_the_next_disk_update_with_its_weights(make_engine, tiny_model_dir,
-                                                                              other_weights_dir):
+def test_a_restarted_server_rejoins_at_the_next_disk_update_with_its_weights(
+    make_engine, tiny_model_dir, other_weights_dir
+):
     port = free_port()
     proc = _serve_on(tiny_model_dir, port)
     addr = f"127.0.0.1:{port}"
@@ -388,7 +436,9 @@ def test_a_restarted_server_rejoins_at_the_next_disk_update_with_its_weights(mak
         eng = make_engine([addr], server_failure_threshold=1, request_retries=0)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        req = ModelRequest(input_ids=[5, 17, 99], gconfig=GenerationHyperparameters(max_new_tokens=2))
+        req = ModelRequest(
+            input_ids=[5, 17, 99], gconfig=GenerationHyperparameters(max_new_tokens=2)
+        )
         with pytest.raises(Exception):
             asyncio.run(eng.agenerate(req))
         assert eng.stats()["remote/servers_alive"] == 0
@@ -407,7 +457,8 @@ def test_a_restarted_server_rejoins_at_the_next_disk_update_with_its_weights(mak
 
 
 def test_a_lone_server_killed_mid_run_is_waited_for_when_the_launcher_restarts_servers(
-        tiny_model_dir, other_weights_dir):
+    tiny_model_dir, other_weights_dir
+):
     """The server-loss policy: with restarts on, a call made while the only server is down
     waits for the restart (was: AllServersDeadError 3 s after the kill); without restarts, or
     past the deadline, the call fails at once naming each server's last error and why."""
@@ -417,28 +468,41 @@ def test_a_lone_server_killed_mid_run_is_waited_for_when_the_launcher_restarts_s
     req = ModelRequest(input_ids=[5, 17, 99], gconfig=GenerationHyperparameters(max_new_tokens=2))
     cfg = dict(setup_timeout=60.0, request_timeout=120.0, server_failure_threshold=1, request_retries=2,
                retry_backoff=0.05)  # fmt: skip
-    waits = RemoteInferenceEngine(InferenceEngineConfig(**cfg, server_restart_timeout=60.0), server_restarts=2)
-    fails = RemoteInferenceEngine(InferenceEngineConfig(**cfg), no_restart_reason="launcher.server_restarts=0")
+    waits = RemoteInferenceEngine(
+        InferenceEngineConfig(**cfg, server_restart_timeout=60.0), server_restarts=2
+    )
+    fails = RemoteInferenceEngine(
+        InferenceEngineConfig(**cfg), no_restart_reason="launcher.server_restarts=0"
+    )
     try:
         waits.initialize([addr])
         fails.initialize([addr])
         procs[0].kill()
         procs[0].wait(10)
         started = time.monotonic()
-        with pytest.raises(AllServersDeadError, match=rf"dead \({addr}: .*\) and are not restarted "
-                                                      r"\(launcher.server_restarts=0\)"):
+        with pytest.raises(
+            AllServersDeadError,
+            match=rf"dead \({addr}: .*\) and are not restarted "
+            r"\(launcher.server_restarts=0\)",
+        ):
             asyncio.run(fails.agenerate(req))
         assert time.monotonic() - started < 10  # fast: no waiting without restarts
-        restart = threading.Timer(1.0, lambda: procs.append(_serve_on(tiny_model_dir, port, version=3)))
+        restart = threading.Timer(
+            1.0, lambda: procs.append(_serve_on(tiny_model_dir, port, version=3))
+        )
         restart.start()  # the launcher's restart, while the request below is waiting
         resp = asyncio.run(waits.agenerate(req))
         restart.join()
         assert resp.output_versions == [3, 3] and waits.stats()["remote/revived"] == 1
-        waits.update_weights(WeightUpdateMeta("disk", path=other_weights_dir, version=4))  # it serves on
+        waits.update_weights(
+            WeightUpdateMeta("disk", path=other_weights_dir, version=4)
+        )  # it serves on
         procs[-1].kill()
         procs[-1].wait(10)
         waits.config = InferenceEngineConfig(**cfg, server_restart_timeout=1.0)
-        with pytest.raises(AllServersDeadError, match=r"none answered within rollout.server_restart_timeout=1.0 s"):
+        with pytest.raises(
+            AllServersDeadError, match=r"none answered within rollout.server_restart_timeout=1.0 s"
+        ):
             asyncio.run(waits.agenerate(req))
     finally:
         waits.destroy()
@@ -455,7 +519,10 @@ def test_set_servers_adds_revives_and_retires(servers, make_engine):
     eng._choose("g1", set())  # pinned to a
     eng.servers[0].alive = False  # declared dead meanwhile
     eng.set_servers([a, b])  # b is new (health-checked), a serves again
-    assert [(s.address, s.alive) for s in eng.servers] == [(a, True), (b, True)] and eng.n_revived == 1
+    assert [(s.address, s.alive) for s in eng.servers] == [
+        (a, True),
+        (b, True),
+    ] and eng.n_revived == 1
     eng.set_servers([b])  # a retired: no new request goes there, nor does the group stay on it
     assert [s.address for s in eng.servers] == [b] and eng._choose("g1", set()).address == b
     out = _gather([SampleN(2, 3).arun_episode(eng, {"id": 0, "prompt": [1, 2, 3]})])[0]

@@ -50,8 +50,12 @@ def sglang_url(tiny_model_dir, tmp_path_factory):
     try:
         deadline = time.monotonic() + READY_DEADLINE
         while True:
-            assert proc.poll() is None, f"SGLang exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"SGLang not healthy in {READY_DEADLINE} s:\n{log.read_text()[-3000:]}"
+            assert proc.poll() is None, (
+                f"SGLang exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+            )
+            assert time.monotonic() < deadline, (
+                f"SGLang not healthy in {READY_DEADLINE} s:\n{log.read_text()[-3000:]}"
+            )
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                     if resp.status == 200:
@@ -70,7 +74,9 @@ def sglang_url(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture
 def engine(sglang_url):
-    eng = RemoteInferenceEngine(InferenceEngineConfig(backend="sglang", setup_timeout=60, request_timeout=300))
+    eng = RemoteInferenceEngine(
+        InferenceEngineConfig(backend="sglang", setup_timeout=60, request_timeout=300)
+    )
     eng.initialize([sglang_url.removeprefix("http://")])
     yield eng
     eng.destroy()
@@ -86,14 +92,18 @@ def _reference_logprobs(model_dir, output, temperature) -> list[float]:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([PROMPT + output])).logits[0, len(PROMPT) - 1 : -1] / temperature
+        logits = (
+            model(torch.tensor([PROMPT + output])).logits[0, len(PROMPT) - 1 : -1] / temperature
+        )
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
 
 
 def test_sglang_generation_logprobs_match_a_transformers_forward(engine, tiny_model_dir):
     out = _generate(engine, max_new_tokens=12, temperature=0.7)
     assert len(out.output_ids) == 12 and out.stop_reason == "length"
-    assert out.output_logprobs == pytest.approx(_reference_logprobs(tiny_model_dir, out.output_ids, 0.7), abs=5e-3)
+    assert out.output_logprobs == pytest.approx(
+        _reference_logprobs(tiny_model_dir, out.output_ids, 0.7), abs=5e-3
+    )
 
 
 def test_sglang_pause_interrupts_and_resume_completes_in_flight_requests(engine, tiny_model_dir):
@@ -118,4 +128,6 @@ def test_sglang_disk_weight_update_changes_the_served_model(engine, tiny_model_d
     engine.resume()
     out = _generate(engine, seed=3)
     assert out.output_versions == [1] * 8
-    assert out.output_logprobs == pytest.approx(_reference_logprobs(new_dir, out.output_ids, 1.0), abs=5e-3)
+    assert out.output_logprobs == pytest.approx(
+        _reference_logprobs(new_dir, out.output_ids, 1.0), abs=5e-3
+    )

@@ -73,14 +73,20 @@ def _reference_logprobs(model_dir, prompt, output, temperature) -> list[float]:
 
 
 def _post(url: str, body: dict | None = None, timeout: float = 60) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body or {}).encode(),
+        method="POST",
+        headers={"content-type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         text = resp.read().decode()
     return json.loads(text) if text else {}
 
 
-def test_generation_returns_token_ids_and_temperature_scaled_logprobs_of_the_weights(engine, tiny_model_dir):
+def test_generation_returns_token_ids_and_temperature_scaled_logprobs_of_the_weights(
+    engine, tiny_model_dir
+):
     out = _generate(engine, max_new_tokens=12, temperature=0.7, ignore_eos=True)
     assert len(out.output_ids) == len(out.output_logprobs) == 12 and out.stop_reason == "length"
     assert out.output_versions == [0] * 12  # vLLM reports no version: the client's is used
@@ -92,7 +98,9 @@ def test_a_teacher_on_vllm_scores_a_completion_with_the_models_own_logprobs(engi
     # on-policy distillation's teacher call: prompt_logprobs of the completion, temperature 1
     completion = [3, 42, 42, 7]
     got = asyncio.run(engine.ascore(list(PROMPT) + completion, len(PROMPT)))
-    assert got == pytest.approx(_reference_logprobs(tiny_model_dir, PROMPT, completion, 1.0), abs=1e-4)
+    assert got == pytest.approx(
+        _reference_logprobs(tiny_model_dir, PROMPT, completion, 1.0), abs=1e-4
+    )
 
 
 def test_samples_of_a_group_differ_by_seed_and_a_seed_reproduces_its_sample(engine):
@@ -105,7 +113,9 @@ def test_samples_of_a_group_differ_by_seed_and_a_seed_reproduces_its_sample(engi
 
 def test_stop_token_ids_and_stop_strings_end_generation_keeping_the_stop(engine, tiny_tokenizer):
     free = _generate(engine, seed=5, max_new_tokens=10, ignore_eos=True).output_ids
-    k = next(i for i, t in enumerate(free) if i >= 2 and t not in free[:i])  # first new token from 2 on
+    k = next(
+        i for i, t in enumerate(free) if i >= 2 and t not in free[:i]
+    )  # first new token from 2 on
     out = _generate(engine, seed=5, max_new_tokens=10, ignore_eos=True, stop_token_ids=[free[k]])
     assert (out.output_ids, out.stop_reason) == (free[: k + 1], "stop")
     late = _generate(engine, seed=5, max_new_tokens=10, ignore_eos=True, stop_token_ids=[free[k]],
@@ -124,11 +134,16 @@ def _metric(url: str, name: str) -> float:
     """One unlabelled-sum value from vLLM's Prometheus ``/metrics``."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         lines = resp.read().decode().splitlines()
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(name + "{") or ln.startswith(name + " "))
+    return sum(
+        float(ln.rsplit(" ", 1)[1])
+        for ln in lines
+        if ln.startswith(name + "{") or ln.startswith(name + " ")
+    )
 
 
-def test_pause_aborts_in_flight_requests_and_resume_completes_them_with_every_token(engine, vllm_server,
-                                                                                     tiny_model_dir):
+def test_pause_aborts_in_flight_requests_and_resume_completes_them_with_every_token(
+    engine, vllm_server, tiny_model_dir
+):
     # Both requests run to the model's 2048-token limit unless paused: on 2 cores vLLM's worker can
     # starve this process for seconds, so the pause is sent once the server reports both running
     # and generating, never after a fixed sleep (a short request could finish before it).
@@ -136,7 +151,9 @@ def test_pause_aborts_in_flight_requests_and_resume_completes_them_with_every_to
     body = {"model": NAME, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "logprobs": 0,
             "return_token_ids": True}  # fmt: skip
     tokens_before = _metric(vllm_server.url, "vllm:generation_tokens_total")
-    direct = threading.Thread(target=lambda: raw.update(_post(vllm_server.url + "/v1/completions", body, 120)))
+    direct = threading.Thread(
+        target=lambda: raw.update(_post(vllm_server.url + "/v1/completions", body, 120))
+    )
     direct.start()
     g = GenerationHyperparameters(max_new_tokens=2000, ignore_eos=True)
     future = engine._loop_thread().submit(engine.agenerate(ModelRequest(PROMPT, g, seed=1)))
@@ -164,11 +181,15 @@ def test_pause_aborts_in_flight_requests_and_resume_completes_them_with_every_to
     assert out.output_logprobs == pytest.approx(ref, abs=2e-3)
 
 
-def test_disk_weight_update_changes_outputs_and_tokens_carry_our_version(engine, tiny_model_dir, tmp_path):
+def test_disk_weight_update_changes_outputs_and_tokens_carry_our_version(
+    engine, tiny_model_dir, tmp_path
+):
     from areal.utils.tiny_model import build_tiny_model
 
     new_dir = str(build_tiny_model(tmp_path / "v1", size="tiny", seed=1))
-    before = _generate(engine, greedy=True, max_new_tokens=8, ignore_eos=True)  # fills the prefix cache
+    before = _generate(
+        engine, greedy=True, max_new_tokens=8, ignore_eos=True
+    )  # fills the prefix cache
     try:
         engine.pause()
         engine.update_weights(WeightUpdateMeta(type="disk", path=new_dir, version=1))
@@ -180,13 +201,19 @@ def test_disk_weight_update_changes_outputs_and_tokens_carry_our_version(engine,
         ref_old = _reference_logprobs(tiny_model_dir, PROMPT, after.output_ids, 1.0)
         assert after.output_logprobs == pytest.approx(ref_new, abs=2e-3)
         assert after.output_logprobs != pytest.approx(ref_old, abs=2e-3)
-        assert _generate(engine, greedy=True, max_new_tokens=8, ignore_eos=True).output_ids != before.output_ids
+        assert (
+            _generate(engine, greedy=True, max_new_tokens=8, ignore_eos=True).output_ids
+            != before.output_ids
+        )
     finally:  # the module's server goes back to the fixture's weights
         engine.pause()
         engine.update_weights(WeightUpdateMeta(type="disk", path=tiny_model_dir, version=2))
         engine.set_version(2)
         engine.resume()
-    assert _generate(engine, greedy=True, max_new_tokens=8, ignore_eos=True).output_ids == before.output_ids
+    assert (
+        _generate(engine, greedy=True, max_new_tokens=8, ignore_eos=True).output_ids
+        == before.output_ids
+    )
 
 
 def test_requests_fail_over_from_our_killed_server_to_vllm(vllm_server, tiny_model_dir):

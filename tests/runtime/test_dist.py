@@ -17,7 +17,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 from test_fsdp import (  # noqa: E402
-    free_port, make_engine, n_loss_tokens, nll_loss, random_batch, run_processes, set_dist_env,
+    free_port,
+    make_engine,
+    n_loss_tokens,
+    nll_loss,
+    random_batch,
+    run_processes,
+    set_dist_env,
 )
 
 from areal.api.config.base import MicroBatchSpec  # noqa: E402
@@ -81,10 +87,15 @@ def test_two_models_on_disjoint_sub_meshes_train_as_two_standalone_jobs(tiny_mod
     run_processes(_standalone_jobs, 2, (paths, free_port(), str(tmp_path)), timeout=300)
     finals = []
     for model in range(2):
-        shared, alone = torch.load(tmp_path / f"shared{model}.pt"), torch.load(tmp_path / f"alone{model}.pt")
+        shared, alone = (
+            torch.load(tmp_path / f"shared{model}.pt"),
+            torch.load(tmp_path / f"alone{model}.pt"),
+        )
         assert shared["losses"] == pytest.approx(alone["losses"], abs=1e-6)
         assert shared["state"].keys() == alone["state"].keys()
-        worst = max((shared["state"][k] - alone["state"][k]).abs().max().item() for k in alone["state"])
+        worst = max(
+            (shared["state"][k] - alone["state"][k]).abs().max().item() for k in alone["state"]
+        )
         assert worst <= 1e-6, f"model {model}: max parameter difference {worst}"
         exported = load_file(tmp_path / f"shared{model}" / "hf" / "model.safetensors")
         reference = load_file(tmp_path / f"alone{model}" / "hf" / "model.safetensors")

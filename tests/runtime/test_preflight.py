@@ -26,12 +26,21 @@ def test_missing_model_dirs_datasets_and_tokenizers_are_named(tmp_path, tiny_mod
     (tmp_path / "no_weights").mkdir()
     (tmp_path / "no_weights" / "config.json").write_text("{}")
     problems = _problems(
-        tmp_path, "actor.path=/nonexistent/model", f"ref.path={tmp_path / 'no_weights'}", "actor.kl_ctl=0.1",
-        "train_dataset.path=/nonexistent/train.jsonl", f"tokenizer_path={tmp_path}",
+        tmp_path,
+        "actor.path=/nonexistent/model",
+        f"ref.path={tmp_path / 'no_weights'}",
+        "actor.kl_ctl=0.1",
+        "train_dataset.path=/nonexistent/train.jsonl",
+        f"tokenizer_path={tmp_path}",
     )
     by_field = {p.split(":")[0]: p for p in problems}
-    assert sorted(by_field) == ["actor.path", "ref.path", "tokenizer_path", "train_dataset.path"], problems
-    assert "'/nonexistent/model' does not exist" in by_field["actor.path"] and "hf download" in by_field["actor.path"]
+    assert sorted(by_field) == ["actor.path", "ref.path", "tokenizer_path", "train_dataset.path"], (
+        problems
+    )
+    assert (
+        "'/nonexistent/model' does not exist" in by_field["actor.path"]
+        and "hf download" in by_field["actor.path"]
+    )
     assert "no *.safetensors" in by_field["ref.path"]
     assert "'/nonexistent/train.jsonl' does not exist" in by_field["train_dataset.path"]
     assert "no tokenizer_config.json" in by_field["tokenizer_path"]
@@ -42,9 +51,16 @@ def test_stop_token_ids_outside_the_models_vocabulary_are_refused(tmp_path, tiny
     from pathlib import Path
 
     vocab = json.loads((Path(tiny_model_dir) / "config.json").read_text())["vocab_size"]
-    problems = _problems(tmp_path, f"actor.path={tiny_model_dir}", f"gconfig.stop_token_ids=[1, {vocab}]",
-                         "eval_gconfig.stop_token_ids=[-1]")
-    assert [p.split(":")[0] for p in problems] == ["gconfig.stop_token_ids", "eval_gconfig.stop_token_ids"]
+    problems = _problems(
+        tmp_path,
+        f"actor.path={tiny_model_dir}",
+        f"gconfig.stop_token_ids=[1, {vocab}]",
+        "eval_gconfig.stop_token_ids=[-1]",
+    )
+    assert [p.split(":")[0] for p in problems] == [
+        "gconfig.stop_token_ids",
+        "eval_gconfig.stop_token_ids",
+    ]
     assert f"[{vocab}] outside the model's vocabulary [0, {vocab})" in problems[0]
 
 
@@ -58,7 +74,9 @@ def test_stop_token_ids_outside_the_models_vocabulary_are_refused(tmp_path, tiny
     ],
 )
 def test_user_errors_of_every_command_are_one_message_and_exit_2(argv, message):
-    out = subprocess.run([sys.executable, "-m", "areal.cli", *argv], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "areal.cli", *argv], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2, out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.startswith(f"areal {argv[0]}: ")
@@ -81,15 +99,26 @@ def test_script_file_override_and_config_mistakes_are_one_message_naming_the_fix
     for argv, message in cases:
         out = subprocess.run([sys.executable, "-m", "areal.cli", *argv], capture_output=True, text=True,
                              timeout=120)  # fmt: skip
-        assert out.returncode == 2 and out.stderr.startswith(f"areal {argv[0]}: "), (argv, out.stderr)
+        assert out.returncode == 2 and out.stderr.startswith(f"areal {argv[0]}: "), (
+            argv,
+            out.stderr,
+        )
         assert message in out.stderr and "Traceback" not in out.stderr, (argv, out.stderr)
-        assert "unknown key" not in out.stderr and "no such file" not in out.stderr, (argv, out.stderr)
+        assert "unknown key" not in out.stderr and "no such file" not in out.stderr, (
+            argv,
+            out.stderr,
+        )
 
 
 def test_a_missing_run_export_says_to_run_its_stage_not_to_download(tmp_path):
     """The README's recipes point at `make demo`'s SFT export; when it is not there the cause is
     the missing run, not the hub (issue 34)."""
-    problems = _problems(tmp_path, "actor.path=runs/sft-arithmetic/trial0/checkpoints/model/step300")
+    problems = _problems(
+        tmp_path, "actor.path=runs/sft-arithmetic/trial0/checkpoints/model/step300"
+    )
     (actor,) = [p for p in problems if p.startswith("actor.path")]
-    assert "training run's export" in actor and "runs/quickstart/sft/run/checkpoints/model/step300" in actor
+    assert (
+        "training run's export" in actor
+        and "runs/quickstart/sft/run/checkpoints/model/step300" in actor
+    )
     assert "hf download" not in actor

@@ -38,7 +38,11 @@ class Recorder:
 
 def _publisher(tmp_path, rank: int = 0, start: int = 0):
     log: list = []
-    actor, rollout, executor = Recorder(log, "actor", start), Recorder(log, "rollout"), Recorder(log, "executor")
+    actor, rollout, executor = (
+        Recorder(log, "actor", start),
+        Recorder(log, "rollout"),
+        Recorder(log, "executor"),
+    )
     dist_ctx = SimpleNamespace(rank=rank, barrier=lambda: log.append(("all ranks", "barrier")))
     pub = WeightPublisher("disk", actor, rollout, executor, dist_ctx, tmp_path / "weights")
     return pub, log
@@ -48,8 +52,12 @@ def test_publish_pauses_pushes_waits_bumps_every_version_then_resumes(tmp_path):
     pub, log = _publisher(tmp_path)
     assert pub.publish() == 1 and pub.version == 1
     assert log == [
-        ("executor", "pause"), ("actor", "update_weights", 1), ("rollout", "update_weights", 1),
-        ("all ranks", "barrier"), ("actor", "set_version", 1), ("rollout", "set_version", 1),
+        ("executor", "pause"),
+        ("actor", "update_weights", 1),
+        ("rollout", "update_weights", 1),
+        ("all ranks", "barrier"),
+        ("actor", "set_version", 1),
+        ("rollout", "set_version", 1),
         ("executor", "resume"),
     ]
 

@@ -18,8 +18,17 @@ class _Tok:
 
 def _groups():
     def traj(i, versions, reward):
-        return Trajectory([1, 2], [3 + i, 4, 5], [-0.5, -1.0, -2.0], versions, [1, 1, 1], reward,
-                          RolloutStatus.COMPLETED, sample_id=f"g0-{i}", group_id="g0")
+        return Trajectory(
+            [1, 2],
+            [3 + i, 4, 5],
+            [-0.5, -1.0, -2.0],
+            versions,
+            [1, 1, 1],
+            reward,
+            RolloutStatus.COMPLETED,
+            sample_id=f"g0-{i}",
+            group_id="g0",
+        )
 
     return [[traj(0, [3, 4, 4], 1.0), traj(1, [4, 4, 4], 0.0)]]
 
@@ -64,4 +73,7 @@ def test_resume_drops_later_steps_and_a_fresh_run_moves_old_samples_aside(tmp_pa
     rec.truncate_after(1)
     assert [s for s, _, _ in sample_files(tmp_path)] == [1]
     SampleRecorder(SamplesConfig(), tmp_path, rank=0, tokenizer=_Tok(), fresh=True)
-    assert sample_files(tmp_path) == [] and (tmp_path / "samples.1" / "step-000001-rank0.parquet").is_file()
+    assert (
+        sample_files(tmp_path) == []
+        and (tmp_path / "samples.1" / "step-000001-rank0.parquet").is_file()
+    )

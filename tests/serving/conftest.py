@@ -46,8 +46,12 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def hf_logprobs(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> torch.Tensor:
+def hf_logprobs(
+    model, prompt: list[int], output: list[int], temperature: float = 1.0
+) -> torch.Tensor:
     """Reference: ``log_softmax(logits / T)`` of HF's forward at each output token."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
-    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(output)[:, None])[
+        :, 0
+    ]

@@ -67,7 +67,16 @@ def _build(venv: Path) -> None:
     (purelib / "_areal_project_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     constraints = venv / "constraints.txt"
     constraints.write_text(f"torch=={torch.__version__.split('+')[0]}\n")
-    pip = [str(_python(venv)), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", str(constraints)]
+    pip = [
+        str(_python(venv)),
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+        "-c",
+        str(constraints),
+    ]
     deadline = time.monotonic() + INSTALL_DEADLINE_S
     for args in (["--no-deps", LM_EVAL], list(RUNTIME_DEPS)):
         _pip(venv, pip, args, deadline)
@@ -80,11 +89,18 @@ def _pip(venv: Path, pip: list[str], args: list[str], deadline: float) -> None:
     with pip's error lines."""
     what = " ".join(args)
     try:
-        done = subprocess.run(pip + args, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
+        done = subprocess.run(
+            pip + args,
+            capture_output=True,
+            text=True,
+            timeout=max(1.0, deadline - time.monotonic()),
+        )
     except subprocess.TimeoutExpired:
         shutil.rmtree(venv, ignore_errors=True)
         raise LmEvalUnavailable(f"pip install {what} ran past {INSTALL_DEADLINE_S:.0f} s") from None
     if done.returncode != 0:
         shutil.rmtree(venv, ignore_errors=True)
-        errors = [ln for ln in done.stderr.splitlines() if "ERROR" in ln] or done.stderr.splitlines()[-3:]
+        errors = [
+            ln for ln in done.stderr.splitlines() if "ERROR" in ln
+        ] or done.stderr.splitlines()[-3:]
         raise LmEvalUnavailable(f"pip install {what} failed: {' | '.join(errors)}")

@@ -31,8 +31,9 @@ def _tail(log: Path) -> str:
     return log.read_text(errors="replace")[-2000:] if log.is_file() else "(no output)"
 
 
-def start_servers(model_dir: str, n: int = 1, *extra: str, open_files: int | None = None
-                  ) -> list[tuple[subprocess.Popen, str]]:
+def start_servers(
+    model_dir: str, n: int = 1, *extra: str, open_files: int | None = None
+) -> list[tuple[subprocess.Popen, str]]:
     """Start ``n`` servers at once (extra CLI args for each; ``open_files``: their soft and hard
     open-file limit); return ``(process, host:port)`` once every one answers /health, or stop
     them all and raise with the server's output."""
@@ -40,12 +41,27 @@ def start_servers(model_dir: str, n: int = 1, *extra: str, open_files: int | Non
     procs = []
     for i in range(n):
         port = free_port()
-        cmd = [sys.executable, "-m", "areal.cli", "serve", "--model", model_dir, "--port", str(port), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "areal.cli",
+            "serve",
+            "--model",
+            model_dir,
+            "--port",
+            str(port),
+            *extra,
+        ]
         with open(log_dir / f"server{i}.log", "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                    preexec_fn=None if open_files is None else lambda: resource.setrlimit(
-                                        resource.RLIMIT_NOFILE, (open_files, open_files)))
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                preexec_fn=None
+                if open_files is None
+                else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files)),
+            )
         proc.log_dir = log_dir  # removed by stop_servers
         procs.append((proc, f"127.0.0.1:{port}"))
     deadline = time.monotonic() + STARTUP_DEADLINE_S
@@ -54,8 +70,11 @@ def start_servers(model_dir: str, n: int = 1, *extra: str, open_files: int | Non
             log = log_dir / f"server{i}.log"
             if proc.poll() is not None or time.monotonic() > deadline:
                 stop_servers(procs)
-                state = f"exited with {proc.returncode}" if proc.poll() is not None else \
-                    f"not healthy within {STARTUP_DEADLINE_S} s"
+                state = (
+                    f"exited with {proc.returncode}"
+                    if proc.poll() is not None
+                    else f"not healthy within {STARTUP_DEADLINE_S} s"
+                )
                 raise RuntimeError(f"server {addr} {state}; output:\n{_tail(log)}")
             time.sleep(0.2)
     return procs

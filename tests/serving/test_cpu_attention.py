@@ -44,7 +44,9 @@ def test_kernel_equals_softmax_attention(kernel, H, G, D):
     qkv = torch.randn(len(lengths), H * G * D + 3 * D, generator=gen) * D**-0.5
     q = qkv[:, : H * G * D]
     assert not q.is_contiguous()
-    torch.testing.assert_close(kernel(q, k, v, lengths), reference(q, k, v, lengths), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        kernel(q, k, v, lengths), reference(q, k, v, lengths), atol=2e-6, rtol=1e-5
+    )
 
 
 @needs_cc
@@ -56,7 +58,9 @@ def test_kernel_softmax_holds_at_extreme_score_ranges(kernel):
     k[:, :, 200:] *= 3  # later keys score higher: the max moves up block by block
     q = torch.randn(2, 2 * 2 * 64, generator=gen) * 8
     lengths = torch.tensor([400, 333])
-    torch.testing.assert_close(kernel(q, k, v, lengths), reference(q, k, v, lengths), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        kernel(q, k, v, lengths), reference(q, k, v, lengths), atol=2e-6, rtol=1e-5
+    )
 
 
 @needs_cc
@@ -76,7 +80,9 @@ def test_kernel_rejects_operands_it_cannot_read(kernel):
 
 def test_modes_when_no_compiler_is_found(monkeypatch, caplog):
     monkeypatch.setenv("CC", "no-such-compiler-areal")
-    with pytest.raises(RuntimeError, match="could not be built.*'no-such-compiler-areal' not found"):
+    with pytest.raises(
+        RuntimeError, match="could not be built.*'no-such-compiler-areal' not found"
+    ):
         load_decode_attention("compiled", CPU, torch.float32)
     with caplog.at_level(logging.WARNING, logger="areal.serving.cpu_attention"):
         assert load_decode_attention("auto", CPU, torch.float32) is None

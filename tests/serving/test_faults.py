@@ -29,7 +29,9 @@ def in_process(tiny_model_dir, patch_step=None, **overrides):
     from areal.api.config.server import GenerationServerConfig
     from areal.serving.server import GenerationServer
 
-    srv = GenerationServer(from_dict(GenerationServerConfig, {"model_path": str(tiny_model_dir), **overrides}))
+    srv = GenerationServer(
+        from_dict(GenerationServerConfig, {"model_path": str(tiny_model_dir), **overrides})
+    )
     if patch_step is not None:
         srv.generator.model.step = patch_step(srv.generator.model.step)
     srv.generator.start()
@@ -63,19 +65,36 @@ def test_a_stop_list_covering_the_vocabulary_before_min_new_tokens_gets_400_and_
 ):
     with in_process(tiny_model_dir) as srv:
         vocab = list(range(srv.generator.model.spec.vocab_size))
-        sampled = {"input_ids": [1, 2, 3], "sampling_params": {
-            "min_new_tokens": 1, "max_new_tokens": 4, "stop_token_ids": vocab, "temperature": 1.0}}
-        greedy = {"input_ids": [1, 2, 3], "sampling_params": {
-            "min_new_tokens": 1, "max_new_tokens": 4, "stop_token_ids": vocab, "temperature": 0}}
+        sampled = {
+            "input_ids": [1, 2, 3],
+            "sampling_params": {
+                "min_new_tokens": 1,
+                "max_new_tokens": 4,
+                "stop_token_ids": vocab,
+                "temperature": 1.0,
+            },
+        }
+        greedy = {
+            "input_ids": [1, 2, 3],
+            "sampling_params": {
+                "min_new_tokens": 1,
+                "max_new_tokens": 4,
+                "stop_token_ids": vocab,
+                "temperature": 0,
+            },
+        }
         openai = {"prompt": [1, 2, 3], "max_tokens": 4, "min_tokens": 1, "stop_token_ids": vocab}
 
         async def script(client):
             before = (await post(client, "/generate", GREEDY))[1]["output_ids"]
             answers = []
             for _ in range(4):  # the reproducer killed the server after three
-                answers += await asyncio.gather(post(client, "/generate", sampled), post(client, "/generate", greedy),
-                                                post(client, "/v1/completions", openai),
-                                                *(post(client, "/generate", GREEDY) for _ in range(5)))
+                answers += await asyncio.gather(
+                    post(client, "/generate", sampled),
+                    post(client, "/generate", greedy),
+                    post(client, "/v1/completions", openai),
+                    *(post(client, "/generate", GREEDY) for _ in range(5)),
+                )
             health = await client.get("/health")
             after = (await post(client, "/generate", GREEDY))[1]["output_ids"]
             return before, answers, health.status, after
@@ -96,7 +115,9 @@ def test_min_new_tokens_suppresses_every_stop_token_when_one_token_is_left(gener
     keep = 42
     stops = tuple(t for t in range(generator.model.spec.vocab_size) if t != keep)
     for temperature in (0.0, 1.0):
-        params = SamplingParams(max_new_tokens=3, min_new_tokens=3, stop_token_ids=stops, temperature=temperature)
+        params = SamplingParams(
+            max_new_tokens=3, min_new_tokens=3, stop_token_ids=stops, temperature=temperature
+        )
         (r,) = generator.generate([PROMPT], params, timeout=60)
         assert r.output_ids == [keep] * 3 and r.finish_reason == "length"
 
@@ -120,15 +141,24 @@ def poison_marked_prompts(real):
 def test_nan_logits_fail_only_their_request_with_500_and_health_counts_them(tiny_model_dir):
     from areal.serving.generator import MAX_FAILED_STEPS
 
-    bad = [{"input_ids": [MARK, 5, 6], "sampling_params": {"max_new_tokens": 4, "temperature": t}} for t in (1.0, 0)]
+    bad = [
+        {"input_ids": [MARK, 5, 6], "sampling_params": {"max_new_tokens": 4, "temperature": t}}
+        for t in (1.0, 0)
+    ]
     rounds = MAX_FAILED_STEPS + 2
     with in_process(tiny_model_dir, poison_marked_prompts) as srv:
+
         async def script(client):
             before = (await post(client, "/generate", GREEDY))[1]["output_ids"]
             answers = []
             for _ in range(rounds):
-                answers.append(await asyncio.gather(*(post(client, "/generate", b) for b in bad),
-                                                    post(client, "/generate", GREEDY), post(client, "/generate", GREEDY)))
+                answers.append(
+                    await asyncio.gather(
+                        *(post(client, "/generate", b) for b in bad),
+                        post(client, "/generate", GREEDY),
+                        post(client, "/generate", GREEDY),
+                    )
+                )
             health = await client.get("/health")
             return before, answers, health.status, await health.json()
 
@@ -138,7 +168,9 @@ def test_nan_logits_fail_only_their_request_with_500_and_health_counts_them(tiny
         for s, b in ((s1, b1), (s2, b2)):
             assert s == 500 and "non-finite logits (NaN or inf)" in b["error"]["message"], b
         assert all(s == 200 and out["output_ids"] == before for s, out in innocent)
-    assert status == 200 and health["nonfinite_logits"] == 2 * rounds and health["failed_steps"] == 0
+    assert (
+        status == 200 and health["nonfinite_logits"] == 2 * rounds and health["failed_steps"] == 0
+    )
     assert "non-finite logits" in health["last_nonfinite"]
 
 
@@ -147,10 +179,16 @@ def test_weights_that_make_every_logit_nan_fail_requests_but_never_stop_the_serv
         return lambda *args: real(*args).fill_(float("nan"))
 
     with in_process(tiny_model_dir, all_nan) as srv:
+
         async def script(client):
             out = [await post(client, "/generate", GREEDY) for _ in range(6)]
-            out.append(await post(client, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "echo": True,
-                                                              "logprobs": 1}))
+            out.append(
+                await post(
+                    client,
+                    "/v1/completions",
+                    {"prompt": [5, 6], "max_tokens": 2, "echo": True, "logprobs": 1},
+                )
+            )
             health = await client.get("/health")
             return out, health.status, await health.json()
 
@@ -203,7 +241,9 @@ def test_weight_updates_refuse_integer_tensors_and_values_that_overflow_the_mode
     name = "model.layers.0.mlp.down_proj.weight"
     shape = generator.model.params[name].shape
     cases = {
-        "once cast to torch.float32": torch.full(shape, 1e300, dtype=torch.float64),  # finite in float64
+        "once cast to torch.float32": torch.full(
+            shape, 1e300, dtype=torch.float64
+        ),  # finite in float64
         "is not floating point": torch.ones(shape, dtype=torch.int64),
     }
     for expected, tensor in cases.items():  # update_weights serves the disk and the broadcast paths
@@ -259,6 +299,7 @@ def test_a_resume_called_while_a_pause_waits_for_the_step_is_not_undone_by_it(ti
 def test_pause_and_continue_over_http_take_effect_in_arrival_order(tiny_model_dir):
     entered, release = threading.Event(), threading.Event()
     with in_process(tiny_model_dir, blocking_step(entered, release)) as srv:
+
         async def script(client):
             running = asyncio.create_task(post(client, "/generate", GREEDY))
             await asyncio.to_thread(entered.wait, 30)
@@ -296,7 +337,9 @@ def test_a_blank_api_key_is_refused_before_the_model_loads(tiny_model_dir, monke
     assert "api_key" in capsys.readouterr().err
 
 
-def test_areal_serve_on_a_busy_port_is_one_line_and_exit_2_before_loading_the_model(tiny_model_dir, tmp_path):
+def test_areal_serve_on_a_busy_port_is_one_line_and_exit_2_before_loading_the_model(
+    tiny_model_dir, tmp_path
+):
     import shutil
 
     broken = tmp_path / "model"  # weights that would raise if the server got as far as loading them
@@ -308,8 +351,20 @@ def test_areal_serve_on_a_busy_port_is_one_line_and_exit_2_before_loading_the_mo
         held.listen()
         port = held.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "areal.cli", "serve", "--model", str(broken), "--port", str(port)],
-            capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            [
+                sys.executable,
+                "-m",
+                "areal.cli",
+                "serve",
+                "--model",
+                str(broken),
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]

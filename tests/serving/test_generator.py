@@ -143,7 +143,9 @@ def test_a_group_sharing_one_prefill_samples_as_if_each_ran_alone(generator, hf_
     group = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=s) for s in seeds]
     shared = generator.generate([PROMPTS[2]] * 4 + [PROMPTS[0]], group + [GREEDY])
     for seed, r in zip(seeds, shared[:4]):
-        alone = generator.generate([PROMPTS[2]], SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed))[0]
+        alone = generator.generate(
+            [PROMPTS[2]], SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed)
+        )[0]
         assert r.output_ids == alone.output_ids
         ref = hf_logprobs(hf_model, PROMPTS[2], r.output_ids, 1.0)
         torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, atol=1e-4, rtol=0)
@@ -153,7 +155,9 @@ def test_a_group_sharing_one_prefill_samples_as_if_each_ran_alone(generator, hf_
 
 def test_request_joining_mid_run_gets_same_greedy_result_as_alone(generator):
     alone = generator.generate([PROMPTS[2]], GREEDY)[0].output_ids
-    long_run = generator.submit(PROMPTS[1], SamplingParams(max_new_tokens=300, temperature=0.0, ignore_eos=True))
+    long_run = generator.submit(
+        PROMPTS[1], SamplingParams(max_new_tokens=300, temperature=0.0, ignore_eos=True)
+    )
     time.sleep(0.2)  # the long request is decoding when the next one joins
     joined = generator.generate([PROMPTS[2]], GREEDY)[0].output_ids
     assert not long_run.done() or len(long_run.result().output_ids) == 300
@@ -165,13 +169,17 @@ def test_stop_token_ids_stop_at_first_occurrence_after_min_tokens(generator):
     free = generator.generate([PROMPTS[0]], GREEDY)[0].output_ids
     stop_tok = free[5]
     first = free.index(stop_tok)
-    r = generator.generate([PROMPTS[0]], SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=(stop_tok,)))[0]
+    r = generator.generate(
+        [PROMPTS[0]], SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=(stop_tok,))
+    )[0]
     assert r.finish_reason == "stop" and r.matched == stop_tok
     assert r.output_ids == free[: first + 1]
     # min_new_tokens suppresses the stop token until that many tokens exist
     r = generator.generate(
         [PROMPTS[0]],
-        SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=(stop_tok,), min_new_tokens=first + 2),
+        SamplingParams(
+            max_new_tokens=24, temperature=0.0, stop_token_ids=(stop_tok,), min_new_tokens=first + 2
+        ),
     )[0]
     assert len(r.output_ids) >= first + 2
     assert stop_tok not in r.output_ids[: first + 2]
@@ -180,7 +188,9 @@ def test_stop_token_ids_stop_at_first_occurrence_after_min_tokens(generator):
 def test_stop_string_ends_generation(generator, tiny_tokenizer):
     free = generator.generate([PROMPTS[3]], GREEDY)[0].output_ids
     text = tiny_tokenizer.decode(free[3:5])
-    r = generator.generate([PROMPTS[3]], SamplingParams(max_new_tokens=24, temperature=0.0, stop=(text,)))[0]
+    r = generator.generate(
+        [PROMPTS[3]], SamplingParams(max_new_tokens=24, temperature=0.0, stop=(text,))
+    )[0]
     assert r.finish_reason == "stop" and r.matched == text
     assert text in tiny_tokenizer.decode(r.output_ids)
     assert len(r.output_ids) <= 5
@@ -218,7 +228,9 @@ def test_weight_update_makes_outputs_match_new_weights(generator, hf_model, othe
     assert r.output_versions == [v0 + 1] * len(r.output_ids)
     state = {k: v for k, v in hf_model.state_dict().items()}
     assert generator.update_weights(state, version=v0) == v0  # set, not bump
-    assert generator.generate([PROMPTS[0]], GREEDY)[0].output_ids == hf_greedy(hf_model, PROMPTS[0], 24)
+    assert generator.generate([PROMPTS[0]], GREEDY)[0].output_ids == hf_greedy(
+        hf_model, PROMPTS[0], 24
+    )
 
 
 def test_invalid_requests_are_rejected_with_the_field_name(generator):
@@ -228,16 +240,21 @@ def test_invalid_requests_are_rejected_with_the_field_name(generator):
         generator.submit([1] * generator.context_length, GREEDY)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generator.submit([1], SamplingParams(max_new_tokens=-1))
-    hostile = {"temperature": SamplingParams(temperature=float("nan")),
-               "top_k": SamplingParams(top_k=10**20), "seed": SamplingParams(seed=-1),
-               "stop_token_ids": SamplingParams(stop_token_ids=(generator.model.spec.vocab_size,))}
+    hostile = {
+        "temperature": SamplingParams(temperature=float("nan")),
+        "top_k": SamplingParams(top_k=10**20),
+        "seed": SamplingParams(seed=-1),
+        "stop_token_ids": SamplingParams(stop_token_ids=(generator.model.spec.vocab_size,)),
+    }
     for field, params in hostile.items():
         with pytest.raises(ValueError, match=f"sampling_params.{field}"):
             generator.submit([1], params)
     assert generator.generate([PROMPTS[0]], GREEDY)[0].finish_reason in ("stop", "length")
 
 
-def test_failed_steps_fail_their_requests_until_too_many_in_a_row_stop_the_generator(tiny_model_dir):
+def test_failed_steps_fail_their_requests_until_too_many_in_a_row_stop_the_generator(
+    tiny_model_dir,
+):
     from areal.serving.generator import MAX_FAILED_STEPS, Generator, GeneratorStopped, StepFailed
 
     gen = Generator.from_pretrained(tiny_model_dir, max_batch_size=1)  # one request per step

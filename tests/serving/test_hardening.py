@@ -73,9 +73,17 @@ def test_a_failed_step_fails_its_requests_with_500_and_the_server_goes_on(tiny_m
 
         return step
 
-    requests = [("POST", "/generate"), ("POST", "/generate"), ("GET", "/health"), ("GET", "/get_server_info")]
+    requests = [
+        ("POST", "/generate"),
+        ("POST", "/generate"),
+        ("GET", "/health"),
+        ("GET", "/get_server_info"),
+    ]
     (s1, failed), (s2, ok), (s3, _), (_, info) = _in_process(tiny_model_dir, fail_once, requests)
-    assert s1 == 500 and "generation step failed: FloatingPointError('bad kernel')" in failed["error"]["message"]
+    assert (
+        s1 == 500
+        and "generation step failed: FloatingPointError('bad kernel')" in failed["error"]["message"]
+    )
     assert s2 == 200 and len(ok["output_ids"]) == 8
     assert s3 == 200 and info["failed_steps"] == 1
 
@@ -89,11 +97,17 @@ def test_a_generator_that_keeps_failing_counts_as_broken_503_naming_the_cause(ti
 
         return step
 
-    requests = [("POST", "/generate")] * (MAX_FAILED_STEPS + 1) + [("GET", "/health"), ("GET", "/health_generate")]
+    requests = [("POST", "/generate")] * (MAX_FAILED_STEPS + 1) + [
+        ("GET", "/health"),
+        ("GET", "/health_generate"),
+    ]
     answers = _in_process(tiny_model_dir, always, requests)
     statuses = [s for s, _ in answers]
     assert statuses == [500] * (MAX_FAILED_STEPS - 1) + [503] * 4
-    assert "generator crashed: FloatingPointError('bad kernel')" in answers[MAX_FAILED_STEPS - 1][1]["error"]["message"]
+    assert (
+        "generator crashed: FloatingPointError('bad kernel')"
+        in answers[MAX_FAILED_STEPS - 1][1]["error"]["message"]
+    )
     assert all("bad kernel" in body["error"]["message"] for _, body in answers[MAX_FAILED_STEPS:])
 
 
@@ -105,24 +119,44 @@ def test_a_broken_generator_makes_areal_serve_exit_1(tiny_model_dir, tmp_path):
         "def step(self, *a):\n    raise FloatingPointError('bad kernel')\n"
         "m.Qwen2Forward.step = step\n"
     )
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+    }
     port = _free()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "areal.cli", "serve", "--model", tiny_model_dir, "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+        [
+            sys.executable,
+            "-m",
+            "areal.cli",
+            "serve",
+            "--model",
+            tiny_model_dir,
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
     )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 90
         while call_or_none(f"{url}/health") is None:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-2000:]
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[
+                -2000:
+            ]
             time.sleep(0.2)
         from areal.serving.generator import MAX_FAILED_STEPS
 
         for _ in range(MAX_FAILED_STEPS):
             call_or_none(f"{url}/generate", GREEDY)
         assert proc.wait(timeout=30) == 1
-        assert "generator broken, exiting: FloatingPointError('bad kernel')" in proc.stdout.read().decode()
+        assert (
+            "generator broken, exiting: FloatingPointError('bad kernel')"
+            in proc.stdout.read().decode()
+        )
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -162,11 +196,17 @@ def _bad_dirs(tiny_model_dir: str, root: Path) -> dict[str, Path]:
         if kind == "nan":
             save_file({**tensors, name: torch.full_like(tensors[name], float("nan"))}, str(target))
         elif kind in ("overflow", "int"):
-            bad = torch.full(tensors[name].shape, 1e300, dtype=torch.float64) if kind == "overflow" \
+            bad = (
+                torch.full(tensors[name].shape, 1e300, dtype=torch.float64)
+                if kind == "overflow"
                 else tensors[name].to(torch.int64)
+            )
             save_file({**tensors, name: bad}, str(target))
         elif kind == "partial":
-            save_file({n: t for n, t in tensors.items() if "layers.0.self_attn.q_proj" not in n}, str(target))
+            save_file(
+                {n: t for n, t in tensors.items() if "layers.0.self_attn.q_proj" not in n},
+                str(target),
+            )
         elif kind == "truncated":
             data = target.read_bytes()
             target.write_bytes(data[: len(data) // 2])
@@ -181,9 +221,14 @@ def test_weight_updates_refuse_nan_partial_and_unreadable_weights_and_keep_the_o
 ):
     before = call(f"{server}/generate", GREEDY)[1]["output_ids"]
     version = call(f"{server}/get_model_info")[1]["weight_version"]
-    expected = {"nan": "NaN or inf", "partial": "missing 2 weight(s)", "truncated": "cannot read",
-                "empty": "cannot read", "overflow": "NaN or inf values once cast to torch.float32",
-                "int": "is not floating point"}
+    expected = {
+        "nan": "NaN or inf",
+        "partial": "missing 2 weight(s)",
+        "truncated": "cannot read",
+        "empty": "cannot read",
+        "overflow": "NaN or inf values once cast to torch.float32",
+        "int": "is not floating point",
+    }
     for kind, path in _bad_dirs(tiny_model_dir, tmp_path).items():
         status, out = call(f"{server}/update_weights_from_disk", {"model_path": str(path)}, key=KEY)
         assert status == 400 and out["error"]["param"] == "model_path", (kind, out)
@@ -195,12 +240,46 @@ def test_weight_updates_refuse_nan_partial_and_unreadable_weights_and_keep_the_o
 @pytest.mark.parametrize(
     "body,field",
     [
-        ({"master_address": "127.0.0.1", "master_port": "abc", "rank_offset": 1, "world_size": 2}, "master_port"),
-        ({"master_address": "127.0.0.1", "master_port": 70000, "rank_offset": 1, "world_size": 2}, "master_port"),
-        ({"master_address": "127.0.0.1", "master_port": 1e20, "rank_offset": 1, "world_size": 2}, "master_port"),
-        ({"master_address": "127.0.0.1", "master_port": 2000, "rank_offset": 5, "world_size": 2}, "rank_offset"),
-        ({"master_address": 7, "master_port": 2000, "rank_offset": 1, "world_size": 2}, "master_address"),
-        ({"master_address": "h", "master_port": 2000, "rank_offset": 1, "world_size": 2, "timeout": float("inf")}, "timeout"),
+        (
+            {
+                "master_address": "127.0.0.1",
+                "master_port": "abc",
+                "rank_offset": 1,
+                "world_size": 2,
+            },
+            "master_port",
+        ),
+        (
+            {
+                "master_address": "127.0.0.1",
+                "master_port": 70000,
+                "rank_offset": 1,
+                "world_size": 2,
+            },
+            "master_port",
+        ),
+        (
+            {"master_address": "127.0.0.1", "master_port": 1e20, "rank_offset": 1, "world_size": 2},
+            "master_port",
+        ),
+        (
+            {"master_address": "127.0.0.1", "master_port": 2000, "rank_offset": 5, "world_size": 2},
+            "rank_offset",
+        ),
+        (
+            {"master_address": 7, "master_port": 2000, "rank_offset": 1, "world_size": 2},
+            "master_address",
+        ),
+        (
+            {
+                "master_address": "h",
+                "master_port": 2000,
+                "rank_offset": 1,
+                "world_size": 2,
+                "timeout": float("inf"),
+            },
+            "timeout",
+        ),
     ],
 )
 def test_bad_weight_group_arguments_get_400(server, body, field):
@@ -214,9 +293,15 @@ def test_bad_versions_and_n_above_the_cap_get_400(server):
     status, out = call(f"{server}/update_weight_version", {"new_version": 2**80}, key=KEY)
     assert status == 400 and out["error"]["param"] == "new_version"
     model = _served_model(server)
-    status, out = call(f"{server}/v1/completions", {"model": model, "prompt": [5, 6], "n": 17, "max_tokens": 1})
-    assert status == 400 and out["error"]["param"] == "n" and "server.max_n" in out["error"]["message"]
-    status, out = call(f"{server}/v1/completions", {"model": "m", "prompt": [5, 6], "temperature": 10**400})
+    status, out = call(
+        f"{server}/v1/completions", {"model": model, "prompt": [5, 6], "n": 17, "max_tokens": 1}
+    )
+    assert (
+        status == 400 and out["error"]["param"] == "n" and "server.max_n" in out["error"]["message"]
+    )
+    status, out = call(
+        f"{server}/v1/completions", {"model": "m", "prompt": [5, 6], "temperature": 10**400}
+    )
     assert status == 400 and out["error"]["param"] == "temperature"
     assert call(f"{server}/health")[0] == 200
 
@@ -229,7 +314,9 @@ def _load(url: str) -> int:
 
 
 def test_a_client_that_disconnects_frees_its_slot(server):
-    body = json.dumps({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}})
+    body = json.dumps(
+        {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
+    )
     host, port = server.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
     sock.sendall(
@@ -291,8 +378,13 @@ def test_secret_fields_stay_out_of_written_configs_and_trainer_argv(tmp_path):
     from areal.api.config.loader import save_config
     from areal.launcher.local import without_secrets
 
-    argv = [f"fileroot={tmp_path}", "server.api_key=s3cret", "actor.path=m", "actor.use_critic=false",
-            "cluster.n_servers=1"]
+    argv = [
+        f"fileroot={tmp_path}",
+        "server.api_key=s3cret",
+        "actor.path=m",
+        "actor.use_critic=false",
+        "cluster.n_servers=1",
+    ]
     cfg = load_config(GRPOConfig, argv)
     assert cfg.server.api_key == "s3cret"
     assert "s3cret" not in save_config(cfg, tmp_path / "config.yaml").read_text()
@@ -301,19 +393,105 @@ def test_secret_fields_stay_out_of_written_configs_and_trainer_argv(tmp_path):
 
 # ------------------------------------------------------------------ fuzz
 
-VALUES = [None, 0, 1, -1, 2, 7, 2**31, 2**63, 10**30, -(10**30), 0.5, -0.0, 1e-45, 1e308, float("nan"),
-          float("inf"), "", "x", "1", [], [1], [-1, 2**40], {}, {"a": 1}, True, False, [5, 17, 99],
-          "\ud800", ["s"] * 100, ["x" * 300] * 20, list(range(259)), {"type": "function"},
-          [{"type": "function", "function": {"name": "f", "parameters": {"a": {"b": {"c": 1}}}}}], "required"]
-SAMPLING_KEYS = ["max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
-                 "seed", "n", "ignore_eos", "skip_special_tokens", "no_stop_trim", "frequency_penalty", "bogus"]
+VALUES = [
+    None,
+    0,
+    1,
+    -1,
+    2,
+    7,
+    2**31,
+    2**63,
+    10**30,
+    -(10**30),
+    0.5,
+    -0.0,
+    1e-45,
+    1e308,
+    float("nan"),
+    float("inf"),
+    "",
+    "x",
+    "1",
+    [],
+    [1],
+    [-1, 2**40],
+    {},
+    {"a": 1},
+    True,
+    False,
+    [5, 17, 99],
+    "\ud800",
+    ["s"] * 100,
+    ["x" * 300] * 20,
+    list(range(259)),
+    {"type": "function"},
+    [{"type": "function", "function": {"name": "f", "parameters": {"a": {"b": {"c": 1}}}}}],
+    "required",
+]
+SAMPLING_KEYS = [
+    "max_new_tokens",
+    "min_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "n",
+    "ignore_eos",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "frequency_penalty",
+    "bogus",
+]
 TOP_KEYS = {
-    "/generate": ["input_ids", "text", "sampling_params", "return_logprob", "rid", "stream", "bogus"],
-    "/v1/completions": ["model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs",
-                        "echo", "stream", "min_tokens", "top_k", "stop_token_ids", "best_of", "ignore_eos", "bogus"],
-    "/v1/chat/completions": ["model", "messages", "max_tokens", "temperature", "n", "stop", "seed", "logprobs",
-                             "top_logprobs", "max_completion_tokens", "min_tokens", "stop_token_ids", "tools",
-                             "tool_choice", "stream", "bogus"],
+    "/generate": [
+        "input_ids",
+        "text",
+        "sampling_params",
+        "return_logprob",
+        "rid",
+        "stream",
+        "bogus",
+    ],
+    "/v1/completions": [
+        "model",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stop",
+        "seed",
+        "logprobs",
+        "echo",
+        "stream",
+        "min_tokens",
+        "top_k",
+        "stop_token_ids",
+        "best_of",
+        "ignore_eos",
+        "bogus",
+    ],
+    "/v1/chat/completions": [
+        "model",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "n",
+        "stop",
+        "seed",
+        "logprobs",
+        "top_logprobs",
+        "max_completion_tokens",
+        "min_tokens",
+        "stop_token_ids",
+        "tools",
+        "tool_choice",
+        "stream",
+        "bogus",
+    ],
 }
 
 
@@ -332,23 +510,47 @@ def _hostile(rng: random.Random) -> tuple[str, bytes]:
     vocab = list(range(259))  # the tiny model's
     kind = rng.randrange(6)
     if kind == 0:  # every id a stop id, before min_new_tokens: all logits masked
-        sp = {"min_new_tokens": rng.randint(1, 3), "max_new_tokens": 4, "stop_token_ids": vocab,
-              "temperature": rng.choice([0, 1.0])}
+        sp = {
+            "min_new_tokens": rng.randint(1, 3),
+            "max_new_tokens": 4,
+            "stop_token_ids": vocab,
+            "temperature": rng.choice([0, 1.0]),
+        }
         return "/generate", json.dumps({"input_ids": PROMPT, "sampling_params": sp}).encode()
     if kind == 1:
-        body = {"prompt": PROMPT, "max_tokens": 4, "min_tokens": rng.randint(1, 3), "stop_token_ids": vocab}
+        body = {
+            "prompt": PROMPT,
+            "max_tokens": 4,
+            "min_tokens": rng.randint(1, 3),
+            "stop_token_ids": vocab,
+        }
         return "/v1/completions", json.dumps(body).encode()
     if kind == 2:  # a lone surrogate where text is tokenized
         path, key = rng.choice([("/generate", "text"), ("/v1/completions", "prompt")])
-        return path, json.dumps({key: rng.choice(["\ud800", "a\udfff", ["\ud83d"]]), "max_tokens": 1}).encode()
+        return path, json.dumps(
+            {key: rng.choice(["\ud800", "a\udfff", ["\ud83d"]]), "max_tokens": 1}
+        ).encode()
     if kind == 3:  # nested past the parser, or past server.max_json_depth in a tools schema
         depth = rng.choice([2000, 200_000])
         return rng.choice(list(TOP_KEYS)), b"[" * depth + b"]" * depth
     if kind == 4:
         d = rng.randint(100, 900)
-        tools = '[{"type": "function", "function": {"name": "f", "parameters": ' + '{"a": ' * d + "1" + "}" * d + "}}]"
-        return "/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "hi"}}], "tools": {tools}}}'.encode()
-    body = {"prompt": "a", "max_tokens": 1, rng.choice(["n", "stop"]): rng.choice([3_000_000, ["s"] * 200_000])}
+        tools = (
+            '[{"type": "function", "function": {"name": "f", "parameters": '
+            + '{"a": ' * d
+            + "1"
+            + "}" * d
+            + "}}]"
+        )
+        return (
+            "/v1/chat/completions",
+            f'{{"messages": [{{"role": "user", "content": "hi"}}], "tools": {tools}}}'.encode(),
+        )
+    body = {
+        "prompt": "a",
+        "max_tokens": 1,
+        rng.choice(["n", "stop"]): rng.choice([3_000_000, ["s"] * 200_000]),
+    }
     return "/v1/completions", json.dumps(body).encode()
 
 
@@ -357,18 +559,32 @@ def _body(rng: random.Random) -> tuple[str, bytes]:
         return _hostile(rng)
     path = rng.choice(list(TOP_KEYS))
     if rng.random() < 0.05:  # not JSON or not UTF-8 at all
-        return path, rng.choice([b"{", b"\xff\xfe", b"[]", b"null", b'"x"', bytes(rng.randrange(256) for _ in range(20))])
+        return path, rng.choice(
+            [
+                b"{",
+                b"\xff\xfe",
+                b"[]",
+                b"null",
+                b'"x"',
+                bytes(rng.randrange(256) for _ in range(20)),
+            ]
+        )
     body: dict = {}
     for key in rng.sample(TOP_KEYS[path], rng.randint(0, 4)):
         body[key] = _value(rng)
     if path == "/generate":
         body.setdefault("input_ids", rng.choice([PROMPT, [1], [], [10**9], "x"]))
         sp = {k: _value(rng) for k in rng.sample(SAMPLING_KEYS, rng.randint(0, 5))}
-        body["sampling_params"] = {**sp, "max_new_tokens": rng.choice([0, 1, 3, 8, -1, 2**40, None])}
+        body["sampling_params"] = {
+            **sp,
+            "max_new_tokens": rng.choice([0, 1, 3, 8, -1, 2**40, None]),
+        }
     else:
         body.setdefault("max_tokens", rng.choice([0, 1, 4, -3, 10**20, "4"]))
         if path == "/v1/chat/completions":
-            body.setdefault("messages", rng.choice([[{"role": "user", "content": "hi"}], [{"role": 1}], "x"]))
+            body.setdefault(
+                "messages", rng.choice([[{"role": "user", "content": "hi"}], [{"role": 1}], "x"])
+            )
         else:
             body.setdefault("prompt", rng.choice(["1+1=", [5, 6], [[5], [6]], [], [2**70]]))
     text = json.dumps(body, allow_nan=True).encode()
@@ -379,7 +595,10 @@ class _SlowClients:
     """``n`` connections that trickle request heads a few bytes at a time (slowloris) while the
     block runs."""
 
-    HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Pad: " + b"a" * 4000
+    HEAD = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Pad: "
+        + b"a" * 4000
+    )
 
     def __init__(self, url: str, n: int):
         host, port = url.removeprefix("http://").split(":")
@@ -392,7 +611,7 @@ class _SlowClients:
         while not self.stop.wait(0.1):
             for sock in socks:
                 try:
-                    sock.sendall(self.HEAD[at % len(self.HEAD): at % len(self.HEAD) + 3])
+                    sock.sendall(self.HEAD[at % len(self.HEAD) : at % len(self.HEAD) + 3])
                 except OSError:  # cut off by the server's head deadline or connection cap: fine
                     pass
             at += 3
@@ -427,7 +646,9 @@ def test_fuzz_thousands_of_random_bodies_leave_the_server_as_it_was(server):
     with _SlowClients(server, 50), ThreadPoolExecutor(8) as pool:
         statuses = list(pool.map(send, bodies))
     counts = {s: statuses.count(s) for s in set(statuses)}
-    bad = [b for b, s in zip(bodies, statuses) if s not in (200, 400, 404)]  # 404: a model not served
+    bad = [
+        b for b, s in zip(bodies, statuses) if s not in (200, 400, 404)
+    ]  # 404: a model not served
     assert not bad, (counts, bad[:5])  # no 500s, no 503s: every request was answered cleanly
     assert counts.get(200, 0) > 50 and counts.get(400, 0) > 500, counts  # both paths were exercised
     assert call(f"{server}/health")[0] == 200
@@ -445,22 +666,32 @@ def _corrupt(rng: random.Random, raw: bytes, tensors: dict, target: Path) -> boo
     if kind == 0:  # flipped bytes in the header or the data
         data = bytearray(raw)
         for _ in range(rng.randint(1, 20)):
-            data[rng.randrange(min(len(data), rng.choice([200, len(data)])))] ^= 1 << rng.randrange(8)
+            data[rng.randrange(min(len(data), rng.choice([200, len(data)])))] ^= 1 << rng.randrange(
+                8
+            )
         target.write_bytes(bytes(data))
         return False
     if kind == 1:  # cut short
         target.write_bytes(raw[: rng.randrange(len(raw))])
     elif kind == 2:  # a dtype the weight cannot hold: huge float64, float16 overflow, ints, bools
         t = tensors[name]
-        bad = rng.choice([torch.full(t.shape, 1e300, dtype=torch.float64), (t * 1e9).to(torch.float16),
-                          t.to(torch.int32), t > 0])
+        bad = rng.choice(
+            [
+                torch.full(t.shape, 1e300, dtype=torch.float64),
+                (t * 1e9).to(torch.float16),
+                t.to(torch.int32),
+                t > 0,
+            ]
+        )
         save_file({**tensors, name: bad}, str(target))
     else:  # a wrong shape
         save_file({**tensors, name: torch.zeros(tensors[name].numel() + 1)}, str(target))
     return True
 
 
-def test_fuzz_weight_files_get_200_or_400_and_the_server_keeps_serving(server, tiny_model_dir, tmp_path):
+def test_fuzz_weight_files_get_200_or_400_and_the_server_keeps_serving(
+    server, tiny_model_dir, tmp_path
+):
     from safetensors.torch import load_file
 
     before = call(f"{server}/generate", GREEDY)[1]["output_ids"]
@@ -476,9 +707,15 @@ def test_fuzz_weight_files_get_200_or_400_and_the_server_keeps_serving(server, t
         statuses.append(status)
         assert status == 400 if refused else status in (200, 400), out
         assert call(f"{server}/health")[0] == 200
-        assert call(f"{server}/generate", GREEDY)[0] in (200, 500)  # 500: weights that give NaN, named
+        assert call(f"{server}/generate", GREEDY)[0] in (
+            200,
+            500,
+        )  # 500: weights that give NaN, named
     assert statuses.count(400) >= 12, statuses
-    assert call(f"{server}/update_weights_from_disk", {"model_path": tiny_model_dir}, key=KEY)[0] == 200
+    assert (
+        call(f"{server}/update_weights_from_disk", {"model_path": tiny_model_dir}, key=KEY)[0]
+        == 200
+    )
     assert call(f"{server}/generate", GREEDY)[1]["output_ids"] == before
     assert call(f"{server}/get_server_info")[1]["failed_steps"] == 0
 
@@ -492,14 +729,33 @@ def _served_model(url: str) -> str:
 
 def test_openai_details_unknown_model_404_usage_of_list_prompts_and_chat_without_max_tokens(server):
     model = _served_model(server)
-    status, out = call(f"{server}/v1/completions", {"model": "gpt-nothing", "prompt": [5, 6], "max_tokens": 1})
-    assert status == 404 and out["error"]["code"] == "model_not_found" and model in out["error"]["message"]
-    status, out = call(f"{server}/v1/completions",
-                       {"model": model, "prompt": [[5, 6], [7, 8, 9]], "n": 2, "max_tokens": 1})
-    assert status == 200 and out["usage"]["prompt_tokens"] == 5 and out["usage"]["completion_tokens"] == 4
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "temperature": 0}
+    status, out = call(
+        f"{server}/v1/completions", {"model": "gpt-nothing", "prompt": [5, 6], "max_tokens": 1}
+    )
+    assert (
+        status == 404
+        and out["error"]["code"] == "model_not_found"
+        and model in out["error"]["message"]
+    )
+    status, out = call(
+        f"{server}/v1/completions",
+        {"model": model, "prompt": [[5, 6], [7, 8, 9]], "n": 2, "max_tokens": 1},
+    )
+    assert (
+        status == 200
+        and out["usage"]["prompt_tokens"] == 5
+        and out["usage"]["completion_tokens"] == 4
+    )
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     status, out = call(f"{server}/v1/chat/completions", body)
-    assert status == 200 and out["usage"]["completion_tokens"] > 16  # OpenAI's chat has no 16-token default
+    assert (
+        status == 200 and out["usage"]["completion_tokens"] > 16
+    )  # OpenAI's chat has no 16-token default
     assert out["choices"][0]["finish_reason"] == "length"  # the context ended it
 
 
@@ -519,7 +775,9 @@ def test_an_internal_error_is_a_json_500_and_the_server_goes_on(tiny_model_dir):
         async with TestClient(TestServer(srv.build_app(), host="127.0.0.1")) as client:
             out = []
             for prompt in ("boom", "fine"):
-                resp = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+                resp = await client.post(
+                    "/v1/completions", json={"prompt": prompt, "max_tokens": 1}
+                )
                 out.append((resp.status, await resp.json()))
             return out
 

@@ -16,9 +16,17 @@ from tests.serving.servers import start_servers, stop_servers
 from tests.serving.test_faults import GREEDY, in_process, post, run_client
 from tests.serving.test_server import call
 
-LIMITS = ("max_body_bytes=1048576", "max_text_chars=5000", "max_stop_strings=4", "max_stop_chars=64",
-          "max_prompt_logprob_tokens=64", "max_n=16", "request_head_timeout=1.5", "request_body_timeout=1.5",
-          "max_connections=40")
+LIMITS = (
+    "max_body_bytes=1048576",
+    "max_text_chars=5000",
+    "max_stop_strings=4",
+    "max_stop_chars=64",
+    "max_prompt_logprob_tokens=64",
+    "max_n=16",
+    "request_head_timeout=1.5",
+    "request_body_timeout=1.5",
+    "max_connections=40",
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +53,49 @@ def test_request_fields_past_their_limits_get_4xx_naming_the_field_and_the_limit
     cases = [  # (path, body, status, param, limit named)
         ("/generate", {"text": "a" * 2_000_000}, 413, "body", "server.max_body_bytes"),
         ("/generate", {"text": "a" * 6000}, 400, "text", "server.max_text_chars"),
-        ("/v1/completions", {"prompt": "a", "max_tokens": 1, "n": 3_000_000}, 400, "n", "server.max_n"),
-        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x"}], "n": 10**9}, 400, "n",
-         "server.max_n"),
+        (
+            "/v1/completions",
+            {"prompt": "a", "max_tokens": 1, "n": 3_000_000},
+            400,
+            "n",
+            "server.max_n",
+        ),
+        (
+            "/v1/chat/completions",
+            {**chat, "messages": [{"role": "user", "content": "x"}], "n": 10**9},
+            400,
+            "n",
+            "server.max_n",
+        ),
         ("/generate", {"input_ids": [[5]] * 17}, 400, "n", "server.max_n"),
-        ("/v1/completions", {"prompt": [5, 6], "max_tokens": 1, "stop": ["s"] * 5}, 400, "stop",
-         "server.max_stop_strings"),
-        ("/generate", {"input_ids": [5], "sampling_params": {"stop": ["x" * 40, "y" * 40]}}, 400,
-         "sampling_params.stop", "server.max_stop_chars"),
-        ("/v1/completions", {"prompt": [[5] * 40, [6] * 40], "max_tokens": 1, "echo": True, "logprobs": 20}, 400,
-         "logprobs", "server.max_prompt_logprob_tokens"),
-        ("/generate", {"input_ids": [5] * 65, "return_logprob": True, "logprob_start_len": 0}, 400,
-         "logprob_start_len", "server.max_prompt_logprob_tokens"),
+        (
+            "/v1/completions",
+            {"prompt": [5, 6], "max_tokens": 1, "stop": ["s"] * 5},
+            400,
+            "stop",
+            "server.max_stop_strings",
+        ),
+        (
+            "/generate",
+            {"input_ids": [5], "sampling_params": {"stop": ["x" * 40, "y" * 40]}},
+            400,
+            "sampling_params.stop",
+            "server.max_stop_chars",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": [[5] * 40, [6] * 40], "max_tokens": 1, "echo": True, "logprobs": 20},
+            400,
+            "logprobs",
+            "server.max_prompt_logprob_tokens",
+        ),
+        (
+            "/generate",
+            {"input_ids": [5] * 65, "return_logprob": True, "logprob_start_len": 0},
+            400,
+            "logprob_start_len",
+            "server.max_prompt_logprob_tokens",
+        ),
         ("/v1/chat/completions", _deep_tools(model, 900), 400, "tools", "server.max_json_depth"),
     ]
     for path, body, status, param, limit in cases:
@@ -71,16 +110,22 @@ def _deep_tools(model: str, depth: int) -> bytes:
     """A chat body whose tool's parameter schema nests ``depth`` objects (written by hand:
     json.dumps stops at Python's recursion limit; json.loads still parses it)."""
     schema = '{"a": ' * depth + '{"type": "string"}' + "}" * depth
-    return (f'{{"model": {json.dumps(model)}, "max_tokens": 1, "messages": [{{"role": "user", "content": "hi"}}], '
-            f'"tools": [{{"type": "function", "function": {{"name": "f", "parameters": {schema}}}}}]}}').encode()
+    return (
+        f'{{"model": {json.dumps(model)}, "max_tokens": 1, "messages": [{{"role": "user", "content": "hi"}}], '
+        f'"tools": [{{"type": "function", "function": {{"name": "f", "parameters": {schema}}}}}]}}'
+    ).encode()
 
 
 def test_lone_surrogates_and_bodies_nested_past_the_parser_get_400(server):
     model = _model(server)
     surrogate = b'{"text": "\\ud800"}'
     status, out = call(f"{server}/generate", surrogate)
-    assert status == 400 and out["error"]["param"] == "text" and "surrogate" in out["error"]["message"]
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "\ud800"}]}).encode()
+    assert (
+        status == 400 and out["error"]["param"] == "text" and "surrogate" in out["error"]["message"]
+    )
+    body = json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "\ud800"}]}
+    ).encode()
     status, out = call(f"{server}/v1/chat/completions", body)
     assert status == 400 and out["error"]["param"] == "messages"
     deep = b"[" * 200_000 + b"]" * 200_000
@@ -102,7 +147,11 @@ def test_tokenizing_runs_off_the_event_loop_so_health_answers_meanwhile(tiny_mod
 
         async def script(client):  # the client shares the server's loop: a stall delays both
             t0 = time.monotonic()
-            busy = asyncio.create_task(post(client, "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 1}}))
+            busy = asyncio.create_task(
+                post(
+                    client, "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 1}}
+                )
+            )
             await asyncio.sleep(0.3)
             health = await client.get("/health")
             waited = time.monotonic() - t0
@@ -131,12 +180,16 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
-def test_half_sent_heads_past_the_connection_cap_leave_health_answerable_and_are_cut_at_the_deadline(server):
+def test_half_sent_heads_past_the_connection_cap_leave_health_answerable_and_are_cut_at_the_deadline(
+    server,
+):
     slow = []
     try:
         for _ in range(100):  # 2.5x server.max_connections, each stuck in its head
             sock = _connect(server)
-            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+            sock.sendall(
+                b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            )
             slow.append(sock)
         for _ in range(5):
             status, _, seconds = _timed(f"{server}/health", None)  # type: ignore[arg-type]
@@ -152,8 +205,10 @@ def test_half_sent_heads_past_the_connection_cap_leave_health_answerable_and_are
 
 def test_a_body_that_stops_arriving_gets_408_at_the_deadline(server):
     with _connect(server) as sock:
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"input_ids\": ")
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"input_ids": '
+        )
         sock.settimeout(10)
         t0 = time.monotonic()
         answer = sock.recv(65536)

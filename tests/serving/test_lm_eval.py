@@ -27,7 +27,10 @@ MC_DOCS = [  # lm-eval puts its target delimiter (a space) between question and 
     {"question": "The sky is", "choices": ["blue", "green"], "answer": 0},
     {"question": "Paris is in", "choices": ["France", "Peru", "the sea"], "answer": 0},
 ]
-GEN_DOCS = [{"question": "Q: 1 + 1?\nA:", "answer": " 2"}, {"question": "Count: a b", "answer": " c"}]
+GEN_DOCS = [
+    {"question": "Q: 1 + 1?\nA:", "answer": " 2"},
+    {"question": "Count: a b", "answer": " c"},
+]
 TASK = """task: {name}
 dataset_path: json
 dataset_kwargs:
@@ -39,7 +42,9 @@ doc_to_text: "{{{{question}}}}"
 doc_to_target: "{{{{answer}}}}"
 """
 MC_TASK = TASK + 'doc_to_choice: "{{{{choices}}}}"\nmetric_list:\n  - metric: acc\n'
-GEN_TASK = TASK + f"""generation_kwargs:
+GEN_TASK = (
+    TASK
+    + f"""generation_kwargs:
   until: [{json.dumps(UNTIL)}]
   max_gen_toks: {MAX_GEN_TOKS}
   do_sample: false
@@ -47,11 +52,14 @@ GEN_TASK = TASK + f"""generation_kwargs:
 metric_list:
   - metric: exact_match
 """
+)
 
 
 def _write_tasks(root: Path) -> Path:
-    for name, docs, template, kind in [("areal_mc", MC_DOCS, MC_TASK, "multiple_choice"),
-                                       ("areal_gen", GEN_DOCS, GEN_TASK, "generate_until")]:
+    for name, docs, template, kind in [
+        ("areal_mc", MC_DOCS, MC_TASK, "multiple_choice"),
+        ("areal_gen", GEN_DOCS, GEN_TASK, "generate_until"),
+    ]:
         data = root / f"{name}.jsonl"
         data.write_text("".join(json.dumps(d) + "\n" for d in docs))
         (root / f"{name}.yaml").write_text(template.format(name=name, data=data, kind=kind))
@@ -74,7 +82,7 @@ def _hf_loglikelihood(model, tok, context: str, continuation: str) -> tuple[floa
     n_ctx = len(tok(context, add_special_tokens=False).input_ids)
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([whole])).logits[0].float(), -1)
-    rows, targets = logp[n_ctx - 1: len(whole) - 1], torch.tensor(whole[n_ctx:])
+    rows, targets = logp[n_ctx - 1 : len(whole) - 1], torch.tensor(whole[n_ctx:])
     ll = rows.gather(1, targets[:, None]).sum().item()
     return ll, bool((rows.argmax(-1) == targets).all())
 
@@ -89,19 +97,44 @@ def lm_eval_python():
     return python
 
 
-def test_lm_eval_local_completions_matches_the_hf_forward(lm_eval_python, tiny_model_dir, tiny_tokenizer,
-                                                          hf_model, tmp_path):
+def test_lm_eval_local_completions_matches_the_hf_forward(
+    lm_eval_python, tiny_model_dir, tiny_tokenizer, hf_model, tmp_path
+):
     procs = start_servers(tiny_model_dir, 1, "served_model_name=tiny", "max_batch_size=8")
     try:
         base = f"http://{procs[0][1]}/v1/completions"
-        args = f"base_url={base},model=tiny,tokenizer={tiny_model_dir},tokenizer_backend=huggingface," \
-               "tokenized_requests=True,max_retries=1"
-        cmd = [str(lm_eval_python), "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
-               "--tasks", "areal_mc,areal_gen", "--include_path", str(_write_tasks(tmp_path)),
-               "--batch_size", "4", "--log_samples", "--output_path", str(tmp_path / "out")]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OPENAI_API_KEY": "unused",
-               "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets")}
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=LM_EVAL_DEADLINE_S, env=env, cwd=tmp_path)
+        args = (
+            f"base_url={base},model=tiny,tokenizer={tiny_model_dir},tokenizer_backend=huggingface,"
+            "tokenized_requests=True,max_retries=1"
+        )
+        cmd = [
+            str(lm_eval_python),
+            "-m",
+            "lm_eval",
+            "--model",
+            "local-completions",
+            "--model_args",
+            args,
+            "--tasks",
+            "areal_mc,areal_gen",
+            "--include_path",
+            str(_write_tasks(tmp_path)),
+            "--batch_size",
+            "4",
+            "--log_samples",
+            "--output_path",
+            str(tmp_path / "out"),
+        ]
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "OPENAI_API_KEY": "unused",
+            "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets"),
+        }
+        run = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=LM_EVAL_DEADLINE_S, env=env, cwd=tmp_path
+        )
     finally:
         stop_servers(procs)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -111,12 +144,16 @@ def test_lm_eval_local_completions_matches_the_hf_forward(lm_eval_python, tiny_m
         args = sorted(sample["arguments"].items(), key=lambda kv: int(kv[0].rsplit("_", 1)[1]))
         assert len(args) == len(sample["doc"]["choices"])
         for (_, pair), (ll, greedy) in zip(args, sample["filtered_resps"]):
-            ref_ll, ref_greedy = _hf_loglikelihood(hf_model, tiny_tokenizer, pair["arg_0"], pair["arg_1"])
+            ref_ll, ref_greedy = _hf_loglikelihood(
+                hf_model, tiny_tokenizer, pair["arg_0"], pair["arg_1"]
+            )
             assert float(ll) == pytest.approx(ref_ll, abs=1e-4), (pair, ll, ref_ll)
             assert str(greedy) == str(ref_greedy)
     gen = _samples(tmp_path / "out", "areal_gen")
     assert len(gen) == len(GEN_DOCS)
     for sample in gen:
         prompt = tiny_tokenizer(sample["doc"]["question"], add_special_tokens=False).input_ids
-        ref = tiny_tokenizer.decode(hf_greedy(hf_model, prompt, MAX_GEN_TOKS), skip_special_tokens=True)
+        ref = tiny_tokenizer.decode(
+            hf_greedy(hf_model, prompt, MAX_GEN_TOKS), skip_special_tokens=True
+        )
         assert sample["filtered_resps"][0] == ref.split(UNTIL)[0], sample

@@ -26,11 +26,17 @@ PROMPT = [5, 17, 99, 200, 3]
 
 def call(url: str, body: dict | bytes | None = None, key: str | None = None, timeout: float = 60.0):
     """POST (body given) or GET; returns (status, parsed JSON)."""
-    data = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None else None)
+    data = (
+        body
+        if isinstance(body, bytes)
+        else (json.dumps(body).encode() if body is not None else None)
+    )
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data is not None else "GET")
+    req = urllib.request.Request(
+        url, data=data, headers=headers, method="POST" if data is not None else "GET"
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
@@ -46,7 +52,11 @@ def server(tiny_model_dir):
 
 
 def test_sglang_generate_request_in_documented_format(server, hf_model, tiny_tokenizer):
-    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}, "return_logprob": True}
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+        "return_logprob": True,
+    }
     status, out = call(f"{server}/generate", body)
     assert status == 200
     assert out["output_ids"] == hf_greedy(hf_model, PROMPT, 12)
@@ -55,12 +65,25 @@ def test_sglang_generate_request_in_documented_format(server, hf_model, tiny_tok
     assert meta["finish_reason"] == {"type": "length", "length": 12}
     assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
     assert len(meta["output_token_versions"]) == 12
-    status, out = call(f"{server}/generate", {"text": ["ab", "cd"], "sampling_params": {"max_new_tokens": 3}})
-    assert status == 200 and isinstance(out, list) and len(out) == 2 and isinstance(out[0]["text"], str)
+    status, out = call(
+        f"{server}/generate", {"text": ["ab", "cd"], "sampling_params": {"max_new_tokens": 3}}
+    )
+    assert (
+        status == 200
+        and isinstance(out, list)
+        and len(out) == 2
+        and isinstance(out[0]["text"], str)
+    )
 
 
 def test_info_endpoints(server):
-    for path in ("/health", "/health_generate", "/get_model_info", "/get_server_info", "/v1/models"):
+    for path in (
+        "/health",
+        "/health_generate",
+        "/get_model_info",
+        "/get_server_info",
+        "/v1/models",
+    ):
         status, out = call(server + path)
         assert status == 200, (path, out)
     assert call(f"{server}/get_model_info")[1]["is_generation"] is True
@@ -74,11 +97,18 @@ def test_openai_client_completions_and_chat(server):
 
     client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, timeout=60, max_retries=0)
     model = client.models.list().data[0].id
-    c = client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=0, logprobs=1)
+    c = client.completions.create(
+        model=model, prompt="Hello", max_tokens=6, temperature=0, logprobs=1
+    )
     assert c.choices[0].finish_reason in ("length", "stop") and c.usage.completion_tokens <= 6
     assert len(c.choices[0].logprobs.token_logprobs) == c.usage.completion_tokens
     chat = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, n=2, seed=3, logprobs=True
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        n=2,
+        seed=3,
+        logprobs=True,
     )
     assert len(chat.choices) == 2 and chat.choices[0].message.role == "assistant"
     assert isinstance(chat.choices[0].message.content, str)
@@ -90,7 +120,11 @@ def test_openai_client_completions_and_chat(server):
     [
         ("/generate", {"input_ids": [1] * 5000}, "input_ids"),
         ("/generate", {"input_ids": [1], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
-        ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": -2}}, "sampling_params.max_new_tokens"),
+        (
+            "/generate",
+            {"input_ids": [1], "sampling_params": {"max_new_tokens": -2}},
+            "sampling_params.max_new_tokens",
+        ),
         ("/generate", {"input_ids": []}, "input_ids"),
         ("/generate", {"text": ""}, "text"),
         ("/generate", b"{not json", "body"),
@@ -116,7 +150,9 @@ HOSTILE = [  # each once left the server answering 503 for every later request
 
 @pytest.mark.parametrize("sampling,field", HOSTILE, ids=[f for _, f in HOSTILE])
 def test_hostile_sampling_values_get_400_and_the_server_keeps_serving(server, sampling, field):
-    status, out = call(f"{server}/generate", {"input_ids": [5, 17, 99], "sampling_params": sampling})
+    status, out = call(
+        f"{server}/generate", {"input_ids": [5, 17, 99], "sampling_params": sampling}
+    )
     assert status == 400 and out["error"]["param"] == f"sampling_params.{field}", out
     body = {"input_ids": [5, 17, 99], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
     status, out = call(f"{server}/generate", body)
@@ -139,14 +175,20 @@ def test_non_loopback_bind_without_key_is_a_config_error():
 
 
 def _generate_in_thread(url: str, body: dict, out: dict) -> threading.Thread:
-    t = threading.Thread(target=lambda: out.update(zip(("status", "body"), call(f"{url}/generate", body))))
+    t = threading.Thread(
+        target=lambda: out.update(zip(("status", "body"), call(f"{url}/generate", body)))
+    )
     t.start()
     return t
 
 
 def test_pause_returns_partials_with_abort_then_continue(server):
     out: dict = {}
-    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}, "return_logprob": True}
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True},
+        "return_logprob": True,
+    }
     t = _generate_in_thread(server, body, out)
     time.sleep(1.0)
     status, paused = call(f"{server}/pause_generation", {}, key=KEY)
@@ -157,7 +199,12 @@ def test_pause_returns_partials_with_abort_then_continue(server):
     assert 0 < meta["completion_tokens"] < 1500
     assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
     assert call(f"{server}/continue_generation", {}, key=KEY)[0] == 200
-    assert call(f"{server}/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})[0] == 200
+    assert (
+        call(f"{server}/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})[
+            0
+        ]
+        == 200
+    )
 
 
 def _greedy_ids(url: str) -> list[int]:
@@ -171,17 +218,23 @@ def test_update_weights_from_disk_then_over_gloo(server, hf_model, tiny_model_di
 
     other = AutoModelForCausalLM.from_pretrained(other_model_dir, dtype=torch.float32).eval()
     v0 = call(f"{server}/get_model_info")[1]["weight_version"]
-    status, out = call(f"{server}/update_weights_from_disk", {"model_path": other_model_dir}, key=KEY)
+    status, out = call(
+        f"{server}/update_weights_from_disk", {"model_path": other_model_dir}, key=KEY
+    )
     assert status == 200 and out["weight_version"] == v0 + 1
     assert _greedy_ids(server) == hf_greedy(other, PROMPT, 12)
-    status, out = call(f"{server}/update_weights_from_disk", {"model_path": "/nonexistent"}, key=KEY)
+    status, out = call(
+        f"{server}/update_weights_from_disk", {"model_path": "/nonexistent"}, key=KEY
+    )
     assert status == 400 and out["error"]["param"] == "model_path"
     # A separate process plays the trainer: joins the gloo group, broadcasts the original weights.
     trainer = subprocess.run(
         [sys.executable, "-m", "tests.serving.trainer_proc", server, tiny_model_dir, str(free_port()), KEY],
         capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
-    assert trainer.returncode == 0, trainer.stdout.decode()[-1500:] + trainer.stderr.decode()[-1500:]
+    assert trainer.returncode == 0, (
+        trainer.stdout.decode()[-1500:] + trainer.stderr.decode()[-1500:]
+    )
     assert call(f"{server}/get_model_info")[1]["weight_version"] == 7
     assert _greedy_ids(server) == hf_greedy(hf_model, PROMPT, 12)
 
@@ -191,7 +244,10 @@ def test_sigterm_answers_in_flight_requests_frees_port_and_exits_0(tiny_model_di
     proc, url = procs[0][0], f"http://{procs[0][1]}"
     try:
         out: dict = {}
-        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+        body = {
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True},
+        }
         t = _generate_in_thread(url, body, out)
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)

@@ -33,7 +33,9 @@ def test_pad_unpad_round_trip():
     assert padded["input_ids"].tolist() == [[0, 1, -1], [100, 101, 102], [200, -1, -1]]
     assert mask.sum(1).tolist() == [2, 3, 1]
     back = PackedBatch.from_padded(padded, mask, b.seqs)
-    assert torch.equal(back["input_ids"], b["input_ids"]) and torch.equal(back.cu_seqlens, b.cu_seqlens)
+    assert torch.equal(back["input_ids"], b["input_ids"]) and torch.equal(
+        back.cu_seqlens, b.cu_seqlens
+    )
 
 
 def test_select_picks_sequences_in_the_given_order():
@@ -60,7 +62,10 @@ def test_allocate_bins_hand_worked():
 
 
 def test_sequence_longer_than_budget_names_length_and_budget():
-    with pytest.raises(ValueError, match="item 1 has 9 tokens, more than the micro-batch budget max_tokens_per_mb=8"):
+    with pytest.raises(
+        ValueError,
+        match="item 1 has 9 tokens, more than the micro-batch budget max_tokens_per_mb=8",
+    ):
         allocate_bins([3, 9], 1, 8)
 
 
@@ -88,7 +93,9 @@ def test_split_properties(lengths, n_mbs, slack):
     assert len(mbs.mbs) >= min(n_mbs, len(lengths))  # at least n_mbs bins (when possible)
     for mb, idx in zip(mbs.mbs, mbs.indices):  # contents are the selected sequences
         assert torch.equal(mb["input_ids"], b.select(idx)["input_ids"])
-    restored = mbs.restore_order([[int(mb["input_ids"][s]) for s in mb.cu_seqlens[:-1]] for mb in mbs.mbs])
+    restored = mbs.restore_order(
+        [[int(mb["input_ids"][s]) for s in mb.cu_seqlens[:-1]] for mb in mbs.mbs]
+    )
     assert restored == [100 * i for i in range(len(lengths))]
 
 

@@ -37,8 +37,11 @@ def groups():
 
 def test_all_reduce_refuses_a_tensor_whose_device_the_group_cannot_serve(groups):
     cuda_only, _ = groups
-    with pytest.raises(ValueError, match=r"a cpu tensor cannot go through process group 'fakecuda', "
-                                         r"which serves cuda; move it to cuda first"):
+    with pytest.raises(
+        ValueError,
+        match=r"a cpu tensor cannot go through process group 'fakecuda', "
+        r"which serves cuda; move it to cuda first",
+    ):
         comm.all_reduce(torch.ones(2), group=cuda_only)
 
 
@@ -85,7 +88,10 @@ def _nccl_only_export(rank: int, port: int, out: str) -> None:
     except ValueError as e:
         refused = str(e)
     with open(out, "w") as f:
-        json.dump({"stats": tracker.export(), "device": str(comm.group_device(None)), "refused": refused}, f)
+        json.dump(
+            {"stats": tracker.export(), "device": str(comm.group_device(None)), "refused": refused},
+            f,
+        )
     dist.destroy_process_group()
 
 
@@ -98,7 +104,11 @@ def test_stats_export_on_an_nccl_only_group_on_a_gpu(tmp_path):
     from areal.utils.network import free_port
 
     out = tmp_path / "out.json"
-    mp.start_processes(_nccl_only_export, args=(free_port(), str(out)), nprocs=1, start_method="spawn")
+    mp.start_processes(
+        _nccl_only_export, args=(free_port(), str(out)), nprocs=1, start_method="spawn"
+    )
     got = json.loads(out.read_text())
-    assert got["stats"] == {"reward": pytest.approx(2 / 3), "len": 7.0} and got["device"] == "cuda:0"
+    assert (
+        got["stats"] == {"reward": pytest.approx(2 / 3), "len": 7.0} and got["device"] == "cuda:0"
+    )
     assert "a cpu tensor cannot go through process group 'nccl'" in got["refused"]

@@ -63,7 +63,9 @@ def ray_address():
 
 def _config(backend: str, request: pytest.FixtureRequest) -> NameResolveConfig:
     if backend == "etcd":
-        return NameResolveConfig(type="etcd", etcd_address=request.getfixturevalue("etcd_address"), ttl=ETCD_TTL)
+        return NameResolveConfig(
+            type="etcd", etcd_address=request.getfixturevalue("etcd_address"), ttl=ETCD_TTL
+        )
     if backend == "ray":
         return NameResolveConfig(type="ray", ray_address=request.getfixturevalue("ray_address"))
     return NameResolveConfig(type=backend)
@@ -115,7 +117,11 @@ def test_subtree_lists_only_keys_under_the_prefix(repo):
     repo.add("exp/t0/gen_servers-x", "x")  # sorts between the prefix and the prefix + "/"
     repo.add("exp/t1/gen_servers/z", "y")
     assert repo.find_subtree(key) == sorted([key, k1, k2])
-    assert sorted(repo.get_subtree(key)) == ["127.0.0.1:1000", "127.0.0.1:1001", "the prefix itself"]
+    assert sorted(repo.get_subtree(key)) == [
+        "127.0.0.1:1000",
+        "127.0.0.1:1001",
+        "the prefix itself",
+    ]
     repo.clear_subtree(key)
     assert repo.find_subtree(key) == []
     assert repo.get("exp/t0/gen_servers_other") == "x" and repo.get("exp/t0/gen_servers-x") == "x"
@@ -135,7 +141,9 @@ def test_wait_subtree_returns_once_enough_entries_are_registered(repo):
     timer = threading.Timer(0.05, lambda: repo.add_subentry(key, "h:2"))
     timer.start()
     assert sorted(repo.wait_subtree(key, 2, timeout=10, poll_interval=0.01)) == ["h:1", "h:2"]
-    with pytest.raises(TimeoutError, match=r"'exp/t0/gen_servers' holds 2 of 3 entries after 0.05 s"):
+    with pytest.raises(
+        TimeoutError, match=r"'exp/t0/gen_servers' holds 2 of 3 entries after 0.05 s"
+    ):
         repo.wait_subtree(key, 3, timeout=0.05, poll_interval=0.01)
 
 
@@ -208,13 +216,18 @@ def _start_owner(config: NameResolveConfig, root: str, key: str, value: str, tim
     """The owner process and the key it registered (within ``timeout`` seconds)."""
     proc = subprocess.Popen(
         [sys.executable, "-c", OWNER, json.dumps(dataclasses.asdict(config)), root, key, value],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     line = proc.stdout.readline().strip() if ready else ""
     if not line:
         proc.kill()
-        raise AssertionError(f"owner did not register within {timeout} s: {proc.communicate(timeout=30)[1]}")
+        raise AssertionError(
+            f"owner did not register within {timeout} s: {proc.communicate(timeout=30)[1]}"
+        )
     return proc, line
 
 
@@ -254,7 +267,9 @@ def test_etcd_entries_of_a_killed_owner_vanish_within_the_ttl(etcd_address, root
 def test_unreachable_etcd_is_an_error_naming_the_address_and_the_field(root):
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     config = NameResolveConfig(type="etcd", etcd_address=address, timeout=5)
-    with pytest.raises(RegistryUnavailableError, match=f"etcd at {address} \\(cluster.name_resolve.etcd_address\\)"):
+    with pytest.raises(
+        RegistryUnavailableError, match=f"etcd at {address} \\(cluster.name_resolve.etcd_address\\)"
+    ):
         make_repository(config, root)
 
 
@@ -262,7 +277,11 @@ def test_make_repository_follows_the_config(tmp_path):
     repo = make_repository(NameResolveConfig(type="file"), str(tmp_path))
     assert isinstance(repo, FileNameRepository) and repo.root == tmp_path
     assert isinstance(make_repository(NameResolveConfig(type="memory"), ""), MemoryNameRepository)
-    with pytest.raises(ConfigError, match=r"name_resolve.etcd_address must be host:port .* got 'localhost'"):
-        load_config(ClusterConfig, ["name_resolve.type=etcd", "name_resolve.etcd_address=localhost"])
+    with pytest.raises(
+        ConfigError, match=r"name_resolve.etcd_address must be host:port .* got 'localhost'"
+    ):
+        load_config(
+            ClusterConfig, ["name_resolve.type=etcd", "name_resolve.etcd_address=localhost"]
+        )
     with pytest.raises(ConfigError, match=r"name_resolve.ttl"):
         load_config(ClusterConfig, ["name_resolve.ttl=1"])

@@ -23,11 +23,26 @@ def test_plot_of_a_dir_without_stats_says_what_is_missing(tmp_path):
 def test_each_run_type_gets_the_panels_of_what_it_logged():
     from areal.utils.plot import panels
 
-    rl = [{"step": 1, "reward/mean": 0.1, "eval/accuracy": 0.2, "loss/pg_loss": 0.0, "timing/train": 1.0}]
-    sft = [{"step": 1, "loss/loss": 2.0, "timing/train": 1.0}, {"step": 2, "loss/loss": 1.5, "eval/loss": 1.6}]
+    rl = [
+        {
+            "step": 1,
+            "reward/mean": 0.1,
+            "eval/accuracy": 0.2,
+            "loss/pg_loss": 0.0,
+            "timing/train": 1.0,
+        }
+    ]
+    sft = [
+        {"step": 1, "loss/loss": 2.0, "timing/train": 1.0},
+        {"step": 2, "loss/loss": 1.5, "eval/loss": 1.6},
+    ]
     rm = [{"step": 1, "loss/loss": 0.7, "loss/pair_acc": 0.5}]
     titles = lambda rows: [t for t, _ in panels(rows)]
-    assert titles(rl) == ["mean reward (training rollouts)", "held-out accuracy", "seconds per stage"]
+    assert titles(rl) == [
+        "mean reward (training rollouts)",
+        "held-out accuracy",
+        "seconds per stage",
+    ]
     assert titles(sft) == ["loss", "seconds per stage"]
     assert titles(rm) == ["loss", "pair accuracy (reward model)", "seconds per stage"]
 
@@ -35,11 +50,20 @@ def test_each_run_type_gets_the_panels_of_what_it_logged():
 def test_a_core_async_run_gets_lag_buffer_refusal_and_worker_panels():
     from areal.utils.plot import panels
 
-    row = {"step": 1, "reward/mean": 0.1, "core/lag/max": 1.0, "manager/buffered": 2.0,
-           "manager/refused/staleness": 5.0, "rollout_worker/0/tokens_per_s": 9.0,
-           "rollout_worker/3/tokens_per_s": 7.0, "rollout_worker/0/episodes": 4.0}
+    row = {
+        "step": 1,
+        "reward/mean": 0.1,
+        "core/lag/max": 1.0,
+        "manager/buffered": 2.0,
+        "manager/refused/staleness": 5.0,
+        "rollout_worker/0/tokens_per_s": 9.0,
+        "rollout_worker/3/tokens_per_s": 7.0,
+        "rollout_worker/0/episodes": 4.0,
+    }
     got = dict(panels([row]))
-    assert got["rollout worker tokens/s (Core async)"] == ["rollout_worker/0/tokens_per_s",
-                                                           "rollout_worker/3/tokens_per_s"]
+    assert got["rollout worker tokens/s (Core async)"] == [
+        "rollout_worker/0/tokens_per_s",
+        "rollout_worker/3/tokens_per_s",
+    ]
     assert "version lag of trained samples (Core async)" in got
     assert "admission refusals, asks so far (Core async)" in got

@@ -9,7 +9,9 @@ from areal.utils.prefix import share_prefixes
 
 
 def _batch(seqs, group_index, prompt_lens) -> PackedBatch:
-    return PackedBatch.from_sequences({"input_ids": seqs}, {"group_index": group_index, "prompt_lens": prompt_lens})
+    return PackedBatch.from_sequences(
+        {"input_ids": seqs}, {"group_index": group_index, "prompt_lens": prompt_lens}
+    )
 
 
 def test_a_group_runs_its_prompt_once_and_completions_restart_after_it():
@@ -21,14 +23,17 @@ def test_a_group_runs_its_prompt_once_and_completions_restart_after_it():
     assert row.index.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7]
     assert torch.equal(row.input_ids[row.index], mb["input_ids"])  # every token maps to itself
     assert row.bounds == [(0, 6), (6, 8)] and row.masks[1] is None  # a lone sequence: causal
-    expected = torch.tensor([  # rows attend to columns: prompt causal, each completion prompt + itself
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0],
-        [1, 1, 1, 1, 1, 0],
-        [1, 1, 1, 0, 0, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [  # rows attend to columns: prompt causal, each completion prompt + itself
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0],
+            [1, 1, 1, 1, 1, 0],
+            [1, 1, 1, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(row.masks[0], expected)
 
 

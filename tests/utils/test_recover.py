@@ -6,7 +6,13 @@ import logging
 import pytest
 
 from areal.utils.recover import (
-    CheckpointError, Ranks, RecoverDir, RecoverError, load_state, resume_pending, save_state,
+    CheckpointError,
+    Ranks,
+    RecoverDir,
+    RecoverError,
+    load_state,
+    resume_pending,
+    save_state,
 )
 
 
@@ -83,8 +89,10 @@ def test_four_kib_overwritten_in_a_shard_falls_back_to_the_previous_checkpoint(t
     assert "trying ckpt-1" in warning
 
 
-@pytest.mark.parametrize("size, says", [(100, "100 bytes, the manifest lists 16384"),
-                                        (0, "0 bytes, the manifest lists 16384")])
+@pytest.mark.parametrize(
+    "size, says",
+    [(100, "100 bytes, the manifest lists 16384"), (0, "0 bytes, the manifest lists 16384")],
+)
 def test_truncated_or_emptied_file_is_named_with_its_size(tmp_path, size, says):
     rd = RecoverDir(tmp_path / "recover")
     write(rd, 1)
@@ -93,9 +101,11 @@ def test_truncated_or_emptied_file_is_named_with_its_size(tmp_path, size, says):
     with pytest.raises(RecoverError) as e:
         rd.resume(load)
     assert f"ckpt-1: actor/__0_0.distcp: {says}" in str(e.value)
-    assert str(e.value).startswith(f"cannot resume: none of the 1 recover checkpoint(s) in {rd.root} is "
-                                   f"usable; to start the run fresh, delete {rd.root} or set "
-                                   "recover.mode=disabled. Tried: ckpt-1: ")
+    assert str(e.value).startswith(
+        f"cannot resume: none of the 1 recover checkpoint(s) in {rd.root} is "
+        f"usable; to start the run fresh, delete {rd.root} or set "
+        "recover.mode=disabled. Tried: ckpt-1: "
+    )
 
 
 def test_missing_file_is_named(tmp_path):
@@ -162,8 +172,10 @@ def test_checkpoint_of_another_world_size_is_refused_naming_trainer_nprocs(tmp_p
     gather2 = lambda obj: [obj, obj]  # noqa: E731 - two ranks that agree on everything
     rd2 = RecoverDir(tmp_path / "recover", Ranks(0, 2, gather2))
     write(rd2, 1)
-    with pytest.raises(RecoverError, match="written by 2 trainer ranks, this run has 1: resume "
-                                           "with cluster.trainer_nprocs=2"):
+    with pytest.raises(
+        RecoverError,
+        match="written by 2 trainer ranks, this run has 1: resume with cluster.trainer_nprocs=2",
+    ):
         RecoverDir(tmp_path / "recover").resume(load)
 
 

@@ -50,7 +50,9 @@ def test_recording_one_name_with_two_kinds_is_an_error():
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=__import__("datetime").timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=2, timeout=__import__("datetime").timedelta(seconds=60)
+    )
     t = StatsTracker()
     if rank == 0:
         t.mean("tok", torch.tensor([1.0, 2.0]), torch.tensor([1, 1]))  # 3 over 2 tokens
@@ -73,7 +75,9 @@ def _free_port() -> int:
 
 
 def test_export_reduces_across_two_gloo_ranks(tmp_path):
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(
+        _worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn", join=True
+    )
     # token mean over both ranks: (1 + 2 + 10) / 3 tokens = 13/3; max(5, 2) = 5; names unioned
     expected = {"tok": 13 / 3, "mx": 5.0, "only_rank0": 1.0, "only_rank1": -3.0}
     for rank in (0, 1):
@@ -99,7 +103,9 @@ def test_stats_logger_on_nonzero_rank_writes_nothing(tmp_path):
     assert not (tmp_path / "r1").exists()
 
 
-def test_a_rerun_of_a_trial_starts_a_new_stats_file_and_a_resume_drops_the_steps_it_redoes(tmp_path):
+def test_a_rerun_of_a_trial_starts_a_new_stats_file_and_a_resume_drops_the_steps_it_redoes(
+    tmp_path,
+):
     import json
 
     from areal.api.config import StatsLoggerConfig
@@ -112,7 +118,9 @@ def test_a_rerun_of_a_trial_starts_a_new_stats_file_and_a_resume_drops_the_steps
     rerun = StatsLogger(cfg, tmp_path)  # a fresh run of the same trial: steps would restart at 1
     rerun.commit(1, {"loss": 9.0})
     rerun.close()
-    steps = lambda name: [json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()]
+    steps = lambda name: [
+        json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()
+    ]
     assert steps("stats.jsonl.1") == [1, 2, 3] and steps("stats.jsonl") == [1]
     resumed = StatsLogger(cfg, tmp_path, fresh=False)  # a resume appends...
     for step in (2, 3):

@@ -17,7 +17,9 @@ def test_fires_every_n_steps():
 def test_fires_every_n_epochs_on_the_epoch_boundary():
     fc = FrequencyControl(freq_epochs=2)
     # 2 steps per epoch: epoch ends at steps 2, 4, 6 -> fires at the end of epochs 2 (step 4)
-    assert [fc.check(s, epoch_done=s % 2 == 0) for s in range(1, 7)] == [False] * 3 + [True] + [False] * 2
+    assert [fc.check(s, epoch_done=s % 2 == 0) for s in range(1, 7)] == [False] * 3 + [True] + [
+        False
+    ] * 2
 
 
 def test_fires_after_n_seconds_and_restarts_the_timer():

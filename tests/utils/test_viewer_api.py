@@ -20,23 +20,42 @@ class _Tok:
 
 
 def _record(run_dir, step: int, versions: list[list[int]], version: int) -> None:
-    groups = [[Trajectory([1], [2] * len(v), [-1.0] * len(v), v, [1] * len(v), float(i), RolloutStatus.COMPLETED,
-                          sample_id=f"s{i}", group_id="g") for i, v in enumerate(versions)]]  # one group
+    groups = [
+        [
+            Trajectory(
+                [1],
+                [2] * len(v),
+                [-1.0] * len(v),
+                v,
+                [1] * len(v),
+                float(i),
+                RolloutStatus.COMPLETED,
+                sample_id=f"s{i}",
+                group_id="g",
+            )
+            for i, v in enumerate(versions)
+        ]
+    ]  # one group
     batch = groups_to_batch(groups)
     SampleRecorder(SamplesConfig(), run_dir, 0, _Tok(), fresh=False).record(
-        step, groups, batch.with_fields(tokens={"advantages": batch["loss_mask"].float()}), version)
+        step, groups, batch.with_fields(tokens={"advantages": batch["loss_mask"].float()}), version
+    )
 
 
 def test_filters_select_samples_by_step_reward_staleness_and_length(tmp_path):
     _record(tmp_path, 1, [[0, 0], [0]], version=0)  # two samples, staleness 0, lengths 2 and 1
     _record(tmp_path, 2, [[0, 1], [1, 1, 1]], version=1)  # staleness 1 and 0, lengths 2 and 3
-    (tmp_path / "stats.jsonl").write_text(json.dumps({"step": 2, "perf/step_seconds": 0.5}) + "\n{half")
+    (tmp_path / "stats.jsonl").write_text(
+        json.dumps({"step": 2, "perf/step_seconds": 0.5}) + "\n{half"
+    )
     run = RunData(tmp_path)
     assert run.table({})["total"] == 4
     assert [(r["step"], r["index"]) for r in run.table({"staleness_min": "1"})["rows"]] == [(2, 0)]
     assert run.table({"step_min": "2", "length_max": "2"})["total"] == 1
     assert run.table({"reward_min": "1", "reward_max": "1"})["total"] == 2
-    assert run.stats() == [{"step": 2, "perf/step_seconds": 0.5, "perf/samples_per_second": 4.0}]  # 2 / 0.5 s
+    assert run.stats() == [
+        {"step": 2, "perf/step_seconds": 0.5, "perf/samples_per_second": 4.0}
+    ]  # 2 / 0.5 s
     assert run.samples.sample(2, 0, 1)["versions"] == [1, 1, 1]
 
 

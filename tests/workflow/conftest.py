@@ -53,14 +53,20 @@ class TinyHFEngine(_VersionedEngine):
     @torch.no_grad()
     def _generate(self, req: ModelRequest) -> ModelResponse:
         g = req.gconfig
-        gen = torch.Generator().manual_seed(req.seed if req.seed is not None else hash(req.rid) % 2**31)
+        gen = torch.Generator().manual_seed(
+            req.seed if req.seed is not None else hash(req.rid) % 2**31
+        )
         ids = list(req.input_ids)
         out, logps = [], []
         stop = "length"
         for _ in range(g.max_new_tokens):
             logits = self.model(torch.tensor([ids])).logits[0, -1]  # [V]
             logp = torch.log_softmax(logits / g.temperature, dim=-1)
-            tok = int(logp.argmax()) if g.greedy else int(torch.multinomial(logp.exp(), 1, generator=gen))
+            tok = (
+                int(logp.argmax())
+                if g.greedy
+                else int(torch.multinomial(logp.exp(), 1, generator=gen))
+            )
             out.append(tok)
             logps.append(float(logp[tok]))
             ids.append(tok)
@@ -89,7 +95,9 @@ class ScriptedEngine(_VersionedEngine):
         self.requests.append(req)
         out = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         out.append(self.tokenizer.eos_token_id)
-        resp = ModelResponse(list(req.input_ids), out, [-0.5] * len(out), [self.version] * len(out), "stop")
+        resp = ModelResponse(
+            list(req.input_ids), out, [-0.5] * len(out), [self.version] * len(out), "stop"
+        )
         self.version += 1
         return resp
 

@@ -26,11 +26,15 @@ TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {
 def ask(client: OpenAI, messages: list, stream: bool) -> tuple[dict, str, list]:
     """(the assistant message as a dict, the completion id, its logprobs) of one call."""
     if not stream:
-        out = client.chat.completions.create(model="areal", messages=messages, tools=TOOLS, logprobs=True)
+        out = client.chat.completions.create(
+            model="areal", messages=messages, tools=TOOLS, logprobs=True
+        )
         lp = [t.logprob for t in out.choices[0].logprobs.content]
         return out.choices[0].message.model_dump(exclude_none=True), out.id, lp
     content, calls, cid = "", [], ""
-    for chunk in client.chat.completions.create(model="areal", messages=messages, tools=TOOLS, stream=True):
+    for chunk in client.chat.completions.create(
+        model="areal", messages=messages, tools=TOOLS, stream=True
+    ):
         cid = chunk.id
         for choice in chunk.choices:
             content += choice.delta.content or ""
@@ -47,7 +51,9 @@ def main() -> None:
     base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
     seen: dict = {"ids": [], "logprobs": [], "pid": os.getpid()}
     if item.get("text"):
-        out = client.completions.create(model="areal", prompt=item["messages"][0]["content"], logprobs=1)
+        out = client.completions.create(
+            model="areal", prompt=item["messages"][0]["content"], logprobs=1
+        )
         seen["ids"].append(out.id)
         seen["logprobs"].append(out.choices[0].logprobs.token_logprobs)
         answer = out.choices[0].text
@@ -66,7 +72,9 @@ def main() -> None:
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": "84"})
         answer = message.get("content") or ""
     if os.environ.get("PROXY_AGENT_OUT"):
-        with open(os.path.join(os.environ["PROXY_AGENT_OUT"], f"{item['id']}-{os.getpid()}.json"), "w") as f:
+        with open(
+            os.path.join(os.environ["PROXY_AGENT_OUT"], f"{item['id']}-{os.getpid()}.json"), "w"
+        ) as f:
             json.dump(seen, f)
     print(f"agent {item['id']} answered {answer!r}", file=sys.stderr)
     if item.get("hang"):
@@ -75,7 +83,9 @@ def main() -> None:
         print(answer)
         return
     reward = 1.0 if answer.strip() == item.get("reference") else 0.0
-    httpx.post(f"{base}/reward", json={"reward": reward}, headers={"Authorization": f"Bearer {key}"}).raise_for_status()
+    httpx.post(
+        f"{base}/reward", json={"reward": reward}, headers={"Authorization": f"Bearer {key}"}
+    ).raise_for_status()
 
 
 if __name__ == "__main__":

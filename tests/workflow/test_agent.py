@@ -32,21 +32,27 @@ async def two_turn_agent(client, item) -> float:
     """Plain openai usage: ask (tools offered), pass the answer back with a follow-up, ask again;
     the reward is the length of the final answer mod 2 (any number will do here)."""
     messages = list(item["messages"])
-    first = await client.chat.completions.create(model="areal", messages=messages, tools=TOOLS,
-                                                 max_tokens=12, seed=item.get("seed"))
+    first = await client.chat.completions.create(
+        model="areal", messages=messages, tools=TOOLS, max_tokens=12, seed=item.get("seed")
+    )
     messages.append(first.choices[0].message.model_dump(exclude_none=True))
     for call in first.choices[0].message.tool_calls or []:
         messages.append({"role": "tool", "tool_call_id": call.id, "content": "42"})
     messages.append({"role": "user", "content": "Are you sure?"})
     if item.get("boom"):
         raise RuntimeError("the agent's tool crashed")
-    second = await client.chat.completions.create(model="areal", messages=messages, tools=TOOLS,
-                                                  max_tokens=12, seed=item.get("seed"))
+    second = await client.chat.completions.create(
+        model="areal", messages=messages, tools=TOOLS, max_tokens=12, seed=item.get("seed")
+    )
     return float(len(second.choices[0].message.content or "") % 2)
 
 
 def _item(i: int, **extra) -> dict:
-    return {"id": f"q{i}", "messages": [{"role": "user", "content": f"What is {i} + {i}?"}], **extra}
+    return {
+        "id": f"q{i}",
+        "messages": [{"role": "user", "content": f"What is {i} + {i}?"}],
+        **extra,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -112,38 +118,68 @@ class Recording:
 
     async def create(self, **kw):
         out = await self.inner.chat.completions.create(**kw)
-        self.answers.append([(c.message.content, [(t.function.name, t.function.arguments)
-                                                  for t in c.message.tool_calls or []], c.finish_reason)
-                             for c in out.choices])
+        self.answers.append(
+            [
+                (
+                    c.message.content,
+                    [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []],
+                    c.finish_reason,
+                )
+                for c in out.choices
+            ]
+        )
         return out
 
 
 async def few_shot_agent(client, item) -> float:
     """Two calls whose prompts hold a hand-written tool round (rendered by the template on both
     sides): seeded, so the answers must agree token for token between the two clients."""
-    shot = [{"role": "user", "content": "What is 6 * 7?"},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
-                "name": "lookup", "arguments": '{"q": "6 * 7"}'}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "42"},
-            {"role": "assistant", "content": "42"}]
+    shot = [
+        {"role": "user", "content": "What is 6 * 7?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "lookup", "arguments": '{"q": "6 * 7"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "assistant", "content": "42"},
+    ]
     answers = []
     for k in range(2):
-        out = await client.chat.completions.create(model="areal", messages=shot + item["messages"], tools=TOOLS,
-                                                   max_tokens=12, seed=item["seed"] + k)
+        out = await client.chat.completions.create(
+            model="areal",
+            messages=shot + item["messages"],
+            tools=TOOLS,
+            max_tokens=12,
+            seed=item["seed"] + k,
+        )
         answers.append(out.choices[0].message.content or "")
     return float(answers[0] == answers[1])
 
 
-def test_the_same_agents_run_unchanged_against_openai_async_client_on_our_server(engine, server, tiny_tokenizer):
+def test_the_same_agents_run_unchanged_against_openai_async_client_on_our_server(
+    engine, server, tiny_tokenizer
+):
     from openai import AsyncOpenAI
 
     from examples.agent_arithmetic import calculator_agent
 
     async def both(agent, item):
         ours = Recording(ArealOpenAI(engine, tiny_tokenizer, G, group_id=item["id"]))
-        theirs = Recording(AsyncOpenAI(base_url=f"http://{server}/v1", api_key="none", max_retries=0))
+        theirs = Recording(
+            AsyncOpenAI(base_url=f"http://{server}/v1", api_key="none", max_retries=0)
+        )
         try:
-            return (await agent(ours, item), ours.answers), (await agent(theirs, item), theirs.answers)
+            return (await agent(ours, item), ours.answers), (
+                await agent(theirs, item),
+                theirs.answers,
+            )
         finally:
             await theirs.inner.close()
 

@@ -38,22 +38,36 @@ class ToolThenAnswer(InferenceEngine):
         await asyncio.sleep(0.01)
         prompt = self.tokenizer.decode(req.input_ids)
         text = "84" if "<|im_start|>tool" in prompt or "<|im_start|>" not in prompt else CALL
-        out = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        resp = ModelResponse(list(req.input_ids), out, [-0.25 - 0.01 * i for i in range(len(out))],
-                             [self.version] * len(out), "stop")
+        out = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [
+            self.tokenizer.eos_token_id
+        ]
+        resp = ModelResponse(
+            list(req.input_ids),
+            out,
+            [-0.25 - 0.01 * i for i in range(len(out))],
+            [self.version] * len(out),
+            "stop",
+        )
         self.version += 1
         self.responses.append(resp)
         return resp
 
     def update_weights(self, meta) -> None: ...
-    def get_version(self) -> int: return self.version
+    def get_version(self) -> int:
+        return self.version
+
     def set_version(self, version: int) -> None: ...
     def pause(self) -> None: ...
     def resume(self) -> None: ...
 
 
 def _item(i: int, **flags) -> dict:
-    return {"id": f"q{i}", "messages": [{"role": "user", "content": "12 * 7 = ?"}], "reference": "84", **flags}
+    return {
+        "id": f"q{i}",
+        "messages": [{"role": "user", "content": "12 * 7 = ?"}],
+        "reference": "84",
+        **flags,
+    }
 
 
 def _workflow(tokenizer, tmp_path, **agent) -> AgentCommandWorkflow:
@@ -61,7 +75,9 @@ def _workflow(tokenizer, tmp_path, **agent) -> AgentCommandWorkflow:
     return AgentCommandWorkflow(config, G, tokenizer, log_dir=tmp_path / "logs")
 
 
-def test_openai_client_in_a_subprocess_trains_through_the_proxy(tiny_tokenizer, tmp_path, monkeypatch):
+def test_openai_client_in_a_subprocess_trains_through_the_proxy(
+    tiny_tokenizer, tmp_path, monkeypatch
+):
     monkeypatch.setenv("PROXY_AGENT_OUT", str(tmp_path))
     engine, wf = ToolThenAnswer(tiny_tokenizer), _workflow(tiny_tokenizer, tmp_path)
 
@@ -79,7 +95,9 @@ def test_openai_client_in_a_subprocess_trains_through_the_proxy(tiny_tokenizer, 
         assert t.loss_mask[0] == 1 and 0 in t.loss_mask
         calls = [v for v, m in zip(t.versions, t.loss_mask) if m]
         # the version went up between the calls: each token keeps the version that produced it
-        assert len(set(calls)) == 2 and all(v == -1 for v, m in zip(t.versions, t.loss_mask) if not m)
+        assert len(set(calls)) == 2 and all(
+            v == -1 for v, m in zip(t.versions, t.loss_mask) if not m
+        )
     # the agent was answered exactly the recorded logprobs
     seen = [json.loads(p.read_text()) for p in tmp_path.glob("q0-*.json")]
     recorded = {tuple(t.logprobs[i] for i, m in enumerate(t.loss_mask) if m) for t in group}
@@ -93,8 +111,10 @@ def test_streamed_and_text_completions_are_recorded_like_chat(tiny_tokenizer, tm
 
     async def run():
         try:
-            return await asyncio.gather(wf.arun_episode(engine, _item(1, stream=True)),
-                                        wf.arun_episode(engine, _item(2, text=True)))
+            return await asyncio.gather(
+                wf.arun_episode(engine, _item(1, stream=True)),
+                wf.arun_episode(engine, _item(2, text=True)),
+            )
         finally:
             await wf.aclose()
 
@@ -105,16 +125,19 @@ def test_streamed_and_text_completions_are_recorded_like_chat(tiny_tokenizer, tm
 
 
 def test_a_killed_agent_loses_only_its_session_and_a_silent_one_is_dropped_at_its_deadline(
-        tiny_tokenizer, tmp_path, monkeypatch):
+    tiny_tokenizer, tmp_path, monkeypatch
+):
     monkeypatch.setenv("PROXY_AGENT_OUT", str(tmp_path))
     engine = ToolThenAnswer(tiny_tokenizer)
     wf = _workflow(tiny_tokenizer, tmp_path, episode_timeout=8.0, max_agents=4)
 
     async def run():
         try:
-            return await asyncio.gather(wf.arun_episode(engine, _item(3, die=True)),
-                                        wf.arun_episode(engine, _item(4, hang=True)),
-                                        wf.arun_episode(engine, _item(5)))
+            return await asyncio.gather(
+                wf.arun_episode(engine, _item(3, die=True)),
+                wf.arun_episode(engine, _item(4, hang=True)),
+                wf.arun_episode(engine, _item(5)),
+            )
         finally:
             await wf.aclose()
 
@@ -128,9 +151,13 @@ def test_a_killed_agent_loses_only_its_session_and_a_silent_one_is_dropped_at_it
             os.kill(json.loads(seen.read_text())["pid"], 0)
 
 
-def test_an_agent_that_exits_without_posting_is_scored_by_the_reward_function(tiny_tokenizer, tmp_path):
+def test_an_agent_that_exits_without_posting_is_scored_by_the_reward_function(
+    tiny_tokenizer, tmp_path
+):
     engine = ToolThenAnswer(tiny_tokenizer)
-    wf = _workflow(tiny_tokenizer, tmp_path, reward_path="tests.workflow.test_agent_proxy:stdout_reward")
+    wf = _workflow(
+        tiny_tokenizer, tmp_path, reward_path="tests.workflow.test_agent_proxy:stdout_reward"
+    )
 
     async def run():
         try:
@@ -165,7 +192,9 @@ def test_keys_reach_only_their_session_and_hostile_calls_get_clear_4xx(tiny_toke
                 assert (await _post(http, f"{base}/chat/completions", key_a, chat))[0] == 200
                 assert len(a.client.calls) == 1 and not b.client.calls  # A's call went to A only
                 status, body = await _post(http, f"{base}/reward", key_a, json.dumps({"reward": 1}))
-                assert status == 200 and a.reward == 1.0 and b.reward is None and not b.ended.is_set()
+                assert (
+                    status == 200 and a.reward == 1.0 and b.reward is None and not b.ended.is_set()
+                )
                 hostile = [
                     (key_a, chat, 401, "unknown or ended session"),  # reused key after the end
                     ("areal-guess", chat, 401, "unknown or ended session"),
@@ -173,19 +202,37 @@ def test_keys_reach_only_their_session_and_hostile_calls_get_clear_4xx(tiny_toke
                     (key_b, "{not json", 400, "not JSON"),
                     (key_b, "[1, 2]", 400, "JSON object"),
                     (key_b, json.dumps({"messages": []}), 400, "messages"),
-                    (key_b, json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": 0.1}),
-                     400, "temperature"),
-                    (key_b, json.dumps({"messages": [{"role": "user", "content": "x" * (1 << 17)}]}),
-                     413, "max_request_mb"),
+                    (
+                        key_b,
+                        json.dumps(
+                            {"messages": [{"role": "user", "content": "x"}], "temperature": 0.1}
+                        ),
+                        400,
+                        "temperature",
+                    ),
+                    (
+                        key_b,
+                        json.dumps({"messages": [{"role": "user", "content": "x" * (1 << 17)}]}),
+                        413,
+                        "max_request_mb",
+                    ),
                 ]
                 for key, data, want, says in hostile:
                     status, body = await _post(http, f"{base}/chat/completions", key, data)
-                    assert status == want and says in body["error"]["message"], (data[:40], status, body)
+                    assert status == want and says in body["error"]["message"], (
+                        data[:40],
+                        status,
+                        body,
+                    )
                     assert key_b[6:] not in json.dumps(body)  # no key ever echoed
-                status, body = await _post(http, f"{base}/reward", key_b, json.dumps({"reward": "high"}))
+                status, body = await _post(
+                    http, f"{base}/reward", key_b, json.dumps({"reward": "high"})
+                )
                 assert status == 400 and "reward" in body["error"]["message"]
                 await _thousand_sessions(http, proxy, engine, base)
-                assert (await _post(http, f"{base}/chat/completions", key_b, chat))[0] == 200  # still serving
+                assert (await _post(http, f"{base}/chat/completions", key_b, chat))[
+                    0
+                ] == 200  # still serving
                 assert len(b.client.calls) == 1
         finally:
             await proxy.stop()
@@ -208,15 +255,28 @@ async def _thousand_sessions(http, proxy, engine, base) -> None:
 
 
 @pytest.mark.parametrize("example", ["agent_arithmetic_sdk.py", "agent_arithmetic_langgraph.py"])
-def test_framework_examples_run_their_agent_loop_through_the_proxy(example, tiny_tokenizer, tmp_path, monkeypatch):
-    pytest.importorskip("agents" if "sdk" in example else "langgraph",
-                        reason="the framework is in the test extra: pip install -e .[test]")
-    monkeypatch.setattr(sys.modules[__name__], "CALL",
-                        '<tool_call>\n{"name": "calc", "arguments": {"e": "12 * 7"}}\n</tool_call>')
+def test_framework_examples_run_their_agent_loop_through_the_proxy(
+    example, tiny_tokenizer, tmp_path, monkeypatch
+):
+    pytest.importorskip(
+        "agents" if "sdk" in example else "langgraph",
+        reason="the framework is in the test extra: pip install -e .[test]",
+    )
+    monkeypatch.setattr(
+        sys.modules[__name__],
+        "CALL",
+        '<tool_call>\n{"name": "calc", "arguments": {"e": "12 * 7"}}\n</tool_call>',
+    )
     engine = ToolThenAnswer(tiny_tokenizer)
-    config = AgentConfig(command=f"python {Path(__file__).parents[2] / 'examples' / example}", episode_timeout=60.0)
+    config = AgentConfig(
+        command=f"python {Path(__file__).parents[2] / 'examples' / example}", episode_timeout=60.0
+    )
     wf = AgentCommandWorkflow(config, G, tiny_tokenizer, log_dir=tmp_path)
-    item = {"id": "q7", "messages": [{"role": "user", "content": "12 * 7 = ? (answer)"}], "reference": "84"}
+    item = {
+        "id": "q7",
+        "messages": [{"role": "user", "content": "12 * 7 = ? (answer)"}],
+        "reference": "84",
+    }
 
     async def run():
         try:
@@ -228,6 +288,11 @@ def test_framework_examples_run_their_agent_loop_through_the_proxy(example, tiny
     assert group is not None and [t.reward for t in group] == [1.0, 1.0]
     # the framework's prompt is the in-process demo's: the bare question, the one calc(e) tool
     first = tiny_tokenizer.decode(group[0].prompt_ids)
-    assert first == "<|im_start|>system\nTools:\ncalc(e)<|im_end|>\n<|im_start|>user\n12 * 7 = ?<|im_end|>\n" \
-                    "<|im_start|>assistant\n"
-    assert wf.stats()["agent/calls_per_episode"] == 2.0 and wf.stats()["agent/template_fallbacks"] == 0
+    assert (
+        first
+        == "<|im_start|>system\nTools:\ncalc(e)<|im_end|>\n<|im_start|>user\n12 * 7 = ?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert (
+        wf.stats()["agent/calls_per_episode"] == 2.0 and wf.stats()["agent/template_fallbacks"] == 0
+    )

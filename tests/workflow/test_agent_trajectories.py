@@ -52,12 +52,22 @@ def test_concat_masks_injected_tokens_and_keeps_generated_ones():
 
 
 def test_per_call_gives_one_trajectory_per_completion_with_its_return():
-    trajs, _ = episode_trajectories(_calls(), {0: 0.2, 1: -0.1}, 1.0, 0.5, "per_call", "error", "q/0", "q")
-    assert [t.prompt_ids for t in trajs] == [[1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    trajs, _ = episode_trajectories(
+        _calls(), {0: 0.2, 1: -0.1}, 1.0, 0.5, "per_call", "error", "q/0", "q"
+    )
+    assert [t.prompt_ids for t in trajs] == [
+        [1, 2, 3],
+        [1, 2, 3, 4, 5, 6, 7],
+        [1, 2, 3, 4, 5, 6, 7, 8, 9],
+    ]
     assert [t.completion_ids for t in trajs] == [[4, 5], [8], [10, 11]]
     assert [t.loss_mask for t in trajs] == [[1, 1], [1], [1, 1]]
     assert [t.reward for t in trajs] == pytest.approx([0.4, 0.4, 1.0])
-    assert [t.status for t in trajs] == [RolloutStatus.COMPLETED, RolloutStatus.COMPLETED, RolloutStatus.TRUNCATED]
+    assert [t.status for t in trajs] == [
+        RolloutStatus.COMPLETED,
+        RolloutStatus.COMPLETED,
+        RolloutStatus.TRUNCATED,
+    ]
     assert [t.sample_id for t in trajs] == ["q/0/call0.0", "q/0/call1.0", "q/0/call2.0"]
 
 
@@ -75,11 +85,17 @@ def test_mismatch_falls_back_to_per_call_when_configured():
 
 
 def test_concat_refuses_calls_with_several_choices():
-    calls = [Call(0, 0, "c0", [1], [2], [-0.1], [0], "stop"), Call(0, 1, "c0", [1], [3], [-0.2], [0], "stop")]
+    calls = [
+        Call(0, 0, "c0", [1], [2], [-0.1], [0], "stop"),
+        Call(0, 1, "c0", [1], [3], [-0.2], [0], "stop"),
+    ]
     with pytest.raises(TemplateMismatch, match="n=1"):
         episode_trajectories(calls, {}, 1.0, 1.0, "concat", "error", "q/0", "q")
     trajs, _ = episode_trajectories(calls, {}, 1.0, 1.0, "per_call", "error", "q/0", "q")
-    assert [t.completion_ids for t in trajs] == [[2], [3]] and [t.reward for t in trajs] == [1.0, 1.0]
+    assert [t.completion_ids for t in trajs] == [[2], [3]] and [t.reward for t in trajs] == [
+        1.0,
+        1.0,
+    ]
 
 
 def test_an_episode_without_calls_is_an_error():

@@ -16,7 +16,8 @@ def test_a_subclass_by_import_path_is_built_with_reward_gconfig_tokenizer(tmp_pa
         "    def __init__(self, reward, gconfig, tokenizer):\n"
         "        self.args = (reward, gconfig, tokenizer)\n"
         "    async def arun_episode(self, engine, item):\n        return None\n"
-        "class NotAWorkflow:\n    pass\n")
+        "class NotAWorkflow:\n    pass\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert make_custom_workflow("my_wf_t:W", "r", "g", "t").args == ("r", "g", "t")
     with pytest.raises(ValueError, match="workflow.type: my_wf_t:NotAWorkflow is not a subclass"):
@@ -28,4 +29,6 @@ def test_a_subclass_by_import_path_is_built_with_reward_gconfig_tokenizer(tmp_pa
 def test_the_config_refuses_a_type_that_is_neither_builtin_nor_an_import_path():
     assert list(WorkflowConfig(type="my_wf:W").check()) == []
     [problem] = list(WorkflowConfig(type="rlvr2").check())
-    assert problem.startswith("type: 'rlvr2' is not rlvr, multi_turn, agent, agent_cmd or an import path")
+    assert problem.startswith(
+        "type: 'rlvr2' is not rlvr, multi_turn, agent, agent_cmd or an import path"
+    )

@@ -27,5 +27,7 @@ def test_an_accepted_group_resets_the_rejection_streak():
 def test_too_many_rejections_in_a_row_stop_the_run_with_the_fix():
     f = DynamicSamplingFilter(max_consecutive_rejections=2)
     f(_group(0.0, 0.0))
-    with pytest.raises(RuntimeError, match="rejected 2 groups in a row.*actor.dynamic_sampling=false"):
+    with pytest.raises(
+        RuntimeError, match="rejected 2 groups in a row.*actor.dynamic_sampling=false"
+    ):
         f(_group(0.0, 0.0))

@@ -29,7 +29,9 @@ def _check_shapes(t):
 # ----------------------------------------------------------------------------- tier 1 (scripted)
 
 
-def test_rlvr_scores_each_sample_and_dumps_per_version(tiny_tokenizer, math_runner, scripted, tmp_path):
+def test_rlvr_scores_each_sample_and_dumps_per_version(
+    tiny_tokenizer, math_runner, scripted, tmp_path
+):
     engine = scripted(["7", "The answer is 8.", "so \\boxed{7}"], version=4)
     wf = RLVRWorkflow(math_runner, G3, tiny_tokenizer, WorkflowConfig(dump_rollouts=True), tmp_path)
     group = asyncio.run(wf.arun_episode(engine, ITEM))
@@ -50,7 +52,9 @@ def test_rlvr_scores_each_sample_and_dumps_per_version(tiny_tokenizer, math_runn
     assert [r["reward"] for r in rows] == [1.0, 0.0, 1.0] and rows[0]["prompt"] == prompt
 
 
-def test_remax_greedy_baseline_reward_is_attached_to_every_sample(tiny_tokenizer, math_runner, scripted):
+def test_remax_greedy_baseline_reward_is_attached_to_every_sample(
+    tiny_tokenizer, math_runner, scripted
+):
     # 3 sampled replies, then the greedy one ("7", correct): baseline reward 1.0 for each sample
     engine = scripted(["7", "8", "9", "7"])
     wf = RLVRWorkflow(math_runner, G3, tiny_tokenizer, greedy_baseline=True)
@@ -115,9 +119,13 @@ def _recomputed_logprobs(engine, t, temperature):
     return logp.gather(-1, torch.tensor(t.completion_ids)[:, None])[:, 0]
 
 
-def test_rlvr_with_the_tiny_model_returns_a_consistent_versioned_group(tiny_tokenizer, math_runner, tiny_engine):
+def test_rlvr_with_the_tiny_model_returns_a_consistent_versioned_group(
+    tiny_tokenizer, math_runner, tiny_engine
+):
     g = GenerationHyperparameters(n_samples=3, max_new_tokens=6, temperature=0.8)
-    group = asyncio.run(RLVRWorkflow(math_runner, g, tiny_tokenizer).arun_episode(tiny_engine, ITEM))
+    group = asyncio.run(
+        RLVRWorkflow(math_runner, g, tiny_tokenizer).arun_episode(tiny_engine, ITEM)
+    )
     assert len(group) == 3
     for t in group:
         _check_shapes(t)
@@ -129,7 +137,9 @@ def test_rlvr_with_the_tiny_model_returns_a_consistent_versioned_group(tiny_toke
         )
 
 
-def test_multi_turn_with_the_tiny_model_masks_injected_tokens(tiny_tokenizer, math_runner, tiny_engine):
+def test_multi_turn_with_the_tiny_model_masks_injected_tokens(
+    tiny_tokenizer, math_runner, tiny_engine
+):
     # every token is a stop token: each turn is a one-token (almost surely wrong) answer, so the
     # episode takes both turns with the feedback injected in between
     every = list(range(len(tiny_tokenizer)))

@@ -20,12 +20,21 @@ from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.loader import param
 
 Algorithm = Literal[
-    "ppo", "grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax",
-    "gspo", "cispo",
+    "ppo",
+    "grpo",
+    "dapo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "remax",
+    "gspo",
+    "cispo",
 ]
 NormLevel = Literal["batch", "group", "none"]
-LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                      "seq-mean-token-sum-norm"]
+LossAggMode = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
 
 
 @dataclass(frozen=True)
@@ -48,14 +57,24 @@ class NormSpec:
 # docs/algorithms.md is complete and the order in which presets were tried never matters.
 def _preset(**over: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
-        "use_critic": False, "gamma": 1.0, "lam": 1.0,
-        "reward_norm_mean_level": "none", "reward_norm_std_level": "none",
+        "use_critic": False,
+        "gamma": 1.0,
+        "lam": 1.0,
+        "reward_norm_mean_level": "none",
+        "reward_norm_std_level": "none",
         "reward_norm_leave_one_out": False,
-        "adv_norm_mean_level": "none", "adv_norm_std_level": "none",
-        "remax_baseline": False, "kl_in_reward": False, "kl_estimator": "k3",
-        "policy_loss_type": "ppo", "importance_sampling_level": "token",
-        "eps_clip": 0.2, "eps_clip_higher": None, "loss_agg_mode": "token-mean",
-        "overlong_reward_penalty": False, "dynamic_sampling": False,
+        "adv_norm_mean_level": "none",
+        "adv_norm_std_level": "none",
+        "remax_baseline": False,
+        "kl_in_reward": False,
+        "kl_estimator": "k3",
+        "policy_loss_type": "ppo",
+        "importance_sampling_level": "token",
+        "eps_clip": 0.2,
+        "eps_clip_higher": None,
+        "loss_agg_mode": "token-mean",
+        "overlong_reward_penalty": False,
+        "dynamic_sampling": False,
     }
     unknown = set(over) - set(base)
     assert not unknown, f"preset keys {unknown} are not preset-controlled"
@@ -70,17 +89,24 @@ _KL_REWARD = {"kl_in_reward": True, "kl_estimator": "k1"}
 PRESETS: dict[str, dict[str, Any]] = {
     "ppo": _preset(use_critic=True, lam=0.95, **_ADV_BATCH, **_KL_REWARD),
     "grpo": _preset(**_GROUP_MEAN_STD, loss_agg_mode="seq-mean-token-mean"),
-    "dapo": _preset(**_GROUP_MEAN_STD, eps_clip_higher=0.28, overlong_reward_penalty=True,
-                    dynamic_sampling=True),
+    "dapo": _preset(
+        **_GROUP_MEAN_STD, eps_clip_higher=0.28, overlong_reward_penalty=True, dynamic_sampling=True
+    ),
     "dr_grpo": _preset(**_GROUP_MEAN, loss_agg_mode="seq-mean-token-sum-norm"),
     "rloo": _preset(**_GROUP_MEAN, reward_norm_leave_one_out=True, **_KL_REWARD),
     "reinforce_pp": _preset(**_ADV_BATCH, **_KL_REWARD),
     "reinforce_pp_baseline": _preset(**_GROUP_MEAN, **_ADV_BATCH),
     "remax": _preset(remax_baseline=True, **_KL_REWARD, loss_agg_mode="seq-mean-token-sum"),
-    "gspo": _preset(**_GROUP_MEAN_STD, importance_sampling_level="sequence", eps_clip=3e-4,
-                    eps_clip_higher=4e-4, loss_agg_mode="seq-mean-token-mean"),
-    "cispo": _preset(**_GROUP_MEAN_STD, policy_loss_type="cispo", eps_clip=1.0,
-                     eps_clip_higher=4.0),
+    "gspo": _preset(
+        **_GROUP_MEAN_STD,
+        importance_sampling_level="sequence",
+        eps_clip=3e-4,
+        eps_clip_higher=4e-4,
+        loss_agg_mode="seq-mean-token-mean",
+    ),
+    "cispo": _preset(
+        **_GROUP_MEAN_STD, policy_loss_type="cispo", eps_clip=1.0, eps_clip_higher=4.0
+    ),
 }
 
 
@@ -91,25 +117,28 @@ class RolloutCorrectionConfig:
     (docs/algorithms.md, "Rollout correction")."""
 
     mode: Literal["none", "truncate", "mask"] = param(
-        "none", help="truncate: weight min(w, upper) (TIS); mask: weight w inside [lower, upper], "
-        "0 outside (MIS, IcePop); none: off."
+        "none",
+        help="truncate: weight min(w, upper) (TIS); mask: weight w inside [lower, upper], "
+        "0 outside (MIS, IcePop); none: off.",
     )
     level: Literal["token", "sequence", "geometric"] = param(
-        "token", help="w per token, per sequence (the product of its token ratios), or per "
-        "sequence as their geometric mean."
+        "token",
+        help="w per token, per sequence (the product of its token ratios), or per "
+        "sequence as their geometric mean.",
     )
     form: Literal["decoupled", "bypass"] = param(
-        "decoupled", help="decoupled: w = pi_prox/pi_behav times the clipped pi_theta/pi_prox "
+        "decoupled",
+        help="decoupled: w = pi_prox/pi_behav times the clipped pi_theta/pi_prox "
         "(three policies; needs actor.use_decoupled_loss=true); bypass: no proximal policy, the "
-        "clipped ratio is pi_theta/pi_behav and w = sg(pi_theta)/pi_behav."
+        "clipped ratio is pi_theta/pi_behav and w = sg(pi_theta)/pi_behav.",
     )
     upper: float = param(2.0, gt=0, help="Upper bound of w (truncate and mask).")
     lower: float | None = param(
         None, gt=0, help="mask: lower bound of w (IcePop's two-sided band); null = none."
     )
     mask_sequence: bool = param(
-        False, help="mask at token level: drop a whole sequence when any of its tokens leaves "
-        "the band."
+        False,
+        help="mask at token level: drop a whole sequence when any of its tokens leaves the band.",
     )
 
     def check(self) -> Iterator[str]:
@@ -118,8 +147,10 @@ class RolloutCorrectionConfig:
         if self.lower is not None and self.lower >= self.upper:
             yield f"lower: {self.lower} >= upper={self.upper}; the band must be lower < upper"
         if self.mask_sequence and (self.mode != "mask" or self.level != "token"):
-            yield (f"mask_sequence: true with mode={self.mode}, level={self.level}; it needs "
-                   "mode=mask and level=token")
+            yield (
+                f"mask_sequence: true with mode={self.mode}, level={self.level}; it needs "
+                "mode=mask and level=token"
+            )
 
 
 @dataclass(frozen=True)
@@ -132,14 +163,16 @@ class PPOActorConfig(TrainEngineConfig):
     ppo_n_minibatches: int = param(1, ge=1, help="Optimizer steps per batch (PPO minibatches).")
     # -- advantages --------------------------------------------------------------------------
     use_critic: bool = param(
-        True, help="Train a critic (PPOCriticConfig) and use its values in GAE; false = no critic "
-        "(values 0)."
+        True,
+        help="Train a critic (PPOCriticConfig) and use its values in GAE; false = no critic "
+        "(values 0).",
     )
     gamma: float = param(1.0, ge=0, le=1, help="Discount factor (GAE and returns).")
     lam: float = param(0.95, ge=0, le=1, help="GAE lambda; 1 with no critic = return-to-go.")
     reward_norm_mean_level: NormLevel = param(
-        "none", help="Mean subtracted from per-sequence rewards: over the batch (all DP ranks), "
-        "the prompt's group, or none."
+        "none",
+        help="Mean subtracted from per-sequence rewards: over the batch (all DP ranks), "
+        "the prompt's group, or none.",
     )
     reward_norm_std_level: NormLevel = param(
         "none", help="Std the rewards are divided by: over the batch, the group, or none."
@@ -150,8 +183,8 @@ class PPOActorConfig(TrainEngineConfig):
     reward_norm_std_unbiased: bool = param(False, help="Bessel-corrected reward std (n-1).")
     reward_norm_eps: float = param(1e-5, gt=0, help="Added to the reward std before dividing.")
     adv_norm_mean_level: NormLevel = param(
-        "batch", help="Mean subtracted from advantages (over loss-mask tokens): batch, group, "
-        "or none."
+        "batch",
+        help="Mean subtracted from advantages (over loss-mask tokens): batch, group, or none.",
     )
     adv_norm_std_level: NormLevel = param(
         "batch", help="Std the advantages are divided by: over the batch, the group, or none."
@@ -162,8 +195,9 @@ class PPOActorConfig(TrainEngineConfig):
     adv_norm_std_unbiased: bool = param(False, help="Bessel-corrected advantage std (n-1).")
     adv_norm_eps: float = param(1e-5, gt=0, help="Added to the advantage std before dividing.")
     remax_baseline: bool = param(
-        False, help="Subtract the reward of a greedy rollout of the same prompt (ReMax); the "
-        "workflow supplies it."
+        False,
+        help="Subtract the reward of a greedy rollout of the same prompt (ReMax); the "
+        "workflow supplies it.",
     )
     # -- reward shaping ----------------------------------------------------------------------
     reward_bias: float = param(0.0, help="Added to every reward (before scaling).")
@@ -172,8 +206,9 @@ class PPOActorConfig(TrainEngineConfig):
         None, gt=0, help="Clip rewards to [-c, c] after bias and scaling; null = no clip."
     )
     overlong_reward_penalty: bool = param(
-        False, help="DAPO soft overlong punishment: a penalty linear in tokens beyond "
-        "max_new_tokens - overlong_tokens."
+        False,
+        help="DAPO soft overlong punishment: a penalty linear in tokens beyond "
+        "max_new_tokens - overlong_tokens.",
     )
     overlong_tokens: int = param(
         64, ge=1, help="Length of the soft-punishment interval before max_new_tokens (tokens)."
@@ -185,8 +220,8 @@ class PPOActorConfig(TrainEngineConfig):
         False, help="Reward 0 for sequences that ended without EOS (truncated)."
     )
     dynamic_sampling: bool = param(
-        False, help="Reject groups whose rewards are all equal (the rollout executor refills "
-        "the batch)."
+        False,
+        help="Reject groups whose rewards are all equal (the rollout executor refills the batch).",
     )
     # -- KL to the reference policy ------------------------------------------------------------
     kl_ctl: float = param(0.0, ge=0, help="KL coefficient beta; 0 = no reference model needed.")
@@ -194,8 +229,9 @@ class PPOActorConfig(TrainEngineConfig):
         "k1", help="KL estimator: k1 = log ratio, k2 = half squared log ratio, k3 = low-variance."
     )
     kl_in_reward: bool = param(
-        True, help="Per-token -beta*KL in the reward (PPO style); false = beta*KL loss term "
-        "(GRPO style)."
+        True,
+        help="Per-token -beta*KL in the reward (PPO style); false = beta*KL loss term "
+        "(GRPO style).",
     )
     # -- policy loss ---------------------------------------------------------------------------
     policy_loss_type: Literal["ppo", "cispo"] = param(
@@ -206,25 +242,29 @@ class PPOActorConfig(TrainEngineConfig):
     )
     eps_clip: float = param(0.2, gt=0, le=1, help="Lower clip: the ratio is kept >= 1-eps_clip.")
     eps_clip_higher: float | None = param(
-        None, gt=0, help="Upper clip: ratio <= 1+eps_clip_higher (DAPO clip-higher); "
-        "null = eps_clip."
+        None,
+        gt=0,
+        help="Upper clip: ratio <= 1+eps_clip_higher (DAPO clip-higher); null = eps_clip.",
     )
     c_clip: float | None = param(
-        None, gt=1, help="Dual clip: for negative advantages the loss is capped at c_clip*|A|; "
-        "null = off."
+        None,
+        gt=1,
+        help="Dual clip: for negative advantages the loss is capped at c_clip*|A|; null = off.",
     )
     loss_agg_mode: LossAggMode = param(
         "token-mean", help="How token losses are averaged; see docs/algorithms.md."
     )
     entropy_coeff: float = param(0.0, ge=0, help="Entropy bonus weight (subtracted from loss).")
     use_decoupled_loss: bool = param(
-        False, help="Decoupled PPO: ratio against the proximal policy, times the behaviour "
-        "weight pi_prox/pi_behav."
+        False,
+        help="Decoupled PPO: ratio against the proximal policy, times the behaviour "
+        "weight pi_prox/pi_behav.",
     )
     recompute_prox_logp: bool = param(
-        False, help="Decoupled loss: always run a separate forward for the proximal logprobs; "
+        False,
+        help="Decoupled loss: always run a separate forward for the proximal logprobs; "
         "false = only when needed (several PPO minibatches, or KL in the reward), else the "
-        "update's own forward gives the same values."
+        "update's own forward gives the same values.",
     )
     behav_imp_weight_cap: float | None = param(
         None, gt=1, help="Cap on pi_prox/pi_behav in the decoupled loss; null = uncapped."
@@ -236,26 +276,34 @@ class PPOActorConfig(TrainEngineConfig):
         "token", help="Behaviour weight per token, or per sequence (geometric mean)."
     )
     tis_cap: float | None = param(
-        None, gt=1, help="Non-decoupled path: truncated IS weight min(pi_old/pi_behav, cap) on "
-        "each token; null = off."
+        None,
+        gt=1,
+        help="Non-decoupled path: truncated IS weight min(pi_old/pi_behav, cap) on "
+        "each token; null = off.",
     )
     rollout_correction: RolloutCorrectionConfig = param(
-        factory=RolloutCorrectionConfig, help="Rollout correction: truncated or masked importance "
-        "weights against the rollout policy (replaces behav_imp_weight_cap and tis_cap)."
+        factory=RolloutCorrectionConfig,
+        help="Rollout correction: truncated or masked importance "
+        "weights against the rollout policy (replaces behav_imp_weight_cap and tis_cap).",
     )
     prox_logp: Literal["recompute", "loglinear", "linear", "reuse"] = param(
-        "recompute", help="Decoupled loss, proximal logprobs: recompute = a forward pass where "
+        "recompute",
+        help="Decoupled loss, proximal logprobs: recompute = a forward pass where "
         "needed (exact); loglinear / linear = interpolated from the behaviour and current "
         "logprobs by each token's version distance, in log or probability space (no extra pass); "
-        "reuse = the behaviour logprobs."
+        "reuse = the behaviour logprobs.",
     )
 
     @property
     def reward_norm(self) -> NormSpec:
         """The per-sequence reward normalisation."""
-        return NormSpec(self.reward_norm_mean_level, self.reward_norm_std_level,
-                        self.reward_norm_leave_one_out, self.reward_norm_std_unbiased,
-                        self.reward_norm_eps)
+        return NormSpec(
+            self.reward_norm_mean_level,
+            self.reward_norm_std_level,
+            self.reward_norm_leave_one_out,
+            self.reward_norm_std_unbiased,
+            self.reward_norm_eps,
+        )
 
     @property
     def uses_groups(self) -> bool:
@@ -267,41 +315,63 @@ class PPOActorConfig(TrainEngineConfig):
     @property
     def adv_norm(self) -> NormSpec:
         """The per-token advantage normalisation."""
-        return NormSpec(self.adv_norm_mean_level, self.adv_norm_std_level,
-                        self.adv_norm_leave_one_out, self.adv_norm_std_unbiased,
-                        self.adv_norm_eps)
+        return NormSpec(
+            self.adv_norm_mean_level,
+            self.adv_norm_std_level,
+            self.adv_norm_leave_one_out,
+            self.adv_norm_std_unbiased,
+            self.adv_norm_eps,
+        )
 
     def check(self) -> Iterator[str]:
         if self.use_decoupled_loss and self.tis_cap is not None:
-            yield (f"tis_cap: {self.tis_cap} with use_decoupled_loss=true; the decoupled loss "
-                   "caps with behav_imp_weight_cap, set tis_cap=null")
+            yield (
+                f"tis_cap: {self.tis_cap} with use_decoupled_loss=true; the decoupled loss "
+                "caps with behav_imp_weight_cap, set tis_cap=null"
+            )
         if self.behav_imp_weight_cap is not None and not self.use_decoupled_loss:
-            yield (f"behav_imp_weight_cap: {self.behav_imp_weight_cap} needs "
-                   "use_decoupled_loss=true; use tis_cap for the non-decoupled path")
+            yield (
+                f"behav_imp_weight_cap: {self.behav_imp_weight_cap} needs "
+                "use_decoupled_loss=true; use tis_cap for the non-decoupled path"
+            )
         rc = self.rollout_correction
         if rc.mode != "none":
             if self.behav_imp_weight_cap is not None or self.tis_cap is not None:
-                yield ("rollout_correction: mode={} replaces behav_imp_weight_cap and tis_cap; set both "
-                       "to null".format(rc.mode))
+                yield (
+                    "rollout_correction: mode={} replaces behav_imp_weight_cap and tis_cap; set both "
+                    "to null".format(rc.mode)
+                )
             if rc.form == "decoupled" and not self.use_decoupled_loss:
-                yield ("rollout_correction.form: decoupled weighs pi_prox/pi_behav and needs "
-                       "use_decoupled_loss=true; or use rollout_correction.form=bypass")
+                yield (
+                    "rollout_correction.form: decoupled weighs pi_prox/pi_behav and needs "
+                    "use_decoupled_loss=true; or use rollout_correction.form=bypass"
+                )
             if rc.form == "bypass" and self.use_decoupled_loss:
-                yield ("rollout_correction.form: bypass has no proximal policy; set "
-                       "use_decoupled_loss=false, or use form=decoupled")
+                yield (
+                    "rollout_correction.form: bypass has no proximal policy; set "
+                    "use_decoupled_loss=false, or use form=decoupled"
+                )
         if self.prox_logp != "recompute" and not self.use_decoupled_loss:
-            yield (f"prox_logp: {self.prox_logp} approximates the decoupled loss's proximal policy; "
-                   "set use_decoupled_loss=true, or prox_logp=recompute")
+            yield (
+                f"prox_logp: {self.prox_logp} approximates the decoupled loss's proximal policy; "
+                "set use_decoupled_loss=true, or prox_logp=recompute"
+            )
         if self.prox_logp != "recompute" and self.recompute_prox_logp:
-            yield (f"prox_logp: {self.prox_logp} with recompute_prox_logp=true; they disagree, set "
-                   "prox_logp=recompute")
+            yield (
+                f"prox_logp: {self.prox_logp} with recompute_prox_logp=true; they disagree, set "
+                "prox_logp=recompute"
+            )
         if self.remax_baseline and self.use_critic:
-            yield ("remax_baseline: true with use_critic=true; ReMax replaces the critic, "
-                   "set use_critic=false")
+            yield (
+                "remax_baseline: true with use_critic=true; ReMax replaces the critic, "
+                "set use_critic=false"
+            )
         upper = self.eps_clip if self.eps_clip_higher is None else self.eps_clip_higher
         if self.policy_loss_type == "ppo" and self.eps_clip >= 1 and upper >= 1:
-            yield (f"eps_clip: {self.eps_clip} with eps_clip_higher={upper} clips nothing in PPO; "
-                   "use values below 1 (0.2 is usual)")
+            yield (
+                f"eps_clip: {self.eps_clip} with eps_clip_higher={upper} clips nothing in PPO; "
+                "use values below 1 (0.2 is usual)"
+            )
 
 
 def _fill_preset(init):
@@ -329,7 +399,7 @@ class PPOCriticConfig(TrainEngineConfig):
         0.2, gt=0, help="Clip new values to old +- this (clipped value loss); null = unclipped."
     )
     value_norm: bool = param(
-        False, help="Train on returns normalised by running mean/std; values are de-normalised "
-        "for GAE."
+        False,
+        help="Train on returns normalised by running mean/std; values are de-normalised for GAE.",
     )
     loss_agg_mode: LossAggMode = param("token-mean", help="How token value losses are averaged.")

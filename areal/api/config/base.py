@@ -76,29 +76,52 @@ class GenerationHyperparameters:
     stop: list[str] = param([], help="Strings that end a completion (the string is kept).")
     ignore_eos: bool = param(False, help="Keep generating past EOS up to max_new_tokens.")
     seed: int | None = param(
-        None, ge=0, le=2**62, help="Reproducible rollouts (RLVR workflow): sample k of a prompt draws "
+        None,
+        ge=0,
+        le=2**62,
+        help="Reproducible rollouts (RLVR workflow): sample k of a prompt draws "
         "from its own generator seeded by this, the prompt id, k and the weight version, whatever "
-        "else the server batches; null: the server's shared generator.")
+        "else the server batches; null: the server's shared generator.",
+    )
     json_schema: str = param(
-        "", help="Structured outputs: a JSON schema (as JSON text) every completion must match; the "
+        "",
+        help="Structured outputs: a JSON schema (as JSON text) every completion must match; the "
         "server masks the tokens it forbids. At most one of json_schema, regex, ebnf; empty = none. "
-        "Logprobs are then the masked distribution's (README, Structured outputs).")
-    regex: str = param("", help="Structured outputs: a regex every completion must match; empty = none.")
-    ebnf: str = param("", help="Structured outputs: a GBNF or Lark grammar every completion must match; "
-                      "empty = none.")
+        "Logprobs are then the masked distribution's (README, Structured outputs).",
+    )
+    regex: str = param(
+        "", help="Structured outputs: a regex every completion must match; empty = none."
+    )
+    ebnf: str = param(
+        "",
+        help="Structured outputs: a GBNF or Lark grammar every completion must match; "
+        "empty = none.",
+    )
 
     @property
     def grammar(self) -> dict[str, str]:
         """The one structured-output field set, as ``{name: value}`` (empty when none)."""
-        return {k: v for k, v in (("json_schema", self.json_schema), ("regex", self.regex), ("ebnf", self.ebnf)) if v}
+        return {
+            k: v
+            for k, v in (
+                ("json_schema", self.json_schema),
+                ("regex", self.regex),
+                ("ebnf", self.ebnf),
+            )
+            if v
+        }
 
     def check(self) -> Iterator[str]:
         if len(self.grammar) > 1:
-            yield (f"json_schema: set at most one of json_schema, regex and ebnf, got {sorted(self.grammar)}; "
-                   "keep one")
+            yield (
+                f"json_schema: set at most one of json_schema, regex and ebnf, got {sorted(self.grammar)}; "
+                "keep one"
+            )
         if self.grammar and self.min_new_tokens:
-            yield (f"min_new_tokens: {self.min_new_tokens} with a grammar ({next(iter(self.grammar))}); the grammar "
-                   "decides where a completion ends: set min_new_tokens to 0")
+            yield (
+                f"min_new_tokens: {self.min_new_tokens} with a grammar ({next(iter(self.grammar))}); the grammar "
+                "decides where a completion ends: set min_new_tokens to 0"
+            )
         if self.min_new_tokens > self.max_new_tokens:
             yield (
                 f"min_new_tokens: {self.min_new_tokens} exceeds max_new_tokens="
@@ -125,12 +148,14 @@ class RecoverConfig(TimerConfig):
         "auto: resume and relaunch a failed run up to `retries` times.",
     )
     retries: int = param(
-        3, ge=0,
+        3,
+        ge=0,
         help="Relaunches after a failure when mode=auto; a failure whose cause repeats that of "
         "the attempt before is not relaunched.",
     )
     keep: int = param(
-        2, ge=1,
+        2,
+        ge=1,
         help="Recover checkpoints kept on disk, newest first; a resume falls back to an older "
         "one when a newer one is corrupt.",
     )
@@ -140,11 +165,18 @@ class RecoverConfig(TimerConfig):
 class SamplesConfig:
     """Trained samples recorded for ``areal view`` (RUN_DIR/samples/step-<step>-rank<r>.parquet)."""
 
-    enabled: bool = param(True, help="Record every trained sample of the recorded steps (tokens, text, "
-                          "reward, advantage, per-token versions and logprobs, staleness).")
+    enabled: bool = param(
+        True,
+        help="Record every trained sample of the recorded steps (tokens, text, "
+        "reward, advantage, per-token versions and logprobs, staleness).",
+    )
     keep_every: int = param(1, ge=1, help="Record the samples of every k-th step (1 = every step).")
-    max_bytes: int = param(1 << 30, ge=0, help="Stop recording once RUN_DIR/samples holds this many bytes "
-                           "(a warning says so; 0 = no limit).")
+    max_bytes: int = param(
+        1 << 30,
+        ge=0,
+        help="Stop recording once RUN_DIR/samples holds this many bytes "
+        "(a warning says so; 0 = no limit).",
+    )
 
 
 @dataclass(frozen=True)
@@ -152,12 +184,18 @@ class ReplayConfig:
     """Each trained step's trainer inputs and the actor's weight hashes, for ``areal replay``
     (RUN_DIR/replay; docs/viewer.md)."""
 
-    enabled: bool = param(False, help="Record each step's packed batch, RNG states and actor version, and a "
-                          "hash of every actor tensor after the step; also turns on "
-                          "torch.use_deterministic_algorithms so `areal replay` can match bit for bit.")
-    keep_weights: bool = param(False, help="Also keep the actor's full weights after each step "
-                               "(RUN_DIR/replay/weights-<step>.pt, a model's size per step), so a replay "
-                               "names the max difference of the first differing tensor, not only its name.")
+    enabled: bool = param(
+        False,
+        help="Record each step's packed batch, RNG states and actor version, and a "
+        "hash of every actor tensor after the step; also turns on "
+        "torch.use_deterministic_algorithms so `areal replay` can match bit for bit.",
+    )
+    keep_weights: bool = param(
+        False,
+        help="Also keep the actor's full weights after each step "
+        "(RUN_DIR/replay/weights-<step>.pt, a model's size per step), so a replay "
+        "names the max difference of the first differing tensor, not only its name.",
+    )
 
 
 @dataclass(frozen=True)
@@ -168,11 +206,14 @@ class StatsLoggerConfig:
     jsonl: bool = param(True, help="Append one JSON line per step to RUN_DIR/stats.jsonl.")
     tensorboard: bool = param(False, help="Write TensorBoard events to RUN_DIR/tensorboard.")
     wandb: Literal["disabled", "online", "offline"] = param(
-        "disabled", help="Weights & Biases mode (needs the wandb extra: `pip install -e '.[wandb]'` in the areal checkout)."
+        "disabled",
+        help="Weights & Biases mode (needs the wandb extra: `pip install -e '.[wandb]'` in the areal checkout).",
     )
     wandb_project: str = param("areal", help="W&B project name.")
     samples: SamplesConfig = param(factory=SamplesConfig, help="Trained samples for `areal view`.")
-    replay: ReplayConfig = param(factory=ReplayConfig, help="Trainer inputs and weight hashes for `areal replay`.")
+    replay: ReplayConfig = param(
+        factory=ReplayConfig, help="Trainer inputs and weight hashes for `areal replay`."
+    )
 
 
 @dataclass(frozen=True)
@@ -194,15 +235,21 @@ class BaseExperimentConfig:
     evaluator: TimerConfig = param(factory=TimerConfig, help="When to evaluate on valid_dataset.")
     recover: RecoverConfig = param(factory=RecoverConfig, help="Recover checkpoints and relaunch.")
     stats_logger: StatsLoggerConfig = param(factory=StatsLoggerConfig, help="Metric sinks.")
-    cluster: ClusterConfig = param(factory=ClusterConfig, help="Machines, devices, servers vs trainers.")
-    launcher: LauncherConfig = param(factory=LauncherConfig, help="How `areal launch` runs the processes.")
+    cluster: ClusterConfig = param(
+        factory=ClusterConfig, help="Machines, devices, servers vs trainers."
+    )
+    launcher: LauncherConfig = param(
+        factory=LauncherConfig, help="How `areal launch` runs the processes."
+    )
 
     def check(self) -> Iterator[str]:
         for name in ("experiment_name", "trial_name"):
             value = getattr(self, name)
             if not re.fullmatch(r"[A-Za-z0-9._-]+", value) or value in (".", ".."):
-                yield (f"{name}: {value!r} must be a non-empty folder name of letters, digits, '.', "
-                       "'_' or '-' (it names RUN_DIR and the trial's registry keys)")
+                yield (
+                    f"{name}: {value!r} must be a non-empty folder name of letters, digits, '.', "
+                    "'_' or '-' (it names RUN_DIR and the trial's registry keys)"
+                )
 
     @property
     def run_dir(self) -> Path:

@@ -126,12 +126,16 @@ def _leaf_rows(section: Section, only: set[str] | None = None) -> list[str]:
     hints = typing.get_type_hints(section.cls)
     rows = []
     for f in dataclasses.fields(section.cls):
-        if _section_class(hints[f.name])[0] is not None or (only is not None and f.name not in only):
+        if _section_class(hints[f.name])[0] is not None or (
+            only is not None and f.name not in only
+        ):
             continue
         path = f"{section.path}.{f.name}" if section.path else f.name
         value = getattr(section.instance, f.name)
-        rows.append(f"| `{path}` | {_cell(type_name(hints[f.name]))} | {_cell(default_text(value))} "
-                    f"| {_cell(f.metadata.get('help', ''))} |")
+        rows.append(
+            f"| `{path}` | {_cell(type_name(hints[f.name]))} | {_cell(default_text(value))} "
+            f"| {_cell(f.metadata.get('help', ''))} |"
+        )
     return rows
 
 
@@ -182,8 +186,13 @@ def render_config_docs(experiments: list[tuple[type, str]] = EXPERIMENTS) -> str
     """The whole reference as Markdown (deterministic: same classes, same text)."""
     classes = [cls for cls, _ in experiments]
     all_names = [cls.__name__ for cls in classes]
-    lines = [HEADER, "## Experiments", "", "| config | entry script (example YAMLs next to it) |",
-             "| --- | --- |"]
+    lines = [
+        HEADER,
+        "## Experiments",
+        "",
+        "| config | entry script (example YAMLs next to it) |",
+        "| --- | --- |",
+    ]
     for cls, script in experiments:
         lines.append(f"| `{cls.__name__}`: {_cell(summary(cls))} | `{script}` |")
     lines.append("")

@@ -18,13 +18,15 @@ class LoRAConfig:
     alpha: float = param(16.0, gt=0, help="Scale numerator: the update is (alpha / rank) * B @ A.")
     dropout: float = param(0.0, ge=0, lt=1, help="Dropout on the adapter's input (training only).")
     target_modules: list[str] = param(
-        ["all-linear"], help="Linear layers that get adapters: module-name suffixes (q_proj, "
-        "v_proj, ...) or ['all-linear'] (every linear of the decoder; never lm_head or a value head)."
+        ["all-linear"],
+        help="Linear layers that get adapters: module-name suffixes (q_proj, "
+        "v_proj, ...) or ['all-linear'] (every linear of the decoder; never lm_head or a value head).",
     )
     modules_to_save: list[str] = param(
-        [], help="Modules trained in full next to the adapters (peft's modules_to_save), by name "
+        [],
+        help="Modules trained in full next to the adapters (peft's modules_to_save), by name "
         "suffix, e.g. [embed_tokens] when the token embeddings must learn (a model trained from "
-        "little, new tokens); tied output embeddings (lm_head) stay tied to them."
+        "little, new tokens); tied output embeddings (lm_head) stay tied to them.",
     )
 
     @property
@@ -36,12 +38,16 @@ class LoRAConfig:
         if self.enabled and not self.target_modules:
             yield "target_modules: empty with rank > 0; name the linears (e.g. [q_proj, v_proj]) or [all-linear]"
         if "all-linear" in self.target_modules and len(self.target_modules) > 1:
-            yield (f"target_modules: {self.target_modules} mixes all-linear with names; give "
-                   "['all-linear'] alone or only module names")
+            yield (
+                f"target_modules: {self.target_modules} mixes all-linear with names; give "
+                "['all-linear'] alone or only module names"
+            )
         both = sorted(set(self.modules_to_save) & set(self.target_modules))
         if both:
-            yield (f"modules_to_save: {both} also in target_modules; a module gets an adapter or "
-                   "is trained in full, not both")
+            yield (
+                f"modules_to_save: {both} also in target_modules; a module gets an adapter or "
+                "is trained in full, not both"
+            )
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,9 @@ class TrainEngineConfig:
     """A model trained by the FSDP2 engine."""
 
     path: str = param("", help="Hugging Face model dir (config, safetensors, tokenizer).")
-    init_from_scratch: bool = param(False, help="Random init (seeded by init_seed) from `path`'s config.")
+    init_from_scratch: bool = param(
+        False, help="Random init (seeded by init_seed) from `path`'s config."
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = param(
         "float32",
         help="Dtype of the sharded master parameters and optimizer state (float32 everywhere "
@@ -64,13 +72,17 @@ class TrainEngineConfig:
         "float32", help="Dtype gradients are reduce-scattered in."
     )
     cpu_offload: bool = param(
-        False, help="GPU only: keep sharded parameters, gradients and optimizer state in CPU memory."
+        False,
+        help="GPU only: keep sharded parameters, gradients and optimizer state in CPU memory.",
     )
     gradient_checkpointing: bool = param(False, help="Recompute activations in backward.")
-    init_seed: int = param(1, ge=0, help="Seed for from-scratch init and new heads (same on every rank).")
+    init_seed: int = param(
+        1, ge=0, help="Seed for from-scratch init and new heads (same on every rank)."
+    )
     shared_prefix: bool = param(
-        True, help="Run a group's shared prompt once per forward/backward (RL batches with "
-        "group_index/prompt_lens); the same logits and gradients as running it per sample."
+        True,
+        help="Run a group's shared prompt once per forward/backward (RL batches with "
+        "group_index/prompt_lens); the same logits and gradients as running it per sample.",
     )
     logprob_chunk_size: int = param(
         1024, ge=1, help="Tokens per chunk when computing logprobs/entropy from logits."
@@ -78,7 +90,7 @@ class TrainEngineConfig:
     mb_spec: MicroBatchSpec = param(factory=MicroBatchSpec, help="Micro-batch split.")
     optimizer: OptimizerConfig = param(factory=OptimizerConfig, help="Optimizer and schedule.")
     lora: LoRAConfig = param(
-        factory=LoRAConfig, help="LoRA adapters instead of full fine-tuning (rank > 0 turns it on); "
-        "a value/score head stays fully trainable."
+        factory=LoRAConfig,
+        help="LoRA adapters instead of full fine-tuning (rank > 0 turns it on); "
+        "a value/score head stays fully trainable.",
     )
-

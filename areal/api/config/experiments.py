@@ -58,37 +58,49 @@ class DPOLossConfig:
     """Preference loss of DPO training (areal.algo.dpo: formulas in docs/algorithms.md)."""
 
     loss_type: Literal["sigmoid", "ipo", "simpo"] = param(
-        "sigmoid", help="sigmoid: DPO; ipo: squared loss to a finite log-ratio gap; simpo: "
-        "length-normalised, reference-free, with margin `gamma`."
+        "sigmoid",
+        help="sigmoid: DPO; ipo: squared loss to a finite log-ratio gap; simpo: "
+        "length-normalised, reference-free, with margin `gamma`.",
     )
     beta: float = param(
-        0.1, gt=0, help="Inverse temperature of the implicit reward (DPO/IPO: 0.01-0.5; "
-        "SimPO: ~2)."
+        0.1, gt=0, help="Inverse temperature of the implicit reward (DPO/IPO: 0.01-0.5; SimPO: ~2)."
     )
     label_smoothing: float = param(
-        0.0, ge=0, lt=0.5, help="Assumed fraction of flipped labels (conservative DPO); sigmoid "
-        "and simpo only; 0 = plain loss."
+        0.0,
+        ge=0,
+        lt=0.5,
+        help="Assumed fraction of flipped labels (conservative DPO); sigmoid "
+        "and simpo only; 0 = plain loss.",
     )
     gamma: float = param(0.0, ge=0, help="SimPO's target reward margin (simpo only; ~0.5-1.5).")
     nll_coef: float = param(
-        0.0, ge=0, help="Weight of the chosen replies' mean token NLL added to the loss (the RPO "
-        "regulariser; keeps the chosen answers' likelihood from falling); 0 = off."
+        0.0,
+        ge=0,
+        help="Weight of the chosen replies' mean token NLL added to the loss (the RPO "
+        "regulariser; keeps the chosen answers' likelihood from falling); 0 = off.",
     )
     ref_logp: Literal["precompute", "online"] = param(
-        "precompute", help="precompute: reference logprobs of every pair once before training, "
-        "then the reference is freed; online: the reference model stays and runs every step."
+        "precompute",
+        help="precompute: reference logprobs of every pair once before training, "
+        "then the reference is freed; online: the reference model stays and runs every step.",
     )
 
     def check(self) -> Iterator[str]:
         if self.loss_type == "ipo" and self.label_smoothing:
-            yield (f"label_smoothing: {self.label_smoothing} is not defined for ipo (its target "
-                   "gap already bounds the loss); set label_smoothing=0")
+            yield (
+                f"label_smoothing: {self.label_smoothing} is not defined for ipo (its target "
+                "gap already bounds the loss); set label_smoothing=0"
+            )
         if self.loss_type == "simpo" and self.ref_logp == "online":
-            yield ("ref_logp: online has no effect with loss_type=simpo (reference-free); "
-                   "leave ref_logp=precompute")
+            yield (
+                "ref_logp: online has no effect with loss_type=simpo (reference-free); "
+                "leave ref_logp=precompute"
+            )
         if self.loss_type != "simpo" and self.gamma:
-            yield (f"gamma: {self.gamma} is SimPO's margin and has no effect with "
-                   f"loss_type={self.loss_type}; set gamma=0 or loss_type=simpo")
+            yield (
+                f"gamma: {self.gamma} is SimPO's margin and has no effect with "
+                f"loss_type={self.loss_type}; set gamma=0 or loss_type=simpo"
+            )
 
 
 @dataclass(frozen=True)
@@ -100,10 +112,13 @@ class DPOConfig(BaseExperimentConfig):
 
     model: TrainEngineConfig = param(factory=TrainEngineConfig, help="The policy being trained.")
     ref: TrainEngineConfig | None = param(
-        None, help="Frozen reference policy for sigmoid/ipo; null = a frozen copy of `model` "
-        "(same path and settings: the standard DPO reference, the starting policy)."
+        None,
+        help="Frozen reference policy for sigmoid/ipo; null = a frozen copy of `model` "
+        "(same path and settings: the standard DPO reference, the starting policy).",
     )
-    dpo: DPOLossConfig = param(factory=DPOLossConfig, help="Preference loss and reference logprobs.")
+    dpo: DPOLossConfig = param(
+        factory=DPOLossConfig, help="Preference loss and reference logprobs."
+    )
 
     def check(self) -> Iterator[str]:
         yield from super().check()
@@ -112,13 +127,17 @@ class DPOConfig(BaseExperimentConfig):
         for name in ("train_dataset", "valid_dataset"):
             data = getattr(self, name)
             if data is not None and data.type != "rw":
-                yield (f"{name}.type: DPO needs preference pairs ('rw'), got {data.type!r}; "
-                       f"set {name}.type=rw")
+                yield (
+                    f"{name}.type: DPO needs preference pairs ('rw'), got {data.type!r}; "
+                    f"set {name}.type=rw"
+                )
         for name in ("model", "ref"):
             engine = getattr(self, name)
             if engine is not None and engine.mb_spec.granularity % 2:
-                yield (f"{name}.mb_spec.granularity: must be even so pairs stay together, got "
-                       f"{engine.mb_spec.granularity}; set {name}.mb_spec.granularity=2")
+                yield (
+                    f"{name}.mb_spec.granularity: must be even so pairs stay together, got "
+                    f"{engine.mb_spec.granularity}; set {name}.mb_spec.granularity=2"
+                )
         if self.dpo.loss_type == "simpo" and self.ref is not None:
             yield "ref: simpo is reference-free and would not use it; set ref=null"
 
@@ -129,19 +148,23 @@ class DistillConfig:
     reverse KL is the advantage (docs/algorithms.md, "On-policy distillation")."""
 
     teacher_path: str = param(
-        "", help="Teacher model dir (same tokenizer as actor.path, any size); empty = no distillation."
+        "",
+        help="Teacher model dir (same tokenizer as actor.path, any size); empty = no distillation.",
     )
     coef: float = param(1.0, ge=0, help="Weight of the advantage log pi_teacher - log pi_student.")
     reward_weight: float = param(
         0.0, ge=0, help="Weight of the task reward's advantage mixed in (0 = pure distillation)."
     )
     n_servers: int = param(
-        1, ge=0, help="Teacher servers the launcher starts (the server section's settings, the "
-        "teacher's weights; never updated); 0 with addresses."
+        1,
+        ge=0,
+        help="Teacher servers the launcher starts (the server section's settings, the "
+        "teacher's weights; never updated); 0 with addresses.",
     )
     addresses: list[str] = param(
-        factory=list, help="host:port of teacher servers started by hand (ours, SGLang); then "
-        "n_servers must be 0."
+        factory=list,
+        help="host:port of teacher servers started by hand (ours, SGLang); then "
+        "n_servers must be 0.",
     )
     timeout: float = param(120.0, gt=0, help="Seconds the teacher may take to score one group.")
 
@@ -152,8 +175,10 @@ class DistillConfig:
 
     def check(self) -> Iterator[str]:
         if self.addresses and self.n_servers:
-            yield (f"n_servers: {self.n_servers} with addresses given; the launcher starts no teacher "
-                   "server when you name them, set n_servers=0")
+            yield (
+                f"n_servers: {self.n_servers} with addresses given; the launcher starts no teacher "
+                "server when you name them, set n_servers=0"
+            )
         if self.coef == 0 and self.enabled:
             yield "coef: 0 ignores the teacher; set coef > 0, or teacher_path empty"
 
@@ -171,8 +196,9 @@ class GRPOConfig(BaseExperimentConfig):
     actor: PPOActorConfig = param(factory=PPOActorConfig, help="The policy being trained.")
     critic: PPOCriticConfig | None = param(None, help="Value model; needed when actor.use_critic.")
     ref: TrainEngineConfig | None = param(
-        None, help="Frozen reference policy for the KL term; needed when actor.kl_ctl > 0, unless "
-        "actor.lora is on (null = the actor's frozen base, adapters disabled)."
+        None,
+        help="Frozen reference policy for the KL term; needed when actor.kl_ctl > 0, unless "
+        "actor.lora is on (null = the actor's frozen base, adapters disabled).",
     )
     gconfig: GenerationHyperparameters = param(
         factory=GenerationHyperparameters, help="Sampling for training rollouts."
@@ -186,22 +212,26 @@ class GRPOConfig(BaseExperimentConfig):
     server: GenerationServerConfig = param(
         factory=GenerationServerConfig, help="Our generation server (launcher-started)."
     )
-    reward: RewardConfig = param(factory=RewardConfig, help="Reward worker pool and failure policy.")
+    reward: RewardConfig = param(
+        factory=RewardConfig, help="Reward worker pool and failure policy."
+    )
     workflow: WorkflowConfig = param(factory=WorkflowConfig, help="Rollout workflow knobs.")
     reward_fn: str = param(
-        "math", help="Reward: math (math_reward, answers), code (code_reward, test cases), or "
+        "math",
+        help="Reward: math (math_reward, answers), code (code_reward, test cases), or "
         "your function by import path 'module:function' (module beside the entry script or on "
         "PYTHONPATH; fn(completion, reference[, prompt]) -> float). eval/accuracy is the mean of "
-        "this reward over greedy held-out completions."
+        "this reward over greedy held-out completions.",
     )
     weight_update_mode: Literal["disk", "distributed"] = param(
         "disk", help="How new weights reach servers: a versioned HF dir, or a gloo/NCCL broadcast."
     )
     weight_update_dir: str = param(
-        "", help="Disk weight updates: where the HF dirs v<version> go (under "
+        "",
+        help="Disk weight updates: where the HF dirs v<version> go (under "
         "EXPERIMENT/TRIAL); empty = RUN_DIR/weights. A tmpfs such as /dev/shm/areal keeps them in "
         "memory, so with the server on the trainer's GPU (cluster.colocate) no update touches the "
-        "disk; every server must be able to read it."
+        "disk; every server must be able to read it.",
     )
     distill: DistillConfig = param(
         factory=DistillConfig, help="On-policy distillation from a teacher model (off by default)."
@@ -217,7 +247,9 @@ class GRPOConfig(BaseExperimentConfig):
         """Where disk weight updates write ``v<version>`` (``weight_update_dir``, else
         RUN_DIR/weights); a generation server the launcher restarts loads the newest."""
         if self.weight_update_dir:
-            return Path(self.weight_update_dir).expanduser() / self.experiment_name / self.trial_name
+            return (
+                Path(self.weight_update_dir).expanduser() / self.experiment_name / self.trial_name
+            )
         return super().weights_dir
 
     def distill_problems(self, scored_by: str = "servers") -> Iterator[str]:
@@ -227,14 +259,18 @@ class GRPOConfig(BaseExperimentConfig):
         if not d.enabled:
             return
         if self.gconfig.temperature != 1.0:
-            yield (f"gconfig.temperature: {self.gconfig.temperature} with distillation; the teacher scores at "
-                   "temperature 1, so the student must sample at 1 (set gconfig.temperature=1)")
+            yield (
+                f"gconfig.temperature: {self.gconfig.temperature} with distillation; the teacher scores at "
+                "temperature 1, so the student must sample at 1 (set gconfig.temperature=1)"
+            )
         has_servers = bool(d.addresses or d.n_servers)
         if scored_by == "servers" and not has_servers:
             yield "distill.n_servers: 0 and no distill.addresses; the teacher needs a server (set n_servers=1)"
         if scored_by == "teacher" and has_servers:
-            yield ("distill.n_servers: Core scores with a teacher node on the model workers; set "
-                   "distill.n_servers=0 and leave distill.addresses empty")
+            yield (
+                "distill.n_servers: Core scores with a teacher node on the model workers; set "
+                "distill.n_servers=0 and leave distill.addresses empty"
+            )
 
     def server_restart_blocker(self) -> str:
         """Why a launcher cannot restart a generation server that dies ('' when it can, up to
@@ -265,9 +301,13 @@ class GRPOConfig(BaseExperimentConfig):
             )
         if self.actor.use_critic and self.critic is None:
             yield "critic: actor.use_critic=true needs a critic section; set critic.path=MODEL_DIR"
-        if self.actor.kl_ctl > 0 and self.ref is None and not self.actor.lora.enabled:  # LoRA: its frozen base
-            yield (f"ref: actor.kl_ctl={self.actor.kl_ctl} needs a reference model; set ref.path=MODEL_DIR "
-                   "(or train actor.lora adapters: the frozen base is then the reference)")
+        if (
+            self.actor.kl_ctl > 0 and self.ref is None and not self.actor.lora.enabled
+        ):  # LoRA: its frozen base
+            yield (
+                f"ref: actor.kl_ctl={self.actor.kl_ctl} needs a reference model; set ref.path=MODEL_DIR "
+                "(or train actor.lora adapters: the frozen base is then the reference)"
+            )
         if self.cluster.n_servers == 0 and not self.rollout.addresses:
             yield "cluster.n_servers: 0 and no rollout.addresses; RL needs servers (set 1 or more)"
         if self.train_dataset.type != "rl":

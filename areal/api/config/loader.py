@@ -80,8 +80,12 @@ _CORE_SCHEMA = [
     ("null", r"~|null|Null|NULL|", ["~", "n", "N", ""]),
     ("bool", r"true|True|TRUE|false|False|FALSE", list("tTfF")),
     ("int", r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", list("-+0123456789")),
-    ("float", r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
-              r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)", list("-+0123456789.")),
+    (
+        "float",
+        r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)",
+        list("-+0123456789."),
+    ),
 ]
 
 
@@ -107,7 +111,8 @@ def _construct_int(loader: Yaml12Loader, node: yaml.ScalarNode) -> int:
         return int(text)  # YAML 1.2: a leading zero is decimal (012 == 12), not octal as in 1.1
     except ValueError:
         raise yaml.constructor.ConstructorError(
-            None, None, f"{text!r} is not an integer", node.start_mark) from None
+            None, None, f"{text!r} is not an integer", node.start_mark
+        ) from None
 
 
 def _construct_float(loader: Yaml12Loader, node: yaml.ScalarNode) -> float:
@@ -116,7 +121,8 @@ def _construct_float(loader: Yaml12Loader, node: yaml.ScalarNode) -> float:
         return float(text.lower().replace(".inf", "inf").replace(".nan", "nan"))
     except ValueError:
         raise yaml.constructor.ConstructorError(
-            None, None, f"{text!r} is not a number", node.start_mark) from None
+            None, None, f"{text!r} is not a number", node.start_mark
+        ) from None
 
 
 class Yaml12Dumper(yaml.SafeDumper):
@@ -237,8 +243,11 @@ def _nonfinite(raw: Any, value: Any, path: str) -> list[tuple[str, str]]:
             return [(path, f"an integer of {len(str(abs(raw)))} digits (too large for a float)")]
         return [(path, repr(raw))]
     if isinstance(value, list) and isinstance(raw, (list, tuple)) and len(raw) == len(value):
-        return [hit for i, (r, v) in enumerate(zip(raw, value))
-                for hit in _nonfinite(r, v, f"{path}[{i}]")]
+        return [
+            hit
+            for i, (r, v) in enumerate(zip(raw, value))
+            for hit in _nonfinite(r, v, f"{path}[{i}]")
+        ]
     return []
 
 
@@ -375,8 +384,10 @@ def parse_overrides(overrides: list[str]) -> tuple[dict, list[str]]:
             continue
         key, raw = item.split("=", 1)
         if any(not part.strip() for part in key.split(".")):
-            problems.append(f"override {item!r}: empty key or key part before '='; write "
-                            "key=value, e.g. actor.optimizer.lr=1e-5")
+            problems.append(
+                f"override {item!r}: empty key or key part before '='; write "
+                "key=value, e.g. actor.optimizer.lr=1e-5"
+            )
             continue
         try:
             value = yaml.load(raw, Loader=Yaml12Loader) if raw != "" else ""
@@ -406,8 +417,13 @@ def read_yaml(path: str | Path) -> dict:
     """Read a YAML 1.2 mapping, turning parse errors into a ConfigError with line and column."""
     path = Path(path)
     if path.is_dir():
-        raise ConfigError([f"--config {path}: is a directory; pass a YAML file, e.g. "
-                           "examples/arithmetic_grpo.yaml"], str(path))
+        raise ConfigError(
+            [
+                f"--config {path}: is a directory; pass a YAML file, e.g. "
+                "examples/arithmetic_grpo.yaml"
+            ],
+            str(path),
+        )
     if not path.is_file():
         raise ConfigError([f"--config {path}: no such file"], str(path))
     try:

@@ -71,8 +71,10 @@ def reward_fn_problem(spec: str) -> str | None:
     (None if its form is right; whether it imports is checked before the run starts)."""
     if spec in ("math", "code") or IMPORT_PATH.fullmatch(spec):
         return None
-    return (f"reward_fn: {spec!r} is not 'math', 'code' or an import path 'module:function' "
-            "(e.g. my_rewards:last_line_reward, my_rewards.py beside the entry script)")
+    return (
+        f"reward_fn: {spec!r} is not 'math', 'code' or an import path 'module:function' "
+        "(e.g. my_rewards:last_line_reward, my_rewards.py beside the entry script)"
+    )
 
 
 @dataclass(frozen=True)
@@ -111,49 +113,66 @@ class AgentConfig:
     areal.workflow.agent, docs/agents.md)."""
 
     path: str = param(
-        "", help="Import path 'module:function' of `async def agent(client, item) -> float`: it "
-        "talks to `client` as to openai.AsyncOpenAI and returns the episode reward."
+        "",
+        help="Import path 'module:function' of `async def agent(client, item) -> float`: it "
+        "talks to `client` as to openai.AsyncOpenAI and returns the episode reward.",
     )
     trajectory: Literal["concat", "per_call"] = param(
-        "concat", help="concat: one sequence per episode, tool/user tokens between the model's "
+        "concat",
+        help="concat: one sequence per episode, tool/user tokens between the model's "
         "turns masked out of the loss; per_call: one trajectory per model call (needs "
-        "gconfig.n_samples=1: GRPO groups must hold n_samples sequences)."
+        "gconfig.n_samples=1: GRPO groups must hold n_samples sequences).",
     )
     on_template_mismatch: Literal["error", "per_call"] = param(
-        "error", help="concat when a call's prompt does not start with the previous call's prompt + "
+        "error",
+        help="concat when a call's prompt does not start with the previous call's prompt + "
         "completion (a template that rewrites earlier turns, an agent that edits them): error fails "
         "the episode (counted, dropped); per_call falls back to per-call trajectories (needs "
-        "gconfig.n_samples=1)."
+        "gconfig.n_samples=1).",
     )
     gamma: float = param(
-        1.0, ge=0, le=1, help="Discount of rewards back over an episode's calls: call k gets "
-        "r_k + gamma * G_{k+1}; the episode reward counts as the last call's."
+        1.0,
+        ge=0,
+        le=1,
+        help="Discount of rewards back over an episode's calls: call k gets "
+        "r_k + gamma * G_{k+1}; the episode reward counts as the last call's.",
     )
     episode_timeout: float = param(
-        600.0, gt=0, help="Seconds one episode may take; a late one is cancelled, counted and dropped."
+        600.0,
+        gt=0,
+        help="Seconds one episode may take; a late one is cancelled, counted and dropped.",
     )
     max_failure_fraction: float = param(
-        0.5, ge=0, le=1, help="Stop the run when more than this fraction of the last 64 episodes "
-        "raised (an agent bug, not bad luck)."
+        0.5,
+        ge=0,
+        le=1,
+        help="Stop the run when more than this fraction of the last 64 episodes "
+        "raised (an agent bug, not bad luck).",
     )
     command: str = param(
-        "", help="type=agent_cmd: the agent's command line (split like a shell would, run without "
+        "",
+        help="type=agent_cmd: the agent's command line (split like a shell would, run without "
         "one), e.g. 'python my_agent.py' (a leading python is the trainer's own interpreter); started once per episode with OPENAI_BASE_URL and "
         "OPENAI_API_KEY set to its session on the agent proxy and the item as JSON on stdin. The "
-        "episode ends when it POSTs {\"reward\": r} to $OPENAI_BASE_URL/reward."
+        'episode ends when it POSTs {"reward": r} to $OPENAI_BASE_URL/reward.',
     )
     reward_path: str = param(
-        "", help="type=agent_cmd: import path 'module:function' of `reward(item, stdout) -> float`, "
+        "",
+        help="type=agent_cmd: import path 'module:function' of `reward(item, stdout) -> float`, "
         "called when the agent exits with code 0 without posting a reward; empty: such an episode "
-        "fails (counted, dropped)."
+        "fails (counted, dropped).",
     )
     max_agents: int = param(
-        0, ge=0, help="type=agent_cmd: agent processes running at once in this trainer process (0 = "
-        "no cap beyond rollout.max_concurrent_rollouts x gconfig.n_samples)."
+        0,
+        ge=0,
+        help="type=agent_cmd: agent processes running at once in this trainer process (0 = "
+        "no cap beyond rollout.max_concurrent_rollouts x gconfig.n_samples).",
     )
     max_request_mb: float = param(
-        16.0, gt=0, help="type=agent_cmd: largest request body the agent proxy accepts (MiB); a "
-        "larger one gets 413."
+        16.0,
+        gt=0,
+        help="type=agent_cmd: largest request body the agent proxy accepts (MiB); a "
+        "larger one gets 413.",
     )
 
 
@@ -162,12 +181,13 @@ class WorkflowConfig:
     """Rollout-workflow knobs (areal.workflow): which workflow, multi-turn retries, the dump."""
 
     type: str = param(
-        "rlvr", help="rlvr: one answer per sample (RLVRWorkflow); multi_turn: retry with feedback "
+        "rlvr",
+        help="rlvr: one answer per sample (RLVRWorkflow); multi_turn: retry with feedback "
         "after a wrong answer, up to max_turns (MultiTurnWorkflow); or your RolloutWorkflow subclass "
         "by import path 'module:Class', built as Class(reward, gconfig, tokenizer); agent: the "
         "openai-client agent function workflow.agent.path names (AgentWorkflow); agent_cmd: the "
         "agent program workflow.agent.command names, in its own process, through the agent proxy "
-        "(AgentCommandWorkflow)."
+        "(AgentCommandWorkflow).",
     )
     max_turns: int = param(1, ge=1, help="Multi-turn: attempts per episode (1 = single turn).")
     turn_discount: float = param(
@@ -180,22 +200,39 @@ class WorkflowConfig:
     dump_rollouts: bool = param(
         False, help="Append prompt/completion/reward as JSONL to RUN_DIR/rollouts/<version>.jsonl."
     )
-    agent: AgentConfig = param(factory=AgentConfig, help="type=agent: the agent function and how "
-                               "its episodes become trajectories.")
+    agent: AgentConfig = param(
+        factory=AgentConfig,
+        help="type=agent: the agent function and how its episodes become trajectories.",
+    )
 
     def check(self) -> Iterator[str]:
         if self.type == "agent" and not IMPORT_PATH.fullmatch(self.agent.path):
-            yield (f"agent.path: {self.agent.path!r} is not an import path 'module:function'; name "
-                   "your agent, e.g. agent_arithmetic:calculator_agent (a .py beside the entry script)")
+            yield (
+                f"agent.path: {self.agent.path!r} is not an import path 'module:function'; name "
+                "your agent, e.g. agent_arithmetic:calculator_agent (a .py beside the entry script)"
+            )
         if self.type == "agent_cmd" and not self.agent.command.strip():
-            yield ("agent.command: empty with type=agent_cmd; name the agent program, e.g. "
-                   "'python examples/agent_arithmetic_sdk.py'")
+            yield (
+                "agent.command: empty with type=agent_cmd; name the agent program, e.g. "
+                "'python examples/agent_arithmetic_sdk.py'"
+            )
         if self.agent.reward_path and not IMPORT_PATH.fullmatch(self.agent.reward_path):
-            yield (f"agent.reward_path: {self.agent.reward_path!r} is not an import path 'module:function' "
-                   "(e.g. my_rewards:score_stdout); leave it empty when the agent posts its reward")
-        if self.type not in ("rlvr", "multi_turn", "agent", "agent_cmd") and not IMPORT_PATH.fullmatch(self.type):
-            yield (f"type: {self.type!r} is not rlvr, multi_turn, agent, agent_cmd or an import path 'module:Class' "
-                   "(e.g. my_workflows:SignalOnlyWorkflow, my_workflows.py beside the entry script)")
+            yield (
+                f"agent.reward_path: {self.agent.reward_path!r} is not an import path 'module:function' "
+                "(e.g. my_rewards:score_stdout); leave it empty when the agent posts its reward"
+            )
+        if self.type not in (
+            "rlvr",
+            "multi_turn",
+            "agent",
+            "agent_cmd",
+        ) and not IMPORT_PATH.fullmatch(self.type):
+            yield (
+                f"type: {self.type!r} is not rlvr, multi_turn, agent, agent_cmd or an import path 'module:Class' "
+                "(e.g. my_workflows:SignalOnlyWorkflow, my_workflows.py beside the entry script)"
+            )
         if self.type == "rlvr" and self.max_turns > 1:
-            yield (f"max_turns: {self.max_turns} has no effect with type=rlvr (one turn); set "
-                   "workflow.type=multi_turn or max_turns=1")
+            yield (
+                f"max_turns: {self.max_turns} has no effect with type=rlvr (one turn); set "
+                "workflow.type=multi_turn or max_turns=1"
+            )

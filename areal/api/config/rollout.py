@@ -27,14 +27,16 @@ class InferenceEngineConfig:
         "", help="The `model` field of OpenAI-style requests (backend=vllm only)."
     )
     vllm_python: str = param(
-        "", help="backend=vllm: the Python the launcher starts vLLM servers with, i.e. that of a "
+        "",
+        help="backend=vllm: the Python the launcher starts vLLM servers with, i.e. that of a "
         "separate venv holding vLLM (`make vllm-env` builds .cache/venv-vllm/bin/python with the "
         "CPU build; docs/vllm.md); empty = this Python, with vLLM installed beside areal "
-        "(`pip install -e '.[vllm]'`, CUDA)."
+        "(`pip install -e '.[vllm]'`, CUDA).",
     )
     vllm_args: list[str] = param(
-        [], help="backend=vllm: extra flags for `python -m vllm.entrypoints.openai.api_server`, "
-        "e.g. ['--dtype', 'float32', '--enforce-eager'] on CPU."
+        [],
+        help="backend=vllm: extra flags for `python -m vllm.entrypoints.openai.api_server`, "
+        "e.g. ['--dtype', 'float32', '--enforce-eager'] on CPU.",
     )
     schedule_policy: Literal["round_robin", "least_requests"] = param(
         "round_robin",
@@ -56,10 +58,12 @@ class InferenceEngineConfig:
         2, ge=1, help="Consecutive connection failures after which a server is declared dead."
     )
     server_restart_timeout: float = param(
-        180.0, gt=0, help="When every server is dead and the launcher restarts servers "
+        180.0,
+        gt=0,
+        help="When every server is dead and the launcher restarts servers "
         "(launcher.server_restarts > 0, rollout.backend=areal, weight_update_mode=disk): seconds "
         "the client waits (logged) for one to answer /health again before stopping the run. "
-        "Without restarts it stops at once, naming the cause."
+        "Without restarts it stops at once, naming the cause.",
     )
     weight_update_timeout: float = param(
         600.0, gt=0, help="Seconds every server gets to load new weights."

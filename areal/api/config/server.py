@@ -26,42 +26,52 @@ class GenerationServerConfig:
     """An HTTP server speaking SGLang's native API plus OpenAI completions/chat."""
 
     model_path: str = param(
-        "", help="Hugging Face model dir (config, safetensors, tokenizer); required by `areal serve` "
-        "(the launcher passes the actor's path)."
+        "",
+        help="Hugging Face model dir (config, safetensors, tokenizer); required by `areal serve` "
+        "(the launcher passes the actor's path).",
     )
     served_model_name: str = param("", help="Name reported by /v1/models; empty = model_path.")
     host: str = param("127.0.0.1", help="Bind address; a non-loopback bind requires api_key.")
     port: int = param(30000, ge=0, le=65535, help="TCP port; 0 picks a free one (printed).")
     api_key: str = param(
-        "", secret=True,
+        "",
+        secret=True,
         help="Bearer key for admin endpoints (weight updates, pause, flush); empty = none. Prefer "
         "the AREAL_SERVER_API_KEY env variable (read when this is empty): a key on a command "
         "line is visible to every user of the machine. Never written to RUN_DIR.",
     )
     device: str = param("cpu", help="torch device: cpu, cuda, cuda:1, ...")
     gpu_memory_fraction: float = param(
-        0.0, ge=0.0, le=1.0, help="On CUDA, the most of its GPU's memory this server may take "
+        0.0,
+        ge=0.0,
+        le=1.0,
+        help="On CUDA, the most of its GPU's memory this server may take "
         "(weights, KV cache, activations); set it when the server shares the GPU with a trainer "
         "(cluster.colocate), e.g. 0.3; a model that does not fit fails at start naming this field. "
-        "0 = no cap."
+        "0 = no cap.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = param(
         "float32", help="Weight and KV-cache dtype (fp32 on CPU)."
     )
     max_batch_size: int = param(32, ge=1, help="Most requests decoded together (cache slots).")
     max_n: int = param(
-        256, ge=1, help="Most completions one HTTP request may ask for (prompts x n); more gets "
-        "HTTP 400 naming n, before any prompt is tokenized."
+        256,
+        ge=1,
+        help="Most completions one HTTP request may ask for (prompts x n); more gets "
+        "HTTP 400 naming n, before any prompt is tokenized.",
     )
     context_length: int = param(
         0, ge=0, help="Max prompt + completion tokens; 0 = the model's max_position_embeddings."
     )
     max_prefill_tokens: int = param(
-        8192, ge=1, help="Prompt-token budget admitted into one step (the first prompt always fits)."
+        8192,
+        ge=1,
+        help="Prompt-token budget admitted into one step (the first prompt always fits).",
     )
     share_prompts: bool = param(
-        True, help="Requests admitted in one step with the same prompt (a group's samples) prefill "
-        "it once and copy its cache rows; false = one prefill per request (same outputs, slower)."
+        True,
+        help="Requests admitted in one step with the same prompt (a group's samples) prefill "
+        "it once and copy its cache rows; false = one prefill per request (same outputs, slower).",
     )
     cpu_attention: Literal["auto", "compiled", "torch"] = param(
         "auto",
@@ -71,67 +81,94 @@ class GenerationServerConfig:
     )
     seed: int = param(0, ge=0, help="Seed of the shared generator for requests without a seed.")
     weight_version: int = param(
-        0, ge=0, help="Version stamped on tokens until the first weight update (a restarted "
-        "server passes the version of the weights it loads)."
+        0,
+        ge=0,
+        help="Version stamped on tokens until the first weight update (a restarted "
+        "server passes the version of the weights it loads).",
     )
     max_body_bytes: int = param(
-        32 << 20, ge=1024, help="Largest request body in bytes; a longer one gets HTTP 413 (body) "
-        "before it is read."
+        32 << 20,
+        ge=1024,
+        help="Largest request body in bytes; a longer one gets HTTP 413 (body) before it is read.",
     )
     max_text_chars: int = param(
-        1_000_000, ge=1, help="Most characters in all the strings of one request body together "
+        1_000_000,
+        ge=1,
+        help="Most characters in all the strings of one request body together "
         "(text prompts, messages, tools, stop strings), counted before anything is tokenized; more "
-        "gets HTTP 400 naming the field that crossed it."
+        "gets HTTP 400 naming the field that crossed it.",
     )
     max_json_depth: int = param(
-        64, ge=2, help="Deepest nesting of arrays and objects in a request body (a tools schema "
-        "included); deeper gets HTTP 400."
+        64,
+        ge=2,
+        help="Deepest nesting of arrays and objects in a request body (a tools schema "
+        "included); deeper gets HTTP 400.",
     )
     max_stop_strings: int = param(
-        64, ge=1, help="Most stop strings one request may send (each is searched for at every "
-        "decode step); more gets HTTP 400 naming stop."
+        64,
+        ge=1,
+        help="Most stop strings one request may send (each is searched for at every "
+        "decode step); more gets HTTP 400 naming stop.",
     )
     max_stop_chars: int = param(
-        4096, ge=1, help="Most characters of one request's stop strings together; more gets HTTP "
-        "400 naming stop."
+        4096,
+        ge=1,
+        help="Most characters of one request's stop strings together; more gets HTTP "
+        "400 naming stop.",
     )
     max_prompt_logprob_tokens: int = param(
-        16384, ge=1, help="Most prompt tokens one request may ask logprobs of (OpenAI echo + "
+        16384,
+        ge=1,
+        help="Most prompt tokens one request may ask logprobs of (OpenAI echo + "
         "logprobs, /generate logprob_start_len), over its prompts together: each costs a forward "
-        "pass between decode steps; more gets HTTP 400 naming logprobs (logprob_start_len)."
+        "pass between decode steps; more gets HTTP 400 naming logprobs (logprob_start_len).",
     )
     max_grammar_chars: int = param(
-        100_000, ge=1, help="Most characters of one structured-output grammar (a JSON schema, regex, "
+        100_000,
+        ge=1,
+        help="Most characters of one structured-output grammar (a JSON schema, regex, "
         "Lark/GBNF grammar, choice list, or a forced tool call's tools); longer gets HTTP 400 naming the "
-        "field before anything is compiled."
+        "field before anything is compiled.",
     )
     grammar_compile_timeout: float = param(
-        10.0, gt=0, help="Seconds a request waits for its grammar to compile (on the server's two "
-        "compile threads, never the event loop or the decode loop); then HTTP 400 naming the field."
+        10.0,
+        gt=0,
+        help="Seconds a request waits for its grammar to compile (on the server's two "
+        "compile threads, never the event loop or the decode loop); then HTTP 400 naming the field.",
     )
     grammar_lexer_fuel: int = param(
-        1_000_000, ge=1000, help="llguidance's lexer fuel, the work one grammar may spend building "
+        1_000_000,
+        ge=1000,
+        help="llguidance's lexer fuel, the work one grammar may spend building "
         "its lexer at compile time and at each decode step (a catastrophic regex runs out of it): "
-        "past it the request gets HTTP 400 naming the field, alone."
+        "past it the request gets HTTP 400 naming the field, alone.",
     )
     grammar_cache_size: int = param(
-        256, ge=1, help="Compiled grammars kept (newest used first); a request with a cached grammar "
-        "skips the compile."
+        256,
+        ge=1,
+        help="Compiled grammars kept (newest used first); a request with a cached grammar "
+        "skips the compile.",
     )
     request_head_timeout: float = param(
-        30.0, gt=0, help="Seconds a connection may take to send a complete request head, counted "
+        30.0,
+        gt=0,
+        help="Seconds a connection may take to send a complete request head, counted "
         "from its opening or its previous response (so also how long an idle keep-alive "
-        "connection stays open); then it is closed."
+        "connection stays open); then it is closed.",
     )
     request_body_timeout: float = param(
-        60.0, gt=0, help="Seconds to receive a request's body once its head arrived; then HTTP "
-        "408 and the connection is closed."
+        60.0,
+        gt=0,
+        help="Seconds to receive a request's body once its head arrived; then HTTP "
+        "408 and the connection is closed.",
     )
     max_connections: int = param(
-        1000, ge=1, help="Most open client connections. A new one past this closes the oldest "
+        1000,
+        ge=1,
+        help="Most open client connections. A new one past this closes the oldest "
         "connection not inside a request (idle, or still sending its head or body), or is "
         "closed itself when all are; capped below the open-file limit (raised to its hard "
-        "limit at start) so accept never runs out of descriptors."
+        "limit at start) so accept never runs out of descriptors.",
     )
     shutdown_timeout: float = param(
         10.0, gt=0, help="Seconds to finish answering in-flight requests on SIGTERM."
