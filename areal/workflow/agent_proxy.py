@@ -256,49 +256,15 @@ def _chunks(answer: dict, chat: bool) -> list[dict]:
                 delta["tool_calls"] = [
                     {"index": j, **t} for j, t in enumerate(message["tool_calls"])
                 ]
-            out.append(
-                {
-                    **head,
-                    "choices": [
-                        {
-                            "index": c["index"],
-                            "delta": delta,
-                            "logprobs": c.get("logprobs"),
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-            )
-            out.append(
-                {
-                    **head,
-                    "choices": [
-                        {"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}
-                    ],
-                }
-            )
+            body: dict = {"delta": delta}
+            end: dict = {"delta": {}}
         else:
-            out.append(
-                {
-                    **head,
-                    "choices": [
-                        {
-                            "index": c["index"],
-                            "text": c["text"],
-                            "logprobs": c.get("logprobs"),
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-            )
-            out.append(
-                {
-                    **head,
-                    "choices": [
-                        {"index": c["index"], "text": "", "finish_reason": c["finish_reason"]}
-                    ],
-                }
-            )
+            body, end = {"text": c["text"]}, {"text": ""}
+        piece = {"index": c["index"], **body, "logprobs": c.get("logprobs"), "finish_reason": None}
+        out.append({**head, "choices": [piece]})
+        out.append(
+            {**head, "choices": [{"index": c["index"], **end, "finish_reason": c["finish_reason"]}]}
+        )
     return out
 
 

@@ -433,19 +433,7 @@ class ArealOpenAI:
                 "echo, best_of and suffix: not available in training; leave them unset"
             )
         n = self._check_args({"n": kw.get("n"), "stream": kw.get("stream")})
-        prompt = kw.get("prompt")
-        if (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            ids = list(prompt)
-        elif isinstance(prompt, str) and prompt:
-            ids = encode(self.tokenizer, prompt)
-        else:
-            raise ValueError(
-                "prompt: expected a non-empty string or list of token ids (one prompt per call)"
-            )
+        ids = self._prompt_ids(kw.get("prompt"))
         gconfig = self._gconfig(kw)
         cid, resps = await self._generate(ids, 0, gconfig, n, kw.get("seed"), "cmpl")
         choices = []
@@ -480,6 +468,20 @@ class ArealOpenAI:
                     "total_tokens": len(ids) + n_out,
                 },
             }
+        )
+
+    def _prompt_ids(self, prompt: object) -> list[int]:
+        """The token ids of a text-API ``prompt``: token ids as given, a string encoded."""
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            return list(prompt)
+        if isinstance(prompt, str) and prompt:
+            return encode(self.tokenizer, prompt)
+        raise ValueError(
+            "prompt: expected a non-empty string or list of token ids (one prompt per call)"
         )
 
     def _choice(
