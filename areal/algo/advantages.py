@@ -162,6 +162,33 @@ def _token_rewards(seq_rewards, loss_mask, cu_seqlens, cfg: PPOActorConfig, logp
     return token_rewards.index_add(0, last[has], seq_rewards[has].to(m.dtype))
 
 
+def _sequence_rewards(
+    rewards: torch.Tensor,
+    lens: torch.Tensor,
+    cfg: PPOActorConfig,
+    baseline_rewards: torch.Tensor | None,
+    no_eos: torch.Tensor | None,
+    max_new_tokens: int | None,
+    group_size: int,
+    dp_group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """[B] rewards shaped (scale, length and no-EOS penalties), less the ReMax baseline when
+    ``cfg.remax_baseline``, then normalised by ``cfg.reward_norm`` over sequences with a trained
+    token (``lens`` [B] > 0)."""
+    seq_rewards = shape_rewards(
+        rewards, cfg, completion_lens=lens, no_eos=no_eos, max_new_tokens=max_new_tokens
+    )
+    if cfg.remax_baseline:
+        if baseline_rewards is None:
+            raise ValueError(
+                "actor.remax_baseline=true needs baseline_rewards [B] (greedy "
+                "rollout rewards from the workflow); pass them or use another preset"
+            )
+        seq_rewards = seq_rewards - scale_rewards(baseline_rewards.float(), cfg)
+    seq_cu = torch.arange(len(rewards) + 1, device=rewards.device)  # one "token" per sequence
+    return normalize(seq_rewards, (lens > 0).float(), seq_cu, cfg.reward_norm, group_size, dp_group)
+
+
 def compute_advantages(
     rewards: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -194,22 +221,10 @@ def compute_advantages(
         dp_group: data-parallel group for batch-level statistics; None = this process only.
     """
     m = loss_mask.float()  # [T]
-    seq_cu = torch.arange(len(rewards) + 1, device=rewards.device)  # one "token" per sequence
     lens = segment_sum(m, cu_seqlens)  # [B] generated (trained) tokens
-    seq_rewards = shape_rewards(
-        rewards, cfg, completion_lens=lens, no_eos=no_eos, max_new_tokens=max_new_tokens
+    seq_rewards = _sequence_rewards(
+        rewards, lens, cfg, baseline_rewards, no_eos, max_new_tokens, group_size, dp_group
     )
-    if cfg.remax_baseline:
-        if baseline_rewards is None:
-            raise ValueError(
-                "actor.remax_baseline=true needs baseline_rewards [B] (greedy "
-                "rollout rewards from the workflow); pass them or use another preset"
-            )
-        seq_rewards = seq_rewards - scale_rewards(baseline_rewards.float(), cfg)
-    seq_rewards = normalize(
-        seq_rewards, (lens > 0).float(), seq_cu, cfg.reward_norm, group_size, dp_group
-    )
-
     token_rewards = _token_rewards(seq_rewards, loss_mask, cu_seqlens, cfg, logprobs, ref_logp)
     if cfg.use_critic and values is None:
         raise ValueError(

@@ -26,6 +26,8 @@ behaviour cap still count in the loss normaliser, so the engine can compute it u
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -303,30 +305,34 @@ def policy_loss(
         cfg, logprobs, prox_logp, behav_logp, mask, cu_seqlens
     )
     ratio = importance_ratio(logprobs, old_logp, mask, cu_seqlens, cfg.importance_sampling_level)
-    eps_high = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
-    if cfg.policy_loss_type == "cispo":
-        per_token, flags = cispo_loss(logprobs, ratio, advantages, cfg.eps_clip, eps_high)
-    else:
-        per_token, flags = ppo_clip_loss(ratio, advantages, cfg.eps_clip, eps_high, cfg.c_clip)
+    per_token, flags = _clipped_objective(cfg, logprobs, ratio, advantages)
     if weight is not None:
         per_token = per_token * weight
-
-    def agg(x: torch.Tensor) -> torch.Tensor:
-        return aggregate_loss(
-            x,
-            mask,
-            cu_seqlens,
-            cfg.loss_agg_mode,
-            global_n_tokens=global_n_tokens,
-            global_n_seqs=global_n_seqs,
-            max_new_tokens=max_new_tokens,
-        )
-
+    agg = functools.partial(
+        aggregate_loss,
+        loss_mask=mask,
+        cu_seqlens=cu_seqlens,
+        mode=cfg.loss_agg_mode,
+        global_n_tokens=global_n_tokens,
+        global_n_seqs=global_n_seqs,
+        max_new_tokens=max_new_tokens,
+    )
     loss = agg(per_token)
     stats = _policy_stats(
         cfg, loss, logprobs, old_logp, behav_logp, ratio, flags, weight, over_cap, mask
     )
     return _add_kl_and_entropy(loss, stats, agg, cfg, logprobs, ref_logp, entropy, mask)
+
+
+def _clipped_objective(
+    cfg: PPOActorConfig, logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token clipped objective [T] of ``cfg.policy_loss_type`` (PPO or CISPO) and its clip
+    flags; the upper clip is ``eps_clip_higher`` when set (DAPO's clip-higher)."""
+    eps_high = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
+    if cfg.policy_loss_type == "cispo":
+        return cispo_loss(logprobs, ratio, advantages, cfg.eps_clip, eps_high)
+    return ppo_clip_loss(ratio, advantages, cfg.eps_clip, eps_high, cfg.c_clip)
 
 
 def _add_kl_and_entropy(loss, stats, agg, cfg: PPOActorConfig, logprobs, ref_logp, entropy, mask):
