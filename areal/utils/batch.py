@@ -289,3 +289,15 @@ def balance_across_ranks(batch: PackedBatch, n_ranks: int, granularity: int = 1)
         parts[r].append(u)
         loads[r] += unit_lens[u]
     return [[i for u in sorted(p) for i in units[u]] for p in parts]
+
+
+def split_by_tokens(seqlens: list[int], n_ranks: int, group_size: int) -> list[list[int]]:
+    """Positions of ``seqlens`` for each rank, near-equal tokens, groups of ``group_size`` kept
+    whole (:func:`balance_across_ranks` on lengths alone: Core's master places samples by it)."""
+    cu = torch.zeros(len(seqlens) + 1, dtype=torch.long)
+    cu[1:] = torch.tensor(seqlens, dtype=torch.long).cumsum(0)
+    # Lengths only: a stride-0 view stands in for input_ids, so no token memory is allocated.
+    lengths_only = PackedBatch(
+        cu, {"input_ids": torch.zeros(1, dtype=torch.long).expand(int(cu[-1]))}
+    )
+    return balance_across_ranks(lengths_only, n_ranks, granularity=group_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from areal.core.buffer import BufferFull, SampleBuffer, SampleMeta
-from areal.core.master import split_by_tokens
+from areal.utils.batch import split_by_tokens
 
 # key -> MFCs reading it: a reads input_ids; b reads x (written by a); nobody reads y (b's)
 CONSUMERS = {"input_ids": {"a"}, "x": {"b"}}
