@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable
+from typing import Callable, NamedTuple, TypedDict, Unpack
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
@@ -75,6 +75,8 @@ def _replay(args: argparse.Namespace) -> int:
             "(the script that trained it, e.g. examples/gsm8k_grpo.py)"
         )
     spec = importlib.util.spec_from_file_location("areal_replayed_script", script)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"areal replay: {script} is not a Python file; pass --script PATH.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # its CONFIG, setup_trainers and train_step: the run's own code
     try:
@@ -218,68 +220,6 @@ def _core(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_local_artifacts(sub) -> None:
-    """Subcommands that write a model or data locally: tiny-model, dpo-pairs."""
-    p = sub.add_parser("tiny-model", help="write a tiny random Qwen2-style HF model directory")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--size", choices=["tiny", "small"], default="tiny", help="tiny ~3M, small ~25M")
-    p.add_argument("--seed", type=int, default=0, help="init seed")
-    p.set_defaults(func=_tiny_model)
-
-    p = sub.add_parser(
-        "dpo-pairs", help="sample DPO preference pairs from a model on arithmetic (offline)"
-    )
-    p.add_argument("--model", required=True, help="HF model dir to sample from, e.g. the SFT model")
-    p.add_argument("--out", required=True, help="output dir: train.jsonl, test.jsonl, summary.json")
-    p.add_argument(
-        "--config", help="YAML of ArithmeticPairsConfig fields (areal/dataset/arithmetic_pairs.py)"
-    )
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. n_samples=16")
-    p.set_defaults(func=_dpo_pairs)
-
-
-def _add_run_tools(sub) -> None:
-    """Subcommands that look into a finished or running run dir: view, replay."""
-    p = sub.add_parser(
-        "view", help="a run viewer in the browser: curves, samples, tokens by version (loopback)"
-    )
-    p.add_argument(
-        "run_dirs",
-        nargs="+",
-        metavar="RUN_DIR",
-        help="run dir(s); several are drawn in the same charts",
-    )
-    p.add_argument(
-        "--port", type=int, default=8765, help="TCP port on 127.0.0.1 (0 = any free port)"
-    )
-    p.set_defaults(func=_view)
-
-    p = sub.add_parser(
-        "replay",
-        help="re-run a recorded run's trainer on its own batches; check weights bit for bit",
-    )
-    p.add_argument(
-        "run_dir", metavar="RUN_DIR", help="a run recorded with stats_logger.replay.enabled=true"
-    )
-    p.add_argument(
-        "--to",
-        type=int,
-        default=None,
-        metavar="STEP",
-        help="replay steps 1..STEP (default: all); options go before RUN_DIR",
-    )
-    p.add_argument(
-        "--script", default=None, help="entry script (default: the one that recorded the run)"
-    )
-    p.add_argument(
-        "knobs",
-        nargs="*",
-        metavar="KEY=VALUE",
-        help="change a knob, e.g. actor.optimizer.lr=1e-4: the divergence is reported, not an error",
-    )
-    p.set_defaults(func=_replay)
-
-
 CORE_ACTIONS = (
     "graph: print nodes, edges, models and meshes; sft: SFT through the master; sync-ppo: sync "
     "PPO/GRPO through the master (servers started by the local launcher); async-ppo: async PPO/GRPO, "
@@ -287,101 +227,147 @@ CORE_ACTIONS = (
     "and rollout workers at its last step; scale RUN_DIR --rollout-workers N --add-server/"
     "--remove-server HOST:PORT: scale a running async-ppo job"
 )
+CORE_REST = (
+    "--config YAML and key=value overrides: CoreGraphConfig fields (areal/core/graphs.py) for "
+    "graph, CoreSFTConfig fields (areal/core/sft.py) for sft, CoreGRPOConfig / "
+    "CoreAsyncGRPOConfig fields (areal/core/config.py) for sync-ppo / async-ppo"
+)
+
+
+class ArgKeywords(TypedDict, total=False):
+    """The keywords of ``ArgumentParser.add_argument`` that the table uses."""
+
+    action: str
+    choices: list[str]
+    default: object
+    dest: str
+    help: str
+    metavar: str
+    nargs: str
+    required: bool
+    type: Callable[[str], object]
+
+
+Arg = tuple[tuple[str, ...], ArgKeywords]  # add_argument's flags and keywords
+
+
+def _arg(*flags: str, **kw: Unpack[ArgKeywords]) -> Arg:
+    """One argument of a subcommand: what ``add_argument(*flags, **kw)`` takes."""
+    return flags, kw
+
+
+def _overrides(example: str) -> Arg:
+    """The trailing ``key=value`` overrides of a config-driven subcommand."""
+    return _arg("overrides", nargs="*", help=f"dotted key=value overrides, e.g. {example}")
+
+
+class Command(NamedTuple):
+    """One subcommand: its name, one-line help, the handler it runs and its arguments."""
+
+    name: str
+    help: str
+    func: Callable[[argparse.Namespace], int]
+    args: tuple[Arg, ...]
+
+
+# fmt: off
+COMMANDS: tuple[Command, ...] = (
+    Command("tiny-model", "write a tiny random Qwen2-style HF model directory", _tiny_model, (
+        _arg("--out", required=True, help="output directory"),
+        _arg("--size", choices=["tiny", "small"], default="tiny", help="tiny ~3M, small ~25M"),
+        _arg("--seed", type=int, default=0, help="init seed"),
+    )),
+    Command("dpo-pairs", "sample DPO preference pairs from a model on arithmetic (offline)",
+            _dpo_pairs, (
+        _arg("--model", required=True, help="HF model dir to sample from, e.g. the SFT model"),
+        _arg("--out", required=True, help="output dir: train.jsonl, test.jsonl, summary.json"),
+        _arg("--config",
+             help="YAML of ArithmeticPairsConfig fields (areal/dataset/arithmetic_pairs.py)"),
+        _overrides("n_samples=16"),
+    )),
+    Command("view", "a run viewer in the browser: curves, samples, tokens by version (loopback)",
+            _view, (
+        _arg("run_dirs", nargs="+", metavar="RUN_DIR",
+             help="run dir(s); several are drawn in the same charts"),
+        _arg("--port", type=int, default=8765, help="TCP port on 127.0.0.1 (0 = any free port)"),
+    )),
+    Command("replay",
+            "re-run a recorded run's trainer on its own batches; check weights bit for bit",
+            _replay, (
+        _arg("run_dir", metavar="RUN_DIR",
+             help="a run recorded with stats_logger.replay.enabled=true"),
+        _arg("--to", type=int, default=None, metavar="STEP",
+             help="replay steps 1..STEP (default: all); options go before RUN_DIR"),
+        _arg("--script", default=None,
+             help="entry script (default: the one that recorded the run)"),
+        _arg("knobs", nargs="*", metavar="KEY=VALUE",
+             help="change a knob, e.g. actor.optimizer.lr=1e-4: the divergence is reported, "
+                  "not an error"),
+    )),
+    Command("quickstart", "the embedded demo on this machine (CPU, no network)", _quickstart, (
+        _arg("--out", default="runs/quickstart", help="output directory"),
+        _arg("--task", choices=["arithmetic", "tools"], default="arithmetic",
+             help="arithmetic: answer directly; tools: a calculator agent (openai client) via "
+                  "workflow.type=agent"),
+        _arg("--sft", action="append", default=[], metavar="KEY=VALUE",
+             help="override for the SFT stage"),
+        _arg("--grpo", action="append", default=[], metavar="KEY=VALUE",
+             help="override for the GRPO stage"),
+    )),
+    Command("launch", "start servers and trainers for an entry script", _launch, (
+        _arg("mode", choices=["local", "ray", "slurm"],
+             help="where: local (this machine), ray (a Ray cluster), slurm (a batch job)"),
+        _arg("script", help="entry script, e.g. examples/gsm8k_grpo.py"),
+        _arg("rest", nargs=argparse.REMAINDER, help="--config YAML and key=value overrides"),
+    )),
+    Command("eval", "held-out accuracy of a checkpoint (no training)", _eval, (
+        _arg("--model", required=True,
+             help="HF model dir, e.g. RUN_DIR/checkpoints/actor/step200"),
+        _arg("--config",
+             help="the training YAML (valid_dataset, eval_gconfig, reward_fn, workflow)"),
+        _arg("--out", help="also write the JSON summary here"),
+        _overrides("valid_dataset.size=100"),
+    )),
+    Command("plot", "plot reward, held-out accuracy and stage times of a run", _plot, (
+        _arg("run_dir", help="RUN_DIR holding stats.jsonl"),
+        _arg("--out", default=None, help="PNG path (default RUN_DIR/plot.png)"),
+    )),
+    Command("config-docs", "write the config reference (Markdown) from the dataclasses",
+            _config_docs, (
+        _arg("--out", default="docs/config.md", help="output path; - for stdout"),
+    )),
+    Command("serve", "generation server (SGLang native + OpenAI HTTP API)", _serve, (
+        _arg("--model", help="Hugging Face model dir (= model_path=DIR)"),
+        _arg("--host", help="bind address (default 127.0.0.1)"),
+        _arg("--port", type=int, help="TCP port (default 30000; 0 = any free port)"),
+        _arg("--api-key", dest="api_key",
+             help="bearer key for admin endpoints; prefer the AREAL_SERVER_API_KEY env variable "
+                  "(a command line is visible to every user of the machine)"),
+        _arg("--config", help="YAML file of GenerationServerConfig fields"),
+        _overrides("max_batch_size=64"),
+    )),
+    Command("core",
+            "Core mode (docs/core.md): print a dataflow graph, run SFT, sync or async PPO",
+            _core, (
+        _arg("action", choices=["graph", "sft", "sync-ppo", "async-ppo", "status", "scale"],
+             help=CORE_ACTIONS),
+        _arg("rest", nargs=argparse.REMAINDER, help=CORE_REST),
+    )),
+)
+# fmt: on
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``areal`` parser: one subparser per row of :data:`COMMANDS`."""
     parser = argparse.ArgumentParser(
         prog="areal", description="Asynchronous RL for LLM post-training on verifiable tasks."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    _add_local_artifacts(sub)
-    _add_run_tools(sub)
-    p = sub.add_parser("quickstart", help="the embedded demo on this machine (CPU, no network)")
-    p.add_argument("--out", default="runs/quickstart", help="output directory")
-    p.add_argument(
-        "--task",
-        choices=["arithmetic", "tools"],
-        default="arithmetic",
-        help="arithmetic: answer directly; tools: a calculator agent (openai client) via workflow.type=agent",
-    )
-    p.add_argument(
-        "--sft", action="append", default=[], metavar="KEY=VALUE", help="override for the SFT stage"
-    )
-    p.add_argument(
-        "--grpo",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override for the GRPO stage",
-    )
-    p.set_defaults(func=_quickstart)
-    p = sub.add_parser("launch", help="start servers and trainers for an entry script")
-    p.add_argument(
-        "mode",
-        choices=["local", "ray", "slurm"],
-        help="where: local (this machine), ray (a Ray cluster), slurm (a batch job)",
-    )
-    p.add_argument("script", help="entry script, e.g. examples/gsm8k_grpo.py")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="--config YAML and key=value overrides")
-    p.set_defaults(func=_launch)
-
-    p = sub.add_parser("eval", help="held-out accuracy of a checkpoint (no training)")
-    p.add_argument(
-        "--model", required=True, help="HF model dir, e.g. RUN_DIR/checkpoints/actor/step200"
-    )
-    p.add_argument(
-        "--config", help="the training YAML (valid_dataset, eval_gconfig, reward_fn, workflow)"
-    )
-    p.add_argument("--out", help="also write the JSON summary here")
-    p.add_argument(
-        "overrides", nargs="*", help="dotted key=value overrides, e.g. valid_dataset.size=100"
-    )
-    p.set_defaults(func=_eval)
-
-    p = sub.add_parser("plot", help="plot reward, held-out accuracy and stage times of a run")
-    p.add_argument("run_dir", help="RUN_DIR holding stats.jsonl")
-    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/plot.png)")
-    p.set_defaults(func=_plot)
-
-    p = sub.add_parser(
-        "config-docs", help="write the config reference (Markdown) from the dataclasses"
-    )
-    p.add_argument("--out", default="docs/config.md", help="output path; - for stdout")
-    p.set_defaults(func=_config_docs)
-
-    p = sub.add_parser("serve", help="generation server (SGLang native + OpenAI HTTP API)")
-    p.add_argument("--model", help="Hugging Face model dir (= model_path=DIR)")
-    p.add_argument("--host", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="TCP port (default 30000; 0 = any free port)")
-    p.add_argument(
-        "--api-key",
-        dest="api_key",
-        help="bearer key for admin endpoints; prefer the AREAL_SERVER_API_KEY env variable "
-        "(a command line is visible to every user of the machine)",
-    )
-    p.add_argument("--config", help="YAML file of GenerationServerConfig fields")
-    p.add_argument(
-        "overrides", nargs="*", help="dotted key=value overrides, e.g. max_batch_size=64"
-    )
-    p.set_defaults(func=_serve)
-
-    p = sub.add_parser(
-        "core", help="Core mode (docs/core.md): print a dataflow graph, run SFT, sync or async PPO"
-    )
-    p.add_argument(
-        "action",
-        choices=["graph", "sft", "sync-ppo", "async-ppo", "status", "scale"],
-        help=CORE_ACTIONS,
-    )
-    p.add_argument(
-        "rest",
-        nargs=argparse.REMAINDER,
-        help="--config YAML and key=value overrides: CoreGraphConfig fields "
-        "(areal/core/graphs.py) for graph, CoreSFTConfig fields (areal/core/sft.py) for sft, "
-        "CoreGRPOConfig / CoreAsyncGRPOConfig fields (areal/core/config.py) for sync-ppo / async-ppo",
-    )
-    p.set_defaults(func=_core)
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help)
+        for flags, kw in command.args:
+            p.add_argument(*flags, **kw)
+        p.set_defaults(func=command.func)
     return parser
 
 
