@@ -22,7 +22,9 @@ import pytest
 from launch_harness import REPO, assert_finite, read_jsonl, train_steps
 
 from areal.api.config import ConfigError, GRPOConfig, load_config
-from areal.launcher.slurm import Layout, job_script, layout, never_placed, slurm_problems
+from areal.launcher.slurm import slurm_problems
+from areal.launcher.slurm_errors import never_placed
+from areal.launcher.slurm_script import Layout, job_script, layout
 
 ENTRY = Path(__file__).parent / "entry_script.py"
 GRPO_SCRIPT = REPO / "examples" / "gsm8k_grpo.py"
@@ -88,7 +90,10 @@ def test_job_script_places_server_i_on_node_i_mod_n_and_one_torchrun_per_node():
     servers = [line for line in text.splitlines() if "areal.launcher.server_task" in line]
     assert len(servers) == 3
     for i, (line, node) in enumerate(zip(servers, [0, 1, 0])):
-        step = f"--job-name=server{i} --nodes=1 --ntasks=1 --relative={node} --cpus-per-task=1 --gpus-per-task=1"
+        step = (
+            f"--job-name=server{i} --nodes=1 --ntasks=1 --relative={node} --cpus-per-task=1 "
+            "--gpus-per-task=1"
+        )
         assert step in line
         assert (
             f'--host "$(node_addr "${{nodes[{node}]}}")"' in line
@@ -99,7 +104,10 @@ def test_job_script_places_server_i_on_node_i_mod_n_and_one_torchrun_per_node():
             and "--container-mounts=/shared:/shared" in line
         )
     [trainer] = [line for line in text.splitlines() if "torch.distributed.run" in line]
-    step = "--nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=2 --gpus-per-task=2 --kill-on-bad-exit=1"
+    step = (
+        "--nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=2 --gpus-per-task=2 "
+        "--kill-on-bad-exit=1"
+    )
     assert step in trainer
     assert "AREAL_LAUNCH_ATTEMPT=1" in trainer and '--node_rank="$SLURM_NODEID"' in trainer
     assert (
@@ -180,7 +188,7 @@ def test_slurm_config_errors_name_the_field_the_value_and_the_fix():
     assert layout(_cfg("launcher.slurm.time_limit=1-12:00:00")).nodes == 1
 
 
-# ----------------------------------------------------------------------------- tier 2: a real cluster
+# ------------------------------------------------------------------------ tier 2: a real cluster
 
 
 @pytest.fixture(scope="session")
@@ -252,13 +260,14 @@ def test_short_grpo_run_on_two_nodes_trains_and_writes_the_local_run_dir_layout(
     from launch_harness import marked_processes
     from slurm_cluster import start_slurm_launch
 
-    key = f"slurm-test-key-{os.getpid()}"  # two nodes need it; it reaches servers and trainers by env only
+    # two nodes need a key; it reaches servers and trainers by env only
+    key = f"slurm-test-key-{os.getpid()}"
     run = start_slurm_launch(GRPO_SCRIPT, GRPO_YAML, [
         f"actor.path={tiny_model_dir}", "experiment_name=g", "trial_name=t", "total_train_steps=2",
-        "cluster.n_nodes=2", "cluster.n_servers=2", "rollout.max_staleness=0", "evaluator.freq_steps=null",
-        "actor.dynamic_sampling=false", "train_dataset.batch_size=2", "gconfig.n_samples=4",
-        "gconfig.max_new_tokens=4", "eval_gconfig.max_new_tokens=4", "rollout.max_concurrent_rollouts=4",
-        "launcher.stop_timeout=3",
+        "cluster.n_nodes=2", "cluster.n_servers=2", "rollout.max_staleness=0",
+        "evaluator.freq_steps=null", "actor.dynamic_sampling=false", "train_dataset.batch_size=2",
+        "gconfig.n_samples=4", "gconfig.max_new_tokens=4", "eval_gconfig.max_new_tokens=4",
+        "rollout.max_concurrent_rollouts=4", "launcher.stop_timeout=3",
     ], tmp_path / "root", slurm, {"AREAL_SERVER_API_KEY": key})  # fmt: skip
     run_dir = tmp_path / "root" / "g" / "t"
     commands: dict[int, str] = {}  # every process of the run seen, on both nodes
