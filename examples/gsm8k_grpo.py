@@ -79,8 +79,8 @@ def train_step(cfg: GRPOConfig, run, actor, critic, ref, batch):
     with run.tracker.timer("advantages"), run.tracker.scope("loss"):
         batch, stats = actor.compute_advantages(batch)  # + the teacher's reverse KL when distilling
         run.tracker.scalars(**stats)
-    with run.tracker.timer("train"), run.tracker.scope("loss"):
-        _, stats = actor.ppo_update(batch)
+    with run.tracker.timer("train"), run.tracker.scope("loss"):  # + each token's trainer logp
+        batch, stats = actor.ppo_update(batch, logp_out="trainer_logp")
         run.tracker.scalars(**stats)
         actor.step_lr_scheduler()
         if critic is not None:

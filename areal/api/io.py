@@ -41,6 +41,9 @@ class ModelResponse:
     stop_reason: StopReason
     latency: float = 0.0  # seconds, request submitted -> last token
     ttft: float = 0.0  # seconds, request submitted -> first token
+    # host:port of the server that generated the tokens; several, comma-separated, in order,
+    # when the request failed over or a re-submission went elsewhere
+    server: str = ""
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)
@@ -80,6 +83,14 @@ class Trajectory:
     group_id: str = ""
     prompt_text: str = ""  # for logging only
     completion_text: str = ""  # for logging only
+    # where it came from, for logging (``areal view``): the generation server(s)
+    # (ModelResponse.server; several comma-separated) and the rollout worker that ran the
+    # episode (Lite: the trainer rank's executor, "rank<r>"; Core: "worker<i>")
+    server: str = ""
+    worker: str = ""
+    # multi-turn and agent episodes: the completion position of each model turn's first token
+    # (the tokens injected after turn k, before turn k+1, count with turn k); [] = one turn
+    turn_starts: list[int] = field(default_factory=list)
     # a number per sequence (e.g. ReMax's greedy-baseline reward) or a list of one float per
     # completion token (e.g. a teacher's logprobs): batch fields of the same name
     extras: dict[str, float | list[float]] = field(default_factory=dict)

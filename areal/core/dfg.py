@@ -69,6 +69,8 @@ def added_fields(fn: ModelFn, kwargs: dict[str, Any]) -> tuple[str, ...] | None:
     """The keys ``fn(batch, **kwargs)`` adds (None: whatever the MFC declares)."""
     if fn is ModelFn.COMPUTE_LOGP:
         return (kwargs.get("out", "logp"),)
+    if fn is ModelFn.PPO_UPDATE and "logp_out" in kwargs:  # the actor's per-token trainer logp
+        return (kwargs["logp_out"],)
     return _ADDED[fn]
 
 

@@ -6,7 +6,7 @@ Sync PPO (the reference, critic and proximal-logp nodes are optional)::
       -> {ref_logp (ref.compute_logp), critic_values (critic.compute_values),
           actor_logp (actor.compute_logp, out=prox_logp), teacher_logp (teacher.compute_logp)}
       -> actor_adv (actor.compute_advantages)
-      -> {actor_train (actor.ppo_update), critic_train (critic.ppo_update)}
+      -> {actor_train (actor.ppo_update, logp_out=trainer_logp), critic_train (critic.ppo_update)}
 
 ``actor_gen`` reads no keys: the generation worker hosting the ``rollout`` model (the Lite
 rollout side over the generation servers) draws its prompts from the train dataset, as Lite's
@@ -52,6 +52,8 @@ ROLLOUT_KEYS = (
     "status_code",
 )
 SFT_KEYS = ("input_ids", "loss_mask")
+# actor_train adds each token's logprob in the update's own forward (recorded for areal view)
+LOGP_OUT = {"logp_out": "trainer_logp"}
 
 ACTOR, CRITIC, REF = ModelName("actor"), ModelName("critic"), ModelName("ref")
 TEACHER = ModelName("teacher")  # on-policy distillation's frozen teacher
@@ -170,7 +172,9 @@ def ppo_mfcs(
             ("advantages", "returns", "token_rewards", "seq_rewards"),
         )
     )
-    mfcs.append(MFC("actor_train", ACTOR, ModelFn.PPO_UPDATE, tuple(train_in)))
+    mfcs.append(
+        MFC("actor_train", ACTOR, ModelFn.PPO_UPDATE, tuple(train_in), ("trainer_logp",), LOGP_OUT)
+    )
     if use_critic:
         mfcs.append(MFC("critic_train", CRITIC, ModelFn.PPO_UPDATE, (*base, "values", "returns")))
     return mfcs

@@ -14,6 +14,8 @@ share a prompt):
 - sequence fields: ``rewards`` [B]; optional ``baseline_rewards`` (ReMax) and ``no_eos``;
 - :meth:`PPOActor.compute_advantages` adds token fields ``advantages``, ``returns``,
   ``token_rewards`` and sequence field ``seq_rewards``; both ``ppo_update`` methods need them.
+- :meth:`PPOActor.ppo_update` with ``logp_out`` adds that token field: the trainer's logprob of
+  every token from the update's own forward (detached), for recording (``areal view``).
 
 Loss normalisation. ``policy_loss``/``value_loss`` are called with each micro-batch's own
 normalisers and the engine weights micro-batch ``i`` by its share of the global count (trained
@@ -40,6 +42,9 @@ from areal.api.io import SaveLoadMeta
 from areal.engine import checkpoint
 from areal.engine.fsdp import FSDPEngine
 from areal.utils.batch import PackedBatch, split_microbatches
+
+
+TOKEN_INDEX = "token_index"  # [T] a token's position in ppo_update's batch (for logp_out)
 
 
 def loss_weight_for(mode: str):
@@ -141,6 +146,7 @@ class PPOActor(FSDPEngine):
         self.group_size = group_size
         self.max_new_tokens = max_new_tokens  # for overlong penalty / seq-mean-token-sum-norm
         self._progress = 0.0  # minibatch k of n of the running ppo_update: k / n
+        self._kept_logp: torch.Tensor | None = None  # [T] ppo_update's logp_out, being filled
 
     def _dp_group(self):
         return self.group if self.world_size > 1 else None
@@ -232,6 +238,8 @@ class PPOActor(FSDPEngine):
                     "compute_logp(batch, out='prox_logp') first"
                 )
             prox = logp.detach()
+        if self._kept_logp is not None:  # logp_out: scattered to the batch's tokens, on device
+            self._kept_logp[mb[TOKEN_INDEX].to(logp.device)] = logp.detach()
         loss, stats = policy_loss(
             logp,
             prox if cfg.use_decoupled_loss else None,
@@ -258,8 +266,12 @@ class PPOActor(FSDPEngine):
             )
         return loss, out
 
-    def ppo_update(self, batch: PackedBatch) -> ModelFnResult:
-        """``ppo_n_minibatches`` optimizer steps over ``batch``; stats are means over the steps."""
+    def ppo_update(self, batch: PackedBatch, logp_out: str | None = None) -> ModelFnResult:
+        """``ppo_n_minibatches`` optimizer steps over ``batch``; stats are means over the steps.
+        ``logp_out``: the batch is returned with that token field added, [T] float32 on this
+        engine's device: each token's logprob in the update's own forward, detached (the weights
+        before this step's update with one minibatch; minibatch k's weights with several). It
+        costs no forward and no host transfer: one scatter per micro-batch."""
         if "advantages" not in batch.tokens:
             raise ValueError(
                 "ppo_update needs token field 'advantages'; call compute_advantages first"
@@ -270,13 +282,21 @@ class PPOActor(FSDPEngine):
                 "(the weight version of each token, from the rollout)"
             )
         weight = loss_weight_for(self.config.loss_agg_mode)
-        parts = minibatches(batch, self.config.ppo_n_minibatches, self.group_size)
+        indexed = batch
+        if logp_out is not None:
+            indexed = batch.with_fields(tokens={TOKEN_INDEX: torch.arange(batch.n_tokens)})
+            self._kept_logp = torch.zeros(batch.n_tokens, device=self.device)
+        parts = minibatches(indexed, self.config.ppo_n_minibatches, self.group_size)
         steps = []
-        for k, mb in enumerate(parts):
-            self._progress = k / len(parts)  # the current weights' version is get_version() + this
-            steps.append(self.train_batch(mb, self._loss, weight))
+        try:
+            for k, mb in enumerate(parts):
+                self._progress = k / len(parts)  # current weights' version: get_version() + this
+                steps.append(self.train_batch(mb, self._loss, weight))
+        finally:
+            kept, self._kept_logp = self._kept_logp, None
         buckets = staleness_means(steps)
-        return batch, {**mean_stats(steps), **buckets}
+        out = batch if logp_out is None else batch.with_fields(tokens={logp_out: kept})
+        return out, {**mean_stats(steps), **buckets}
 
 
 VALUE_NORM_FILE = "value_normalizer.json"  # inside a DCP checkpoint dir, when value_norm

@@ -139,10 +139,13 @@ class WorkflowExecutor:
         should_accept: ShouldAccept | None = None,
         poll_interval: float = 0.02,  # seconds between admission/watchdog checks
         progress_interval: float = 30.0,  # seconds between progress lines of a long wait
+        worker: str = "",
     ):
         """``batch_size``: groups per training batch of this trainer rank (dataset batch size /
-        trainer ranks), the unit of the staleness bound."""
+        trainer ranks), the unit of the staleness bound. ``worker``: this rollout worker's name,
+        stamped on every trajectory it returns (``Trajectory.worker``, for ``areal view``)."""
         self.config = config
+        self.worker = worker
         self.engine = engine
         self.should_accept = should_accept
         self.poll_interval = poll_interval
@@ -231,6 +234,8 @@ class WorkflowExecutor:
         try:
             group = await job.workflow.arun_episode(self.engine, job.item)
             accepted = self._judge(job, group)
+            for t in group or ():
+                t.worker = t.worker or self.worker
         except asyncio.CancelledError:
             self._settle(job, None, accepted=False)
             raise

@@ -351,13 +351,14 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
 
     async def _send_with_failover(
         self, call: HttpCall, group_id: str | None, deadline: float, what: str
-    ) -> dict:
+    ) -> tuple[dict, str]:
+        """(the answer's body, the address of the server that gave it)."""
         tried: set[str] = set()
         for attempt in itertools.count(1):
             await self._await_alive()
             server = self._choose(group_id, tried)
             try:
-                return await self._send(server, call, deadline)
+                return await self._send(server, call, deadline), server.address
             except _Retryable as e:
                 self._mark_failure(server, e)
                 tried.add(server.address)
@@ -422,6 +423,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
         logprobs: list[float] = []
         versions: list[int] = []
         ttft, stop, idle_aborts = 0.0, "length", 0
+        servers: list[str] = []  # the servers that generated its chunks, in order, once each
         while len(ids) < g.max_new_tokens:
             await self._wait_resumed(deadline, req.rid)
             call = self.backend.generate(
@@ -431,9 +433,10 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
                 max(0, g.min_new_tokens - len(ids)),
                 continuation_seed(req.seed, len(ids)),
             )
-            body = await self._send_with_failover(
+            body, address = await self._send_with_failover(
                 call, req.group_id, deadline, f"request {req.rid}"
             )
+            servers += [address] if address not in servers else []
             chunk = self.backend.parse_generate(body)
             if chunk.output_ids and not ids:
                 ttft = time.monotonic() - t0
@@ -465,6 +468,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
             stop,
             latency=time.monotonic() - t0,
             ttft=ttft,
+            server=",".join(servers),
         )
 
     async def ascore(self, input_ids: list[int], start: int) -> list[float]:
@@ -476,7 +480,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer):
         if start >= len(input_ids):
             return []
         deadline = time.monotonic() + self.config.request_timeout
-        body = await self._send_with_failover(
+        body, _ = await self._send_with_failover(
             self.backend.score(input_ids, start), None, deadline, "score"
         )
         return self.backend.parse_score(body, input_ids, start)

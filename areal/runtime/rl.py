@@ -141,7 +141,10 @@ def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
             cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer, run.run_dir / "logs"
         )
     executor = WorkflowExecutor(
-        cfg.rollout, rollout, batch_size=cfg.train_dataset.batch_size // run.world_size
+        cfg.rollout,
+        rollout,
+        batch_size=cfg.train_dataset.batch_size // run.world_size,
+        worker=f"rank{run.rank}",
     )
     executor.initialize()
     return RolloutSide(

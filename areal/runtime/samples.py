@@ -10,14 +10,18 @@ fresh run of the same trial moves an earlier run's ``samples/`` aside to ``sampl
 Columns: ``step``, ``rank``, ``index`` (position in that rank's batch), ``group``, ``sample_id``,
 ``status``, ``reward``, ``advantage`` (mean over its trained tokens), ``trainer_version`` (the
 weights it was trained on), ``staleness`` (trainer_version minus the oldest version among its
-trained tokens), ``prompt_len``, ``length`` (completion tokens), ``prompt_text``,
-``completion_text``, ``prompt_ids``, ``completion_ids``, and per completion token
-``completion_tokens`` (each decoded on its own), ``versions`` (-1: injected, not sampled),
-``loss_mask``, ``behav_logp`` (the server's), ``trainer_logp``, ``advantages``.
+trained tokens), ``prompt_len``, ``length`` (completion tokens), ``server`` (the generation
+server(s), host:port), ``worker`` (the rollout worker: Lite ``rank<r>``, Core ``worker<i>``),
+``turn_starts`` (multi-turn and agent samples: where each model turn starts in the completion;
+[] for one turn), ``prompt_text``, ``completion_text``, ``prompt_ids``, ``completion_ids``, and
+per completion token ``completion_tokens`` (each decoded on its own), ``versions`` (-1:
+injected, not sampled), ``loss_mask``, ``behav_logp`` (the server's), ``trainer_logp``,
+``advantages``.
 
-Per-token lists cover the completion only. ``trainer_logp`` is the trainer's proximal logprob
-(``prox_logp``) when the step computed one (``actor.recompute_prox_logp``, several minibatches,
-KL in the reward), else null: the update's own forward is not kept.
+Per-token lists cover the completion only. ``trainer_logp`` is the trainer's logprob of each
+token: the proximal pass's (``prox_logp``, the weights before the update) when the step ran one,
+else the update's own forward (``ppo_update(logp_out="trainer_logp")``: the same weights with one
+minibatch); null only when the batch has neither.
 """
 
 from __future__ import annotations
@@ -106,9 +110,10 @@ class SampleRecorder:
                 "record the batch groups_to_batch built from these groups"
             )
         cu = batch.cu_seqlens.tolist()
-        token = {
+        trainer = "prox_logp" if "prox_logp" in batch else "trainer_logp"
+        token = {  # one host transfer per field and batch
             k: batch[k].detach().cpu().tolist()
-            for k in ("logprobs", "advantages", "prox_logp")
+            for k in ("logprobs", "advantages", trainer)
             if k in batch
         }
         rows = []
@@ -124,12 +129,13 @@ class SampleRecorder:
                 "advantage": sum(a for a, m in zip(adv, mask) if m) / n_trained if n_trained else 0.0,
                 "trainer_version": version, "staleness": version - min(trained) if trained else 0,
                 "prompt_len": len(t.prompt_ids), "length": len(t.completion_ids),
+                "server": t.server, "worker": t.worker, "turn_starts": list(t.turn_starts),
                 "prompt_text": t.prompt_text or self.tokenizer.decode(t.prompt_ids),
                 "completion_text": t.completion_text or self.tokenizer.decode(t.completion_ids),
                 "prompt_ids": list(t.prompt_ids), "completion_ids": list(t.completion_ids),
                 "completion_tokens": [self._decode(x) for x in t.completion_ids],
                 "versions": list(t.versions), "loss_mask": mask, "behav_logp": token["logprobs"][lo:hi],
-                "trainer_logp": token["prox_logp"][lo:hi] if "prox_logp" in token else None, "advantages": adv,
+                "trainer_logp": token[trainer][lo:hi] if trainer in token else None, "advantages": adv,
             })  # fmt: skip
         return rows
 

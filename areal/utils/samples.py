@@ -23,6 +23,8 @@ SUMMARY_COLUMNS = [
     "staleness",
     "prompt_len",
     "length",
+    "server",
+    "worker",
     "completion_text",
 ]
 
@@ -56,10 +58,7 @@ class SampleIndex:
             mtime = path.stat().st_mtime
             cached = self._cache.get(path)
             if cached is None or cached[0] != mtime:
-                cached = self._cache[path] = (
-                    mtime,
-                    pq.read_table(path, columns=SUMMARY_COLUMNS).to_pylist(),
-                )
+                cached = self._cache[path] = (mtime, _summary_rows(path))
             out.extend(cached[1])
         for gone in set(self._cache) - seen:  # a resume dropped it
             del self._cache[gone]
@@ -78,6 +77,18 @@ class SampleIndex:
                 f"step {step} rank {rank} holds {len(rows)} samples; index {index} is not one"
             )
         return rows[index]
+
+
+def _summary_rows(path: Path) -> list[dict[str, Any]]:
+    """One file's summary rows; a column an older recording lacks (server, worker) reads ""."""
+    import pyarrow.parquet as pq
+
+    have = set(pq.read_schema(path).names)
+    rows = pq.read_table(path, columns=[c for c in SUMMARY_COLUMNS if c in have]).to_pylist()
+    missing = [c for c in SUMMARY_COLUMNS if c not in have]
+    for r in rows:
+        r.update(dict.fromkeys(missing, ""))
+    return rows
 
 
 def samples_per_step(rows: list[dict[str, Any]]) -> dict[int, int]:

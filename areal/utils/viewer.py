@@ -9,7 +9,9 @@ run dirs it draws them in the same charts, one colour each.
 JSON API (``<run>`` is the run's position on the command line):
 ``/api/runs``; ``/api/stats/<run>`` (stats.jsonl rows plus ``perf/samples_per_second`` where the
 step's samples were recorded); ``/api/samples/<run>?step_min=&step_max=&reward_min=...`` (ranges
-over step, reward, staleness, length; ``limit``); ``/api/sample/<run>/<step>/<rank>/<index>``.
+over step, reward, staleness, length; ``server=`` / ``worker=``: samples that came from it;
+``limit``; the answer lists the run's servers and workers to choose from);
+``/api/sample/<run>/<step>/<rank>/<index>``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ logger = get_logger("viewer")
 
 STATIC = Path(__file__).with_name("viewer_static")
 FILTER_COLUMNS = ("step", "reward", "staleness", "length")
+SOURCE_COLUMNS = ("server", "worker")  # filtered by one value (a sample's server may list several)
 TABLE_LIMIT = 500  # rows per answer; the page says how many matched
 
 
@@ -66,15 +69,25 @@ class RunData:
         return rows
 
     def table(self, query: dict[str, str]) -> dict[str, Any]:
-        """Summary rows matching the ``<column>_min`` / ``<column>_max`` ranges of ``query``."""
+        """Summary rows matching the ``<column>_min`` / ``<column>_max`` ranges and the
+        ``server`` / ``worker`` values of ``query``; ``choices``: every server and worker."""
         bounds = parse_bounds(query)
+        sources = {c: query[c] for c in SOURCE_COLUMNS if query.get(c)}
         limit = int(query.get("limit", TABLE_LIMIT))
+        every = self.samples.rows()
         rows = [
             r
-            for r in self.samples.rows()
+            for r in every
             if all(lo <= r[col] <= hi for col, (lo, hi) in bounds.items())
+            and all(v in _sources(r[c]) for c, v in sources.items())
         ]
-        return {"total": len(rows), "rows": rows[:limit]}
+        choices = {c: sorted({s for r in every for s in _sources(r[c])}) for c in SOURCE_COLUMNS}
+        return {"total": len(rows), "rows": rows[:limit], "choices": choices}
+
+
+def _sources(field: str) -> list[str]:
+    """A sample's servers (or worker): one, or several comma-separated after a failover."""
+    return [s for s in field.split(",") if s]
 
 
 def parse_bounds(query: dict[str, str]) -> dict[str, tuple[float, float]]:

@@ -65,6 +65,7 @@ def per_call_trajectories(
             status=STATUS[c.stop_reason],
             sample_id=f"{sample_id}/call{c.turn}.{c.choice}",
             group_id=group_id,
+            server=c.server,
         )
         for c in calls
     ]
@@ -105,7 +106,7 @@ def concat_trajectory(
             "concat needs one choice per call (n=1); with n > 1 use "
             "workflow.agent.trajectory=per_call"
         )
-    completion, logprobs, versions, mask = [], [], [], []
+    completion, logprobs, versions, mask, starts = [], [], [], [], []
     at = len(calls[0].prompt_ids)  # position in the full sequence where the next call's part starts
     for k, c in enumerate(calls):
         if k > 0:
@@ -117,6 +118,8 @@ def concat_trajectory(
             logprobs += [0.0] * len(injected)
             versions += [-1] * len(injected)
             mask += [0] * len(injected)
+        # turn k starts with its completion, after the tokens injected before it
+        starts.append(len(completion))
         completion += c.completion_ids
         logprobs += c.logprobs
         versions += c.versions
@@ -132,6 +135,8 @@ def concat_trajectory(
         status=STATUS[calls[-1].stop_reason],
         sample_id=sample_id,
         group_id=group_id,
+        server=",".join(dict.fromkeys(s for c in calls for s in c.server.split(",") if s)),
+        turn_starts=starts,
     )
 
 

@@ -66,9 +66,13 @@ class _Episode:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     loss_mask: list[int] = dataclasses.field(default_factory=list)
+    turn_starts: list[int] = dataclasses.field(default_factory=list)
+    servers: list[str] = dataclasses.field(default_factory=list)
 
     def add_model(self, resp: ModelResponse) -> None:
-        """Append the model's tokens: trained on, with their logprobs and versions."""
+        """Append the model's tokens (a turn): trained on, with their logprobs and versions."""
+        self.turn_starts.append(len(self.completion_ids))
+        self.servers += [s for s in resp.server.split(",") if s and s not in self.servers]
         self.completion_ids += resp.output_ids
         self.logprobs += resp.output_logprobs
         self.versions += resp.output_versions
@@ -156,4 +160,6 @@ class MultiTurnWorkflow(RolloutWorkflow):
             prompt_text=self.tokenizer.decode(prompt),
             completion_text=self.tokenizer.decode(ep.completion_ids),
             extras={"turns": float(len(texts))},
+            server=",".join(ep.servers),
+            turn_starts=ep.turn_starts,
         )

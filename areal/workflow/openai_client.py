@@ -93,6 +93,7 @@ class Call:
     # how many of prompt_ids' last tokens are the forced tool-call opening (tool_choice required
     # or a named function): the model was conditioned on them, it did not generate them
     prefill: int = 0
+    server: str = ""  # the generation server(s) that answered (ModelResponse.server)
 
 
 class EngineFailure(RuntimeError):
@@ -377,6 +378,7 @@ class ArealOpenAI:
                     list(r.output_versions),
                     r.stop_reason,
                     prefill,
+                    r.server,
                 )
             )
         return cid, resps

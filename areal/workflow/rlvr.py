@@ -158,6 +158,7 @@ class RLVRWorkflow(RolloutWorkflow):
                 group_id=item["id"],
                 prompt_text=prompt_text,
                 completion_text=text,
+                server=resp.server,
             )
             for k, (resp, text, outcome) in enumerate(zip(responses, texts, outcomes))
         ]

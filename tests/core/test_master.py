@@ -62,10 +62,11 @@ class StandIn:
             seqs={"seq_rewards": batch["rewards"]},
         ), {}
 
-    def ppo_update(self, batch):
+    def ppo_update(self, batch, logp_out=None):
         self._record("ppo_update", batch)
         key = next(k for k in ("advantages", "returns", "input_ids") if k in batch)
-        return batch, {"loss": float(batch[key].sum())}
+        out = batch if logp_out is None else batch.with_fields(tokens={logp_out: -batch[key]})
+        return out, {"loss": float(batch[key].sum())}
 
     def step_lr_scheduler(self):
         self.lr_steps += 1

@@ -65,6 +65,20 @@ def test_grpo_update_raises_logp_of_rewarded_samples(tiny_model_dir):
     assert gain[adv[mask] > 0].mean() > 0 > gain[adv[mask] < 0].mean()
 
 
+def test_update_returns_each_tokens_trainer_logp_equal_to_a_forward_before_it(tiny_model_dir):
+    # budget 24: the update runs several micro-batches, each scatters its own tokens back
+    actor = PPOActor(actor_config(tiny_model_dir, budget=24), world_mesh(), group_size=GROUP)
+    actor.initialize(None)
+    batch = rollout_batch(n_groups=4)
+    logp = actor.compute_logp(batch)[0]["logp"]  # the weights before the update
+    batch, _ = actor.compute_advantages(batch.with_fields(tokens={"logprobs": logp}))
+    out, stats = actor.ppo_update(batch, logp_out="trainer_logp")
+    actor.destroy()
+    assert stats["n_mbs"] > 1
+    assert set(out.tokens) == set(batch.tokens) | {"trainer_logp"}  # no helper field leaks
+    torch.testing.assert_close(out["trainer_logp"], logp, rtol=0, atol=1e-5)
+
+
 def _one_step_state(path, budget, **kw) -> dict:
     actor = PPOActor(
         actor_config(path, budget=budget, lr=1e-2, eps=1.0, **kw), world_mesh(), group_size=GROUP

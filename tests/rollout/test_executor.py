@@ -101,7 +101,11 @@ def make_executor():
         cfg.setdefault("max_concurrent_rollouts", 8)
         cfg.setdefault("max_staleness", 4)
         ex = WorkflowExecutor(
-            InferenceEngineConfig(**cfg), engine or FakeEngine(), batch_size, poll_interval=0.005
+            InferenceEngineConfig(**cfg),
+            engine or FakeEngine(),
+            batch_size,
+            poll_interval=0.005,
+            worker="rank3",
         )
         ex.initialize()
         made.append(ex)
@@ -121,7 +125,9 @@ def test_results_come_back_oldest_submitted_first(make_executor):
     assert _ids(ex.wait(1, timeout=5)) == [3]  # older ones are not finished: no blocking on them
     wf.release(2, 1, 0)  # finish in reverse submission order
     _until(lambda: ex.stats()["rollout/buffered"] == 3)
-    assert _ids(ex.wait(3, timeout=5)) == [0, 1, 2]
+    groups = ex.wait(3, timeout=5)
+    assert _ids(groups) == [0, 1, 2]
+    assert {t.worker for g in groups for t in g} == {"rank3"}  # stamped with the executor's name
 
 
 def test_nothing_finished_is_discarded_in_synchronous_mode(make_executor):

@@ -128,6 +128,7 @@ def test_agenerate_returns_tokens_logprobs_and_versions(servers, make_engine):
     assert a.output_ids == b.output_ids  # greedy on identical weights, whichever server
     assert len(a.output_logprobs) == 12 and all(lp <= 0 for lp in a.output_logprobs)
     assert a.output_versions == [0] * 12 and a.latency >= a.ttft > 0
+    assert a.server in servers and b.server in servers  # which server generated it
 
 
 def test_a_teacher_scores_a_completion_with_the_models_own_logprobs(

@@ -28,6 +28,9 @@ def _groups():
             RolloutStatus.COMPLETED,
             sample_id=f"g0-{i}",
             group_id="g0",
+            server=f"127.0.0.1:{7000 + i}",
+            worker="rank0",
+            turn_starts=[0, 2] if i else [],  # sample 1: two model turns, the second at token 2
         )
 
     return [[traj(0, [3, 4, 4], 1.0), traj(1, [4, 4, 4], 0.0)]]
@@ -51,6 +54,23 @@ def test_recorded_rows_carry_tokens_versions_logprobs_and_staleness(tmp_path):
     assert first["versions"] == [3, 4, 4] and first["behav_logp"] == [-0.5, -1.0, -2.0]
     assert first["completion_tokens"] == ["d", "e", "f"] and first["advantage"] == 0.5
     assert first["trainer_logp"] is None and first["length"] == 3 and first["group"] == "g0"
+    assert (first["server"], first["worker"]) == ("127.0.0.1:7000", "rank0")
+    assert first["turn_starts"] == [] and rows[1]["turn_starts"] == [0, 2]
+
+
+def test_trainer_logp_is_the_prox_pass_when_there_is_one_else_the_updates_own(tmp_path):
+    groups = _groups()
+    batch = _batch(groups)  # [T] = 2 x (2 prompt + 3 completion) tokens
+    own = batch.with_fields(tokens={"trainer_logp": batch["logprobs"] - 0.25})
+    rec = SampleRecorder(SamplesConfig(), tmp_path / "own", rank=0, tokenizer=_Tok())
+    rec.record(1, groups, own, version=4)
+    rows = pq.read_table(sample_files(tmp_path / "own")[0][2]).to_pylist()
+    assert rows[0]["trainer_logp"] == [-0.75, -1.25, -2.25]  # the completion's only
+    prox = own.with_fields(tokens={"prox_logp": batch["logprobs"] + 0.5})
+    rec = SampleRecorder(SamplesConfig(), tmp_path / "prox", rank=0, tokenizer=_Tok())
+    rec.record(1, groups, prox, version=4)
+    rows = pq.read_table(sample_files(tmp_path / "prox")[0][2]).to_pylist()
+    assert rows[1]["trainer_logp"] == [0.0, -0.5, -1.5]
 
 
 def test_keep_every_and_max_bytes_bound_what_is_recorded(tmp_path):

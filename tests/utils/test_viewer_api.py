@@ -32,6 +32,8 @@ def _record(run_dir, step: int, versions: list[list[int]], version: int) -> None
                 RolloutStatus.COMPLETED,
                 sample_id=f"s{i}",
                 group_id="g",
+                server=["a:1", "b:2", "a:1,b:2"][i % 3],  # the third failed over from a to b
+                worker=f"rank{step % 2}",
             )
             for i, v in enumerate(versions)
         ]
@@ -57,6 +59,17 @@ def test_filters_select_samples_by_step_reward_staleness_and_length(tmp_path):
         {"step": 2, "perf/step_seconds": 0.5, "perf/samples_per_second": 4.0}
     ]  # 2 / 0.5 s
     assert run.samples.sample(2, 0, 1)["versions"] == [1, 1, 1]
+
+
+def test_server_and_worker_filters_pick_the_samples_that_came_from_them(tmp_path):
+    _record(tmp_path, 1, [[0], [0], [0]], version=0)  # servers a:1, b:2, a:1+b:2; worker rank1
+    _record(tmp_path, 2, [[1]], version=1)  # server a:1, worker rank0
+    run = RunData(tmp_path)
+    picked = run.table({"server": "b:2"})
+    assert [(r["step"], r["index"]) for r in picked["rows"]] == [(1, 1), (1, 2)]
+    assert picked["choices"] == {"server": ["a:1", "b:2"], "worker": ["rank0", "rank1"]}
+    assert run.table({"server": "a:1", "worker": "rank1"})["total"] == 2
+    assert run.table({"worker": "rank0"})["rows"][0]["server"] == "a:1"
 
 
 def test_bad_query_and_missing_sample_name_what_to_fix(tmp_path):

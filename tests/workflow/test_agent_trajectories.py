@@ -18,10 +18,11 @@ def _calls(second_prompt=(1, 2, 3, 4, 5, 6, 7)):
     """Three calls of one episode: each prompt extends the previous prompt + completion by the
     injected tokens [6, 7] (a tool result) and [9] (a user turn)."""
     return [
-        Call(0, 0, "c0", [1, 2, 3], [4, 5], [-0.1, -0.2], [3, 3], "stop"),
-        Call(1, 0, "c1", list(second_prompt), [8], [-0.3], [4], "stop"),
-        Call(2, 0, "c2", [1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11], [-0.4, -0.5], [4, 5], "length"),
-    ]
+        Call(0, 0, "c0", [1, 2, 3], [4, 5], [-0.1, -0.2], [3, 3], "stop", server="a:1"),
+        Call(1, 0, "c1", list(second_prompt), [8], [-0.3], [4], "stop", server="a:1"),
+        Call(2, 0, "c2", [1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11], [-0.4, -0.5], [4, 5], "length",
+             server="a:1,b:2"),  # it failed over from a:1 to b:2
+    ]  # fmt: skip
 
 
 def test_episode_reward_is_discounted_back_over_the_calls():
@@ -49,6 +50,8 @@ def test_concat_masks_injected_tokens_and_keeps_generated_ones():
     assert t.reward == 0.25  # G0 of the first test
     assert t.status == RolloutStatus.TRUNCATED  # the last call hit max_tokens
     assert (t.sample_id, t.group_id) == ("q/0", "q")
+    assert t.turn_starts == [0, 4, 6]  # after [6, 7] (tool result) and [9] (user turn)
+    assert t.server == "a:1,b:2"  # every server that answered, once each
 
 
 def test_per_call_gives_one_trajectory_per_completion_with_its_return():

@@ -90,6 +90,7 @@ def test_multi_turn_retries_after_feedback_and_discounts(tiny_tokenizer, math_ru
         "\n<|im_start|>user\nWrong, try again.<|im_end|>\n<|im_start|>assistant\n"
     )
     assert t.versions == [2] * first + [-1] * n_inj + [3] * (len(ids) - first - n_inj)
+    assert t.turn_starts == [0, first + n_inj]  # turn 2's model tokens start after the feedback
     assert all(lp == 0.0 for lp, m in zip(t.logprobs, mask) if m == 0)
     # the second request continues exactly from prompt + everything so far (no re-tokenizing)
     assert engine.requests[1].input_ids == t.prompt_ids + ids[: first + n_inj]
