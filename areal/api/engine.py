@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 import torch
 
-from areal.api.io import FinetuneSpec, ModelRequest, ModelResponse, SaveLoadMeta, WeightUpdateMeta
+from areal.api.io import FinetuneSpec, ModelRequest, ModelResponse, WeightUpdateMeta
+from areal.api.protocols import Persistent, WeightSource
 from areal.utils.batch import PackedBatch
 
 # loss_fn(logits [T, V], micro_batch) -> (scalar loss, stats); the engine weights each micro-batch's
@@ -62,8 +63,9 @@ class TokenScorer(abc.ABC):
         """``log p(input_ids[t] | input_ids[:t])`` for ``t`` in ``start..len(input_ids)-1``."""
 
 
-class TrainEngine(abc.ABC):
-    """A sharded model with an optimizer; every rank calls the same methods (SPMD)."""
+class TrainEngine(WeightSource, Persistent, abc.ABC):
+    """A sharded model with an optimizer; every rank calls the same methods (SPMD). It is the
+    weight source of a weight update and saves/loads itself (:mod:`areal.api.protocols`)."""
 
     @abc.abstractmethod
     def initialize(self, ft_spec: FinetuneSpec | None) -> None:
@@ -83,30 +85,6 @@ class TrainEngine(abc.ABC):
     @abc.abstractmethod
     def step_lr_scheduler(self) -> None:
         """Advance the LR schedule by one step (decoupled from train_batch)."""
-
-    @abc.abstractmethod
-    def save(self, meta: SaveLoadMeta) -> None:
-        """Save HF weights (export) or a DCP checkpoint (exact recovery)."""
-
-    @abc.abstractmethod
-    def load(self, meta: SaveLoadMeta) -> None:
-        """Load what ``save`` wrote."""
-
-    @abc.abstractmethod
-    def init_weight_update_group(self, meta: WeightUpdateMeta, world_size: int) -> None:
-        """Join the broadcast group (trainer rank 0 = group rank 0, servers 1..world_size-1)."""
-
-    @abc.abstractmethod
-    def update_weights(self, meta: WeightUpdateMeta) -> None:
-        """Trainer side of a weight update: write the HF dir (disk) or broadcast (distributed)."""
-
-    @abc.abstractmethod
-    def get_version(self) -> int:
-        """Version of the current weights."""
-
-    @abc.abstractmethod
-    def set_version(self, version: int) -> None:
-        """Set the weight version counter."""
 
     @abc.abstractmethod
     def destroy(self) -> None:

@@ -195,9 +195,12 @@ def main(argv: list[str]) -> int:
     )
     workers, engines = start_model_workers(cfg, run, graph, data.ft_spec)  # attaches Ray
     rollout = RayRolloutSide(
-        cfg, [s.address for s in side.rollout.servers], str(run.run_dir / "rollouts"), data.n_train
+        cfg,
+        [s.address for s in side.rollout.servers],
+        str(run.run_dir / "rollouts"),
+        data.n_train,
+        side.rollout,
     )
-    rollout.client = side.rollout
     publisher = WeightPublisher(
         cfg.weight_update_mode,
         engines[ACTOR],

@@ -20,13 +20,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from areal.core.dfg import ModelFn, ModelName
+from areal.core.master import ServerUpdater
 from areal.core.worker import InProcessWorker, MFCReply, MFCRequest, ModelWorker, pack
 from areal.rollout.trajectory import groups_to_batch
 from areal.runtime.publisher import WeightPublisher
 from areal.runtime.rl import RolloutSide
 
 
-class GenerationWorker(InProcessWorker):
+class GenerationWorker(InProcessWorker, ServerUpdater):
     """The ``rollout`` model's host (worker ``index``); ``publisher`` pushes ``source``'s weights."""
 
     def __init__(

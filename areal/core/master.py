@@ -19,11 +19,8 @@ workers move the tensors among themselves. When an MFC finishes, its outputs are
 they were computed, and every key whose last reader has run is released on its worker.
 
 Parameter reallocation (an MFC's :class:`~areal.core.dfg.ParamRealloc` hooks) is queued before
-the call on the same workers: the source model's workers publish their shards, and every worker
-of the MFC's model fetches the pieces of its own shards that it does not hold
-(:mod:`areal.core.realloc`: the plan ``areal core graph`` prints); the MFC's stats get
-``realloc/<model>/{bytes,seconds}``. A move is skipped while the source has not trained since the
-last one.
+the call on the same workers: the source model's ranks snapshot its full weights (its first rank
+keeps them), and every rank of the MFC's model loads them from that rank, cut to its own shard.
 An :class:`~areal.core.dfg.UpdateServers` hook asks the generation workers to push the source's
 weights to their servers, with the source's version: the number of training MFCs it has run
 (:attr:`Master.versions`; a resume sets it).
@@ -47,14 +44,22 @@ import time
 from collections import defaultdict
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from areal.core.buffer import SampleBuffer, SampleMeta
-from areal.core.dfg import MFC, DataflowGraph, ModelFn, ModelName, ParamRealloc, UpdateServers
+from areal.core.dfg import MFC, DataflowGraph, ModelFn, ModelName, UpdateServers
 from areal.core.worker import TRAINING_FNS, MFCReply, MFCRequest, ModelWorker
 from areal.utils.batch import PackedBatch, split_by_tokens
 
 
-REALLOC_LOAD = "load of the weights of "  # a reallocation hook's load, by its description
+@runtime_checkable
+class ServerUpdater(Protocol):
+    """What the master asks of a worker that runs an MFC with an
+    :class:`~areal.core.dfg.UpdateServers` hook (the generation worker)."""
+
+    def update_servers(self, source: ModelName, version: int) -> Future[None]:
+        """Queue: push ``source``'s weights to the generation servers as ``version``."""
+        ...
 
 
 @dataclass
@@ -97,13 +102,14 @@ class Master:
             for m in graph.mfcs
             if any(isinstance(h, UpdateServers) for h in m.hooks)
             for w in graph.allocations[m.model].workers
-            if not hasattr(workers[w], "update_servers")
+            if not isinstance(workers[w], ServerUpdater)
         ]
         if problems:
             raise ValueError(
                 "the workers cannot run the graph:\n" + "\n".join(f"  - {p}" for p in problems)
             )
         self.graph, self.workers, self.group_size = graph, workers, group_size
+        self._updaters = {i: w for i, w in enumerate(workers) if isinstance(w, ServerUpdater)}
         self.mfc_timeout = mfc_timeout
         consumers: dict[str, set[str]] = defaultdict(set)
         for m in graph.mfcs:
@@ -119,8 +125,6 @@ class Master:
         self._model_workers = [w for w in range(graph.n_workers) if w not in generation]
         self._next_id = 0
         self._steps = 0
-        self._trained = {m.model for m in graph.mfcs if m.fn in TRAINING_FNS}
-        self._moved: dict[tuple[ModelName, ModelName], int] = {}  # (target, source) -> version
 
     # ------------------------------------------------------------------------------ data
 
@@ -218,12 +222,10 @@ class Master:
         return all(m.name in done for m in earlier if m.models & mfc.models)
 
     def _reallocate(self, mfc: MFC) -> list[tuple[str, int, Future]]:
-        """Queue each hook's weight move: the source's workers publish their shards, then every
-        worker of the MFC's model loads the pieces of its own shards it lacks from them
-        (:mod:`areal.core.realloc`). A move is skipped when the source has not trained since
-        the last one (no EMA, and the target trains in no MFC)."""
+        """Queue each hook's weight move: a snapshot on the source's ranks (its first rank keeps
+        it), then a load on every rank of the MFC's model, fetched from that first rank."""
         queued = []
-        target = self.graph.allocations[mfc.model]
+        target = self.graph.allocations[mfc.model].workers
         for i, hook in enumerate(mfc.hooks):
             if isinstance(hook, UpdateServers):
                 version = self.versions[hook.source]
@@ -231,24 +233,29 @@ class Master:
                     (
                         f"weights of {hook.source} to the servers",
                         w,
-                        self.workers[w].update_servers(hook.source, version),
+                        self._updaters[w].update_servers(hook.source, version),
                     )
-                    for w in target.workers
+                    for w in target
                 ]
                 continue
-            pair, version = (mfc.model, hook.source), self.versions[hook.source]
-            if not hook.ema and mfc.model not in self._trained and self._moved.get(pair) == version:
-                continue
-            self._moved[pair] = version
             token = f"step{self._steps}/{mfc.name}/{i}"
-            source = self.graph.allocations[hook.source]
-            n_readers = len(target.workers)
-            for w in source.workers:
-                publish = self.workers[w].publish_shards(hook.source, token, source, n_readers)
-                queued.append((f"shards of {hook.source}", w, publish))
-            for w in target.workers:
-                load = self.workers[w].load_shards(mfc.model, token, source, target, hook.ema)
-                queued.append((REALLOC_LOAD + str(hook.source), w, load))
+            source = self.graph.allocations[hook.source].workers
+            for w in source:
+                queued.append(
+                    (
+                        f"snapshot of {hook.source}",
+                        w,
+                        self.workers[w].snapshot(hook.source, token, len(target)),
+                    )
+                )
+            for w in target:
+                queued.append(
+                    (
+                        f"load from {hook.source}",
+                        w,
+                        self.workers[w].load_weights(mfc.model, source[0], token, hook.ema),
+                    )
+                )
         return queued
 
     def _dispatch(self, mfc: MFC, ids: list[int]) -> _Running:
@@ -366,21 +373,7 @@ class Master:
             self.workers[worker].free(items)
         return {
             **replies[0].stats,
-            **self._realloc_stats(run),
             "n_tokens": float(sum(r.n_tokens for _, r in heads)),
             "wall_time": time.monotonic() - run.start,
             "compute_time": max(r.compute_time for r in replies),
-        }
-
-    def _realloc_stats(self, run: _Running) -> dict[str, float]:
-        """``realloc/<model>/bytes`` (fetched between workers, summed over the target's
-        workers) and ``realloc/<model>/seconds`` (the slowest target worker) of the MFC's
-        reallocation hooks; 0 when a move was skipped (the source unchanged)."""
-        if not any(isinstance(h, ParamRealloc) for h in run.mfc.hooks):
-            return {}
-        moved = [f.result() for what, _, f in run.hooks if what.startswith(REALLOC_LOAD)]
-        key = f"realloc/{run.mfc.model}"
-        return {
-            f"{key}/bytes": float(sum(m.bytes for m in moved)),
-            f"{key}/seconds": max((m.seconds for m in moved), default=0.0),
         }

@@ -26,7 +26,6 @@ import os
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -34,17 +33,10 @@ import torch
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.experiments import DistillConfig
 from areal.api.launch import TORCHRUN_VARS, disable_ray_token_auth
-from areal.api.io import FinetuneSpec, SaveLoadMeta
+from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from areal.api.protocols import Persistent, WeightSource
 from areal.core.dfg import Allocation, DataflowGraph, ModelFn, ModelName
-from areal.core.realloc import Box
-from areal.core.worker import (
-    InProcessWorker,
-    MFCReply,
-    MFCRequest,
-    ModelWorker,
-    Moved,
-    SampleFields,
-)
+from areal.core.worker import InProcessWorker, MFCReply, MFCRequest, ModelWorker, SampleFields
 from areal.engine.fsdp import FSDPEngine
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.engine.rw import RWEngine
@@ -104,10 +96,10 @@ class _RayPeer:
 
         return ray.get(self.handle.get.remote(sample_ids, keys), timeout=RPC_TIMEOUT)
 
-    def read_shards(self, token: str, wanted: list[tuple[str, Box]]) -> list[torch.Tensor]:
+    def read_snapshot(self, token: str) -> dict[str, torch.Tensor]:
         import ray
 
-        return ray.get(self.handle.read_shards.remote(token, wanted), timeout=RPC_TIMEOUT)
+        return ray.get(self.handle.read_snapshot.remote(token), timeout=RPC_TIMEOUT)
 
 
 def drop_torchrun_env() -> None:
@@ -207,28 +199,16 @@ class WorkerActor:
         """``engine.method(*args)`` on this rank, in the master's order (save, load, evaluate)."""
         return self._in_turn(number, lambda: self.inner.submit_call(model, method, *args)).result()
 
-    def publish_shards(
-        self, number: int, model: ModelName, token: str, layout: Allocation, n_readers: int
+    def snapshot(self, number: int, model: ModelName, token: str, n_readers: int) -> None:
+        self._in_turn(number, lambda: self.inner.snapshot(model, token, n_readers)).result()
+
+    def load_weights(
+        self, number: int, model: ModelName, holder: int, token: str, ema: float
     ) -> None:
-        self._in_turn(
-            number, partial(self.inner.publish_shards, model, token, layout, n_readers)
-        ).result()
+        self._in_turn(number, lambda: self.inner.load_weights(model, holder, token, ema)).result()
 
-    def load_shards(
-        self,
-        number: int,
-        model: ModelName,
-        token: str,
-        source: Allocation,
-        target: Allocation,
-        ema: float,
-    ) -> Moved:
-        load = partial(self.inner.load_shards, model, token, source, target, ema)
-        return self._in_turn(number, load).result()
-
-    def read_shards(self, token: str, wanted: list[tuple[str, Box]]) -> list[torch.Tensor]:
-        """A peer's read: the boxes leave on the host (a peer may have another device)."""
-        return [t.cpu() for t in self.inner.read_shards(token, wanted)]
+    def read_snapshot(self, token: str) -> dict[str, torch.Tensor]:
+        return self.inner.read_snapshot(token)
 
     def put(self, sample_ids: list[int], batch: PackedBatch) -> None:
         self.inner.put(sample_ids, batch)
@@ -295,18 +275,14 @@ class RayWorker(ModelWorker):
         """``engine.method(*args)`` on this rank, ordered with the MFCs."""
         return self._numbered(self.handle.run_call, model, method, args)
 
-    def publish_shards(
-        self, model: ModelName, token: str, layout: Allocation, n_readers: int
-    ) -> Future[None]:
-        return self._numbered(self.handle.publish_shards, model, token, layout, n_readers)
+    def snapshot(self, model: ModelName, token: str, n_readers: int) -> Future[None]:
+        return self._numbered(self.handle.snapshot, model, token, n_readers)
 
-    def load_shards(
-        self, model: ModelName, token: str, source: Allocation, target: Allocation, ema: float
-    ) -> Future[Moved]:
-        return self._numbered(self.handle.load_shards, model, token, source, target, ema)
+    def load_weights(self, model: ModelName, holder: int, token: str, ema: float) -> Future[None]:
+        return self._numbered(self.handle.load_weights, model, holder, token, ema)
 
-    def read_shards(self, token: str, wanted: list[tuple[str, Box]]) -> list[torch.Tensor]:
-        return self._call(self.handle.read_shards.remote(token, wanted))
+    def read_snapshot(self, token: str) -> dict[str, torch.Tensor]:
+        return self._call(self.handle.read_snapshot.remote(token))
 
     def put(self, sample_ids: list[int], batch: PackedBatch) -> None:
         self._call(self.handle.put.remote(sample_ids, batch))
@@ -393,9 +369,10 @@ def start_ray_workers(
     return [RayWorker(i, a) for i, a in enumerate(actors)]
 
 
-class RayModel:
+class RayModel(WeightSource, Persistent):
     """One model on Ray workers, seen by an entry script as its engine: ``save``/``load`` (HF
-    export, recover checkpoints) and ``evaluate_lm`` run on every rank of the model's mesh."""
+    export, recover checkpoints), the weight source's calls (:mod:`areal.api.protocols`) and
+    ``evaluate_lm`` run on every rank of the model's mesh."""
 
     def __init__(self, workers: list[RayWorker], model: ModelName, ranks: tuple[int, ...]):
         self.workers, self.model, self.ranks = workers, model, ranks
@@ -410,12 +387,12 @@ class RayModel:
     def load(self, meta: SaveLoadMeta) -> None:
         self._on_ranks("load", [(meta,)] * len(self.ranks))
 
-    # What the weight publisher needs of the actor (areal/runtime/publisher.py): the collective
-    # parts run on every rank, in order with the MFCs.
-    def update_weights(self, meta) -> None:
+    # The weight source of the publisher (areal/runtime/publisher.py): the collective parts run
+    # on every rank, in order with the MFCs.
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
         self._on_ranks("update_weights", [(meta,)] * len(self.ranks))
 
-    def init_weight_update_group(self, meta, world_size: int) -> None:
+    def init_weight_update_group(self, meta: WeightUpdateMeta, world_size: int) -> None:
         self._on_ranks("init_weight_update_group", [(meta, world_size)] * len(self.ranks))
 
     def weight_announcement(self) -> dict[str, list]:

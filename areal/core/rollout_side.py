@@ -24,11 +24,13 @@ Scaling, while the job runs (:meth:`RayRolloutSide.rescale`, before each step):
   a running broadcast group: with ``weight_update_mode=distributed`` a new server is refused
   (logged, counted in ``core/servers_refused``).
 
-Weight updates (:class:`ManagedServers`, the servers as Lite's weight publisher sees them): the
-master calls the manager after each actor train step: pause (admission stops, the servers pause)
--> the model workers write or broadcast the weights while the manager has the servers load or
-receive them -> the new version -> the rollout workers route to the live servers -> the servers
-and admission resume at that version.
+Weight updates (Lite's :class:`~areal.runtime.publisher.WeightPublisher`, whose
+:class:`~areal.api.protocols.WeightTarget` is :class:`ManagedServers` and whose
+:class:`~areal.api.protocols.Admission` is :class:`RayRolloutSide`): the master calls the manager
+after each actor train step: pause (admission stops, the servers pause) -> the model workers
+write or broadcast the weights while the manager has the servers load or receive them ->
+``resume(version)``: the rollout workers route to the live servers, then the servers and
+admission resume at that version.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from areal.api.config.rollout import InferenceEngineConfig
+from areal.api.io import WeightUpdateMeta
+from areal.api.protocols import Admission, Checkpointable, StateDict, WeightTarget
+from areal.rollout.remote import RemoteInferenceEngine
 from areal.utils.logging import get_logger
 
 logger = get_logger("core.rollout")
@@ -103,10 +109,18 @@ def take_scale_request(run_dir: Path) -> dict | None:
     return req
 
 
-class RayRolloutSide:
-    """The master's handle on the manager and the rollout workers (see the module docstring)."""
+class RayRolloutSide(Admission, Checkpointable):
+    """The master's handle on the manager and the rollout workers (see the module docstring);
+    ``client`` is the master's own client to the servers (its evaluation)."""
 
-    def __init__(self, cfg, addresses: list[str], dump_dir: str, reject_limit: int):
+    def __init__(
+        self,
+        cfg,
+        addresses: list[str],
+        dump_dir: str,
+        reject_limit: int,
+        client: RemoteInferenceEngine,
+    ):
         import ray
 
         from areal.core.rollout_worker import SERVERS, ManagerActor, RolloutWorker
@@ -137,7 +151,7 @@ class RayRolloutSide:
         self.draining: set[int] = set()
         self.pids: dict[int, int] = {}
         self.started = False
-        self.client = None  # the master's own client, for evaluation (set by main)
+        self.client = client
         self.get(
             self.manager.stats.remote(), "the manager", self.server_timeout
         )  # built, servers healthy
@@ -313,20 +327,34 @@ class RayRolloutSide:
                 )
             time.sleep(POLL_S)
 
-    # the WeightPublisher's "executor": admission stops with the servers, resumes at the new version
+    # -- the weight publisher's admission: it stops with the servers, resumes at the new version
+
     def pause(self) -> None:
+        """Admission stops and the servers pause (the manager owns both)."""
         self.get(self.manager.pause_servers.remote(), "the manager", self.server_timeout)
 
-    def resume(self) -> None:
-        """Servers resume; the rollout workers move to the servers that got this update; only
-        then does admission resume at the new version (no new rollout on stale weights)."""
-        version = self.client.get_version()  # ManagedServers.set_version gave it the new one
+    def resume(self, version: int) -> None:
+        """Servers resume at ``version``; the rollout workers (and the master's evaluation
+        client, which tags its tokens with it) move to the servers that got this update; only
+        then does admission resume at ``version`` (no new rollout on stale weights)."""
+        self.client.set_version(version)
         self.sync_servers(
             self.get(
                 self.manager.resume_servers.remote(version), "the manager", self.server_timeout
             )
         )
         self.get(self.manager.resume_at.remote(version), "the manager")
+
+    # -- recover checkpoints: the manager's state (version, admission counters, loader position,
+    # admitted but untrained items, re-issued after a resume)
+
+    def state_dict(self) -> StateDict:
+        """The generation manager's state."""
+        return self.get(self.manager.state_dict.remote(), "the manager")
+
+    def load_state_dict(self, state: StateDict) -> None:
+        """Restore :meth:`state_dict` output in the manager before any rollout is admitted."""
+        self.get(self.manager.load_state_dict.remote(state), "the manager")
 
     def close(self) -> None:
         for i in list(self.workers):
@@ -354,28 +382,28 @@ class _Pending:
             time.sleep(POLL_S)
 
 
-class ManagedServers:
+class ManagedServers(WeightTarget):
     """The generation servers as Lite's :class:`~areal.runtime.publisher.WeightPublisher` sees
-    them (its ``rollout``): every call goes to the generation manager, which owns them; the
-    version is kept by the master's evaluation client (the side's resume reads it there)."""
+    them (its :class:`~areal.api.protocols.WeightTarget`): every call goes to the generation
+    manager, which owns them; the version reaches them with ``RayRolloutSide.resume``."""
 
     def __init__(self, side: RayRolloutSide):
-        self.side, self.config = side, side.cfg.rollout
+        self.side = side
+        self.config: InferenceEngineConfig = side.cfg.rollout
 
     @property
     def weight_group_size(self) -> int:
         return self.side.get(self.side.manager.weight_group_size.remote(), "the manager")
 
-    def init_weights_update_group_async(self, meta) -> _Pending:
+    def init_weights_update_group_async(self, meta: WeightUpdateMeta) -> _Pending:
         self.side.get(self.side.manager.begin_join.remote(meta), "the manager")
         return _Pending(self.side, "joining the weight-update group")
 
-    def update_weights_async(self, meta, announcement: dict[str, list] | None = None) -> _Pending:
+    def update_weights_async(
+        self, meta: WeightUpdateMeta, announcement: dict[str, list] | None = None
+    ) -> _Pending:
         self.side.get(self.side.manager.begin_update.remote(meta, announcement), "the manager")
         return _Pending(self.side, f"the {meta.type} weight update to version {meta.version}")
 
-    def update_weights(self, meta) -> None:
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
         self.update_weights_async(meta).result(self.config.weight_update_timeout + 10)
-
-    def set_version(self, version: int) -> None:
-        self.side.client.set_version(version)

@@ -15,7 +15,9 @@ call (the run must stop). A watchdog stops the run when rollouts are running but
 within ``rollout.watchdog_timeout`` seconds (time spent paused does not count).
 
 Weight updates: call :meth:`pause` (stops admission and pauses the engine), update the weights,
-``set_version(v + 1)``, then :meth:`resume`.
+then :meth:`resume` with the new version (the engine tags new tokens with it). The executor is
+the :class:`~areal.api.protocols.Admission` of Lite's weight publisher and one of the
+:class:`~areal.api.protocols.Checkpointable` parts of a recover checkpoint.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, Callable, Coroutine, Iterable, Iterator, TypeVar
 from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.engine import InferenceEngine
 from areal.api.io import Trajectory
+from areal.api.protocols import Admission, Checkpointable
 from areal.api.workflow import RolloutWorkflow
 from areal.rollout.staleness import StalenessManager
 from areal.rollout.trajectory import staleness_stats
@@ -128,7 +131,7 @@ def _iter_batches(dataloader: Iterable) -> Iterator[list[Any]]:
             raise ValueError("prepare_batch: the dataloader yielded no items; check the dataset")
 
 
-class WorkflowExecutor:
+class WorkflowExecutor(Admission, Checkpointable):
     """Submit/wait/rollout_batch/prepare_batch over an :class:`InferenceEngine`."""
 
     def __init__(
@@ -453,8 +456,12 @@ class WorkflowExecutor:
             self._paused = True
         self.engine.pause()
 
-    def resume(self) -> None:
-        """Resume the engine and admission; the watchdog clock restarts."""
+    def resume(self, version: int | None = None) -> None:
+        """Resume the engine and admission at ``version`` (a weight update's: the engine tags new
+        tokens with it and the staleness bound counts from it; None keeps the engine's); the
+        watchdog clock restarts."""
+        if version is not None:
+            self.engine.set_version(version)
         self.engine.resume()
         with self._cond:
             self._paused = False

@@ -44,6 +44,7 @@ from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.engine import InferenceEngine, TokenScorer
 from areal.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
 from areal.api.launch import server_api_key
+from areal.api.protocols import SharesDevice, WeightTarget
 from areal.rollout.backends import HttpCall, make_backend
 from areal.rollout.executor import EventLoopThread
 from areal.utils.logging import get_logger
@@ -110,8 +111,8 @@ def discover_servers(
     return sorted(registry.wait_subtree(key, max(1, n_servers), config.setup_timeout))
 
 
-class RemoteInferenceEngine(InferenceEngine, TokenScorer):
-    """An :class:`InferenceEngine` over HTTP generation servers."""
+class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDevice):
+    """An :class:`InferenceEngine` over HTTP servers; the publisher's WeightTarget/SharesDevice."""
 
     def __init__(
         self,

@@ -1,13 +1,20 @@
 """The weight publisher: the one owner of a weight update and the only writer of the version.
 
-An update is: pause rollouts (in-flight generations are aborted and re-submitted later) ->
+An update is: pause admission (in-flight generations are aborted and re-submitted later) ->
 hand the actor's weights to every generation server (``disk``: an HF dir the servers load;
 ``distributed``: a bucketed broadcast from trainer rank 0) -> every trainer rank waits for the
-push -> actor, client and executor move to the new version -> resume. Only the first trainer
-rank talks to the servers; every rank runs the collective parts. ``disk`` keeps the newest
-``keep`` weight dirs under RUN_DIR/weights and deletes older ones. With servers colocated on the
-trainer's GPUs, :meth:`yield_device` pauses rollouts and has the servers give back their KV cache
-before the train step, and :meth:`publish` gives it back to them after the push.
+push -> the actor moves to the new version -> admission resumes at it (the version travels with
+the call). Only the first trainer rank talks to the servers; every rank runs the collective
+parts. ``disk`` keeps the newest ``keep`` weight dirs under RUN_DIR/weights and deletes older
+ones. With servers colocated on the trainer's GPUs, :meth:`yield_device` pauses rollouts and has
+the servers give back their KV cache before the train step, and :meth:`publish` gives it back to
+them after the push.
+
+The publisher is typed against the seams of :mod:`areal.api.protocols`, which Lite and Core
+both fill: the actor is a :class:`~areal.api.protocols.WeightSource` (Lite's FSDP engine, Core's
+``RayModel``), the servers a :class:`~areal.api.protocols.WeightTarget` (Lite's HTTP client,
+Core's ``ManagedServers``), admission an :class:`~areal.api.protocols.Admission` (Lite's
+workflow executor, Core's ``RayRolloutSide``).
 """
 
 from __future__ import annotations
@@ -18,22 +25,20 @@ from pathlib import Path
 from typing import Literal
 
 from areal.api.io import WeightUpdateMeta
-from areal.engine.fsdp import FSDPEngine
-from areal.rollout.executor import WorkflowExecutor
-from areal.rollout.remote import RemoteInferenceEngine
+from areal.api.protocols import Admission, Publisher, SharesDevice, WeightSource, WeightTarget
 from areal.runtime.dist import DistContext
 from areal.utils.network import free_port
 
 
-class WeightPublisher:
-    """Pushes ``actor``'s weights to the servers behind ``rollout`` (see the module docstring)."""
+class WeightPublisher(Publisher):
+    """Pushes ``actor``'s weights to ``servers`` (see the module docstring)."""
 
     def __init__(
         self,
         mode: Literal["disk", "distributed"],
-        actor: FSDPEngine,
-        rollout: RemoteInferenceEngine,
-        executor: WorkflowExecutor,
+        actor: WeightSource,
+        servers: WeightTarget,
+        admission: Admission,
         dist_ctx: DistContext,
         weights_dir: Path,
         keep: int = 2,
@@ -43,13 +48,21 @@ class WeightPublisher:
             raise ValueError(f"weight_update_mode must be 'disk' or 'distributed', got {mode!r}")
         if keep < 1:
             raise ValueError(f"keep={keep}: the dir the servers are loading must be kept; use >= 1")
+        # servers on the trainer's GPUs: they sleep while it steps
+        self.device: SharesDevice | None = None
+        if colocated:
+            if not isinstance(servers, SharesDevice):
+                raise ValueError(
+                    f"cluster.colocate: {type(servers).__name__} cannot give back the servers' "
+                    "memory (release_memory/resume_memory); run the servers apart"
+                )
+            self.device = servers
         self.mode = mode
-        self.actor, self.rollout, self.executor, self.dist = actor, rollout, executor, dist_ctx
+        self.actor, self.servers, self.admission, self.dist = actor, servers, admission, dist_ctx
         self.weights_dir = Path(weights_dir)
         self.keep = keep
         self._group_meta: WeightUpdateMeta | None = None
         self._version = actor.get_version()
-        self.colocated = colocated  # servers on the trainer's GPUs: they sleep while it steps
         self._yielded = False
 
     @property
@@ -67,21 +80,21 @@ class WeightPublisher:
         if self.mode != "distributed" or self._group_meta is not None:
             return
         meta = WeightUpdateMeta("distributed", master_port=free_port() if self._leader else 0)
-        future = self.rollout.init_weights_update_group_async(meta) if self._leader else None
-        self.actor.init_weight_update_group(meta, self.rollout.weight_group_size)
+        future = self.servers.init_weights_update_group_async(meta) if self._leader else None
+        self.actor.init_weight_update_group(meta, self.servers.weight_group_size)
         if future is not None:
-            future.result(self.rollout.config.setup_timeout)
+            future.result(self.servers.config.setup_timeout)
         self._group_meta = meta
 
     def yield_device(self) -> None:
         """Colocated servers (no-op otherwise): stop rollouts (admission waits, in-flight
         generations are re-submitted later) and have the servers give back their KV cache, so the
         train step has the GPU; the next :meth:`publish` takes it back. Every rank calls it."""
-        if not self.colocated or self._yielded:
+        if self.device is None or self._yielded:
             return
-        self.executor.pause()
+        self.admission.pause()
         if self._leader:
-            self.rollout.release_memory()
+            self.device.release_memory()
         self.dist.barrier()
         self._yielded = True
 
@@ -90,7 +103,7 @@ class WeightPublisher:
         passes the checkpoint's) and move everything to it. Returns the new version."""
         version = self._version + 1 if version is None else version
         if not self._yielded:
-            self.executor.pause()
+            self.admission.pause()
         if self.mode == "disk":
             self._push_disk(version)
         else:
@@ -98,11 +111,10 @@ class WeightPublisher:
         self.dist.barrier()
         self._version = version
         self.actor.set_version(version)
-        self.rollout.set_version(version)
-        if self._yielded and self._leader:
-            self.rollout.resume_memory()
+        if self._yielded and self._leader and self.device is not None:
+            self.device.resume_memory()
         self._yielded = False
-        self.executor.resume()
+        self.admission.resume(version)
         return version
 
     def _push_disk(self, version: int) -> None:
@@ -110,19 +122,20 @@ class WeightPublisher:
         meta = WeightUpdateMeta("disk", path=str(path), version=version)
         self.actor.update_weights(meta)  # collective: the first rank writes the HF dir
         if self._leader:
-            self.rollout.update_weights(meta)
+            self.servers.update_weights(meta)
             for old in self.weights_dir.glob("v*"):
                 if old.name[1:].isdigit() and int(old.name[1:]) <= version - self.keep:
                     shutil.rmtree(old, ignore_errors=True)
 
     def _push_broadcast(self, version: int) -> None:
         self.connect()
+        assert self._group_meta is not None  # connect() formed the group
         meta = dataclasses.replace(self._group_meta, version=version)
         future = (
-            self.rollout.update_weights_async(meta, self.actor.weight_announcement())
+            self.servers.update_weights_async(meta, self.actor.weight_announcement())
             if self._leader
             else None
         )
         self.actor.update_weights(meta)  # collective: broadcast in buckets from rank 0
         if future is not None:
-            future.result(self.rollout.config.weight_update_timeout + 10)
+            future.result(self.servers.config.weight_update_timeout + 10)

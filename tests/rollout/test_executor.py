@@ -361,3 +361,14 @@ def test_a_long_wait_for_a_batch_logs_progress_with_the_rejections(make_executor
     assert (
         lines and "for a batch of 2 groups" in lines[0] and "rejected by should_accept" in lines[0]
     ), lines
+
+
+def test_resume_at_a_version_tags_new_tokens_with_it_and_admits_from_it(make_executor):
+    # The weight publisher's resume(version): the version travels with the call.
+    engine = FakeEngine()
+    ex = make_executor(engine, max_staleness=0, batch_size=1)
+    ex.pause()
+    ex.resume(3)
+    assert engine.version == 3 and not engine.paused
+    batch = ex.prepare_batch([[{"id": i}] for i in range(4)], GatedWorkflow(gated=False))
+    assert {v for g in batch for t in g for v in t.versions} == {3}

@@ -32,8 +32,8 @@ class Recorder:
     def pause(self) -> None:
         self.log.append((self.name, "pause"))
 
-    def resume(self) -> None:
-        self.log.append((self.name, "resume"))
+    def resume(self, version: int) -> None:
+        self.log.append((self.name, "resume", version))
 
 
 def _publisher(tmp_path, rank: int = 0, start: int = 0):
@@ -57,8 +57,7 @@ def test_publish_pauses_pushes_waits_bumps_every_version_then_resumes(tmp_path):
         ("rollout", "update_weights", 1),
         ("all ranks", "barrier"),
         ("actor", "set_version", 1),
-        ("rollout", "set_version", 1),
-        ("executor", "resume"),
+        ("executor", "resume", 1),
     ]
 
 
@@ -66,7 +65,7 @@ def test_only_the_first_rank_talks_to_the_servers(tmp_path):
     pub, log = _publisher(tmp_path, rank=1)
     pub.publish()
     assert ("rollout", "update_weights", 1) not in log and ("actor", "update_weights", 1) in log
-    assert ("rollout", "set_version", 1) in log  # every rank's client tags tokens alike
+    assert ("executor", "resume", 1) in log  # every rank's client tags tokens alike
 
 
 def test_disk_mode_keeps_the_two_newest_weight_dirs(tmp_path):
@@ -89,3 +88,44 @@ def test_bad_mode_and_retention_are_refused(tmp_path):
         WeightPublisher("nfs", *parts, SimpleNamespace(rank=0), tmp_path)
     with pytest.raises(ValueError, match="keep=0"):
         WeightPublisher("disk", *parts, SimpleNamespace(rank=0), tmp_path, keep=0)
+
+
+def test_colocated_servers_that_cannot_give_back_memory_are_refused(tmp_path):
+    log: list = []
+    parts = [Recorder(log, n) for n in ("actor", "rollout", "executor")]
+    with pytest.raises(ValueError, match="cluster.colocate: Recorder cannot give back"):
+        WeightPublisher("disk", *parts, SimpleNamespace(rank=0), tmp_path, colocated=True)
+
+
+def test_lite_and_core_classes_declare_the_seams_the_publisher_is_typed_against():
+    from areal.api.protocols import (
+        Admission,
+        Checkpointable,
+        Persistent,
+        Publisher,
+        SharesDevice,
+        WeightSource,
+        WeightTarget,
+    )
+    from areal.core.ray_worker import RayModel
+    from areal.core.rollout_side import ManagedServers, RayRolloutSide
+    from areal.engine.fsdp import FSDPEngine
+    from areal.rollout.executor import WorkflowExecutor
+    from areal.rollout.remote import RemoteInferenceEngine
+
+    declared = {
+        WeightSource: [FSDPEngine, RayModel],
+        Persistent: [FSDPEngine, RayModel],
+        WeightTarget: [RemoteInferenceEngine, ManagedServers],
+        SharesDevice: [RemoteInferenceEngine],
+        Admission: [WorkflowExecutor, RayRolloutSide],
+        Checkpointable: [WorkflowExecutor, RayRolloutSide],
+        Publisher: [WeightPublisher],
+    }
+    missing = [
+        f"{cls.__name__} does not subclass {proto.__name__}"
+        for proto, classes in declared.items()
+        for cls in classes
+        if proto not in cls.__mro__
+    ]
+    assert not missing
