@@ -36,8 +36,9 @@ import torch
 from areal.serving.constraints import ConstraintFailed, Guide, advance, mask_logits
 from areal.serving.cpu_attention import Mode
 from areal.serving.model import KVCache, Qwen2Forward, read_hf_dir
-from areal.serving.requests import FinishReason, GenerationResult, Seq
-from areal.serving.sampling import SamplingParams, sample, top_logprobs
+from areal.serving.requests import FinishReason, GenerationResult, Seq, request_problems
+from areal.serving.sampling import SamplingParams, prompt_logprobs, sample, top_logprobs
+from areal.serving.slots import vacate
 
 logger = logging.getLogger(__name__)
 COMMAND_TIMEOUT_S = 600.0  # deadline for a control command to run on the scheduler thread
@@ -167,36 +168,14 @@ class Generator:
 
     def check_request(self, input_ids: list[int], params: SamplingParams) -> list[str]:
         """``"field: problem"`` strings for a request this generator cannot run."""
-        problems = [f"sampling_params.{p}" for p in params.problems()]
-        V = self.model.spec.vocab_size
-        if not input_ids:
-            problems.append("input_ids: the prompt is empty; send at least one token")
-        elif len(input_ids) >= self.context_length:
-            problems.append(
-                f"input_ids: prompt has {len(input_ids)} tokens, the context is "
-                f"{self.context_length}; shorten the prompt"
-            )
-        bad = [t for t in input_ids if not (isinstance(t, int) and 0 <= t < V)]
-        if bad:
-            problems.append(f"input_ids: token ids must be ints in [0, {V}), got {bad[:3]}")
-        bad = [t for t in params.stop_token_ids if not (isinstance(t, int) and 0 <= t < V)]
-        if bad:
-            problems.append(
-                f"sampling_params.stop_token_ids: token ids must be ints in [0, {V}), got {bad[:3]}"
-            )
-        if params.stop and self.decode_text is None:
-            problems.append("sampling_params.stop: stop strings need a tokenizer")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        if (
-            params.min_new_tokens > 0
-            and sum(1 for t in stops if isinstance(t, int) and 0 <= t < V) >= V
-        ):
-            problems.append(
-                f"sampling_params.stop_token_ids: all {V} token ids of the vocabulary stop (stop_token_ids "
-                f"plus EOS unless ignore_eos), so no token can be sampled before min_new_tokens="
-                f"{params.min_new_tokens}; leave at least one id out, or set min_new_tokens to 0"
-            )
-        return problems
+        return request_problems(
+            input_ids,
+            params,
+            vocab_size=self.model.spec.vocab_size,
+            context_length=self.context_length,
+            eos_token_ids=self.eos_token_ids,
+            has_tokenizer=self.decode_text is not None,
+        )
 
     def submit(self, input_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
         """Queue one request; the future resolves to a :class:`GenerationResult`."""
@@ -352,24 +331,13 @@ class Generator:
         if problems:
             raise ValueError("; ".join(problems))
 
-        def _score():
+        def _score() -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
             logits = self.model.score(
                 torch.tensor(input_ids, dtype=torch.long, device=self.model.device)
             )
             if not bool(torch.isfinite(logits).all()):
                 raise self._nonfinite(f"scoring a prompt of {len(input_ids)} tokens")
-            logp = torch.log_softmax(logits[:-1].float(), dim=-1)
-            chosen = logp.gather(1, torch.tensor(input_ids[1:], device=logp.device)[:, None])[
-                :, 0
-            ].tolist()
-            tops = (
-                top_logprobs(
-                    logits[:-1], [1.0] * (len(input_ids) - 1), [top] * (len(input_ids) - 1)
-                )
-                if top and len(input_ids) > 1
-                else [[] for _ in input_ids[1:]]
-            )
-            return [None, *chosen], [None, *tops]
+            return prompt_logprobs(logits, input_ids, top)
 
         return self._call(_score)
 
@@ -551,42 +519,17 @@ class Generator:
         now, version = time.monotonic(), self._version
         finished: list[tuple[FinishReason, int | str | None, BaseException | None] | None] = []
         for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
-            if not s.out:
-                s.t_first = now
-            s.out.append(tok)
-            s.logprobs.append(lp)
-            s.versions.append(version)
-            if s.on_token is not None:
-                try:
-                    s.on_token(tok)
-                except Exception:  # a stream's consumer went wrong: the generation goes on
-                    logger.exception("on_token callback failed; streaming of this request stops")
-                    s.on_token = None
+            s.append_token(tok, lp, version, now)
             try:
-                done = self._finish_reason(s, tok)
+                complete = s.guide is not None and advance(s.guide, tok)
             except ConstraintFailed as e:  # this request's grammar failed: it fails alone
                 finished.append(("abort", None, e))
                 continue
+            done = s.finish_reason(tok, complete, self.context_length, self.decode_text)
             if done is None and s.future.cancelled():  # the client went away
                 done = ("abort", None)
             finished.append(None if done is None else (*done, None))
         return finished
-
-    def _finish_reason(self, s: Seq, tok: int) -> tuple[FinishReason, int | str | None] | None:
-        n, p = len(s.out), s.params
-        if s.guide is not None and advance(s.guide, tok):  # the grammar is complete: it ends here
-            return "stop", tok if tok in s.stop_ids else None
-        if n >= p.min_new_tokens:
-            if tok in s.stop_ids:
-                return "stop", tok
-            if p.stop:
-                text = self.decode_text(s.out)  # type: ignore[misc]  (checked at submit)
-                for stop in p.stop:
-                    if stop in text:
-                        return "stop", stop
-        if n >= p.max_new_tokens or len(s.prompt) + n >= self.context_length:
-            return "length", None
-        return None
 
     def _retire(
         self,
@@ -597,35 +540,14 @@ class Generator:
     ) -> None:
         """Answer the request in ``slot`` (or fail it with ``error``, clearing its cached keys,
         which may hold NaN a later occupant's attention would read) and refill the slot so
-        running requests stay compact.
-
-        The hole in one attention run is filled by the longest request of the next run, whose
-        hole is filled the same way, down to the last run, whose hole takes the last slot. Runs
-        thus keep longer requests first, and each reads keys only up to its own longest row.
-        Without runs (the compiled attention kernel reads exact lengths) the last slot fills it.
-        """
-        running, run = self._running, self.model.attention_run
-        seq, hole, last = running[slot], slot, len(running) - 1
+        running requests stay compact (:func:`areal.serving.slots.vacate`)."""
         if error is not None:
             self.cache.clear_slot(slot)
-        while run and (start := (hole // run + 1) * run) < last:
-            nxt = range(start, min(start + run, last + 1))
-            longest = max(nxt, key=lambda j: len(running[j].prompt) + len(running[j].out))
-            hole = self._move(longest, hole)
-        if hole != last:
-            self._move(last, hole)
-        running.pop()
+        seq = vacate(self._running, slot, self.cache, self.model.attention_run)
         if error is None:
             seq.resolve(reason, matched)
         else:
             seq.fail(error)
-
-    def _move(self, src: int, dst: int) -> int:
-        """Move the request in slot ``src`` (and its cache) to slot ``dst``; returns ``src``."""
-        moved = self._running[src]
-        self.cache.move_slot(src, dst, len(moved.prompt) + len(moved.out) - 1)
-        self._running[dst] = moved
-        return src
 
     def _take_all(self) -> list[Seq]:
         """Remove and return every running and waiting request."""

@@ -334,3 +334,11 @@ def usage(jobs: list[Job], results: list[GenerationResult]) -> dict:
 def now() -> int:
     """Unix seconds for ``created`` fields."""
     return int(time.time())
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | int | None = None
+) -> dict:
+    """The JSON of an error answer (OpenAI's shape): ``param`` names the offending field."""
+    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}

@@ -1,10 +1,12 @@
 """A request inside the generator (:class:`Seq`: tokens so far, how to sample and stop, its
-future), what it resolves to (:class:`GenerationResult`), and :class:`BadRequest`, the error
-every parser raises for an invalid field."""
+future), what it resolves to (:class:`GenerationResult`), :func:`request_problems` (what makes a
+request impossible to run), and :class:`BadRequest`, the error every parser raises for an invalid
+field."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal
@@ -16,6 +18,7 @@ from areal.serving.sampling import SamplingParams
 if TYPE_CHECKING:
     from areal.serving.constraints import Guide
 
+logger = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -25,6 +28,50 @@ class BadRequest(ValueError):
     def __init__(self, field: str, message: str):
         self.field = field
         super().__init__(f"{field}: {message}")
+
+
+def request_problems(
+    input_ids: list[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    context_length: int,
+    eos_token_ids: frozenset[int],
+    has_tokenizer: bool,
+) -> list[str]:
+    """``"field: problem"`` strings for a request a model of ``vocab_size`` tokens and a context
+    of ``context_length`` cannot run (empty: none)."""
+    problems = [f"sampling_params.{p}" for p in params.problems()]
+    V = vocab_size
+    if not input_ids:
+        problems.append("input_ids: the prompt is empty; send at least one token")
+    elif len(input_ids) >= context_length:
+        problems.append(
+            f"input_ids: prompt has {len(input_ids)} tokens, the context is "
+            f"{context_length}; shorten the prompt"
+        )
+    bad = [t for t in input_ids if not (isinstance(t, int) and 0 <= t < V)]
+    if bad:
+        problems.append(f"input_ids: token ids must be ints in [0, {V}), got {bad[:3]}")
+    bad = [t for t in params.stop_token_ids if not (isinstance(t, int) and 0 <= t < V)]
+    if bad:
+        problems.append(
+            f"sampling_params.stop_token_ids: token ids must be ints in [0, {V}), got {bad[:3]}"
+        )
+    if params.stop and not has_tokenizer:
+        problems.append("sampling_params.stop: stop strings need a tokenizer")
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
+    if (
+        params.min_new_tokens > 0
+        and sum(1 for t in stops if isinstance(t, int) and 0 <= t < V) >= V
+    ):
+        problems.append(
+            f"sampling_params.stop_token_ids: all {V} token ids of the vocabulary stop "
+            "(stop_token_ids plus EOS unless ignore_eos), so no token can be sampled before "
+            f"min_new_tokens={params.min_new_tokens}; leave at least one id out, or set "
+            "min_new_tokens to 0"
+        )
+    return problems
 
 
 @dataclass
@@ -61,6 +108,46 @@ class Seq:
     on_token: Callable[[int], None] | None = None  # called with each new token (streaming)
     stop_index: torch.Tensor | None = None  # stop ids suppressed before min_new_tokens
     guide: Guide | None = None  # the grammar its tokens must follow (structured outputs)
+
+    def append_token(self, tok: int, logprob: float, version: int, now: float) -> None:
+        """Record one sampled token (its logprob, the weight version it came from) and pass it
+        to the stream's callback; a callback that raises is logged and dropped."""
+        if not self.out:
+            self.t_first = now
+        self.out.append(tok)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        if self.on_token is not None:
+            try:
+                self.on_token(tok)
+            except Exception:  # a stream's consumer went wrong: the generation goes on
+                logger.exception("on_token callback failed; streaming of this request stops")
+                self.on_token = None
+
+    def finish_reason(
+        self,
+        tok: int,
+        grammar_complete: bool,
+        context_length: int,
+        decode: Callable[[list[int]], str] | None,
+    ) -> tuple[FinishReason, int | str | None] | None:
+        """How the request ends after its last token ``tok`` (reason, the stop token or string
+        that matched), or None while it goes on; ``grammar_complete``: its grammar accepted
+        ``tok`` as the last token (structured outputs), so it ends here."""
+        n, p = len(self.out), self.params
+        if grammar_complete:
+            return "stop", tok if tok in self.stop_ids else None
+        if n >= p.min_new_tokens:
+            if tok in self.stop_ids:
+                return "stop", tok
+            if p.stop and decode is not None:  # stop strings need a tokenizer (checked at submit)
+                text = decode(self.out)
+                for stop in p.stop:
+                    if stop in text:
+                        return "stop", stop
+        if n >= p.max_new_tokens or len(self.prompt) + n >= context_length:
+            return "length", None
+        return None
 
     def resolve(self, reason: FinishReason, matched: int | str | None) -> None:
         """Answer the future with what was generated so far."""

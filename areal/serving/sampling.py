@@ -148,6 +148,20 @@ def top_logprobs(
     ]
 
 
+def prompt_logprobs(
+    logits: torch.Tensor, input_ids: list[int], top: int
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """From a prompt's logits [P, V]: the logprob of each prompt token given the ones before it
+    (the first has none: None) and, with ``top``, each position's ``top`` most likely tokens
+    (temperature 1)."""
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)  # [P-1, V]
+    targets = torch.tensor(input_ids[1:], device=logp.device)[:, None]
+    chosen: list[float] = logp.gather(1, targets)[:, 0].tolist()
+    n = len(input_ids) - 1
+    tops = top_logprobs(logits[:-1], [1.0] * n, [top] * n) if top and n else [[] for _ in range(n)]
+    return [None, *chosen], [None, *tops]
+
+
 def _multinomial_rows(
     probs: torch.Tensor, generators: list[torch.Generator | None]
 ) -> torch.Tensor:

@@ -7,8 +7,8 @@ Endpoints
   regex, grammar or choice list the output must match; a forced tool call) in
   :mod:`areal.serving.constraints`
 - info: ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info``
-- admin (``Authorization: Bearer <api_key>`` when an api_key is set; a non-loopback bind requires
-  one): ``POST /pause_generation`` (abort in-flight requests, answered with their partial tokens
+- admin (:mod:`areal.serving.admin`; ``Authorization: Bearer <api_key>`` when an api_key is
+  set; a non-loopback bind requires one): ``POST /pause_generation`` (abort in-flight requests, answered with their partial tokens
   and finish reason ``abort``; hold new ones), ``POST /continue_generation``,
   ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"?}``,
   ``POST /init_weights_update_group`` and ``POST /update_weights_from_distributed`` (protocol in
@@ -52,9 +52,8 @@ from jinja2 import TemplateError
 from areal.api.config.loader import ConfigError
 from areal.api.config.server import GenerationServerConfig
 from areal.api.launch import LaunchEnv
-from areal.utils import weight_sync
-from areal.utils.process import die_with
 from areal.serving import limits, openai_api, protocol, streaming, tokens
+from areal.serving.admin import AdminRoutes
 from areal.serving.connections import ConnectionGuard, connection_limit, listen_socket
 from areal.serving.constraints import (
     ConstraintFailed,
@@ -63,15 +62,11 @@ from areal.serving.constraints import (
     compile_guides,
 )
 from areal.serving.generator import Generator, GeneratorStopped, StepFailed
-from areal.serving.protocol import BadRequest, Job
+from areal.serving.protocol import BadRequest, Job, error_body
 from areal.serving.sampling import SamplingParams
+from areal.utils.process import die_with
 
 logger = logging.getLogger("areal.serve")
-ADMIN_PATHS = {
-    "/pause_generation", "/continue_generation", "/update_weights_from_disk",
-    "/init_weights_update_group", "/update_weights_from_distributed", "/update_weight_version",
-    "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
-}  # fmt: skip
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 GENERATOR_WATCH_S = 0.5  # how often serve() checks that the generator is still running
 T = TypeVar("T")
@@ -80,20 +75,11 @@ T = TypeVar("T")
 def _error(
     status: int, message: str, param: str | None = None, code: str | int | None = None
 ) -> web.Response:
-    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
-    return web.json_response(body, status=status)
+    return web.json_response(error_body(status, message, param, code), status=status)
 
 
 class ModelNotFound(Exception):
     """A request names a model this server does not serve (OpenAI answers 404)."""
-
-
-def _bounded_int(body: dict, key: str, lo: int, hi: int) -> int:
-    v = body.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise BadRequest(key, f"expected an integer in [{lo}, {hi}], got {v!r}")
-    return v
 
 
 @contextlib.contextmanager
@@ -157,14 +143,12 @@ class GenerationServer:
                 cfg.grammar_cache_size,
             ),
         )
-        self.group: Any = (
-            None  # torch.distributed ProcessGroup joined via /init_weights_update_group
-        )
         self.hf_config = json.loads((Path(cfg.model_path) / "config.json").read_text())
         # JSON decoding, tokenizing and chat templates run here, off the event loop, one request
         # at a time (a tokenizer call is not safe from two threads at once)
         self.parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="areal-parse")
-        self.control = asyncio.Lock()  # pause and continue take effect in the order they arrive
+        self.admin = AdminRoutes(self.generator, self._json_body)
+        self.admin_paths = {route.path for route in self.admin.routes()}
         self.guard: ConnectionGuard | None = None  # set by serve() (tests in process run without)
 
     # ------------------------------------------------------------------ helpers
@@ -197,6 +181,11 @@ class GenerationServer:
             return body, parse(body)
 
         return await asyncio.get_running_loop().run_in_executor(self.parser, run)
+
+    async def _json_body(self, request: web.Request) -> object:
+        """The request's JSON body, checked against the ``server.*`` limits (parse thread)."""
+        body, _ = await self._parse(request, lambda body: None)
+        return body
 
     def _validate(self, jobs: list[Job]) -> None:
         """400 naming the field for a request this server cannot run."""
@@ -262,7 +251,7 @@ class GenerationServer:
         """API-key check for admin paths; the body within its limits; bad fields -> 400 naming
         the field; a stopped or crashed generator -> 503 with the cause (clients fail over on
         5xx)."""
-        if request.path in ADMIN_PATHS and self.cfg.api_key:
+        if request.path in self.admin_paths and self.cfg.api_key:
             sent = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(sent, f"Bearer {self.cfg.api_key}".encode()):
                 return _error(401, "admin endpoint: send 'Authorization: Bearer <api_key>'")
@@ -429,134 +418,6 @@ class GenerationServer:
         )
         return web.json_response(info)
 
-    # ------------------------------------------------------------------ admin routes
-
-    async def _body(self, request: web.Request) -> dict:
-        if not request.body_exists:  # (read already: can_read_body is False now)
-            return {}
-        body, _ = await self._parse(request, lambda body: None)
-        if not isinstance(body, dict):
-            raise BadRequest("body", "expected a JSON object")
-        return body
-
-    @staticmethod
-    def _version_arg(body: dict, key: str = "weight_version") -> int | None:
-        return None if body.get(key) is None else _bounded_int(body, key, 0, (1 << 63) - 1)
-
-    async def pause(self, request: web.Request) -> web.Response:
-        """Abort in-flight requests (answered with partials) and hold new ones."""
-        async with self.control:
-            n = await asyncio.to_thread(self.generator.pause)
-        return web.json_response({"success": True, "num_aborted_requests": n})
-
-    async def resume(self, request: web.Request) -> web.Response:
-        """Accept work again (after any pause that arrived before this)."""
-        async with self.control:
-            await asyncio.to_thread(self.generator.resume)
-        return web.json_response({"success": True})
-
-    async def release_memory(self, request: web.Request) -> web.Response:
-        """Give back the KV cache while paused, so a colocated trainer can step on the GPU:
-        ``{"freed_bytes"}``; 400 when not paused. The weights stay loaded."""
-        try:
-            freed = await asyncio.to_thread(self.generator.release_memory)
-        except ValueError as e:
-            return _error(400, str(e))
-        logger.info("released the KV cache (%d bytes) until /resume_memory_occupation", freed)
-        return web.json_response({"success": True, "freed_bytes": freed})
-
-    async def resume_memory(self, request: web.Request) -> web.Response:
-        """Allocate the KV cache again (after ``/release_memory_occupation``)."""
-        await asyncio.to_thread(self.generator.resume_memory)
-        return web.json_response({"success": True})
-
-    async def flush_cache(self, request: web.Request) -> web.Response:
-        """No prefix cache is kept between requests, so there is nothing to flush."""
-        return web.json_response({"success": True, "message": "no prefix cache to flush"})
-
-    async def update_version(self, request: web.Request) -> web.Response:
-        """Set the version stamped on new tokens: ``{"new_version": int}``."""
-        version = self._version_arg(await self._body(request), "new_version")
-        if version is None:
-            raise BadRequest("new_version", "missing")
-        await asyncio.to_thread(self.generator.set_version, version)
-        return web.json_response({"success": True, "weight_version": version})
-
-    async def update_from_disk(self, request: web.Request) -> web.Response:
-        """Load weights from an HF dir: ``{"model_path", "weight_version"?}``."""
-        body = await self._body(request)
-        path = body.get("model_path")
-        if not isinstance(path, str) or not Path(path, "config.json").is_file():
-            raise BadRequest("model_path", f"not a Hugging Face model dir: {path!r}")
-        try:
-            v = await asyncio.to_thread(
-                self.generator.update_weights_from_disk, path, self._version_arg(body)
-            )
-        except ValueError as e:  # unreadable, partial or non-finite: the old weights stay
-            raise BadRequest("model_path", str(e)) from None
-        return web.json_response({"success": True, "message": "loaded", "weight_version": v})
-
-    async def init_group(self, request: web.Request) -> web.Response:
-        """Join the trainer's weight-update group (see :mod:`areal.utils.weight_sync`)."""
-        body = await self._body(request)
-        address = body.get("master_address")
-        if not isinstance(address, str) or not address:
-            raise BadRequest("master_address", f"expected a host name or IP, got {address!r}")
-        port = _bounded_int(body, "master_port", 1, 65535)
-        world = _bounded_int(body, "world_size", 2, 1 << 16)
-        offset = _bounded_int(body, "rank_offset", 1, world - 1)
-        timeout = body.get("timeout", 300.0)
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not 0 < timeout <= 86400
-        ):
-            raise BadRequest("timeout", f"expected seconds in (0, 86400], got {timeout!r}")
-        backend = body.get("backend", "gloo")
-        if backend not in ("gloo", "nccl"):
-            raise BadRequest("backend", f"expected 'gloo' or 'nccl', got {backend!r}")
-        self.group = await asyncio.to_thread(
-            weight_sync.init_weight_update_group,
-            address,
-            port,
-            offset,
-            world,
-            backend,
-            float(timeout),
-        )
-        return web.json_response({"success": True, "message": "joined weight update group"})
-
-    async def update_from_distributed(self, request: web.Request) -> web.Response:
-        """Receive announced tensors over the group, then swap them in between steps."""
-        body = await self._body(request)
-        if self.group is None:
-            raise BadRequest(
-                "group_name", "no weight update group; call /init_weights_update_group"
-            )
-        try:
-            specs = weight_sync.specs_from_announcement(
-                body.get("names"), body.get("dtypes"), body.get("shapes")
-            )
-        except ValueError as e:
-            raise BadRequest(str(e).split(":")[0], str(e)) from None
-        bucket_bytes = body.get("bucket_bytes", 256 << 20)
-        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise BadRequest("bucket_bytes", f"expected a positive integer, got {bucket_bytes!r}")
-        named = await asyncio.to_thread(
-            weight_sync.receive_weights,
-            specs,
-            self.group,
-            bucket_bytes,
-            self.generator.model.device,
-        )
-        try:
-            v = await asyncio.to_thread(
-                self.generator.update_weights, named, self._version_arg(body)
-            )
-        except ValueError as e:  # NaN/inf or wrong tensors: the old weights stay
-            raise BadRequest("names", str(e)) from None
-        return web.json_response({"success": True, "message": "updated", "weight_version": v})
-
     # ------------------------------------------------------------------ app
 
     def build_app(self) -> web.Application:
@@ -577,15 +438,7 @@ class GenerationServer:
                 get("/health_generate", self.health_generate),
                 get("/get_model_info", self.model_info),
                 get("/get_server_info", self.server_info),
-                post("/pause_generation", self.pause),
-                post("/continue_generation", self.resume),
-                post("/flush_cache", self.flush_cache),
-                post("/release_memory_occupation", self.release_memory),
-                post("/resume_memory_occupation", self.resume_memory),
-                post("/update_weight_version", self.update_version),
-                post("/update_weights_from_disk", self.update_from_disk),
-                post("/init_weights_update_group", self.init_group),
-                post("/update_weights_from_distributed", self.update_from_distributed),
+                *self.admin.routes(),
             ]
         )
         return app

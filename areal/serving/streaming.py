@@ -158,6 +158,44 @@ class _Stream:
             rest = final[len(self.sent[i]) :] if final.startswith(self.sent[i]) else ""
             await self.send(self.chunk(i, rest, r.finish_reason))
 
+    async def step(
+        self, queue: asyncio.Queue[tuple[int, int]], futures: list[asyncio.Future]
+    ) -> None:
+        """Wait for new tokens (``(choice, token)`` on ``queue``) or a choice's end, then send
+        what became sendable: new text, and the end of each choice whose tokens all arrived."""
+        getter = asyncio.ensure_future(queue.get())
+        open_futures = [f for f, r in zip(futures, self.results) if r is None]
+        await asyncio.wait([getter, *open_futures], return_when=asyncio.FIRST_COMPLETED)
+        if not getter.done():
+            getter.cancel()
+        items = [getter.result()] if getter.done() and not getter.cancelled() else []
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        for i, tok in items:
+            self.ids[i].append(tok)
+        for i in {i for i, _ in items}:
+            if i in self.calls_parsed:
+                await self.open(i)
+            else:
+                await self.advance(i)
+        for i, f in enumerate(futures):
+            if self.results[i] is None and f.done() and queue.empty():
+                await self.finish(i, f.result())
+
+    async def send_usage(self) -> None:
+        """The usage chunk (``stream_options.include_usage``): no choices, the request's
+        token counts."""
+        await self.send(
+            {
+                "id": self.ident,
+                "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                "created": now(),
+                "model": self.model,
+                "choices": [],
+                "usage": usage(self.jobs, self.results),
+            }
+        )
+
 
 async def stream(
     request: web.Request,
@@ -183,35 +221,9 @@ async def stream(
     st = _Stream(resp, kind, model, jobs, decode, include_usage)
     try:
         while any(r is None for r in st.results):
-            getter = asyncio.ensure_future(queue.get())
-            open_futures = [f for f, r in zip(futures, st.results) if r is None]
-            await asyncio.wait([getter, *open_futures], return_when=asyncio.FIRST_COMPLETED)
-            if not getter.done():
-                getter.cancel()
-            items = [getter.result()] if getter.done() and not getter.cancelled() else []
-            while not queue.empty():
-                items.append(queue.get_nowait())
-            for i, tok in items:
-                st.ids[i].append(tok)
-            for i in {i for i, _ in items}:
-                if i in st.calls_parsed:
-                    await st.open(i)
-                else:
-                    await st.advance(i)
-            for i, f in enumerate(futures):
-                if st.results[i] is None and f.done() and queue.empty():
-                    await st.finish(i, f.result())
+            await st.step(queue, futures)
         if include_usage:
-            await st.send(
-                {
-                    "id": st.ident,
-                    "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                    "created": now(),
-                    "model": model,
-                    "choices": [],
-                    "usage": usage(jobs, st.results),
-                }
-            )
+            await st.send_usage()
     except (asyncio.CancelledError, ConnectionResetError):
         for f in futures:
             f.cancel()  # the client went away: free the slots
