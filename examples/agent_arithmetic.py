@@ -98,6 +98,37 @@ async def calculator_agent(client, item: dict) -> float:
     return 0.0  # no answer within MAX_TURNS calls
 
 
+def _tools_system_turn(tokenizer) -> dict:
+    """The system message that carries ``TOOLS`` as the chat template renders them for the agent's
+    requests, so SFT and RL prompts agree; ValueError when the template is not ChatML."""
+    probe = [{"role": "user", "content": "x"}]
+    with_tools = tokenizer.apply_chat_template(probe, tools=TOOLS, tokenize=False)
+    block = with_tools[
+        : len(with_tools) - len(tokenizer.apply_chat_template(probe, tokenize=False))
+    ]
+    head, tail = "<|im_start|>system\n", "<|im_end|>\n"
+    if not (block.startswith(head) and block.endswith(tail)):
+        raise ValueError(
+            f"the chat template renders tools as {block[:60]!r}..., not as a ChatML system turn"
+        )
+    return {"role": "system", "content": block[len(head) : -len(tail)]}
+
+
+def _calculator_turns(expression: str, reference: str) -> list[dict]:
+    """A worked answer: the calculator call on ``expression``, its result, the answer."""
+    arguments = json.dumps({"e": expression})
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "calc", "arguments": arguments},
+    }
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": calculator(arguments)},
+        {"role": "assistant", "content": reference},
+    ]
+
+
 def sft_conversations(tokenizer, n: int, guess_fraction: float = 0.0) -> list[dict]:
     """``n`` worked conversations on distinct training problems for an SFT warm-up: question,
     calculator call, its result, the answer; a seeded ``guess_fraction`` of them answer in one's
@@ -114,17 +145,7 @@ def sft_conversations(tokenizer, n: int, guess_fraction: float = 0.0) -> list[di
             f"guess_fraction={guess_fraction} must be in [0, 1): the share of "
             "conversations that answer without the tool"
         )
-    probe = [{"role": "user", "content": "x"}]
-    with_tools = tokenizer.apply_chat_template(probe, tools=TOOLS, tokenize=False)
-    block = with_tools[
-        : len(with_tools) - len(tokenizer.apply_chat_template(probe, tokenize=False))
-    ]
-    head, tail = "<|im_start|>system\n", "<|im_end|>\n"
-    if not (block.startswith(head) and block.endswith(tail)):
-        raise ValueError(
-            f"the chat template renders tools as {block[:60]!r}..., not as a ChatML system turn"
-        )
-    system = {"role": "system", "content": block[len(head) : -len(tail)]}
+    system = _tools_system_turn(tokenizer)
     guesses = random.Random(0)
     rows = []
     for item in make_arithmetic(
@@ -133,33 +154,11 @@ def sft_conversations(tokenizer, n: int, guess_fraction: float = 0.0) -> list[di
         expression = question(item)[: -len(" = ?")]
         ask = [system, {"role": "user", "content": question(item)}]
         if guesses.random() < guess_fraction:
-            rows.append(
-                {
-                    "id": item["id"],
-                    "messages": [
-                        *ask,
-                        {"role": "assistant", "content": f"{expression} = {item['reference']}"},
-                    ],
-                }
-            )
-            continue
-        arguments = json.dumps({"e": expression})
-        call = {
-            "id": "call_0",
-            "type": "function",
-            "function": {"name": "calc", "arguments": arguments},
-        }
-        rows.append(
-            {
-                "id": item["id"],
-                "messages": [
-                    *ask,
-                    {"role": "assistant", "content": "", "tool_calls": [call]},
-                    {"role": "tool", "tool_call_id": "call_0", "content": calculator(arguments)},
-                    {"role": "assistant", "content": item["reference"]},
-                ],
-            }
-        )
+            guess = {"role": "assistant", "content": f"{expression} = {item['reference']}"}
+            rows.append({"id": item["id"], "messages": [*ask, guess]})
+        else:
+            turns = _calculator_turns(expression, item["reference"])
+            rows.append({"id": item["id"], "messages": [*ask, *turns]})
     return rows
 
 
