@@ -11,12 +11,12 @@ relaunched or repeated trial never sees the addresses of dead servers. One inter
   rename, or hard link when the key must not exist yet).
 - :class:`MemoryNameRepository` (``memory``): a dict inside one process, for tests and
   single-process runs.
-- :class:`EtcdNameRepository` (``etcd``): keys in an etcd v3 server through its JSON gateway
-  (client ``etcd3gw``). Every entry a process writes hangs on one lease that a thread of that
-  process refreshes, so the entries of a process that dies (even by SIGKILL) vanish within
-  ``cluster.name_resolve.ttl`` seconds.
-- :class:`RayNameRepository` (``ray``): a named, detached Ray actor holding the dict, for the
-  processes of one Ray cluster; it lives until the cluster stops.
+- ``EtcdNameRepository`` (``etcd``, :mod:`areal.utils.name_resolve_etcd`): keys in an etcd v3
+  server through its JSON gateway (client ``etcd3gw``). Every entry a process writes hangs on
+  one lease that a thread of that process refreshes, so the entries of a process that dies (even
+  by SIGKILL) vanish within ``cluster.name_resolve.ttl`` seconds.
+- ``RayNameRepository`` (``ray``, :mod:`areal.utils.name_resolve_ray`): a named, detached Ray
+  actor holding the dict, for the processes of one Ray cluster; it lives until the cluster stops.
 
 The file root doubles as the namespace of the etcd and Ray registries, so runs under different
 roots never see each other's keys there either.
@@ -25,7 +25,6 @@ roots never see each other's keys there either.
 from __future__ import annotations
 
 import abc
-import base64
 import os
 import threading
 import time
@@ -54,7 +53,8 @@ class RegistryUnavailableError(ConnectionError):
     its own entries expired; the message names the address and the config field to fix."""
 
 
-def _clean(name: str) -> str:
+def clean_key(name: str) -> str:
+    """``name`` as a registry key: ``a/b/c``, no empty, ``.`` or ``..`` parts (ValueError)."""
     parts = [p for p in name.strip("/").split("/") if p]
     if not parts or any(p in (".", "..") for p in parts):
         raise ValueError(f"bad registry key {name!r}: use a/b/c with no '.' or '..' parts")
@@ -92,7 +92,7 @@ class NameRepository(abc.ABC):
 
     def add_subentry(self, prefix: str, value: str) -> str:
         """Register ``value`` under a fresh unique key below ``prefix``; returns that key."""
-        name = f"{_clean(prefix)}/{uuid.uuid4().hex[:12]}"
+        name = f"{clean_key(prefix)}/{uuid.uuid4().hex[:12]}"
         self.add(name, value)
         return name
 
@@ -126,9 +126,10 @@ class NameRepository(abc.ABC):
                 return values
             if time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"registry key {_clean(prefix)!r} holds {len(values)} of {count} entries after "
-                    f"{timeout} s; check that the processes that register there started (their "
-                    "logs under RUN_DIR/logs) and use the same cluster.name_resolve settings"
+                    f"registry key {clean_key(prefix)!r} holds {len(values)} of {count} entries "
+                    f"after {timeout} s; check that the processes that register there started "
+                    "(their logs under RUN_DIR/logs) and use the same cluster.name_resolve "
+                    "settings"
                 )
             time.sleep(poll_interval)
 
@@ -142,8 +143,8 @@ class NameRepository(abc.ABC):
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
                         f"registry key {name!r} was not set within {timeout} s; check that the "
-                        "process that publishes it is running and uses the same cluster.name_resolve "
-                        "settings"
+                        "process that publishes it is running and uses the same "
+                        "cluster.name_resolve settings"
                     ) from None
                 time.sleep(poll_interval)
 
@@ -158,7 +159,7 @@ class FileNameRepository(NameRepository):
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, name: str) -> Path:
-        return self.root / _clean(name) / self._ENTRY
+        return self.root / clean_key(name) / self._ENTRY
 
     def add(self, name: str, value: str, replace: bool = False) -> None:
         """Register ``value`` under ``name``. Readers never see half a value: the value is
@@ -175,14 +176,15 @@ class FileNameRepository(NameRepository):
             os.link(tmp, path)
         except FileExistsError:
             raise NameEntryExistsError(
-                f"registry key {_clean(name)!r} is already set in {self.root}; pass replace=True "
-                "to overwrite it"
+                f"registry key {clean_key(name)!r} is already set in {self.root}; pass "
+                "replace=True to overwrite it"
             ) from None
         except OSError as e:
             raise OSError(
                 f"the file registry at {self.root} needs a filesystem with hard links (local disk, "
-                f"NFS) for atomic adds; linking {path} failed: {e}; set cluster.name_resolve.file_root "
-                "to such a directory or use cluster.name_resolve.type=etcd"
+                f"NFS) for atomic adds; linking {path} failed: {e}; set "
+                "cluster.name_resolve.file_root to such a directory or use "
+                "cluster.name_resolve.type=etcd"
             ) from e
         finally:
             tmp.unlink()
@@ -193,7 +195,7 @@ class FileNameRepository(NameRepository):
             return self._path(name).read_text()
         except FileNotFoundError:
             raise NameEntryNotFoundError(
-                f"registry key {_clean(name)!r} is not set in {self.root}"
+                f"registry key {clean_key(name)!r} is not set in {self.root}"
             ) from None
 
     def delete(self, name: str) -> None:
@@ -202,12 +204,12 @@ class FileNameRepository(NameRepository):
             self._path(name).unlink()
         except FileNotFoundError:
             raise NameEntryNotFoundError(
-                f"registry key {_clean(name)!r} is not set in {self.root}"
+                f"registry key {clean_key(name)!r} is not set in {self.root}"
             ) from None
 
     def find_subtree(self, prefix: str) -> list[str]:
         """Keys under ``prefix``."""
-        base = self.root / _clean(prefix)
+        base = self.root / clean_key(prefix)
         keys = []
         for dirpath, _dirs, files in os.walk(base):
             if self._ENTRY in files:
@@ -215,7 +217,7 @@ class FileNameRepository(NameRepository):
         return sorted(keys)
 
 
-class _KeyValueStore:
+class KeyValueStore:
     """A dict of clean keys behind a lock: the memory registry, and the Ray actor's state."""
 
     def __init__(self) -> None:
@@ -255,293 +257,63 @@ class _KeyValueStore:
         return op(self, *args)
 
 
-class _StoreRepository(NameRepository):
-    """A registry over a :class:`_KeyValueStore` reached through ``_call(op, *args)``."""
+class StoreRepository(NameRepository):
+    """A registry over a :class:`KeyValueStore` reached through ``_call(op, *args)``."""
 
     where: str  # where the store lives, for error messages
 
     @abc.abstractmethod
     def _call(self, op: Callable[..., Any], *args: Any) -> Any:
-        """``op(store, *args)`` for a method ``op`` of :class:`_KeyValueStore`, wherever the store is."""
+        """``op(store, *args)`` for a method ``op`` of :class:`KeyValueStore`, wherever the
+        store is."""
 
     def add(self, name: str, value: str, replace: bool = False) -> None:
         """Register ``value`` under ``name``."""
-        if not self._call(_KeyValueStore.put, _clean(name), str(value), replace):
+        if not self._call(KeyValueStore.put, clean_key(name), str(value), replace):
             raise NameEntryExistsError(
-                f"registry key {_clean(name)!r} is already set in {self.where}; pass replace=True "
-                "to overwrite it"
-            )
-
-    def get(self, name: str) -> str:
-        """The value under ``name``."""
-        value = self._call(_KeyValueStore.get, _clean(name))
-        if value is None:
-            raise NameEntryNotFoundError(
-                f"registry key {_clean(name)!r} is not set in {self.where}"
-            )
-        return value
-
-    def delete(self, name: str) -> None:
-        """Remove ``name``."""
-        if not self._call(_KeyValueStore.delete, _clean(name)):
-            raise NameEntryNotFoundError(
-                f"registry key {_clean(name)!r} is not set in {self.where}"
-            )
-
-    def find_subtree(self, prefix: str) -> list[str]:
-        """Keys under ``prefix``."""
-        return [key for key, _ in self._call(_KeyValueStore.items, _clean(prefix))]
-
-    def get_subtree(self, prefix: str) -> list[str]:
-        """Values under ``prefix`` (one call: a consistent snapshot)."""
-        return [value for _, value in self._call(_KeyValueStore.items, _clean(prefix))]
-
-    def clear_subtree(self, prefix: str) -> None:
-        """Delete every key under ``prefix`` at once."""
-        self._call(_KeyValueStore.delete_subtree, _clean(prefix))
-
-
-class MemoryNameRepository(_StoreRepository):
-    """A registry inside this process only: share the object, not the config."""
-
-    where = "this process's memory registry"
-
-    def __init__(self) -> None:
-        self._store = _KeyValueStore()
-
-    def _call(self, op: Callable[..., Any], *args: Any) -> Any:
-        return op(self._store, *args)
-
-
-class RayNameRepository(_StoreRepository):
-    """The store in a detached Ray actor named ``name_resolve:<namespace>`` (Ray namespace
-    ``areal``), created by the first process that asks for it (``get_if_exists``): every
-    process connected to the same Ray cluster reaches the same one. Calls run one at a time in
-    the actor, so ``add`` without ``replace`` is atomic."""
-
-    RAY_NAMESPACE = "areal"
-
-    def __init__(self, address: str, namespace: str, timeout: float):
-        try:
-            import ray
-        except ImportError as e:
-            raise ImportError(
-                f"cluster.name_resolve.type=ray needs Ray ({e}); pip install -e '.[ray]' in the areal checkout"
-            ) from None
-        self._ray = ray
-        self.timeout = timeout
-        if not ray.is_initialized():
-            try:
-                ray.init(address=address, log_to_driver=False)
-            except ConnectionError as e:
-                raise RegistryUnavailableError(
-                    f"no Ray cluster at {address!r} (cluster.name_resolve.ray_address): {e}; start "
-                    "one with `ray start --head` or set cluster.name_resolve.ray_address to its GCS "
-                    "host:port"
-                ) from e
-        self.actor_name = f"name_resolve:{namespace}"
-        self.where = f"the Ray actor {self.actor_name!r}"
-        actor_class = ray.remote(num_cpus=0)(_KeyValueStore)
-        self.actor = actor_class.options(
-            name=self.actor_name,
-            namespace=self.RAY_NAMESPACE,
-            get_if_exists=True,
-            lifetime="detached",
-        ).remote()
-
-    def _call(self, op: Callable[..., Any], *args: Any) -> Any:
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        try:
-            return self._ray.get(self.actor.apply.remote(op, *args), timeout=self.timeout)
-        except (GetTimeoutError, RayActorError) as e:
-            raise RegistryUnavailableError(
-                f"{self.where} did not answer {op.__name__} within {self.timeout} s "
-                f"(cluster.name_resolve.timeout): {type(e).__name__}: {e}; check the Ray cluster "
-                "(`ray status`)"
-            ) from e
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-class EtcdNameRepository(NameRepository):
-    """Keys ``<prefix>/<namespace>/<key>`` in an etcd v3 server (>= 3.4) through its JSON
-    gateway. The first ``add`` grants a lease of ``ttl`` seconds that a daemon thread refreshes
-    every ``ttl/3`` s; every entry this object writes hangs on it. A process that dies stops
-    refreshing, and etcd deletes its entries within ``ttl`` s; :meth:`close` revokes the lease,
-    deleting them at once. ``add`` without ``replace`` is one transaction (create only if the
-    key has no revision). Each thread talks to etcd through its own HTTP session."""
-
-    def __init__(
-        self, address: str, namespace: str, ttl: int, timeout: float, prefix: str = "areal"
-    ):
-        import etcd3gw  # a dependency of areal, imported here so the other backends never load it
-        import etcd3gw.exceptions
-
-        host, _, port = address.rpartition(":")
-        if not (host and port.isdigit()):
-            raise ValueError(
-                f"cluster.name_resolve.etcd_address must be host:port, got {address!r}"
-            )
-        self.address, self.ttl, self.timeout = address, ttl, timeout
-        self._etcd3gw, self._host, self._port = etcd3gw, host, int(port)
-        self._root = (
-            "/".join(p for p in (prefix.strip("/"), namespace.strip("/")) if p) + "/"
-        ).encode()
-        self._local = threading.local()
-        self._lease_lock = threading.Lock()
-        self._lease: Any = None  # etcd3gw.Lease, granted by the first add
-        self._lease_lost = ""  # why this process's entries are gone, set by the keep-alive thread
-        self._stop = threading.Event()
-        self._request("answer a status request", lambda client: client.status())
-
-    def _key(self, name: str) -> bytes:
-        return self._root + _clean(name).encode()
-
-    def _client(self) -> Any:
-        client = getattr(self._local, "client", None)
-        if client is None:
-            client = self._etcd3gw.client(
-                host=self._host, port=self._port, timeout=self.timeout, api_path="/v3/"
-            )
-            self._local.client = client
-        return client
-
-    def _request(self, what: str, call: Callable[[Any], Any]) -> Any:
-        try:
-            return call(self._client())
-        except self._etcd3gw.exceptions.Etcd3Exception as e:
-            raise RegistryUnavailableError(
-                f"etcd at {self.address} (cluster.name_resolve.etcd_address) did not {what}: "
-                f"{type(e).__name__}: {e} {e.detail_text or ''}; start etcd there or point "
-                "cluster.name_resolve.etcd_address at a running one (etcd >= 3.4, whose /health "
-                "answers)"
-            ) from e
-
-    def _owned_lease(self) -> Any:
-        with self._lease_lock:
-            if self._lease_lost:
-                raise RegistryUnavailableError(self._lease_lost)
-            if self._lease is None:
-                self._lease = self._request(
-                    "grant a lease", lambda client: client.lease(ttl=self.ttl)
-                )
-                threading.Thread(
-                    target=self._keep_alive,
-                    args=(self._lease.id,),
-                    name="name-resolve-lease",
-                    daemon=True,
-                ).start()
-            return self._lease
-
-    def _keep_alive(self, lease_id: int) -> None:
-        period = self.ttl / 3  # seconds; two refreshes may fail before the lease runs out
-        while not self._stop.wait(period):
-            try:
-                remaining = self._etcd3gw.Lease(lease_id, self._client()).refresh()
-            except self._etcd3gw.exceptions.Etcd3Exception as e:
-                logger.warning(
-                    f"etcd at {self.address}: lease refresh failed ({e}); retrying in {period:.1f} s"
-                )
-                continue
-            if remaining <= 0:
-                self._lease_lost = (
-                    f"the etcd lease of this process's registry entries at {self.address} expired "
-                    f"(etcd unreachable, or this process stalled, for more than "
-                    f"cluster.name_resolve.ttl={self.ttl} s): its entries are gone; check the etcd "
-                    "server or raise cluster.name_resolve.ttl"
-                )
-                logger.error(self._lease_lost)
-                return
-
-    def add(self, name: str, value: str, replace: bool = False) -> None:
-        """Register ``value`` under ``name`` on this process's lease."""
-        key, data, lease = self._key(name), str(value).encode(), self._owned_lease()
-        if replace:
-            self._request(f"put {name!r}", lambda client: client.put(key, data, lease=lease))
-        elif not self._request(
-            f"create {name!r}", lambda client: client.create(key, data, lease=lease)
-        ):
-            raise NameEntryExistsError(
-                f"registry key {_clean(name)!r} is already set in etcd at {self.address}; pass "
+                f"registry key {clean_key(name)!r} is already set in {self.where}; pass "
                 "replace=True to overwrite it"
             )
 
     def get(self, name: str) -> str:
         """The value under ``name``."""
-        values = self._request(f"read {name!r}", lambda client: client.get(self._key(name)))
-        if not values:
+        value = self._call(KeyValueStore.get, clean_key(name))
+        if value is None:
             raise NameEntryNotFoundError(
-                f"registry key {_clean(name)!r} is not set in etcd at {self.address}"
+                f"registry key {clean_key(name)!r} is not set in {self.where}"
             )
-        return values[0].decode()
+        return value
 
     def delete(self, name: str) -> None:
         """Remove ``name``."""
-        if not self._request(f"delete {name!r}", lambda client: client.delete(self._key(name))):
+        if not self._call(KeyValueStore.delete, clean_key(name)):
             raise NameEntryNotFoundError(
-                f"registry key {_clean(name)!r} is not set in etcd at {self.address}"
+                f"registry key {clean_key(name)!r} is not set in {self.where}"
             )
-
-    def _items(self, prefix: str) -> list[tuple[str, str]]:
-        # One range read, a consistent snapshot: [key, key + "0") holds key, key/... and keys
-        # such as key-x that only share the string prefix ("0" follows "/"); those are dropped.
-        start = self._key(prefix)
-        found = self._request(
-            f"list {prefix!r}",
-            lambda client: client.get(start, metadata=True, range_end=start + b"0"),
-        )
-        out = []
-        for value, meta in found:
-            if meta["key"] == start or meta["key"].startswith(start + b"/"):
-                out.append((meta["key"][len(self._root) :].decode(), value.decode()))
-        return sorted(out)
 
     def find_subtree(self, prefix: str) -> list[str]:
         """Keys under ``prefix``."""
-        return [key for key, _ in self._items(prefix)]
+        return [key for key, _ in self._call(KeyValueStore.items, clean_key(prefix))]
 
     def get_subtree(self, prefix: str) -> list[str]:
-        """Values under ``prefix`` (one range read)."""
-        return [value for _, value in self._items(prefix)]
+        """Values under ``prefix`` (one call: a consistent snapshot)."""
+        return [value for _, value in self._call(KeyValueStore.items, clean_key(prefix))]
 
     def clear_subtree(self, prefix: str) -> None:
-        """Delete ``prefix`` and every key below it in one transaction."""
-        start = self._key(prefix)
-        txn = {
-            "compare": [],
-            "failure": [],
-            "success": [
-                {"request_delete_range": {"key": _b64(start)}},
-                {
-                    "request_delete_range": {
-                        "key": _b64(start + b"/"),
-                        "range_end": _b64(start + b"0"),
-                    }
-                },
-            ],
-        }
-        self._request(f"clear {prefix!r}", lambda client: client.transaction(txn))
+        """Delete every key under ``prefix`` at once."""
+        self._call(KeyValueStore.delete_subtree, clean_key(prefix))
 
-    def close(self) -> None:
-        """Stop refreshing and revoke the lease: this object's entries are deleted now."""
-        self._stop.set()
-        with self._lease_lock:
-            lease, self._lease = self._lease, None
-            self._lease_lost = (
-                self._lease_lost or f"{self!r} was closed; make a new registry to add entries"
-            )
-        if lease is None:
-            return
-        try:
-            self._etcd3gw.Lease(lease.id, self._client()).revoke()
-        except self._etcd3gw.exceptions.Etcd3Exception as e:
-            logger.warning(
-                f"etcd at {self.address}: could not revoke the registry lease ({e}); its entries "
-                f"expire within cluster.name_resolve.ttl={self.ttl} s"
-            )
+
+class MemoryNameRepository(StoreRepository):
+    """A registry inside this process only: share the object, not the config."""
+
+    where = "this process's memory registry"
+
+    def __init__(self) -> None:
+        self._store = KeyValueStore()
+
+    def _call(self, op: Callable[..., Any], *args: Any) -> Any:
+        return op(self._store, *args)
 
 
 def make_repository(config: NameResolveConfig, root: str | os.PathLike) -> NameRepository:
@@ -554,10 +326,14 @@ def make_repository(config: NameResolveConfig, root: str | os.PathLike) -> NameR
     if config.type == "memory":
         return MemoryNameRepository()
     if config.type == "etcd":
+        from areal.utils.name_resolve_etcd import EtcdNameRepository
+
         return EtcdNameRepository(
             config.etcd_address, str(root), config.ttl, config.timeout, config.etcd_prefix
         )
     if config.type == "ray":
+        from areal.utils.name_resolve_ray import RayNameRepository
+
         return RayNameRepository(config.ray_address, str(root), config.timeout)
     raise ValueError(
         f"cluster.name_resolve.type must be file, memory, etcd or ray; got {config.type!r}"
