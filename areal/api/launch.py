@@ -8,6 +8,8 @@ with ``recover.mode=auto`` counts up) and how many torch threads to use. Servers
 may get ``CUDA_VISIBLE_DEVICES`` and ``OMP_NUM_THREADS``, and both the servers' admin key
 (``AREAL_SERVER_API_KEY``: by env, never on a command line, where every user can read it).
 Every process a launcher starts gets ``AREAL_LAUNCHER_PID`` and exits when that process does.
+With ``workflow.type: agent_cmd`` the agent proxy and the trainers share a control token
+(``AREAL_AGENT_PROXY_TOKEN``, made per launch attempt).
 Generation servers are not passed by env: they register ``host:port`` in the trial's name
 registry and trainers read it there.
 """
@@ -31,6 +33,9 @@ SERVER_API_KEY = "AREAL_SERVER_API_KEY"  # servers and trainers get the admin ke
 LAUNCHER_PID = "AREAL_LAUNCHER_PID"  # every started process dies when this process exits
 COLOCATED = "AREAL_COLOCATED"  # "1": the trainer's GPUs also host generation servers
 RAY_AUTH_MODE = "RAY_AUTH_MODE"  # Ray's token auth: "disabled" unless the user opts in
+# the agent proxy's control token: the launcher makes one per attempt and gives it by env to the
+# proxy and the trainers only (agents get per-session keys, never this)
+AGENT_PROXY_TOKEN = "AREAL_AGENT_PROXY_TOKEN"
 PROGRESS = (
     "AREAL_PROGRESS"  # "bar": a terminal shows the launcher's echo (tqdm redraws); "lines": a log
 )
@@ -154,6 +159,16 @@ def trainer_env(attempt: int, colocated: bool = False, progress: str = "lines") 
 def api_key_env(key: str) -> dict[str, str]:
     """Env carrying the servers' admin key (``{}`` for no key)."""
     return {SERVER_API_KEY: key} if key else {}
+
+
+def agent_proxy_env(token: str) -> dict[str, str]:
+    """Env carrying the agent proxy's control token (``{}`` for none: no agent proxy)."""
+    return {AGENT_PROXY_TOKEN: token} if token else {}
+
+
+def agent_proxy_token(environ: Mapping[str, str] = os.environ) -> str:
+    """The agent proxy's control token a launcher passed ('' = none: no proxy was started)."""
+    return environ.get(AGENT_PROXY_TOKEN, "")
 
 
 def server_api_key(configured: str = "", environ: Mapping[str, str] = os.environ) -> str:

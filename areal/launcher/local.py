@@ -2,7 +2,9 @@
 
 Clears the trial's registry, starts ``cluster.n_servers`` generation servers (ours, or SGLang /
 vLLM when ``rollout.backend`` says so and they are installed), registers each in the registry
-once it answers ``/health`` (with a deadline), then runs SCRIPT under ``torchrun`` on
+once it answers ``/health`` (with a deadline), with ``workflow.type: agent_cmd`` starts the agent
+proxy role (areal.launcher.agent_proxy_task; a control token per attempt, by env to it and the
+trainers; its exit stops the run), then runs SCRIPT under ``torchrun`` on
 ``cluster.trainer_nprocs`` ranks with the launch env contract (:mod:`areal.api.launch`); the
 trainers find the servers in the registry. On a GPU machine the trainer ranks get GPUs
 ``0..trainer_nprocs-1`` and server ``i`` the GPU after them (``CUDA_VISIBLE_DEVICES``; inside a
@@ -21,11 +23,19 @@ whole config before starting anything.
 
 from __future__ import annotations
 
+import secrets
 import sys
 import time
 
 from areal.api.config.loader import iter_fields
-from areal.api.launch import api_key_env, devices_env, threads_env, trainer_env, visible_devices
+from areal.api.launch import (
+    agent_proxy_env,
+    api_key_env,
+    devices_env,
+    threads_env,
+    trainer_env,
+    visible_devices,
+)
 from areal.launcher.common import (
     launch,
     register_server,
@@ -34,7 +44,7 @@ from areal.launcher.common import (
     usable_cores,
     wait_for_servers,
 )
-from areal.launcher.procs import ProcessSupervisor
+from areal.launcher.procs import Child, ProcessSupervisor
 from areal.launcher.servers import ManagedServer, server_command, server_env
 from areal.utils.logging import get_logger
 from areal.utils.name_resolve import gen_teacher_key, make_repository
@@ -125,6 +135,36 @@ def _start_teachers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) 
         registry.add_subentry(gen_teacher_key(cfg.experiment_name, cfg.trial_name), address)
 
 
+def uses_agent_proxy(cfg) -> bool:
+    """Whether the run needs the agent proxy role (``workflow.type: agent_cmd``)."""
+    workflow = getattr(cfg, "workflow", None)  # experiments without rollouts (SFT) have none
+    return workflow is not None and workflow.type == "agent_cmd"
+
+
+def agent_proxy_command(script: str, argv: list[str], cfg, host: str, port: int = 0) -> list[str]:
+    """Command line of the agent proxy role (areal.launcher.agent_proxy_task) on ``host``."""
+    return [
+        sys.executable, "-m", "areal.launcher.agent_proxy_task", "--host", host,
+        "--port", str(port), str(script), *without_secrets(argv, cfg),
+    ]  # fmt: skip
+
+
+def _start_agent_proxy(
+    sup: ProcessSupervisor, script: str, argv: list[str], cfg
+) -> tuple[Child | None, str]:
+    """With ``workflow.type: agent_cmd``: the agent proxy role, once it answers ``/health``
+    (it registers itself), and the control token it shares with the trainers; else (None, '')."""
+    if not uses_agent_proxy(cfg):
+        return None, ""
+    token, port = secrets.token_urlsafe(32), free_port()
+    env = {**threads_env(1), **api_key_env(cfg.server.api_key), **agent_proxy_env(token)}
+    child = sup.start(
+        "agent_proxy", agent_proxy_command(script, argv, cfg, "127.0.0.1", port), env=env
+    )
+    sup.wait_http_ok(child, f"http://127.0.0.1:{port}/health", cfg.launcher.server_setup_timeout)
+    return child, token
+
+
 def _usable_gpus(cfg) -> list[str]:
     """The GPU ids this launch may use: the user's CUDA_VISIBLE_DEVICES when set (respected,
     never widened), else ``0..n-1`` for ``cluster.devices_per_node`` or the GPUs torch sees;
@@ -171,6 +211,7 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
         logger.info(f"launcher: {how}")
         servers = _start_servers(sup, cfg, server_gpus, server_threads)
         _start_teachers(sup, cfg, server_gpus)
+        proxy, token = _start_agent_proxy(sup, script, argv, cfg)
         server_cfg = getattr(cfg, "server", None)  # experiments without servers (SFT) have none
         colocated = trainer_gpus is not None and bool(
             set(trainer_gpus.split(",")) & set(server_gpus)
@@ -181,6 +222,7 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
             **threads_env(trainer_threads),
             **devices_env(trainer_gpus),
             **api_key_env(server_cfg.api_key if server_cfg else ""),
+            **agent_proxy_env(token),
         }
         cmd = _trainer_command(script, without_secrets(argv, cfg), cluster.trainer_nprocs)
         trainer = sup.start("trainer", cmd, env=env)
@@ -189,6 +231,12 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
             for s in list(watched):
                 if s.child.proc.poll() is not None and not s.restart(sup, cfg):
                     watched.remove(s)
+            if proxy is not None and proxy.proc.poll() is not None:
+                logger.error(
+                    f"the agent proxy exited with code {proxy.proc.returncode}: "
+                    f"{proxy.root_cause()}; the run stops (see {proxy.log_path})"
+                )
+                return proxy.proc.returncode or 1
             time.sleep(0.2)
         code = trainer.proc.returncode
         if code != 0:

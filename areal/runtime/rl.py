@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from areal.api.config import GRPOConfig
-from areal.api.launch import LaunchEnv
+from areal.api.launch import LaunchEnv, agent_proxy_token
 from areal.api.workflow import RolloutWorkflow
 from areal.reward.resolve import resolve_reward
 from areal.reward.runner import RewardRunner
@@ -21,7 +21,8 @@ from areal.rollout.executor import WorkflowExecutor
 from areal.rollout.remote import RemoteInferenceEngine, discover_servers
 from areal.workflow.agent import AgentWorkflow
 from areal.workflow.agent_cmd import AgentCommandWorkflow
-from areal.utils.name_resolve import gen_teacher_key
+from areal.utils.name_resolve import gen_teacher_key, make_repository
+from areal.workflow.agent_control import ProxyClient, agent_proxy_key
 from areal.workflow.custom import make_custom_workflow
 from areal.workflow.distill import TeacherScored
 from areal.workflow.multi_turn import MultiTurnWorkflow
@@ -34,11 +35,13 @@ def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RolloutWorkfl
         return MultiTurnWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir)
     if cfg.workflow.type == "agent":  # your openai-client agent, trained as it is (docs/agents.md)
         return AgentWorkflow(cfg.workflow.agent, cfg.gconfig, tokenizer)
-    if (
-        cfg.workflow.type == "agent_cmd"
-    ):  # your agent program, through the agent proxy (docs/agents.md)
+    if cfg.workflow.type == "agent_cmd":  # your agent program, through the agent proxy
         return AgentCommandWorkflow(
-            cfg.workflow.agent, cfg.gconfig, tokenizer, Path(dump_dir).parent / "logs"
+            cfg.workflow.agent,
+            cfg.gconfig,
+            tokenizer,
+            agent_proxy_client(cfg),
+            Path(dump_dir).parent / "logs",
         )
     if cfg.workflow.type != "rlvr":
         return make_custom_workflow(cfg.workflow.type, reward, cfg.gconfig, tokenizer)
@@ -50,6 +53,22 @@ def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RolloutWorkfl
         dump_dir,
         greedy_baseline=cfg.actor.remax_baseline,
     )
+
+
+def agent_proxy_client(cfg: GRPOConfig) -> ProxyClient:
+    """The control client of the trial's agent proxy, the role the launchers start with
+    ``workflow.type: agent_cmd`` (areal.launcher.agent_proxy_task): its address from the trial
+    registry (waiting up to ``rollout.setup_timeout``), its token from the launcher's env."""
+    token = agent_proxy_token()
+    if not token:
+        raise ValueError(
+            "workflow.type=agent_cmd: no agent proxy control token in the environment "
+            "(AREAL_AGENT_PROXY_TOKEN); start the run with `areal launch local|ray|slurm`, "
+            "which starts the agent proxy and passes it"
+        )
+    registry = make_repository(cfg.cluster.name_resolve, cfg.name_resolve_root)
+    key = agent_proxy_key(cfg.experiment_name, cfg.trial_name)
+    return ProxyClient(registry.wait_subtree(key, 1, cfg.rollout.setup_timeout)[0], token)
 
 
 @dataclass
@@ -76,7 +95,7 @@ class RolloutSide:
 
     def close(self) -> None:
         for wf in {id(w): w for w in (self.agent, self.eval_workflow)}.values():
-            if isinstance(wf, AgentCommandWorkflow):  # its proxy runs on the executor's loop
+            if isinstance(wf, AgentCommandWorkflow):  # its control client runs on that loop
                 self.executor.run_on_loop(wf.aclose(), timeout=10.0)
         self.executor.destroy()
         self.rollout.destroy()
@@ -138,7 +157,11 @@ def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
         eval_workflow = AgentWorkflow(cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer)
     elif cfg.workflow.type == "agent_cmd":
         eval_workflow = AgentCommandWorkflow(
-            cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer, run.run_dir / "logs"
+            cfg.workflow.agent,
+            cfg.eval_gconfig,
+            run.tokenizer,
+            agent_proxy_client(cfg),
+            run.run_dir / "logs",
         )
     executor = WorkflowExecutor(
         cfg.rollout,

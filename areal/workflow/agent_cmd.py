@@ -30,24 +30,25 @@ import shlex
 import shutil
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.reward import AgentConfig
 from areal.api.engine import InferenceEngine
-from areal.api.io import Trajectory
 from areal.utils.imports import import_by_path
 from areal.utils.logging import get_logger
 from areal.utils.process import parent_death_signal
 from areal.workflow.agent import AgentWorkflow
-from areal.workflow.agent_proxy import AgentProxy
-from areal.workflow.openai_client import ArealOpenAI
+from areal.workflow.agent_control import ProxyClient, SessionRecord
+from areal.workflow.openai_client import EngineFailure
 
 logger = get_logger("agent_cmd")
 EXIT_GRACE = 5.0  # seconds an agent may take to exit after posting its reward
 STDERR_LIMIT = 65536  # bytes of one agent's stderr kept in the log
 STDOUT_LIMIT = 1 << 20  # bytes of one agent's stdout kept for the reward function
+SESSION_GRACE = 60.0  # seconds past the episode deadline the proxy keeps an unclosed session
 
 
 def command_argv(command: str) -> list[str]:
@@ -81,6 +82,15 @@ class AgentEpisodeError(RuntimeError):
     """The agent process ended its episode without a reward (exit, crash, kill, deadline)."""
 
 
+@dataclass
+class _Outcome:
+    """How an agent process's run ended, before its session's record is read."""
+
+    deadline: bool  # killed at workflow.agent.episode_timeout
+    code: int | None  # its exit code (None: killed by us)
+    stdout: bytes
+
+
 class AgentCommandWorkflow(AgentWorkflow):
     """``n_samples`` episodes of an agent program per item, through the agent proxy."""
 
@@ -89,6 +99,7 @@ class AgentCommandWorkflow(AgentWorkflow):
         config: AgentConfig,
         gconfig: GenerationHyperparameters,
         tokenizer: Any,
+        proxy: ProxyClient,
         log_dir: Path | None = None,
     ):
         if not config.command.strip():
@@ -104,49 +115,63 @@ class AgentCommandWorkflow(AgentWorkflow):
         )
         self.log_path = None if log_dir is None else Path(log_dir) / "agent_stderr.log"
         self.counts["deadline_drops"] = 0
-        self.proxy = AgentProxy(tokenizer, int(config.max_request_mb * (1 << 20)))
-        self._started: asyncio.Task | None = None
+        self.proxy = proxy
+        self.open_sessions = 0
         self._slots: asyncio.Semaphore | None = None
 
     def stats(self) -> dict[str, float]:
-        """The agent counters, plus the proxy's sessions open right now."""
-        return {**super().stats(), "agent/open_sessions": float(self.proxy.open_sessions)}
-
-    async def _start(self) -> None:
-        """Start the proxy on this (the executor's) loop, once."""
-        if self._started is None:
-            self._started = asyncio.ensure_future(self.proxy.start())
-            if self.config.max_agents:
-                self._slots = asyncio.Semaphore(self.config.max_agents)
-        await asyncio.shield(self._started)
+        """The agent counters, plus this workflow's sessions open right now."""
+        return {**super().stats(), "agent/open_sessions": float(self.open_sessions)}
 
     async def aclose(self) -> None:
-        """Stop the proxy (on the loop it runs on)."""
-        await self.proxy.stop()
-
-    async def arun_episode(
-        self, engine: InferenceEngine, item: dict[str, Any]
-    ) -> list[Trajectory] | None:
-        await self._start()
-        return await super().arun_episode(engine, item)
+        """Close the control connection (on the loop that used it)."""
+        await self.proxy.aclose()
 
     async def _run_agent(
         self, engine: InferenceEngine, item: dict, group_id: str, index: int
-    ) -> tuple[ArealOpenAI, Any]:
-        name = f"{group_id}/{index}"
-        key, session = self.proxy.open(engine, self.gconfig, group_id, name)
-        try:
-            if self._slots is None:
-                return session.client, await self._supervise(key, session, item, name)
-            async with self._slots:
-                return session.client, await self._supervise(key, session, item, name)
-        finally:
-            self.proxy.close(key)
-            if session.client.engine_failure is not None:  # infrastructure: stops the run
-                raise session.client.engine_failure
+    ) -> tuple[SessionRecord, Any]:
+        if self._slots is None and self.config.max_agents:  # on the loop that runs episodes
+            self._slots = asyncio.Semaphore(self.config.max_agents)
+        if self._slots is None:
+            return await self._session(engine, item, group_id, index)
+        async with self._slots:
+            return await self._session(engine, item, group_id, index)
 
-    async def _supervise(self, key: str, session, item: dict, name: str) -> float:
-        """Run the agent until it posts a reward, exits, or its deadline passes."""
+    async def _session(
+        self, engine: InferenceEngine, item: dict, group_id: str, index: int
+    ) -> tuple[SessionRecord, Any]:
+        """Open the episode's session, run the agent, take the record; the reward is the one
+        posted, else the one the exit earns (module docstring)."""
+        name = f"{group_id}/{index}"
+        sid, key = await self.proxy.open(
+            group_id, name, self.gconfig, engine.get_version(),
+            self.config.episode_timeout + SESSION_GRACE,
+        )  # fmt: skip
+        self.open_sessions += 1
+        try:
+            outcome = await self._supervise(sid, key, item, name)
+        finally:
+            self.open_sessions -= 1
+            record = await self.proxy.close(sid)
+        if record.engine_failure is not None:  # infrastructure: stops the run
+            raise EngineFailure(record.engine_failure)
+        if record.reward is not None:
+            return record, record.reward
+        if outcome.deadline:
+            self.counts["deadline_drops"] += 1
+            logger.warning(
+                "agent %s passed its deadline (workflow.agent.episode_timeout=%s s): killed, "
+                "dropped", name, self.config.episode_timeout,
+            )  # fmt: skip
+            raise AgentEpisodeError(
+                f"agent {name} posted no reward within workflow.agent.episode_timeout="
+                f"{self.config.episode_timeout} s; killed and dropped"
+            )
+        return record, await self._exit_reward(outcome.code, outcome.stdout, item, name)
+
+    async def _supervise(self, sid: str, key: str, item: dict, name: str) -> _Outcome:
+        """Run the agent until its session ends (a posted reward: it then has
+        :data:`EXIT_GRACE` s to exit), it exits, or its deadline passes; kill what is left."""
         env = {**os.environ, "OPENAI_BASE_URL": self.proxy.base_url, "OPENAI_API_KEY": key}
         proc = await asyncio.create_subprocess_exec(
             *self.argv,
@@ -166,7 +191,7 @@ class AgentCommandWorkflow(AgentWorkflow):
             proc.stdin.close()
         except (BrokenPipeError, ConnectionResetError):
             pass  # the agent exited before reading its item: judged by its exit below
-        ended = asyncio.ensure_future(session.ended.wait())
+        ended = asyncio.ensure_future(self.proxy.wait_ended(sid, self.config.episode_timeout))
         exited = asyncio.ensure_future(proc.wait())
         try:
             await asyncio.wait(
@@ -174,29 +199,20 @@ class AgentCommandWorkflow(AgentWorkflow):
                 timeout=self.config.episode_timeout,
                 return_when=asyncio.FIRST_COMPLETED,
             )
-            if session.reward is not None:
+            if ended.done() and ended.exception() is not None:
+                raise ended.exception()  # the proxy is gone: infrastructure
+            if ended.done() and ended.result():
                 await asyncio.wait([exited], timeout=EXIT_GRACE)
-                return session.reward
             if not exited.done():
-                self.counts["deadline_drops"] += 1
-                logger.warning(
-                    "agent %s passed its deadline (workflow.agent.episode_timeout=%s s): "
-                    "killed, dropped",
-                    name,
-                    self.config.episode_timeout,
-                )
-                raise AgentEpisodeError(
-                    f"agent {name} posted no reward within workflow.agent.episode_timeout="
-                    f"{self.config.episode_timeout} s; killed and dropped"
-                )
+                return _Outcome(not ended.done() or not ended.result(), None, b"")
             stdout, _ = await pipes
-            return await self._exit_reward(proc.returncode, stdout, item, name)
+            return _Outcome(False, proc.returncode, stdout)
         finally:
             _kill(proc)
             ended.cancel()
-            await asyncio.gather(exited, pipes, return_exceptions=True)
+            await asyncio.gather(ended, exited, pipes, return_exceptions=True)
 
-    async def _exit_reward(self, code: int, stdout: bytes, item: dict, name: str) -> float:
+    async def _exit_reward(self, code: int | None, stdout: bytes, item: dict, name: str) -> float:
         """The reward of an agent that exited without posting one (module docstring)."""
         if code != 0 or self.reward_fn is None:
             where = f"; its stderr is in {self.log_path}" if self.log_path else ""

@@ -1,33 +1,40 @@
 """An OpenAI-compatible HTTP proxy for agents in their own processes (``workflow.type: agent_cmd``).
 
 An agent that only lets you set a base URL and an API key (an OpenAI Agents SDK or LangGraph
-program, a CLI, a tool server in another language) trains through this proxy. It serves, on
-loopback:
+program, a CLI, a tool server in another language) trains through this proxy. The launchers run
+it as a role of its own (:mod:`areal.launcher.agent_proxy_task`, beside the generation servers,
+with a rollout client of its own); tests run it on their event loop over a scripted engine.
+
+For agents, keyed by their session's key (``Authorization: Bearer <key>``):
 
 * ``POST /v1/chat/completions`` (tools, ``tool_choice``, ``n``, ``logprobs``, ``stream``) and
   ``POST /v1/completions``: each call goes to the session's
   :class:`~areal.workflow.openai_client.ArealOpenAI`, the same code the in-process agent path
-  uses, so the prompt is rendered, generated through the rollout engine (admission, the
-  staleness bound, interruption on weight updates, per-token versions) and recorded in tokens
-  exactly as there. ``stream: true`` is answered as server-sent events once the completion is
-  generated (the rollout engine does not stream tokens): one chunk with the whole message, one
-  with the finish reason, the usage chunk when ``stream_options.include_usage`` asks, ``[DONE]``.
+  uses, so the prompt is rendered, generated through the rollout client (re-submission on weight
+  updates, per-token versions) and recorded in tokens exactly as there. ``stream: true`` is
+  answered as server-sent events once the completion is generated (the rollout engine does not
+  stream tokens): one chunk with the whole message, one with the finish reason, the usage chunk
+  when ``stream_options.include_usage`` asks, ``[DONE]``.
 * ``POST /v1/reward``: ``{"reward": float}`` ends the episode with that reward;
   ``{"reward": float, "completion_id": id}`` gives one call its own reward (docs/agents.md) and
   leaves the session open.
 * ``GET /v1/models``: the one model name, for clients that list models first.
 
-Sessions. The workflow opens one session per episode and hands the agent a fresh random key
-(``Authorization: Bearer <key>``); there is no shared or admin key, and keys are never logged.
-A key reaches only its own session. A call with an unknown key, or the key of a session that
-ended (reward posted, deadline passed, agent killed), is refused with 401; a body that is not a
-JSON object, or a call the client refuses (an argument training cannot honour), with 400; a body
-over ``workflow.agent.max_request_mb`` with 413. None of these touch any session, and the proxy
-keeps serving. An engine failure under a call is answered 503 and stops the run (an
-infrastructure error, never the agent's).
+For the rollout side, keyed by the run's control token (``AREAL_AGENT_PROXY_TOKEN``, given by
+the launcher to the proxy and the trainers only): ``POST /control/sessions`` opens a session
+(its public id and its key), ``POST /control/sessions/ID/wait`` waits (long poll) until it ended,
+``POST /control/sessions/ID/close`` ends it and answers its record (areal.workflow.agent_control).
+The episode's admission, and with it the staleness bound, stays with the rollout side that opens
+the session: the proxy generates only inside admitted episodes. ``GET /health`` needs no key.
 
-The proxy runs on the event loop of the workflow that owns it (the rollout executor's), so a
-call's generation is awaited on the same loop as the episode that waits for its reward.
+Sessions. Each has a fresh random key (no shared or admin key for agents; keys are never logged
+nor echoed) and reaches only its own calls. A call with an unknown key, or the key of a session
+that ended (reward posted, closed, its deadline passed), is refused with 401; a body that is not
+a JSON object, or a call the client refuses (an argument training cannot honour), with 400; a
+body over the size limit with 413. None of these touch any session, and the proxy keeps
+serving. A session whose owner never closes it (a trainer that died) is dropped at its deadline.
+An engine failure under a call is answered 503 and recorded; the rollout side that owns the
+session stops the run with it (an infrastructure error, never the agent's).
 """
 
 from __future__ import annotations
@@ -44,10 +51,12 @@ from aiohttp import web
 from areal.api.config.base import GenerationHyperparameters
 from areal.api.engine import InferenceEngine
 from areal.utils.logging import get_logger
+from areal.workflow.agent_control import record_of
 from areal.workflow.openai_client import ArealOpenAI, EngineFailure
 
 logger = get_logger("agent_proxy")
 MODEL = "areal"
+MAX_WAIT = 30.0  # seconds one control long poll may hold
 
 
 @dataclass
@@ -56,7 +65,9 @@ class Session:
 
     name: str  # "<item id>/<sample index>", for logs; never the key
     client: ArealOpenAI
+    id: str = field(default_factory=lambda: f"s-{secrets.token_hex(12)}")  # the control handle
     reward: float | None = None
+    why: str = ""  # how it ended: reward | closed | deadline | stopped
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -68,17 +79,36 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
 
 
 class AgentProxy:
-    """The loopback HTTP server and its sessions (module docstring)."""
+    """The HTTP server and its sessions (module docstring); ``engine`` generates every call."""
 
-    def __init__(self, tokenizer: Any, max_request_bytes: int):
+    def __init__(
+        self,
+        tokenizer: Any,
+        engine: InferenceEngine,
+        max_request_bytes: int,
+        control_token: str,
+    ):
+        if not control_token:
+            raise ValueError(
+                "agent proxy: empty control token; the launcher passes one by env "
+                "(AREAL_AGENT_PROXY_TOKEN)"
+            )
         self.tokenizer = tokenizer
+        self.engine = engine
         self.max_request_bytes = max_request_bytes
-        self._sessions: dict[str, Session] = {}  # key -> session
+        self._token = control_token
+        self._keys: dict[str, Session] = {}  # key -> open session
+        self._ids: dict[str, tuple[str, Session]] = {}  # id -> (key, session), until collected
         self._runner: web.AppRunner | None = None
-        self.base_url = ""
+        self.address = ""  # host:port once serving
 
-    async def start(self) -> str:
-        """Serve on a free loopback port of the running loop; returns the base URL (``.../v1``)."""
+    @property
+    def base_url(self) -> str:
+        """What agents set as their OpenAI base URL."""
+        return f"http://{self.address}/v1"
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve on ``host:port`` (0: a free port) of the running loop; returns ``host:port``."""
         app = web.Application(client_max_size=self.max_request_bytes, middlewares=[self._errors])
         app.add_routes(
             [
@@ -86,48 +116,79 @@ class AgentProxy:
                 web.post("/v1/completions", self._text),
                 web.post("/v1/reward", self._reward),
                 web.get("/v1/models", self._models),
+                web.post("/control/sessions", self._c_open),
+                web.post("/control/sessions/{id}/wait", self._c_wait),
+                web.post("/control/sessions/{id}/close", self._c_close),
+                web.get("/health", self._health),
             ]
         )
-        self._runner = web.AppRunner(
-            app, access_log=None
-        )  # the access log would carry no key, but no need
+        self._runner = web.AppRunner(app, access_log=None)  # no log of paths, keys or bodies
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, host, port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 -- aiohttp's one way to read port 0
-        self.base_url = f"http://127.0.0.1:{port}/v1"
+        self.address = f"{host}:{port}"
         logger.info("agent proxy serving on %s", self.base_url)
-        return self.base_url
+        return self.address
 
     async def stop(self) -> None:
         """Stop serving; every open session ends."""
-        for session in self._sessions.values():
-            session.ended.set()
-        self._sessions.clear()
+        for key in list(self._keys):
+            self.end(key, "stopped")
+        self._ids.clear()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
 
     def open(
-        self, engine: InferenceEngine, gconfig: GenerationHyperparameters, group_id: str, name: str
+        self,
+        gconfig: GenerationHyperparameters,
+        group_id: str,
+        name: str,
+        timeout: float,
+        version: int | None = None,
     ) -> tuple[str, Session]:
-        """A new session and its key (a secret: hand it to the agent only)."""
+        """A new session and its key (a secret: hand it to the agent only). Past ``timeout``
+        seconds it is ended and dropped unless its owner closed it. ``version``: the opener's
+        weight version, which the engine tags tokens with when a server reports none."""
+        if version is not None and version > self.engine.get_version():
+            self.engine.set_version(version)
         key = f"areal-{secrets.token_urlsafe(32)}"
         session = Session(
-            name, ArealOpenAI(engine, self.tokenizer, gconfig, group_id=group_id, model=MODEL)
+            name, ArealOpenAI(self.engine, self.tokenizer, gconfig, group_id=group_id, model=MODEL)
         )
-        self._sessions[key] = session
+        self._keys[key] = session
+        self._ids[session.id] = (key, session)
+        asyncio.get_running_loop().call_later(timeout, self._expire, session.id)
         return key, session
 
-    def close(self, key: str) -> None:
-        """End the session: its key is refused from now on."""
-        session = self._sessions.pop(key, None)
+    def end(self, key: str, why: str) -> None:
+        """End the session of ``key``: the key is refused from now on; its record stays for its
+        owner (:meth:`collect`)."""
+        session = self._keys.pop(key, None)
         if session is not None:
+            session.why = why
             session.ended.set()
+
+    def collect(self, session_id: str) -> Session | None:
+        """End the session (if open) and forget it: its record, for its owner."""
+        found = self._ids.pop(session_id, None)
+        if found is None:
+            return None
+        self.end(found[0], "closed")
+        return found[1]
+
+    def _expire(self, session_id: str) -> None:
+        found = self._ids.pop(session_id, None)
+        if found is not None and found[0] in self._keys:
+            logger.warning("agent session %s passed its deadline unclosed: dropped", found[1].name)
+        if found is not None:
+            self.end(found[0], "deadline")
 
     @property
     def open_sessions(self) -> int:
-        return len(self._sessions)
+        """Sessions whose key is still accepted."""
+        return len(self._keys)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
@@ -143,9 +204,8 @@ class AgentProxy:
             return _error(e.status, e.reason)
 
     def _session(self, request: web.Request) -> tuple[str, Session] | web.Response:
-        auth = request.headers.get("Authorization", "")
-        key = auth[len("Bearer ") :].strip() if auth.startswith("Bearer ") else ""
-        session = self._sessions.get(key)
+        key = _bearer(request)
+        session = self._keys.get(key)
         if session is None:  # the key itself is never echoed nor logged
             return _error(
                 401,
@@ -173,9 +233,8 @@ class AgentProxy:
         if isinstance(body, web.Response):
             return body
         stream = bool(body.pop("stream", False))
-        usage = (
-            bool((body.pop("stream_options", None) or {}).get("include_usage")) if stream else False
-        )
+        options = body.pop("stream_options", None)
+        usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
         client = found[1].client
         try:
             out = await (client.create(**body) if chat else client.complete(**body))
@@ -183,7 +242,7 @@ class AgentProxy:
             return _error(503, f"the rollout engine failed: {e}; the run stops", "server_error")
         except (ValueError, TypeError) as e:  # what training cannot honour, named by the client
             return _error(400, str(e))
-        if found[0] not in self._sessions:  # the episode ended while the call ran
+        if found[0] not in self._keys:  # the episode ended while the call ran
             return _error(
                 401,
                 "the session ended while this call ran (deadline or reward)",
@@ -234,8 +293,74 @@ class AgentProxy:
                 return _error(400, str(e))
             return web.json_response({"ok": True, "ended": False})
         session.reward = float(reward)
-        self.close(key)
+        self.end(key, "reward")
         return web.json_response({"ok": True, "ended": True})
+
+    # -- the rollout side's control API -------------------------------------------------------
+
+    def _controller(self, request: web.Request) -> web.Response | None:
+        """None when the request carries the control token, else the 401 to answer."""
+        if secrets.compare_digest(_bearer(request).encode(), self._token.encode()):
+            return None
+        return _error(401, "control API: missing or wrong control token", "authentication_error")
+
+    def _known(self, request: web.Request) -> Session | web.Response:
+        refused = self._controller(request)
+        if refused is not None:
+            return refused
+        found = self._ids.get(request.match_info["id"])
+        if found is None:
+            return _error(404, "unknown session id: never opened, closed, or past its deadline")
+        return found[1]
+
+    async def _c_open(self, request: web.Request) -> web.Response:
+        refused = self._controller(request)
+        if refused is not None:
+            return refused
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            gconfig = GenerationHyperparameters(**body["gconfig"])
+            group_id, name = str(body["group_id"]), str(body["name"])
+            timeout, version = float(body["timeout"]), int(body["version"])
+        except (KeyError, TypeError, ValueError) as e:
+            return _error(
+                400, f"control open: expected gconfig, group_id, name, timeout, version: {e!r}"
+            )
+        key, session = self.open(gconfig, group_id, name, timeout, version)
+        return web.json_response({"id": session.id, "key": key})
+
+    async def _c_wait(self, request: web.Request) -> web.Response:
+        session = self._known(request)
+        if isinstance(session, web.Response):
+            return session
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        timeout = body.get("timeout")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            return _error(400, f"timeout: expected seconds >= 0, got {timeout!r}")
+        try:
+            await asyncio.wait_for(session.ended.wait(), min(float(timeout), MAX_WAIT))
+        except TimeoutError:
+            pass  # still open: the caller asks again
+        return web.json_response({"ended": session.ended.is_set(), "why": session.why})
+
+    async def _c_close(self, request: web.Request) -> web.Response:
+        session = self._known(request)
+        if isinstance(session, web.Response):
+            return session
+        self.collect(session.id)
+        return web.json_response(record_of(session))
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "open_sessions": self.open_sessions})
+
+
+def _bearer(request: web.Request) -> str:
+    auth = request.headers.get("Authorization", "")
+    return auth[len("Bearer ") :].strip() if auth.startswith("Bearer ") else ""
 
 
 def _chunks(answer: dict, chat: bool) -> list[dict]:

@@ -11,6 +11,9 @@
   fail_first  exit 3 on launch attempt 0, exit 0 on later attempts
   heartbeat   watch the process that started it as a trainer rank does, then append a line to
               RUN_DIR/heartbeat every 20 ms until stopped
+  agent_proxy (workflow.type=agent_cmd) open a session on the launcher's agent proxy role, make
+              a chat call with its key as an agent would, close it: the record holds the call;
+              writes RUN_DIR/agent_proxy.json (the proxy's address and the call's token count)
 Each start appends {"attempt", "pid", "ppid", "addrs"} to RUN_DIR/entry.jsonl.
 """
 
@@ -65,12 +68,46 @@ def main(argv: list[str]) -> int:
             with open(cfg.run_dir / "heartbeat", "a") as f:
                 f.write(f"{time.time()}\n")
             time.sleep(0.02)
+    if behaviour == "agent_proxy":
+        return agent_proxy_session(cfg)
     if behaviour == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if behaviour in ("sleep", "stubborn"):
         time.sleep(600)
         return 0
     raise ValueError(f"unknown AREAL_TEST_BEHAVIOUR={behaviour!r}")
+
+
+def agent_proxy_session(cfg) -> int:
+    """The ``agent_proxy`` behaviour (module docstring)."""
+    import asyncio
+
+    import aiohttp
+
+    from areal.api.config.base import GenerationHyperparameters
+    from areal.runtime.rl import agent_proxy_client
+
+    async def session() -> dict:
+        proxy = agent_proxy_client(cfg)
+        g = GenerationHyperparameters(max_new_tokens=4)
+        try:
+            sid, key = await proxy.open("g0", "g0/0", g, 0, timeout=60.0)
+            chat = {"model": "areal", "messages": [{"role": "user", "content": "1 + 1 = ?"}]}
+            async with aiohttp.ClientSession() as http:
+                async with http.post(
+                    f"{proxy.base_url}/chat/completions",
+                    json=chat,
+                    headers={"Authorization": f"Bearer {key}"},
+                ) as resp:
+                    assert resp.status == 200, await resp.text()
+            record = await proxy.close(sid)
+        finally:
+            await proxy.aclose()
+        assert len(record.calls) == 1 and record.calls[0].completion_ids, record
+        return {"address": proxy.address, "tokens": len(record.calls[0].completion_ids)}
+
+    (cfg.run_dir / "agent_proxy.json").write_text(json.dumps(asyncio.run(session())))
+    return 0
 
 
 if __name__ == "__main__":

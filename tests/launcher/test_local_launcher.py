@@ -6,12 +6,21 @@ no bound server port, whether the trainer finishes, fails, or the launcher is in
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 from pathlib import Path
 
 import pytest
 
-from launch_harness import Launch, assert_ports_free, read_jsonl, server_ports, start_launch
+from launch_harness import (
+    Launch,
+    assert_ports_free,
+    marked_processes,
+    read_jsonl,
+    server_ports,
+    start_launch,
+)
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "entry_script.py"
@@ -64,6 +73,24 @@ def test_finished_run_exits_zero_and_leaves_no_process_or_port(launch, tmp_path)
     assert {entry["pid"], entry["ppid"]} <= set(run.seen)  # worker and torchrun were tracked
     run.assert_no_survivors()
     assert_ports_free(server_ports(run_dir))
+
+
+AGENT_CMD = ["workflow.type=agent_cmd", "workflow.agent.command=python agent.py"]
+
+
+def test_an_agent_cmd_run_gets_the_agent_proxy_role_and_its_death_stops_the_run(launch):
+    run, run_dir = launch("agent_proxy", "cluster.n_servers=1", *AGENT_CMD)
+    assert run.wait(RUN_TIMEOUT) == 0, run.output()
+    answer = json.loads((run_dir / "agent_proxy.json").read_text())
+    assert answer["tokens"] >= 1 and answer["address"].startswith("127.0.0.1:")
+    run.assert_no_survivors()
+    run, run_dir = launch("sleep", "cluster.n_servers=1", *AGENT_CMD)  # the same trial again
+    assert run.wait(RUN_TIMEOUT, until=_started_entries(run_dir, 2)) is None, run.output()
+    [pid] = [p for p, cmd in marked_processes(run.marker).items() if "agent_proxy_task" in cmd]
+    os.kill(pid, signal.SIGKILL)
+    assert run.wait(RUN_TIMEOUT) not in (0, None), run.output()
+    assert "the agent proxy exited with code -9" in run.output()
+    run.assert_no_survivors()
 
 
 def test_failed_trainer_stops_the_run_and_tears_everything_down(launch):
