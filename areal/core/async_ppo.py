@@ -33,6 +33,7 @@ from areal.api.config import load_config
 from areal.core.config import CoreAsyncGRPOConfig
 from areal.core.graphs import ACTOR, CRITIC, CoreGraphConfig, graph_from_config
 from areal.core.master import Master
+from areal.core.record import CoreRecorder
 from areal.core.rollout_side import STATUS_FILE, ManagedServers, RayRolloutSide, run_ended
 from areal.core.sync_ppo import start_model_workers, step_stats, uses_ref
 from areal.engine.ppo import needs_prox_pass
@@ -210,12 +211,14 @@ def main(argv: list[str]) -> int:
         cfg.weights_dir,
     )
     publisher.connect()
-    master = Master(
-        graph, workers, group_size=cfg.gconfig.n_samples, mfc_timeout=cfg.core.mfc_timeout
+    recorder = CoreRecorder(cfg, run, workers, graph, lambda ref: rollout.get(ref, "a rollout"))
+    master = Master(  # the workers as the recorder wraps them: timed, kept fields held back
+        graph, recorder.workers, group_size=cfg.gconfig.n_samples, mfc_timeout=cfg.core.mfc_timeout
     )
     saved = {"actor": engines[ACTOR], **({"critic": engines[CRITIC]} if CRITIC in engines else {})}
 
     step = resume_or_evaluate(run, saved, rollout, master, publisher, side, valid_loader, n_steps)
+    recorder.start(step)
     rollout.start()
     model_pids = rollout.get([w.handle.pid.remote() for w in workers], "the model workers")
     n_groups, n_samples = (
@@ -230,8 +233,9 @@ def main(argv: list[str]) -> int:
             with run.tracker.timer("wait_rollouts"):
                 groups = rollout.take(n_groups, cfg.rollout.watchdog_timeout)
             lags = lag_stats(groups, master.versions[ACTOR], cfg.rollout.max_staleness)
-            master.put_groups(groups)
-            out = master.step(n_samples)
+            ids = master.put_groups(groups)
+            with recorder.step(step, groups, ids, engines[ACTOR], master.versions[ACTOR]):
+                out = master.step(n_samples)  # for areal view / replay: timeline, samples, batch
             with run.tracker.timer("update_weights"):
                 publisher.publish(master.versions[ACTOR])
         run.log_trained(step, [g.group_id for g in groups])

@@ -401,6 +401,11 @@ class RayModel(WeightSource, Persistent):
     def get_version(self) -> int:
         return self._on_ranks("get_version", [()] * len(self.ranks))[0]
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full weights, gathered on its mesh's first rank and sent to the caller
+        (every rank joins the gather; ``areal replay`` hashes them after each step)."""
+        return self._on_ranks("full_state_dict", [()] * len(self.ranks))[0]
+
     def set_version(self, version: int) -> None:
         self._on_ranks("set_version", [(version,)] * len(self.ranks))
 

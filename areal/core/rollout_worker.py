@@ -189,6 +189,7 @@ class RolloutWorker:
         self.reward = RewardRunner(resolve_reward(cfg.reward_fn), cfg.reward)
         self.workflow = make_workflow(cfg, self.reward, _tokenizer(cfg), dump_dir)
         self.accept = DynamicSamplingFilter(reject_limit) if cfg.actor.dynamic_sampling else None
+        self.record_samples = cfg.stats_logger.samples.enabled  # for areal view
         self.errors: list[str] = []
         self.n_episodes = 0
         self.n_tokens = 0
@@ -260,10 +261,14 @@ class RolloutWorker:
             batch.cu_seqlens, {k: v for k, v in batch.tokens.items() if k in ROLLOUT_KEYS}, seqs
         )
         self.n_tokens += packed.n_tokens
+        for t in group:
+            t.worker = f"worker{self.index}"
+        # [1]: the trajectories themselves, which the master records for areal view (core/record.py)
+        refs = [ray.put(packed), *([ray.put(group)] if self.record_samples else [])]
         return Finished(
             ticket,
             self.index,
-            [ray.put(packed)],
+            refs,
             tuple(packed.seqlens.tolist()),
             group[0].group_id,
             min_versions(group),

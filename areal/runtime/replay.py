@@ -1,5 +1,7 @@
-"""Deterministic replay of a Lite RL run's trainer: the recording (:class:`ReplayRecorder`) and
-the replay itself (:func:`replay_run`, ``areal replay RUN_DIR``; docs/viewer.md, "Replay").
+"""Deterministic replay of an RL run's trainer: the recording (:class:`ReplayRecorder`) and
+the replay itself (:func:`replay_run`, ``areal replay RUN_DIR``; docs/viewer.md, "Replay"). Lite
+runs record here; Core async PPO runs through :mod:`areal.core.record` (the same files, with
+:mod:`areal.core.replay` as the script the replay loads).
 
 With ``stats_logger.replay.enabled`` each trainer rank writes to ``RUN_DIR/replay``:
 
@@ -42,6 +44,7 @@ logger = get_logger("replay")
 REPLAY_DIR = "replay"
 HASHES = "hashes.jsonl"
 BATCH_SECTIONS = ("gconfig", "train_dataset", "rollout", "cluster")  # what made the batches
+ONE_RANK = "record with cluster.trainer_nprocs=1"  # how a Lite run trains its actor on one rank
 
 
 def tensor_hashes(state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -119,6 +122,15 @@ class ReplayRecorder:
         yield
         _atomic_save(record, _step_path(self.root, step, self.rank))
         self._hash_weights(step, actor)
+
+    def describe(self, script: str | Path, world_size: int, threads: int, one_rank: str) -> None:
+        """Rewrite meta.json for a trainer that is not this process (Core: the model workers):
+        the module ``areal replay`` loads (``CONFIG``, ``setup_trainers``, ``train_step``), the
+        actor's ranks, their intra-op threads and how to record a run of one rank."""
+        if self.cfg.enabled and self.rank == 0:
+            meta = {"script": str(Path(script).resolve()), "world_size": world_size,
+                    "torch": torch.__version__, "threads": threads, "one_rank": one_rank}  # fmt: skip
+            (self.root / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
     def _hash_weights(self, step: int, actor: Any) -> None:
         state = actor.full_state_dict()  # collective; {} off the mesh's first rank
@@ -278,6 +290,31 @@ def replay_overrides(run_dir: Path) -> list[str]:
     ]
 
 
+def _check_request(
+    run_dir: Path, meta: dict[str, Any], hashes: dict[int, Any], to: int | None, knobs: tuple
+) -> int:
+    """The last recorded step; ValueError naming the fix for a replay that cannot run."""
+    if meta["world_size"] != 1:
+        raise ValueError(
+            f"{run_dir} trained its actor on {meta['world_size']} ranks; areal replay re-runs one "
+            f"process, so it replays runs of one rank ({meta.get('one_rank', ONE_RANK)})"
+        )
+    last = max(hashes, default=0)
+    if last == 0:
+        raise FileNotFoundError(
+            f"{run_dir / REPLAY_DIR / HASHES} records no trained step yet; replay after step 1 ends"
+        )
+    if to is not None and not 1 <= to <= last:
+        raise ValueError(f"--to {to}: {run_dir} recorded steps 1..{last}; pass 1 <= --to <= {last}")
+    fixed = [k for k in knobs if k.split("=", 1)[0].split(".", 1)[0] in BATCH_SECTIONS]
+    if fixed:
+        raise ValueError(
+            f"{' '.join(fixed)}: a replay trains on the recorded batches, so "
+            f"{'/'.join(BATCH_SECTIONS)} cannot change; change a trainer knob (actor.*, critic.*, ref.*)"
+        )
+    return last
+
+
 def replay_run(
     run_dir: str | Path,
     config_class: type,
@@ -293,25 +330,8 @@ def replay_run(
 
     run_dir = Path(run_dir)
     meta, root = read_meta(run_dir), run_dir / REPLAY_DIR
-    if meta["world_size"] != 1:
-        raise ValueError(
-            f"{run_dir} was trained on {meta['world_size']} trainer ranks; areal replay re-runs one "
-            "process, so it replays runs of one rank (record with cluster.trainer_nprocs=1)"
-        )
     hashes = _recorded_hashes(root)
-    last = max(hashes, default=0)
-    if last == 0:
-        raise FileNotFoundError(
-            f"{root / HASHES} records no trained step yet; replay after step 1 ends"
-        )
-    if to is not None and not 1 <= to <= last:
-        raise ValueError(f"--to {to}: {run_dir} recorded steps 1..{last}; pass 1 <= --to <= {last}")
-    fixed = [k for k in knobs if k.split("=", 1)[0].split(".", 1)[0] in BATCH_SECTIONS]
-    if fixed:
-        raise ValueError(
-            f"{' '.join(fixed)}: a replay trains on the recorded batches, so "
-            f"{'/'.join(BATCH_SECTIONS)} cannot change; change a trainer knob (actor.*, critic.*, ref.*)"
-        )
+    last = _check_request(run_dir, meta, hashes, to, knobs)
     cfg = load_config(
         config_class, ["--config", str(run_dir / "config.yaml"), *replay_overrides(run_dir), *knobs]
     )

@@ -1,13 +1,17 @@
-"""Reading the trained samples a run recorded (:mod:`areal.runtime.samples` writes them):
-``RUN_DIR/samples/step-<step:06d>-rank<r>.parquet``, one row per trained sequence."""
+"""Reading what a run recorded for ``areal view``: the trained samples
+(:mod:`areal.runtime.samples` writes ``RUN_DIR/samples/step-<step:06d>-rank<r>.parquet``, one row
+per trained sequence) and, for Core runs, the MFC timeline (:mod:`areal.core.record` writes
+``RUN_DIR/timeline.jsonl``)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
 
 SAMPLES_DIR = "samples"
+TIMELINE = "timeline.jsonl"  # Core runs: each step's MFCs per model worker (areal.core.record)
 FILE_RE = re.compile(r"step-(\d+)-rank(\d+)\.parquet")
 # The columns of a table row; the per-token lists are read only for one sample's page.
 SUMMARY_COLUMNS = [
@@ -77,6 +81,20 @@ class SampleIndex:
                 f"step {step} rank {rank} holds {len(rows)} samples; index {index} is not one"
             )
         return rows[index]
+
+
+def read_timeline(run_dir: str | Path) -> list[dict[str, Any]]:
+    """RUN_DIR/timeline.jsonl's steps in order (the last line of a step wins: a resumed run
+    wrote it again; a half-written last line is skipped); [] for a run without one (Lite)."""
+    path = Path(run_dir) / TIMELINE
+    steps: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # the run is writing it now
+            continue
+        steps[rec["step"]] = rec
+    return [steps[s] for s in sorted(steps)]
 
 
 def _summary_rows(path: Path) -> list[dict[str, Any]]:

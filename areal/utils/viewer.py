@@ -11,7 +11,8 @@ JSON API (``<run>`` is the run's position on the command line):
 step's samples were recorded); ``/api/samples/<run>?step_min=&step_max=&reward_min=...`` (ranges
 over step, reward, staleness, length; ``server=`` / ``worker=``: samples that came from it;
 ``limit``; the answer lists the run's servers and workers to choose from);
-``/api/sample/<run>/<step>/<rank>/<index>``.
+``/api/sample/<run>/<step>/<rank>/<index>``; ``/api/timeline/<run>`` (Core runs: each step's
+MFCs per model worker, :func:`areal.utils.samples.read_timeline`; [] for a Lite run).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from areal.utils.logging import get_logger
-from areal.utils.samples import SampleIndex, samples_per_step
+from areal.utils.samples import SampleIndex, read_timeline, samples_per_step
 
 logger = get_logger("viewer")
 
@@ -148,6 +149,9 @@ def make_app(run_dirs: list[str | Path]):
         except ValueError as e:
             raise web.HTTPBadRequest(text=str(e)) from None
 
+    async def timeline(request):
+        return web.json_response(read_timeline(run_of(request).run_dir))
+
     async def sample(request):
         m = request.match_info
         try:
@@ -163,6 +167,7 @@ def make_app(run_dirs: list[str | Path]):
     app.router.add_get("/api/runs", run_list)
     app.router.add_get(r"/api/stats/{run:\d+}", stats)
     app.router.add_get(r"/api/samples/{run:\d+}", table)
+    app.router.add_get(r"/api/timeline/{run:\d+}", timeline)
     app.router.add_get(r"/api/sample/{run:\d+}/{step:\d+}/{rank:\d+}/{index:\d+}", sample)
     return app
 

@@ -1,0 +1,208 @@
+"""What a Core async PPO run records for ``areal view`` and ``areal replay`` (docs/viewer.md).
+
+The master holds metadata only, so the recorder watches its model workers instead of changing
+it: :class:`TimedWorker` wraps each worker the master drives and
+
+- times every call the master queues on it (an MFC share, a weight move, a server push): when it
+  was queued, when the worker ran it (its reply's ``compute_time``, or a move's ``seconds``, back
+  from the moment the answer came) and when the answer came, on the master's clock;
+- on a step whose samples are recorded, holds back the master's release of ``advantages`` and
+  ``trainer_logp`` (actor_train's per-token output) until :class:`CoreRecorder` has read them.
+
+:class:`CoreRecorder` then writes, per step:
+
+- ``RUN_DIR/timeline.jsonl``: one line per step, ``{"step", "time" (its start, Unix seconds),
+  "seconds", "spans": [{"worker", "name", "kind" (mfc | hook), "queued", "start", "end"}]}``
+  (span times in seconds since the step's start);
+- the step's samples (``RUN_DIR/samples``, :class:`~areal.runtime.samples.SampleRecorder`): the
+  rollout workers put each accepted group's trajectories beside its packed tensors in the object
+  store (``Finished.ref[1]``), the master reads them and the kept per-token fields;
+- with ``stats_logger.replay.enabled``: the step's packed batch (the groups' tensors as the model
+  workers received them, in sample-id order) and the actor's weight hashes
+  (:class:`~areal.runtime.replay.ReplayRecorder`); :mod:`areal.core.replay` replays them.
+
+Recording a step moves its samples' tokens to the master (samples) and the actor's full weights
+(replay: once per step); neither happens on a step that records nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from areal.rollout.trajectory import groups_to_batch
+from areal.utils.batch import PackedBatch
+from areal.utils.logging import get_logger
+from areal.utils.samples import TIMELINE
+
+logger = get_logger("core.record")
+KEPT = ("advantages", "trainer_logp")  # released by the master after actor_train / the step
+
+
+class TimedWorker:
+    """A model worker as the master sees it, timing each queued call and holding back the
+    release of :data:`KEPT` fields while :attr:`keep` is set (see the module docstring)."""
+
+    def __init__(self, inner: Any, clock: Callable[[], float] = time.time):
+        self.inner, self.clock = inner, clock
+        self.index = inner.index
+        self.keep = False
+        self.held: list[tuple[str, int]] = []  # (key, sample id) whose release waits
+        self.spans: list[dict[str, Any]] = []
+        self._lock = threading.Lock()  # answers arrive on other threads
+
+    def submit(self, request: Any) -> Future:
+        """Queue an MFC share (timed)."""
+        return self._timed(self.inner.submit(request), request.mfc.name, "mfc")
+
+    def free(self, items: list[tuple[str, int]]) -> None:
+        """Release fields; those of :data:`KEPT` wait while :attr:`keep` is set."""
+        held = [it for it in items if self.keep and it[0] in KEPT]
+        self.held += held
+        rest = [it for it in items if not (self.keep and it[0] in KEPT)]
+        if rest:
+            self.inner.free(rest)
+
+    def release_held(self) -> None:
+        """Release what :meth:`free` held back."""
+        held, self.held = self.held, []
+        if held:
+            self.inner.free(held)
+
+    def take_spans(self) -> list[dict[str, Any]]:
+        """The spans timed since the last call."""
+        with self._lock:
+            spans, self.spans = self.spans, []
+        return spans
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = attr(*args, **kwargs)
+            if isinstance(out, Future):  # a weight move or server push, queued like an MFC
+                what = f"{name} {args[0]}" if args else name
+                return self._timed(out, what, "hook")
+            return out
+
+        return call
+
+    def _timed(self, future: Future, name: str, kind: str) -> Future:
+        queued = self.clock()
+
+        def done(f: Future) -> None:
+            end = self.clock()
+            reply = None if f.cancelled() or f.exception() is not None else f.result()
+            busy = getattr(reply, "compute_time", None) or getattr(reply, "seconds", None) or 0.0
+            span = {"worker": self.index, "name": name, "kind": kind, "queued": queued,
+                    "start": max(queued, end - busy), "end": end}  # fmt: skip
+            with self._lock:
+                self.spans.append(span)
+
+        future.add_done_callback(done)
+        return future
+
+
+class CoreRecorder:
+    """Wraps the model workers (:attr:`workers`, for the master) and records each step."""
+
+    def __init__(
+        self, cfg: Any, run: Any, workers: list[Any], graph: Any, ray_get: Callable[[Any], Any]
+    ):
+        """``run``: the master's :class:`~areal.runtime.run.Run` (its sample and replay
+        recorders); ``graph``: the one the master walks; ``ray_get``: fetches an object-store
+        reference (with a deadline)."""
+        from areal.core import replay
+        from areal.core.graphs import ACTOR
+
+        self.run, self.get = run, ray_get
+        self.workers = [TimedWorker(w) for w in workers]
+        self.timeline = Path(run.run_dir) / TIMELINE
+        threads = cfg.core.torch_threads if cfg.core.backend == "ray" else torch.get_num_threads()
+        ranks = len(graph.allocations[ACTOR].workers)
+        run.replay.describe(replay.__file__, ranks, threads, replay.ONE_RANK)
+
+    def start(self, step: int) -> None:
+        """Before the first step: drop timeline lines of steps after ``step`` (a resume redoes
+        them; a fresh run, step 0, starts an empty file)."""
+        kept = []
+        if step and self.timeline.is_file():
+            kept = [ln for ln in self.timeline.read_text().splitlines() if _step_of(ln) <= step]
+        self.timeline.write_text("".join(ln + "\n" for ln in kept))
+
+    @contextlib.contextmanager
+    def step(self, step: int, groups: list, ids: list[int], actor: Any, version: int) -> Iterator:
+        """Around the master's step over ``groups`` (their sample ``ids``, as ``put_groups``
+        returned them): the timeline, the samples and the replay record of ``step``."""
+        samples = self.run.samples
+        keep = samples.cfg.enabled and not step % samples.cfg.keep_every and len(groups[0].ref) > 1
+        for w in self.workers:
+            w.keep = keep
+        batch = self._packed(groups) if self.run.replay.cfg.enabled else None
+        start = time.time()
+        with self.run.replay.step(step, batch, actor) if batch is not None else _nothing():
+            yield
+        self._write_timeline(step, start, time.time())
+        if keep:
+            trajs = [self.get(g.ref[1]) for g in groups]
+            samples.record(step, trajs, self._with_kept(groups_to_batch(trajs), ids), version)
+        for w in self.workers:
+            w.keep = False
+            w.release_held()
+
+    def _packed(self, groups: list) -> PackedBatch:
+        """The step's packed batch as the model workers store it: the groups' tensors in order."""
+        parts = [self.get(g.ref[0]) for g in groups]
+        lens = torch.cat([p.seqlens for p in parts])
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+        tokens = {k: torch.cat([p.tokens[k] for p in parts]) for k in parts[0].tokens}
+        seqs = {k: torch.cat([p.seqs[k] for p in parts]) for k in parts[0].seqs}
+        return PackedBatch(cu, tokens, seqs)
+
+    def _with_kept(self, batch: PackedBatch, ids: list[int]) -> PackedBatch:
+        """``batch`` plus the :data:`KEPT` token fields read from where the workers hold them."""
+        where: dict[str, dict[int, Any]] = {k: {} for k in KEPT}
+        for w in self.workers:
+            for key, sid in w.held:
+                where[key].setdefault(sid, w)
+        fields = {}
+        for key, at in where.items():
+            if len(at) != len(ids):
+                continue  # not computed this step (no actor_train): recorded as null
+            got: dict[int, torch.Tensor] = {}
+            for w in {id(w): w for w in at.values()}.values():
+                sids = tuple(s for s in ids if at[s] is w)
+                got.update(zip(sids, (f.tokens[key] for f in w.inner.get(sids, (key,)))))
+            fields[key] = torch.cat([got[s].cpu() for s in ids])
+        return batch.with_fields(tokens=fields)
+
+    def _write_timeline(self, step: int, start: float, end: float) -> None:
+        spans = sorted((s for w in self.workers for s in w.take_spans()), key=lambda s: s["queued"])
+        for s in spans:
+            for k in ("queued", "start", "end"):
+                s[k] = round(s[k] - start, 4)
+        line = {"step": step, "time": start, "seconds": round(end - start, 4), "spans": spans}
+        with open(self.timeline, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError):  # a half-written last line of a killed run
+        return 1 << 62
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
