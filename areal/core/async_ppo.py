@@ -17,6 +17,11 @@ checked against ``rollout.max_staleness`` (the run stops naming the group if one
 and logged as ``core/lag/*``. Recover checkpoints hold the model workers' engines, the
 manager's state (version, admission counters, loader position, every admitted but untrained
 item, re-issued after the resume) and the step.
+
+Failures (docs/core.md): the manager and the rollout workers are restarted by Ray and the run
+goes on; a hung actor (silent for ``core.health_timeout``) is named and killed by the master's
+hang watch (:mod:`areal.core.health`), so it is treated as a dead one; a model worker's loss
+stops the run (``recover.mode=auto`` relaunches it from the last recover checkpoint).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 from areal.api.config import load_config
 from areal.core.config import CoreAsyncGRPOConfig
 from areal.core.graphs import ACTOR, CRITIC, CoreGraphConfig, graph_from_config
+from areal.core.health import HangWatch, MFCActivity, async_ppo_actors
 from areal.core.master import Master
 from areal.core.record import CoreRecorder
 from areal.core.rollout_side import STATUS_FILE, ManagedServers, RayRolloutSide, run_ended
@@ -167,7 +173,7 @@ def resume_or_evaluate(
     model's held-out accuracy."""
     state = run.load_recover(saved)
     if state is not None:
-        rollout.get(rollout.manager.load_state_dict.remote(state["manager"]), "the manager")
+        rollout.ask("load_state_dict", state["manager"])
         master.set_version(ACTOR, state["manager"]["version"])
         publisher.publish(state["manager"]["version"])
         return state["step"]
@@ -221,6 +227,10 @@ def main(argv: list[str]) -> int:
     recorder.start(step)
     rollout.start()
     model_pids = rollout.get([w.handle.pid.remote() for w in workers], "the model workers")
+    watch = HangWatch(
+        async_ppo_actors(workers, rollout), cfg.core.health_timeout, MFCActivity(master.trace)
+    )
+    watch.start()
     n_groups, n_samples = (
         cfg.train_dataset.batch_size,
         cfg.train_dataset.batch_size * cfg.gconfig.n_samples,
@@ -231,7 +241,7 @@ def main(argv: list[str]) -> int:
         rollout.rescale(run.run_dir, registry.get_subtree(run.servers_key))
         with run.tracker.timer("step"):
             with run.tracker.timer("wait_rollouts"):
-                groups = rollout.take(n_groups, cfg.rollout.watchdog_timeout)
+                groups = rollout.take(n_groups, cfg.rollout.watchdog_timeout, step)
             lags = lag_stats(groups, master.versions[ACTOR], cfg.rollout.max_staleness)
             ids = master.put_groups(groups)
             with recorder.step(step, groups, ids, engines[ACTOR], master.versions[ACTOR]):
@@ -240,6 +250,7 @@ def main(argv: list[str]) -> int:
                 publisher.publish(master.versions[ACTOR])
         run.log_trained(step, [g.group_id for g in groups])
         rewards = [r for g in groups for r in g.rewards]
+        watch.check()
         status = rollout.check_health()
         write_status(run.run_dir, step, n_steps, {**status, "model_worker_pids": model_pids})
         stats = {
@@ -256,10 +267,11 @@ def main(argv: list[str]) -> int:
             run.save_recover(
                 step,
                 saved,
-                {"manager": rollout.get(rollout.manager.state_dict.remote(), "the manager")},
+                {"manager": rollout.ask("state_dict")},
             )
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
     mark_finished(run.run_dir)
+    watch.stop()
     rollout.close()
     registry.close()
     for w in workers:

@@ -57,11 +57,18 @@ class CoreWorkersConfig:
         help="Async PPO: times Ray restarts a rollout worker "
         "that died (its slots are reclaimed and its work redone).",
     )
+    manager_restarts: int = param(
+        3,
+        ge=0,
+        help="Async PPO: times Ray restarts the generation manager "
+        "that died or hung (it rebuilds its state from its record in the run dir).",
+    )
     health_timeout: float = param(
         60.0,
         gt=0,
-        help="Async PPO: seconds a rollout worker or the manager "
-        "may take to answer the master's health check before it is named hung.",
+        help="Async PPO: seconds a model worker, rollout worker or the manager may leave the "
+        "master's probe unanswered before it is named hung and killed (rollout workers and the "
+        "manager are restarted; a model worker's loss stops the run).",
     )
 
     def check(self) -> Iterator[str]:

@@ -27,6 +27,16 @@ Workers. In-flight tickets are tracked per worker, so a dead worker's slots are 
 (:meth:`reclaim`): its running items are re-issued, counted in ``lost``; a late report for a
 reclaimed ticket is dropped, so nothing is trained twice.
 
+Failover. :meth:`snapshot` is all of the state but the groups' object references (those stay with
+the rollout workers that made them, until :meth:`take` hands them out *and* the master confirms
+it got them by asking for its next step). The Ray actor writes it to a record after every
+change; a restarted actor restores it (:meth:`restore`), and each rollout worker rejoins
+(:meth:`rejoin`) with the tickets it still runs and the groups it keeps: a running ticket its worker does not hold (the
+grant's reply was lost) is re-issued, a finished one gets its reference back (or is re-issued if
+its worker lost it), and a :meth:`take` asked again for the same step returns the same groups.
+So no item is trained twice or dropped, and the version, the loader position and the admission
+counters go on where they were.
+
 The class is plain Python (no clock, no I/O): Core runs it as a Ray actor (:class:`ManagerActor`)
 and the admission tests drive it directly.
 """
@@ -89,10 +99,17 @@ class GenerationManager:
         self.workers: dict[int, WorkerCounts] = {}
         self.lost = 0  # tickets reclaimed from dead workers (their items re-issued)
         self.late = 0  # reports for tickets already reclaimed (dropped)
+        self.restarts = 0  # times this manager was restored from its record
+        self.confirmed = -1  # every accepted ticket <= this one reached the master
         self._next_ticket = 0
         self._waiting: set[int] = set()  # workers whose last ask got fewer slots than wanted
         self._running: dict[int, _Ticket] = {}
-        self._done: dict[int, tuple[Finished, _Ticket]] = {}
+        # finished and accepted, untaken; the group is None after a restore until its worker
+        # rejoins with it
+        self._done: dict[int, tuple[Finished | None, _Ticket]] = {}
+        self._taken: tuple[int | None, dict[int, tuple[Finished | None, _Ticket]]] | None = None
+        self._taken_lost = ""  # why the last take cannot be handed out again (its groups died)
+        self._unjoined: set[int] = set()  # workers that have not rejoined since a restore
         self._reissue: deque[Any] = deque()  # items to redo (reclaimed or restored), first
         self._batches: Iterator[list[Any]] | None = None
         self._rest: deque[Any] = deque()  # the current loader batch's items not yet handed out
@@ -197,7 +214,7 @@ class GenerationManager:
     def drop_worker_groups(self, worker: int) -> int:
         """Forget ``worker``'s finished, untaken groups (their tensors died with it): their items
         are re-issued and their slots freed; returns how many."""
-        gone = sorted(t for t, (g, _) in self._done.items() if g.worker == worker)
+        gone = sorted(t for t, (_, job) in self._done.items() if job.worker == worker)
         for t in gone:
             _, job = self._done.pop(t)
             self._reissue.append(job.item)
@@ -206,21 +223,42 @@ class GenerationManager:
         return len(gone)
 
     def holds(self, worker: int) -> int:
-        """Rollouts of ``worker`` running or finished and untaken (a draining worker is stopped
-        at 0: the untaken groups' tensors live with it)."""
+        """Rollouts of ``worker`` running, finished and untaken, or taken and not yet confirmed
+        (a draining worker is stopped at 0: the groups' tensors live with it)."""
+        taken = self._taken[1] if self._taken else {}
         return sum(job.worker == worker for job in self._running.values()) + sum(
-            g.worker == worker for g, _ in self._done.values()
+            job.worker == worker for _, job in [*self._done.values(), *taken.values()]
         )
 
     # -- the master's side ---------------------------------------------------------------------
 
-    def take(self, n: int) -> list[Finished] | None:
-        """The ``n`` oldest-admitted accepted groups once no older ticket is running, else None."""
-        oldest_running = min(self._running, default=math.inf)
-        ready = sorted(t for t in self._done if t < oldest_running)
+    def take(self, n: int, step: int | None = None) -> list[Finished] | None:
+        """The ``n`` oldest-admitted accepted groups once no older ticket is running (or waits
+        for its worker to rejoin), else None. ``step``: the master's step; asking again for the
+        same step (the reply was lost to a restart) returns the same groups, and asking for
+        another confirms the last take (the master has it). None: confirmed at once."""
+        if self._taken is not None and step is not None and self._taken[0] == step:
+            if self._taken_lost:
+                raise RuntimeError(self._taken_lost)
+            groups = [g for g, _ in self._taken[1].values()]
+            return None if None in groups else groups
+        self._confirm()
+        waiting = (t for t, (g, _) in self._done.items() if g is None)
+        blocking = min([*self._running, *waiting], default=math.inf)
+        ready = sorted(t for t in self._done if t < blocking)
         if len(ready) < n:
             return None
-        return [self._done.pop(t)[0] for t in ready[:n]]
+        self._taken = (step, {t: self._done.pop(t) for t in ready[:n]})
+        groups = [g for g, _ in self._taken[1].values()]
+        if step is None:
+            self._confirm()
+        return groups
+
+    def _confirm(self) -> None:
+        """The last take reached the master: its workers may forget those groups."""
+        if self._taken is not None:
+            self.confirmed = max([self.confirmed, *self._taken[1]])
+        self._taken, self._taken_lost = None, ""
 
     def set_version(self, version: int) -> None:
         """The actor's weights on the servers are now ``version``."""
@@ -242,6 +280,7 @@ class GenerationManager:
             "manager/buffered": float(len(self._done)),
             "manager/lost": float(self.lost),
             "manager/late_reports": float(self.late),
+            "manager/restarts": float(self.restarts),
         }
         out.update({f"manager/refused/{c}": float(n) for c, n in self.refused.items()})
         for w, c in sorted(self.workers.items()):
@@ -281,3 +320,94 @@ class GenerationManager:
         self._reissue = deque(state["pending"])
         self.refused.update({c: int(n) for c, n in state["refused"].items()})
         self.lost = int(state["lost"])
+
+    # -- failover (a restarted manager; module docstring) ---------------------------------------
+
+    def snapshot(self) -> dict[str, object]:
+        """Everything of this manager but the groups' object references (its failover record)."""
+
+        def jobs(entries: dict[int, tuple[Finished | None, _Ticket]]) -> dict[int, tuple]:
+            return {t: (job.worker, job.item, job.version) for t, (_, job) in entries.items()}
+
+        return {
+            "version": self.version,
+            "paused": self.paused,
+            "staleness": {"accepted": self.staleness.accepted, "rejected": self.staleness.rejected},
+            "refused": dict(self.refused),
+            "workers": {w: dict(vars(c)) for w, c in self.workers.items()},
+            "lost": self.lost,
+            "late": self.late,
+            "restarts": self.restarts,
+            "confirmed": self.confirmed,
+            "next_ticket": self._next_ticket,
+            "running": {t: (j.worker, j.item, j.version) for t, j in self._running.items()},
+            "done": jobs(self._done),
+            "taken": None if self._taken is None else (self._taken[0], jobs(self._taken[1])),
+            "reissue": list(self._reissue),
+            "rest": list(self._rest),
+            "loader": self.loader.state_dict() if hasattr(self.loader, "state_dict") else None,
+        }
+
+    def restore(self, state: dict) -> None:
+        """Rebuild from :meth:`snapshot` (a restart): the finished groups wait for their workers
+        to :meth:`rejoin` with the references; every known worker must rejoin."""
+        if self._running or self._done:
+            raise RuntimeError("restore must run before any rollout is admitted")
+        self.version, self.paused = int(state["version"]), bool(state["paused"])
+        self.staleness.accepted = int(state["staleness"]["accepted"])
+        self.staleness.rejected = int(state["staleness"]["rejected"])
+        self.staleness.running = len(state["running"])
+        self.refused.update(state["refused"])
+        self.workers = {int(w): WorkerCounts(**c) for w, c in state["workers"].items()}
+        self.lost, self.late = int(state["lost"]), int(state["late"])
+        self.restarts, self.confirmed = int(state["restarts"]) + 1, int(state["confirmed"])
+        self._next_ticket = int(state["next_ticket"])
+        self._running = {t: _Ticket(*job) for t, job in state["running"].items()}
+        self._done = {t: (None, _Ticket(*job)) for t, job in state["done"].items()}
+        if state["taken"] is not None:
+            step, taken = state["taken"]
+            self._taken = (step, {t: (None, _Ticket(*job)) for t, job in taken.items()})
+        self._reissue, self._rest = deque(state["reissue"]), deque(state["rest"])
+        if state["loader"] is not None:
+            self.loader.load_state_dict(state["loader"])
+        self._batches = None
+        self._unjoined = set(self.workers)
+
+    def must_rejoin(self, worker: int) -> bool:
+        """Whether ``worker`` has to :meth:`rejoin` before it is granted anything."""
+        return worker in self._unjoined
+
+    def rejoin(self, worker: int, held: list[int], kept: list[Finished]) -> int:
+        """After a restore: ``worker`` runs the tickets ``held`` and keeps the groups ``kept``.
+        Its running tickets it does not hold are re-issued; its finished groups get their
+        references back, those it lost are re-issued. Returns how many items are re-issued."""
+        self._unjoined.discard(worker)
+        counts = self.workers.setdefault(worker, WorkerCounts())
+        mine = {g.ticket: g for g in kept if g.worker == worker}
+        gone = sorted(t for t, j in self._running.items() if j.worker == worker and t not in held)
+        for t in gone:
+            self._reissue.append(self._running.pop(t).item)
+            self.staleness.on_finish(False)
+        counts.in_flight -= len(gone)
+        n = len(gone)
+        for t, (g, job) in sorted(self._done.items()):
+            if g is None and job.worker == worker:
+                if t in mine:
+                    self._done[t] = (mine[t], job)
+                else:  # its tensors died with an earlier process of the worker: redone
+                    del self._done[t]
+                    self._reissue.append(job.item)
+                    self.staleness.accepted -= 1
+                    n += 1
+        for t, (g, job) in (self._taken[1] if self._taken else {}).items():
+            if g is None and job.worker == worker:
+                if t in mine:
+                    self._taken[1][t] = (mine[t], job)
+                else:
+                    self._taken_lost = (
+                        f"the groups of step {self._taken[0]} were lost: the manager restarted "
+                        f"before the master got them and rollout worker {worker} (holding ticket "
+                        f"{t}) had restarted too; resume from the last recover checkpoint"
+                    )
+        self.lost += n
+        return n

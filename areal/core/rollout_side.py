@@ -2,9 +2,16 @@
 (Ray actors, :mod:`areal.core.rollout_worker`), their health, and elastic scaling.
 
 Health. :meth:`RayRolloutSide.check_health` (every step, and every ``HEALTH_EVERY_S`` while the
-master waits for a batch) asks every worker with a deadline (``core.health_timeout``): an error
-stops the run naming the worker; a worker Ray restarted (a new pid) has its slots reclaimed and
-its finished, untaken groups redone, and is started again.
+master waits for a batch) asks every worker: an error stops the run naming the worker; a worker
+Ray restarted (a new pid) has its slots reclaimed and its finished, untaken groups redone, and is
+started again. Hangs are the master's hang watch's (:class:`~areal.core.health.HangWatch`): it
+kills an actor silent for ``core.health_timeout``, so a hung worker takes this path (the master's
+own calls wait ``rollout.setup_timeout + core.health_timeout``, as a backstop).
+
+The manager is restarted by Ray when it dies (``core.manager_restarts``) and rebuilds its state
+from its record (``RUN_DIR/rollouts/core_manager.pkl``, :mod:`areal.core.rollout_worker`); a call
+the master makes to it (:meth:`RayRolloutSide.ask`) is made again while it restarts (each call is
+idempotent: :meth:`~areal.core.manager.GenerationManager.take` is keyed by the step).
 
 Scaling, while the job runs (:meth:`RayRolloutSide.rescale`, before each step):
 
@@ -51,6 +58,8 @@ from areal.utils.logging import get_logger
 logger = get_logger("core.rollout")
 POLL_S = 0.05  # seconds between asks for a batch
 HEALTH_EVERY_S = 5.0  # seconds between health checks while waiting for a batch
+RETRY_S = 0.5  # seconds between calls to a restarting manager
+RECORD_FILE = "core_manager.pkl"  # the manager's failover record, in the rollouts' dir
 SCALE_FILE = "core_scale.json"
 STATUS_FILE = "core_status.json"  # the master's state at its last step (areal core status)
 
@@ -126,18 +135,21 @@ class RayRolloutSide(Admission, Checkpointable):
         from areal.core.rollout_worker import SERVERS, ManagerActor, RolloutWorker
 
         self._ray, self.cfg = ray, cfg
-        self.timeout = cfg.core.health_timeout
         self.server_timeout = cfg.rollout.setup_timeout + 10  # a server call may wait for health
+        # seconds a (re)started actor may take to come back (its construction waits for servers);
+        # also the backstop on any call (the hang watch names a hung actor much sooner)
+        self.restart_timeout = self.timeout = cfg.rollout.setup_timeout + cfg.core.health_timeout
+        record = Path(dump_dir) / RECORD_FILE  # dump_dir: RUN_DIR/rollouts
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.unlink(missing_ok=True)  # an earlier launch's: this manager starts anew
         # The rollout workers find the manager by name: an actor handle among a restartable
         # actor's constructor arguments lives in the object store, which Ray cannot promise to
         # keep for a restart (ray-project/ray#53727; it logs an error line for each such actor).
         manager_name = f"areal-manager-{uuid.uuid4().hex}"
         self.manager = (
             ray.remote(concurrency_groups={SERVERS: 1})(ManagerActor)
-            .options(  # not an option
-                name=manager_name, num_cpus=0, max_restarts=0
-            )
-            .remote(cfg, addresses)
+            .options(name=manager_name, num_cpus=0, max_restarts=cfg.core.manager_restarts)
+            .remote(cfg, addresses, str(record))
         )
         self._cls = ray.remote(RolloutWorker).options(
             num_cpus=0, max_restarts=cfg.core.rollout_worker_restarts
@@ -152,20 +164,42 @@ class RayRolloutSide(Admission, Checkpointable):
         self.pids: dict[int, int] = {}
         self.started = False
         self.client = client
-        self.get(
-            self.manager.stats.remote(), "the manager", self.server_timeout
-        )  # built, servers healthy
+        self.ask("stats", timeout=self.server_timeout)  # built, servers healthy
         self.add_workers(cfg.core.n_rollout_workers)
 
     def get(self, ref, who: str, timeout: float | None = None) -> Any:
-        """``ref``'s value, waiting at most ``timeout`` s (default ``core.health_timeout``)."""
+        """``ref``'s value, waiting at most ``timeout`` s (default ``restart_timeout``)."""
         try:
             return self._ray.get(ref, timeout=timeout or self.timeout)
         except self._ray.exceptions.GetTimeoutError:
-            what = f"{timeout} s" if timeout else f"core.health_timeout={self.timeout} s"
+            what = f"{timeout or self.timeout:.0f} s"
             raise TimeoutError(
                 f"{who} did not answer within {what}: it is hung or overloaded"
             ) from None
+
+    def ask(self, method: str, *args: object, timeout: float | None = None) -> Any:
+        """The manager's ``method(*args)``; a call lost to its death is made again while Ray
+        restarts it, for up to ``rollout.setup_timeout + core.health_timeout`` seconds."""
+        deadline, waited = time.monotonic() + self.restart_timeout, False
+        while True:
+            try:
+                ref = getattr(self.manager, method).remote(*args)
+                return self.get(ref, f"the generation manager ({method})", timeout)
+            except self._ray.exceptions.RayActorError as e:
+                if not waited:
+                    logger.warning(
+                        f"the generation manager is gone ({type(e).__name__} on {method}); "
+                        f"asking again while Ray restarts it, up to {self.restart_timeout:.0f} s"
+                    )
+                    waited = True
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the generation manager died and was not back within "
+                        f"{self.restart_timeout:.0f} s (rollout.setup_timeout + "
+                        f"core.health_timeout; core.manager_restarts="
+                        f"{self.cfg.core.manager_restarts}): {e}"
+                    ) from e
+                time.sleep(RETRY_S)
 
     def start(self) -> None:
         self.started = True
@@ -203,8 +237,8 @@ class RayRolloutSide(Admission, Checkpointable):
         self._share()
 
     def _health(self, i: int) -> dict[str, Any]:
-        """Worker ``i``'s health; while Ray restarts it, retry until ``core.health_timeout``."""
-        deadline = time.monotonic() + self.timeout
+        """Worker ``i``'s health; while Ray restarts it, retry until ``restart_timeout``."""
+        deadline = time.monotonic() + self.restart_timeout
         while True:
             try:
                 return self.get(self.workers[i].health.remote(), f"rollout worker {i}")
@@ -212,7 +246,8 @@ class RayRolloutSide(Admission, Checkpointable):
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"rollout worker {i} died and did not come back within "
-                        f"core.health_timeout={self.timeout} s: {e}"
+                        f"{self.restart_timeout:.0f} s (rollout.setup_timeout + "
+                        f"core.health_timeout): {e}"
                     ) from e
                 time.sleep(0.5)
 
@@ -227,8 +262,8 @@ class RayRolloutSide(Admission, Checkpointable):
                     f"rollout worker {i} failed: {h['errors'][0]} ({len(h['errors'])} errors)"
                 )
             if self.pids.setdefault(i, h["pid"]) != h["pid"]:  # Ray restarted it
-                lost = self.get(self.manager.reclaim.remote(i, True), "the manager")
-                lost += self.get(self.manager.drop_worker_groups.remote(i), "the manager")
+                lost = self.ask("reclaim", i, True)
+                lost += self.ask("drop_worker_groups", i)
                 logger.warning(
                     f"rollout worker {i} restarted (pid {self.pids[i]} -> {h['pid']}); "
                     f"{lost} of its rollouts are redone"
@@ -238,7 +273,7 @@ class RayRolloutSide(Admission, Checkpointable):
                     self.get(self.workers[i].drain.remote(), f"rollout worker {i}")
             if self.started and not h["started"]:
                 self.get(self.workers[i].start.remote(), f"rollout worker {i}")
-            if i in self.draining and self.get(self.manager.holds.remote(i), "the manager") == 0:
+            if i in self.draining and self.ask("holds", i) == 0:
                 self._stop(i)
                 logger.info(f"rollout worker {i} drained and stopped")
                 continue
@@ -253,7 +288,8 @@ class RayRolloutSide(Admission, Checkpointable):
             "workers": workers,
             "servers": list(self.servers),
             "servers_refused": sorted(self.refused),
-            "manager": self.get(self.manager.stats.remote(), "the manager"),
+            "manager": self.ask("stats"),
+            "manager_pid": self.ask("pid"),
         }
 
     def _stop(self, i: int) -> None:
@@ -279,7 +315,7 @@ class RayRolloutSide(Admission, Checkpointable):
             self.remove_workers(len(self.active) - n)
         self.removed |= set(req["remove_servers"])
         self.removed -= set(req["add_servers"])
-        current = self.get(self.manager.servers.remote(), "the manager")
+        current = self.ask("servers")
         wanted = [
             a
             for a in dict.fromkeys([*current, *registered, *req["add_servers"]])
@@ -294,7 +330,7 @@ class RayRolloutSide(Admission, Checkpointable):
             self.refused |= set(new)
             wanted = [a for a in wanted if a not in new]
         if wanted and wanted != current:  # new servers: once healthy
-            self.get(self.manager.set_servers.remote(wanted), "the manager", self.server_timeout)
+            self.ask("set_servers", wanted, timeout=self.server_timeout)
 
     def sync_servers(self, live: list[str]) -> None:
         """At the end of a weight update, before admission resumes: the rollout workers and the
@@ -309,18 +345,19 @@ class RayRolloutSide(Admission, Checkpointable):
 
     # -- the stream ---------------------------------------------------------------------------
 
-    def take(self, n_groups: int, deadline_s: float) -> list:
-        """The next ``n_groups`` groups of the stream, checking the workers while waiting."""
+    def take(self, n_groups: int, deadline_s: float, step: int) -> list:
+        """The next ``n_groups`` groups of the stream for ``step`` (asked again for the same step,
+        the manager hands out the same groups), checking the workers while waiting."""
         start = checked = time.monotonic()
         while True:
-            groups = self.get(self.manager.take.remote(n_groups), "the manager")
+            groups = self.ask("take", n_groups, step)
             if groups is not None:
                 return groups
             if time.monotonic() - checked > HEALTH_EVERY_S:
                 checked = time.monotonic()
                 self.check_health()
             if time.monotonic() - start > deadline_s:
-                stats = self.get(self.manager.stats.remote(), "the manager")
+                stats = self.ask("stats")
                 raise TimeoutError(
                     f"no batch of {n_groups} groups within rollout.watchdog_timeout="
                     f"{deadline_s} s; manager: {stats}"
@@ -331,36 +368,32 @@ class RayRolloutSide(Admission, Checkpointable):
 
     def pause(self) -> None:
         """Admission stops and the servers pause (the manager owns both)."""
-        self.get(self.manager.pause_servers.remote(), "the manager", self.server_timeout)
+        self.ask("pause_servers", timeout=self.server_timeout)
 
     def resume(self, version: int) -> None:
         """Servers resume at ``version``; the rollout workers (and the master's evaluation
         client, which tags its tokens with it) move to the servers that got this update; only
         then does admission resume at ``version`` (no new rollout on stale weights)."""
         self.client.set_version(version)
-        self.sync_servers(
-            self.get(
-                self.manager.resume_servers.remote(version), "the manager", self.server_timeout
-            )
-        )
-        self.get(self.manager.resume_at.remote(version), "the manager")
+        self.sync_servers(self.ask("resume_servers", version, timeout=self.server_timeout))
+        self.ask("resume_at", version)
 
     # -- recover checkpoints: the manager's state (version, admission counters, loader position,
     # admitted but untrained items, re-issued after a resume)
 
     def state_dict(self) -> StateDict:
         """The generation manager's state."""
-        return self.get(self.manager.state_dict.remote(), "the manager")
+        return self.ask("state_dict")
 
     def load_state_dict(self, state: StateDict) -> None:
         """Restore :meth:`state_dict` output in the manager before any rollout is admitted."""
-        self.get(self.manager.load_state_dict.remote(state), "the manager")
+        self.ask("load_state_dict", state)
 
     def close(self) -> None:
         for i in list(self.workers):
             self._stop(i)
         try:
-            self.get(self.manager.shutdown.remote(), "the manager")
+            self.ask("shutdown")
         finally:
             self._ray.kill(self.manager, no_restart=True)
 
@@ -373,7 +406,7 @@ class _Pending:
 
     def result(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while not self.side.get(self.side.manager.update_done.remote(), "the manager"):
+        while not self.side.ask("update_done"):
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{self.what} did not finish on the servers within {timeout} s "
@@ -393,16 +426,16 @@ class ManagedServers(WeightTarget):
 
     @property
     def weight_group_size(self) -> int:
-        return self.side.get(self.side.manager.weight_group_size.remote(), "the manager")
+        return self.side.ask("weight_group_size")
 
     def init_weights_update_group_async(self, meta: WeightUpdateMeta) -> _Pending:
-        self.side.get(self.side.manager.begin_join.remote(meta), "the manager")
+        self.side.ask("begin_join", meta)
         return _Pending(self.side, "joining the weight-update group")
 
     def update_weights_async(
         self, meta: WeightUpdateMeta, announcement: dict[str, list] | None = None
     ) -> _Pending:
-        self.side.get(self.side.manager.begin_update.remote(meta, announcement), "the manager")
+        self.side.ask("begin_update", meta, announcement)
         return _Pending(self.side, f"the {meta.type} weight update to version {meta.version}")
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:

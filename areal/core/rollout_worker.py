@@ -20,8 +20,18 @@ reference and metadata, and the model worker the master places it on fetches the
 
 Failures: an episode that raises is reported as failed (its slot is freed) and recorded; the
 master reads each worker's :meth:`RolloutWorker.health` every step (with a deadline) and stops
-the run naming the worker and the first error, as Lite's executor does. Every manager call waits
-at most ``MANAGER_TIMEOUT`` seconds.
+the run naming the worker and the first error, as Lite's executor does.
+
+The manager survives its death (``core.manager_restarts``): after every change it writes its state
+(:meth:`~areal.core.manager.GenerationManager.snapshot`, the weight update running, its servers)
+to a record in the run dir; Ray restarts it with the same arguments and name, and the new process
+reads the record back. The servers are the launcher's processes, not its children, so they keep
+running (and keep their weights and version). A rollout worker retries a manager call that failed
+because the manager died (until ``rollout.setup_timeout + core.health_timeout``); told to rejoin,
+it reports the tickets it runs and the accepted groups it keeps (each until the master confirmed
+it got them: the references keep the tensors alive), so running episodes are reported once, lost
+grants are re-issued once, and finished groups are trained once. A disk weight update cut by the
+restart is redone (same dir, same version); a broadcast one cannot be, and stops the run.
 """
 
 from __future__ import annotations
@@ -29,12 +39,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import pickle
+import threading
 import time
+from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from areal.api.config import GRPOConfig
+from areal.api.io import WeightUpdateMeta
+from areal.core.config import CoreAsyncGRPOConfig
 from areal.core.graphs import ROLLOUT_KEYS
 from areal.core.manager import Finished, GenerationManager
 from areal.core.ray_worker import drop_torchrun_env
@@ -44,8 +60,9 @@ from areal.utils.batch import PackedBatch
 from areal.utils.logging import get_logger
 
 logger = get_logger("core.rollout")
-MANAGER_TIMEOUT = 60.0  # seconds a call to the manager may take
-POLL_S = 0.05  # seconds between asks for slots while the worker is full or refused
+POLL_S = 0.05  # seconds between asks for slots while the worker is refused
+HEARTBEAT_S = 1.0  # seconds between asks of a full or draining worker (it learns of a restart)
+RETRY_S = 0.5  # seconds between retries of a call to a restarting manager
 
 
 def _tokenizer(cfg: GRPOConfig):
@@ -59,9 +76,10 @@ SERVERS = "servers"  # the manager's concurrency group for server calls (a threa
 
 class ManagerActor(GenerationManager):
     """The manager in its own Ray process: items from the run's train dataset, and the servers at
-    ``addresses`` through its own client (see the module docstring)."""
+    ``addresses`` through its own client; its state goes to the file ``record`` after every
+    change and comes back from it when Ray restarts it (see the module docstring)."""
 
-    def __init__(self, cfg: GRPOConfig, addresses: list[str]):
+    def __init__(self, cfg: GRPOConfig, addresses: list[str], record: str):
         from areal.dataset import create_dataloader, load_dataset
         from areal.rollout.remote import RemoteInferenceEngine
 
@@ -74,9 +92,97 @@ class ManagerActor(GenerationManager):
             cfg.rollout.max_concurrent_rollouts,
             loader,
         )
+        self._record, self._lock = Path(record), threading.Lock()
+        # (kind, meta, announcement) of the server push running: "update" or "join"
+        self._push: tuple[str, WeightUpdateMeta, dict | None] | None = None
+        self._broken = ""  # why the push running cannot finish (a restart cut a broadcast)
+        saved = self._read_record()
         self.client = RemoteInferenceEngine(cfg.rollout, api_key=cfg.server.api_key)
-        self.client.initialize(addresses)
+        self.client.initialize(saved["servers"] if saved else addresses)
         self._update: concurrent.futures.Future | None = None  # the weight push running
+        if saved is not None:
+            self._resume(saved)
+        self._write_record()
+
+    def _read_record(self) -> dict | None:
+        """The record of the process this one replaces (None at the first start)."""
+        if not ray.get_runtime_context().was_current_actor_reconstructed:
+            return None
+        if not self._record.is_file():
+            logger.warning("generation manager restarted before its first record: starting afresh")
+            return None
+        return pickle.loads(self._record.read_bytes())
+
+    def _resume(self, saved: dict) -> None:
+        """Take the restarted process's state back: admission, tickets, loader, version; a disk
+        weight update it was running is redone (the same dir and version)."""
+        self.restore(saved["manager"])
+        self.client.set_version(self.version)
+        if saved["push"] is not None:
+            kind, meta, announcement = saved["push"]
+            if kind == "update" and meta.type == "disk":
+                self._push = saved["push"]
+                self._update = self.client.update_weights_async(meta, announcement)
+            else:
+                self._broken = (
+                    f"the generation manager restarted during a {kind} of the weight broadcast "
+                    f"group (version {meta.version}), which cannot be redone; relaunch the run "
+                    "(recover.mode=auto resumes it from its last recover checkpoint)"
+                )
+        logger.warning(
+            f"generation manager restarted ({self.restarts}): version {self.version}, "
+            f"{len(self._running)} rollouts running, {len(self._done)} finished groups awaiting "
+            f"their workers, {len(self._reissue)} items to re-issue"
+        )
+
+    def _write_record(self) -> None:
+        """Replace the record with the current state (the caller holds the lock)."""
+        state = {
+            "manager": self.snapshot(),
+            "servers": [s.address for s in self.client.servers],
+            "push": self._push,
+        }
+        tmp = self._record.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(state))
+        tmp.replace(self._record)
+
+    def _changed(self, method: Callable, *args: object) -> object:
+        """``method(*args)``, recorded before the caller gets the answer."""
+        with self._lock:
+            out = method(*args)
+            self._write_record()
+        return out
+
+    def pid(self) -> int:
+        """This process's id (the master's status and hang probe)."""
+        return os.getpid()
+
+    def finish(
+        self, worker: int, ticket: int, group: Finished | None, failed: bool = False
+    ) -> bool:
+        return self._changed(super().finish, worker, ticket, group, failed)
+
+    def reclaim(self, worker: int, restarted: bool = False) -> int:
+        return self._changed(super().reclaim, worker, restarted)
+
+    def drop_worker_groups(self, worker: int) -> int:
+        return self._changed(super().drop_worker_groups, worker)
+
+    def rejoin(self, worker: int, held: list[int], kept: list[Finished]) -> int:
+        n = self._changed(super().rejoin, worker, held, kept)
+        logger.info(f"rollout worker {worker} rejoined: {len(held)} running, {n} re-issued")
+        return n
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._changed(super().load_state_dict, state)
+
+    def take(self, n: int, step: int | None = None) -> list[Finished] | None:
+        with self._lock:
+            before = self._taken
+            out = super().take(n, step)
+            if out is not None or self._taken is not before:
+                self._write_record()
+        return out
 
     def stats(self) -> dict[str, float]:
         return {**super().stats(), **{f"manager/{k}": v for k, v in self.client.stats().items()}}
@@ -92,6 +198,8 @@ class ManagerActor(GenerationManager):
     def set_servers(self, addresses: list[str]) -> None:
         """Exactly these servers from now on (new ones once healthy; they get the next update)."""
         self.client.set_servers(addresses)
+        with self._lock:
+            self._write_record()
 
     @ray.method(concurrency_group=SERVERS)
     def weight_group_size(self) -> int:
@@ -101,30 +209,46 @@ class ManagerActor(GenerationManager):
     def pause_servers(self) -> None:
         """A weight update begins: admit nothing, then pause every server (in-flight requests are
         aborted; their rollout workers re-submit them after the resume)."""
-        self.pause()
+        self._changed(self.pause)
         self.client.pause()
 
     @ray.method(concurrency_group=SERVERS)
     def begin_update(self, meta: Any, announcement: dict[str, list] | None = None) -> None:
         """Start pushing weights to every live server (``disk``: dead ones are probed first and a
         restarted one loads them too; ``distributed``: they receive the trainer's broadcast);
-        :meth:`update_done` says when it finished."""
+        :meth:`update_done` says when it finished. Asked again for the version being pushed (a
+        retry across a restart, which redid it already), it does nothing."""
+        running = self._update is not None and not self._update.done()
+        if running and self._push is not None and self._push[1].version == meta.version:
+            return
+        self._begin("update", meta, announcement)
         self._update = self.client.update_weights_async(meta, announcement)
 
     @ray.method(concurrency_group=SERVERS)
     def begin_join(self, meta: Any) -> None:
         """Start the live servers joining the trainer's broadcast group (``distributed``)."""
+        self._begin("join", meta, None)
         self._update = self.client.init_weights_update_group_async(meta)
+
+    def _begin(self, kind: str, meta: WeightUpdateMeta, announcement: dict | None) -> None:
+        with self._lock:
+            self._push = (kind, meta, announcement)
+            self._write_record()
 
     @ray.method(concurrency_group=SERVERS)
     def update_done(self) -> bool:
         """Whether the push :meth:`begin_update` / :meth:`begin_join` started has finished
         (raises its error: a server that failed it is named)."""
+        if self._broken:
+            raise RuntimeError(self._broken)
         if self._update is not None and not self._update.done():
             return False
         fut, self._update = self._update, None
         if fut is not None:
             fut.result()
+            with self._lock:
+                self._push = None
+                self._write_record()
         return True
 
     @ray.method(concurrency_group=SERVERS)
@@ -137,17 +261,29 @@ class ManagerActor(GenerationManager):
 
     @ray.method(concurrency_group=SERVERS)
     def shutdown(self) -> None:
+        """The run is over: close the client and remove the record."""
         self.client.destroy()
+        self._record.unlink(missing_ok=True)
 
     def resume_at(self, version: int) -> None:
         """A weight update finished: the servers hold ``version``; admit again."""
-        self.set_version(version)
-        self.resume()
+        with self._lock:
+            self.set_version(version)
+            self.resume()
+            self._write_record()
 
-    def acquire_at(self, worker: int, want: int) -> tuple[int, list[tuple[int, Any]]]:
-        """(the current weight version, :meth:`acquire`'s slots): the worker's client seeds its
-        sampling with the version, as Lite's client does (``gconfig.seed``)."""
-        return self.version, self.acquire(worker, want)
+    def acquire_at(self, worker: int, want: int) -> tuple[int, int, list[tuple[int, Any]] | None]:
+        """(the current weight version, the confirmed ticket, :meth:`acquire`'s slots): the
+        worker's client seeds its sampling with the version, as Lite's client does
+        (``gconfig.seed``), and forgets the groups up to that ticket. Slots None: this manager
+        was restarted and the worker must :meth:`rejoin` first."""
+        with self._lock:
+            if self.must_rejoin(worker):
+                return self.version, self.confirmed, None
+            slots = self.acquire(worker, want)
+            if slots:
+                self._write_record()
+        return self.version, self.confirmed, slots
 
 
 def min_versions(group: list) -> tuple[int, ...]:
@@ -165,14 +301,14 @@ class RolloutWorker:
     def __init__(
         self,
         index: int,
-        cfg: GRPOConfig,
+        cfg: CoreAsyncGRPOConfig,
         addresses: list[str],
         manager_name: str,
         dump_dir: str,
         reject_limit: int,
     ):
         """``manager_name``: the :class:`ManagerActor`'s Ray name, looked up here (also when Ray
-        restarts this worker)."""
+        restarts this worker; the handle stays valid when Ray restarts the manager)."""
         import ray
 
         from areal.reward.resolve import resolve_reward
@@ -196,6 +332,12 @@ class RolloutWorker:
         self.started = time.monotonic()
         self.draining = False
         self.running = 0  # episodes in flight
+        # seconds the manager may take to come back; also the backstop on any call to it (the
+        # master's hang watch names a hung manager after core.health_timeout)
+        self.restart_timeout = cfg.rollout.setup_timeout + cfg.core.health_timeout
+        self._held: set[int] = set()  # tickets whose episode runs or is being reported
+        self._kept: dict[int, Finished] = {}  # accepted groups the master has not confirmed
+        self._asked = 0.0  # time.monotonic() of the last ask
         self._thread = EventLoopThread(f"rollout-worker-{index}")
         self._main = None
 
@@ -204,9 +346,24 @@ class RolloutWorker:
         if self._main is None:
             self._main = self._thread.submit(self._loop())
 
-    async def _ask(self, method: str, *args: Any) -> Any:
-        ref = getattr(self.manager, method).remote(*args)
-        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), MANAGER_TIMEOUT)
+    async def _ask(self, method: str, *args: object) -> object:
+        """The manager's answer; a call lost to the manager's death is asked again (it restarts)
+        until ``restart_timeout``."""
+        deadline = time.monotonic() + self.restart_timeout
+        while True:
+            ref = getattr(self.manager, method).remote(*args)
+            try:
+                return await asyncio.wait_for(
+                    asyncio.wrap_future(ref.future()), self.restart_timeout
+                )
+            except ray.exceptions.RayActorError as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the generation manager died and was not back within "
+                        f"{self.restart_timeout:.0f} s (rollout.setup_timeout + "
+                        f"core.health_timeout): {e}"
+                    ) from e
+                await asyncio.sleep(RETRY_S)
 
     async def _loop(self) -> None:
         tasks: set[asyncio.Task] = set()
@@ -215,12 +372,21 @@ class RolloutWorker:
                 tasks = {t for t in tasks if not t.done()}
                 self.running = len(tasks)
                 want = 0 if self.draining else self.max_in_flight - len(tasks)
-                version, slots = (
-                    await self._ask("acquire_at", self.index, want) if want > 0 else (0, [])
-                )
+                if want <= 0 and time.monotonic() - self._asked < HEARTBEAT_S:
+                    await asyncio.sleep(POLL_S)
+                    continue
+                self._asked = time.monotonic()
+                version, confirmed, slots = await self._ask("acquire_at", self.index, max(want, 0))
+                self._kept = {t: g for t, g in self._kept.items() if t > confirmed}
+                if slots is None:  # the manager restarted: say what this worker holds
+                    await self._ask(
+                        "rejoin", self.index, sorted(self._held), [*self._kept.values()]
+                    )
+                    continue
                 if slots:
                     self.engine.set_version(version)
                 for ticket, item in slots:
+                    self._held.add(ticket)
                     tasks.add(asyncio.create_task(self._episode(ticket, item)))
                 await asyncio.sleep(0 if slots else POLL_S)
         except Exception as e:  # noqa: BLE001 -- the manager is unreachable: recorded, read by the master
@@ -245,10 +411,14 @@ class RolloutWorker:
             )
         self.n_episodes += 1
         entry = self._publish(ticket, group) if group else None
+        if entry is not None:  # kept until the master has it (a restarted manager asks for it)
+            self._kept[ticket] = entry
         try:
             await self._ask("finish", self.index, ticket, entry, failed)
         except Exception as e:  # noqa: BLE001
             self._record(f"rollout worker {self.index} could not report ticket {ticket}: {e}")
+        finally:
+            self._held.discard(ticket)
 
     def _publish(self, ticket: int, group: list) -> Finished:
         """Put the packed group in the object store; the manager gets its reference."""
@@ -286,6 +456,10 @@ class RolloutWorker:
     def set_servers(self, addresses: list[str]) -> None:
         """Route to exactly these servers from now on (they hold the current weights)."""
         self.engine.set_servers(addresses)
+
+    def pid(self) -> int:
+        """This process's id (the master's hang probe)."""
+        return os.getpid()
 
     def health(self) -> dict[str, Any]:
         """Errors so far, throughput counters, and ``stats``: the reward workers' failure
