@@ -19,34 +19,18 @@ from __future__ import annotations
 import math
 import sys
 
-import torch
 import torch.distributed as dist
 
 from areal.api.config import DPOConfig, load_config
 from areal.api.io import FinetuneSpec
 from areal.dataset import ItemDataset, create_dataloader
 from areal.dataset.preference import load_preferences
-from areal.engine.dpo import DPOEngine, pack_pairs, with_ref_logp
+from areal.engine.dpo import DPOEngine, with_ref_logp
 from areal.engine.fsdp import FSDPEngine
 from areal.runtime.run import Run, init_run, total_steps
-from areal.utils.batch import PackedBatch
+from areal.runtime.supervised import dpo_batch, evaluate_dpo, scored
 
 CONFIG = DPOConfig
-
-
-def to_batch(items: list[dict]) -> PackedBatch:
-    """Pairs as consecutive sequences (chosen at 2k, rejected at 2k+1, what DPOEngine expects),
-    with the reference logprobs when the items carry them."""
-    batch = pack_pairs(
-        [it["chosen_ids"] for it in items],
-        [it["rejected_ids"] for it in items],
-        [it["prompt_len"] for it in items],
-    )
-    if "ref_logp" in items[0]:
-        batch = batch.with_fields(
-            seqs={"ref_logp": torch.tensor([v for it in items for v in it["ref_logp"]])}
-        )
-    return batch
 
 
 def precompute_ref_logp(
@@ -55,17 +39,18 @@ def precompute_ref_logp(
     """``dataset`` with each pair's reference logprobs ``ref_logp`` = [chosen, rejected]."""
     items, rank, world = dataset.items, run.rank, run.world_size
     mine = list(range(rank, len(items), world))
-    scored: dict[int, list[float]] = {}
+    by_item: dict[int, list[float]] = {}
     for start in range(0, math.ceil(len(items) / world), pairs_per_call):
-        idx = mine[start : start + pairs_per_call] or [
-            0
-        ]  # every rank runs the same number of forwards
-        batch = with_ref_logp(ref, to_batch([items[i] for i in idx]))
-        scored.update({i: batch["ref_logp"][2 * k : 2 * k + 2].tolist() for k, i in enumerate(idx)})
-    shares = [scored]
+        # every rank runs the same number of forwards
+        idx = mine[start : start + pairs_per_call] or [0]
+        batch = with_ref_logp(ref, dpo_batch([items[i] for i in idx]))
+        by_item.update(
+            {i: batch["ref_logp"][2 * k : 2 * k + 2].tolist() for k, i in enumerate(idx)}
+        )
+    shares = [by_item]
     if world > 1:
         shares = [None] * world
-        dist.all_gather_object(shares, scored, group=run.dist.mesh.get_group())
+        dist.all_gather_object(shares, by_item, group=run.dist.mesh.get_group())
     merged = {i: v for share in shares for i, v in share.items()}
     return ItemDataset([{**it, "ref_logp": merged[i]} for i, it in enumerate(items)], dataset.name)
 
@@ -84,22 +69,6 @@ def reference(cfg: DPOConfig, run: Run, train: ItemDataset, valid: ItemDataset |
         valid = precompute_ref_logp(run, ref, valid, n) if valid is not None else None
     ref.destroy()
     return train, valid, None
-
-
-def scored(batch: PackedBatch, ref: FSDPEngine | None) -> PackedBatch:
-    """``batch`` with its reference logprobs computed now (online), else as it is."""
-    return with_ref_logp(ref, batch) if ref is not None else batch
-
-
-def evaluate(engine: DPOEngine, ref: FSDPEngine | None, valid_loader) -> dict[str, float]:
-    """Held-out preference loss, reward accuracy and margin over the whole validation set."""
-    sums, n = {"loss": 0.0, "reward_acc": 0.0, "margin": 0.0}, 0.0
-    for items in valid_loader:
-        _, out = engine.evaluate_dpo(scored(to_batch(items), ref))
-        for k in sums:
-            sums[k] += out[k] * out["n_pairs"]
-        n += out["n_pairs"]
-    return {f"eval/{k}": v / max(n, 1.0) for k, v in sums.items()}
 
 
 def main(argv: list[str]) -> int:
@@ -124,13 +93,9 @@ def main(argv: list[str]) -> int:
         )
     )
 
-    step = 0
-    state = run.load_recover({"model": engine})
-    if state is not None:
-        step = state["step"]
-        loader.load_state_dict(state["dataloader"])
-    for step, epoch_done, items in run.batches(loader, n_steps, step):
-        batch = to_batch(items)
+    start = run.resume({"model": engine}, loader=loader)
+    for step, epoch_done, items in run.batches(loader, n_steps, start):
+        batch = dpo_batch(items)
         run.tracker.sum("perf/n_tokens", batch.n_tokens)
         if ref is not None:
             with run.tracker.timer("ref_logp"):
@@ -139,13 +104,13 @@ def main(argv: list[str]) -> int:
             _, stats = engine.train_dpo(batch)
             stats = {f"loss/{k}": v for k, v in stats.items()}
             engine.step_lr_scheduler()
-        if run.saver.check(step, epoch_done) or step == n_steps:
+        if run.saver.check(step, epoch_done):  # and at the last step (Run.steps)
             run.export_hf(engine, step, "model")
-        if valid_loader is not None and (run.evaluator.check(step, epoch_done) or step == n_steps):
+        if valid_loader is not None and run.evaluator.check(step, epoch_done):
             with run.tracker.timer("eval"):
-                stats.update(evaluate(engine, ref, valid_loader))
+                stats.update(evaluate_dpo(engine, ref, valid_loader))
         if run.recover_timer.check(step, epoch_done):
-            run.save_recover(step, {"model": engine}, {"dataloader": loader.state_dict()})
+            run.checkpoint(step)
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
     engine.destroy()
     if ref is not None:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 from areal.api.config import GRPOConfig, load_config
 from areal.api.io import FinetuneSpec
 from areal.engine.fsdp import FSDPEngine
@@ -25,7 +23,7 @@ from areal.engine.lora import FrozenBase
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.rollout.trajectory import groups_to_batch
 from areal.runtime.publisher import WeightPublisher
-from areal.runtime.rl import evaluate, setup_rollout
+from areal.runtime.rl import setup_rollout
 from areal.runtime.run import init_run
 from areal.workflow.filters import DynamicSamplingFilter
 
@@ -97,19 +95,13 @@ def main(argv: list[str]) -> int:
     data = run.load_data()
     loader, valid_loader, n_steps = data.loader, data.valid_loader, data.n_steps
     side = setup_rollout(cfg, run)  # rollout client, reward workers, workflows, executor
-    rollout, reward, workflow, eval_workflow, executor = (
-        side.rollout,
-        side.reward,
-        side.workflow,
-        side.eval_workflow,
-        side.executor,
-    )
+    executor = side.executor
     actor, critic, ref = setup_trainers(cfg, run, data.ft_spec)
     engines = {"actor": actor, **({"critic": critic} if critic is not None else {})}
     publisher = WeightPublisher(
         cfg.weight_update_mode,
         actor,
-        rollout,
+        side.rollout,
         executor,
         run.dist,
         cfg.weights_dir,
@@ -117,43 +109,31 @@ def main(argv: list[str]) -> int:
     )
     publisher.connect()
 
-    step, state = 0, run.load_recover(engines)
-    if state is not None:  # servers get the checkpoint's weights and version
-        step = state["step"]
-        loader.load_state_dict(state["dataloader"])
-        executor.load_state_dict(state["executor"])
-        publisher.publish(state["version"])
-    elif valid_loader is not None:  # step 0: the starting model's held-out accuracy
-        evaluate(executor, valid_loader, eval_workflow, run)
+    # a resume gives the servers the checkpoint's weights and version
+    start = run.resume(engines, loader=loader, executor=executor, weights=publisher)
+    if start == 0 and valid_loader is not None:  # the starting model's held-out accuracy
+        side.evaluate(valid_loader, run)
         run.commit(0, n_steps, run.tracker.export())
     # DAPO dynamic sampling (training rollouts only, never eval); stops after an epoch of rejects
     accept = DynamicSamplingFilter(data.n_train) if cfg.actor.dynamic_sampling else None
-    while step < n_steps:
-        step, epoch_done = step + 1, (step + 1) % len(loader) == 0
+    for step, epoch_done in run.steps(start, n_steps, len(loader)):
         with run.tracker.timer("rollout"):  # the executor pulls items from the loader
-            groups = executor.prepare_batch(loader, workflow, accept)
+            groups = executor.prepare_batch(loader, side.workflow, accept)
             batch = groups_to_batch(groups)
         run.log_trained(step, [g[0].group_id for g in groups])
         stats = side.batch_stats()  # executor, reward workers, client (and agent) counters
         publisher.yield_device()  # colocated servers give the GPU to the train step
-        with run.replay.step(
-            step, batch, actor
-        ):  # trainer inputs and weight hashes for `areal replay`
+        with run.replay.step(step, batch, actor):  # inputs and weight hashes for `areal replay`
             batch = train_step(cfg, run, actor, critic, ref, batch)
         run.samples.record(step, groups, batch, actor.get_version())  # for `areal view`
         with run.tracker.timer("update_weights"):
             publisher.publish()
-        if run.saver.check(step, epoch_done) or step == n_steps:
+        if run.saver.check(step, epoch_done):  # and at the last step (Run.steps)
             run.export_hf(actor, step)
-        if valid_loader is not None and (run.evaluator.check(step, epoch_done) or step == n_steps):
-            evaluate(executor, valid_loader, eval_workflow, run)
+        if valid_loader is not None and run.evaluator.check(step, epoch_done):
+            side.evaluate(valid_loader, run)
         if run.recover_timer.check(step, epoch_done):
-            state = {
-                "dataloader": loader.state_dict(),
-                "executor": executor.state_dict(),
-                "version": publisher.version,
-            }
-            run.save_recover(step, engines, state)
+            run.checkpoint(step)
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
     side.close()
     for engine in (actor, critic, ref):

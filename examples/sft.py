@@ -5,6 +5,8 @@ Run: ``areal launch local examples/sft.py --config examples/sft_arithmetic.yaml`
 
 Each step: batch of (prompt, completion) items -> token-weighted NLL on completion tokens ->
 optimizer step -> LR step -> save (HF) -> evaluate held-out NLL -> recover checkpoint -> stats.
+The batch layout and the held-out NLL are :mod:`areal.runtime.supervised`'s (``areal core sft``
+uses them too).
 """
 
 from __future__ import annotations
@@ -14,28 +16,9 @@ import sys
 from areal.api.config import SFTConfig, load_config
 from areal.engine.sft import SFTEngine
 from areal.runtime.run import init_run
-from areal.utils.batch import PackedBatch
+from areal.runtime.supervised import evaluate_sft, sft_batch
 
 CONFIG = SFTConfig
-
-
-def to_batch(items: list[dict]) -> PackedBatch:
-    """Pack tokenized SFT items (``input_ids``, ``loss_mask``) into one batch."""
-    return PackedBatch.from_sequences(
-        {
-            "input_ids": [it["input_ids"] for it in items],
-            "loss_mask": [it["loss_mask"] for it in items],
-        }
-    )
-
-
-def evaluate(engine: SFTEngine, valid_loader) -> dict[str, float]:
-    """Held-out token-mean NLL over the whole validation set."""
-    total, n = 0.0, 0.0
-    for items in valid_loader:
-        _, out = engine.evaluate_lm(to_batch(items))
-        total, n = total + out["loss"] * out["n_tokens"], n + out["n_tokens"]
-    return {"eval/loss": total / max(n, 1.0)}
 
 
 def main(argv: list[str]) -> int:
@@ -46,25 +29,21 @@ def main(argv: list[str]) -> int:
     engine = SFTEngine(cfg.model, run.dist.mesh)
     engine.initialize(data.ft_spec)
 
-    step = 0
-    state = run.load_recover({"model": engine})
-    if state is not None:
-        step = state["step"]
-        loader.load_state_dict(state["dataloader"])
-    for step, epoch_done, items in run.batches(loader, n_steps, step):
-        batch = to_batch(items)
+    start = run.resume({"model": engine}, loader=loader)
+    for step, epoch_done, items in run.batches(loader, n_steps, start):
+        batch = sft_batch(items)
         run.tracker.sum("perf/n_tokens", batch.n_tokens)
         with run.tracker.timer("train"):
             _, stats = engine.train_lm(batch)
             stats = {f"loss/{k}": v for k, v in stats.items()}
             engine.step_lr_scheduler()
-        if run.saver.check(step, epoch_done) or step == n_steps:
+        if run.saver.check(step, epoch_done):  # and at the last step (Run.steps)
             run.export_hf(engine, step, "model")
-        if valid_loader is not None and (run.evaluator.check(step, epoch_done) or step == n_steps):
+        if valid_loader is not None and run.evaluator.check(step, epoch_done):
             with run.tracker.timer("eval"):
-                stats.update(evaluate(engine, valid_loader))
+                stats.update(evaluate_sft(engine, valid_loader))
         if run.recover_timer.check(step, epoch_done):
-            run.save_recover(step, {"model": engine}, {"dataloader": loader.state_dict()})
+            run.checkpoint(step)
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
     engine.destroy()
     run.close()

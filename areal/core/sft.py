@@ -17,17 +17,22 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from areal.api.config import ConfigError, SFTConfig, load_config
 from areal.api.config.loader import param
+from areal.api.io import FinetuneSpec
 from areal.core.config import CoreWorkersConfig
 from areal.core.dfg import DataflowGraph
 from areal.core.graphs import CoreGraphConfig, graph_from_config
 from areal.core.master import Master
 from areal.core.worker import InProcessWorker, ModelWorker
 from areal.engine.sft import SFTEngine
-from areal.runtime.run import init_run
-from areal.utils.batch import PackedBatch
+from areal.runtime.run import Run, init_run
+from areal.runtime.supervised import evaluate_sft, sft_batch
+
+if TYPE_CHECKING:
+    from areal.core.ray_worker import RayModel
 
 
 @dataclass(frozen=True)
@@ -39,26 +44,9 @@ class CoreSFTConfig(SFTConfig):
     )
 
 
-def to_batch(items: list[dict]) -> PackedBatch:
-    """Pack tokenized SFT items (``input_ids``, ``loss_mask``) into one batch."""
-    return PackedBatch.from_sequences(
-        {
-            "input_ids": [it["input_ids"] for it in items],
-            "loss_mask": [it["loss_mask"] for it in items],
-        }
-    )
-
-
-def evaluate(engine, valid_loader) -> dict[str, float]:
-    """Held-out token-mean NLL over the whole validation set."""
-    total, n = 0.0, 0.0
-    for items in valid_loader:
-        _, out = engine.evaluate_lm(to_batch(items))
-        total, n = total + out["loss"] * out["n_tokens"], n + out["n_tokens"]
-    return {"eval/loss": total / max(n, 1.0)}
-
-
-def start_workers(cfg: CoreSFTConfig, run, graph: DataflowGraph, ft_spec):
+def start_workers(
+    cfg: CoreSFTConfig, run: Run, graph: DataflowGraph, ft_spec: FinetuneSpec
+) -> tuple[list[ModelWorker], SFTEngine | RayModel]:
     """The workers and what the script uses as the engine (the engine, or a Ray proxy of it)."""
     (mfc,) = graph.mfcs
     if cfg.core.backend == "ray":
@@ -94,7 +82,8 @@ def start_workers(cfg: CoreSFTConfig, run, graph: DataflowGraph, ft_spec):
     return [worker], engine
 
 
-def close_workers(workers: list[ModelWorker], engine) -> None:
+def close_workers(workers: list[ModelWorker], engine: SFTEngine | RayModel) -> None:
+    """Stop the workers; free the engine when it lives in this process."""
     for w in workers:
         w.close()
     if isinstance(engine, SFTEngine):  # in-process: ours to free; Ray workers free their own
@@ -113,13 +102,9 @@ def main(argv: list[str]) -> int:
     workers, engine = start_workers(cfg, run, graph, data.ft_spec)
     master = Master(graph, workers, mfc_timeout=cfg.core.mfc_timeout)
 
-    step = 0
-    state = run.load_recover({"model": engine})
-    if state is not None:
-        step = state["step"]
-        loader.load_state_dict(state["dataloader"])
-    for step, epoch_done, items in run.batches(loader, n_steps, step):
-        batch = to_batch(items)
+    start = run.resume({"model": engine}, loader=loader)
+    for step, epoch_done, items in run.batches(loader, n_steps, start):
+        batch = sft_batch(items)
         run.tracker.sum("perf/n_tokens", batch.n_tokens)
         with run.tracker.timer("train"):
             master.put_batch(batch)
@@ -127,13 +112,13 @@ def main(argv: list[str]) -> int:
         timing = {"n_tokens", "wall_time", "compute_time"}
         stats = {f"loss/{k}": v for k, v in out.items() if k not in timing}
         stats.update({f"mfc/{mfc.name}/{k}": out[k] for k in sorted(timing)})
-        if run.saver.check(step, epoch_done) or step == n_steps:
+        if run.saver.check(step, epoch_done):  # and at the last step (Run.steps)
             run.export_hf(engine, step, "model")
-        if valid_loader is not None and (run.evaluator.check(step, epoch_done) or step == n_steps):
+        if valid_loader is not None and run.evaluator.check(step, epoch_done):
             with run.tracker.timer("eval"):
-                stats.update(evaluate(engine, valid_loader))
+                stats.update(evaluate_sft(engine, valid_loader))
         if run.recover_timer.check(step, epoch_done):
-            run.save_recover(step, {"model": engine}, {"dataloader": loader.state_dict()})
+            run.checkpoint(step)
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
     close_workers(workers, engine)
     run.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -19,6 +20,7 @@ from areal.reward.resolve import resolve_reward
 from areal.reward.runner import RewardRunner
 from areal.rollout.executor import WorkflowExecutor
 from areal.rollout.remote import RemoteInferenceEngine, discover_servers
+from areal.runtime.run import Run
 from areal.workflow.agent import AgentWorkflow
 from areal.workflow.agent_cmd import AgentCommandWorkflow
 from areal.utils.name_resolve import gen_teacher_key, make_repository
@@ -92,6 +94,10 @@ class RolloutSide:
             **self.rollout.stats(),
             **agent,
         }
+
+    def evaluate(self, valid_loader: Iterable[list[dict]], run: Run) -> None:
+        """Record the held-out accuracy of the servers' current weights (:func:`evaluate`)."""
+        evaluate(self.executor, valid_loader, self.eval_workflow, run)
 
     def close(self) -> None:
         for wf in {id(w): w for w in (self.agent, self.eval_workflow)}.values():

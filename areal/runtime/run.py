@@ -7,6 +7,13 @@ writes the resolved config and loads the tokenizer. The returned :class:`Run` ho
 recover checkpoints: each engine's DCP checkpoint (model, optimizer, scheduler) plus one state
 file per rank (counters, dataloader and executor state, timers, RNG states), published
 atomically with a manifest and verified before a resume by :class:`~areal.utils.recover.RecoverDir`.
+
+The step loop stays in the entry script; the run holds its rules. :meth:`Run.resume` is the
+prologue: it registers what a recover checkpoint holds (the engines, and the
+:class:`~areal.api.protocols.Checkpointable` parts and :class:`~areal.api.protocols.Publisher`
+the script names), restores them from the newest usable checkpoint and returns the step to go on
+from; :meth:`Run.checkpoint` saves them. :meth:`Run.steps` (and :meth:`Run.batches`) yield the
+steps and tell the saver and the evaluator the last one, at which they always fire.
 When a resume is pending, RUN_DIR/config.yaml is written only once it is accepted, so a refused
 resume leaves the config of the run it refused to continue as it was.
 """
@@ -19,18 +26,19 @@ import random
 import resource
 import sys
 import time
+from collections.abc import Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as torch_dist
 
 from areal.api.config import BaseExperimentConfig, ConfigError, save_config
-from areal.api.engine import TrainEngine
 from areal.api.io import FinetuneSpec, SaveLoadMeta
 from areal.api.launch import LaunchEnv
+from areal.api.protocols import Checkpointable, Persistent, Publisher
 from areal.dataset import create_dataloader, load_dataset
 from areal.runtime.dist import DistContext, close_distributed, init_distributed
 from areal.runtime.preflight import preflight
@@ -38,8 +46,8 @@ from areal.runtime.replay import ReplayRecorder
 from areal.runtime.samples import SampleRecorder
 from areal.utils.logging import add_log_file, get_logger
 from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository
-from areal.utils.progress import StepProgress
 from areal.utils.process import die_with
+from areal.utils.progress import StepProgress
 from areal.utils.recover import (
     Ranks,
     RecoverDir,
@@ -82,6 +90,22 @@ class Data:
     ft_spec: FinetuneSpec
 
 
+B = TypeVar("B")  # a loader's batch
+
+
+class _Loader(Iterable[B], Sized, Protocol[B]):
+    """A data loader: batches when iterated, ``len`` = batches per epoch."""
+
+
+@dataclass
+class _Saved:
+    """What :meth:`Run.checkpoint` saves; :meth:`Run.resume` registers it."""
+
+    engines: dict[str, Persistent]
+    parts: dict[str, Checkpointable]  # by their key in the state file
+    weights: Publisher | None  # its version is the state file's "version"
+
+
 @dataclass
 class Run:
     """One trainer process's view of the run (see the module docstring)."""
@@ -120,6 +144,7 @@ class Run:
         )
         self._bar = None
         self._last_commit: float | None = None
+        self._saved: _Saved | None = None  # what Run.checkpoint saves (Run.resume registers it)
 
     def load_data(self) -> Data:
         """Tokenized train (and valid) datasets, sharded over the trainer ranks."""
@@ -137,18 +162,27 @@ class Run:
         )
         return Data(loader, valid_loader, len(train), total_steps(cfg, len(loader)), ft_spec)
 
-    def batches(self, loader, n_steps: int, start_step: int = 0) -> Iterator[tuple[int, bool, Any]]:
-        """Yield ``(step, epoch_done, batch)`` for steps ``start_step + 1 .. n_steps``, starting
-        a new epoch of ``loader`` whenever one runs out (resumes where ``loader``'s state is)."""
-        steps_per_epoch = len(loader)
+    def steps(self, start: int, n_steps: int, steps_per_epoch: int) -> Iterator[tuple[int, bool]]:
+        """Yield ``(step, epoch_done)`` for steps ``start + 1 .. n_steps``. The saver and the
+        evaluator learn the last step: their ``check`` is True there whatever their frequency,
+        so a run always ends with an export and an evaluation."""
+        self.saver.last_step = self.evaluator.last_step = n_steps
+        for step in range(start + 1, n_steps + 1):
+            yield step, step % steps_per_epoch == 0
+
+    def batches(
+        self, loader: _Loader[B], n_steps: int, start_step: int = 0
+    ) -> Iterator[tuple[int, bool, B]]:
+        """:meth:`steps` with each step's batch of ``loader``: ``(step, epoch_done, batch)``,
+        starting a new epoch whenever one runs out (resumes where ``loader``'s state is)."""
         data = iter(loader)
-        for step in range(start_step + 1, n_steps + 1):
+        for step, epoch_done in self.steps(start_step, n_steps, len(loader)):
             try:
                 batch = next(data)
             except StopIteration:  # next epoch
                 data = iter(loader)
                 batch = next(data)
-            yield step, step % steps_per_epoch == 0, batch
+            yield step, epoch_done, batch
 
     def barrier(self) -> None:
         """Wait for every trainer rank (no-op with one rank)."""
@@ -210,7 +244,46 @@ class Run:
 
     # -- checkpoints --------------------------------------------------------------------------
 
-    def export_hf(self, engine: TrainEngine, step: int, name: str = "actor") -> Path:
+    def resume(
+        self,
+        engines: Mapping[str, Persistent],
+        *,
+        loader: Checkpointable | None = None,
+        executor: Checkpointable | None = None,
+        manager: Checkpointable | None = None,
+        weights: Publisher | None = None,
+    ) -> int:
+        """The step to go on from: a recover checkpoint's (``engines`` loaded, then ``loader``,
+        ``executor`` and ``manager`` restored, then ``weights`` published again at the
+        checkpoint's version, in that order), else 0. Registers them all for
+        :meth:`checkpoint`, which saves them under the same names: each engine's DCP dir, and
+        ``dataloader``, ``executor``, ``manager``, ``version`` in each rank's state file.
+        Collective; see :meth:`load_recover` for what a corrupt or refused checkpoint does."""
+        named = {"dataloader": loader, "executor": executor, "manager": manager}
+        parts = {key: part for key, part in named.items() if part is not None}
+        self._saved = _Saved(dict(engines), parts, weights)
+        state = self.load_recover(self._saved.engines)
+        if state is None:
+            return 0
+        for key, part in parts.items():
+            part.load_state_dict(state[key])
+        if weights is not None:  # the servers get the checkpoint's weights and version
+            weights.publish(state["version"])
+        return state["step"]
+
+    def checkpoint(self, step: int) -> None:
+        """Write a recover checkpoint of what :meth:`resume` registered (collective)."""
+        if self._saved is None:
+            raise RuntimeError(
+                "Run.checkpoint before Run.resume: resume names what a checkpoint holds; call "
+                "it once before the step loop"
+            )
+        state: dict[str, object] = {k: p.state_dict() for k, p in self._saved.parts.items()}
+        if self._saved.weights is not None:
+            state["version"] = self._saved.weights.version
+        self.save_recover(step, self._saved.engines, state)
+
+    def export_hf(self, engine: Persistent, step: int, name: str = "actor") -> Path:
         """Save an HF model dir under RUN_DIR/checkpoints/<name>/step<step> (collective)."""
         path = self.run_dir / "checkpoints" / name / f"step{step}"
         engine.save(
@@ -219,7 +292,7 @@ class Run:
         return path
 
     def save_recover(
-        self, step: int, engines: dict[str, TrainEngine], state: dict[str, Any]
+        self, step: int, engines: Mapping[str, Persistent], state: Mapping[str, object]
     ) -> None:
         """Write a recover checkpoint atomically: DCP per engine + this rank's ``state``."""
         timers = {k: t.state_dict() for k, t in self._timers().items()}
@@ -233,7 +306,7 @@ class Run:
             f"recover checkpoint for step {step} in {self.recover_dir.root / f'ckpt-{step}'}"
         )
 
-    def load_recover(self, engines: dict[str, TrainEngine]) -> dict[str, Any] | None:
+    def load_recover(self, engines: Mapping[str, Persistent]) -> dict[str, Any] | None:
         """Resume from the newest usable recover checkpoint when ``recover.mode`` allows (a
         corrupt one is named in a warning and the previous one tried); None when there is none.
         Writes RUN_DIR/config.yaml once the resume is accepted; a refused resume leaves it as it
@@ -256,7 +329,7 @@ class Run:
         logger.info(f"resumed from {ckpt} at step {state['step']}")
         return state
 
-    def _load_checkpoint(self, ckpt: Path, engines: dict[str, TrainEngine]) -> dict[str, Any]:
+    def _load_checkpoint(self, ckpt: Path, engines: Mapping[str, Persistent]) -> dict[str, Any]:
         """Every engine's DCP state, then this rank's state, timers and RNG from ``ckpt``; each
         part agreed by all ranks (a failure anywhere raises CheckpointError everywhere)."""
         agreed = self.recover_dir.agreed

@@ -11,6 +11,9 @@ class FrequencyControl:
 
     ``check(step, epoch_done)`` is called after each global step (``step`` counts from 1);
     ``epoch_done`` is True on the last step of an epoch. The seconds timer restarts when it fires.
+    With ``last_step`` set (the run's last step: :meth:`areal.runtime.run.Run.steps` sets it for
+    the saver and the evaluator), ``check`` is also True at that step, whatever the frequency,
+    so a run always ends saved and evaluated; that extra firing restarts no timer.
     """
 
     def __init__(
@@ -24,6 +27,7 @@ class FrequencyControl:
         self.clock = clock
         self.epochs_done = 0
         self.last_fire = clock()
+        self.last_step: int | None = None
 
     @classmethod
     def from_config(cls, cfg, clock: Callable[[], float] = time.monotonic) -> FrequencyControl:
@@ -45,7 +49,7 @@ class FrequencyControl:
         )
         if due:
             self.last_fire = self.clock()
-        return due
+        return due or step == self.last_step
 
     def state_dict(self) -> dict:
         """Epoch count and seconds since the last firing (clock-independent)."""

@@ -51,3 +51,16 @@ def test_state_round_trip_keeps_epochs_and_elapsed_seconds():
     clock2.t = 1005.0  # 4 + 5 = 9 s since the last firing: not yet
     assert not fc2.check(2)
     assert fc2.check(3, epoch_done=True)  # second epoch done
+
+
+def test_the_last_step_fires_whatever_the_frequency_without_restarting_the_seconds_timer():
+    clock = FakeClock()
+    fc = FrequencyControl(freq_steps=4, freq_secs=10, clock=clock)
+    fc.last_step = 6
+    fired = []
+    for step in range(1, 7):
+        clock.t = float(step)
+        fired.append(fc.check(step))
+    assert fired == [False, False, False, True, False, True]
+    # the step-4 firing (t=4) restarted the seconds timer; the last step's (t=6) did not
+    assert fc.state_dict()["secs_since_fire"] == 2.0
