@@ -81,6 +81,19 @@ def _stop_reason(kind: Any, body: Any) -> StopReason:
     raise BadServerResponse(f"unknown finish reason {kind!r} in server answer {str(body)[:300]}")
 
 
+def _sampling(g: GenerationHyperparameters) -> dict[str, Any]:
+    """The sampling knobs every backend names alike (SGLang's ``sampling_params``, vLLM's
+    completions fields); greedy is temperature 0."""
+    return {
+        "temperature": 0.0 if g.greedy else g.temperature,
+        "top_p": g.top_p,
+        "top_k": g.top_k,
+        "stop_token_ids": list(g.stop_token_ids),
+        "stop": list(g.stop),
+        "ignore_eos": g.ignore_eos,
+    }
+
+
 class Backend(abc.ABC):
     """Maps client operations to one server kind's HTTP calls."""
 
@@ -157,12 +170,7 @@ class NativeBackend(Backend):
         sp: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
             "min_new_tokens": min_new_tokens,
-            "temperature": 0.0 if g.greedy else g.temperature,
-            "top_p": g.top_p,
-            "top_k": g.top_k,
-            "stop_token_ids": list(g.stop_token_ids),
-            "stop": list(g.stop),
-            "ignore_eos": g.ignore_eos,
+            **_sampling(g),
             "no_stop_trim": True,  # the client works on tokens; keep everything generated
         }
         if seed is not None:
@@ -303,12 +311,7 @@ class VLLMBackend(Backend):
             "prompt": list(input_ids),
             "max_tokens": max_new_tokens,
             "min_tokens": min_new_tokens,
-            "temperature": 0.0 if g.greedy else g.temperature,
-            "top_p": g.top_p,
-            "top_k": g.top_k,
-            "stop_token_ids": list(g.stop_token_ids),
-            "stop": list(g.stop),
-            "ignore_eos": g.ignore_eos,
+            **_sampling(g),
             "include_stop_str_in_output": True,
             "skip_special_tokens": False,
             "logprobs": 0,

@@ -23,7 +23,6 @@ the :class:`~areal.api.protocols.Admission` of Lite's weight publisher and one o
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import threading
 import time
@@ -38,6 +37,7 @@ from areal.api.protocols import Admission, Checkpointable
 from areal.api.workflow import RolloutWorkflow
 from areal.rollout.staleness import StalenessManager
 from areal.rollout.trajectory import staleness_stats
+from areal.utils.event_loop import EventLoopThread
 from areal.utils.logging import get_logger
 
 logger = get_logger("executor")
@@ -52,51 +52,6 @@ class RolloutError(RuntimeError):
 
 class RolloutWatchdogError(RuntimeError):
     """Rollouts were running but none completed within ``rollout.watchdog_timeout``."""
-
-
-class EventLoopThread:
-    """An asyncio loop running forever in a daemon thread; other threads hand it coroutines."""
-
-    def __init__(self, name: str):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-        tasks = asyncio.all_tasks(self.loop)
-        for task in tasks:
-            task.cancel()
-        self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-        self.loop.close()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule ``coro`` on the loop; returns a thread-safe future."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float, what: str) -> T:
-        """Run ``coro`` on the loop and block for its result, at most ``timeout`` seconds."""
-        fut = self.submit(coro)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            if fut.done():  # the coroutine itself raised TimeoutError (same class since 3.11)
-                raise
-            fut.cancel()
-            raise TimeoutError(f"{what} did not finish within {timeout} s") from None
-
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop thread (thread-safe)."""
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(fn, *args)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Cancel every task, stop the loop and join the thread."""
-        if self._thread.is_alive() and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout)
 
 
 @dataclass
@@ -444,10 +399,12 @@ class WorkflowExecutor(Admission, Checkpointable):
             for k in ("rollout/accepted", "rollout/rejected", "rollout/errors")
         }
         logger.info(
-            f"waiting {waited:.0f} s for a batch of {self.batch_size} groups: {int(now['rollout/buffered'])} "
-            f"ready, {int(now['rollout/running'])} running, {int(now['rollout/queued'])} queued; since "
-            f"the wait began {delta['accepted']} accepted, {delta['rejected']} rejected by should_accept "
-            f"(e.g. dynamic sampling drops groups whose rewards are all equal), {delta['errors']} errors"
+            f"waiting {waited:.0f} s for a batch of {self.batch_size} "
+            f"groups: {int(now['rollout/buffered'])} ready, {int(now['rollout/running'])} "
+            f"running, {int(now['rollout/queued'])} queued; since the wait "
+            f"began {delta['accepted']} accepted, {delta['rejected']} rejected by should_accept "
+            f"(e.g. dynamic sampling drops groups whose rewards are all equal), {delta['errors']} "
+            "errors"
         )
 
     def pause(self) -> None:

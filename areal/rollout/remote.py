@@ -5,13 +5,13 @@ The client runs its own asyncio loop (and aiohttp session) in a background threa
 training script can call the synchronous methods (``pause``, ``resume``, ``update_weights``) and
 coroutines on any other loop (the workflow executor's) can ``await agenerate(...)``.
 
-Routing: the first request of a group (``ModelRequest.group_id``) picks a server by
-``rollout.schedule_policy`` (round_robin | least_requests); later samples of the group go to the
-same server (prefix reuse) unless it fails. Failures: a connection error or HTTP 5xx is retried
-on another server after ``retry_backoff * 2**k`` seconds, at most ``request_retries`` times; a
-server with ``server_failure_threshold`` consecutive failures (or one failed control call) is
-declared dead, logged and counted, and not routed to until it answers health again. HTTP 4xx is
-a bug or a bad config and raises at once.
+Routing (:mod:`areal.rollout.routing`): the first request of a group (``ModelRequest.group_id``)
+picks a server by ``rollout.schedule_policy`` (round_robin | least_requests); later samples of
+the group go to the same server (prefix reuse) unless it fails. Failures: a connection error or
+HTTP 5xx is retried on another server after ``retry_backoff * 2**k`` seconds, at most
+``request_retries`` times; a server with ``server_failure_threshold`` consecutive failures (or
+one failed control call) is declared dead, logged and counted, and not routed to until it answers
+health again. HTTP 4xx is a bug or a bad config and raises at once.
 
 Server loss: when none is left and the launcher restarts dead servers (``server_restarts`` > 0),
 calls wait, logged, up to ``rollout.server_restart_timeout`` seconds for one to answer health
@@ -35,8 +35,6 @@ import itertools
 import json
 import time
 import zlib
-from collections import OrderedDict
-from dataclasses import dataclass
 
 import aiohttp
 
@@ -46,12 +44,25 @@ from areal.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
 from areal.api.launch import server_api_key
 from areal.api.protocols import SharesDevice, WeightTarget
 from areal.rollout.backends import HttpCall, make_backend
-from areal.rollout.executor import EventLoopThread
+from areal.rollout.routing import (
+    AllServersDeadError,
+    RemoteEngineError,
+    Server,
+    ServerPool,
+    discover_servers,
+)
+from areal.utils.event_loop import EventLoopThread
 from areal.utils.logging import get_logger
-from areal.utils.name_resolve import NameRepository
+
+__all__ = [
+    "AllServersDeadError",
+    "RemoteEngineError",
+    "RemoteInferenceEngine",
+    "continuation_seed",
+    "discover_servers",
+]
 
 logger = get_logger("remote")
-_STICKY_GROUPS = 4096  # remembered group -> server assignments (oldest forgotten first)
 REVIVE_PROBE_S = 2.0  # health probe of a dead server before a disk weight update
 MAX_CONTINUATION_SEED = 2**62  # GenerationHyperparameters.seed's range, which every backend takes
 
@@ -68,47 +79,8 @@ def continuation_seed(seed: int | None, n_done: int) -> int | None:
     return (seed + zlib.crc32(f"continuation/{n_done}".encode())) % MAX_CONTINUATION_SEED
 
 
-class RemoteEngineError(RuntimeError):
-    """A generation server call failed for good (the message names server, call and cause)."""
-
-
-class AllServersDeadError(RemoteEngineError):
-    """Every generation server was declared dead (and none came back); the run cannot continue."""
-
-
 class _Retryable(Exception):
     """A connection error or HTTP 5xx: try again, elsewhere."""
-
-
-@dataclass
-class _Server:
-    address: str  # host:port
-    alive: bool = True
-    outstanding: int = 0  # requests in flight now
-    failures: int = 0  # consecutive failed calls
-    n_requests: int = 0
-    last_error: str = ""  # why the last call failed
-    revivals: int = 0  # times it answered again after being declared dead
-
-    @property
-    def url(self) -> str:
-        return self.address if "://" in self.address else f"http://{self.address}"
-
-
-def discover_servers(
-    config: InferenceEngineConfig, registry: NameRepository | None, key: str, n_servers: int
-) -> list[str]:
-    """Server addresses: ``rollout.addresses`` when set (servers started by hand), else the
-    ``n_servers`` (at least one) entries registered under ``key``, waiting up to
-    ``rollout.setup_timeout`` seconds for them."""
-    if config.addresses:
-        return list(config.addresses)
-    if registry is None:
-        raise ValueError(
-            "no generation server addresses: set rollout.addresses=[host:port,...] "
-            "or start the run with `areal launch`, which registers its servers"
-        )
-    return sorted(registry.wait_subtree(key, max(1, n_servers), config.setup_timeout))
 
 
 class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDevice):
@@ -127,22 +99,18 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         for ``no_restart_reason``); the server-loss policy of the module docstring."""
         self.config = config
         self.server_restarts = server_restarts
-        self.no_restart_reason = no_restart_reason
         self._restart_wait = config.server_restart_timeout if server_restarts else 0.0  # seconds
         self._revive_lock: asyncio.Lock | None = None  # one waiter for a restart at a time
         self._api_key = server_api_key(api_key)
         self.backend = make_backend(config.backend, config.served_model_name)
-        self.servers: list[_Server] = []
+        self.pool = ServerPool(config, no_restart_reason)
         self._version = 0
         self._paused = False
         self._resumed: asyncio.Event | None = None  # created on the client loop
         self._session: aiohttp.ClientSession | None = None
         self._thread: EventLoopThread | None = None
-        self._rr = itertools.count()
-        self._sticky: OrderedDict[str, _Server] = OrderedDict()
         self.n_failovers = 0
         self.n_resubmits = 0
-        self.n_revived = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -151,7 +119,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         addrs = list(addresses)
         if not addrs:
             raise ValueError("RemoteInferenceEngine.initialize needs at least one server address")
-        self.servers = [_Server(a.rstrip("/")) for a in addrs]
+        self.pool.servers = [Server(a.rstrip("/")) for a in addrs]
         self._thread = EventLoopThread("remote-inference")
         try:
             self._thread.run(self._setup(), self.config.setup_timeout + 10, "server health checks")
@@ -171,7 +139,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         deadline = time.monotonic() + self.config.setup_timeout
         await asyncio.gather(*(self._wait_healthy(s, deadline) for s in self.servers))
 
-    async def _wait_healthy(self, server: _Server, deadline: float) -> None:
+    async def _wait_healthy(self, server: Server, deadline: float) -> None:
         call, last = self.backend.health, "no answer"
         while time.monotonic() < deadline:
             try:
@@ -213,18 +181,23 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         )
 
     async def _aset_servers(self, wanted: list[str]) -> None:
-        known = {s.address: s for s in self.servers}
-        new = {a: _Server(a) for a in wanted if a not in known}
+        known = {s.address for s in self.servers}
+        new = {a: Server(a) for a in wanted if a not in known}
         deadline = time.monotonic() + self.config.setup_timeout
         await asyncio.gather(*(self._wait_healthy(s, deadline) for s in new.values()))
-        for a in wanted:
-            if a in known and not known[a].alive:
-                known[a].alive, known[a].failures = True, 0
-                self.n_revived += 1
-        self.servers = [known.get(a) or new[a] for a in wanted]
-        self._sticky = OrderedDict((g, s) for g, s in self._sticky.items() if s in self.servers)
+        self.pool.replace(wanted, new)
         if new or len(known) != len(wanted):
             logger.info("generation servers now %s (added %s)", wanted, sorted(new))
+
+    @property
+    def servers(self) -> list[Server]:
+        """The servers this client routes to (:class:`~areal.rollout.routing.ServerPool`)."""
+        return self.pool.servers
+
+    @property
+    def n_revived(self) -> int:
+        """Servers that serve again after being declared dead (restarted, or listed again)."""
+        return self.pool.n_revived
 
     def _loop_thread(self) -> EventLoopThread:
         if self._thread is None:
@@ -233,30 +206,18 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
 
     # -- routing and transport ----------------------------------------------------------------
 
-    def _alive(self, why: str = "") -> list[_Server]:
-        alive = [s for s in self.servers if s.alive]
-        if not alive:
-            causes = "; ".join(
-                f"{s.address}: {s.last_error or 'no error recorded'}" for s in self.servers
-            )
-            raise AllServersDeadError(
-                f"all {len(self.servers)} generation servers are dead ({causes}) and "
-                f"{why or f'are not restarted ({self.no_restart_reason})'}; the run cannot "
-                "continue. Check their logs, restart them and resume from the last recover checkpoint"
-            )
-        return alive
-
-    async def _await_alive(self) -> list[_Server]:
+    async def _await_alive(self) -> list[Server]:
         """The live servers; when none is left and the launcher restarts servers, first wait
         (logged) up to ``rollout.server_restart_timeout`` for one to answer health again."""
         if any(s.alive for s in self.servers) or not self.server_restarts:
-            return self._alive()
+            return self.pool.alive()
         async with self._revive_lock:  # concurrent calls share one wait
             if any(s.alive for s in self.servers):
-                return self._alive()
+                return self.pool.alive()
             if all(s.revivals >= self.server_restarts for s in self.servers):
-                self._alive(
-                    f"were restarted launcher.server_restarts={self.server_restarts} time(s) already"
+                self.pool.alive(
+                    f"were restarted launcher.server_restarts={self.server_restarts} time(s) "
+                    "already"
                 )
             timeout = self.config.server_restart_timeout
             logger.warning(
@@ -272,47 +233,12 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
                 if any(s.alive for s in self.servers):
                     break
                 await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-            return self._alive(
+            return self.pool.alive(
                 f"none answered within rollout.server_restart_timeout={timeout} s although "
                 "the launcher restarts them; raise it if a restart takes longer"
             )
 
-    def _choose(self, group_id: str | None, exclude: set[str]) -> _Server:
-        alive = self._alive()
-        candidates = [s for s in alive if s.address not in exclude] or alive
-        if group_id is not None and group_id in self._sticky:
-            server = self._sticky[group_id]
-            if server in candidates:
-                self._sticky.move_to_end(group_id)
-                return server
-        if self.config.schedule_policy == "least_requests":
-            server = min(candidates, key=lambda s: (s.outstanding, s.n_requests))
-        else:
-            server = candidates[next(self._rr) % len(candidates)]
-        if group_id is not None:
-            self._sticky[group_id] = server
-            self._sticky.move_to_end(group_id)
-            while len(self._sticky) > _STICKY_GROUPS:
-                self._sticky.popitem(last=False)
-        return server
-
-    def _mark_failure(self, server: _Server, cause: object, fatal: bool = False) -> None:
-        server.failures += 1
-        server.last_error = str(cause)[:300]
-        if server.alive and (fatal or server.failures >= self.config.server_failure_threshold):
-            server.alive = False
-            left = sum(s.alive for s in self.servers)
-            logger.error(
-                "generation server %s declared dead after %d failure(s) (last: %s); "
-                "%d of %d servers left",
-                server.address,
-                server.failures,
-                cause,
-                left,
-                len(self.servers),
-            )
-
-    async def _send(self, server: _Server, call: HttpCall, deadline: float) -> dict:
+    async def _send(self, server: Server, call: HttpCall, deadline: float) -> dict:
         """One HTTP call; raises _Retryable (connection/5xx), RemoteEngineError (4xx) or
         TimeoutError (``deadline`` passed)."""
         left = deadline - time.monotonic()
@@ -357,11 +283,11 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         tried: set[str] = set()
         for attempt in itertools.count(1):
             await self._await_alive()
-            server = self._choose(group_id, tried)
+            server = self.pool.choose(group_id, tried)
             try:
                 return await self._send(server, call, deadline), server.address
             except _Retryable as e:
-                self._mark_failure(server, e)
+                self.pool.mark_failure(server, e)
                 tried.add(server.address)
                 if attempt > self.config.request_retries:
                     raise RemoteEngineError(
@@ -383,7 +309,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         )
         for server, res in zip(targets, results):
             if isinstance(res, _Retryable):
-                self._mark_failure(server, f"{what}: {res}", fatal=True)
+                self.pool.mark_failure(server, f"{what}: {res}", fatal=True)
             elif isinstance(res, BaseException):
                 raise RemoteEngineError(f"{what} on {server.address} failed: {res}") from res
         await self._await_alive()
@@ -559,9 +485,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 healthy = False
             if healthy:
-                server.alive, server.failures = True, 0
-                server.revivals += 1
-                self.n_revived += 1
+                self.pool.revive(server, restarted=True)
                 logger.warning(
                     "generation server %s answers again (restarted); it serves again, with the "
                     "newest published weights or this weight update",
@@ -615,7 +539,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         A server that dies after joining breaks the group: the trainer's next broadcast fails,
         an infrastructure error that stops the run (restart servers, resume from a checkpoint).
         """
-        alive = self._alive()
+        alive = self.pool.alive()
         calls = {
             s.address: self.backend.init_weight_group(meta, 1 + i, 1 + len(alive))
             for i, s in enumerate(alive)
@@ -625,7 +549,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
     @property
     def weight_group_size(self) -> int:
         """World size of the weight-update group: the trainer plus every live server."""
-        return 1 + len(self._alive())
+        return 1 + len(self.pool.alive())
 
     def stats(self) -> dict[str, float]:
         """Server health and failover counters for logging."""
@@ -635,5 +559,5 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
             "remote/servers_dead": float(len(self.servers) - alive),
             "remote/failovers": float(self.n_failovers),
             "remote/resubmits": float(self.n_resubmits),
-            "remote/revived": float(self.n_revived),
+            "remote/revived": float(self.pool.n_revived),
         }

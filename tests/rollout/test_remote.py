@@ -24,7 +24,6 @@ from areal.rollout.executor import RolloutError, WorkflowExecutor
 from areal.rollout.remote import (
     AllServersDeadError,
     RemoteInferenceEngine,
-    _Server,
     continuation_seed,
     discover_servers,
 )
@@ -309,22 +308,6 @@ def test_servers_come_from_config_else_the_trial_registry(tmp_path):
         discover_servers(InferenceEngineConfig(), None, gen_servers_key("exp", "t"), 1)
 
 
-def test_group_samples_stick_to_one_server_and_failover_moves_the_group():
-    eng = RemoteInferenceEngine(InferenceEngineConfig(schedule_policy="least_requests"))
-    eng.servers = [_Server("a:1"), _Server("b:1")]
-    eng.servers[0].outstanding = 3
-    first = eng._choose("g1", set())
-    assert first.address == "b:1"  # fewest outstanding requests
-    first.outstanding = 10
-    assert eng._choose("g1", set()) is first  # sticky despite the load
-    assert eng._choose("g2", set()).address == "a:1"
-    assert eng._choose("g1", {"b:1"}).address == "a:1"  # failover re-pins the group
-    assert eng._choose("g1", set()).address == "a:1"
-    eng.servers[0].alive = eng.servers[1].alive = False
-    with pytest.raises(AllServersDeadError, match="all 2 generation servers are dead"):
-        eng._choose("g3", set())
-
-
 def test_distributed_update_over_gloo_matches_a_disk_update(
     servers, make_engine, other_weights_dir, tiny_model_dir
 ):
@@ -517,7 +500,7 @@ def test_a_lone_server_killed_mid_run_is_waited_for_when_the_launcher_restarts_s
 def test_set_servers_adds_revives_and_retires(servers, make_engine):
     a, b = servers
     eng = make_engine([a])
-    eng._choose("g1", set())  # pinned to a
+    eng.pool.choose("g1", set())  # pinned to a
     eng.servers[0].alive = False  # declared dead meanwhile
     eng.set_servers([a, b])  # b is new (health-checked), a serves again
     assert [(s.address, s.alive) for s in eng.servers] == [
@@ -525,7 +508,7 @@ def test_set_servers_adds_revives_and_retires(servers, make_engine):
         (b, True),
     ] and eng.n_revived == 1
     eng.set_servers([b])  # a retired: no new request goes there, nor does the group stay on it
-    assert [s.address for s in eng.servers] == [b] and eng._choose("g1", set()).address == b
+    assert [s.address for s in eng.servers] == [b] and eng.pool.choose("g1", set()).address == b
     out = _gather([SampleN(2, 3).arun_episode(eng, {"id": 0, "prompt": [1, 2, 3]})])[0]
     assert len(out) == 2 and all(len(t.completion_ids) == 3 for t in out)
     with pytest.raises(ValueError, match="at least one"):
