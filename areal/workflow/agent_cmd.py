@@ -24,6 +24,7 @@ episode's name (at most :data:`STDERR_LIMIT` bytes per episode).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shlex
@@ -42,6 +43,7 @@ from areal.utils.logging import get_logger
 from areal.utils.process import parent_death_signal
 from areal.workflow.agent import AgentWorkflow
 from areal.workflow.agent_control import ProxyClient, SessionRecord
+from areal.workflow.agent_fork import ForkServer, fork_script
 from areal.workflow.openai_client import EngineFailure
 
 logger = get_logger("agent_cmd")
@@ -70,6 +72,11 @@ def command_problems(config: AgentConfig) -> list[str]:
             f"workflow.agent.command: program {argv[0]!r} is not found (not a file, not on "
             "PATH); give its path, e.g. 'python my_agent.py'"
         )
+    if config.fork_server and not problems:
+        try:
+            fork_script(argv)
+        except ValueError as e:
+            problems.append(str(e))
     if config.reward_path:
         try:
             import_by_path(config.reward_path, "workflow.agent.reward_path")
@@ -118,14 +125,38 @@ class AgentCommandWorkflow(AgentWorkflow):
         self.proxy = proxy
         self.open_sessions = 0
         self._slots: asyncio.Semaphore | None = None
+        self.forks = ForkServer(self.argv) if config.fork_server else None
+        self._forks_ready: asyncio.Future | None = None
 
     def stats(self) -> dict[str, float]:
         """The agent counters, plus this workflow's sessions open right now."""
         return {**super().stats(), "agent/open_sessions": float(self.open_sessions)}
 
     async def aclose(self) -> None:
-        """Close the control connection (on the loop that used it)."""
+        """Close the control connection and stop the fork server (on the loop that used them)."""
         await self.proxy.aclose()
+        if self.forks is not None:
+            await self.forks.aclose()
+
+    async def _spawn(self, key: str) -> Any:
+        """The episode's process (forked by the fork server when configured), with its
+        session's ``OPENAI_BASE_URL``/``OPENAI_API_KEY``."""
+        session = {"OPENAI_BASE_URL": self.proxy.base_url, "OPENAI_API_KEY": key}
+        if self.forks is not None:
+            if self._forks_ready is None:  # started once, by the first episode
+                sink = functools.partial(self._log_stderr, name="fork-server")
+                self._forks_ready = asyncio.ensure_future(self.forks.start(sink))
+            await asyncio.shield(self._forks_ready)
+            return await self.forks.spawn(self.argv, session)
+        return await asyncio.create_subprocess_exec(
+            *self.argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, **session},
+            start_new_session=True,
+            preexec_fn=parent_death_signal(signal.SIGKILL),
+        )
 
     async def _run_agent(
         self, engine: InferenceEngine, item: dict, group_id: str, index: int
@@ -172,16 +203,7 @@ class AgentCommandWorkflow(AgentWorkflow):
     async def _supervise(self, sid: str, key: str, item: dict, name: str) -> _Outcome:
         """Run the agent until its session ends (a posted reward: it then has
         :data:`EXIT_GRACE` s to exit), it exits, or its deadline passes; kill what is left."""
-        env = {**os.environ, "OPENAI_BASE_URL": self.proxy.base_url, "OPENAI_API_KEY": key}
-        proc = await asyncio.create_subprocess_exec(
-            *self.argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-            preexec_fn=parent_death_signal(signal.SIGKILL),
-        )
+        proc = await self._spawn(key)
         pipes = asyncio.gather(
             _read(proc.stdout, STDOUT_LIMIT), self._log_stderr(proc.stderr, name)
         )

@@ -314,7 +314,9 @@ def test_framework_examples_run_their_agent_loop_through_the_proxy(
         "reference": "84",
     }
     command = f"python {Path(__file__).parents[2] / 'examples' / example}"
-    wf, (group,) = _episodes(tiny_tokenizer, engine, tmp_path, [item], command=command)
+    wf, (group,) = _episodes(
+        tiny_tokenizer, engine, tmp_path, [item], command=command, fork_server=True
+    )
     assert group is not None and [t.reward for t in group] == [1.0, 1.0]
     # the framework's prompt is the in-process demo's: the bare question, the one calc(e) tool
     first = tiny_tokenizer.decode(group[0].prompt_ids)
