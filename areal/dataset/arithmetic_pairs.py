@@ -1,9 +1,10 @@
 """Preference pairs sampled from a model on the arithmetic task: the offline data of the DPO demo.
 
 For every problem of a split (:mod:`areal.dataset.arithmetic`) the model samples ``n_samples``
-answers (the HF model with its KV cache, each prompt prefilled once; plain temperature
-sampling, no top-k/top-p: the distribution our generation server samples from); :func:`is_right` grades each as the math
-reward does, an answer that is no plain number being wrong. A problem with
+answers (:func:`areal.serving.sampling.sample_continuations`: the HF model with its KV cache,
+each prompt prefilled once; plain temperature sampling, no top-k/top-p: the distribution our
+generation server samples from); :func:`is_right` grades each as the math reward does, an answer
+that is no plain number being wrong. A problem with
 at least one right and one wrong answer gives up to ``pairs_per_prompt`` pairs (a right answer
 chosen over a wrong one, distinct answers, drawn with the seed); problems the model always or
 never solves give none. The pairs are written in the preference JSONL format of
@@ -29,6 +30,7 @@ from areal.api.config.loader import param
 from areal.dataset.arithmetic import INSTRUCTION, make_arithmetic
 from areal.dataset.chat import prompt_ids
 from areal.reward.math import extract_answer, to_number
+from areal.serving.sampling import sample_continuations
 
 
 def _demo_task() -> ArithmeticConfig:
@@ -63,15 +65,16 @@ class ArithmeticPairsConfig:
                 yield f"{name}: empty; pass --{name} DIR"
 
 
-def sample_answers(model: Any, tokenizer: Any, items: list[dict[str, Any]], cfg: ArithmeticPairsConfig,
-                   ) -> list[list[str]]:  # fmt: skip
+def sample_answers(
+    model: Any, tokenizer: Any, items: list[dict[str, Any]], cfg: ArithmeticPairsConfig
+) -> list[list[str]]:
     """``cfg.n_samples`` decoded answers per item (up to the end-of-turn token)."""
     answers: list[list[str]] = []
     for start in range(0, len(items), cfg.batch_size):
         prompts = [
             prompt_ids(tokenizer, it["messages"]) for it in items[start : start + cfg.batch_size]
         ]
-        rows = _sample(
+        rows = sample_continuations(
             model,
             prompts,
             cfg.n_samples,
@@ -85,48 +88,6 @@ def sample_answers(model: Any, tokenizer: Any, items: list[dict[str, Any]], cfg:
     return answers
 
 
-@torch.no_grad()
-def _sample(model: Any, prompts: list[list[int]], n: int, temperature: float, max_new_tokens: int, eos: int,
-            pad: int) -> list[list[int]]:  # fmt: skip
-    """``n`` sampled continuations per prompt (without the end-of-turn token), prompt-major.
-
-    Each prompt is prefilled once and its KV cache repeated ``n`` times (``generate``'s
-    ``num_return_sequences`` would prefill every copy); left padding, positions from the mask."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, P] left-padded
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, P]
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-        use_cache=True,
-    )
-    cache = out.past_key_values
-    cache.batch_repeat_interleave(n)
-    logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # [B*n, V]
-    mask = mask.repeat_interleave(n, 0)  # [B*n, P]
-    tokens, done = [], torch.zeros(len(mask), dtype=torch.bool)
-    for _ in range(max_new_tokens):
-        tok = torch.multinomial(torch.softmax(logits / temperature, -1), 1)[:, 0]  # [B*n]
-        tok = torch.where(done, torch.full_like(tok, eos), tok)
-        tokens.append(tok)
-        done |= tok == eos
-        if bool(done.all()):
-            break
-        positions = mask.sum(-1, keepdim=True)  # [B*n, 1] next position of each row
-        mask = torch.cat([mask, torch.ones_like(positions)], -1)
-        out = model(
-            input_ids=tok[:, None],
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-        )
-        logits = out.logits[:, -1].float()
-    rows = torch.stack(tokens, 1).tolist()  # [B*n, <= max_new_tokens]
-    return [row[: row.index(eos)] if eos in row else row for row in rows]
-
-
 def is_right(answer: str, reference: str) -> bool:
     """Whether a sampled answer's number equals the integer reference: the math reward's
     answer extraction and exact comparison, where an answer that is no plain number is wrong
@@ -136,8 +97,9 @@ def is_right(answer: str, reference: str) -> bool:
     return number is not None and number == int(reference)
 
 
-def make_pairs(item: dict[str, Any], answers: list[str], pairs_per_prompt: int,
-               rng: random.Random) -> list[dict[str, Any]]:  # fmt: skip
+def make_pairs(
+    item: dict[str, Any], answers: list[str], pairs_per_prompt: int, rng: random.Random
+) -> list[dict[str, Any]]:
     """Up to ``pairs_per_prompt`` (right chosen, wrong rejected) rows from one item's answers."""
     right = sorted({a for a in answers if is_right(a, item["reference"])})
     wrong = sorted({a for a in answers if a not in right})

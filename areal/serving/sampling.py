@@ -1,4 +1,6 @@
-"""Per-request sampling over a batch of logits, and the logprob the server reports.
+"""Per-request sampling over a batch of logits, and the logprob the server reports; and
+:func:`sample_continuations`, offline sampling from a Hugging Face model with its KV cache (the
+sampler of ``areal dpo-pairs``).
 
 Logprob definition (the contract with the trainer): for each sampled token ``x`` the server
 reports ``log_softmax(logits / T)[x]`` where ``logits`` are the model's raw fp32 logits and ``T``
@@ -14,6 +16,7 @@ depend only on its logits and its seed, not on which other requests share the ba
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -175,3 +178,54 @@ def _multinomial_rows(
         if g is not None:
             out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
     return out
+
+
+@torch.no_grad()
+def sample_continuations(
+    model: Any,
+    prompts: list[list[int]],
+    n: int,
+    temperature: float,
+    max_new_tokens: int,
+    eos: int,
+    pad: int,
+) -> list[list[int]]:
+    """``n`` sampled continuations per prompt from a Hugging Face causal LM (offline data
+    generation: ``areal dpo-pairs``), without the end token ``eos``, prompt-major. Plain
+    temperature sampling: the distribution the server samples from with default knobs.
+
+    Each prompt is prefilled once and its KV cache repeated ``n`` times (``generate``'s
+    ``num_return_sequences`` would prefill every copy); left padding, positions from the mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, P] left-padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, P]
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+    )
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(n)
+    logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # [B*n, V]
+    mask = mask.repeat_interleave(n, 0)  # [B*n, P]
+    tokens, done = [], torch.zeros(len(mask), dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        tok = torch.multinomial(torch.softmax(logits / temperature, -1), 1)[:, 0]  # [B*n]
+        tok = torch.where(done, torch.full_like(tok, eos), tok)
+        tokens.append(tok)
+        done |= tok == eos
+        if bool(done.all()):
+            break
+        positions = mask.sum(-1, keepdim=True)  # [B*n, 1] next position of each row
+        mask = torch.cat([mask, torch.ones_like(positions)], -1)
+        out = model(
+            input_ids=tok[:, None],
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        logits = out.logits[:, -1].float()
+    rows = torch.stack(tokens, 1).tolist()  # [B*n, <= max_new_tokens]
+    return [row[: row.index(eos)] if eos in row else row for row in rows]
