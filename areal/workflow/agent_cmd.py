@@ -38,6 +38,7 @@ from typing import Any
 from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.reward import AgentConfig
 from areal.api.engine import InferenceEngine
+from areal.reward.agent_sandbox import sandbox_argv, sandbox_problem
 from areal.utils.imports import import_by_path
 from areal.utils.logging import get_logger
 from areal.utils.process import parent_death_signal
@@ -72,6 +73,13 @@ def command_problems(config: AgentConfig) -> list[str]:
             f"workflow.agent.command: program {argv[0]!r} is not found (not a file, not on "
             "PATH); give its path, e.g. 'python my_agent.py'"
         )
+    if config.sandbox and config.fork_server:
+        problems.append(
+            "workflow.agent: sandbox and fork_server exclude each other (a fork server's episodes "
+            "would share one sandbox); set one of them to false"
+        )
+    elif config.sandbox and (why := sandbox_problem(sys.executable)):
+        problems.append(f"workflow.agent.sandbox: {why}")
     if config.fork_server and not problems:
         try:
             fork_script(argv)
@@ -114,6 +122,9 @@ class AgentCommandWorkflow(AgentWorkflow):
                 "workflow.agent.command: empty; name the agent program, e.g. 'python my_agent.py'"
             )
         super().__init__(config, gconfig, tokenizer)
+        problems = command_problems(config)
+        if problems:
+            raise ValueError("; ".join(problems))
         self.argv = command_argv(config.command)
         self.reward_fn = (
             import_by_path(config.reward_path, "workflow.agent.reward_path")
@@ -148,8 +159,9 @@ class AgentCommandWorkflow(AgentWorkflow):
                 self._forks_ready = asyncio.ensure_future(self.forks.start(sink))
             await asyncio.shield(self._forks_ready)
             return await self.forks.spawn(self.argv, session)
+        argv = sandbox_argv(self.argv, session) if self.config.sandbox else self.argv
         return await asyncio.create_subprocess_exec(
-            *self.argv,
+            *argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,

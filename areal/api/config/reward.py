@@ -175,6 +175,14 @@ class AgentConfig:
         "runs per episode), instead of paying the imports (~2 s of CPU for an agent framework) "
         "in every episode.",
     )
+    sandbox: bool = param(
+        False,
+        help="type=agent_cmd: run each episode's program in the code sandbox's namespaces "
+        "(bubblewrap: user, mount, pid, ipc, uts; read-only system, interpreter and working "
+        "directories, a private /tmp, an environment of PATH, HOME and the session's two "
+        "variables); the network stays shared to reach the proxy (docs/agents.md). Excludes "
+        "fork_server.",
+    )
     max_request_mb: float = param(
         16.0,
         gt=0,
