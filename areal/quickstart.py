@@ -202,8 +202,10 @@ def _print_summary(summary: dict, out: Path) -> None:
         f"{summary['acc_after']:.3f} (after {summary['rl_steps']} async GRPO steps): "
         f"{gain * 100:+.1f} points (target +{TARGET_GAIN * 100:.0f}: "
         f"{'met' if gain >= TARGET_GAIN else 'NOT met'})\n"
-        f"[quickstart] wall {summary['wall_seconds']:.0f} s total, GRPO {summary['rl_seconds']:.0f} s, "
+        f"[quickstart] wall {summary['wall_seconds']:.0f} s total, "
+        f"GRPO {summary['rl_seconds']:.0f} s, "
         f"{summary['samples_per_second']:.1f} samples/s, staleness mean "
         f"{summary['staleness_mean']:.2f} max {summary['staleness_max']:.0f}\n"
-        f"[quickstart] {out / 'summary.json'}, {summary['plot']}"
+        f"[quickstart] {out / 'summary.json'}, {summary['plot']}\n"
+        f"[quickstart] every trained sample, in the browser: areal view {out / 'grpo' / 'run'}"
     )

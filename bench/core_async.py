@@ -177,8 +177,8 @@ def _run_seed(
         }
         print(
             f"[core_async] seed {seed}: {name}: held-out {before:.3f} -> {after:.3f} "
-            f"({(after - before) * 100:+.1f} points), {rate:.1f} samples/s, {wall:.0f} s; final model on "
-            f"800: greedy {final['greedy_800']:.3f}, sampled {final['sampled_800']:.3f}"
+            f"({(after - before) * 100:+.1f} points), {rate:.1f} samples/s, {wall:.0f} s; final "
+            f"model on 800: greedy {final['greedy_800']:.3f}, sampled {final['sampled_800']:.3f}"
         )
     for r in result.values():
         r["samples_per_s_over_core_sync"] = (
@@ -189,7 +189,8 @@ def _run_seed(
 
 def _table(title: str, result: dict[str, dict]) -> None:
     print(
-        f"[core_async] {title:<17} gain  last-3 gain  800 greedy  800 sampled  samples/s  vs Core sync   wall"
+        f"[core_async] {title:<17} gain  last-3 gain  800 greedy  800 sampled  samples/s  vs Core "
+        "sync   wall"
     )
     for name, r in result.items():
         print(

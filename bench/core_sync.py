@@ -135,17 +135,18 @@ def main(argv: list[str] | None = None) -> int:
             "wall_seconds": wall,
         }
         print(
-            f"[core_sync] {name}: held-out {before:.3f} -> {after:.3f} ({(after - before) * 100:+.1f} points) "
-            f"in {wall:.0f} s"
+            f"[core_sync] {name}: held-out {before:.3f} -> {after:.3f} "
+            f"({(after - before) * 100:+.1f} points) in {wall:.0f} s"
         )
     lite, core = result["lite_async"], result["core_sync"]
     result["gain_difference_points"] = (core["gain"] - lite["gain"]) * 100
     result["wall_ratio_core_over_lite"] = core["wall_seconds"] / lite["wall_seconds"]
     print(
-        f"[core_sync] {args.steps} steps: gain Core sync {core['gain'] * 100:+.1f} vs Lite async "
-        f"{lite['gain'] * 100:+.1f} points (difference {result['gain_difference_points']:+.1f}; within 5: "
-        f"{'yes' if abs(result['gain_difference_points']) <= 5 else 'no'}); wall Core/Lite "
-        f"{result['wall_ratio_core_over_lite']:.2f}x"
+        f"[core_sync] {args.steps} steps: gain Core sync {core['gain'] * 100:+.1f} vs Lite "
+        f"async {lite['gain'] * 100:+.1f} points "
+        f"(difference {result['gain_difference_points']:+.1f}; within "
+        f"5: {'yes' if abs(result['gain_difference_points']) <= 5 else 'no'}); wall "
+        f"Core/Lite {result['wall_ratio_core_over_lite']:.2f}x"
     )
     out.mkdir(parents=True, exist_ok=True)
     (out / "core_sync.json").write_text(json.dumps(result, indent=2))

@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\nteacher accuracy {target:.3f}; {args.steps} steps, evaluation every {args.eval_every}"
     )
     print(
-        "| side | steps to the teacher's accuracy (per seed) | final accuracy (mean) | wall s (mean) |\n"
-        "| --- | --- | --- | --- |"
+        "| side | steps to the teacher's accuracy (per seed) | final accuracy (mean) | wall s "
+        "(mean) |\n| --- | --- | --- | --- |"
     )
     for side, runs in results.items():
         reached = ", ".join(

@@ -265,7 +265,8 @@ def main() -> int:
     }
     (out / "e2e.json").write_text(json.dumps(result, indent=2))
     print(
-        f"[e2e] ours {s_ours:.3f} s/step ({64 / s_ours:.1f} samples/s), {baseline} {s_base:.3f} s/step "
+        f"[e2e] ours {s_ours:.3f} s/step ({64 / s_ours:.1f} samples/s), "
+        f"{baseline} {s_base:.3f} s/step "
         f"({64 / s_base:.1f} samples/s): ratio {s_base / s_ours:.2f}x\n"
         f"[e2e] held-out greedy accuracy: SFT {acc['sft']:.3f}, ours {acc['ours']:.3f} "
         f"({result['gain_ours'] * 100:+.1f} points), {baseline} {acc['baseline']:.3f} "

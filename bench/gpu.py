@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import signal
@@ -51,9 +52,10 @@ import time
 import traceback
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -243,18 +245,23 @@ def bandwidth_limit(b: Bench, concurrency: int) -> float:
 # ---------------------------------------------------------------------------------- stages
 
 
+def _matmuls(x: torch.Tensor, y: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """``k`` products ``x @ y`` (the timed work of the matmul probe)."""
+    return [x @ y for _ in range(k)]
+
+
 def stage_probe(b: Bench) -> None:
     """Copy bandwidth and matmul FLOP/s of this device."""
     n = (1 << 30) if b.cuda else (1 << 27)  # bytes copied
     src = torch.empty(n, dtype=torch.uint8, device=b.device)
     dst = torch.empty_like(src)
-    t = _best_time(lambda: dst.copy_(src), b.device, reps=5)
+    t = _best_time(functools.partial(dst.copy_, src), b.device, reps=5)
     b.facts["copy_bandwidth"] = 2 * n / t  # bytes read + written per second
     del src, dst
     m, k = (8192, 10) if b.cuda else (1024, 1)  # matrix side, matmuls per timed run
     x = torch.randn(m, m, device=b.device, dtype=b.dtype)
     y = torch.randn(m, m, device=b.device, dtype=b.dtype)
-    t = _best_time(lambda: [x @ y for _ in range(k)], b.device, reps=5)
+    t = _best_time(functools.partial(_matmuls, x, y, k), b.device, reps=5)
     b.facts["matmul_peak"] = 2 * m**3 * k / t  # FLOP/s
     del x, y
     b.add("device-to-device copy bandwidth", b.facts["copy_bandwidth"] / 1e9, "GB/s")

@@ -209,7 +209,8 @@ def device_line() -> str:
     if not torch.cuda.is_available():
         return f"no CUDA device (torch {torch.__version__})"
     p = torch.cuda.get_device_properties(0)
-    return f"{p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    memory = p.total_memory / 2**30  # GiB
+    return f"{p.name}, {memory:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,12 +235,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['figures'] or r['last_line']}",
             flush=True,
         )
-    print(f"\n| step | result | seconds | figures / last line |\n| --- | --- | --- | --- |")
+    print("\n| step | result | seconds | figures / last line |\n| --- | --- | --- | --- |")
     for s in todo:
         r = s.result
         print(
-            f"| {s.name} | {'pass' if r['passed'] else 'FAIL (' + str(r['code']) + ')'} | {r['seconds']} | "
-            f"{r['figures'] or r['last_line']} |"
+            f"| {s.name} | {'pass' if r['passed'] else 'FAIL (' + str(r['code']) + ')'} "
+            f"| {r['seconds']} | {r['figures'] or r['last_line']} |"
         )
     (out / "gpu_check.json").write_text(
         json.dumps({"device": device, "steps": [asdict(s) for s in todo]}, indent=2)

@@ -5,8 +5,8 @@ addition, 32 problems a step); the model is a random ``--size`` Qwen2-style mode
 ``small``, ~25M parameters, so weights, gradients and AdamW state dominate memory). Each mode
 runs in its own child process, so the peak RSS (``ru_maxrss``; on a GPU also
 ``torch.cuda.max_memory_allocated``) is that mode's alone; ``train_rss_mb`` is the peak minus
-the RSS after imports (peft in both) and data, i.e. what the model and training added. Prints both side by side and the
-LoRA / full ratio, measured in the same run.
+the RSS after imports (peft in both) and data, i.e. what the model and training added. Prints
+both side by side and the LoRA / full ratio, measured in the same run.
 
 Usage: python bench/lora.py [--size small] [--steps 10] [--rank 32] [--target all-linear]
 """
@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def child(mode: str, model_dir: str, steps: int, rank: int, target: str) -> dict:
     """Train ``steps`` SFT steps (after one warm-up step) in this process; return its figures."""
-    import torch
-
     import peft  # noqa: F401 - imported in both modes, so the import's memory is the same
+    import torch
+    from transformers import AutoTokenizer
 
     from areal.api.config import SFTConfig, load_config
     from areal.api.io import FinetuneSpec
@@ -37,7 +37,6 @@ def child(mode: str, model_dir: str, steps: int, rank: int, target: str) -> dict
     from areal.engine.sft import SFTEngine
     from areal.runtime.dist import init_distributed
     from areal.utils.batch import PackedBatch
-    from transformers import AutoTokenizer
 
     lora = [
         f"model.lora.rank={rank}",
@@ -132,12 +131,13 @@ def main() -> None:
                 raise RuntimeError(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
             res[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
     print(
-        f"SFT arithmetic, {args.size} model, batch 32, {args.steps} steps; LoRA rank {args.rank} on {args.target}"
+        f"SFT arithmetic, {args.size} model, batch 32, {args.steps} steps; LoRA rank {args.rank} "
+        f"on {args.target}"
     )
     print(f"{'':22}{'full':>14}{'lora':>14}{'lora/full':>12}")
     for key in [k for k in res["full"] if k in res["lora"]]:
-        f, l = res["full"][key], res["lora"][key]
-        print(f"{key:22}{f:>14.4g}{l:>14.4g}{l / f:>12.3f}")
+        full, lora = res["full"][key], res["lora"][key]
+        print(f"{key:22}{full:>14.4g}{lora:>14.4g}{lora / full:>12.3f}")
 
 
 if __name__ == "__main__":

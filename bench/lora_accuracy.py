@@ -118,8 +118,9 @@ def main() -> None:
             acc[name] = accuracy(adapted)
     start = f"{args.base_steps} full SFT steps" if args.base is None else args.base
     print(
-        f"SFT arithmetic, tiny model; base: {start}; then {args.steps} steps each: full (lr {args.full_lr}) "
-        f"vs LoRA (rank {args.rank}, alpha {args.alpha:g}, {args.target}; trained in full: {args.save or 'none'})"
+        f"SFT arithmetic, tiny model; base: {start}; then {args.steps} steps each: full "
+        f"(lr {args.full_lr}) vs LoRA (rank {args.rank}, alpha {args.alpha:g}, {args.target}; "
+        f"trained in full: {args.save or 'none'})"
     )
     print(f"held-out greedy accuracy: base {acc['base']:.1%}, full {acc['full']:.1%}")
     for name in [k for k in acc if k.startswith("lora")]:

@@ -104,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     if {"recompute", "loglinear"} <= set(results):
         mean = {s: {k: statistics.fmean(r[k] for r in results[s]) for k in keys} for s in results}
         print(
-            f"loglinear / recompute: update time {mean['loglinear']['update_s'] / mean['recompute']['update_s']:.2f}x, "
-            f"step time {mean['loglinear']['step_s'] / mean['recompute']['step_s']:.2f}x, gain "
-            f"{mean['loglinear']['gain'] - mean['recompute']['gain']:+.3f}"
+            "loglinear / recompute: update "
+            f"time {mean['loglinear']['update_s'] / mean['recompute']['update_s']:.2f}x, step "
+            f"time {mean['loglinear']['step_s'] / mean['recompute']['step_s']:.2f}x, "
+            f"gain {mean['loglinear']['gain'] - mean['recompute']['gain']:+.3f}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "prox_logp.json").write_text(json.dumps(results, indent=2))

@@ -113,18 +113,21 @@ def main() -> None:
     )
     free_step = best["free"] / NEW
     print(
-        f"model={args.size} device={args.device} threads={args.threads} batch={BATCH} new_tokens={NEW}"
+        f"model={args.size} device={args.device} threads={args.threads} batch={BATCH} "
+        f"new_tokens={NEW}"
     )
     for k in cases:
         print(
-            f"  {k:12s} {best[k] / NEW * 1e3:7.2f} ms/step  ({best[k] / best['free'] - 1:+.1%} vs free)"
+            f"  {k:12s} {best[k] / NEW * 1e3:7.2f} ms/step  ({best[k] / best['free'] - 1:+.1%} vs "
+            "free)"
         )
     print(
-        f"  mask + advance, 64 constrained rows: {work / NEW * 1e3:.2f} ms/step = {work / best['free']:.1%} "
-        "of a free step"
+        f"  mask + advance, 64 constrained rows: {work / NEW * 1e3:.2f} ms/step "
+        f"= {work / best['free']:.1%} of a free step"
     )
     print(
-        f"  free requests' check per step: {check * 1e6:.1f} us = {check / free_step:.3%} of a free step"
+        f"  free requests' check per step: {check * 1e6:.1f} us = {check / free_step:.3%} of a "
+        "free step"
     )
 
 

@@ -27,13 +27,19 @@ import sys
 MAX_TURNS = 3  # model calls per episode: tool rounds, then the answer
 SFT_GUESS_FRACTION = 0.6  # warm-up conversations that answer in the head (the rest use the tool)
 MAX_TOKENS = 80  # per call: a tool call ``<tool_call>\n{"name": "calc", ...}\n</tool_call>`` is ~70
-TOOLS = [{
-    "type": "function",
-    "function": {  # evaluates an integer expression with + - * and parentheses
-        "name": "calc",
-        "parameters": {"type": "object", "properties": {"e": {"type": "string"}}, "required": ["e"]},
-    },
-}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {  # evaluates an integer expression with + - * and parentheses
+            "name": "calc",
+            "parameters": {
+                "type": "object",
+                "properties": {"e": {"type": "string"}},
+                "required": ["e"],
+            },
+        },
+    }
+]
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 

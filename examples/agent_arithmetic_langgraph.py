@@ -14,13 +14,11 @@ from __future__ import annotations
 import json
 import warnings
 
+from agent_arithmetic import MAX_TOKENS, MAX_TURNS, agent_program, calculator, question, score
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.errors import GraphRecursionError
 from langgraph.prebuilt import create_react_agent
-
-from agent_arithmetic import MAX_TOKENS, MAX_TURNS, agent_program, calculator, question, score
-
 
 # langgraph 1.x points at langchain.agents.create_agent (another package); the prebuilt one stays
 warnings.filterwarnings("ignore", message="create_react_agent has been moved")

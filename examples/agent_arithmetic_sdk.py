@@ -13,6 +13,8 @@ success rate.
 from __future__ import annotations
 
 import json
+
+from agent_arithmetic import MAX_TOKENS, MAX_TURNS, agent_program, calculator, question, score
 from agents import (
     Agent,
     ModelSettings,
@@ -23,8 +25,6 @@ from agents import (
 )
 from agents.exceptions import AgentsException
 from openai import AsyncOpenAI
-
-from agent_arithmetic import MAX_TOKENS, MAX_TURNS, agent_program, calculator, question, score
 
 
 @function_tool

@@ -30,6 +30,12 @@ _.to_padded
 _.from_padded
 balance_across_ranks
 
+# Keys of a TypedDict that argparse's add_argument(**kw) reads (areal/cli.py ArgKeywords).
+dest
+metavar
+nargs
+required
+
 # Agent API: agents call it on their client to give one call its own reward (workflow/openai_client.py).
 _.set_reward
 

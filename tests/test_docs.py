@@ -207,12 +207,15 @@ def test_doc_block_runs_as_written(block: Block, scratch: Path):
 
 
 def test_apply_appends_extends_only_the_named_commands():
-    text = "areal tiny-model --out x\nareal launch local a.py \\\n    --config c.yaml k=v   # comment\nareal serve &\n"
+    text = (
+        "areal tiny-model --out x\nareal launch local a.py \\\n"
+        "    --config c.yaml k=v   # comment\nareal serve &\n"
+    )
     got = apply_appends(
         text, ["areal launch local | total_train_steps=2", "areal serve | --port 0"]
     )
     assert got == (
-        "areal tiny-model --out x\nareal launch local a.py --config c.yaml k=v total_train_steps=2  # comment\n"
-        "areal serve --port 0 &\n"
+        "areal tiny-model --out x\nareal launch local a.py --config c.yaml k=v "
+        "total_train_steps=2  # comment\nareal serve --port 0 &\n"
     )
     assert shlex.split(got.splitlines()[1].split("#")[0])[-1] == "total_train_steps=2"

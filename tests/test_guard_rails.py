@@ -99,8 +99,8 @@ def test_imports_point_down_the_layers(path):
             f"from layer {sorted(LAYERS[mine])}: imports must point down (see ARCHITECTURE.md)"
         )
         assert _package(name) not in NEVER.get(_package(module), set()), (
-            f"{path.relative_to(ROOT)}:{line} imports {name}: areal.{_package(module)} never imports "
-            f"areal.{_package(name)} (see NEVER and ARCHITECTURE.md)"
+            f"{path.relative_to(ROOT)}:{line} imports {name}: areal.{_package(module)} never "
+            f"imports areal.{_package(name)} (see NEVER and ARCHITECTURE.md)"
         )
 
 
@@ -172,7 +172,8 @@ TENSOR_COLLECTIVES = {
 
 def test_tensor_collectives_go_through_the_device_aware_door():
     # areal/utils/comm.py refuses a tensor on a device its group cannot serve (a CPU tensor on an
-    # NCCL-only group crashed every GPU run at its first stats export); a direct dist.* call skips it.
+    # NCCL-only group crashed every GPU run at its first stats export); a direct dist.* call
+    # skips it.
     found = []
     for path in SOURCES:
         if path.name == "comm.py" and path.parent.name == "utils":

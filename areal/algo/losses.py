@@ -31,8 +31,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from areal.algo.kl import kl_estimate
 from areal.algo.correction import rollout_weights
+from areal.algo.kl import kl_estimate
 from areal.algo.segments import all_reduce_sum, masked_max, masked_mean, segment_sum, seq_mean
 from areal.api.config.actor import PPOActorConfig
 

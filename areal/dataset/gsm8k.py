@@ -9,8 +9,9 @@ number after ``####``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from areal.dataset.jsonl import DatasetError, read_jsonl
 
@@ -24,8 +25,7 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     import datasets
 
     table = datasets.load_dataset("parquet", data_files=str(path), split="train")
-    for i, row in enumerate(table, start=1):
-        yield i, row
+    yield from enumerate(table, start=1)
 
 
 def _hub_rows(name: str, split: str) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -38,8 +38,7 @@ def _hub_rows(name: str, split: str) -> Iterator[tuple[int, dict[str, Any]]]:
             f"gsm8k: {name!r} is not a local file or directory and loading it from the Hugging "
             f"Face hub failed ({type(e).__name__}: {e}); pass a local .jsonl/.parquet path"
         ) from e
-    for i, row in enumerate(table, start=1):
-        yield i, row
+    yield from enumerate(table, start=1)
 
 
 def gsm8k_rows(path: str, split: str) -> Iterator[tuple[int, dict[str, Any]]]:

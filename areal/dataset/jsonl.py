@@ -13,8 +13,9 @@ An ``id`` field is used when present, else ``<file stem>-<line number>``. A bad 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 
 class DatasetError(ValueError):
@@ -33,7 +34,9 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{lineno}: invalid JSON ({e.msg}); one object per line")
+                raise DatasetError(
+                    f"{path}:{lineno}: invalid JSON ({e.msg}); one object per line"
+                ) from None
             if not isinstance(row, dict):
                 raise DatasetError(
                     f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}"

@@ -10,12 +10,12 @@ put the sampler state ahead of what the trainer consumed.
 
 from __future__ import annotations
 
-import random
-
 import itertools
 import logging
+import random
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader

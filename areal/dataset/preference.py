@@ -28,8 +28,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from areal.api.config.data import DatasetConfig
 from areal.dataset.chat import Messages, chat_text, encode, prompt_ids

@@ -21,14 +21,15 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from areal.api.config import ConfigError, load_config, save_config
 from areal.launcher.procs import read_failures
+from areal.runtime.preflight import preflight
 from areal.utils.logging import add_log_file, get_logger
 from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository, trial_key
-from areal.runtime.preflight import preflight
 from areal.utils.recover import resume_pending
 
 logger = get_logger("launcher")
@@ -59,7 +60,8 @@ def load_script_config_class(script: str | Path) -> type:
     spec.loader.exec_module(module)
     if not hasattr(module, "CONFIG"):
         raise ScriptError(
-            f"{path} defines no CONFIG; add `CONFIG = GRPOConfig` (its config class) at module level"
+            f"{path} defines no CONFIG; add `CONFIG = GRPOConfig` (its config class) at module "
+            "level"
         )
     return module.CONFIG
 
@@ -124,9 +126,10 @@ def launch(script: str, argv: list[str], run_once: Callable[[Any, int], int]) ->
                 break
             if same_cause(cause, last_cause):
                 logger.error(
-                    f"attempt {attempt + 1} failed with the same cause as attempt {attempt}: {cause}; "
-                    f"not relaunching (recover.mode=auto retries only failures whose cause changes: "
-                    f"fix the cause, then launch again to resume). Logs in {logs}"
+                    f"attempt {attempt + 1} failed with the same cause as "
+                    f"attempt {attempt}: {cause}; not relaunching (recover.mode=auto retries only "
+                    "failures whose cause changes: fix the cause, then launch again to resume). "
+                    f"Logs in {logs}"
                 )
                 break
             last_cause = cause

@@ -82,8 +82,8 @@ def gpu_layout(
         return ",".join(trainers), gpus[trainer_nprocs:need]
     if colocate is None:
         logger.info(
-            f"launcher: {len(gpus)} GPU(s) for {trainer_nprocs} trainer ranks + {n_servers} servers: "
-            "each server shares a trainer's GPU (cluster.colocate=false refuses instead)"
+            f"launcher: {len(gpus)} GPU(s) for {trainer_nprocs} trainer ranks + {n_servers} "
+            "servers: each server shares a trainer's GPU (cluster.colocate=false refuses instead)"
         )
     return ",".join(trainers), [trainers[i % trainer_nprocs] for i in range(n_servers)]
 

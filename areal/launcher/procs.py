@@ -17,7 +17,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -171,7 +170,8 @@ def _killed_by_signal(lines: list[str], code: int | None) -> str:
                 if (r := _TORCHRUN_RANK.match(earlier))
             )
             rank = next(ranks, "?")
-            return f"trainer rank {rank} killed by {_signal_name(-int(m.group(1)))} (exit code {m.group(1)})"
+            signal_name = _signal_name(-int(m.group(1)))
+            return f"trainer rank {rank} killed by {signal_name} (exit code {m.group(1)})"
     return ""
 
 

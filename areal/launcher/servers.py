@@ -152,8 +152,9 @@ class ManagedServer:
         ) or (cfg.served_model_path, 0)
         self.restarts += 1
         logger.error(
-            f"{child.name} exited with code {child.proc.returncode}; restarting it on port {self.port} "
-            f"with weights version {version} ({self.restarts} of {limit}). Last lines:\n{child.tail(10)}"
+            f"{child.name} exited with code {child.proc.returncode}; restarting it on "
+            f"port {self.port} with weights version {version} ({self.restarts} of {limit}). Last "
+            f"lines:\n{child.tail(10)}"
         )
         cmd = server_command(
             cfg, self.port, cfg.run_dir / f"{child.name}.yaml", model, version, self.host
@@ -219,6 +220,6 @@ def server_env(cfg) -> dict[str, str]:
 def _require(module: str, extra: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise RuntimeError(
-            f"rollout.backend={module} but {module} is not installed here; "
-            f"`pip install -e '.[{extra}]'` in the areal checkout on a CUDA machine, or use rollout.backend=areal"
+            f"rollout.backend={module} but {module} is not installed here; `pip install -e "
+            f"'.[{extra}]'` in the areal checkout on a CUDA machine, or use rollout.backend=areal"
         )

@@ -128,7 +128,8 @@ class CodeResult:
 
 
 def run_tests(code: str, tests: Any, cfg: SandboxConfig) -> CodeResult:
-    """Run every case of ``tests`` against ``code``, within the per-case and submission deadlines."""
+    """Run every case of ``tests`` against ``code``, within the per-case and submission
+    deadlines."""
     cases = normalize_cases(tests)
     deadline = time.monotonic() + cfg.submission_timeout
     out = CodeResult(passed=0, total=len(cases))

@@ -116,7 +116,7 @@ def _math_verify_equal(reference: str, answer: str) -> bool:
     return bool(verify(gold, pred, timeout_seconds=None))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warm_math_verify() -> None:
     """Import math-verify and build its LaTeX parser here, once, on fixed input: every child
     inherits them (a cold child pays ~0.25 s, a warm one ~10 ms)."""

@@ -8,7 +8,7 @@ gets the prompt's text as ``prompt=`` (see :func:`wants_prompt`)."""
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 from areal.api.config.reward import reward_fn_problem
 from areal.utils.imports import import_by_path

@@ -24,9 +24,10 @@ import logging
 import multiprocessing as mp
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from areal.api.config.reward import RewardConfig
 from areal.reward.resolve import wants_prompt

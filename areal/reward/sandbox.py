@@ -131,7 +131,7 @@ def resolve_python(configured: str = "") -> str:
     return _resolve_python(configured, os.geteuid())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _resolve_python(configured: str, euid: int) -> str:
     for candidate in (configured, sys.executable, "/usr/bin/python3", shutil.which("python3")):
         if candidate and os.path.exists(candidate):
@@ -145,7 +145,7 @@ def _resolve_python(configured: str, euid: int) -> str:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def seccomp_program() -> bytes:
     """The seccomp BPF program (x86-64 or the host's arch; other arches are killed)."""
     import pyseccomp as sc
@@ -169,7 +169,7 @@ def probe_layers(python: str) -> Layers:
     return _probe_layers(python, os.geteuid())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe_layers(python: str, euid: int) -> Layers:
     missing = []
     seccomp = _seccomp_problem()
@@ -305,7 +305,7 @@ def _tasks_of_uid(uid: int) -> int:
 # ----------------------------------------------------------------------------- the command
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _system_binds() -> tuple[str, ...]:
     out: list[str] = []
     for path in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -316,7 +316,7 @@ def _system_binds() -> tuple[str, ...]:
     return (*out, "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _python_binds(python: str) -> tuple[str, ...]:
     """Read-only binds for the interpreter's prefixes outside /usr (a venv, pyenv)."""
     ask = "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix]))"

@@ -27,8 +27,9 @@ import dataclasses
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Coroutine, Iterable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.engine import InferenceEngine

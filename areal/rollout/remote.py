@@ -150,7 +150,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
                     if resp.status == 200:
                         return
                     last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientError) as e:
                 last = repr(e)
             await asyncio.sleep(0.2)
         raise TimeoutError(
@@ -264,7 +264,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
                     )
                 server.failures = 0
                 return json.loads(text) if text else {}
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if time.monotonic() < deadline:  # a socket-level timeout: the server is stuck
                 raise _Retryable(f"timeout talking to {server.address}") from None
             raise TimeoutError(
@@ -336,7 +336,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
             return
         try:
             await asyncio.wait_for(self._resumed.wait(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(
                 f"request {rid}: the engine stayed paused past rollout.request_timeout="
                 f"{self.config.request_timeout} s; call resume() after the weight update"
@@ -482,7 +482,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
                     server.url + self.backend.health.path, timeout=timeout
                 ) as resp:
                     healthy = resp.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 healthy = False
             if healthy:
                 self.pool.revive(server, restarted=True)

@@ -31,7 +31,7 @@ token fields from extras ``[T]``
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 from areal.api.io import RolloutStatus, Trajectory
 from areal.utils.batch import PackedBatch

@@ -1,13 +1,15 @@
 """Checks of what a config points at, run before any process starts: model dirs, dataset files,
-the reward function's import path, and stop token ids against the model's vocabulary. Each problem names the field, the value and
-the fix (a missing model dir otherwise costs a minute of hub retries and a torch traceback)."""
+the reward function's import path, and stop token ids against the model's vocabulary. Each
+problem names the field, the value and the fix (a missing model dir otherwise costs a minute of
+hub retries and a torch traceback)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.data import DatasetConfig
@@ -38,14 +40,15 @@ def model_dir_problem(field: str, path: str) -> str | None:
         what = "does not exist" if not d.exists() else "has no config.json"
         if "checkpoints" in d.parts:  # a training run's output: the run that writes it is missing
             return (
-                f"{field}: {path!r} {what}; it is a training run's export (RUN_DIR/checkpoints/<name>/"
-                "step<N>): run that stage first, or pass the one a run wrote (`make demo` writes its "
-                "SFT model to runs/quickstart/sft/run/checkpoints/model/step300)"
+                f"{field}: {path!r} {what}; it is a training run's export "
+                "(RUN_DIR/checkpoints/<name>/step<N>): run that stage first, or pass the one a "
+                "run wrote (`make demo` writes its SFT model to "
+                "runs/quickstart/sft/run/checkpoints/model/step300)"
             )
         return (
             f"{field}: {path!r} {what}; it must be a local Hugging Face model directory: one a run "
-            "wrote (RUN_DIR/checkpoints/<name>/step<N>), `areal tiny-model --out DIR`, or a hub model "
-            "(`hf download ORG/NAME --local-dir DIR`)"
+            "wrote (RUN_DIR/checkpoints/<name>/step<N>), `areal tiny-model --out DIR`, or a hub "
+            "model (`hf download ORG/NAME --local-dir DIR`)"
         )
     if not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
         return f"{field}: {path!r} has config.json but no *.safetensors or *.bin weights"
@@ -129,8 +132,8 @@ def teacher_problem(cfg: Any) -> str:
     teacher = AutoTokenizer.from_pretrained(distill.teacher_path)
     if student.get_vocab() != teacher.get_vocab():
         return (
-            f"distill.teacher_path: {distill.teacher_path!r} has another tokenizer than the student "
-            f"({len(teacher)} vs {len(student)} tokens, or other ids); the teacher scores the student's "
-            "token ids, so pick a teacher of the same tokenizer family"
+            f"distill.teacher_path: {distill.teacher_path!r} has another tokenizer than the "
+            f"student ({len(teacher)} vs {len(student)} tokens, or other ids); the teacher scores "
+            "the student's token ids, so pick a teacher of the same tokenizer family"
         )
     return ""

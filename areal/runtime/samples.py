@@ -27,8 +27,9 @@ minibatch); null only when the batch has neither.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from areal.utils.batch import PackedBatch
 from areal.utils.logging import get_logger
@@ -123,20 +124,37 @@ class SampleRecorder:
             trained = [v for v, m in zip(t.versions, mask) if m and v >= 0]
             adv = token.get("advantages", [0.0] * hi)[lo:hi]
             n_trained = sum(mask)
-            rows.append({
-                "step": step, "rank": self.rank, "index": i, "group": t.group_id, "sample_id": t.sample_id,
-                "status": t.status.value, "reward": float(t.reward),
-                "advantage": sum(a for a, m in zip(adv, mask) if m) / n_trained if n_trained else 0.0,
-                "trainer_version": version, "staleness": version - min(trained) if trained else 0,
-                "prompt_len": len(t.prompt_ids), "length": len(t.completion_ids),
-                "server": t.server, "worker": t.worker, "turn_starts": list(t.turn_starts),
-                "prompt_text": t.prompt_text or self.tokenizer.decode(t.prompt_ids),
-                "completion_text": t.completion_text or self.tokenizer.decode(t.completion_ids),
-                "prompt_ids": list(t.prompt_ids), "completion_ids": list(t.completion_ids),
-                "completion_tokens": [self._decode(x) for x in t.completion_ids],
-                "versions": list(t.versions), "loss_mask": mask, "behav_logp": token["logprobs"][lo:hi],
-                "trainer_logp": token[trainer][lo:hi] if trainer in token else None, "advantages": adv,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "step": step,
+                    "rank": self.rank,
+                    "index": i,
+                    "group": t.group_id,
+                    "sample_id": t.sample_id,
+                    "status": t.status.value,
+                    "reward": float(t.reward),
+                    "advantage": sum(a for a, m in zip(adv, mask) if m) / n_trained
+                    if n_trained
+                    else 0.0,
+                    "trainer_version": version,
+                    "staleness": version - min(trained) if trained else 0,
+                    "prompt_len": len(t.prompt_ids),
+                    "length": len(t.completion_ids),
+                    "server": t.server,
+                    "worker": t.worker,
+                    "turn_starts": list(t.turn_starts),
+                    "prompt_text": t.prompt_text or self.tokenizer.decode(t.prompt_ids),
+                    "completion_text": t.completion_text or self.tokenizer.decode(t.completion_ids),
+                    "prompt_ids": list(t.prompt_ids),
+                    "completion_ids": list(t.completion_ids),
+                    "completion_tokens": [self._decode(x) for x in t.completion_ids],
+                    "versions": list(t.versions),
+                    "loss_mask": mask,
+                    "behav_logp": token["logprobs"][lo:hi],
+                    "trainer_logp": token[trainer][lo:hi] if trainer in token else None,
+                    "advantages": adv,
+                }
+            )
         return rows
 
     def truncate_after(self, step: int) -> None:

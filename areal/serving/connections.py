@@ -17,7 +17,8 @@ import logging
 import resource
 import socket
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from areal.api.config.loader import ConfigError
 

@@ -29,14 +29,14 @@ import asyncio
 import collections
 import concurrent.futures
 import json
-import queue
-import threading
-from dataclasses import dataclass
-from typing import Any, Callable, Literal
-
 import math
+import queue
 import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from re import _parser as sre_parse  # Python's own regex parser: the shape of a pattern's repeats
+from typing import Any, Literal
 
 import llguidance as llg
 import llguidance.hf
@@ -301,7 +301,8 @@ async def compile_guides(
     compiler: GrammarCompiler, constraints: list[Constraint | None]
 ) -> list[Guide | None] | None:
     """One :class:`Guide` per constrained job (None for free jobs; None for all when none is
-    constrained), each distinct constraint compiled once, within ``server.grammar_compile_timeout``."""
+    constrained), each distinct constraint compiled once, within
+    ``server.grammar_compile_timeout``."""
     if all(c is None for c in constraints):
         return None
     where: dict[Constraint, list[int]] = {}
@@ -315,7 +316,7 @@ async def compile_guides(
             made = await asyncio.wait_for(
                 asyncio.wrap_future(compiler.submit(c, len(rows))), timeout
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise BadRequest(
                 c.field,
                 f"did not compile within {timeout} s (server.grammar_compile_timeout); simplify it",

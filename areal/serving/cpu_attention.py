@@ -157,7 +157,7 @@ class DecodeAttentionKernel:
         self._fn = fn
 
     @classmethod
-    def build(cls, cc: str | None = None) -> "DecodeAttentionKernel":
+    def build(cls, cc: str | None = None) -> DecodeAttentionKernel:
         """Compile :data:`SOURCE` with ``cc`` (default :func:`compiler`) and load it; raises
         ``RuntimeError`` saying why not."""
         cc = cc or compiler()
@@ -184,7 +184,8 @@ class DecodeAttentionKernel:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
     ) -> torch.Tensor:
         """``q [B, H*G*D]`` (rows may be strided, pre-scaled), ``k, v [S, H, C, D]`` with row
-        ``b`` in slot ``b``, ``lengths [B]`` int64 in ``1..C`` -> attention output ``[B, H*G*D]``."""
+        ``b`` in slot ``b``, ``lengths [B]`` int64 in ``1..C`` -> attention output
+        ``[B, H*G*D]``."""
         B, width = q.shape
         S, H, C, D = k.shape
         ok = (

@@ -28,8 +28,9 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -108,7 +109,7 @@ class Generator:
         dtype: torch.dtype = torch.float32,
         cpu_attention: Mode = "auto",
         **kwargs,
-    ) -> "Generator":
+    ) -> Generator:
         """Load an HF Qwen2 dir (weights + tokenizer for stop strings) into a new generator."""
         from transformers import AutoTokenizer
 
@@ -118,7 +119,7 @@ class Generator:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> "Generator":
+    def start(self) -> Generator:
         """Start the scheduler thread (idempotent)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="areal-generator", daemon=True)

@@ -223,7 +223,7 @@ class Qwen2Forward:
     @classmethod
     def from_pretrained(
         cls, path: str | Path, device="cpu", dtype=torch.float32, cpu_attention: Mode = "auto"
-    ) -> "Qwen2Forward":
+    ) -> Qwen2Forward:
         """Load config and safetensors weights of an HF Qwen2 model directory."""
         config, params = read_hf_dir(path)
         return cls(config, params, device, dtype, cpu_attention)

@@ -1,9 +1,10 @@
 """OpenAI ``/v1/completions`` and ``/v1/chat/completions``: request parsing, response objects.
 
-Follows OpenAI's published schemas, streaming included (server-sent events, see streaming.py). Extra sampling fields accepted as in vLLM and
-SGLang's OpenAI servers: ``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``, ``no_stop_trim``. ``finish_reason`` is ``stop`` | ``length`` |
-``abort`` (the last when generation was interrupted by ``/pause_generation``) | ``tool_calls``.
+Follows OpenAI's published schemas, streaming included (server-sent events, see streaming.py).
+Extra sampling fields accepted as in vLLM and SGLang's OpenAI servers: ``top_k``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``no_stop_trim``.
+``finish_reason`` is ``stop`` | ``length`` | ``abort`` (the last when generation was interrupted
+by ``/pause_generation``) | ``tool_calls``.
 Structured outputs (constraints.py): ``response_format`` ``json_object`` / ``json_schema``
 (``strict``: unsupported schema keywords are a 400, else ignored), vLLM's ``structured_outputs``
 (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and forced tool calls (tools.py).
@@ -14,9 +15,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from areal.api.config.server import GenerationServerConfig
+from areal.serving.constraints import Constraint, choice_grammar, schema_text
 from areal.serving.generator import GenerationResult
 from areal.serving.protocol import (
     NEUTRAL,
@@ -34,16 +37,32 @@ from areal.serving.protocol import (
     render_text,
     usage,
 )
-from areal.serving.constraints import Constraint, choice_grammar, schema_text
 from areal.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from areal.serving.tokens import TokenText
 from areal.serving.tools import clean_tool_calls, extract_tool_calls, parse_tools
 
 COMMON_KEYS = {
-    "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "user",
-    "logit_bias", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "no_stop_trim", "response_format", "structured_outputs", *NEUTRAL,
-}  # fmt: skip
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "user",
+    "logit_bias",
+    "top_k",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "response_format",
+    "structured_outputs",
+    *NEUTRAL,
+}
 CHAT_UNLIMITED = 1 << 30  # max_tokens of a chat request that sets none: the context ends it
 COMPLETION_KEYS = COMMON_KEYS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_KEYS = COMMON_KEYS | {
@@ -324,8 +343,12 @@ def _top_entries(
 
 
 def completion_response(
-    model: str, jobs: list[Job], results: list[GenerationResult], logprobs: int | None, text: TokenText,
-) -> dict:  # fmt: skip
+    model: str,
+    jobs: list[Job],
+    results: list[GenerationResult],
+    logprobs: int | None,
+    text: TokenText,
+) -> dict:
     """OpenAI ``text_completion`` object; with ``echo`` the prompt leads the text and (with
     ``logprobs``) its tokens lead the logprobs, the first one None. ``tokens`` are each token's
     share of the text (tokens.py), so ``text_offset`` points into ``text``."""
@@ -360,9 +383,13 @@ def completion_response(
             }
         )
     return {
-        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": now(),
-        "model": model, "choices": choices, "usage": usage(jobs, results),
-    }  # fmt: skip
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": choices,
+        "usage": usage(jobs, results),
+    }
 
 
 def _chat_logprobs(r: GenerationResult, text: TokenText) -> dict:

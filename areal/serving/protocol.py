@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from areal.api.config.server import GenerationServerConfig
 from areal.serving.constraints import Constraint, schema_text
@@ -218,7 +219,8 @@ def parse_generate(
     if body.get("stream"):
         raise BadRequest(
             "stream",
-            "/generate does not stream; use /v1/completions or /v1/chat/completions with stream=true",
+            "/generate does not stream; use /v1/completions or /v1/chat/completions with "
+            "stream=true",
         )
     if (body.get("text") is None) == (body.get("input_ids") is None):
         raise BadRequest("input_ids", "send exactly one of text or input_ids")

@@ -8,8 +8,9 @@ Endpoints
   :mod:`areal.serving.constraints`
 - info: ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info``
 - admin (:mod:`areal.serving.admin`; ``Authorization: Bearer <api_key>`` when an api_key is
-  set; a non-loopback bind requires one): ``POST /pause_generation`` (abort in-flight requests, answered with their partial tokens
-  and finish reason ``abort``; hold new ones), ``POST /continue_generation``,
+  set; a non-loopback bind requires one): ``POST /pause_generation`` (abort in-flight requests,
+  answered with their partial tokens and finish reason ``abort``; hold new ones),
+  ``POST /continue_generation``,
   ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"?}``,
   ``POST /init_weights_update_group`` and ``POST /update_weights_from_distributed`` (protocol in
   :mod:`areal.utils.weight_sync`), ``POST /update_weight_version`` ``{"new_version"}``,
@@ -41,9 +42,10 @@ import json
 import logging
 import signal
 import socket
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from aiohttp import web
@@ -229,7 +231,7 @@ class GenerationServer:
                 raise web.HTTPRequestEntityTooLarge(limit, request.content_length or 0)
             await asyncio.wait_for(request.read(), self.cfg.request_body_timeout)
             return None
-        except asyncio.TimeoutError:
+        except TimeoutError:
             resp = _error(
                 408,
                 f"body: not received within {self.cfg.request_body_timeout} s "
@@ -477,7 +479,7 @@ async def serve(
     while not stop.is_set() and server.generator.error is None:
         try:
             await asyncio.wait_for(stop.wait(), GENERATOR_WATCH_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
     if server.generator.error is not None:  # broken past recovery: exit so a supervisor sees it
         print(f"areal serve: generator broken, exiting: {server.generator.error!r}", flush=True)

@@ -10,8 +10,8 @@ the model's, not the request's parse. Text is sent as it decodes,
 holding back what could still change: a trailing partial UTF-8 character, and the last
 ``len(stop) - 1`` characters while a stop string may be forming (the final text is cut at a
 matched stop string, so nothing after it was sent). A chat answer that may call tools is sent
-in one chunk when it ends (content and ``tool_calls`` deltas). A failure after the stream began is an
-``error`` event, then ``[DONE]``.
+in one chunk when it ends (content and ``tool_calls`` deltas). A failure after the stream began
+is an ``error`` event, then ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 

@@ -14,8 +14,8 @@ keeps micro-batches balanced, with at least ``n_mbs`` bins.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 

@@ -29,8 +29,9 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from areal.utils.logging import get_logger
 
@@ -81,7 +82,7 @@ class NameRepository(abc.ABC):
     def find_subtree(self, prefix: str) -> list[str]:
         """Every key under ``prefix`` (the prefix itself included if set), sorted."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a no-op by default: only etcd holds a lease)
         """Release what the registry holds (the etcd lease: this process's entries go at once)."""
 
     def __enter__(self) -> NameRepository:

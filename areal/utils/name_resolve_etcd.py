@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import base64
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from areal.utils.logging import get_logger
 from areal.utils.name_resolve import (

@@ -3,7 +3,8 @@ process of one Ray cluster reaches (see :mod:`areal.utils.name_resolve`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from areal.utils.name_resolve import KeyValueStore, RegistryUnavailableError, StoreRepository
 

@@ -12,8 +12,9 @@ Resume (:meth:`RecoverDir.resume`) tries the checkpoints newest first. One whose
 missing or unreadable, lists a file that is missing, of another size or with another digest, or
 whose load raises on any rank, is corrupt: a warning names it and the file, and the next older
 one is tried. When none is usable the resume is refused with one message: the verdict and the
-fix first, then each one tried (a trainer prints it alone, no traceback: ``Run.load_recover``). Every decision is taken from data all ranks share (rank 0's listing and manifest, every
-rank's verdict gathered), so the ranks never load different checkpoints. The newest ``keep``
+fix first, then each one tried (a trainer prints it alone, no traceback: ``Run.load_recover``).
+Every decision is taken from data all ranks share (rank 0's listing and manifest, every rank's
+verdict gathered), so the ranks never load different checkpoints. The newest ``keep``
 checkpoints stay on disk (``recover.keep``).
 """
 
@@ -24,10 +25,11 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -218,9 +220,9 @@ class RecoverDir:
         if not tried:
             return None
         raise RecoverError(  # the verdict and the fix first, then each checkpoint's problem
-            f"cannot resume: none of the {len(tried)} recover checkpoint(s) in {self.root} is usable; "
-            f"to start the run fresh, delete {self.root} or set recover.mode=disabled. Tried: "
-            + " | ".join(tried)
+            f"cannot resume: none of the {len(tried)} recover checkpoint(s) in {self.root} is "
+            f"usable; to start the run fresh, delete {self.root} or set recover.mode=disabled. "
+            "Tried: " + " | ".join(tried)
         )
 
     def _check_world_size(self, ckpt: Path, manifest: dict[str, Any]) -> None:
@@ -319,7 +321,10 @@ def _read_manifest(ckpt: Path) -> dict[str, Any] | str:
         )
     )
     if not well_formed or manifest.get("format") != MANIFEST_FORMAT:
-        return f"{MANIFEST} is not a format-{MANIFEST_FORMAT} manifest (damaged or written by another version)"
+        return (
+            f"{MANIFEST} is not a format-{MANIFEST_FORMAT} manifest (damaged or written by "
+            "another version)"
+        )
     return manifest
 
 

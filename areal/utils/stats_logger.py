@@ -67,7 +67,8 @@ class StatsLogger:
                 path.rename(path.with_name(f"stats.jsonl.{k}"))
                 logger.warning(
                     f"{path} held the stats of an earlier run of this trial; moved to "
-                    f"stats.jsonl.{k} (a new trial_name keeps runs apart; recover.mode=resume continues one)"
+                    f"stats.jsonl.{k} (a new trial_name keeps runs apart; recover.mode=resume "
+                    "continues one)"
                 )
             self._jsonl = open(path, "a", buffering=1)
         if cfg.tensorboard:
@@ -79,8 +80,8 @@ class StatsLogger:
                 import wandb
             except ImportError:
                 raise RuntimeError(
-                    f"stats_logger.wandb={cfg.wandb!r} but wandb is not installed; "
-                    "`pip install -e '.[wandb]'` in the areal checkout, or set stats_logger.wandb=disabled"
+                    f"stats_logger.wandb={cfg.wandb!r} but wandb is not installed; `pip install -e "
+                    "'.[wandb]'` in the areal checkout, or set stats_logger.wandb=disabled"
                 ) from None
             self._wandb = wandb.init(
                 project=cfg.wandb_project, mode=cfg.wandb, dir=str(self.run_dir), config=config_dict

@@ -18,11 +18,16 @@ import torch
 # schema would cost hundreds) and Hermes-style <tool_call> blocks (the format Qwen2.5 uses), so the
 # server's tool calling runs on the tiny model too.
 CHAT_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %}{{ '\\n' ~ t['function']['name'] }}("
-    "{{ t['function'].get('parameters', {}).get('properties', {}) | join(',') }}){% endfor %}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
-    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
-    "\"arguments\": {{ c['function']['arguments'] }}}\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %}"
+    "{{ '\\n' ~ t['function']['name'] }}("
+    "{{ t['function'].get('parameters', {}).get('properties', {}) | join(',') }}){% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>\n"
+    "{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] }}}\n</tool_call>{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.reward import AgentConfig
@@ -67,10 +68,11 @@ class AgentWorkflow(RolloutWorkflow):
         per_call = config.trajectory == "per_call" or config.on_template_mismatch == "per_call"
         if per_call and gconfig.n_samples > 1:
             raise ValueError(
-                f"workflow.agent: trajectory={config.trajectory}, on_template_mismatch="
-                f"{config.on_template_mismatch} give a varying number of trajectories per episode, but "
-                f"gconfig.n_samples={gconfig.n_samples} groups must hold n_samples sequences each; use "
-                "trajectory=concat with on_template_mismatch=error, or gconfig.n_samples=1"
+                f"workflow.agent: trajectory={config.trajectory}, "
+                f"on_template_mismatch={config.on_template_mismatch} give a varying number of "
+                f"trajectories per episode, but gconfig.n_samples={gconfig.n_samples} groups must "
+                "hold n_samples sequences each; use trajectory=concat with "
+                "on_template_mismatch=error, or gconfig.n_samples=1"
             )
         self.config = config
         self.gconfig = gconfig
@@ -144,8 +146,9 @@ class AgentWorkflow(RolloutWorkflow):
         ):
             raise AgentFailureRate(
                 f"{sum(self._recent)} of the last {WINDOW} agent episodes raised (more than "
-                f"workflow.agent.max_failure_fraction={self.config.max_failure_fraction}); the last: "
-                f"{error!r}. Fix the agent {self.config.path or self.agent!r} or raise the fraction"
+                f"workflow.agent.max_failure_fraction={self.config.max_failure_fraction}); the "
+                f"last: {error!r}. Fix the agent {self.config.path or self.agent!r} or raise the "
+                "fraction"
             )
 
     async def arun_episode(

@@ -89,10 +89,11 @@ def _mismatch(calls: list[Call], k: int, tokenizer: Any) -> str | None:
         )
 
     return (
-        f"call {k}'s prompt does not start with call {k - 1}'s prompt + completion: they differ "
-        f"at token {at} (call {k - 1} had {show(prev)}, call {k} has {show(prompt)}); the chat "
+        f"call {k}'s prompt does not start with call {k - 1}'s prompt + completion: they differ at "
+        f"token {at} (call {k - 1} had {show(prev)}, call {k} has {show(prompt)}); the chat "
         "template re-renders the conversation differently from what the model generated. Use "
-        "workflow.agent.trajectory=per_call, or on_template_mismatch=per_call to fall back per episode"
+        "workflow.agent.trajectory=per_call, or on_template_mismatch=per_call to fall back per "
+        "episode"
     )
 
 

@@ -25,7 +25,6 @@ from areal.api.engine import InferenceEngine
 from areal.api.io import ModelRequest, ModelResponse, Trajectory
 from areal.api.workflow import RolloutWorkflow
 from areal.dataset.chat import chat_text, encode
-from areal.reward.runner import RewardOutcome
 from areal.workflow.rlvr import (
     RolloutDumper,
     Scorer,
@@ -125,8 +124,12 @@ class MultiTurnWorkflow(RolloutWorkflow):
         ep = _Episode()
         texts: list[str] = []
         for turn in range(self.cfg.max_turns):
-            req = ModelRequest(input_ids=prompt + ep.completion_ids, gconfig=self.gconfig,
-                               group_id=item["id"], metadata={"sample_id": sample_id, "turn": turn})  # fmt: skip
+            req = ModelRequest(
+                input_ids=prompt + ep.completion_ids,
+                gconfig=self.gconfig,
+                group_id=item["id"],
+                metadata={"sample_id": sample_id, "turn": turn},
+            )
             resp = await engine.agenerate(req)
             ep.add_model(resp)
             text = self.tokenizer.decode(resp.output_ids, skip_special_tokens=True)

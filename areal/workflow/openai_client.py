@@ -320,7 +320,8 @@ class ArealOpenAI:
         unknown = sorted(set(kw) - _KNOWN)
         if unknown:
             raise TypeError(
-                f"chat.completions.create: unsupported arguments {unknown} (supported: {sorted(_KNOWN)})"
+                f"chat.completions.create: unsupported arguments {unknown} "
+                f"(supported: {sorted(_KNOWN)})"
             )
         if kw.get("stream"):
             raise ValueError(
@@ -428,7 +429,8 @@ class ArealOpenAI:
         unknown = sorted(set(kw) - _KNOWN_TEXT)
         if unknown:
             raise TypeError(
-                f"completions.create: unsupported arguments {unknown} (supported: {sorted(_KNOWN_TEXT)})"
+                f"completions.create: unsupported arguments {unknown} "
+                f"(supported: {sorted(_KNOWN_TEXT)})"
             )
         if kw.get("echo") or kw.get("best_of") not in (None, 1) or kw.get("suffix"):
             raise ValueError(

@@ -132,7 +132,7 @@ class RLVRWorkflow(RolloutWorkflow):
                 group_id=item["id"],
                 metadata={"sample_id": f"{item['id']}/{k}"},
                 seed=sample_seed(self.gconfig.seed, item["id"], k, version),
-            )  # fmt: skip
+            )
             for k in range(self.n_samples)
         ]
         responses = await asyncio.gather(*(engine.agenerate(r) for r in requests))

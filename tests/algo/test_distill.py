@@ -14,7 +14,8 @@ def test_the_advantage_is_the_teachers_log_ratio_over_the_student_on_trained_tok
     mask = torch.tensor([0, 1, 1, 1])  # the first token is prompt
     task = torch.tensor([0.0, 1.0, 1.0, 1.0])
     adv = distill_advantages(task, teacher, student, mask, coef=1.0, reward_weight=0.0)
-    # log(0.25/0.5) = -log 2 (teacher likes it less: pushed down); log(0.4/0.2) = log 2; log(0.1/0.9)
+    # log(0.25/0.5) = -log 2 (teacher likes it less: pushed down); log(0.4/0.2) = log 2;
+    # log(0.1/0.9)
     assert adv.tolist() == pytest.approx([0.0, -math.log(2), math.log(2), math.log(1 / 9)])
     mixed = distill_advantages(task, teacher, student, mask, coef=0.5, reward_weight=2.0)
     # 2 * task + 0.5 * log ratio

@@ -65,7 +65,8 @@ def test_nll_term_adds_the_chosen_mean_token_nll_by_hand():
     simpo = _pairs(logp_c=[-2.0], logp_r=[-6.0], len_c=[2.0], len_r=[3.0])
     losses, _, _ = preference_loss(simpo, "simpo", beta=2.0, gamma=0.5, nll_coef=2.0)
     assert losses.tolist() == pytest.approx([0.201413 + 2.0 * 1.0], abs=1e-6)  # NLL -(-2) / 2 = 1
-    # its gradient on logp_c is -nll_coef / len_c on top of the preference part (0 here: IPO at its target)
+    # its gradient on logp_c is -nll_coef / len_c on top of the preference part (0 here: IPO at
+    # its target)
     logp_c = torch.tensor([-2.0], dtype=torch.float64, requires_grad=True)
     at_target = PairLogps(
         logp_c,

@@ -113,12 +113,15 @@ def test_generic_jsonl_rl_sft_rw_items(tmp_path, tiny_tokenizer):
 @pytest.mark.parametrize(
     "type, rows, message",
     [
-        ("rl", [{"prompt": "p", "reference": "1"}, {"prompt": "p"}], r"bad.jsonl:2: missing field 'reference' or 'answer'"),
+        ("rl", [{"prompt": "p", "reference": "1"}, {"prompt": "p"}],
+         r"bad.jsonl:2: missing field 'reference' or 'answer'"),
         ("sft", [{"prompt": "p"}], r"bad.jsonl:1: missing field 'completion'"),
-        ("sft", [{"messages": [{"role": "user", "content": "u"}]}], r"bad.jsonl:1: .*must end with an assistant"),
+        ("sft", [{"messages": [{"role": "user", "content": "u"}]}],
+         r"bad.jsonl:1: .*must end with an assistant"),
         ("rw", [{"prompt": "p", "chosen": "c"}], r"bad.jsonl:1: missing field 'rejected'"),
         ("rl", ['{"prompt": "p",'], r"bad.jsonl:1: invalid JSON"),
-        ("rl", [{"id": "a", "prompt": "p", "answer": 1}, {"id": "a", "prompt": "q", "answer": 2}], "duplicate id 'a'"),
+        ("rl", [{"id": "a", "prompt": "p", "answer": 1}, {"id": "a", "prompt": "q", "answer": 2}],
+         "duplicate id 'a'"),
     ],
 )  # fmt: skip
 def test_generic_jsonl_errors_name_file_line_and_field(tmp_path, type, rows, message):

@@ -43,7 +43,7 @@ def test_sft_conversations_render_the_prompt_the_agent_sends(tiny_tokenizer):
     trained = tiny_tokenizer.decode([t for t, m in zip(ids, mask) if m])
     expression = user["content"].split(" = ?")[0]
     assert trained.startswith(
-        '<tool_call>\n{"name": "calc", "arguments": {"e": "%s"}}' % expression
+        '<tool_call>\n{"name": "calc", "arguments": {"e": "' + expression + '"}}'
     )
     assert trained.endswith(row["messages"][-1]["content"] + "<|im_end|>\n")
 
@@ -69,13 +69,25 @@ def test_sft_guesses_answer_in_the_head_for_their_share_of_problems(tiny_tokeniz
 
 @pytest.mark.slow
 def test_agent_example_trains_through_the_grpo_script(launcher, tiny_model_dir):
-    run_dir = launcher.run("agent", GRPO_SCRIPT, AGENT_YAML, [
-        f"actor.path={tiny_model_dir}", "total_train_steps=2", "train_dataset.batch_size=2",
-        "gconfig.n_samples=2", "gconfig.max_new_tokens=8", "eval_gconfig.max_new_tokens=8",
-        "rollout.max_concurrent_rollouts=4", "valid_dataset.arithmetic.n_test=4", "valid_dataset.batch_size=4",
-        "evaluator.freq_steps=null",
-        "actor.dynamic_sampling=false",  # the random tiny model never succeeds: every group would be rejected
-    ])  # fmt: skip
+    run_dir = launcher.run(
+        "agent",
+        GRPO_SCRIPT,
+        AGENT_YAML,
+        [
+            f"actor.path={tiny_model_dir}",
+            "total_train_steps=2",
+            "train_dataset.batch_size=2",
+            "gconfig.n_samples=2",
+            "gconfig.max_new_tokens=8",
+            "eval_gconfig.max_new_tokens=8",
+            "rollout.max_concurrent_rollouts=4",
+            "valid_dataset.arithmetic.n_test=4",
+            "valid_dataset.batch_size=4",
+            "evaluator.freq_steps=null",
+            # the random tiny model never succeeds: every group would be rejected
+            "actor.dynamic_sampling=false",
+        ],
+    )
     stats = train_steps(run_dir)
     assert sorted(stats) == [0, 1, 2], sorted(stats)
     assert stats[0]["eval/accuracy"] in (0.0, 0.25, 0.5, 0.75, 1.0)  # the agent's own reward
@@ -93,13 +105,26 @@ def test_agents_sdk_program_trains_through_the_proxy_under_the_launcher(launcher
         "agents", reason="openai-agents is in the test extra: pip install -e .[test]"
     )
     yaml = EXAMPLES / "agent_arithmetic_sdk.yaml"
-    run_dir = launcher.run("agent-sdk", GRPO_SCRIPT, yaml, [
-        f"actor.path={tiny_model_dir}", "total_train_steps=2", "train_dataset.batch_size=2",
-        "gconfig.n_samples=2", "gconfig.max_new_tokens=8", "eval_gconfig.max_new_tokens=8",
-        "rollout.max_concurrent_rollouts=2", "valid_dataset.arithmetic.n_test=2", "valid_dataset.batch_size=2",
-        "evaluator.freq_steps=null", f"workflow.agent.command=python {EXAMPLES / 'agent_arithmetic_sdk.py'}",
-        "workflow.agent.max_agents=4", "actor.dynamic_sampling=false",
-    ])  # fmt: skip
+    run_dir = launcher.run(
+        "agent-sdk",
+        GRPO_SCRIPT,
+        yaml,
+        [
+            f"actor.path={tiny_model_dir}",
+            "total_train_steps=2",
+            "train_dataset.batch_size=2",
+            "gconfig.n_samples=2",
+            "gconfig.max_new_tokens=8",
+            "eval_gconfig.max_new_tokens=8",
+            "rollout.max_concurrent_rollouts=2",
+            "valid_dataset.arithmetic.n_test=2",
+            "valid_dataset.batch_size=2",
+            "evaluator.freq_steps=null",
+            f"workflow.agent.command=python {EXAMPLES / 'agent_arithmetic_sdk.py'}",
+            "workflow.agent.max_agents=4",
+            "actor.dynamic_sampling=false",
+        ],
+    )
     stats = train_steps(run_dir)
     assert sorted(stats) == [0, 1, 2], sorted(stats)
     for step in (1, 2):

@@ -6,8 +6,8 @@ the CPU, so this checks the layout and the sleep/wake protocol, not GPU memory (
 from __future__ import annotations
 
 import pytest
-
 from conftest import GRPO_SCRIPT, GRPO_YAML, SMALL_RL
+
 from launch_harness import assert_finite, train_steps
 
 pytestmark = pytest.mark.slow

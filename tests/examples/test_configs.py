@@ -38,8 +38,8 @@ def script_for(yaml_path: Path) -> Path:
         return EXAMPLES / SCRIPT_BY_NAME[yaml_path.name]
     scripts = {SCRIPT_BY_WORD[w] for w in yaml_path.stem.split("_") if w in SCRIPT_BY_WORD}
     assert len(scripts) == 1, (
-        f"{yaml_path.name}: cannot tell its entry script from the name (words {sorted(SCRIPT_BY_WORD)}); "
-        "rename it or extend SCRIPT_BY_WORD in this test"
+        f"{yaml_path.name}: cannot tell its entry script from the name "
+        f"(words {sorted(SCRIPT_BY_WORD)}); rename it or extend SCRIPT_BY_WORD in this test"
     )
     return EXAMPLES / scripts.pop()
 

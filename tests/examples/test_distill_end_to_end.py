@@ -6,8 +6,8 @@ PPO with the teacher as a node on the model worker."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import GRPO_SCRIPT, REPO, SMALL_RL
+
 from launch_harness import assert_finite, train_steps
 
 pytestmark = pytest.mark.slow
@@ -38,10 +38,20 @@ def test_the_distillation_example_trains_on_the_teachers_reverse_kl(
 
 
 def test_core_sync_ppo_distils_with_a_teacher_node(launcher, tiny_model_dir, teacher_dir):
-    run_dir = launcher.run("core-distill", REPO / "areal" / "core" / "sync_ppo.py", DISTILL_YAML, [
-        f"actor.path={tiny_model_dir}", f"distill.teacher_path={teacher_dir}", "distill.n_servers=0",
-        *SMALL_RL, "total_train_steps=2", "valid_dataset=null", "rollout.max_staleness=0",
-    ])  # fmt: skip
+    run_dir = launcher.run(
+        "core-distill",
+        REPO / "areal" / "core" / "sync_ppo.py",
+        DISTILL_YAML,
+        [
+            f"actor.path={tiny_model_dir}",
+            f"distill.teacher_path={teacher_dir}",
+            "distill.n_servers=0",
+            *SMALL_RL,
+            "total_train_steps=2",
+            "valid_dataset=null",
+            "rollout.max_staleness=0",
+        ],
+    )
     stats = train_steps(run_dir)
     assert sorted(stats) == [1, 2]
     for step in (1, 2):

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from test_configs import EXAMPLES
 
 from areal.api.config import ConfigError, DPOConfig, load_config
-
-from test_configs import EXAMPLES
 
 YAML = ["--config", str(EXAMPLES / "dpo_arithmetic.yaml")]
 

@@ -5,10 +5,10 @@ must log the same losses."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import REPO
-from launch_harness import assert_finite, train_steps
 from test_end_to_end import _changed, _reloads
+
+from launch_harness import assert_finite, train_steps
 
 pytestmark = pytest.mark.slow
 SCRIPT, YAML = REPO / "examples" / "dpo.py", REPO / "examples" / "dpo_arithmetic.yaml"

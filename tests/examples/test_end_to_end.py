@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import GRPO_SCRIPT, GRPO_YAML, REPO, SMALL_RL
+
 from launch_harness import assert_finite, effective_ids, train_steps
 
 pytestmark = pytest.mark.slow
@@ -92,10 +92,17 @@ def test_ppo_with_critic_runs_end_to_end(launcher, tiny_model_dir):
 
 
 def test_sft_runs_end_to_end(launcher, tiny_model_dir):
-    run_dir = launcher.run("sft", REPO / "examples" / "sft.py", REPO / "examples" / "sft_arithmetic.yaml", [
-        f"model.path={tiny_model_dir}", "total_train_steps=2", "train_dataset.batch_size=8",
-        "evaluator.freq_steps=null",
-    ])  # fmt: skip
+    run_dir = launcher.run(
+        "sft",
+        REPO / "examples" / "sft.py",
+        REPO / "examples" / "sft_arithmetic.yaml",
+        [
+            f"model.path={tiny_model_dir}",
+            "total_train_steps=2",
+            "train_dataset.batch_size=8",
+            "evaluator.freq_steps=null",
+        ],
+    )
     stats = train_steps(run_dir)
     assert sorted(stats) == [1, 2], sorted(stats)
     for step in (1, 2):

@@ -14,10 +14,10 @@ import os
 import signal
 
 import pytest
-
 from conftest import GRPO_SCRIPT, GRPO_YAML, RESUMABLE, RUN_TIMEOUT
-from launch_harness import assert_finite, effective_ids, train_steps
 from test_resume import N_STEPS, _victim
+
+from launch_harness import assert_finite, effective_ids, train_steps
 
 pytestmark = pytest.mark.slow
 LORA = ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.optimizer.lr=1e-2", "actor.kl_ctl=0.05"]

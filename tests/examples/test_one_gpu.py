@@ -7,8 +7,8 @@ logprobs equal the trainer's (fp32 tiny model on both sides: loss/logp_mismatch,
 from __future__ import annotations
 
 import pytest
-
 from conftest import GRPO_SCRIPT, GRPO_YAML, SMALL_RL
+
 from launch_harness import assert_finite, train_steps
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -17,10 +17,22 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 def test_colocated_grpo_on_one_gpu_runs_ten_steps_with_server_logprobs_equal_to_the_trainers(
     launcher, tiny_model_dir
 ):
-    run_dir = launcher.run("gpu", GRPO_SCRIPT, GRPO_YAML, [
-        f"actor.path={tiny_model_dir}", *SMALL_RL, "total_train_steps=10", "rollout.max_staleness=0",
-        "valid_dataset=null", "cluster.n_servers=1", "server.device=cuda", "server.gpu_memory_fraction=0.3",
-    ], env={"CUDA_VISIBLE_DEVICES": "0"})  # fmt: skip
+    run_dir = launcher.run(
+        "gpu",
+        GRPO_SCRIPT,
+        GRPO_YAML,
+        [
+            f"actor.path={tiny_model_dir}",
+            *SMALL_RL,
+            "total_train_steps=10",
+            "rollout.max_staleness=0",
+            "valid_dataset=null",
+            "cluster.n_servers=1",
+            "server.device=cuda",
+            "server.gpu_memory_fraction=0.3",
+        ],
+        env={"CUDA_VISIBLE_DEVICES": "0"},
+    )
     stats = train_steps(run_dir)
     assert sorted(stats) == list(range(1, 11))
     for step in stats:

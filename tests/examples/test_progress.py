@@ -1,8 +1,8 @@
 """Tier 2: progress is visible while `make demo`'s SFT stage runs (issue 34, item 1).
 
 The demo's SFT stage (``examples/sft.py`` + ``examples/sft_arithmetic.yaml`` through ``areal
-launch local``, shortened to 8 steps of 8 problems) runs twice, and the test reads the launcher's echoed
-output as it comes:
+launch local``, shortened to 8 steps of 8 problems) runs twice, and the test reads the launcher's
+echoed output as it comes:
 
 - on a terminal (a pty, as `make demo` in a shell): tqdm's ``\\r`` redraws reach the console
   while the stage runs, and the step count advances frame by frame;

@@ -18,11 +18,17 @@ from launch_harness import REPO  # on sys.path by tests/examples/conftest.py
 RUN_TIMEOUT = 300.0  # seconds; ~1-2 min on a quiet 2-core machine
 TINY_SFT = ["total_train_steps=3", "train_dataset.batch_size=4"]
 TINY_GRPO = [
-    "total_train_steps=2", "train_dataset.batch_size=2", "gconfig.n_samples=2", "gconfig.max_new_tokens=8",
-    "eval_gconfig.max_new_tokens=8", "rollout.max_concurrent_rollouts=4", "valid_dataset.arithmetic.n_test=4",
-    "valid_dataset.batch_size=4", "evaluator.freq_steps=null",
+    "total_train_steps=2",
+    "train_dataset.batch_size=2",
+    "gconfig.n_samples=2",
+    "gconfig.max_new_tokens=8",
+    "eval_gconfig.max_new_tokens=8",
+    "rollout.max_concurrent_rollouts=4",
+    "valid_dataset.arithmetic.n_test=4",
+    "valid_dataset.batch_size=4",
+    "evaluator.freq_steps=null",
     "actor.dynamic_sampling=false",  # 3-step SFT never succeeds: every group would be rejected
-]  # fmt: skip
+]
 
 
 @pytest.mark.slow
@@ -30,8 +36,14 @@ def test_quickstart_tools_runs_sft_then_agent_grpo_and_summarizes(tmp_path):
     out = tmp_path / "qs"
     args = [sys.executable, "-m", "areal.cli", "quickstart", "--task", "tools", "--out", str(out)]
     args += [f"--sft={o}" for o in TINY_SFT] + [f"--grpo={o}" for o in TINY_GRPO]
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        args,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         log, _ = proc.communicate(timeout=RUN_TIMEOUT)
     finally:

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, RUN_TIMEOUT, SMALL_RL
+
 from launch_harness import read_jsonl
 
 pytestmark = pytest.mark.slow

@@ -1,9 +1,10 @@
 """Tier 2: lossless automatic resume through the launcher (recover.mode=auto).
 
 A run whose trainer worker is SIGKILLed mid-training, and one whose only generation server is
-SIGKILLed with server restarts off, must be relaunched, resume from the last recover checkpoint, and train exactly the
-sample ids of the uninterrupted run, step by step (async GRPO, max_staleness=1), with no step's
-ids twice, no token staler than the bound, and the servers back on the checkpoint's version.
+SIGKILLed with server restarts off, must be relaunched, resume from the last recover checkpoint,
+and train exactly the sample ids of the uninterrupted run, step by step (async GRPO,
+max_staleness=1), with no step's ids twice, no token staler than the bound, and the servers back
+on the checkpoint's version.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from conftest import GRPO_SCRIPT, GRPO_YAML, RESUMABLE, RUN_TIMEOUT, Launcher
+
 from launch_harness import Launch, assert_finite, effective_ids, read_jsonl, train_steps
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ import os
 import signal
 
 import pytest
-
 from conftest import GRPO_SCRIPT, GRPO_YAML, RUN_TIMEOUT, SMALL_RL
+
 from launch_harness import marked_processes, server_ports, train_steps
 
 pytestmark = pytest.mark.slow

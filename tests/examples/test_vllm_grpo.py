@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from conftest import GRPO_SCRIPT, GRPO_YAML, SMALL_RL
+
 from launch_harness import assert_finite, train_steps
 from tests import vllm_env
 
@@ -29,11 +29,17 @@ def test_async_grpo_on_a_launcher_started_vllm_server_updates_its_weights_every_
         monkeypatch.setenv(key, value)
     n_steps = 3
     overrides = [
-        f"actor.path={tiny_model_dir}", *SMALL_RL, f"total_train_steps={n_steps}", "rollout.max_staleness=1",
-        "valid_dataset=null", "rollout.backend=vllm", "rollout.served_model_name=tiny",
-        f"rollout.vllm_python={python}", f"rollout.vllm_args={vllm_env.SERVER_ARGS}",
+        f"actor.path={tiny_model_dir}",
+        *SMALL_RL,
+        f"total_train_steps={n_steps}",
+        "rollout.max_staleness=1",
+        "valid_dataset=null",
+        "rollout.backend=vllm",
+        "rollout.served_model_name=tiny",
+        f"rollout.vllm_python={python}",
+        f"rollout.vllm_args={vllm_env.SERVER_ARGS}",
         f"launcher.server_setup_timeout={vllm_env.READY_DEADLINE}",
-    ]  # fmt: skip
+    ]
     run, run_dir = launcher.start("vllm-grpo", GRPO_SCRIPT, GRPO_YAML, overrides)
     code = run.wait(RUN_TIMEOUT)
     server_log = run_dir / "logs" / "server0.log"

@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -161,7 +160,8 @@ def start_launch(
     env: dict[str, str] | None = None,
     mode: str = "local",
 ) -> Launch:
-    """Start ``areal launch MODE SCRIPT [--config YAML] fileroot=... OVERRIDES`` in a new session."""
+    """Start ``areal launch MODE SCRIPT [--config YAML] fileroot=... OVERRIDES`` in a new
+    session."""
     fileroot.mkdir(parents=True, exist_ok=True)
     argv = [
         str(script),

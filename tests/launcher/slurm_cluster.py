@@ -178,7 +178,8 @@ def _conf(root: Path, host: str, nodes: list[str], cpus: int) -> str:
             "ReturnToService=2",
             "KillWait=10",
             *(
-                f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} State=UNKNOWN"
+                f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
+                f"CPUs={cpus} State=UNKNOWN"
                 for n in nodes
             ),
             f"PartitionName=debug Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP",
@@ -247,7 +248,8 @@ def start_slurm_launch(
     cluster: SlurmCluster,
     env: dict[str, str] | None = None,
 ) -> Launch:
-    """Start ``areal launch slurm SCRIPT [--config YAML] fileroot=... OVERRIDES`` in a new session."""
+    """Start ``areal launch slurm SCRIPT [--config YAML] fileroot=... OVERRIDES`` in a new
+    session."""
     fileroot.mkdir(parents=True, exist_ok=True)
     argv = [
         str(script),

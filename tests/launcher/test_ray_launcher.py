@@ -32,7 +32,8 @@ RUN_TIMEOUT = 240.0
 
 @pytest.fixture
 def ray_launch(ray_head, tmp_path, tiny_model_dir):
-    """``ray_launch(script, config, *overrides, env=None)`` -> (Launch, RUN_DIR); killed at teardown."""
+    """``ray_launch(script, config, *overrides, env=None)`` -> (Launch, RUN_DIR); killed at
+    teardown."""
     made = []
 
     def start(script, config, *overrides, env=None):

@@ -119,7 +119,7 @@ Root Cause (first observed failure):
 [0]:
   time      : 2026-11-23_11:37:50
   exitcode  : 1 (pid: 27361)
-============================================================"""
+============================================================"""  # noqa: E501, W291 (torchrun's own output, verbatim)
 
 
 def test_root_cause_is_the_workers_exception_not_torchruns_summary():

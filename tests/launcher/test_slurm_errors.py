@@ -14,8 +14,8 @@ def test_no_slurm_configuration_names_the_login_node_and_slurm_conf():
         and "Ask for less" not in problem
     )
     missing = (
-        "sbatch: error: s_p_parse_file: cannot stat file /etc/slurm/slurm.conf: No such file or directory; "
-        "sbatch: fatal: Unable to process configuration file"
+        "sbatch: error: s_p_parse_file: cannot stat file /etc/slurm/slurm.conf: No such file or "
+        "directory; sbatch: fatal: Unable to process configuration file"
     )
     assert "no Slurm configuration" in controller_problem(missing)
 

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from launch_harness import REPO, assert_finite, read_jsonl, train_steps
-
 from areal.api.config import ConfigError, GRPOConfig, load_config
 from areal.launcher.slurm import slurm_problems
 from areal.launcher.slurm_errors import never_placed
 from areal.launcher.slurm_script import Layout, job_script, layout
+from launch_harness import REPO, assert_finite, read_jsonl, train_steps
 
 ENTRY = Path(__file__).parent / "entry_script.py"
 GRPO_SCRIPT = REPO / "examples" / "gsm8k_grpo.py"

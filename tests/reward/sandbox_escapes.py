@@ -193,7 +193,8 @@ escaped |= libc.syscall(165, b"none", b"/tmp", b"tmpfs", 0, None) == 0  # mount
     "proc_mem": """
 import os
 escaped = False
-for pid in (1, os.getppid(), {victim}):  # the namespace's init (the runner), our parent, a host process
+# the namespace's init (the runner), our parent, a host process
+for pid in (1, os.getppid(), {victim}):
     try:  # /proc/<pid>/mem of another process: read or write its memory
         with open(f"/proc/{{pid}}/mem", "r+b", buffering=0) as f:
             print("opened", pid)
@@ -206,7 +207,7 @@ for pid in (1, os.getppid(), {victim}):  # the namespace's init (the runner), ou
 ESCAPE_NAMES = tuple(_PROGRAMS)
 
 
-def escape_programs(targets: "HostTargets", max_processes: int, cap_mb: int) -> dict[str, str]:
+def escape_programs(targets: HostTargets, max_processes: int, cap_mb: int) -> dict[str, str]:
     """Name -> source of every escape attempt, aimed at ``targets``."""
     values = dict(token=targets.token, secret=targets.secret, victim=targets.victim.pid,
                   port=targets.port, unix_path=targets.unix_path, abstract=targets.abstract,

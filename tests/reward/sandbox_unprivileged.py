@@ -16,16 +16,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from areal.api.config.reward import SandboxConfig  # noqa: E402
+from areal.reward.code import case_passed, code_reward  # noqa: E402
+from areal.reward.sandbox import run_python, seccomp_program  # noqa: E402
 from sandbox_escapes import (  # noqa: E402
     ESCAPE_CASE,
     HostTargets,
     escape_programs,
     processes_of_uid,
 )
-
-from areal.api.config.reward import SandboxConfig  # noqa: E402
-from areal.reward.code import case_passed, code_reward  # noqa: E402
-from areal.reward.sandbox import run_python, seccomp_program  # noqa: E402
 
 HOLDER = """
 import threading, time

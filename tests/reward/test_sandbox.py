@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+import areal.reward.sandbox as sandbox
 from areal.api.config.reward import SandboxConfig
 from areal.reward.code import code_reward, extract_code, normalize_cases, run_tests
-import areal.reward.sandbox as sandbox
 from areal.reward.sandbox import Layers, SandboxUnavailable, run_python
 
 CFG = SandboxConfig(case_timeout=2.0, submission_timeout=10.0, cpu_seconds=2)

@@ -16,18 +16,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from sandbox_escapes import (
-    ESCAPE_CASE,
-    ESCAPE_NAMES,
-    HostTargets,
-    escape_programs,
-    UNREPORTED,
-    processes_of_uid,
-)
 
 from areal.api.config.reward import SandboxConfig
 from areal.reward.code import case_passed
 from areal.reward.sandbox import run_python
+from sandbox_escapes import (
+    ESCAPE_CASE,
+    ESCAPE_NAMES,
+    UNREPORTED,
+    HostTargets,
+    escape_programs,
+    processes_of_uid,
+)
 
 CFG = SandboxConfig(case_timeout=1.5, submission_timeout=10.0, cpu_seconds=2, tmpfs_mb=16)
 DRIVER = Path(__file__).with_name("sandbox_unprivileged.py")

@@ -159,8 +159,10 @@ def test_pause_aborts_in_flight_requests_and_resume_completes_them_with_every_to
     future = engine._loop_thread().submit(engine.agenerate(ModelRequest(PROMPT, g, seed=1)))
     try:
         deadline = time.monotonic() + 60
-        while (_metric(vllm_server.url, "vllm:num_requests_running") < 2
-               or _metric(vllm_server.url, "vllm:generation_tokens_total") < tokens_before + 20):  # fmt: skip
+        while (
+            _metric(vllm_server.url, "vllm:num_requests_running") < 2
+            or _metric(vllm_server.url, "vllm:generation_tokens_total") < tokens_before + 20
+        ):
             assert time.monotonic() < deadline, "vLLM never ran both requests"
             time.sleep(0.05)
         engine.pause()
@@ -222,8 +224,14 @@ def test_requests_fail_over_from_our_killed_server_to_vllm(vllm_server, tiny_mod
     from tests.serving.servers import start_servers, stop_servers
 
     ours = start_servers(tiny_model_dir, 1)
-    cfg = InferenceEngineConfig(backend="vllm", served_model_name=NAME, setup_timeout=60, request_timeout=120,
-                                retry_backoff=0.01, server_failure_threshold=1)  # fmt: skip
+    cfg = InferenceEngineConfig(
+        backend="vllm",
+        served_model_name=NAME,
+        setup_timeout=60,
+        request_timeout=120,
+        retry_backoff=0.01,
+        server_failure_threshold=1,
+    )
     eng = RemoteInferenceEngine(cfg)
     try:
         eng.initialize([ours[0][1], vllm_server.url.removeprefix("http://")])  # both healthy

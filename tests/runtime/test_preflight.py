@@ -90,15 +90,27 @@ def test_script_file_override_and_config_mistakes_are_one_message_naming_the_fix
     a_file.write_text("")
     grpo = "examples/gsm8k_grpo.py"
     cases = [
-        (["launch", "local", str(script), "--config", "examples/arithmetic_grpo.yaml"],
-         "defines no CONFIG; add `CONFIG = GRPOConfig`"),
-        (["tiny-model", "--out", str(a_file)], f"--out {a_file}: is a file, not a directory; pass a new"),
-        (["launch", "local", grpo, "=5"], "override '=5': empty key or key part before '='; write key=value"),
-        (["launch", "local", grpo, "--config", str(tmp_path)], f"--config {tmp_path}: is a directory; pass a YAML"),
-    ]  # fmt: skip
+        (
+            ["launch", "local", str(script), "--config", "examples/arithmetic_grpo.yaml"],
+            "defines no CONFIG; add `CONFIG = GRPOConfig`",
+        ),
+        (
+            ["tiny-model", "--out", str(a_file)],
+            f"--out {a_file}: is a file, not a directory; pass a new",
+        ),
+        (
+            ["launch", "local", grpo, "=5"],
+            "override '=5': empty key or key part before '='; write key=value",
+        ),
+        (
+            ["launch", "local", grpo, "--config", str(tmp_path)],
+            f"--config {tmp_path}: is a directory; pass a YAML",
+        ),
+    ]
     for argv, message in cases:
-        out = subprocess.run([sys.executable, "-m", "areal.cli", *argv], capture_output=True, text=True,
-                             timeout=120)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "areal.cli", *argv], capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 2 and out.stderr.startswith(f"areal {argv[0]}: "), (
             argv,
             out.stderr,

@@ -20,7 +20,7 @@ def kernel():
 
 def reference(q, k, v, lengths):
     """Plain softmax attention per (row, query head) over the row's first ``lengths[b]`` keys."""
-    B, (S, H, C, D) = q.shape[0], k.shape
+    B, (_, H, _, D) = q.shape[0], k.shape  # k [S, H, C, D]
     G = q.shape[1] // (H * D)
     out = torch.empty(B, H, G, D, dtype=torch.float64)
     for b in range(B):

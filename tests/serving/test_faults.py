@@ -60,7 +60,7 @@ async def post(client, path: str, body: dict) -> tuple[int, dict]:
 # ------------------------------------------------------------------ stop lists
 
 
-def test_a_stop_list_covering_the_vocabulary_before_min_new_tokens_gets_400_and_harms_no_other_request(
+def test_stop_list_covering_the_vocabulary_before_min_new_tokens_gets_400_and_harms_no_other(
     tiny_model_dir,
 ):
     with in_process(tiny_model_dir) as srv:

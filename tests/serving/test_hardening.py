@@ -618,7 +618,7 @@ class _SlowClients:
         for sock in socks:
             sock.close()
 
-    def __enter__(self) -> "_SlowClients":
+    def __enter__(self) -> _SlowClients:
         self.thread.start()
         return self
 

@@ -111,8 +111,9 @@ def _deep_tools(model: str, depth: int) -> bytes:
     json.dumps stops at Python's recursion limit; json.loads still parses it)."""
     schema = '{"a": ' * depth + '{"type": "string"}' + "}" * depth
     return (
-        f'{{"model": {json.dumps(model)}, "max_tokens": 1, "messages": [{{"role": "user", "content": "hi"}}], '
-        f'"tools": [{{"type": "function", "function": {{"name": "f", "parameters": {schema}}}}}]}}'
+        f'{{"model": {json.dumps(model)}, "max_tokens": 1, "messages": [{{"role": "user", '
+        '"content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", '
+        f'"parameters": {schema}}}}}]}}'
     ).encode()
 
 
@@ -180,7 +181,7 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
-def test_half_sent_heads_past_the_connection_cap_leave_health_answerable_and_are_cut_at_the_deadline(
+def test_half_sent_heads_past_the_connection_cap_leave_health_answerable_and_are_cut_at_deadline(
     server,
 ):
     slow = []

@@ -93,7 +93,7 @@ def lm_eval_python():
         python, spent = ensure_lm_eval()
     except LmEvalUnavailable as e:
         pytest.skip(str(e))
-    print(f"lm-eval venv: {'installed in %.0f s' % spent if spent else 'reused'}")
+    print(f"lm-eval venv: {f'installed in {spent:.0f} s' if spent else 'reused'}")
     return python
 
 

@@ -284,7 +284,8 @@ def test_the_openai_client_runs_an_agent_turn_with_tools(server, tiny_model_dir,
     from areal.api.config.server import GenerationServerConfig
     from areal.serving.server import GenerationServer
 
-    answer = '<tool_call>\n{"name": "add", "arguments": {"a": 4, "b": 5}}\n</tool_call><|im_end|>'  # then EOS
+    # then EOS
+    answer = '<tool_call>\n{"name": "add", "arguments": {"a": 4, "b": 5}}\n</tool_call><|im_end|>'
     srv = GenerationServer(from_dict(GenerationServerConfig, {"model_path": str(tiny_model_dir)}))
     ids = srv.encode(answer)
     forced = _forced_sampler(ids)

@@ -229,9 +229,19 @@ def test_update_weights_from_disk_then_over_gloo(server, hf_model, tiny_model_di
     assert status == 400 and out["error"]["param"] == "model_path"
     # A separate process plays the trainer: joins the gloo group, broadcasts the original weights.
     trainer = subprocess.run(
-        [sys.executable, "-m", "tests.serving.trainer_proc", server, tiny_model_dir, str(free_port()), KEY],
-        capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tests.serving.trainer_proc",
+            server,
+            tiny_model_dir,
+            str(free_port()),
+            KEY,
+        ],
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert trainer.returncode == 0, (
         trainer.stdout.decode()[-1500:] + trainer.stderr.decode()[-1500:]
     )

@@ -310,7 +310,8 @@ def test_hostile_grammars_get_400_in_bounded_time_and_the_server_keeps_serving(
         timeout=30,
     )
     assert time.monotonic() - t0 < 15, name
-    # a body past server.max_text_chars (the 1 MB schema) is refused before parsing, naming sampling_params
+    # a body past server.max_text_chars (the 1 MB schema) is refused before parsing, naming
+    # sampling_params
     assert status == 400 and out["error"]["param"] in (param, "sampling_params"), (name, out)
     assert call(f"{server}/generate", free)[0] == 200
 

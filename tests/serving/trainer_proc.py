@@ -46,8 +46,12 @@ def main(url: str, weights_dir: str, master_port: int, key: str) -> int:
     named = sorted(params.items())
     bucket_bytes = 64 << 10  # small buckets: the tiny model's weights travel in many of them
     updated: dict = {}
-    body = {**announcement(named), "group_name": "areal_weight_update", "bucket_bytes": bucket_bytes,
-            "weight_version": 7}  # fmt: skip
+    body = {
+        **announcement(named),
+        "group_name": "areal_weight_update",
+        "bucket_bytes": bucket_bytes,
+        "weight_version": 7,
+    }
     t = _post_in_thread(f"{url}/update_weights_from_distributed", body, updated, key)
     broadcast_weights(named, group, bucket_bytes, timeout=DEADLINE_S)
     t.join(DEADLINE_S)

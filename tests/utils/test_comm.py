@@ -47,7 +47,8 @@ def test_all_reduce_refuses_a_tensor_whose_device_the_group_cannot_serve(groups)
 
 def test_stats_export_on_a_cuda_only_group_never_hands_it_a_host_tensor(groups):
     # Without CUDA in this process the host values cannot be staged: a clear refusal before any
-    # collective, instead of torch's "No backend type associated with device type cpu" from inside it.
+    # collective, instead of torch's "No backend type associated with device type cpu" from
+    # inside it.
     cuda_only, _ = groups
     tracker = StatsTracker()
     tracker.mean("reward", torch.tensor([1.0, 0.0]))

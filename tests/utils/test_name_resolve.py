@@ -18,7 +18,6 @@ import threading
 import time
 
 import pytest
-from tests.daemons import DaemonUnavailable, start_etcd, start_ray_head
 
 from areal.api.config import ClusterConfig, ConfigError, NameResolveConfig, load_config
 from areal.utils.name_resolve import (
@@ -32,6 +31,7 @@ from areal.utils.name_resolve import (
     trial_key,
 )
 from areal.utils.network import free_port
+from tests.daemons import DaemonUnavailable, start_etcd, start_ray_head
 
 ETCD_TTL = 2  # seconds: etcd's smallest lease, so expiry tests stay short
 

@@ -37,7 +37,10 @@ def test_each_run_type_gets_the_panels_of_what_it_logged():
         {"step": 2, "loss/loss": 1.5, "eval/loss": 1.6},
     ]
     rm = [{"step": 1, "loss/loss": 0.7, "loss/pair_acc": 0.5}]
-    titles = lambda rows: [t for t, _ in panels(rows)]
+
+    def titles(rows: list[dict]) -> list[str]:
+        return [t for t, _ in panels(rows)]
+
     assert titles(rl) == [
         "mean reward (training rollouts)",
         "held-out accuracy",

@@ -118,9 +118,10 @@ def test_a_rerun_of_a_trial_starts_a_new_stats_file_and_a_resume_drops_the_steps
     rerun = StatsLogger(cfg, tmp_path)  # a fresh run of the same trial: steps would restart at 1
     rerun.commit(1, {"loss": 9.0})
     rerun.close()
-    steps = lambda name: [
-        json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()
-    ]
+
+    def steps(name: str) -> list[int]:
+        return [json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()]
+
     assert steps("stats.jsonl.1") == [1, 2, 3] and steps("stats.jsonl") == [1]
     resumed = StatsLogger(cfg, tmp_path, fresh=False)  # a resume appends...
     for step in (2, 3):
