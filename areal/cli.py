@@ -208,12 +208,12 @@ def _core(args: argparse.Namespace) -> int:
         script = areal.core.sync_ppo if args.action == "sync-ppo" else areal.core.async_ppo
         return launch_local(script.__file__, args.rest)
     from areal.api.config import load_config
-    from areal.core.dfg import GraphError, format_graph
-    from areal.core.graphs import CoreGraphConfig, graph_from_config
+    from areal.core.dfg import GraphError
+    from areal.core.graphs import CoreGraphConfig, describe_graph
 
     cfg = load_config(CoreGraphConfig, args.rest)
     try:
-        print(format_graph(graph_from_config(cfg)))
+        print(describe_graph(cfg))
     except GraphError as e:
         print(f"areal core {args.action}: {e}", file=sys.stderr)
         return 2

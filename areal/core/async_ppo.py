@@ -35,14 +35,13 @@ from collections import Counter
 from typing import Any
 
 from areal.api.config import load_config
-from areal.core.config import CoreAsyncGRPOConfig
-from areal.core.graphs import ACTOR, CRITIC, CoreGraphConfig, graph_from_config
+from areal.core.config import CoreAsyncGRPOConfig, graph_config
+from areal.core.graphs import ACTOR, CRITIC, graph_from_config
 from areal.core.health import HangWatch, MFCActivity, async_ppo_actors
 from areal.core.master import Master
 from areal.core.record import CoreRecorder
 from areal.core.rollout_side import STATUS_FILE, ManagedServers, RayRolloutSide, run_ended
-from areal.core.sync_ppo import start_model_workers, step_stats, uses_ref
-from areal.engine.ppo import needs_prox_pass
+from areal.core.sync_ppo import start_model_workers, step_stats
 from areal.runtime.publisher import WeightPublisher
 from areal.runtime.rl import evaluate, setup_rollout
 from areal.runtime.run import init_run
@@ -189,17 +188,7 @@ def main(argv: list[str]) -> int:
     data = run.load_data()
     valid_loader, n_steps, steps_per_epoch = data.valid_loader, data.n_steps, len(data.loader)
     side = setup_rollout(cfg, run)  # the master's client: evaluation and weight updates
-    graph = graph_from_config(
-        CoreGraphConfig(
-            graph="async_ppo",
-            n_workers=cfg.core.n_workers,
-            use_critic=cfg.actor.use_critic,
-            use_ref=uses_ref(cfg),
-            prox_logp=needs_prox_pass(cfg.actor),
-            use_teacher=cfg.distill.enabled,
-            allocations=cfg.core.allocations,
-        )
-    )
+    graph = graph_from_config(graph_config(cfg, cfg.core, "async_ppo"))
     workers, engines = start_model_workers(cfg, run, graph, data.ft_spec)  # attaches Ray
     rollout = RayRolloutSide(
         cfg,

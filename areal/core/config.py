@@ -4,12 +4,22 @@ async-ppo``); ``areal core sft``'s is beside its script."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Literal
 
 from areal.api.config import GRPOConfig
 from areal.api.config.loader import param
-from areal.core.graphs import ModelAllocationConfig
+from areal.core.graphs import (
+    CoreGraphConfig,
+    MFCLayoutConfig,
+    ModelAllocationConfig,
+    allocations_for,
+    graph_mfcs,
+    pipeline_problems,
+    with_layouts,
+)
+from areal.engine.ppo import needs_prox_pass
 
 
 @dataclass(frozen=True)
@@ -24,6 +34,11 @@ class CoreWorkersConfig:
         factory=list,
         help="Which model workers host each model, and its mesh (docs/core.md); "
         "empty = every model on every worker, dp = n_workers.",
+    )
+    layouts: list[MFCLayoutConfig] = param(
+        factory=list,
+        help="sync-ppo/async-ppo: another layout for an MFC of a trained model, e.g. "
+        "{mfc: actor_logp, dp: 4} (docs/core.md); empty = every MFC on its model's allocation.",
     )
     ray_address: str = param(
         "",
@@ -73,9 +88,59 @@ class CoreWorkersConfig:
 
     def check(self) -> Iterator[str]:
         if self.backend == "in_process" and self.n_workers != 1:
-            yield f"n_workers: in_process has one worker, got {self.n_workers}; set backend=ray for more"
+            yield (
+                f"n_workers: in_process has one worker, got {self.n_workers}; set backend=ray "
+                "for more"
+            )
         if self.backend == "in_process" and self.allocations:
-            yield "allocations: in_process hosts every model on its one worker; set backend=ray to allocate"
+            yield (
+                "allocations: in_process hosts every model on its one worker; set backend=ray to "
+                "allocate"
+            )
+        if self.backend == "in_process" and self.layouts:
+            yield (
+                "layouts: in_process hosts every model on its one worker; set backend=ray for "
+                "layouts"
+            )
+
+
+def uses_ref(cfg: GRPOConfig) -> bool:
+    """A reference model runs when it is configured and the KL term is on (as in Lite)."""
+    return cfg.ref is not None and cfg.actor.kl_ctl > 0
+
+
+def graph_config(cfg: GRPOConfig, core: CoreWorkersConfig, graph: str) -> CoreGraphConfig:
+    """The :class:`CoreGraphConfig` a PPO entry config runs (``graph``: sync_ppo or async_ppo)."""
+    return CoreGraphConfig(
+        graph=graph,
+        n_workers=core.n_workers,
+        use_critic=cfg.actor.use_critic,
+        use_ref=uses_ref(cfg),
+        prox_logp=needs_prox_pass(cfg.actor),
+        use_teacher=cfg.distill.enabled,
+        allocations=core.allocations,
+        layouts=core.layouts,
+    )
+
+
+def layout_problems(cfg: GRPOConfig, core: CoreWorkersConfig, graph: str) -> Iterator[str]:
+    """``core.layouts`` problems against the graph the config runs, and pp sizes its models'
+    layer counts cannot take, each naming its ``core.`` field."""
+    if core.backend != "ray" or not (core.layouts or core.allocations):
+        return
+    g = graph_config(cfg, core, graph)
+    try:
+        mfcs = graph_mfcs(g)[0]
+        problems = with_layouts(g, mfcs, allocations_for(g, mfcs))[2]
+    except ValueError:  # a bad model name, reported by its allocation's own check
+        return
+    paths = {"actor": ("actor.path", cfg.actor.path)}
+    if cfg.actor.use_critic and cfg.critic is not None:
+        paths["critic"] = ("critic.path", cfg.critic.path)
+    if cfg.ref is not None:
+        paths["ref"] = ("ref.path", cfg.ref.path)
+    for p in [*problems, *pipeline_problems(g, paths.get)]:
+        yield f"core.{p}"
 
 
 def one_master(cluster) -> Iterator[str]:
@@ -104,10 +169,11 @@ class CoreGRPOConfig(GRPOConfig):
         yield from super().check()
         if self.rollout.max_staleness != 0:
             yield (
-                f"rollout.max_staleness: {self.rollout.max_staleness}; sync PPO generates every batch "
-                "with the current weights, set rollout.max_staleness=0"
+                f"rollout.max_staleness: {self.rollout.max_staleness}; sync PPO generates every "
+                "batch with the current weights, set rollout.max_staleness=0"
             )
         yield from one_master(self.cluster)
+        yield from layout_problems(self, self.core, "sync_ppo")
 
 
 @dataclass(frozen=True)
@@ -128,7 +194,8 @@ class CoreAsyncGRPOConfig(GRPOConfig):
         yield from super().check()
         if self.core.backend != "ray":
             yield (
-                f"core.backend: {self.core.backend!r}; async PPO runs its rollout workers and manager "
-                "as Ray actors, set core.backend=ray"
+                f"core.backend: {self.core.backend!r}; async PPO runs its rollout workers and "
+                "manager as Ray actors, set core.backend=ray"
             )
         yield from one_master(self.cluster)
+        yield from layout_problems(self, self.core, "async_ppo")

@@ -1,4 +1,5 @@
-"""The dataflow graph of Core mode: model function calls (MFCs) as data, checked before anything runs.
+"""The dataflow graph of Core mode: model function calls (MFCs) as data, checked before anything
+runs.
 
 An :class:`MFC` names a model (role + replica), one of the uniform model functions of the Lite
 engines (:class:`ModelFn`; each returns :data:`~areal.api.engine.ModelFnResult`, a batch with
@@ -13,9 +14,10 @@ MFC and the key (or the model) at fault:
 - no cycles;
 - every MFC's outputs are the fields its function adds (``compute_logp(out="ref_logp")`` adds
   ``ref_logp``), so the graph cannot lie about what a call produces;
-- every model an MFC runs on has an allocation whose mesh fits it: ``dp * tp`` workers, each a
-  valid worker index, none twice. With ``tp > 1`` the workers form a dp-major ``dp x tp`` mesh
-  (``workers[d * tp + t]`` is dp rank ``d``, tp rank ``t``).
+- every model an MFC runs on has an allocation whose mesh fits it: ``pp * dp * tp`` workers,
+  each a valid worker index, none twice. The workers form a ``pp x dp x tp`` mesh, pp-major then
+  dp then tp (``workers[(p * dp + d) * tp + t]`` is pipeline stage ``p``, dp rank ``d``, tp rank
+  ``t``; with ``pp = 1`` the dp-major ``dp x tp`` order).
 - a ``generate`` MFC reads no keys (it draws prompts from the train dataset); only it may have
   an :class:`UpdateServers` hook, and its model (the generation servers) is never the source or
   target of a :class:`ParamRealloc`.
@@ -51,6 +53,8 @@ class ModelFn(enum.Enum):
     TRAIN_RW = "train_rw"  # RWEngine
     SCORE = "score"  # RWEngine
 
+
+TRAINING_FNS = (ModelFn.PPO_UPDATE, ModelFn.TRAIN_LM, ModelFn.TRAIN_RW)  # they change weights
 
 # The fields each function adds to its batch (None: declared by the MFC, e.g. generate's).
 _ADDED: dict[ModelFn, tuple[str, ...] | None] = {
@@ -142,12 +146,37 @@ class MFC:
 
 @dataclass(frozen=True)
 class Allocation:
-    """Where a model lives: model-worker indices forming a ``dp x tp`` mesh (dp-major order)."""
+    """Where a model lives (its layout): model-worker indices forming a ``pp x dp x tp`` mesh,
+    ``workers[(p * dp + d) * tp + t]`` being pipeline stage ``p``, dp rank ``d``, tp rank ``t``."""
 
     model: ModelName
     workers: tuple[int, ...]
     dp: int = 1
     tp: int = 1
+    pp: int = 1
+
+    def coordinate(self, worker: int) -> tuple[int, int, int]:
+        """``(p, d, t)``: the pipeline stage, dp rank and tp rank of ``worker`` in this mesh."""
+        i = self.workers.index(worker)
+        return i // (self.dp * self.tp), i // self.tp % self.dp, i % self.tp
+
+    def worker_at(self, p: int, d: int, t: int) -> int:
+        """The worker at stage ``p``, dp rank ``d``, tp rank ``t``."""
+        return self.workers[(p * self.dp + d) * self.tp + t]
+
+    def same_layout(self, other: Allocation) -> bool:
+        """Whether ``other`` puts each worker at the same mesh coordinate (model aside)."""
+        return (self.workers, self.dp, self.tp, self.pp) == (
+            other.workers,
+            other.dp,
+            other.tp,
+            other.pp,
+        )
+
+    def describe(self) -> str:
+        """``dp=2 x tp=1 x pp=2 on workers [0, 1, 2, 3]`` (pp left out when 1)."""
+        mesh = f"dp={self.dp} x tp={self.tp}" + (f" x pp={self.pp}" if self.pp > 1 else "")
+        return f"{mesh} on workers {list(self.workers)}"
 
 
 @dataclass(frozen=True)
@@ -292,12 +321,14 @@ def _check_allocations(
     for model, a in sorted(allocations.items()):
         users = [m.name for m in mfcs if model in m.models]
         who = f"model '{model}' (MFCs {users})"
-        if a.dp < 1:
-            problems.append(f"{who}: dp={a.dp}; dp must be >= 1")
-        if len(a.workers) != a.dp * a.tp:
+        small = [f"{k}={v}" for k, v in (("dp", a.dp), ("tp", a.tp), ("pp", a.pp)) if v < 1]
+        if small:
+            problems.append(f"{who}: {', '.join(small)}; each must be >= 1")
+        if len(a.workers) != a.dp * a.tp * a.pp:
             problems.append(
-                f"{who}: mesh dp={a.dp} x tp={a.tp} needs {a.dp * a.tp} workers, "
-                f"allocated {len(a.workers)} ({list(a.workers)})"
+                f"{who}: mesh dp={a.dp} x tp={a.tp} x pp={a.pp} needs {a.dp * a.tp * a.pp} "
+                f"workers, allocated {len(a.workers)} ({list(a.workers)}); list dp * tp * pp "
+                "workers or change the sizes"
             )
         bad = [w for w in a.workers if not 0 <= w < n_workers]
         if bad:
@@ -353,7 +384,8 @@ def format_graph(graph: DataflowGraph) -> str:
     }
     workers = f"{graph.n_workers - len(generating)} model workers"
     if generating:
-        workers += f" + {len(generating)} generation worker{'s' if len(generating) > 1 else ''} {sorted(generating)}"
+        plural = "s" if len(generating) > 1 else ""
+        workers += f" + {len(generating)} generation worker{plural} {sorted(generating)}"
     keys = (
         ", ".join(graph.dataset_keys)
         or "none (the generation worker draws prompts from the train dataset)"
@@ -366,7 +398,8 @@ def format_graph(graph: DataflowGraph) -> str:
     for model, a in sorted(graph.allocations.items()):
         users = ", ".join(m.name for m in graph.mfcs if m.model == model)
         lines.append(
-            f"  {str(model):<12} mesh dp={a.dp} x tp={a.tp}  workers {list(a.workers)}  MFCs: {users}"
+            f"  {model!s:<12} mesh {a.describe().replace(' on workers', '  workers')}  "
+            f"MFCs: {users}"
         )
     lines.append("nodes (dispatch order):")
     for m in graph.mfcs:

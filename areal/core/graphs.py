@@ -21,23 +21,36 @@ Allocations: an empty list puts every model of the graph on every worker with ``
 n_workers`` (the graph's models then share workers, as Lite's engines share trainer ranks). The
 ``rollout`` model of sync PPO lives on one generation worker after the model workers (index
 ``n_workers``), so its graph has ``n_workers + 1`` workers.
+
+Layouts (``CoreGraphConfig.layouts``): an inference MFC of a trained model (the actor's
+``actor_logp``, the critic's ``critic_values``) may name its own mesh. The graph then runs it on a
+replica of the model allocated on that mesh (``actor@1``) with a
+:class:`~areal.core.dfg.ParamRealloc` hook from the model, so the trained weights move to the
+replica's layout before the call (:mod:`areal.core.realloc` plans which pieces move;
+``areal core graph`` prints the plan). No layouts: the graph is unchanged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, Literal
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Literal
 
 from areal.api.config.loader import param
 from areal.core.dfg import (
     MFC,
+    TRAINING_FNS,
     Allocation,
     DataflowGraph,
+    GraphError,
     ModelFn,
     ModelName,
+    ParamRealloc,
     UpdateServers,
     build_graph,
+    format_graph,
 )
+from areal.core.realloc import ModelShapes, format_reallocations, model_shapes
 
 # What the rollout side hands over: the fields of groups_to_batch.
 ROLLOUT_KEYS = (
@@ -65,17 +78,36 @@ class ModelAllocationConfig:
     """Which model workers host one model, and its mesh over them."""
 
     model: str = param("actor", help="Model name: ROLE or ROLE@REPLICA (actor, critic, ref, ...).")
-    workers: list[int] = param(factory=list, help="Model-worker indices, dp-major; len = dp * tp.")
+    workers: list[int] = param(
+        factory=list, help="Model-worker indices, pp-major then dp then tp; len = pp * dp * tp."
+    )
     dp: int = param(1, ge=1, help="Data-parallel size of this model's mesh.")
     tp: int = param(
         1, ge=1, help="Tensor-parallel size (Qwen2/Llama decoders); workers are dp-major."
     )
+    pp: int = param(1, ge=1, help="Pipeline stages (each a contiguous run of decoder layers).")
 
     def check(self) -> Iterator[str]:
         try:
             ModelName.parse(self.model)
         except ValueError as e:
             yield f"model: {e}"
+
+
+@dataclass(frozen=True)
+class MFCLayoutConfig:
+    """Another layout for one MFC of a trained model (e.g. the actor's logp on a wider dp than
+    its training mesh): the graph runs it on a replica of the model on this mesh and moves the
+    trained weights there before the call whenever they changed (parameter reallocation)."""
+
+    mfc: str = param("actor_logp", help="The MFC's name (areal core graph lists them).")
+    workers: list[int] = param(
+        factory=list,
+        help="Model-worker indices, pp-major then dp then tp; empty = the model's own workers.",
+    )
+    dp: int = param(1, ge=1, help="Data-parallel size.")
+    tp: int = param(1, ge=1, help="Tensor-parallel size (Qwen2/Llama decoders).")
+    pp: int = param(1, ge=1, help="Pipeline stages.")
 
 
 @dataclass(frozen=True)
@@ -101,6 +133,19 @@ class CoreGraphConfig:
         factory=list,
         help="One entry per model; empty = every model on every worker, dp = n_workers.",
     )
+    layouts: list[MFCLayoutConfig] = param(
+        factory=list,
+        help="Per-MFC layouts of trained models (the weights are reallocated before the MFC); "
+        "empty = every MFC on its model's allocation.",
+    )
+    model_path: str = param(
+        "",
+        help="areal core graph: an HF model dir whose config.json sizes the printed "
+        "reallocations (bytes moved; a critic with a value head); empty = no byte counts.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = param(
+        "float32", help="areal core graph: the weights' dtype in the printed byte counts."
+    )
 
     def check(self) -> Iterator[str]:
         if self.graph == "sft" and (
@@ -110,6 +155,20 @@ class CoreGraphConfig:
                 "graph: sft has no critic, reference, teacher or proximal logp; unset "
                 "use_critic/use_ref/use_teacher/prox_logp"
             )
+            return
+        try:
+            mfcs, _ = graph_mfcs(self)
+            allocations = allocations_for(self, mfcs)
+        except ValueError:  # a bad model name, reported by its allocation's own check
+            return
+        yield from with_layouts(self, mfcs, allocations)[2]
+        if self.model_path:
+            yield from pipeline_problems(self, lambda role: ("model_path", self.model_path))
+
+
+def logp_mfc(name: str, model: ModelName, out: str) -> MFC:
+    """``model.compute_logp(out=out)`` over the batch's ``input_ids``."""
+    return MFC(name, model, ModelFn.COMPUTE_LOGP, ("input_ids",), (out,), {"out": out})
 
 
 def ppo_mfcs(
@@ -121,42 +180,15 @@ def ppo_mfcs(
     adv_in = [*base, "rewards", "no_eos", "logprobs"]
     train_in = [*base, "logprobs", "advantages"]
     if prox_logp:
-        mfcs.append(
-            MFC(
-                "actor_logp",
-                ACTOR,
-                ModelFn.COMPUTE_LOGP,
-                ("input_ids",),
-                ("prox_logp",),
-                {"out": "prox_logp"},
-            )
-        )
+        mfcs.append(logp_mfc("actor_logp", ACTOR, "prox_logp"))
         adv_in.append("prox_logp")
         train_in.append("prox_logp")
     if use_ref:
-        mfcs.append(
-            MFC(
-                "ref_logp",
-                REF,
-                ModelFn.COMPUTE_LOGP,
-                ("input_ids",),
-                ("ref_logp",),
-                {"out": "ref_logp"},
-            )
-        )
+        mfcs.append(logp_mfc("ref_logp", REF, "ref_logp"))
         adv_in.append("ref_logp")
         train_in.append("ref_logp")
     if use_teacher:  # on-policy distillation: the teacher's logprobs of the student's tokens
-        mfcs.append(
-            MFC(
-                "teacher_logp",
-                TEACHER,
-                ModelFn.COMPUTE_LOGP,
-                ("input_ids",),
-                ("teacher_logp",),
-                {"out": "teacher_logp"},
-            )
-        )
+        mfcs.append(logp_mfc("teacher_logp", TEACHER, "teacher_logp"))
         adv_in.append("teacher_logp")
     if use_critic:
         mfcs.append(
@@ -201,7 +233,8 @@ def graph_mfcs(cfg: CoreGraphConfig) -> tuple[list[MFC], tuple[str, ...]]:
 def allocations_for(cfg: CoreGraphConfig, mfcs: list[MFC]) -> list[Allocation]:
     """The configured allocations, or every model on every worker (dp = n_workers)."""
     given = [
-        Allocation(ModelName.parse(a.model), tuple(a.workers), a.dp, a.tp) for a in cfg.allocations
+        Allocation(ModelName.parse(a.model), tuple(a.workers), a.dp, a.tp, a.pp)
+        for a in cfg.allocations
     ]
     if not given:
         models = sorted({m.model for m in mfcs if m.fn is not ModelFn.GENERATE})
@@ -211,11 +244,168 @@ def allocations_for(cfg: CoreGraphConfig, mfcs: list[MFC]) -> list[Allocation]:
     return given
 
 
+def _layout_refusal(mfc: MFC | None, name: str, cfg: CoreGraphConfig, trained: set) -> str | None:
+    """Why the MFC named ``name`` cannot take a layout of its own (None: it can)."""
+    if mfc is None:
+        return f"{name!r} is no MFC of graph {cfg.graph}; name one that areal core graph lists"
+    if mfc.fn is ModelFn.GENERATE:
+        return (
+            f"{name!r} generates on the generation servers (cluster.n_servers sizes them), "
+            "not on model workers; remove this layout"
+        )
+    if mfc.fn in TRAINING_FNS:
+        return (
+            f"{name!r} trains model {mfc.model}, so its layout is the model's own; set it "
+            f"under allocations (model: {mfc.model.role})"
+        )
+    if mfc.fn is ModelFn.COMPUTE_ADVANTAGES:
+        return f"{name!r} uses no weights and runs where {mfc.model} trains; remove this layout"
+    if mfc.model not in trained:
+        return (
+            f"{name!r} runs on {mfc.model}, which no MFC trains (nothing to reallocate); give "
+            f"{mfc.model.role} this layout under allocations"
+        )
+    return None
+
+
+def _layout_of(
+    i: int, home: Allocation, cfg: CoreGraphConfig, problems: list[str]
+) -> Allocation | None:
+    """``layouts[i]`` as an allocation of ``home``'s model (None, with a problem, if invalid)."""
+    lay = cfg.layouts[i]
+    workers = tuple(lay.workers) or home.workers
+    bad = [w for w in workers if not 0 <= w < cfg.n_workers]
+    if bad:
+        problems.append(
+            f"layouts[{i}].workers: {bad} are not model workers (0..{cfg.n_workers - 1}); "
+            "list model-worker indices"
+        )
+        return None
+    n, sizes = lay.dp * lay.tp * lay.pp, f"dp={lay.dp} x tp={lay.tp} x pp={lay.pp}"
+    if len(workers) != n:
+        problems.append(
+            f"layouts[{i}].workers: {list(workers)} are {len(workers)} workers, but {sizes} "
+            f"needs {n}; list {n} workers or change the sizes"
+            if lay.workers
+            else f"layouts[{i}]: {sizes} needs {n} workers, and {home.model}'s own are "
+            f"{list(workers)}; list {n} workers or change the sizes"
+        )
+        return None
+    return Allocation(home.model, workers, lay.dp, lay.tp, lay.pp)
+
+
+def with_layouts(
+    cfg: CoreGraphConfig, mfcs: list[MFC], allocations: list[Allocation]
+) -> tuple[list[MFC], list[Allocation], list[str]]:
+    """The MFCs and allocations with ``cfg.layouts`` applied, and the layouts' problems (each
+    naming its field). An MFC given a layout other than its model's runs on a replica of the
+    model allocated there (``ROLE@1``, ``ROLE@2``, ...: one per distinct layout), with a
+    :class:`ParamRealloc` hook from the model before it. No layouts: the same graph."""
+    by_model = {a.model: a for a in allocations}
+    trained = {m.model for m in mfcs if m.fn in TRAINING_FNS}
+    names = {m.name: m for m in mfcs}
+    mfcs, allocations = list(mfcs), list(allocations)
+    problems: list[str] = []
+    placed: dict[str, int] = {}
+    replicas: dict[tuple, ModelName] = {}
+    for i, lay in enumerate(cfg.layouts):
+        mfc = names.get(lay.mfc)
+        why = _layout_refusal(mfc, lay.mfc, cfg, trained)
+        if why is None and lay.mfc in placed:
+            why = f"{lay.mfc!r} has a layout already (layouts[{placed[lay.mfc]}]); keep one"
+        if why is not None:
+            problems.append(f"layouts[{i}].mfc: {why}")
+            continue
+        placed[lay.mfc] = i
+        home = by_model.get(mfc.model)
+        layout = None if home is None else _layout_of(i, home, cfg, problems)
+        if layout is None or layout.same_layout(home):
+            continue  # no allocation (build_graph names it), a bad layout, or nothing to move
+        key = (layout.model, layout.workers, layout.dp, layout.tp, layout.pp)
+        if key not in replicas:
+            role = mfc.model.role
+            replicas[key] = ModelName(
+                role, 1 + max(a.model.replica for a in allocations if a.model.role == role)
+            )
+            allocations.append(replace(layout, model=replicas[key]))
+        mfcs[mfcs.index(mfc)] = replace(
+            mfc, model=replicas[key], hooks=(*mfc.hooks, ParamRealloc(mfc.model))
+        )
+    return mfcs, allocations, problems
+
+
+def replica_sources(graph: DataflowGraph) -> dict[ModelName, ModelName]:
+    """Each layout replica of ``graph`` and the model whose weights it takes."""
+    return {
+        m.model: h.source
+        for m in graph.mfcs
+        for h in m.hooks
+        if isinstance(h, ParamRealloc) and h.source.role == m.model.role
+    }
+
+
+def pipeline_problems(
+    cfg: CoreGraphConfig, path_of: Callable[[str], tuple[str, str] | None]
+) -> Iterator[str]:
+    """A pp a model cannot be split into (more stages than decoder layers), for each allocation
+    and layout; ``path_of(role)`` is ``(field, HF model dir)`` of the role's model (None: not
+    known here, unchecked)."""
+    mfcs = {m.name: m.model.role for m in graph_mfcs(cfg)[0]}
+    meshes = [
+        (f"allocations[{i}].pp", a.pp, ModelName.parse(a.model).role)
+        for i, a in enumerate(cfg.allocations)
+    ]
+    meshes += [(f"layouts[{i}].pp", a.pp, mfcs.get(a.mfc)) for i, a in enumerate(cfg.layouts)]
+    layers: dict[str, int | None] = {}
+    for where, pp, role in meshes:
+        found = path_of(role) if pp > 1 and role else None
+        if found is None:
+            continue
+        field, path = found
+        if path not in layers:
+            layers[path] = _n_layers(path)
+        if layers[path] is None:
+            yield f"{field}: {path!r} has no readable config.json to check {where}={pp} against"
+        elif pp > layers[path]:
+            yield (
+                f"{where}: {pp} stages for a model of {layers[path]} decoder layers "
+                f"({field}={path}); use pp <= {layers[path]}"
+            )
+
+
+def _n_layers(path: str) -> int | None:
+    """The decoder layers of the HF model at ``path`` (None: no readable config)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path).num_hidden_layers
+    except (OSError, ValueError):
+        return None
+
+
 def graph_from_config(cfg: CoreGraphConfig) -> DataflowGraph:
     """The checked graph ``cfg`` describes (raises GraphError listing every problem); sync PPO
     counts its generation worker among the workers."""
     mfcs, keys = graph_mfcs(cfg)
+    mfcs, allocations, problems = with_layouts(cfg, mfcs, allocations_for(cfg, mfcs))
+    if problems:
+        raise GraphError(cfg.graph, problems)
     n_generation = int(any(m.fn is ModelFn.GENERATE for m in mfcs))
-    return build_graph(
-        cfg.graph, mfcs, keys, allocations_for(cfg, mfcs), cfg.n_workers + n_generation
-    )
+    return build_graph(cfg.graph, mfcs, keys, allocations, cfg.n_workers + n_generation)
+
+
+def describe_graph(cfg: CoreGraphConfig) -> str:
+    """What ``areal core graph`` prints: the graph and its reallocations (with ``model_path``,
+    the bytes each moves)."""
+    graph = graph_from_config(cfg)
+    shapes = None
+    if cfg.model_path:
+        cache: dict[str, ModelShapes] = {}
+
+        def shapes(model: ModelName) -> ModelShapes:
+            head = "value" if model.role == CRITIC.role else "lm"
+            if head not in cache:
+                cache[head] = model_shapes(cfg.model_path, head, cfg.dtype)
+            return cache[head]
+
+    return format_graph(graph) + "\n" + format_reallocations(graph, shapes)

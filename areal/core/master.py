@@ -19,8 +19,11 @@ workers move the tensors among themselves. When an MFC finishes, its outputs are
 they were computed, and every key whose last reader has run is released on its worker.
 
 Parameter reallocation (an MFC's :class:`~areal.core.dfg.ParamRealloc` hooks) is queued before
-the call on the same workers: the source model's ranks snapshot its full weights (its first rank
-keeps them), and every rank of the MFC's model loads them from that rank, cut to its own shard.
+the call on the same workers: the source model's workers publish their shards, and every worker
+of the MFC's model fetches the pieces of its own shards that it does not hold
+(:mod:`areal.core.realloc`: the plan ``areal core graph`` prints); the MFC's stats get
+``realloc/<model>/{bytes,seconds}``. A move is skipped while the source has not trained since the
+last one.
 An :class:`~areal.core.dfg.UpdateServers` hook asks the generation workers to push the source's
 weights to their servers, with the source's version: the number of training MFCs it has run
 (:attr:`Master.versions`; a resume sets it).
@@ -47,9 +50,11 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from areal.core.buffer import SampleBuffer, SampleMeta
-from areal.core.dfg import MFC, DataflowGraph, ModelFn, ModelName, UpdateServers
+from areal.core.dfg import MFC, DataflowGraph, ModelFn, ModelName, ParamRealloc, UpdateServers
 from areal.core.worker import TRAINING_FNS, MFCReply, MFCRequest, ModelWorker
 from areal.utils.batch import PackedBatch, split_by_tokens
+
+REALLOC_LOAD = "load of the weights of "  # a reallocation hook's load, by its description
 
 
 @runtime_checkable
@@ -125,6 +130,9 @@ class Master:
         self._model_workers = [w for w in range(graph.n_workers) if w not in generation]
         self._next_id = 0
         self._steps = 0
+        self._trained = {m.model for m in graph.mfcs if m.fn in TRAINING_FNS}
+        self._changes: dict[ModelName, int] = defaultdict(int)  # trainings and moves into it
+        self._moved: dict[tuple[ModelName, ModelName], int] = {}  # (target, source) -> changes
 
     # ------------------------------------------------------------------------------ data
 
@@ -222,10 +230,12 @@ class Master:
         return all(m.name in done for m in earlier if m.models & mfc.models)
 
     def _reallocate(self, mfc: MFC) -> list[tuple[str, int, Future]]:
-        """Queue each hook's weight move: a snapshot on the source's ranks (its first rank keeps
-        it), then a load on every rank of the MFC's model, fetched from that first rank."""
+        """Queue each hook's weight move: the source's workers publish their shards, then every
+        worker of the MFC's model loads the pieces of its own shards it lacks from them
+        (:mod:`areal.core.realloc`). A move is skipped when the source's weights have not
+        changed (trained or moved into) since the last one (no EMA, the target never trains)."""
         queued = []
-        target = self.graph.allocations[mfc.model].workers
+        target = self.graph.allocations[mfc.model]
         for i, hook in enumerate(mfc.hooks):
             if isinstance(hook, UpdateServers):
                 version = self.versions[hook.source]
@@ -235,27 +245,23 @@ class Master:
                         w,
                         self._updaters[w].update_servers(hook.source, version),
                     )
-                    for w in target
+                    for w in target.workers
                 ]
                 continue
+            pair, changes = (mfc.model, hook.source), self._changes[hook.source]
+            if not hook.ema and mfc.model not in self._trained and self._moved.get(pair) == changes:
+                continue
+            self._moved[pair] = changes
+            self._changes[mfc.model] += 1
             token = f"step{self._steps}/{mfc.name}/{i}"
-            source = self.graph.allocations[hook.source].workers
-            for w in source:
-                queued.append(
-                    (
-                        f"snapshot of {hook.source}",
-                        w,
-                        self.workers[w].snapshot(hook.source, token, len(target)),
-                    )
-                )
-            for w in target:
-                queued.append(
-                    (
-                        f"load from {hook.source}",
-                        w,
-                        self.workers[w].load_weights(mfc.model, source[0], token, hook.ema),
-                    )
-                )
+            source = self.graph.allocations[hook.source]
+            n_readers = len(target.workers)
+            for w in source.workers:
+                publish = self.workers[w].publish_shards(hook.source, token, source, n_readers)
+                queued.append((f"shards of {hook.source}", w, publish))
+            for w in target.workers:
+                load = self.workers[w].load_shards(mfc.model, token, source, target, hook.ema)
+                queued.append((REALLOC_LOAD + str(hook.source), w, load))
         return queued
 
     def _dispatch(self, mfc: MFC, ids: list[int]) -> _Running:
@@ -352,6 +358,7 @@ class Master:
             self._admit_generated(run, replies)
         if run.mfc.fn in TRAINING_FNS:
             self.versions[run.mfc.model] += 1
+            self._changes[run.mfc.model] += 1
         tp = self.graph.allocations[run.mfc.model].tp
         heads = [
             (share, reply)
@@ -373,7 +380,21 @@ class Master:
             self.workers[worker].free(items)
         return {
             **replies[0].stats,
+            **self._realloc_stats(run),
             "n_tokens": float(sum(r.n_tokens for _, r in heads)),
             "wall_time": time.monotonic() - run.start,
             "compute_time": max(r.compute_time for r in replies),
+        }
+
+    def _realloc_stats(self, run: _Running) -> dict[str, float]:
+        """``realloc/<model>/bytes`` (fetched between workers, summed over the target's
+        workers) and ``realloc/<model>/seconds`` (the slowest target worker) of the MFC's
+        reallocation hooks; 0 when a move was skipped (the source unchanged)."""
+        if not any(isinstance(h, ParamRealloc) for h in run.mfc.hooks):
+            return {}
+        moved = [f.result() for what, _, f in run.hooks if what.startswith(REALLOC_LOAD)]
+        key = f"realloc/{run.mfc.model}"
+        return {
+            f"{key}/bytes": float(sum(m.bytes for m in moved)),
+            f"{key}/seconds": max((m.seconds for m in moved), default=0.0),
         }

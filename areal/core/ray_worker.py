@@ -26,6 +26,7 @@ import os
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -36,7 +37,15 @@ from areal.api.launch import TORCHRUN_VARS, disable_ray_token_auth
 from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal.api.protocols import Persistent, WeightSource
 from areal.core.dfg import Allocation, DataflowGraph, ModelFn, ModelName
-from areal.core.worker import InProcessWorker, MFCReply, MFCRequest, ModelWorker, SampleFields
+from areal.core.realloc import Box
+from areal.core.worker import (
+    InProcessWorker,
+    MFCReply,
+    MFCRequest,
+    ModelWorker,
+    Moved,
+    SampleFields,
+)
 from areal.engine.fsdp import FSDPEngine
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.engine.rw import RWEngine
@@ -96,10 +105,10 @@ class _RayPeer:
 
         return ray.get(self.handle.get.remote(sample_ids, keys), timeout=RPC_TIMEOUT)
 
-    def read_snapshot(self, token: str) -> dict[str, torch.Tensor]:
+    def read_shards(self, token: str, wanted: list[tuple[str, Box]]) -> list[torch.Tensor]:
         import ray
 
-        return ray.get(self.handle.read_snapshot.remote(token), timeout=RPC_TIMEOUT)
+        return ray.get(self.handle.read_shards.remote(token, wanted), timeout=RPC_TIMEOUT)
 
 
 def drop_torchrun_env() -> None:
@@ -199,16 +208,28 @@ class WorkerActor:
         """``engine.method(*args)`` on this rank, in the master's order (save, load, evaluate)."""
         return self._in_turn(number, lambda: self.inner.submit_call(model, method, *args)).result()
 
-    def snapshot(self, number: int, model: ModelName, token: str, n_readers: int) -> None:
-        self._in_turn(number, lambda: self.inner.snapshot(model, token, n_readers)).result()
-
-    def load_weights(
-        self, number: int, model: ModelName, holder: int, token: str, ema: float
+    def publish_shards(
+        self, number: int, model: ModelName, token: str, layout: Allocation, n_readers: int
     ) -> None:
-        self._in_turn(number, lambda: self.inner.load_weights(model, holder, token, ema)).result()
+        self._in_turn(
+            number, partial(self.inner.publish_shards, model, token, layout, n_readers)
+        ).result()
 
-    def read_snapshot(self, token: str) -> dict[str, torch.Tensor]:
-        return self.inner.read_snapshot(token)
+    def load_shards(
+        self,
+        number: int,
+        model: ModelName,
+        token: str,
+        source: Allocation,
+        target: Allocation,
+        ema: float,
+    ) -> Moved:
+        load = partial(self.inner.load_shards, model, token, source, target, ema)
+        return self._in_turn(number, load).result()
+
+    def read_shards(self, token: str, wanted: list[tuple[str, Box]]) -> list[torch.Tensor]:
+        """A peer's read: the boxes leave on the host (a peer may have another device)."""
+        return [t.cpu() for t in self.inner.read_shards(token, wanted)]
 
     def put(self, sample_ids: list[int], batch: PackedBatch) -> None:
         self.inner.put(sample_ids, batch)
@@ -275,14 +296,18 @@ class RayWorker(ModelWorker):
         """``engine.method(*args)`` on this rank, ordered with the MFCs."""
         return self._numbered(self.handle.run_call, model, method, args)
 
-    def snapshot(self, model: ModelName, token: str, n_readers: int) -> Future[None]:
-        return self._numbered(self.handle.snapshot, model, token, n_readers)
+    def publish_shards(
+        self, model: ModelName, token: str, layout: Allocation, n_readers: int
+    ) -> Future[None]:
+        return self._numbered(self.handle.publish_shards, model, token, layout, n_readers)
 
-    def load_weights(self, model: ModelName, holder: int, token: str, ema: float) -> Future[None]:
-        return self._numbered(self.handle.load_weights, model, holder, token, ema)
+    def load_shards(
+        self, model: ModelName, token: str, source: Allocation, target: Allocation, ema: float
+    ) -> Future[Moved]:
+        return self._numbered(self.handle.load_shards, model, token, source, target, ema)
 
-    def read_snapshot(self, token: str) -> dict[str, torch.Tensor]:
-        return self._call(self.handle.read_snapshot.remote(token))
+    def read_shards(self, token: str, wanted: list[tuple[str, Box]]) -> list[torch.Tensor]:
+        return self._call(self.handle.read_shards.remote(token, wanted))
 
     def put(self, sample_ids: list[int], batch: PackedBatch) -> None:
         self._call(self.handle.put.remote(sample_ids, batch))

@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from areal.api.config import GRPOConfig, load_config
 from areal.api.config.engine import TrainEngineConfig
-from areal.core.config import CoreGRPOConfig
+from areal.core.config import CoreGRPOConfig, graph_config, uses_ref
 from areal.core.dfg import DataflowGraph, ModelName
 from areal.core.generation import GenerationWorker
-from areal.core.graphs import ACTOR, CRITIC, REF, TEACHER, CoreGraphConfig, graph_from_config
+from areal.core.graphs import ACTOR, CRITIC, REF, TEACHER, graph_from_config, replica_sources
 from areal.core.master import Master
 from areal.core.ray_worker import EngineSpec, build_engine
 from areal.core.worker import InProcessWorker
-from areal.engine.ppo import needs_prox_pass
 from areal.runtime.publisher import WeightPublisher
 from areal.runtime.rl import evaluate, setup_rollout
 from areal.runtime.run import init_run
@@ -44,11 +44,6 @@ TIMING = ("n_tokens", "wall_time", "compute_time")
 
 
 CONFIG = CoreGRPOConfig  # what the launcher validates before starting anything
-
-
-def uses_ref(cfg: GRPOConfig) -> bool:
-    """A reference model runs when it is configured and the KL term is on (as in Lite)."""
-    return cfg.ref is not None and cfg.actor.kl_ctl > 0
 
 
 def engine_specs(cfg: GRPOConfig, ft_spec) -> dict[ModelName, EngineSpec]:
@@ -81,8 +76,10 @@ def engine_specs(cfg: GRPOConfig, ft_spec) -> dict[ModelName, EngineSpec]:
 
 def start_model_workers(cfg: CoreGRPOConfig, run, graph: DataflowGraph, ft_spec):
     """The model workers and, per trained model, what the script uses as its engine (the engine
-    itself in process, a :class:`~areal.core.ray_worker.RayModel` on Ray)."""
+    itself in process, a :class:`~areal.core.ray_worker.RayModel` on Ray). A layout replica
+    (``core.layouts``) is built like its source model, frozen."""
     specs = engine_specs(cfg, ft_spec)
+    specs |= {r: replace(specs[s], ft_spec=None) for r, s in replica_sources(graph).items()}
     if cfg.core.backend == "ray":
         from areal.core.ray_worker import RayModel, attach_ray, ray_cpus, start_ray_workers
 
@@ -116,10 +113,11 @@ def start_model_workers(cfg: CoreGRPOConfig, run, graph: DataflowGraph, ft_spec)
 
 def step_stats(out: dict[str, dict[str, float]]) -> dict[str, float]:
     """The master's per-MFC stats as Lite's names (``loss/*``, ``loss/critic/*``) plus
-    ``mfc/<name>/<timing>``."""
+    ``mfc/<name>/<timing>`` and the reallocations' ``realloc/<model>/{bytes,seconds}``."""
     stats = {f"mfc/{name}/{k}": s[k] for name, s in out.items() for k in TIMING}
     prefix = {"actor_adv": "loss/", "actor_train": "loss/", "critic_train": "loss/critic/"}
     for name, s in out.items():
+        stats.update({k: v for k, v in s.items() if k.startswith("realloc/")})
         if name in prefix:
             stats.update({prefix[name] + k: v for k, v in s.items() if k not in TIMING})
     return stats
@@ -140,17 +138,7 @@ def main(argv: list[str]) -> int:
     data = run.load_data()
     loader, valid_loader, n_steps = data.loader, data.valid_loader, data.n_steps
     side = setup_rollout(cfg, run)
-    graph = graph_from_config(
-        CoreGraphConfig(
-            graph="sync_ppo",
-            n_workers=cfg.core.n_workers,
-            use_critic=cfg.actor.use_critic,
-            use_ref=uses_ref(cfg),
-            prox_logp=needs_prox_pass(cfg.actor),
-            use_teacher=cfg.distill.enabled,
-            allocations=cfg.core.allocations,
-        )
-    )
+    graph = graph_from_config(graph_config(cfg, cfg.core, "sync_ppo"))
     workers, engines = start_model_workers(cfg, run, graph, data.ft_spec)
     publisher = WeightPublisher(
         cfg.weight_update_mode,

@@ -28,15 +28,12 @@ from typing import Any
 
 import torch
 
-from areal.core.dfg import MFC, ModelFn, ModelName
+from areal.core import realloc
+from areal.core.dfg import MFC, TRAINING_FNS, Allocation, ModelFn, ModelName
+from areal.core.realloc import Box
 from areal.utils.batch import PackedBatch
 
-SNAPSHOT_WAIT = 600.0  # seconds a reader waits for a weight snapshot to be taken
-TRAINING_FNS = (
-    ModelFn.PPO_UPDATE,
-    ModelFn.TRAIN_LM,
-    ModelFn.TRAIN_RW,
-)  # the worker steps the LR after
+SNAPSHOT_WAIT = 600.0  # seconds a reader waits for a reallocation's source shards
 
 
 @dataclass(frozen=True)
@@ -57,6 +54,14 @@ class MFCReply:
     n_tokens: int
     compute_time: float  # seconds on the worker, fetching inputs included
     seqlens: tuple[int, ...] = ()  # generate: the length of each new sample, in request order
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What one destination worker's share of a reallocation moved."""
+
+    bytes: int  # fetched from other workers (pieces it already held are not counted)
+    seconds: float  # on the worker, waiting for the source's shards included
 
 
 @dataclass
@@ -93,18 +98,24 @@ class ModelWorker(abc.ABC):
         """Drop ``(key, sample)`` fields from the store."""
 
     @abc.abstractmethod
-    def snapshot(self, model: ModelName, token: str, n_readers: int) -> Future[None]:
-        """Queue: gather ``model``'s full weights (collective over its mesh); its first rank keeps
-        them under ``token`` until ``n_readers`` have read them."""
+    def publish_shards(
+        self, model: ModelName, token: str, layout: Allocation, n_readers: int
+    ) -> Future[None]:
+        """Queue: keep this worker's shards of ``model`` (laid out as ``layout``) under ``token``
+        until ``n_readers`` have read them (a reallocation's source side; no collective)."""
 
     @abc.abstractmethod
-    def load_weights(self, model: ModelName, holder: int, token: str, ema: float) -> Future[None]:
-        """Queue: set ``model``'s weights to the snapshot ``token`` held by worker ``holder``
-        (``ema * own + (1 - ema) * snapshot``), resharded to this model's mesh."""
+    def load_shards(
+        self, model: ModelName, token: str, source: Allocation, target: Allocation, ema: float
+    ) -> Future[Moved]:
+        """Queue: set this worker's shards of ``model`` (laid out as ``target``) to ``ema * own +
+        (1 - ema) * source's``, reading the pieces it lacks from the workers of ``source`` that
+        published ``token`` (:func:`areal.core.realloc.pieces_for`); every source worker is read
+        once, an empty read if nothing is needed from it."""
 
     @abc.abstractmethod
-    def read_snapshot(self, token: str) -> dict[str, torch.Tensor]:
-        """A snapshot this worker holds (peers call this; waits for it to exist)."""
+    def read_shards(self, token: str, wanted: list[tuple[str, Box]]) -> list[torch.Tensor]:
+        """Boxes of published shards (peers call this; waits for ``token`` to be published)."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -120,30 +131,6 @@ def pack(samples: list[SampleFields]) -> PackedBatch:
     return PackedBatch(cu, tokens, seqs)
 
 
-def load_full_state(engine: Any, full: dict[str, torch.Tensor], ema: float) -> None:
-    """Set ``engine.model``'s parameters to ``ema * own + (1 - ema) * full`` (full, unsharded
-    tensors by name, as ``full_state_dict`` gives them). Each rank cuts its own shard from the
-    full tensor, so no communication is needed."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    with torch.no_grad():
-        for name, param in engine.model.named_parameters():
-            if name not in full:
-                raise KeyError(
-                    f"the reallocated weights have no {name!r}; source and target must be "
-                    "the same architecture"
-                )
-            src = full[name].to(param.dtype)
-            if isinstance(param, DTensor):
-                own = param.to_local()
-                src = distribute_tensor(
-                    src, param.device_mesh, param.placements, src_data_rank=None
-                ).to_local()
-            else:
-                own = param.data
-            own.copy_(own * ema + src.to(own.device) * (1.0 - ema) if ema else src.to(own.device))
-
-
 class InProcessWorker(ModelWorker):
     """A model worker in this process: engines given by the caller, one thread for requests."""
 
@@ -153,8 +140,8 @@ class InProcessWorker(ModelWorker):
         self.peers: list = []
         self._store: dict[int, SampleFields] = {}
         self._lock = threading.Lock()  # peers read the store from their threads
-        self._snapshots: dict[str, list] = {}  # token -> [weights, readers left]
-        self._snapshot_ready = threading.Condition()
+        self._published: dict[str, list] = {}  # token -> [own shards, readers left]
+        self._published_ready = threading.Condition()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-worker-{index}")
 
     def connect(self, peers: list) -> None:
@@ -223,36 +210,49 @@ class InProcessWorker(ModelWorker):
                 if not sample.tokens and not sample.seqs:
                     del self._store[sid]
 
-    def snapshot(self, model: ModelName, token: str, n_readers: int) -> Future[None]:
-        def take() -> None:
-            full = self.engines[model].full_state_dict()  # {} except on the mesh's first rank
-            if full:
-                with self._snapshot_ready:
-                    self._snapshots[token] = [full, n_readers]
-                    self._snapshot_ready.notify_all()
+    def publish_shards(
+        self, model: ModelName, token: str, layout: Allocation, n_readers: int
+    ) -> Future[None]:
+        def publish() -> None:
+            shards = realloc.own_shards(self.engines[model], layout, self.index)
+            with self._published_ready:
+                self._published[token] = [shards, n_readers]
+                self._published_ready.notify_all()
 
-        return self._thread.submit(take)
+        return self._thread.submit(publish)
 
-    def load_weights(self, model: ModelName, holder: int, token: str, ema: float) -> Future[None]:
-        def load() -> None:
-            source = self if holder == self.index else self.peers[holder]
-            load_full_state(self.engines[model], source.read_snapshot(token), ema)
+    def load_shards(
+        self, model: ModelName, token: str, source: Allocation, target: Allocation, ema: float
+    ) -> Future[Moved]:
+        def load() -> Moved:
+            start = time.perf_counter()
+            engine = self.engines[model]
+            pieces = realloc.pieces_for(self.index, source, target, realloc.engine_shapes(engine))
+            got: dict[realloc.Piece, torch.Tensor] = {}
+            for w in dict.fromkeys(source.workers):  # each source worker read once
+                mine = [p for p in pieces if p.source == w]
+                peer = self if w == self.index else self.peers[w]
+                got.update(zip(mine, peer.read_shards(token, [(p.name, p.box) for p in mine])))
+            tensors = [got[p] for p in pieces]
+            realloc.write_pieces(engine, target, self.index, pieces, tensors, ema)
+            moved = sum(t.numel() * t.element_size() for p, t in got.items() if not p.local)
+            return Moved(moved, time.perf_counter() - start)
 
         return self._thread.submit(load)
 
-    def read_snapshot(self, token: str) -> dict[str, torch.Tensor]:
-        with self._snapshot_ready:
-            if not self._snapshot_ready.wait_for(
-                lambda: token in self._snapshots, timeout=SNAPSHOT_WAIT
+    def read_shards(self, token: str, wanted: list[tuple[str, Box]]) -> list[torch.Tensor]:
+        with self._published_ready:
+            if not self._published_ready.wait_for(
+                lambda: token in self._published, timeout=SNAPSHOT_WAIT
             ):
                 raise TimeoutError(
-                    f"worker {self.index} has no weight snapshot {token!r} after {SNAPSHOT_WAIT} s"
+                    f"worker {self.index} has no published shards {token!r} after {SNAPSHOT_WAIT} s"
                 )
-            entry = self._snapshots[token]
+            entry = self._published[token]
             entry[1] -= 1
             if entry[1] == 0:  # the last reader: drop it
-                del self._snapshots[token]
-            return entry[0]
+                del self._published[token]
+        return [realloc.cut(entry[0], name, box, self.index) for name, box in wanted]
 
     def submit_call(self, model: ModelName, method: str, *args: Any) -> Future[Any]:
         """Queue ``engines[model].method(*args)`` behind the MFCs already queued (whole-model

@@ -286,3 +286,19 @@ def test_saved_config_with_ambiguous_strings_reads_back_the_same_in_yaml_1_1_and
     plain = yaml.safe_load(path.read_text())  # what other tools reading the run dir see
     assert (plain["experiment_name"], plain["trial_name"]) == ("on", "1e5")
     assert plain["model"]["optimizer"]["lr"] == 1e-5
+
+
+def test_saved_config_with_a_list_of_sections_loads_back_equal(tmp_path):
+    from areal.core.graphs import CoreGraphConfig
+
+    cfg = load_config(
+        CoreGraphConfig,
+        [
+            "n_workers=2",
+            "prox_logp=true",
+            "allocations=[{model: actor, workers: [0, 1], tp: 2}]",
+            "layouts=[{mfc: actor_logp, dp: 2}]",
+        ],
+    )
+    path = save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(CoreGraphConfig, ["--config", str(path)]) == cfg

@@ -1,4 +1,5 @@
-"""Tier 1: the dataflow graph's validation (one test per invalid case) and the entry points' graphs."""
+"""Tier 1: the dataflow graph's validation (one test per invalid case) and the entry points'
+graphs."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def test_model_without_allocation_names_the_mfc_and_model():
 
 def test_mesh_must_match_the_number_of_workers():
     (p,) = problems_of([logp("a", "x")], allocations=[Allocation(A, (0, 1), dp=1)])
-    assert "model 'actor@0' (MFCs ['a']): mesh dp=1 x tp=1 needs 1 workers, allocated 2" in p
+    assert "model 'actor@0' (MFCs ['a']): mesh dp=1 x tp=1 x pp=1 needs 1 workers, allocated 2" in p
 
 
 def test_worker_index_must_exist():
@@ -114,7 +115,11 @@ def test_tensor_parallel_mesh_is_accepted_when_its_workers_fill_dp_x_tp():
     graph = build([logp("a", "x")], allocations=[Allocation(A, (0, 1), dp=1, tp=2)])
     assert graph.allocations[A].tp == 2
     (p,) = problems_of([logp("a", "x")], allocations=[Allocation(A, (0, 1), dp=2, tp=2)])
-    assert "mesh dp=2 x tp=2 needs 4 workers, allocated 2" in p
+    assert "mesh dp=2 x tp=2 x pp=1 needs 4 workers, allocated 2" in p
+    (p,) = problems_of([logp("a", "x")], allocations=[Allocation(A, (0, 1), tp=2, pp=2)])
+    assert "mesh dp=1 x tp=2 x pp=2 needs 4 workers, allocated 2 ([0, 1]); list dp * tp * pp" in p
+    graph = build([logp("a", "x")], allocations=[Allocation(A, (1, 0), pp=2)])
+    assert graph.allocations[A].coordinate(0) == (1, 0, 0)  # stage 1: workers are pp-major
 
 
 def test_allocated_model_without_mfc_is_refused():

@@ -235,7 +235,7 @@ def test_reallocation_hook_moves_the_trained_actor_into_the_reference(tiny_model
             (ref.compute_logp(batch)[0]["logp"] - actor.compute_logp(batch)[0]["logp"]).abs().max()
         )
         assert gap < 1e-5
-    assert worker._snapshots == {}  # the snapshot is dropped after its last reader
+    assert worker._published == {}  # the shards are dropped after their last reader
     actor.destroy()
     ref.destroy()
 

@@ -64,7 +64,8 @@ def _ppo_step(path: str, mesh) -> dict:
 
 def _tp_extras(path: str, mesh, tmp: str) -> dict:
     """Checkpoint, export and reallocation paths on a tensor-parallel mesh."""
-    from areal.core.worker import load_full_state
+    from areal.core import realloc
+    from areal.core.dfg import Allocation, ModelName
     from areal.engine.checkpoint import read_hf_weights
 
     def build(**kw) -> SFTEngine:
@@ -86,9 +87,17 @@ def _tp_extras(path: str, mesh, tmp: str) -> dict:
     b.load(SaveLoadMeta(path=f"{tmp}/dcp", weight_format="dcp", with_optim=True))
     out["version_b"] = b.get_version()
     out["next_b"] = b.train_lm(random_batch(seed=7))[1], b.full_state_dict()
-    c = build()  # initial weights; every rank cuts its shards of the exported full weights
+    c = build()  # initial weights; every rank takes its pieces of the exported full weights
     own = c.full_state_dict()
-    load_full_state(c, read_hf_weights(f"{tmp}/hf", c.hf_config), ema=0.5)
+    full = read_hf_weights(f"{tmp}/hf", c.hf_config)
+    dp, tp = mesh.shape
+    layout = Allocation(ModelName("m"), tuple(range(dp * tp)), dp=dp, tp=tp)
+    whole = Allocation(ModelName("m"), (-1,))  # one holder of every full tensor
+    rank = dist.get_rank()
+    pieces = realloc.pieces_for(rank, whole, layout, realloc.engine_shapes(c))
+    boxes = [realloc.relative(p.box, tuple((0, n) for n in full[p.name].shape)) for p in pieces]
+    tensors = [full[p.name][b] for p, b in zip(pieces, boxes)]
+    realloc.write_pieces(c, layout, rank, pieces, tensors, ema=0.5)
     out["ema"] = {"own": own, "after": c.full_state_dict()}
     c.load(SaveLoadMeta(path=f"{tmp}/hf", weight_format="hf"))
     out["hf_loaded"] = c.full_state_dict()

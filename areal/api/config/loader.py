@@ -484,6 +484,8 @@ def to_dict(cfg: Any) -> dict:
             value = type(value)()
         elif dataclasses.is_dataclass(value):
             value = to_dict(value)
+        elif isinstance(value, list):  # a list of sections (core.allocations) is plain data too
+            value = [to_dict(v) if dataclasses.is_dataclass(v) else copy.deepcopy(v) for v in value]
         else:
             value = copy.deepcopy(value)
         out[f.name] = value
