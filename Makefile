@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 # torch is not installed (areal asks torch>=2.6, so pip never replaces it). Elsewhere: torch 2.13.0.
 CUDA_TORCH := $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
 
-.PHONY: demo test install clean vllm-env gpu-wheels gpu-check
+.PHONY: demo test lint install clean vllm-env gpu-wheels gpu-check
 
 $(VPY):
 	$(PY) -m venv $(if $(filter 1,$(CUDA_TORCH)),--system-site-packages) $(VENV)
@@ -49,8 +49,16 @@ install: $(STAMP)
 vllm-env: $(STAMP)
 	$(VPY) tests/vllm_env.py
 
-test: $(STAMP) vllm-env
-	$(VPY) -m pytest -q -ra
+# Before the tests: the formatter, the linter and the type checker (config in pyproject.toml); each
+# failure stops the run with its findings. pyright runs the node and pyright bundled in the test
+# extra's wheels (no network); PYRIGHT_PYTHON_IGNORE_WARNINGS skips its PyPI version check.
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright
+
+test: lint vllm-env
+	$(VPY) -m pytest -q -ra --durations=15
 
 # Wheels (Python 3.12, manylinux x86_64, one version each) of what a bare GPU machine's image lacks,
 # into .whl/ (ignored), for gpu-check there; run where pip reaches PyPI (bench/gpu_wheels.py).
