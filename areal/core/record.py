@@ -5,7 +5,8 @@ it: :class:`TimedWorker` wraps each worker the master drives and
 
 - times every call the master queues on it (an MFC share, a weight move, a server push): when it
   was queued, when the worker ran it (its reply's ``compute_time``, or a move's ``seconds``, back
-  from the moment the answer came) and when the answer came, on the master's clock;
+  from the moment the answer came; a call that reports no time, from when it was queued) and
+  when the answer came, on the master's clock;
 - on a step whose samples are recorded, holds back the master's release of ``advantages`` and
   ``trainer_logp`` (actor_train's per-token output) until :class:`CoreRecorder` has read them.
 
@@ -103,9 +104,10 @@ class TimedWorker:
         def done(f: Future) -> None:
             end = self.clock()
             reply = None if f.cancelled() or f.exception() is not None else f.result()
-            busy = getattr(reply, "compute_time", None) or getattr(reply, "seconds", None) or 0.0
+            busy = getattr(reply, "compute_time", getattr(reply, "seconds", None))
+            start = queued if busy is None else max(queued, end - busy)  # no time told: all of it
             span = {"worker": self.index, "name": name, "kind": kind, "queued": queued,
-                    "start": max(queued, end - busy), "end": end}  # fmt: skip
+                    "start": start, "end": end}  # fmt: skip
             with self._lock:
                 self.spans.append(span)
 

@@ -1,0 +1,69 @@
+"""Tier 1: the Core recorder's worker wrapper (:class:`areal.core.record.TimedWorker`) with a fake
+worker and a fake clock: call timing, and the release of kept fields held back on recorded steps."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+from areal.core.record import TimedWorker
+from areal.core.worker import MFCReply
+
+
+class _Worker:
+    """Answers nothing by itself: the test completes its futures."""
+
+    index = 3
+
+    def __init__(self):
+        self.freed: list[tuple[str, int]] = []
+        self.futures: list[Future] = []
+
+    def submit(self, request) -> Future:
+        self.futures.append(Future())
+        return self.futures[-1]
+
+    def load_shards(self, model, token) -> Future:
+        self.futures.append(Future())
+        return self.futures[-1]
+
+    def hosts(self, model, fn) -> None:
+        return None
+
+    def free(self, items) -> None:
+        self.freed += items
+
+
+def test_calls_are_timed_from_queued_to_answered_with_the_workers_compute_time():
+    now = [10.0]
+    inner = _Worker()
+    w = TimedWorker(inner, clock=lambda: now[0])
+    request = SimpleNamespace(mfc=SimpleNamespace(name="actor_train"))
+    mfc = w.submit(request)
+    move = w.load_shards("actor@1", "tok")  # a hook: any queued call returning a Future
+    assert w.hosts("actor", "ppo_update") is None  # other calls pass through untimed
+    now[0] = 14.0  # answered 4 s after it was queued, 1.5 s of it computing
+    mfc.set_result(MFCReply({}, (), 10, compute_time=1.5))
+    now[0] = 15.0
+    move.set_exception(RuntimeError("lost"))  # no reply: the whole wait counts as running
+    assert w.take_spans() == [
+        {"worker": 3, "name": "actor_train", "kind": "mfc", "queued": 10.0, "start": 12.5,
+         "end": 14.0},
+        {"worker": 3, "name": "load_shards actor@1", "kind": "hook", "queued": 10.0,
+         "start": 10.0, "end": 15.0},
+    ]  # fmt: skip
+    assert w.take_spans() == []
+
+
+def test_kept_fields_wait_for_release_only_while_a_step_is_recorded():
+    inner = _Worker()
+    w = TimedWorker(inner)
+    w.free([("advantages", 1), ("input_ids", 1)])
+    assert inner.freed == [("advantages", 1), ("input_ids", 1)]  # not recording: all at once
+    inner.freed.clear()
+    w.keep = True
+    w.free([("advantages", 2), ("logprobs", 2), ("trainer_logp", 2)])
+    assert inner.freed == [("logprobs", 2)] and w.held == [("advantages", 2), ("trainer_logp", 2)]
+    w.release_held()
+    assert inner.freed == [("logprobs", 2), ("advantages", 2), ("trainer_logp", 2)]
+    assert w.held == []
