@@ -7,9 +7,10 @@ A layout is an :class:`~areal.core.dfg.Allocation`: a ``pp x dp x tp`` mesh over
 shard a worker holds of a parameter (a box: ``[start, stop)`` per dimension, global indices):
 
 - pipeline stage ``p`` holds whole parameters: the decoder layers of :func:`stage_layers` (an
-  even split, the first ``n_layers % pp`` stages one layer more), the token embedding on the
-  first stage, the final norm, the LM head and a value head on the last (a tied embedding on
-  both);
+  even split, the first ``n_layers % pp`` stages one layer more, as
+  :mod:`areal.engine.pipeline` splits them), the token embedding on the first stage, the final
+  norm, the LM head and a value head on the last (a tied embedding on both: the last stage's
+  ``lm_head.weight`` is a copy of it, :func:`canonical`);
 - tensor parallelism (:data:`areal.engine.tensor_parallel.LAYER_PLAN`) cuts a column-parallel
   weight or bias along dim 0 and a row-parallel weight along dim 1 into ``tp`` chunks (torch's
   chunk sizes: ``ceil(n / tp)``); everything else is replicated over tp;
@@ -42,6 +43,7 @@ Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension, global indices
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _FIRST = ("model.embed_tokens.",)
+TIED_EMBEDDING = "model.embed_tokens.weight"  # with a tied head, also on the last stage
 _LAST = ("model.norm.", "lm_head.", "score.")
 
 
@@ -289,14 +291,19 @@ def format_bytes(n: int) -> str:
 def engine_shapes(engine) -> ModelShapes:
     """The :class:`ModelShapes` of an initialized engine's own parameters (global shapes; with
     pp, only its stage's)."""
-    params = dict(engine.model.named_parameters())
     config = engine.hf_config
+    tied = bool(getattr(config, "tie_word_embeddings", False)) and engine.head == "lm"
+    params = {canonical(n, tied): p for n, p in engine.model.named_parameters()}
     itemsize = next(iter(params.values())).element_size() if params else 4
-    tied = bool(getattr(config, "tie_word_embeddings", False)) and not any(
-        n.startswith("score.") for n in params
-    )
     shapes = {n: tuple(p.shape) for n, p in params.items()}
     return ModelShapes(shapes, config.num_hidden_layers, tied, itemsize)
+
+
+def canonical(name: str, tied: bool) -> str:
+    """The plan's name of an engine parameter: a pipeline's last stage keeps its copy of a tied
+    embedding as ``lm_head.weight``, which the plan calls ``model.embed_tokens.weight`` (the
+    name of the one tensor a model without stages holds)."""
+    return TIED_EMBEDDING if tied and name == "lm_head.weight" else name
 
 
 def own_shards(engine, layout: Allocation, worker: int) -> dict[str, tuple[Box, torch.Tensor]]:
@@ -310,7 +317,8 @@ def own_shards(engine, layout: Allocation, worker: int) -> dict[str, tuple[Box, 
             module.reshard()
     model = engine_shapes(engine)
     out = {}
-    for name, param in engine.model.named_parameters():
+    for raw, param in engine.model.named_parameters():
+        name = canonical(raw, model.tied)
         local = param.to_local() if isinstance(param, DTensor) else param.data
         box = shard_box(name, tuple(param.shape), layout, worker, model)
         if box is None or tuple(hi - lo for lo, hi in box) != tuple(local.shape):

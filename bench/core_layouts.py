@@ -1,0 +1,121 @@
+"""Core sync PPO with the actor's inference on another layout than its training: does it learn
+like the plain layout? Held-out gain, wall time and the reallocation's bytes and seconds, per seed.
+
+Run (after ``make demo``, whose SFT checkpoint every run starts from):
+``python bench/core_layouts.py [--steps 50] [--seeds 1 2 3] [--sft DIR] [--out DIR]``.
+
+Both sides train ``examples/arithmetic_grpo.yaml`` (two-digit addition, 8 prompts x 8 samples a
+step) through ``areal core sync-ppo`` on 2 Ray model workers and one generation server, with two
+PPO minibatches so the graph has its proximal-logp MFC (``actor_logp``, the inference pass):
+
+- plain: the actor trains and infers on one layout, ``--train`` (dp=1 x tp=2 on workers 0, 1);
+- layouts: the actor trains on the same layout and ``actor_logp`` runs on ``--infer`` (dp=2 on
+  workers 0, 1): before each inference the trained weights move to the dp=2 replica
+  (``core.layouts``; ``realloc/actor@1/{bytes,seconds}`` in the stats).
+
+The two sides differ only in where the proximal logprobs are computed (and the weight move
+before it), so their curves should agree up to floating-point noise. Held-out greedy accuracy (200
+problems) comes from each run's step-0 and final evaluation. Prints per seed each side's gain,
+wall time and the move's bytes and mean seconds, then the mean difference of gains with its
+standard error; writes ``OUT/core_layouts.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from core_sync import REPO, YAML, _default_sft, _run  # noqa: E402
+
+TRAIN = "{model: actor, workers: [0, 1], tp: 2}"
+INFER = "{mfc: actor_logp, dp: 2}"
+
+
+def _stats(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "stats.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def summarize(run_dir: Path, wall: float) -> dict:
+    """Held-out accuracy before/after, wall seconds, and the per-step reallocation figures."""
+    rows = _stats(run_dir)
+    evals = [r for r in rows if "eval/accuracy" in r]
+    if len(evals) < 2 or evals[0]["step"] != 0:
+        raise RuntimeError(f"{run_dir}: no step-0 and final evaluation in stats.jsonl")
+    moves = [r for r in rows if "realloc/actor@1/bytes" in r]
+    steps = [r["timing/step"] for r in rows if "timing/step" in r]
+    out = {
+        "acc_before": evals[0]["eval/accuracy"],
+        "acc_after": evals[-1]["eval/accuracy"],
+        "wall_seconds": wall,
+        "step_seconds_mean": statistics.mean(steps) if steps else float("nan"),
+    }
+    out["gain"] = out["acc_after"] - out["acc_before"]
+    if moves:
+        out["realloc_bytes_per_step"] = statistics.mean(r["realloc/actor@1/bytes"] for r in moves)
+        out["realloc_seconds_mean"] = statistics.mean(r["realloc/actor@1/seconds"] for r in moves)
+    return out
+
+
+def run_side(side: str, seed: int, args, sft: Path, out: Path) -> dict:
+    """One ``areal core sync-ppo`` run of ``side`` (plain or layouts) at ``seed``."""
+    name = f"{side}_s{seed}"
+    cmd = [
+        sys.executable, "-m", "areal.cli", "core", "sync-ppo", "--config", str(YAML),
+        f"fileroot={out}", f"experiment_name={name}", "trial_name=run", f"actor.path={sft}",
+        f"total_train_steps={args.steps}", f"seed={seed}", "saver.freq_steps=null",
+        "launcher.echo=false", "rollout.max_staleness=0", "actor.ppo_n_minibatches=2",
+        "core.backend=ray", "core.n_workers=2", f"core.allocations=[{args.train}]",
+        f"evaluator.freq_steps={args.steps}",
+    ]  # fmt: skip
+    if side == "layouts":
+        cmd.append(f"core.layouts=[{args.infer}]")
+    result = summarize(out / name / "run", _run(cmd))
+    moved = result.get("realloc_bytes_per_step")
+    print(
+        f"[core_layouts] seed {seed} {side:>7}: held-out {result['acc_before']:.3f} -> "
+        f"{result['acc_after']:.3f} ({result['gain'] * 100:+.1f}) in {result['wall_seconds']:.0f} s"
+        + (
+            f"; realloc {moved / 2**20:.2f} MiB, {result['realloc_seconds_mean']:.3f} s a step"
+            if moved is not None
+            else ""
+        ),
+        flush=True,
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--sft", type=Path, default=None, help="SFT model dir (default: make demo's)")
+    ap.add_argument("--train", default=TRAIN, help="the actor's allocation (its training layout)")
+    ap.add_argument("--infer", default=INFER, help="actor_logp's layout on the layouts side")
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench_core_layouts")
+    args = ap.parse_args(argv)
+    sft, out = (args.sft or _default_sft()).resolve(), args.out.resolve()
+    result: dict = {"steps": args.steps, "train": args.train, "infer": args.infer, "seeds": {}}
+    for seed in args.seeds:
+        result["seeds"][seed] = {s: run_side(s, seed, args, sft, out) for s in ("plain", "layouts")}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "core_layouts.json").write_text(json.dumps(result, indent=2))
+    diffs = [(r["layouts"]["gain"] - r["plain"]["gain"]) * 100 for r in result["seeds"].values()]
+    mean = statistics.mean(diffs)
+    se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+    result["gain_difference_points"] = {"per_seed": diffs, "mean": mean, "standard_error": se}
+    print(
+        f"[core_layouts] {args.steps} steps, seeds {args.seeds}: layouts less plain "
+        f"{mean:+.1f} ± {se:.1f} held-out points (per seed {[round(d, 1) for d in diffs]})"
+    )
+    (out / "core_layouts.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
