@@ -159,13 +159,15 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _dcp_options(trainable_only: bool) -> StateDictOptions:
-    """Whole model, or its trainable parameters only (a missing one still fails ``dcp.load``)."""
-    return (
-        StateDictOptions(ignore_frozen_params=True, strict=False)
-        if trainable_only
-        else StateDictOptions()
-    )
+def _dcp_options(trainable_only: bool, flat_optim: bool) -> StateDictOptions:
+    """Whole model, or its trainable parameters only (a missing one still fails ``dcp.load``).
+    ``flat_optim``: optimizer param groups keyed by parameter name, so ranks holding different
+    parameters (pipeline stages) do not write one shared ``param_groups`` entry."""
+    if trainable_only:
+        return StateDictOptions(
+            ignore_frozen_params=True, strict=False, flatten_optimizer_state_dict=flat_optim
+        )
+    return StateDictOptions(flatten_optimizer_state_dict=flat_optim)
 
 
 def save_dcp(
@@ -176,11 +178,13 @@ def save_dcp(
     extra: dict[str, Any],
     group: dist.ProcessGroup,
     trainable_only: bool = False,
+    flat_optim: bool = False,
 ) -> None:
     """Sharded checkpoint of model (+ optimizer), plus scheduler/RNG/``extra`` per rank of
-    ``group`` (the model's mesh); ``trainable_only`` leaves frozen parameters out (LoRA).
-    Collective over ``group``."""
-    opts = _dcp_options(trainable_only)
+    ``group`` (the model's mesh); ``trainable_only`` leaves frozen parameters out (LoRA);
+    ``flat_optim`` keys the optimizer's param groups by parameter (pipeline stages; load with
+    the same). Collective over ``group``."""
+    opts = _dcp_options(trainable_only, flat_optim)
     if optimizer is None:
         state = {"model": get_model_state_dict(model, options=opts)}
     else:
@@ -204,6 +208,7 @@ def load_dcp(
     scheduler: Any,
     group: dist.ProcessGroup,
     trainable_only: bool = False,
+    flat_optim: bool = False,
 ) -> dict[str, Any]:
     """Load what :func:`save_dcp` wrote (same mesh size); returns the saved ``extra``. A file
     that cannot be read raises :class:`~areal.utils.recover.CheckpointError` naming the
@@ -214,7 +219,7 @@ def load_dcp(
             f"{rank_file} is missing: DCP checkpoint {path!r} was saved at another world size "
             f"(this model's mesh has {dist.get_world_size(group)} ranks); resume with the saved world size"
         )
-    opts = _dcp_options(trainable_only)
+    opts = _dcp_options(trainable_only, flat_optim)
     if optimizer is None:
         state = {"model": get_model_state_dict(model, options=opts)}
         _dcp_load(state, path, group)

@@ -1,5 +1,7 @@
 """FSDP2 training engine: a Hugging Face model sharded with ``fully_shard`` over a data-parallel
-mesh, optionally tensor-parallel too (a 2-D ``("dp", "tp")`` mesh; :mod:`areal.engine.tensor_parallel`).
+mesh, optionally tensor-parallel too (a 2-D ``("dp", "tp")`` mesh;
+:mod:`areal.engine.tensor_parallel`) and pipelined (a 3-D ``("pp", "dp", "tp")`` mesh: this rank
+holds one stage; :mod:`areal.engine.pipeline`).
 
 Every rank runs the same calls (SPMD); each data-parallel rank passes its own share of the global
 batch (the tp ranks of one dp rank pass the same share).
@@ -55,7 +57,7 @@ from areal.algo.logprob import packed_token_logprobs
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.engine import LossFn, LossWeightFn, ModelFnResult, PostHook, TrainEngine
 from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
-from areal.engine import checkpoint, lora
+from areal.engine import checkpoint, lora, pipeline
 from areal.engine.lr_schedule import build_lr_scheduler
 from areal.engine.tensor_parallel import apply_tensor_parallel
 from areal.utils import weight_sync
@@ -108,28 +110,6 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None]:
-    """``(dp mesh, tp mesh or None)`` of an engine's mesh: 1-D (any name) is data-parallel only;
-    2-D must be named ``("dp", "tp")``."""
-    if mesh.ndim == 1:
-        return mesh, None
-    if mesh.ndim == 2 and mesh.mesh_dim_names == ("dp", "tp"):
-        return mesh["dp"], mesh["tp"]
-    raise ValueError(
-        f"FSDPEngine needs a 1-D data-parallel mesh or a 2-D mesh named ('dp', 'tp'), got "
-        f"{mesh.ndim}-D {mesh} with dims {mesh.mesh_dim_names}; build it with "
-        "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
-    )
-
-
-def _whole_mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """One process group over every rank of the 2-D ``mesh``: its flattened ``"dp_tp"``
-    dimension. Creating it is collective over the whole job, as creating the mesh was, so whoever
-    builds a 2-D mesh over part of the job flattens it on every rank right after
-    (:mod:`areal.core.ray_worker` does); here it is then looked up, with no communication."""
-    return mesh._flatten("dp_tp").get_group()
-
-
 class FSDPEngine(TrainEngine):
     """FSDP2 engine. ``head="lm"``: causal LM logits ``[T, V]``; ``"value"``: one value ``[T, 1]``.
 
@@ -158,22 +138,26 @@ class FSDPEngine(TrainEngine):
         self.head = head
         self.temperature = temperature
         self.mesh = mesh
-        self.dp_mesh, self.tp_mesh = _split_mesh(mesh)
+        self.dp_mesh, self.tp_mesh, self.pp_mesh = pipeline.split_mesh(mesh)
         # data-parallel view: batches, loss normalisers and stats are per dp rank (the tp ranks
         # of a dp group hold the same micro-batches); mesh_group spans the whole mesh
         # (checkpoints, exports, weight updates)
         self.group = self.dp_mesh.get_group()
         self.rank, self.world_size = self.dp_mesh.get_local_rank(), self.dp_mesh.size()
-        self.mesh_group = self.group if self.tp_mesh is None else _whole_mesh_group(mesh)
-        self.first = all(c == 0 for c in mesh.get_coordinate())  # the mesh's first rank
+        self.mesh_group = self.group if mesh.ndim == 1 else pipeline.whole_mesh_group(mesh)
+        coord = mesh.get_coordinate()
+        self.first = all(c == 0 for c in coord)  # the mesh's first rank
+        # holds a full state dict: the first rank, or with pp every stage's first (dp, tp) rank
+        self.holder = self.first if self.pp_mesh is None else coord[1] == coord[2] == 0
+        self.pipe: pipeline.Pipeline | None = None  # set by initialize when pp > 1
         cuda = mesh.device_type == "cuda"
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         )
-        if config.lora.enabled and self.tp_mesh is not None:
+        if config.lora.enabled and mesh.ndim > 1:
             raise ValueError(
-                f"lora.rank={config.lora.rank} with tensor parallelism (mesh {mesh.mesh_dim_names}) "
-                "is not supported; use a 1-D data-parallel mesh (tp=1) for LoRA"
+                f"lora.rank={config.lora.rank} with tensor or pipeline parallelism (mesh "
+                f"{mesh.mesh_dim_names}) is not supported; use a 1-D data-parallel mesh for LoRA"
             )
         if config.cpu_offload and not cuda:
             raise ValueError(
@@ -212,18 +196,27 @@ class FSDPEngine(TrainEngine):
         hf_config.use_cache = False
         auto = AutoModelForCausalLM if self.head == "lm" else AutoModelForTokenClassification
         kwargs = {"attn_implementation": ATTN_IMPL, "dtype": _dtype(cfg.dtype)}
+
+        def prepare(model: torch.nn.Module) -> None:
+            if cfg.gradient_checkpointing:
+                model.activation_checkpointing_enable({"use_reentrant": False})
+
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)  # every rank builds identical weights before sharding
-            if cfg.init_from_scratch:
+            if self.pp_mesh is not None:  # this rank's stage only
+                model = pipeline.build_stage(
+                    auto, hf_config, cfg.path, kwargs, self.pp_mesh, cfg.init_from_scratch, prepare
+                )
+            elif cfg.init_from_scratch:
                 model = auto.from_config(hf_config, **kwargs)
             else:
                 model = auto.from_pretrained(cfg.path, config=hf_config, **kwargs)
-        if cfg.gradient_checkpointing:
-            model.activation_checkpointing_enable({"use_reentrant": False})
+        if self.pp_mesh is None:
+            prepare(model)
         self.hf_config = model.config
         # exports say what they hold: a value head loads as ...ForTokenClassification (its score
         # has a bias), not as the causal LM the base checkpoint was
-        self.hf_config.architectures = [type(model).__name__]
+        self.hf_config.architectures = [getattr(model, "hf_class", type(model).__name__)]
         if cfg.lora.enabled:  # before sharding: FSDP shards the adapters with the rest
             model = lora.apply_lora(model, cfg.lora, self.head, cfg.init_seed)
         return model
@@ -240,16 +233,16 @@ class FSDPEngine(TrainEngine):
             kw["offload_policy"] = CPUOffloadPolicy()
         elif self.device.type == "cuda":
             model.to(self.device)
-        layers = getattr(getattr(lora.base_model(model), "model", None), "layers", None)
-        if layers is None:
-            raise ValueError(
-                f"{type(model).__name__} has no .model.layers; only decoder-only HF models are supported"
-            )
+        layers = pipeline.decoder_layers(lora.base_model(model))
         if self.tp_mesh is not None:
             apply_tensor_parallel(model, self.tp_mesh)
         for layer in layers:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
+        if self.pp_mesh is not None:
+            self.pipe = pipeline.Pipeline(
+                model, self.pp_mesh, self.dp_mesh, _dtype(compute), self.config.shared_prefix
+            )
 
     # ------------------------------------------------------------------------------ compute
 
@@ -318,17 +311,12 @@ class FSDPEngine(TrainEngine):
                 f"loss_weight_fn sums to {total} over the global batch; "
                 "the batch has nothing to train on (check loss_mask)"
             )
-        sums: dict[str, float] = defaultdict(float)
-        for i in range(n_run):
-            real = i < len(mbs.mbs)
-            mb = mbs.mbs[i if real else 0]
-            w = weights[i] if real else 0.0
-            loss, stats = loss_fn(self._logits(mb), mb.to(self.device))  # logits are on the device
-            # FSDP averages gradients over ranks; * world_size turns that into the global sum.
-            (loss * (w * self.world_size / total)).backward()
-            sums["loss"] += w * float(loss.detach())
-            for k, v in stats.items():
-                sums[k] += w * float(v)
+        # FSDP averages gradients over ranks; * world_size turns that into the global sum.
+        scale = self.world_size / total
+        if self.pipe is not None:
+            sums = self.pipe.train(mbs.mbs, n_run, weights, loss_fn, scale)
+        else:
+            sums = self._accumulate(mbs, n_run, weights, scale, loss_fn)
         keys = sorted(sums)
         reduced = self._all_reduce_sum([sums[k] for k in keys])
         result = {k: v / total for k, v in zip(keys, reduced)}
@@ -336,13 +324,34 @@ class FSDPEngine(TrainEngine):
         result.update(n_mbs=float(n_run), loss_weight=total)
         return result
 
+    def _accumulate(
+        self, mbs: MicroBatches, n_run: int, weights: list[float], scale: float, loss_fn: LossFn
+    ) -> dict[str, float]:
+        """Forward and backward of each micro-batch (weight-0 copies of the first after the
+        real ones); the weighted sums of loss and stats."""
+        sums: dict[str, float] = defaultdict(float)
+        for i in range(n_run):
+            real = i < len(mbs.mbs)
+            mb = mbs.mbs[i if real else 0]
+            w = weights[i] if real else 0.0
+            loss, stats = loss_fn(self._logits(mb), mb.to(self.device))  # logits are on the device
+            (loss * (w * scale)).backward()
+            sums["loss"] += w * float(loss.detach())
+            for k, v in stats.items():
+                sums[k] += w * float(v)
+        return sums
+
     def _optimizer_step(self) -> dict[str, float]:
         """Clip and step; a non-finite grad norm skips the update (gradients are dropped)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if self.pipe is not None:
+            self.pipe.sync_tied_grads()
+        counted = [p.grad for p in params if self.pipe is None or self.pipe.counted(p)]
+        norm = torch.nn.utils.get_total_norm(counted, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
+        if self.pipe is not None:  # over the stages
+            norm = self.pipe.total_norm(norm)
         lr = self.optimizer.param_groups[0]["lr"]
         finite = bool(torch.isfinite(norm))
         if finite:
@@ -359,6 +368,10 @@ class FSDPEngine(TrainEngine):
         """Micro-batched forward; ``post_hook(logits [T_mb, V], mb)`` outputs, in batch order."""
         self.model.eval()
         mbs, n_run = self._split(batch)
+        if self.pipe is not None:
+            outs = self.pipe.forward(mbs.mbs, n_run, post_hook)
+            per_seq = [torch.split(o, mb.seqlens.tolist()) for o, mb in zip(outs, mbs.mbs)]
+            return torch.cat(mbs.restore_order(per_seq))
         per_seq = []
         for i in range(n_run):
             real = i < len(mbs.mbs)
@@ -420,6 +433,7 @@ class FSDPEngine(TrainEngine):
                 extra,
                 self.mesh_group,
                 trainable_only=self.config.lora.enabled,
+                flat_optim=self.pipe is not None,
             )
         else:
             raise ValueError(
@@ -434,7 +448,10 @@ class FSDPEngine(TrainEngine):
                     f"load(weight_format='hf') of {meta.path!r} would replace the frozen base of a "
                     "LoRA model; set the model's `path` to that HF dir instead"
                 )
-            checkpoint.load_hf_weights(self.model, meta.path, self.hf_config)
+            if self.pipe is not None:  # each stage reads its own tensors
+                pipeline.load_stage_hf(self.model, meta.path, self.hf_config)
+            else:
+                checkpoint.load_hf_weights(self.model, meta.path, self.hf_config)
         elif meta.weight_format == "dcp":
             optim = self.optimizer if meta.with_optim else None
             sched = self.lr_scheduler if meta.with_optim else None
@@ -445,6 +462,7 @@ class FSDPEngine(TrainEngine):
                 sched,
                 self.mesh_group,
                 trainable_only=self.config.lora.enabled,
+                flat_optim=self.pipe is not None,
             )
             self.version, self.global_step = extra["version"], extra["global_step"]
         else:
@@ -482,6 +500,8 @@ class FSDPEngine(TrainEngine):
         return {name: lora.Source(name) for name in state}
 
     def _weight_specs(self) -> list[weight_sync.TensorSpec]:
+        if self.pipe is not None:  # no rank holds the whole model to broadcast
+            raise self.pipe.broadcast_refused()
         state = self.model.state_dict()  # DTensors report global shapes
         plan = self._export_plan(state)
         names = checkpoint.export_names(self.hf_config, plan)
@@ -515,12 +535,13 @@ class FSDPEngine(TrainEngine):
                 self.mesh_group,
             )
         elif meta.type == "distributed":
+            specs = self._weight_specs()  # refuses a pipelined model first
             if self.first and self._weight_group is None:
                 raise RuntimeError(
                     "update_weights(type='distributed') before init_weight_update_group()"
                 )
             state = self.model.state_dict()
-            plan, specs = self._export_plan(state), self._weight_specs()
+            plan = self._export_plan(state)
             device = self.device if meta.backend == "nccl" else torch.device("cpu")
             scaling = self.config.lora.alpha / max(self.config.lora.rank, 1)
             full = lambda key: self._full_tensor(state[key])  # noqa: E731
@@ -558,9 +579,9 @@ class FSDPEngine(TrainEngine):
         out = {}
         for name, t in self.model.state_dict().items():
             full = self._full_tensor(t)  # all-gather over the mesh, one tensor at a time
-            if self.first:
+            if self.holder:
                 out[name] = full.detach().to("cpu", copy=True)
-        return out
+        return out if self.pipe is None else self.pipe.gather_state(out, self.holder)
 
     def get_version(self) -> int:
         """Version of the current weights."""

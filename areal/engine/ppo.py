@@ -294,6 +294,8 @@ class PPOActor(FSDPEngine):
                 steps.append(self.train_batch(mb, self._loss, weight))
         finally:
             kept, self._kept_logp = self._kept_logp, None
+        if kept is not None and self.pipe is not None:  # the losses ran on the last stage
+            kept = self.pipe.from_last_stage(kept)
         buckets = staleness_means(steps)
         out = batch if logp_out is None else batch.with_fields(tokens={logp_out: kept})
         return out, {**mean_stats(steps), **buckets}

@@ -33,6 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from areal.engine.pipeline import decoder_layers
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")  # attention without per-head norms (Qwen3 has q/k norms)
 
 LAYER_PLAN = {
@@ -73,7 +75,7 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
     """Parallelize ``model`` in place over the 1-D ``tp_mesh`` (see the module docstring)."""
     check_tensor_parallel(model.config, tp_mesh.size())
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):  # a pipeline stage's own layers, or all
         parallelize_module(
             layer, tp_mesh, {name: styles[kind]() for name, kind in LAYER_PLAN.items()}
         )

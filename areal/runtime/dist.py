@@ -1,22 +1,22 @@
 """The distributed context of a trainer process: ``torch.distributed`` is initialised here, once,
 and every engine gets its device mesh from here, in its constructor.
 
-Engines never use the default group: each runs its collectives on its own mesh's group. Today a
-job's trainer ranks form one data-parallel mesh (``("dp",)``) that every engine shares;
-:meth:`DistContext.split` cuts the ranks into disjoint data-parallel sub-meshes, one per model,
-which is how a job hosts several models on different ranks (Core mode). Tensor or sequence
-parallel dimensions would be further mesh dimensions beside ``dp``.
+Engines never use the default group: each runs its collectives on its own mesh's group. Every
+mesh of the library comes from :func:`build_mesh`: Lite's trainer ranks form one data-parallel
+mesh (``("dp",)``) that every engine shares; Core builds one mesh per model over the model
+workers of its allocation, ``pp x dp x tp`` (:mod:`areal.core.ray_worker`).
 """
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from areal.api.launch import LaunchEnv
 from areal.utils.process import die_with
@@ -31,24 +31,50 @@ class DistContext:
     rank: int  # global rank
     world_size: int  # trainer ranks of the job
     device: torch.device  # cuda:LOCAL_RANK with NCCL, else cpu
-    mesh: DeviceMesh  # 1-D ("dp",) over every trainer rank
-
-    def split(self, n_models: int) -> tuple[int, DeviceMesh]:
-        """Disjoint data-parallel sub-meshes of ``world_size // n_models`` consecutive ranks:
-        ``(index of this rank's sub-mesh, the sub-mesh)``. Collective: every rank calls it."""
-        if n_models < 1 or self.world_size % n_models:
-            raise ValueError(
-                f"split({n_models}): {self.world_size} ranks do not divide into "
-                f"{n_models} equal sub-meshes; use a divisor of the world size"
-            )
-        per = self.world_size // n_models
-        grid = init_device_mesh(self.device.type, (n_models, per), mesh_dim_names=("model", "dp"))
-        return self.rank // per, grid["dp"]
+    mesh: DeviceMesh  # 1-D ("dp",) over every trainer rank (build_mesh)
 
     def barrier(self) -> None:
         """Wait for every trainer rank (no-op with one rank)."""
         if self.world_size > 1:
             dist.barrier(group=self.mesh.get_group())
+
+
+def check_layout(n_ranks: int, dp: int, tp: int = 1, pp: int = 1, who: str = "mesh") -> None:
+    """Raise ``ValueError`` (one line, naming the field and the fix) unless ``dp x tp x pp``
+    ranks are exactly ``n_ranks``."""
+    for name, size in (("dp", dp), ("tp", tp), ("pp", pp)):
+        if size < 1:
+            raise ValueError(f"{who}: {name}={size}; each of dp, tp, pp must be >= 1")
+    if dp * tp * pp != n_ranks:
+        fit = f"dp={n_ranks // (tp * pp)}" if n_ranks % (tp * pp) == 0 else "dp, tp, pp"
+        raise ValueError(
+            f"{who}: dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, but it has {n_ranks}; "
+            f"give it dp*tp*pp ranks or set {fit}"
+        )
+
+
+def build_mesh(
+    device_type: str, ranks: Sequence[int], dp: int, tp: int = 1, pp: int = 1
+) -> DeviceMesh:
+    """The device mesh of one model over global ``ranks``, in Core's allocation order
+    (:class:`~areal.core.dfg.Allocation`): ``ranks[(p * dp + d) * tp + t]`` is pipeline stage
+    ``p``, data-parallel rank ``d``, tensor-parallel rank ``t``. Dims: ``("dp",)`` when ``tp = pp
+    = 1``, ``("dp", "tp")`` when ``pp = 1``, else ``("pp", "dp", "tp")`` (what
+    :class:`~areal.engine.fsdp.FSDPEngine` reads). The whole-mesh group of a multi-dimensional
+    mesh is flattened here (``"dp_tp"``, ``"pp_dp_tp"``: the engines' checkpoints and exports).
+    Collective over the whole job: every rank calls it with the same arguments in the same
+    order, also ranks outside ``ranks``."""
+    check_layout(len(ranks), dp, tp, pp)
+    grid = torch.tensor(list(ranks), dtype=torch.int)
+    if tp == 1 and pp == 1:
+        return DeviceMesh(device_type, grid, mesh_dim_names=("dp",))
+    if pp == 1:
+        mesh = DeviceMesh(device_type, grid.reshape(dp, tp), mesh_dim_names=("dp", "tp"))
+    else:
+        shape, names = (pp, dp, tp), ("pp", "dp", "tp")
+        mesh = DeviceMesh(device_type, grid.reshape(shape), mesh_dim_names=names)
+    mesh._flatten("_".join(mesh.mesh_dim_names))
+    return mesh
 
 
 def group_backend(backend: Literal["gloo", "nccl"]) -> str:
@@ -89,7 +115,7 @@ def init_distributed(
                 timeout=TIMEOUT,
             )
     world = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    mesh = build_mesh(device.type, range(world), dp=world)
     return DistContext(dist.get_rank(), world, device, mesh)
 
 

@@ -28,7 +28,7 @@ from test_fsdp import (  # noqa: E402
 
 from areal.api.config.base import MicroBatchSpec  # noqa: E402
 from areal.api.io import SaveLoadMeta  # noqa: E402
-from areal.runtime.dist import close_distributed, init_distributed  # noqa: E402
+from areal.runtime.dist import build_mesh, close_distributed, init_distributed  # noqa: E402
 from areal.utils.batch import balance_across_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -59,7 +59,9 @@ def _train(path: str, model: int, mesh, out: Path) -> dict:
 def _shared_job(rank: int, paths: list[str], port: int, out: str) -> None:
     set_dist_env(rank, 4, port)
     ctx = init_distributed("gloo")
-    model, mesh = ctx.split(2)  # ranks 0-1 train model 0, ranks 2-3 model 1, concurrently
+    # ranks 0-1 train model 0, ranks 2-3 model 1, concurrently; every rank builds both meshes
+    meshes = [build_mesh("cpu", ranks, dp=2) for ranks in ((0, 1), (2, 3))]
+    model, mesh = ctx.rank // 2, meshes[ctx.rank // 2]
     result = _train(paths[model], model, mesh, Path(out) / f"shared{model}")
     if mesh.get_local_rank() == 0:
         torch.save(result, Path(out) / f"shared{model}.pt")
