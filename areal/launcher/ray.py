@@ -4,9 +4,11 @@ the job on a Ray cluster.
 Attaches to the cluster ``launcher.ray.address`` names (empty: Ray's own lookup, which ends in a
 new local instance). Reserves one placement group (``launcher.ray.placement_strategy``) with a
 bundle per generation server (``cluster.n_servers``) and per trainer rank (``cluster.n_nodes x
-cluster.trainer_nprocs``), one accelerator each on GPU clusters, and fails fast, naming wanted vs
-available resources, when the cluster cannot hold it or it is not placed within
-``launcher.ray.placement_timeout``. Each bundle holds one :class:`ProcessHost` actor, which runs
+cluster.trainer_nprocs``), one accelerator each on GPU clusters (with ``workflow.type:
+agent_cmd`` one more, CPU only, for the agent proxy role, areal.launcher.agent_proxy_task: it
+registers itself, shares a control token with the trainer ranks by env, and its exit stops the
+run), and fails fast, naming wanted vs available resources, when the cluster cannot hold it or
+it is not placed within ``launcher.ray.placement_timeout``. Each bundle holds one :class:`ProcessHost` actor, which runs
 one process under a :class:`ProcessSupervisor` (log in RUN_DIR/logs/<name>.log; RUN_DIR must be
 on a filesystem every node shares): a server is ``areal.launcher.server_task`` (log
 ``server<i>-task.log``; it picks a port, registers ``host:port`` in the trial registry once
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from areal.api.launch import (
+    agent_proxy_env,
     api_key_env,
     devices_env,
     disable_ray_token_auth,
@@ -41,9 +45,10 @@ from areal.api.launch import (
     trainer_env,
 )
 from areal.launcher.common import COLOCATE_LOCAL_ONLY, launch, reset_trial, wait_for_servers
-from areal.launcher.local import without_secrets
+from areal.launcher.local import agent_proxy_command, uses_agent_proxy, without_secrets
 from areal.launcher.procs import ProcessSupervisor, record_failure
 from areal.utils.logging import get_logger
+from areal.workflow.agent_control import agent_proxy_key
 from areal.utils.network import free_port
 
 logger = get_logger("launcher")
@@ -109,9 +114,10 @@ def _gpus_per_process(ray, cfg) -> int:
     return 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
 
 
-def _place(ray, cfg, n_servers: int, n_ranks: int):
-    """A ready placement group of ``n_servers + n_ranks`` bundles (servers first), or an error
-    naming wanted vs available resources."""
+def _place(ray, cfg, n_servers: int, n_ranks: int, n_cpu_only: int = 0):
+    """A ready placement group of ``n_servers + n_ranks`` bundles (servers first), then
+    ``n_cpu_only`` bundles without accelerators (the agent proxy), or an error naming wanted vs
+    available resources."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     if cfg.cluster.colocate:
@@ -121,16 +127,20 @@ def _place(ray, cfg, n_servers: int, n_ranks: int):
     bundle = {"CPU": rc.cpus_per_process, **({"GPU": gpus} if gpus else {})}
     n = n_servers + n_ranks
     wanted = {k: v * n for k, v in bundle.items()}
+    wanted["CPU"] += rc.cpus_per_process * n_cpu_only
     total = ray.cluster_resources()
     short = {k: (v, total.get(k, 0.0)) for k, v in wanted.items() if v > total.get(k, 0.0)}
-    what = f"{n_servers} server(s) + {n_ranks} trainer rank(s), {bundle} each"
+    what = f"{n_servers} server(s) + {n_ranks} trainer rank(s), {bundle} each" + (
+        f", + the agent proxy ({rc.cpus_per_process:g} CPU)" if n_cpu_only else ""
+    )
     if short:
         raise RuntimeError(
             f"launch ray: {what} need {wanted}; the cluster has "
             + ", ".join(f"{k} {have:g} (wanted {want:g})" for k, (want, have) in short.items())
             + "; lower cluster.n_servers / cluster.trainer_nprocs / launcher.ray.cpus_per_process or add nodes"
         )
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy=rc.placement_strategy)
+    bundles = [dict(bundle) for _ in range(n)] + [{"CPU": rc.cpus_per_process}] * n_cpu_only
+    pg = placement_group(bundles, strategy=rc.placement_strategy)
     try:
         ray.get(pg.ready(), timeout=rc.placement_timeout)
     except ray.exceptions.GetTimeoutError:
@@ -208,7 +218,7 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
         ray.init(address=lc.ray.address or None, log_to_driver=lc.echo, include_dashboard=False)
     signal.signal(signal.SIGTERM, handler)  # ray.init installs its own; ours tears down first
     try:
-        pg = _place(ray, cfg, cluster.n_servers, n_ranks)
+        pg = _place(ray, cfg, cluster.n_servers, n_ranks, int(uses_agent_proxy(cfg)))
     except RuntimeError as e:
         logger.error(str(e))
         record_failure(_logs(cfg), "launcher", 2, str(e))
@@ -243,26 +253,13 @@ def _run(job: _Job, script: str, argv: list[str], attempt: int, n_ranks: int) ->
         **api_key_env(server_cfg.api_key if server_cfg else ""),
     }
     registry = reset_trial(cfg)
-    servers = {f"server{i}": job.actor(f"server{i}", i) for i in range(cluster.n_servers)}
-    for name, a in servers.items():
-        node = job.call(a.node.remote(), f"{name}'s actor")
-        host = "127.0.0.1" if cluster.n_nodes == 1 else node["ip"]
-        cmd = [
-            sys.executable,
-            "-m",
-            "areal.launcher.server_task",
-            "--name",
-            name,
-            "--host",
-            host,
-            script,
-            *public,
-        ]
-        job.call(
-            a.start.remote(f"{name}-task", cmd, {**threads_env(server_threads), **key}, cwd), name
-        )
+    servers = _start_servers(job, script, public, {**threads_env(server_threads), **key})
     if servers:
         _wait_registered(job, registry, servers)
+    proxy = None
+    if uses_agent_proxy(cfg):  # on the last bundle; the trainers share its control token
+        key = {**key, **agent_proxy_env(secrets.token_urlsafe(32))}
+        proxy = _start_agent_proxy(job, registry, script, argv, cluster.n_servers + n_ranks, key)
     ranks = [job.actor(f"trainer{r}", cluster.n_servers + r) for r in range(n_ranks)]
     nodes = [job.call(a.node.remote(), f"trainer rank {r}'s actor") for r, a in enumerate(ranks)]
     master_addr, master_port = nodes[0]["ip"], nodes[0]["port"]
@@ -285,7 +282,50 @@ def _run(job: _Job, script: str, argv: list[str], attempt: int, n_ranks: int) ->
             a.start.remote(f"trainer{r}", [sys.executable, script, *public], env, cwd),
             f"trainer rank {r}",
         )
-    return _follow(job, servers, ranks)
+    return _follow(job, servers, ranks, proxy)
+
+
+def _start_servers(job: _Job, script: str, public: list[str], env: dict[str, str]) -> dict:
+    """One server task per server bundle (the first ``cluster.n_servers``); name -> actor."""
+    cluster = job.cfg.cluster
+    servers = {f"server{i}": job.actor(f"server{i}", i) for i in range(cluster.n_servers)}
+    for name, a in servers.items():
+        node = job.call(a.node.remote(), f"{name}'s actor")
+        host = "127.0.0.1" if cluster.n_nodes == 1 else node["ip"]
+        cmd = [sys.executable, "-m", "areal.launcher.server_task", "--name", name,
+               "--host", host, script, *public]  # fmt: skip
+        job.call(a.start.remote(f"{name}-task", cmd, env, os.getcwd()), name)
+    return servers
+
+
+def _start_agent_proxy(job: _Job, registry, script: str, argv: list[str], bundle: int, env):
+    """The agent proxy role (areal.launcher.agent_proxy_task) on bundle ``bundle``, once it
+    registered itself (``launcher.server_setup_timeout``); its actor."""
+    cfg = job.cfg
+    a = job.actor("agent_proxy", bundle)
+    node = job.call(a.node.remote(), "the agent proxy's actor")
+    host = "127.0.0.1" if cfg.cluster.n_nodes == 1 else node["ip"]
+    cmd = agent_proxy_command(script, argv, cfg, host)
+    job.call(
+        a.start.remote("agent_proxy", cmd, {**threads_env(1), **env}, os.getcwd()),
+        "the agent proxy",
+    )
+    key = agent_proxy_key(cfg.experiment_name, cfg.trial_name)
+    deadline = time.monotonic() + cfg.launcher.server_setup_timeout
+    while not registry.get_subtree(key):
+        code, cause = job.call(a.poll.remote(), "the agent proxy")
+        if code is not None:
+            raise RuntimeError(
+                f"the agent proxy exited with code {code} before registering: {cause}; "
+                f"see {cfg.run_dir / 'logs' / 'agent_proxy.log'}"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the agent proxy did not register within {cfg.launcher.server_setup_timeout:g} s "
+                "(launcher.server_setup_timeout); see RUN_DIR/logs/agent_proxy.log"
+            )
+        time.sleep(POLL_S)
+    return a
 
 
 def _wait_registered(job: _Job, registry, servers: dict[str, Any]) -> None:
@@ -312,12 +352,22 @@ def _wait_registered(job: _Job, registry, servers: dict[str, Any]) -> None:
                 ) from None
 
 
-def _follow(job: _Job, servers: dict[str, Any], ranks: list) -> int:
-    """Poll until every trainer rank exited 0 (0) or one failed (its code, cause recorded)."""
+def _follow(job: _Job, servers: dict[str, Any], ranks: list, proxy=None) -> int:
+    """Poll until every trainer rank exited 0 (0) or one failed, or the agent proxy exited (its
+    code, cause recorded)."""
     cfg, ray = job.cfg, job.ray
     done: set[int] = set()
     gone: set[str] = set()
     while len(done) < len(ranks):
+        if proxy is not None:
+            try:
+                code, cause = job.call(proxy.poll.remote(), "the agent proxy")
+            except ray.exceptions.RayActorError as e:
+                code, cause = 1, f"its actor died: {e}"
+            if code is not None:
+                logger.error(f"the agent proxy exited with code {code}: {cause}; the run stops")
+                record_failure(cfg.run_dir / "logs", "agent_proxy", code or 1, cause)
+                return code or 1
         for r, a in enumerate(ranks):
             if r in done:
                 continue

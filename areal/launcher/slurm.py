@@ -11,7 +11,11 @@ read and to rerun with ``sbatch``), runs ``srun`` steps with exactly those resou
    :mod:`areal.launcher.server_task` (picks a port, registers ``host:port`` in the trial registry
    once healthy, restarts a dead server), output to RUN_DIR/logs/server<i>-task.log and the
    server's own RUN_DIR/logs/server<i>.log;
-3. the trainer is one step of one ``torchrun`` per node (``--node_rank`` = the node's index,
+3. with ``workflow.type: agent_cmd``, the agent proxy role (:mod:`areal.launcher.agent_proxy_task`)
+   is a one-task step on the first node (one more CPU task per node is asked for; no GPU),
+   output to RUN_DIR/logs/agent_proxy.log; it registers itself, and its control token is made
+   per attempt and reaches it and the trainers through sbatch's environment;
+4. the trainer is one step of one ``torchrun`` per node (``--node_rank`` = the node's index,
    rendezvous on the first node), output to RUN_DIR/logs/trainer.log. Its exit code is written
    to RUN_DIR/slurm/trainer.exit and ends the batch script; Slurm then stops the servers.
 
@@ -35,6 +39,7 @@ mean; this module checks the config and runs one attempt from submission to the 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -42,7 +47,7 @@ import time
 from pathlib import Path
 
 from areal.api.config import ConfigError, load_config
-from areal.api.launch import LAUNCHER_PID, api_key_env, server_api_key
+from areal.api.launch import LAUNCHER_PID, agent_proxy_env, api_key_env, server_api_key
 from areal.launcher.common import (
     COLOCATE_LOCAL_ONLY,
     launch,
@@ -86,7 +91,7 @@ def slurm_problems(cfg) -> list[str]:
             "cluster.devices_per_node: null; on Slurm say what to ask for per node: the "
             "GPUs of each node (one per server and per trainer rank), or 0 for CPU only"
         )
-    elif cluster.devices_per_node and layout(cfg).processes_per_node > cluster.devices_per_node:
+    elif cluster.devices_per_node and layout(cfg).gpus_per_node > cluster.devices_per_node:
         lay = layout(cfg)
         problems.append(
             f"cluster.devices_per_node: {cluster.devices_per_node} GPUs per node cannot "
@@ -131,12 +136,13 @@ def job_prologue(script: str, argv: list[str]) -> int:
 
 
 def submit(cfg, path: Path, lay: Layout) -> SlurmJob:
-    """``sbatch`` the script with this env (the servers' key), less our pid (nobody remote
-    watches it)."""
+    """``sbatch`` the script with this env (the servers' key; with the agent proxy, a control
+    token made for this attempt), less our pid (nobody remote watches it)."""
     sc = cfg.launcher.slurm
     server = getattr(cfg, "server", None)
     env = {k: v for k, v in os.environ.items() if k != LAUNCHER_PID}
     env.update(api_key_env(server_api_key(server.api_key) if server else ""))
+    env.update(agent_proxy_env(secrets.token_urlsafe(32) if lay.proxy else ""))
     proc = run_command(["sbatch", "--parsable", str(path)], env=env)
     if proc.returncode == 0:
         return SlurmJob(proc.stdout.strip().split(";")[0])

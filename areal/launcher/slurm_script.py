@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal.api.launch import threads_env, trainer_env
+from areal.launcher.local import uses_agent_proxy
 
 PY = '"$py"'  # the interpreter, as the batch script names it
 
@@ -24,23 +25,29 @@ class Layout:
     trainer_nprocs: int  # per node
     servers: int  # in all
     cpus_per_process: int
-    gpus: bool  # one GPU per process
+    gpus: bool  # one GPU per process (the agent proxy's excepted)
+    proxy: bool = False  # the agent proxy role, a CPU-only process on the first node
 
     @property
     def servers_per_node(self) -> int:
         return math.ceil(self.servers / self.nodes)
 
     @property
+    def gpus_per_node(self) -> int:
+        return self.trainer_nprocs + self.servers_per_node if self.gpus else 0
+
+    @property
     def processes_per_node(self) -> int:
-        return self.trainer_nprocs + self.servers_per_node
+        return self.trainer_nprocs + self.servers_per_node + int(self.proxy)
 
     def wanted(self, time_limit: str = "") -> str:
         k, c = self.processes_per_node, self.cpus_per_process
+        proxy = " + the agent proxy" if self.proxy else ""
         text = (
             f"{self.nodes} node(s), each {k} process(es) ({self.trainer_nprocs} trainer rank(s) + "
-            f"up to {self.servers_per_node} server(s)) x {c} CPU(s) = {k * c} CPUs"
+            f"up to {self.servers_per_node} server(s){proxy}) x {c} CPU(s) = {k * c} CPUs"
         )
-        text += f" and {k} GPU(s)" if self.gpus else ""
+        text += f" and {self.gpus_per_node} GPU(s)" if self.gpus else ""
         return text + (f", time limit {time_limit}" if time_limit else "")
 
 
@@ -52,6 +59,7 @@ def layout(cfg) -> Layout:
         c.n_servers,
         cfg.launcher.slurm.cpus_per_process,
         bool(c.devices_per_node),
+        uses_agent_proxy(cfg),
     )
 
 
@@ -89,7 +97,7 @@ def _sbatch_header(cfg, lay: Layout) -> list[str]:
         f"--ntasks-per-node={lay.processes_per_node}",
         f"--cpus-per-task={lay.cpus_per_process}",
     ]
-    options += [f"--gpus-per-node={lay.processes_per_node}"] if lay.gpus else []
+    options += [f"--gpus-per-node={lay.gpus_per_node}"] if lay.gpus else []
     options += [f"--partition={sc.partition}"] if sc.partition else []
     options += [f"--account={sc.account}"] if sc.account else []
     options += [f"--time={sc.time_limit}"] if sc.time_limit else []
@@ -221,4 +229,22 @@ def job_script(cfg, script: str, argv: list[str], attempt: int) -> str:
             ],
         )
         lines.append(f'{_line(cmd, {PY, host})} >> "$run_dir/logs/server{i}-task.log" 2>&1 &')
+    lines += _proxy_lines(cfg, lay, args) if lay.proxy else []
     return "\n".join(lines + _trainer_lines(cfg, lay, attempt, args)) + "\n"
+
+
+def _proxy_lines(cfg, lay: Layout, args: list[str]) -> list[str]:
+    """The agent proxy role (areal.launcher.agent_proxy_task) as a one-task step on the first
+    node, without a GPU; it registers itself, and its control token comes by sbatch's env."""
+    host = '"$(node_addr "${nodes[0]}")"' if lay.nodes > 1 else "127.0.0.1"
+    cmd = _srun(
+        cfg,
+        ["--job-name=agent_proxy", "--nodes=1", "--ntasks=1", "--relative=0",
+         f"--cpus-per-task={lay.cpus_per_process}", *(["--gres=none"] if lay.gpus else [])],
+        [*_env(threads_env(1)), PY, "-m", "areal.launcher.agent_proxy_task", "--host", host,
+         *args, "launcher.echo=false"],
+    )  # fmt: skip
+    return [
+        "# the agent proxy (workflow.type=agent_cmd): its exit fails the trainer's sessions",
+        f'{_line(cmd, {PY, host})} >> "$run_dir/logs/agent_proxy.log" 2>&1 &',
+    ]

@@ -4,6 +4,7 @@ restarted, a placement that cannot fit, and a SIGKILLed launcher that leaves not
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -165,6 +166,25 @@ def test_without_ray_installed_the_launcher_says_how_to_install_it():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "pip install -e '.[ray]'" in out.stderr, out.stderr
+
+
+def test_an_agent_cmd_run_gets_the_agent_proxy_role_on_a_cpu_bundle(ray_launch):
+    script = Path(__file__).parent / "entry_script.py"
+    run, run_dir = ray_launch(
+        script,
+        None,
+        "cluster.n_servers=1",
+        "launcher.server_threads=1",
+        "workflow.type=agent_cmd",
+        "workflow.agent.command=python agent.py",
+        "launcher.ray.forward_env=[AREAL_TEST_*]",
+        env={"AREAL_TEST_BEHAVIOUR": "agent_proxy"},
+    )
+    assert run.wait(RUN_TIMEOUT) == 0, run.output()
+    answer = json.loads((run_dir / "agent_proxy.json").read_text())
+    assert answer["tokens"] >= 1 and answer["address"].startswith("127.0.0.1:")
+    assert "agent proxy serves on" in (run_dir / "logs" / "agent_proxy.log").read_text()
+    run.assert_no_survivors()
 
 
 def test_auto_recover_relaunches_on_ray_as_the_local_launcher_does(ray_launch):

@@ -10,6 +10,7 @@ launcher killed by SIGKILL leaves a job that the documented ``scancel --name=...
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -125,6 +126,26 @@ def test_job_script_of_one_node_binds_servers_to_loopback_and_asks_for_no_gpu():
     )
     assert "gpu" not in text.replace("gsm8k_grpo", "") and "--cpus-per-task=2" in text
     assert "AREAL_LAUNCH_ATTEMPT=0" in text and "container" not in text
+
+
+def test_job_script_of_an_agent_cmd_run_adds_the_agent_proxy_step_without_gpu_or_token():
+    cfg = _cfg(
+        "cluster.n_nodes=2",
+        "cluster.devices_per_node=2",
+        "workflow.type=agent_cmd",
+        "workflow.agent.command=python agent.py",
+    )
+    lay = layout(cfg)  # 1 rank + ceil(1 / 2) = 1 server with a GPU each, + the proxy's CPU task
+    assert lay.proxy and (lay.processes_per_node, lay.gpus_per_node) == (3, 2)
+    assert "+ the agent proxy" in lay.wanted()
+    text = job_script(cfg, "examples/gsm8k_grpo.py", [], attempt=0)
+    assert "#SBATCH --ntasks-per-node=3" in text and "#SBATCH --gpus-per-node=2" in text
+    [proxy] = [line for line in text.splitlines() if "areal.launcher.agent_proxy_task" in line]
+    assert "--job-name=agent_proxy --nodes=1 --ntasks=1 --relative=0" in proxy
+    assert "--gres=none" in proxy and '--host "$(node_addr "${nodes[0]}")"' in proxy
+    assert proxy.endswith('>> "$run_dir/logs/agent_proxy.log" 2>&1 &')
+    assert "AGENT_PROXY_TOKEN" not in text  # it travels by sbatch's environment only
+    assert "agent_proxy" not in job_script(_cfg(), "examples/gsm8k_grpo.py", [], attempt=0)
 
 
 def test_pending_reasons_that_can_never_start_are_told_from_those_that_wait():
@@ -437,6 +458,18 @@ def test_failed_trainer_stops_the_run_with_the_cause(launch, slurm):
         failure["process"] == "trainer"
         and failure["cause"] == "RuntimeError: entry script failed on purpose"
     )
+    _assert_gone(run, slurm)
+
+
+@pytest.mark.slow
+def test_an_agent_cmd_job_runs_the_agent_proxy_role_the_trainer_reaches(launch, slurm):
+    run, run_dir = launch(
+        "agent_proxy", "workflow.type=agent_cmd", "workflow.agent.command=python agent.py"
+    )
+    assert run.wait(RUN_TIMEOUT) == 0, run.output()
+    answer = json.loads((run_dir / "agent_proxy.json").read_text())
+    assert answer["tokens"] >= 1 and answer["address"].startswith("127.0.0.1:")
+    assert "agent proxy serves on" in (run_dir / "logs" / "agent_proxy.log").read_text()
     _assert_gone(run, slurm)
 
 
