@@ -104,12 +104,15 @@ class CoreWorkersConfig:
             )
 
 
+PPOGraph = Literal["sync_ppo", "async_ppo"]
+
+
 def uses_ref(cfg: GRPOConfig) -> bool:
     """A reference model runs when it is configured and the KL term is on (as in Lite)."""
     return cfg.ref is not None and cfg.actor.kl_ctl > 0
 
 
-def graph_config(cfg: GRPOConfig, core: CoreWorkersConfig, graph: str) -> CoreGraphConfig:
+def graph_config(cfg: GRPOConfig, core: CoreWorkersConfig, graph: PPOGraph) -> CoreGraphConfig:
     """The :class:`CoreGraphConfig` a PPO entry config runs (``graph``: sync_ppo or async_ppo)."""
     return CoreGraphConfig(
         graph=graph,
@@ -123,7 +126,7 @@ def graph_config(cfg: GRPOConfig, core: CoreWorkersConfig, graph: str) -> CoreGr
     )
 
 
-def layout_problems(cfg: GRPOConfig, core: CoreWorkersConfig, graph: str) -> Iterator[str]:
+def layout_problems(cfg: GRPOConfig, core: CoreWorkersConfig, graph: PPOGraph) -> Iterator[str]:
     """``core.layouts`` problems against the graph the config runs, and pp sizes its models'
     layer counts cannot take, each naming its ``core.`` field."""
     if core.backend != "ray" or not (core.layouts or core.allocations):

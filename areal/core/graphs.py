@@ -313,14 +313,16 @@ def with_layouts(
         why = _layout_refusal(mfc, lay.mfc, cfg, trained)
         if why is None and lay.mfc in placed:
             why = f"{lay.mfc!r} has a layout already (layouts[{placed[lay.mfc]}]); keep one"
-        if why is not None:
+        if why is not None or mfc is None:
             problems.append(f"layouts[{i}].mfc: {why}")
             continue
         placed[lay.mfc] = i
         home = by_model.get(mfc.model)
-        layout = None if home is None else _layout_of(i, home, cfg, problems)
+        if home is None:
+            continue  # build_graph names the MFC whose model has no allocation
+        layout = _layout_of(i, home, cfg, problems)
         if layout is None or layout.same_layout(home):
-            continue  # no allocation (build_graph names it), a bad layout, or nothing to move
+            continue  # a bad layout (named), or nothing to move
         key = (layout.model, layout.workers, layout.dp, layout.tp, layout.pp)
         if key not in replicas:
             role = mfc.model.role
@@ -364,12 +366,13 @@ def pipeline_problems(
         field, path = found
         if path not in layers:
             layers[path] = _n_layers(path)
-        if layers[path] is None:
+        n = layers[path]
+        if n is None:
             yield f"{field}: {path!r} has no readable config.json to check {where}={pp} against"
-        elif pp > layers[path]:
+        elif pp > n:
             yield (
-                f"{where}: {pp} stages for a model of {layers[path]} decoder layers "
-                f"({field}={path}); use pp <= {layers[path]}"
+                f"{where}: {pp} stages for a model of {n} decoder layers ({field}={path}); "
+                f"use pp <= {n}"
             )
 
 
@@ -398,14 +401,13 @@ def describe_graph(cfg: CoreGraphConfig) -> str:
     """What ``areal core graph`` prints: the graph and its reallocations (with ``model_path``,
     the bytes each moves)."""
     graph = graph_from_config(cfg)
-    shapes = None
-    if cfg.model_path:
-        cache: dict[str, ModelShapes] = {}
+    cache: dict[str, ModelShapes] = {}
 
-        def shapes(model: ModelName) -> ModelShapes:
-            head = "value" if model.role == CRITIC.role else "lm"
-            if head not in cache:
-                cache[head] = model_shapes(cfg.model_path, head, cfg.dtype)
-            return cache[head]
+    def shapes(model: ModelName) -> ModelShapes:
+        head = "value" if model.role == CRITIC.role else "lm"
+        if head not in cache:
+            cache[head] = model_shapes(cfg.model_path, head, cfg.dtype)
+        return cache[head]
 
-    return format_graph(graph) + "\n" + format_reallocations(graph, shapes)
+    sized = shapes if cfg.model_path else None
+    return format_graph(graph) + "\n" + format_reallocations(graph, sized)
