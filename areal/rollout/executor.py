@@ -144,8 +144,8 @@ class WorkflowExecutor(Admission, Checkpointable):
             self._thread = None
 
     def run_on_loop(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run ``coro`` on the rollout loop and wait for it: what a workflow started there (the
-        agent proxy's server) is stopped there."""
+        """Run ``coro`` on the rollout loop and wait for it: what a workflow started there (an
+        agent workflow's HTTP session to the agent proxy, its fork server) is stopped there."""
         return self._loop_thread().run(coro, timeout, "a coroutine on the rollout loop")
 
     async def _ticker(self) -> None:
