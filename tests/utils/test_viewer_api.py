@@ -80,3 +80,18 @@ def test_bad_query_and_missing_sample_name_what_to_fix(tmp_path):
         RunData(tmp_path).samples.sample(1, 0, 5)
     with pytest.raises(FileNotFoundError, match="not a directory"):
         RunData(tmp_path / "nope")
+
+
+def test_timeline_keeps_each_steps_last_record_and_skips_a_half_written_line(tmp_path):
+    from areal.utils.samples import read_timeline
+
+    assert read_timeline(tmp_path) == []  # a Lite run has none
+    lines = [
+        {"step": 1, "seconds": 2.0, "spans": []},
+        {"step": 2, "seconds": 9.0, "spans": []},  # the step a resume redid ...
+        {"step": 2, "seconds": 3.0, "spans": [{"worker": 0, "name": "actor_train"}]},  # ... again
+    ]
+    text = "".join(json.dumps(x) + "\n" for x in lines) + '{"step": 3, "spa'
+    (tmp_path / "timeline.jsonl").write_text(text)
+    got = read_timeline(tmp_path)
+    assert [(t["step"], t["seconds"]) for t in got] == [(1, 2.0), (2, 3.0)]
