@@ -273,12 +273,13 @@ class Master:
                 (w, [s for g in groups[r :: alloc.dp] for s in g])
                 for r, w in enumerate(alloc.workers)
             ]
-        else:  # each dp rank's share goes to every tp worker of that rank (workers are dp-major)
+        else:  # each dp rank's share goes to every worker of that rank: its stages and tp ranks
             seqlens = [self.buffer.meta(sid).seqlen for sid in ids]
             parts = split_by_tokens(seqlens, alloc.dp, self.group_size)
             shares = [
-                (alloc.workers[d * alloc.tp + t], [ids[i] for i in part])
+                (alloc.worker_at(p, d, t), [ids[i] for i in part])
                 for d, part in enumerate(parts)
+                for p in range(alloc.pp)
                 for t in range(alloc.tp)
             ]
         futures = []
@@ -359,14 +360,15 @@ class Master:
         if run.mfc.fn in TRAINING_FNS:
             self.versions[run.mfc.model] += 1
             self._changes[run.mfc.model] += 1
-        tp = self.graph.allocations[run.mfc.model].tp
+        alloc = self.graph.allocations[run.mfc.model]
+        copies = alloc.tp * alloc.pp  # shares per dp rank, in a row (stage 0, tp rank 0 first)
         heads = [
             (share, reply)
             for i, (share, reply) in enumerate(zip(run.shares, replies))
-            if i % tp == 0
+            if i % copies == 0
         ]
         for i, ((worker, sids), reply) in enumerate(zip(run.shares, replies)):
-            if i % tp:  # a tp rank's copy of its dp rank's outputs: the first tp rank's is kept
+            if i % copies:  # another stage's or tp rank's copy of its dp rank's outputs
                 self.workers[worker].free([(k, sid) for sid in sids for k in reply.outputs])
         all_ids = []
         for (worker, sids), reply in heads:

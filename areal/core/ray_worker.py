@@ -3,9 +3,13 @@ per worker.
 
 :func:`start_ray_workers` starts ``graph.n_workers`` actors on the Ray cluster this process is
 attached to (``ray.init`` first). The actors join one ``torch.distributed`` job (gloo; rank =
-worker index; the rendezvous is worker 0's node), every actor creates every model's sub-mesh in
-the same order (a ``DeviceMesh`` over the allocation's workers, ``("dp",)``), and each builds
-the engines of the models allocated to it from :class:`EngineSpec` data. Inside, each actor runs
+worker index; the rendezvous is worker 0's node), every actor creates every model's mesh in the
+same order (:func:`areal.runtime.dist.build_mesh` over the allocation's workers: ``pp x dp x
+tp``, Core's allocation order), and each builds the engines of the models allocated to it from
+:class:`EngineSpec` data. A layout that cannot work (pp above the model's layers, tp not
+dividing its heads) is refused before any actor starts. Started actors can host another graph
+(:func:`start_ray_workers` with ``actors=``, after :meth:`RayWorker.release`): the process and
+its process group stay, meshes and engines are built anew. Inside, each actor runs
 an :class:`~areal.core.worker.InProcessWorker` over its engines; its peers are the other actors,
 whose stores it reads with Ray calls, so tensors go worker to worker.
 
@@ -14,8 +18,8 @@ it computes) does not promise to start them in arrival order, so the master-side
 :class:`RayWorker` numbers its requests and the actor hands them to its worker strictly in that
 order: the collectives of the ranks of a mesh still match.
 
-Limits: CPU and gloo only (one process per worker, no GPU placement yet); every Ray call the
-master makes waits at most ``call_timeout`` seconds (the master's ``mfc_timeout`` bounds MFCs).
+Limits: one process per worker (``gpus_per_worker=1``: one GPU each, NCCL); every Ray call the
+master makes waits at most ``RPC_TIMEOUT`` seconds (the master's ``mfc_timeout`` bounds MFCs).
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ import torch
 
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.experiments import DistillConfig
-from areal.api.launch import TORCHRUN_VARS, disable_ray_token_auth
 from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from areal.api.launch import TORCHRUN_VARS, disable_ray_token_auth
 from areal.api.protocols import Persistent, WeightSource
 from areal.core.dfg import Allocation, DataflowGraph, ModelFn, ModelName
 from areal.core.realloc import Box
@@ -50,7 +54,7 @@ from areal.engine.fsdp import FSDPEngine
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.engine.rw import RWEngine
 from areal.engine.sft import SFTEngine
-from areal.runtime.dist import group_backend
+from areal.runtime.dist import build_mesh, group_backend
 from areal.utils.batch import PackedBatch, split_by_tokens
 
 RPC_TIMEOUT = 300.0  # seconds: a Ray call to a worker (setup loads models, so not short)
@@ -146,32 +150,26 @@ class WorkerActor:
         specs: dict[ModelName, EngineSpec],
         peers: list,
     ) -> None:
-        """Join the job, build every model's sub-mesh (all workers, same order), build my engines."""
+        """Join the job (once: a reused actor keeps its process group), build every model's mesh
+        (all workers, same order), build my engines (a previous graph's are dropped first)."""
         import torch.distributed as dist
-        from torch.distributed.device_mesh import DeviceMesh
 
-        drop_torchrun_env()
         backend, device = ("nccl", "cuda") if self.gpu else ("gloo", "cpu")
-        if self.gpu:  # Ray gives each worker actor one GPU as CUDA_VISIBLE_DEVICES: device 0 here
-            torch.cuda.set_device(0)
-        dist.init_process_group(
-            group_backend(backend),
-            init_method=f"tcp://{host}:{port}",
-            rank=self.index,
-            world_size=self.n_workers,
-            timeout=datetime.timedelta(minutes=10),
-        )
+        if not dist.is_initialized():
+            drop_torchrun_env()
+            if self.gpu:  # Ray gives each worker actor one GPU as CUDA_VISIBLE_DEVICES: device 0
+                torch.cuda.set_device(0)
+            dist.init_process_group(
+                group_backend(backend),
+                init_method=f"tcp://{host}:{port}",
+                rank=self.index,
+                world_size=self.n_workers,
+                timeout=datetime.timedelta(minutes=10),
+            )
+        self.release()
         meshes = {}
         for a in sorted(allocations, key=lambda a: a.model):
-            if a.tp == 1:
-                mesh = DeviceMesh(device, torch.tensor(a.workers), mesh_dim_names=("dp",))
-            else:  # dp-major: workers[d * tp + t] is dp rank d, tp rank t
-                mesh = DeviceMesh(
-                    device, torch.tensor(a.workers).reshape(a.dp, a.tp), mesh_dim_names=("dp", "tp")
-                )
-                mesh._flatten(
-                    "dp_tp"
-                )  # its whole-mesh group (engines' checkpoints), made by every worker
+            mesh = build_mesh(device, a.workers, a.dp, a.tp, a.pp)  # collective: every worker
             if self.index in a.workers:
                 meshes[a.model] = mesh
         engines = {model: build_engine(specs[model], mesh) for model, mesh in meshes.items()}
@@ -252,17 +250,37 @@ class WorkerActor:
             for pg in _world.pg_map
         }
 
+    def parameters(self, model: ModelName) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Where this worker's part of ``model`` lies: each parameter it holds (a pipeline stage
+        holds its own) with its local shape and its placements (``""`` for a plain tensor)."""
+        from torch.distributed.tensor import DTensor
+
+        return {
+            name: (
+                tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape),
+                str(tuple(p.placements)) if isinstance(p, DTensor) else "",
+            )
+            for name, p in self.inner.engines[model].model.named_parameters()
+        }
+
     def full_state_dict(self, model: ModelName) -> dict[str, torch.Tensor]:
         """The model's full weights (on its mesh's first rank; {} elsewhere). Collective."""
         return self.inner.engines[model].full_state_dict()
 
-    def shutdown(self) -> None:
-        import torch.distributed as dist
-
+    def release(self) -> None:
+        """Drop this worker's engines, store and request numbering; the process and its process
+        group stay, ready for another graph's :meth:`setup`."""
         if self.inner is not None:
             self.inner.close()
             for engine in self.inner.engines.values():
                 engine.destroy()
+            self.inner = None
+        self._turn = 0
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        self.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -324,6 +342,11 @@ class RayWorker(ModelWorker):
         finally:
             self._ray.kill(self.handle, no_restart=True)
 
+    def release(self) -> None:
+        """Drop the worker's engines but keep its actor, for another graph
+        (:func:`start_ray_workers` with ``actors=``)."""
+        self._call(self.handle.release.remote())
+
 
 def ray_cpus(n_workers: int, cpus_per_worker: float) -> int:
     """CPUs a local Ray instance needs for ``n_workers`` worker actors."""
@@ -351,20 +374,62 @@ def attach_ray(address: str, num_cpus: int) -> None:
         )
 
 
+def check_layouts(allocations: list[Allocation], specs: dict[ModelName, EngineSpec]) -> None:
+    """Raise ``ValueError`` (one line: the model, its layout, the field and the fix) for a layout
+    its model cannot take: tp not dividing its heads or width, more stages than decoder layers.
+    Reads only each model's config.json, before any worker starts."""
+    from transformers import AutoConfig
+
+    from areal.engine.pipeline import check_pipeline
+    from areal.engine.tensor_parallel import check_tensor_parallel
+
+    for a in allocations:
+        if a.tp == 1 and a.pp == 1:
+            continue
+        path = specs[a.model].config.path
+        try:
+            hf_config = AutoConfig.from_pretrained(path)
+            if a.tp > 1:
+                check_tensor_parallel(hf_config, a.tp)
+            if a.pp > 1:
+                check_pipeline(hf_config, a.pp, path)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"model '{a.model}' ({a.describe()}): {e}") from None
+
+
+def start_worker_actors(
+    n_workers: int, cpus_per_worker: float = 1, torch_threads: int = 1, gpus_per_worker: int = 0
+) -> list:
+    """``n_workers`` :class:`WorkerActor` processes, not yet set up (``ray.init`` must have run):
+    pass them to :func:`start_ray_workers` as ``actors``. ``gpus_per_worker=1``: each gets one
+    GPU from Ray's placement and the job runs NCCL (0: CPU, gloo)."""
+    if gpus_per_worker not in (0, 1):
+        raise ValueError(
+            f"gpus_per_worker={gpus_per_worker}: a model worker uses no GPU (0) or one (1)"
+        )
+    import ray
+
+    actor_cls = ray.remote(WorkerActor)
+    return [
+        actor_cls.options(
+            num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_concurrency=16, max_restarts=0
+        ).remote(i, n_workers, torch_threads, bool(gpus_per_worker))
+        for i in range(n_workers)
+    ]
+
+
 def start_ray_workers(
     graph: DataflowGraph,
     specs: dict[ModelName, EngineSpec],
     cpus_per_worker: float = 1,
     torch_threads: int = 1,
     gpus_per_worker: int = 0,
+    actors: list | None = None,
 ) -> list[RayWorker]:
     """One worker actor per model worker of ``graph`` (generation workers excluded: they are the
-    caller's), hosting the graph's models; ``ray.init`` must have run. ``gpus_per_worker=1``:
-    each actor gets one GPU from Ray's placement and the job runs NCCL (0: CPU, gloo)."""
-    if gpus_per_worker not in (0, 1):
-        raise ValueError(
-            f"gpus_per_worker={gpus_per_worker}: a model worker uses no GPU (0) or one (1)"
-        )
+    caller's), hosting the graph's models; ``ray.init`` must have run. ``actors``: reuse these
+    (from :func:`start_worker_actors`, released), else start new ones (``gpus_per_worker=1``:
+    one GPU each, NCCL)."""
     import ray
 
     generating = {
@@ -379,19 +444,20 @@ def start_ray_workers(
         raise ValueError(
             f"generation workers must come after the {n_model} model workers in the allocation"
         )
-    actor_cls = ray.remote(WorkerActor)
-    actors = [
-        actor_cls.options(
-            num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_concurrency=16, max_restarts=0
-        ).remote(i, n_model, torch_threads, bool(gpus_per_worker))
-        for i in range(n_model)
-    ]
+    check_layouts(allocations, specs)
+    if actors is None:
+        actors = start_worker_actors(n_model, cpus_per_worker, torch_threads, gpus_per_worker)
+    elif len(actors) < n_model:
+        raise ValueError(
+            f"actors: {len(actors)} given for a graph of {n_model} model workers; pass at least "
+            f"{n_model}"
+        )
     host, port = ray.get(actors[0].rendezvous.remote(), timeout=RPC_TIMEOUT)
-    ray.get(
+    ray.get(  # every actor of the job builds every mesh; those past n_model host nothing
         [a.setup.remote(host, port, allocations, specs, actors) for a in actors],
         timeout=RPC_TIMEOUT,
     )
-    return [RayWorker(i, a) for i, a in enumerate(actors)]
+    return [RayWorker(i, a) for i, a in enumerate(actors[:n_model])]
 
 
 class RayModel(WeightSource, Persistent):
@@ -399,8 +465,17 @@ class RayModel(WeightSource, Persistent):
     export, recover checkpoints), the weight source's calls (:mod:`areal.api.protocols`) and
     ``evaluate_lm`` run on every rank of the model's mesh."""
 
-    def __init__(self, workers: list[RayWorker], model: ModelName, ranks: tuple[int, ...]):
+    def __init__(
+        self,
+        workers: list[RayWorker],
+        model: ModelName,
+        ranks: tuple[int, ...],
+        layout: Allocation | None = None,
+    ):
+        """``ranks``: the model's workers; ``layout``: its allocation (default: ``ranks`` all
+        data-parallel), which tells ``evaluate_lm`` the workers of each dp rank."""
         self.workers, self.model, self.ranks = workers, model, ranks
+        self.layout = layout if layout is not None else Allocation(model, ranks, dp=len(ranks))
 
     def _on_ranks(self, method: str, args: list[tuple]) -> list[Any]:
         futures = [self.workers[w].call(self.model, method, *a) for w, a in zip(self.ranks, args)]
@@ -435,7 +510,9 @@ class RayModel(WeightSource, Persistent):
         self._on_ranks("set_version", [(version,)] * len(self.ranks))
 
     def evaluate_lm(self, batch: PackedBatch) -> tuple[PackedBatch, dict[str, float]]:
-        """The engine's held-out NLL over ``batch`` split by tokens across the ranks (the stats
-        are reduced over the mesh; the returned batch is rank 0's share)."""
-        parts = split_by_tokens(batch.seqlens.tolist(), len(self.ranks), 1)
-        return self._on_ranks("evaluate_lm", [(batch.select(p),) for p in parts])[0]
+        """The engine's held-out NLL over ``batch`` split by tokens across the dp ranks (each dp
+        rank's share to all its stages and tp ranks; the stats are reduced over the mesh; the
+        returned batch is the first rank's share)."""
+        parts = split_by_tokens(batch.seqlens.tolist(), self.layout.dp, 1)
+        shares = [batch.select(parts[self.layout.coordinate(w)[1]]) for w in self.ranks]
+        return self._on_ranks("evaluate_lm", [(share,) for share in shares])[0]

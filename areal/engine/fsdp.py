@@ -313,7 +313,8 @@ class FSDPEngine(TrainEngine):
             )
         # FSDP averages gradients over ranks; * world_size turns that into the global sum.
         scale = self.world_size / total
-        if self.pipe is not None:
+        if self.pipe is not None:  # 1F1B runs at least one micro-batch per stage
+            n_run = max(n_run, self.pipe.n_stages)
             sums = self.pipe.train(mbs.mbs, n_run, weights, loss_fn, scale)
         else:
             sums = self._accumulate(mbs, n_run, weights, scale, loss_fn)

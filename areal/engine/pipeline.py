@@ -421,10 +421,9 @@ class Pipeline:
         scale: float,
     ) -> dict[str, float]:
         """Forward and backward of ``n_run`` micro-batches (``mbs``, then weight-0 copies of the
-        first; at least one per stage, as 1F1B needs), 1F1B; on the last stage ``loss_fn(logits
+        first; 1F1B needs at least one per stage), 1F1B; on the last stage ``loss_fn(logits
         [T, V] fp32, mb)`` scaled by ``weight * scale``. Returns the weighted sums of ``loss``
         and the loss's stats, the same on every stage. Gradients are left in the parameters."""
-        n_run = max(n_run, self.n_stages)
         contexts = micro_batch_contexts(mbs, n_run, self.shared_prefix, self.device, weights)
         sums: dict[str, float] = defaultdict(float)
 

@@ -1,0 +1,143 @@
+"""Tier 2 on a real local Ray head: pipeline-parallel (pp x dp x tp) allocations of Core models.
+
+A PPO step through the master, with actor, reference and critic all on one layout, equals Lite's
+step (the FSDP engine in one process, test_ray_worker's ``lite_step``): the loss and grad norm
+of both training MFCs, every other stat of theirs, and their updated full weights, within 1e-5.
+The layouts: dp1 x tp1 x pp2, dp1 x tp2 x pp2, dp2 x tp1 x pp2, and dp2 x tp2 (no pp: the
+4-process tensor-parallel case, back in the suite). Each layout also checks where the weights
+are: which stage holds each decoder layer, the embedding and the head, and a column-parallel
+weight's placements and local shape on every worker (an unapplied plan would fail it).
+
+One set of 4 worker actors serves the whole module: each layout sets up its graph on them and
+releases it after (test_ray_worker.py covers freshly started actors). A layout its model cannot
+take fails in one line before any worker is touched.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import test_ray_worker
+from test_master_engines import GROUP, max_gap
+from test_ray_worker import specs
+
+from areal.api.config.engine import TrainEngineConfig
+from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, build_graph
+from areal.core.graphs import ACTOR, CRITIC, REF, ROLLOUT_KEYS, SFT_KEYS, ppo_mfcs
+from areal.core.master import Master
+from areal.core.ray_worker import EngineSpec, start_ray_workers, start_worker_actors
+from areal.engine.pipeline import stage_layers
+
+pytestmark = pytest.mark.slow
+ray_driver = test_ray_worker.ray_driver  # module fixtures: Ray attached once, Lite's step once
+lite_step = test_ray_worker.lite_step
+N_LAYERS, HIDDEN = 4, 256  # the tiny model's (areal/utils/tiny_model.py)
+Q_PROJ = "model.layers.{}.self_attn.q_proj.weight"  # [HIDDEN, HIDDEN], column-parallel
+
+
+@pytest.fixture(scope="module")
+def pool(ray_driver):
+    """4 worker actors shared by every layout of this module."""
+    actors = start_worker_actors(4)
+    yield actors
+    ray_driver.get([a.shutdown.remote() for a in actors], timeout=120)
+    for a in actors:
+        ray_driver.kill(a, no_restart=True)
+
+
+def pooled_step(ray, pool, path: str, layout: dict, batch):
+    """One master step with actor, critic and reference on ``layout`` (dp, tp, pp over the
+    first dp*tp*pp workers): (stats, full weights of actor and critic, each worker's actor
+    parameters as (local shape, placements) by name)."""
+    n = layout["dp"] * layout["tp"] * layout["pp"]
+    allocs = [Allocation(m, tuple(range(n)), **layout) for m in (ACTOR, CRITIC, REF)]
+    graph = build_graph("async_ppo", ppo_mfcs(True, True, True), ROLLOUT_KEYS, allocs, n)
+    workers = start_ray_workers(graph, specs(path), actors=pool)
+    try:
+        master = Master(graph, workers, group_size=GROUP, mfc_timeout=300)
+        master.put_batch(batch)
+        stats = master.step(batch.n_seqs)
+        got = {
+            m: ray.get([w.handle.full_state_dict.remote(m) for w in workers], timeout=300)[0]
+            for m in (ACTOR, CRITIC)
+        }
+        params = ray.get([w.handle.parameters.remote(ACTOR) for w in workers], timeout=60)
+    finally:
+        for w in workers:
+            w.release()
+    return stats, got, params
+
+
+def check_placement(layout: dict, params: list[dict]) -> None:
+    """Every worker holds its stage's layers (and the embedding first, the head last), each
+    column-parallel weight cut over tp, then over dp."""
+    dp, tp, pp = layout["dp"], layout["tp"], layout["pp"]
+    alloc = Allocation(ACTOR, tuple(range(len(params))), dp=dp, tp=tp, pp=pp)
+    for worker, held in enumerate(params):
+        p, _, _ = alloc.coordinate(worker)  # workers in order: the stage is the pp group rank
+        layers = sorted({int(k.split(".")[2]) for k in held if k.startswith("model.layers.")})
+        assert layers == list(stage_layers(N_LAYERS, pp, p)), f"worker {worker} (stage {p})"
+        assert ("model.embed_tokens.weight" in held) == (p == 0)
+        assert ("model.norm.weight" in held) == (p == pp - 1)
+        assert ("lm_head.weight" in held) == (pp > 1 and p == pp - 1)  # tied: one name when pp=1
+        shape, placements = held[Q_PROJ.format(layers[0])]
+        assert shape == (HIDDEN // tp // dp, HIDDEN), f"worker {worker}: {shape}"
+        if tp > 1:  # the tp plan's column cut, and FSDP's over dp on top of it
+            assert placements.endswith("Shard(dim=0))") and "Shard" in placements.split(",")[0]
+        else:
+            assert placements == "(Shard(dim=0),)"
+
+
+LAYOUTS = {
+    "dp1_tp1_pp2": {"dp": 1, "tp": 1, "pp": 2},
+    "dp1_tp2_pp2": {"dp": 1, "tp": 2, "pp": 2},
+    "dp2_tp1_pp2": {"dp": 2, "tp": 1, "pp": 2},
+    "dp2_tp2_pp1": {"dp": 2, "tp": 2, "pp": 1},
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_ppo_step_on_the_layout_equals_the_lite_step(
+    ray_driver, pool, tiny_model_dir, lite_step, name
+):
+    batch, actor_stats, critic_stats, weights = lite_step
+    start = time.monotonic()
+    stats, got, params = pooled_step(ray_driver, pool, tiny_model_dir, LAYOUTS[name], batch)
+    print(f"{name}: step through the master on pooled workers {time.monotonic() - start:.1f} s")
+    for mfc, lite in (("actor_train", actor_stats), ("critic_train", critic_stats)):
+        # n_mbs counts the micro-batches one rank ran (it depends on dp and pp); Lite's
+        # staleness buckets need token field `versions`, which Core's actor_train does not read
+        compared = set(lite) - {"n_mbs"} - {k for k in lite if k.startswith("mismatch_k3_stale")}
+        assert compared <= set(stats[mfc]) and {"loss", "grad_norm"} <= compared
+        for key in sorted(compared):
+            assert stats[mfc][key] == pytest.approx(lite[key], rel=1e-5, abs=1e-6), (mfc, key)
+    assert stats["actor_train"]["n_tokens"] == batch.n_tokens
+    gaps = {m: max_gap(got[m], weights[m]) for m in (ACTOR, CRITIC)}
+    print(f"{name}: max weight gap to Lite {gaps}")
+    assert max(gaps.values()) < 1e-5
+    check_placement(LAYOUTS[name], params)
+
+
+@pytest.mark.parametrize(
+    "layout, why",
+    [
+        ({"pp": 8}, "pp=8 exceeds num_hidden_layers=4 of the model at .*; use pp <= 4$"),
+        ({"tp": 4, "dp": 2}, "qwen2 model: num_key_value_heads=2 not divisible by tp=4; choose"),
+    ],
+    ids=["pp_above_layers", "tp_not_dividing_heads"],
+)
+def test_a_layout_its_model_cannot_take_fails_in_one_line_before_any_worker(
+    tiny_model_dir, layout, why
+):
+    # no Ray cluster here: the layout is refused from the model's config.json, before actors
+    model = ModelName("model")
+    alloc = Allocation(model, tuple(range(8)), **layout)
+    mfc = MFC("sft_train", model, ModelFn.TRAIN_LM, SFT_KEYS)
+    graph = build_graph("sft", [mfc], SFT_KEYS, [alloc], 8)
+    spec = EngineSpec("sft", TrainEngineConfig(path=tiny_model_dir))
+    prefix = re.escape(f"model 'model@0' ({alloc.describe()}): ")
+    with pytest.raises(ValueError, match=f"^{prefix}{why}") as e:
+        start_ray_workers(graph, {model: spec})
+    assert "\n" not in str(e.value)
