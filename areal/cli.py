@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable, NamedTuple, TypedDict, Unpack
+from collections.abc import Callable
+from typing import NamedTuple, TypedDict, Unpack
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
@@ -121,13 +122,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _config_docs(args: argparse.Namespace) -> int:
-    from areal.api.config.docs import render_config_docs, write_config_docs
+    from areal.config_docs import main as config_docs_main
 
-    if args.out == "-":
-        sys.stdout.write(render_config_docs())
-    else:
-        print(f"wrote {write_config_docs(args.out)}")
-    return 0
+    return config_docs_main([args.out])
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -222,10 +219,10 @@ def _core(args: argparse.Namespace) -> int:
 
 CORE_ACTIONS = (
     "graph: print nodes, edges, models and meshes; sft: SFT through the master; sync-ppo: sync "
-    "PPO/GRPO through the master (servers started by the local launcher); async-ppo: async PPO/GRPO, "
-    "rollout workers and the generation manager on Ray; status RUN_DIR: an async-ppo run's manager "
-    "and rollout workers at its last step; scale RUN_DIR --rollout-workers N --add-server/"
-    "--remove-server HOST:PORT: scale a running async-ppo job"
+    "PPO/GRPO through the master (servers started by the local launcher); async-ppo: async "
+    "PPO/GRPO, rollout workers and the generation manager on Ray; status RUN_DIR: an async-ppo "
+    "run's manager and rollout workers at its last step; scale RUN_DIR --rollout-workers N "
+    "--add-server/--remove-server HOST:PORT: scale a running async-ppo job"
 )
 CORE_REST = (
     "--config YAML and key=value overrides: CoreGraphConfig fields (areal/core/graphs.py) for "

@@ -19,7 +19,7 @@ LAYERS = [
     {"workflow", "reward", "dataset"},
     {"runtime"},
     {"launcher", "core"},
-    {"cli", "quickstart", "evaluate", "__main__", "examples"},
+    {"cli", "quickstart", "evaluate", "config_docs", "__main__", "examples"},
 ]
 # Imports forbidden even where the layers allow them: the three programs of the middle layer
 # stay apart, and workflows see only the InferenceEngine protocol (areal.api.engine).

@@ -1,26 +1,15 @@
-"""docs/config.md is generated from the config dataclasses and must match them (tier 1)."""
+"""The config reference renderer: every field path and help, shared sections once, rows in YAML
+terms (tier 1). The committed docs/config.md itself: tests/test_config_reference.py."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Literal
 
 import pytest
 
 from areal.api.config import DPOConfig, GRPOConfig, RWConfig, SFTConfig, iter_fields, param
-from areal.api.config.docs import EXPERIMENTS, render_config_docs, write_config_docs
-from areal.cli import main as cli_main
-
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
-
-
-def test_committed_config_reference_is_up_to_date():
-    assert DOCS.is_file(), "docs/config.md is missing; run `areal config-docs --out docs/config.md`"
-    assert DOCS.read_text() == render_config_docs(), (
-        "docs/config.md is out of date with the config dataclasses; "
-        "run `areal config-docs --out docs/config.md` and commit it"
-    )
+from areal.api.config.docs import render_config_docs
 
 
 @pytest.mark.parametrize(
@@ -78,9 +67,8 @@ def test_rendered_rows_show_path_type_yaml_default_and_escaped_help():
     assert "| `extra.mode` |" in text
 
 
-def test_cli_writes_the_reference(tmp_path, capsys):
-    out = tmp_path / "docs" / "config.md"
-    assert cli_main(["config-docs", "--out", str(out)]) == 0
-    assert out.read_text() == render_config_docs()
-    assert write_config_docs(tmp_path / "again.md").read_text() == out.read_text()
-    assert [cls for cls, _ in EXPERIMENTS] == [GRPOConfig, SFTConfig, RWConfig, DPOConfig]
+def test_tools_are_documented_each_on_their_own_after_the_experiments():
+    text = render_config_docs([(_Outer, "examples/outer.py")], tools=[(_Inner, "areal inner")])
+    tool = text.index("## `_Inner` (`areal inner`)")
+    assert text.index("## Experiments") < tool
+    assert "| `mode` | one of `a`, `b` |" in text[tool:]  # its fields at its own top level

@@ -1,11 +1,13 @@
-"""The config reference (docs/config.md), rendered from the dataclasses' ``help`` strings.
+"""The config reference renderer: Markdown tables from the config dataclasses' ``help`` strings.
 
 Every leaf and section of each experiment config gets a row with its full dotted path (what a
 ``a.b=c`` override or a YAML key names), its type, its default in that experiment and its help
 text. A section (a dataclass-valued field) gets one table of its scalar fields. Sections that are
 the same in several experiments (same path, same class, same defaults) are documented once, in a
-group headed by the experiments that share them. ``areal config-docs`` writes the file; a test
-regenerates it and fails when the committed copy differs, so the reference cannot drift.
+group headed by the experiments that share them. Tool configs (a command's own config, not an
+experiment) follow, each on its own. Which classes docs/config.md documents is decided above
+this layer, by :mod:`areal.config_docs` (Core's configs live in ``areal.core``); ``areal
+config-docs`` writes the file and a test fails when the committed copy differs.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Literal, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
 from areal.api.config.experiments import DPOConfig, GRPOConfig, RWConfig, SFTConfig
 
@@ -29,13 +32,14 @@ EXPERIMENTS: list[tuple[type, str]] = [
 HEADER = """\
 # Config reference
 
-Generated from the config dataclasses by `areal config-docs --out docs/config.md`; do not edit
-by hand (`tests/api/test_config_docs.py` fails when this file is out of date).
+Generated from the config dataclasses by `areal config-docs` (`areal/config_docs.py`, which
+lists the classes); do not edit by hand (`tests/test_config_reference.py` fails when this file is
+out of date).
 
 Every entry script loads its config class with the same loader: defaults from the dataclasses,
 then a YAML file, then dotted overrides, e.g.
 
-<!-- docs-test: skip examples/gsm8k_grpo.yaml trains Qwen2.5-1.5B on 8 GPUs; README's recipes run the same loader -->
+<!-- docs-test: skip examples/gsm8k_grpo.yaml trains Qwen2.5-1.5B on 8 GPUs -->
 ```bash
 areal launch local examples/gsm8k_grpo.py --config examples/gsm8k_grpo.yaml \\
     actor.optimizer.lr=5e-6 rollout.max_staleness=2 valid_dataset=null
@@ -47,7 +51,8 @@ of range and broken cross-field rules are all reported at once, with the field p
 A section whose default is `null` (e.g. `critic`) is off until any of its fields is set; its
 table shows the defaults it then gets. `actor.algorithm` fills the knobs of its preset (see
 [algorithms.md](algorithms.md)); the `actor` defaults below are the `ppo` preset, and any knob
-set explicitly wins over the preset.
+set explicitly wins over the preset. `areal serve --config YAML` takes the fields of the
+`server` section below at its top level (`max_batch_size: 64`, not `server.max_batch_size`).
 """
 
 
@@ -60,6 +65,7 @@ class Section:
     instance: Any  # defaults of this section in its experiment
     help: str  # the help of the field holding it ("" for the top level)
     optional: bool  # the field's default is null
+    entries: bool = False  # a list of such sections: the table is one entry's fields
 
     def key(self) -> tuple:
         """Equal for sections that read the same in two experiments."""
@@ -73,6 +79,14 @@ def _section_class(tp: Any) -> tuple[type | None, bool]:
     return (classes[0] if classes else None), type(None) in args
 
 
+def _entry_class(tp: Any) -> type | None:
+    """The dataclass of a list-of-sections field's entries (``list[X]``), if it is one."""
+    if get_origin(tp) not in (list, tuple):
+        return None
+    classes = [a for a in get_args(tp) if isinstance(a, type) and dataclasses.is_dataclass(a)]
+    return classes[0] if classes else None
+
+
 def iter_sections(cls: type) -> Iterator[Section]:
     """The top level and every nested section of ``cls``, depth first, in field order."""
 
@@ -80,11 +94,17 @@ def iter_sections(cls: type) -> Iterator[Section]:
         yield section
         hints = typing.get_type_hints(section.cls)
         for f in dataclasses.fields(section.cls):
+            path = f"{section.path}.{f.name}" if section.path else f.name
+            entry = _entry_class(hints[f.name])
+            if entry is not None:  # each entry's fields, at their defaults
+                yield from walk(
+                    Section(path, entry, entry(), f.metadata.get("help", ""), False, True)
+                )
+                continue
             sub_cls, optional = _section_class(hints[f.name])
             if sub_cls is None:
                 continue
             value = getattr(section.instance, f.name)
-            path = f"{section.path}.{f.name}" if section.path else f.name
             instance = value if value is not None else sub_cls()
             yield from walk(Section(path, sub_cls, instance, f.metadata.get("help", ""), optional))
 
@@ -158,6 +178,8 @@ def _section_block(section: Section, helps: dict[str, str]) -> list[str]:
     intro = f"`{section.cls.__name__}`: {role} {summary(section.cls)}".strip()
     if section.optional:
         intro += " Default `null` (off); the table shows the defaults once it is set."
+    if section.entries:
+        intro += " A list (default empty); the table shows the fields of one entry."
     lines = [f"### `{section.path}`", "", _cell(intro), ""]
     rows = _leaf_rows(section)
     return lines + (_table(rows) if rows else [])
@@ -182,8 +204,23 @@ def _top_level_owners(experiments: list[type]) -> dict[tuple, list[str]]:
     return owners
 
 
-def render_config_docs(experiments: list[tuple[type, str]] = EXPERIMENTS) -> str:
-    """The whole reference as Markdown (deterministic: same classes, same text)."""
+def _tool_block(cls: type, command: str) -> list[str]:
+    """A tool's config on its own: heading, summary, its top level and every section."""
+    root, *sections = iter_sections(cls)
+    lines = [f"## `{cls.__name__}` (`{command}`)", "", _cell(summary(cls)), ""]
+    rows = _leaf_rows(root)
+    lines += ["### top level", "", *_table(rows)] if rows else []
+    for section in sections:
+        lines += _section_block(section, {cls.__name__: section.help})
+    return lines
+
+
+def render_config_docs(
+    experiments: Sequence[tuple[type, str]] = EXPERIMENTS, tools: Sequence[tuple[type, str]] = ()
+) -> str:
+    """The whole reference as Markdown (deterministic: same classes, same text): the
+    ``experiments`` (config class, entry script) grouped by what they share, then each of the
+    ``tools`` (config class, command) on its own."""
     classes = [cls for cls, _ in experiments]
     all_names = [cls.__name__ for cls in classes]
     lines = [
@@ -215,12 +252,18 @@ def render_config_docs(experiments: list[tuple[type, str]] = EXPERIMENTS) -> str
         for section, helps in sections.values():
             if list(helps) == names:
                 lines += _section_block(section, helps)
+    for cls, command in tools:
+        lines += _tool_block(cls, command)
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_config_docs(out: str | Path) -> Path:
+def write_config_docs(
+    out: str | Path,
+    experiments: Sequence[tuple[type, str]] = EXPERIMENTS,
+    tools: Sequence[tuple[type, str]] = (),
+) -> Path:
     """Write :func:`render_config_docs` to ``out`` (parent dirs created)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_config_docs())
+    out.write_text(render_config_docs(experiments, tools))
     return out
