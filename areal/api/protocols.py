@@ -87,7 +87,7 @@ class WeightTarget(Protocol):
     def update_weights_async(
         self, meta: WeightUpdateMeta, announcement: dict[str, list] | None = None
     ) -> Pending:
-        """Start loading ``meta.path`` (disk) or receiving ``announcement``'s tensors (broadcast)."""
+        """Start loading ``meta.path`` (disk), or receiving ``announcement``'s tensors."""
 
     @abc.abstractmethod
     def update_weights(self, meta: WeightUpdateMeta) -> None:

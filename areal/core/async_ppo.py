@@ -36,15 +36,26 @@ from typing import Any
 
 from areal.api.config import load_config
 from areal.core.config import CoreAsyncGRPOConfig, graph_config
-from areal.core.graphs import ACTOR, CRITIC, graph_from_config
+from areal.core.graphs import ACTOR, graph_from_config
 from areal.core.health import HangWatch, MFCActivity, async_ppo_actors
+from areal.core.manager import Finished
 from areal.core.master import Master
+from areal.core.ray_worker import RayWorker
 from areal.core.record import CoreRecorder
 from areal.core.rollout_side import STATUS_FILE, ManagedServers, RayRolloutSide, run_ended
-from areal.core.sync_ppo import start_model_workers, step_stats
+from areal.core.session import (
+    ActorWeights,
+    Engine,
+    ManagerCheckpoint,
+    close_model_workers,
+    saved_engines,
+    start_model_workers,
+    step_stats,
+)
+from areal.core.worker import ModelWorker
 from areal.runtime.publisher import WeightPublisher
-from areal.runtime.rl import evaluate, setup_rollout
-from areal.runtime.run import init_run
+from areal.runtime.rl import RolloutSide, setup_rollout
+from areal.runtime.run import Run, init_run
 from areal.utils.logging import get_logger
 
 logger = get_logger("core.async_ppo")
@@ -71,7 +82,8 @@ def worker_stats(status: dict[str, Any]) -> dict[str, float]:
 
 def write_status(run_dir, step: int, n_steps: int, status: dict[str, Any]) -> None:
     """RUN_DIR/core_status.json: the live state ``areal core status RUN_DIR`` prints (``state``
-    becomes ``finished`` at the end, :func:`mark_finished`; the master's pid tells a crashed run)."""
+    becomes ``finished`` at the end, :func:`mark_finished`; the master's pid tells a crashed
+    run)."""
     tmp = run_dir / f"{STATUS_FILE}.tmp"
     tmp.write_text(
         json.dumps(
@@ -119,12 +131,13 @@ def format_status(run_dir) -> str:
     rollouts = (
         f"rollouts running {m['manager/running']:.0f}, buffered {m['manager/buffered']:.0f}"
         if not ended
-        else f"rollouts in flight at its last step {m['manager/running']:.0f} (dropped at the end), buffered "
-        f"{m['manager/buffered']:.0f}"
+        else f"rollouts in flight at its last step {m['manager/running']:.0f} (dropped at the "
+        f"end), buffered {m['manager/buffered']:.0f}"
     )
     lines = [
         (f"run ended: {ended}, {time.time() - st['time']:.0f} s ago" if ended else when)
-        + f"; version {m['manager/version']:.0f}; {rollouts}, lost {m['manager/lost']:.0f}; refused asks: {refused}",
+        + f"; version {m['manager/version']:.0f}; {rollouts}, lost {m['manager/lost']:.0f}; "
+        f"refused asks: {refused}",
         f"model workers (pids): {st['model_worker_pids']}; servers: {st['servers']}"
         + (f"; refused servers: {st['servers_refused']}" if st["servers_refused"] else ""),
         f"{'worker':>6} {'pid':>8} {'episodes':>9} {'tok/s':>8} {'in_flight':>9} {'accepted':>9} "
@@ -137,8 +150,9 @@ def format_status(run_dir) -> str:
         }
         name = f"{w['index']}{'*' if w['draining'] else ''}"
         lines.append(
-            f"{name:>6} {w['pid']:>8} {w['episodes']:>9} {w['tokens_per_s']:>8.1f} {c['in_flight']:>9.0f} "
-            f"{c['accepted']:>9.0f} {c['rejected']:>9.0f} {c['failed']:>7.0f} {c['restarts']:>9.0f}"
+            f"{name:>6} {w['pid']:>8} {w['episodes']:>9} {w['tokens_per_s']:>8.1f} "
+            f"{c['in_flight']:>9.0f} {c['accepted']:>9.0f} {c['rejected']:>9.0f} "
+            f"{c['failed']:>7.0f} {c['restarts']:>9.0f}"
         )
     return "\n".join(lines)
 
@@ -164,69 +178,82 @@ def lag_stats(groups: list, version: int, bound: int) -> dict[str, float]:
     return out
 
 
-def resume_or_evaluate(
-    run, saved, rollout, master: Master, publisher, side, valid_loader, n_steps: int
-) -> int:
-    """The step to start after: a resume's (the manager re-issues what was admitted but not
-    trained; the servers get the checkpoint's weights and version), else 0 after the starting
-    model's held-out accuracy."""
-    state = run.load_recover(saved)
-    if state is not None:
-        rollout.ask("load_state_dict", state["manager"])
-        master.set_version(ACTOR, state["manager"]["version"])
-        publisher.publish(state["manager"]["version"])
-        return state["step"]
-    if valid_loader is not None:
-        evaluate(side.executor, valid_loader, side.eval_workflow, run)
-        run.commit(0, n_steps, run.tracker.export())
-    return 0
-
-
-def main(argv: list[str]) -> int:
-    cfg = load_config(CoreAsyncGRPOConfig, argv)
-    run = init_run(cfg, cfg.actor.path)
-    data = run.load_data()
-    valid_loader, n_steps, steps_per_epoch = data.valid_loader, data.n_steps, len(data.loader)
-    side = setup_rollout(cfg, run)  # the master's client: evaluation and weight updates
-    graph = graph_from_config(graph_config(cfg, cfg.core, "async_ppo"))
-    workers, engines = start_model_workers(cfg, run, graph, data.ft_spec)  # attaches Ray
+def start_rollout(
+    cfg: CoreAsyncGRPOConfig, run: Run, side: RolloutSide, actor: Engine, n_train: int
+) -> tuple[RayRolloutSide, WeightPublisher]:
+    """The generation manager and the rollout workers (Ray actors, not generating yet), and the
+    publisher of ``actor``'s weights to the manager's servers (the manager is its admission)."""
     rollout = RayRolloutSide(
         cfg,
         [s.address for s in side.rollout.servers],
         str(run.run_dir / "rollouts"),
-        data.n_train,
-        side.rollout,
+        n_train,
+        side.rollout,  # the master's own client: evaluation
     )
     publisher = WeightPublisher(
         cfg.weight_update_mode,
-        engines[ACTOR],
+        actor,
         ManagedServers(rollout),
         rollout,
         run.dist,
         cfg.weights_dir,
     )
     publisher.connect()
+    return rollout, publisher
+
+
+def start_generation(
+    cfg: CoreAsyncGRPOConfig, rollout: RayRolloutSide, workers: list[ModelWorker], master: Master
+) -> tuple[HangWatch, list[int]]:
+    """The rollout workers start generating and the hang watch starts watching every actor;
+    returns the watch and the model workers' pids (for RUN_DIR/core_status.json)."""
+    ray_workers = [w for w in workers if isinstance(w, RayWorker)]  # async PPO runs on Ray
+    rollout.start()
+    pids = rollout.get([w.handle.pid.remote() for w in ray_workers], "the model workers")
+    activity = MFCActivity(master.trace)
+    watch = HangWatch(async_ppo_actors(ray_workers, rollout), cfg.core.health_timeout, activity)
+    watch.start()
+    return watch, pids
+
+
+def batch_stats(
+    groups: list[Finished], lags: dict[str, float], out: dict[str, dict[str, float]], status
+) -> dict[str, float]:
+    """A step's stats: the lags, the master's per-MFC stats, the rollout side's counters and the
+    groups' mean reward."""
+    rewards = [r for g in groups for r in g.rewards]
+    return {
+        **lags,
+        **step_stats(out),
+        **worker_stats(status),
+        "reward/mean": sum(rewards) / len(rewards),
+    }
+
+
+def main(argv: list[str]) -> int:
+    cfg = load_config(CoreAsyncGRPOConfig, argv)
+    run = init_run(cfg, cfg.actor.path)
+    data = run.load_data()
+    valid_loader, n_steps = data.valid_loader, data.n_steps
+    side = setup_rollout(cfg, run)  # the master's client: evaluation and weight updates
+    graph = graph_from_config(graph_config(cfg, cfg.core, "async_ppo"))
+    workers, engines = start_model_workers(cfg, run, graph, data.ft_spec)  # attaches Ray
+    rollout, publisher = start_rollout(cfg, run, side, engines[ACTOR], data.n_train)
     recorder = CoreRecorder(cfg, run, workers, graph, lambda ref: rollout.get(ref, "a rollout"))
     master = Master(  # the workers as the recorder wraps them: timed, kept fields held back
         graph, recorder.workers, group_size=cfg.gconfig.n_samples, mfc_timeout=cfg.core.mfc_timeout
     )
-    saved = {"actor": engines[ACTOR], **({"critic": engines[CRITIC]} if CRITIC in engines else {})}
+    weights = ActorWeights(master, publisher)  # the master counts the actor's versions
 
-    step = resume_or_evaluate(run, saved, rollout, master, publisher, side, valid_loader, n_steps)
-    recorder.start(step)
-    rollout.start()
-    model_pids = rollout.get([w.handle.pid.remote() for w in workers], "the model workers")
-    watch = HangWatch(
-        async_ppo_actors(workers, rollout), cfg.core.health_timeout, MFCActivity(master.trace)
-    )
-    watch.start()
-    n_groups, n_samples = (
-        cfg.train_dataset.batch_size,
-        cfg.train_dataset.batch_size * cfg.gconfig.n_samples,
-    )
-    registry = run.registry()
-    while step < n_steps:
-        step, epoch_done = step + 1, (step + 1) % steps_per_epoch == 0
+    # a resume re-issues what the manager admitted but did not train; servers get its version
+    start = run.resume(saved_engines(engines), manager=ManagerCheckpoint(rollout, weights))
+    if start == 0 and valid_loader is not None:  # the starting model's held-out accuracy
+        side.evaluate(valid_loader, run)
+        run.commit(0, n_steps, run.tracker.export())
+    recorder.start(start)
+    watch, model_pids = start_generation(cfg, rollout, workers, master)
+    n_groups, registry = cfg.train_dataset.batch_size, run.registry()
+    for step, epoch_done in run.steps(start, n_steps, len(data.loader)):
         rollout.rescale(run.run_dir, registry.get_subtree(run.servers_key))
         with run.tracker.timer("step"):
             with run.tracker.timer("wait_rollouts"):
@@ -234,37 +261,26 @@ def main(argv: list[str]) -> int:
             lags = lag_stats(groups, master.versions[ACTOR], cfg.rollout.max_staleness)
             ids = master.put_groups(groups)
             with recorder.step(step, groups, ids, engines[ACTOR], master.versions[ACTOR]):
-                out = master.step(n_samples)  # for areal view / replay: timeline, samples, batch
+                out = master.step(n_groups * cfg.gconfig.n_samples)  # for areal view / replay
             with run.tracker.timer("update_weights"):
                 publisher.publish(master.versions[ACTOR])
         run.log_trained(step, [g.group_id for g in groups])
-        rewards = [r for g in groups for r in g.rewards]
         watch.check()
         status = rollout.check_health()
         write_status(run.run_dir, step, n_steps, {**status, "model_worker_pids": model_pids})
-        stats = {
-            **lags,
-            **step_stats(out),
-            **worker_stats(status),
-            "reward/mean": sum(rewards) / len(rewards),
-        }
-        if run.saver.check(step, epoch_done) or step == n_steps:
+        stats = batch_stats(groups, lags, out, status)
+        if run.saver.check(step, epoch_done):  # and at the last step (Run.steps)
             run.export_hf(engines[ACTOR], step)
-        if valid_loader is not None and (run.evaluator.check(step, epoch_done) or step == n_steps):
-            evaluate(side.executor, valid_loader, side.eval_workflow, run)
+        if valid_loader is not None and run.evaluator.check(step, epoch_done):
+            side.evaluate(valid_loader, run)
         if run.recover_timer.check(step, epoch_done):
-            run.save_recover(
-                step,
-                saved,
-                {"manager": rollout.ask("state_dict")},
-            )
+            run.checkpoint(step)
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
     mark_finished(run.run_dir)
     watch.stop()
     rollout.close()
     registry.close()
-    for w in workers:
-        w.close()
+    close_model_workers(workers, engines)
     side.close()
     run.close()
     return 0

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -85,7 +86,7 @@ class Master:
     def __init__(
         self,
         graph: DataflowGraph,
-        workers: list[ModelWorker],
+        workers: Sequence[ModelWorker],
         group_size: int = 1,
         buffer_capacity: int = 1 << 20,
         mfc_timeout: float = 600.0,
@@ -284,7 +285,7 @@ class Master:
             ]
         futures = []
         for worker, sids in shares:  # every rank of the mesh gets it before any later MFC
-            sources: dict[str, dict[int, list[int]]] = {}
+            sources: dict[str, dict[int, tuple[int, ...]]] = {}
             for key in mfc.inputs:
                 where: dict[int, list[int]] = defaultdict(list)
                 for sid in sids:

@@ -5,7 +5,7 @@ The trainer side of a Core step is the async PPO graph (:mod:`areal.core.graphs`
 master over the model workers. The replay walks the same graph with the same
 :class:`~areal.core.master.Master` over one :class:`~areal.core.worker.InProcessWorker` (the
 object each Ray model worker runs inside), hosting the engines the model workers build
-(:func:`~areal.core.sync_ppo.engine_specs`), in one process, on each recorded step's batch (the
+(:func:`~areal.core.session.engine_specs`), in one process, on each recorded step's batch (the
 rollout groups' tensors in sample-id order, as the model workers received them). So it replays
 runs whose actor trained on one model worker (``core.n_workers=1``, or an allocation of one
 worker); the torch intra-op threads are the workers' (``core.torch_threads``).
@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal.core.config import CoreAsyncGRPOConfig
+from areal.core.config import CoreAsyncGRPOConfig, uses_ref
 from areal.core.graphs import ACTOR, CRITIC, REF, CoreGraphConfig, graph_from_config
 from areal.core.master import Master
 from areal.core.ray_worker import build_engine
-from areal.core.sync_ppo import engine_specs, step_stats, uses_ref
+from areal.core.session import engine_specs, step_stats
 from areal.core.worker import InProcessWorker
 from areal.engine.ppo import needs_prox_pass
 from areal.utils.batch import PackedBatch

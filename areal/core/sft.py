@@ -67,7 +67,7 @@ def start_workers(
             cfg.core.torch_threads,
             cfg.core.gpus_per_worker,
         )
-        return workers, RayModel(workers, mfc.model, graph.allocations[mfc.model].workers)
+        return [*workers], RayModel(workers, mfc.model, graph.allocations[mfc.model].workers)
     if run.world_size != 1:
         raise ConfigError(
             [
@@ -122,9 +122,8 @@ def main(argv: list[str]) -> int:
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
     close_workers(workers, engine)
     run.close()
-    print(
-        f"run finished; logs and outputs in {run.run_dir} (the model: {run.run_dir / 'checkpoints' / 'model'})"
-    )
+    model_dir = run.run_dir / "checkpoints" / "model"
+    print(f"run finished; logs and outputs in {run.run_dir} (the model: {model_dir})")
     return 0
 
 

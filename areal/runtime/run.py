@@ -2,9 +2,9 @@
 
 :func:`init_run` reads the launch env contract (:mod:`areal.api.launch`), initialises
 ``torch.distributed`` once (:mod:`areal.runtime.dist`), seeds, opens the per-process log file,
-writes the resolved config and loads the tokenizer. The returned :class:`Run` holds the periodic timers
-(saver / evaluator / recover), the stats tracker and sinks with a progress bar, and saves / loads
-recover checkpoints: each engine's DCP checkpoint (model, optimizer, scheduler) plus one state
+writes the resolved config and loads the tokenizer. The returned :class:`Run` holds the periodic
+timers (saver / evaluator / recover), the stats tracker and sinks with a progress bar, and saves /
+loads recover checkpoints: each engine's DCP checkpoint (model, optimizer, scheduler) plus one state
 file per rank (counters, dataloader and executor state, timers, RNG states), published
 atomically with a manifest and verified before a resume by :class:`~areal.utils.recover.RecoverDir`.
 
@@ -90,7 +90,7 @@ class Data:
     ft_spec: FinetuneSpec
 
 
-B = TypeVar("B")  # a loader's batch
+B = TypeVar("B", covariant=True)  # a loader's batch
 
 
 class _Loader(Iterable[B], Sized, Protocol[B]):
