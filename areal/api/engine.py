@@ -7,7 +7,8 @@ batching and submission policy live in the workflow executor, not here.
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -80,7 +81,8 @@ class TrainEngine(WeightSource, Persistent, abc.ABC):
     @abc.abstractmethod
     @torch.no_grad()
     def forward(self, batch: PackedBatch, post_hook: PostHook) -> torch.Tensor:
-        """Gradient-free micro-batched forward; concatenates ``post_hook`` outputs, shape [T, ...]."""
+        """Gradient-free micro-batched forward; concatenates ``post_hook`` outputs, shape
+        [T, ...]."""
 
     @abc.abstractmethod
     def step_lr_scheduler(self) -> None:

@@ -17,8 +17,8 @@ registry and trainers read it there.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Mapping, MutableMapping
 
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"
@@ -39,7 +39,8 @@ AGENT_PROXY_TOKEN = "AREAL_AGENT_PROXY_TOKEN"
 PROGRESS = (
     "AREAL_PROGRESS"  # "bar": a terminal shows the launcher's echo (tqdm redraws); "lines": a log
 )
-# What torchrun sets for a rank beyond the names above (a process that is not a rank drops them all).
+# What torchrun sets for a rank beyond the names above (a process that is not a rank drops them
+# all).
 TORCHRUN_ONLY = (
     "LOCAL_WORLD_SIZE",
     "GROUP_RANK",

@@ -3,8 +3,9 @@
 It runs in the master's process and is Lite's rollout side (:mod:`areal.runtime.rl`): the client
 to the generation servers, the reward workers, the training workflow and the workflow executor,
 drawing prompts from the train dataset's loader (with DAPO's dynamic-sampling filter when the
-config asks). One ``generate`` call is one :meth:`~areal.rollout.executor.WorkflowExecutor.prepare_batch`:
-a batch of scored groups, stored under the step's new sample ids; the master then has the worker
+config asks). One ``generate`` call is one
+:meth:`~areal.rollout.executor.WorkflowExecutor.prepare_batch`: a batch of scored groups, stored
+under the step's new sample ids; the master then has the worker
 :meth:`send` each sample's fields to the model worker it places it on.
 
 ``update_servers`` (the :class:`~areal.core.dfg.UpdateServers` hook) pushes the actor's weights
@@ -28,7 +29,8 @@ from areal.runtime.rl import RolloutSide
 
 
 class GenerationWorker(InProcessWorker, ServerUpdater):
-    """The ``rollout`` model's host (worker ``index``); ``publisher`` pushes ``source``'s weights."""
+    """The ``rollout`` model's host (worker ``index``); ``publisher`` pushes ``source``'s
+    weights."""
 
     def __init__(
         self,

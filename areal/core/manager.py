@@ -31,8 +31,9 @@ Failover. :meth:`snapshot` is all of the state but the groups' object references
 the rollout workers that made them, until :meth:`take` hands them out *and* the master confirms
 it got them by asking for its next step). The Ray actor writes it to a record after every
 change; a restarted actor restores it (:meth:`restore`), and each rollout worker rejoins
-(:meth:`rejoin`) with the tickets it still runs and the groups it keeps: a running ticket its worker does not hold (the
-grant's reply was lost) is re-issued, a finished one gets its reference back (or is re-issued if
+(:meth:`rejoin`) with the tickets it still runs and the groups it keeps: a running ticket its worker
+does not hold (the grant's reply was lost) is re-issued, a finished one gets its reference back (or
+is re-issued if
 its worker lost it), and a :meth:`take` asked again for the same step returns the same groups.
 So no item is trained twice or dropped, and the version, the loader position and the admission
 counters go on where they were.
@@ -45,8 +46,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from areal.rollout.staleness import StalenessManager
 

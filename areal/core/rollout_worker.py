@@ -42,8 +42,8 @@ import os
 import pickle
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray

@@ -38,7 +38,8 @@ SNAPSHOT_WAIT = 600.0  # seconds a reader waits for a reallocation's source shar
 
 @dataclass(frozen=True)
 class MFCRequest:
-    """One data-parallel rank's share of an MFC: its samples, in order, and where their inputs are."""
+    """One data-parallel rank's share of an MFC: its samples, in order, and where their inputs
+    are."""
 
     mfc: MFC
     sample_ids: tuple[int, ...]
@@ -152,7 +153,8 @@ class InProcessWorker(ModelWorker):
     def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
         engine = self.engines.get(model)
         if engine is None:
-            return f"worker {self.index} hosts no model '{model}' (it hosts {sorted(map(str, self.engines))})"
+            hosted = sorted(map(str, self.engines))
+            return f"worker {self.index} hosts no model '{model}' (it hosts {hosted})"
         if not callable(getattr(engine, fn.value, None)):
             return (
                 f"worker {self.index}'s model '{model}' ({type(engine).__name__}) has no "

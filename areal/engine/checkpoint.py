@@ -30,8 +30,9 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -217,7 +218,8 @@ def load_dcp(
     if not rank_file.exists():
         raise FileNotFoundError(
             f"{rank_file} is missing: DCP checkpoint {path!r} was saved at another world size "
-            f"(this model's mesh has {dist.get_world_size(group)} ranks); resume with the saved world size"
+            f"(this model's mesh has {dist.get_world_size(group)} ranks); resume with the saved "
+            "world size"
         )
     opts = _dcp_options(trainable_only, flat_optim)
     if optimizer is None:
@@ -259,7 +261,8 @@ def _dcp_load(state: dict[str, Any], path: str, group: dist.ProcessGroup) -> Non
             cause = f"{type(e).__name__}: {e}"
         files = sorted(p.name for p in Path(path).iterdir()) if Path(path).is_dir() else []
         raise CheckpointError(
-            f"DCP checkpoint {path} is unreadable (its files: {', '.join(files) or 'none'}): {cause}"
+            f"DCP checkpoint {path} is unreadable (its "
+            f"files: {', '.join(files) or 'none'}): {cause}"
         ) from e
 
 

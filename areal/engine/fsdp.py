@@ -301,7 +301,8 @@ class FSDPEngine(TrainEngine):
     def train_batch(
         self, batch: PackedBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn
     ) -> dict[str, float]:
-        """One optimizer step over ``batch``; returns weighted loss stats, grad_norm, lr, skipped."""
+        """One optimizer step over ``batch``; returns weighted loss stats, grad_norm, lr,
+        skipped."""
         self.model.train()
         mbs, n_run = self._split(batch)
         weights = [float(loss_weight_fn(mb)) for mb in mbs.mbs]

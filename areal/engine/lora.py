@@ -25,9 +25,9 @@ module trained in full keeps its frozen original next to the trained copy).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -29,10 +29,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from areal.algo.advantages import compute_advantages
-from areal.algo.critic import ValueNormalizer, value_loss
-from areal.algo.logprob import packed_token_logprobs
-from areal.algo.distill import distill_advantages
 from areal.algo.correction import STALENESS_BUCKETS, approx_prox_logp, staleness_buckets
+from areal.algo.critic import ValueNormalizer, value_loss
+from areal.algo.distill import distill_advantages
+from areal.algo.logprob import packed_token_logprobs
 from areal.algo.losses import mismatch_kl, policy_loss
 from areal.algo.segments import segment_sum
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
@@ -42,7 +42,6 @@ from areal.api.io import SaveLoadMeta
 from areal.engine import checkpoint
 from areal.engine.fsdp import FSDPEngine
 from areal.utils.batch import PackedBatch, split_microbatches
-
 
 TOKEN_INDEX = "token_index"  # [T] a token's position in ppo_update's batch (for logp_out)
 

@@ -6,8 +6,9 @@ It builds a rollout client of its own to the trial's generation servers (found i
 registry, as the trainers find them; the same server-loss policy), loads the tokenizer the
 trainers use, serves the proxy on ``HOST`` (default 127.0.0.1, one machine; a cluster node's
 address otherwise) at ``--port`` (default: a free one) and registers ``host:port`` under the
-trial's agent-proxy key once it serves. The control token comes by env (``AREAL_AGENT_PROXY_TOKEN``, from the launcher,
-which gives the trainers the same one). While it runs it follows the registry's server list
+trial's agent-proxy key once it serves. The control token comes by env (``AREAL_AGENT_PROXY_TOKEN``,
+from the launcher, which gives the trainers the same one). While it runs it follows the registry's
+server list
 (Core's elastic scaling) every :data:`WATCH_S` seconds. SIGTERM/SIGINT stop it; it also stops
 when the launcher that started it is gone.
 
@@ -35,8 +36,8 @@ from areal.rollout.remote import RemoteInferenceEngine, discover_servers
 from areal.runtime.rl import server_restarts
 from areal.utils.logging import get_logger
 from areal.utils.name_resolve import gen_servers_key, make_repository
-from areal.workflow.agent_control import agent_proxy_key
 from areal.utils.process import die_with
+from areal.workflow.agent_control import agent_proxy_key
 from areal.workflow.agent_proxy import AgentProxy
 
 logger = get_logger("agent_proxy_task")

@@ -8,11 +8,12 @@ cluster.trainer_nprocs``), one accelerator each on GPU clusters (with ``workflow
 agent_cmd`` one more, CPU only, for the agent proxy role, areal.launcher.agent_proxy_task: it
 registers itself, shares a control token with the trainer ranks by env, and its exit stops the
 run), and fails fast, naming wanted vs available resources, when the cluster cannot hold it or
-it is not placed within ``launcher.ray.placement_timeout``. Each bundle holds one :class:`ProcessHost` actor, which runs
-one process under a :class:`ProcessSupervisor` (log in RUN_DIR/logs/<name>.log; RUN_DIR must be
-on a filesystem every node shares): a server is ``areal.launcher.server_task`` (log
-``server<i>-task.log``; it picks a port, registers ``host:port`` in the trial registry once
-healthy, restarts a dead server; the server's own log is ``server<i>.log``), a trainer
+it is not placed within ``launcher.ray.placement_timeout``. Each bundle holds one
+:class:`ProcessHost` actor, which runs one process under a :class:`ProcessSupervisor` (log in
+RUN_DIR/logs/<name>.log; RUN_DIR must be on a filesystem every node shares): a server is
+``areal.launcher.server_task`` (log ``server<i>-task.log``; it picks a port, registers
+``host:port`` in the trial registry once healthy, restarts a dead server; the server's own log
+is ``server<i>.log``), a trainer
 rank runs SCRIPT with torchrun's variables (``MASTER_ADDR``/``MASTER_PORT`` of rank 0's node,
 ``RANK``, ``LOCAL_RANK`` among the ranks on its node, ``WORLD_SIZE``) and the launch env contract.
 
@@ -48,8 +49,8 @@ from areal.launcher.common import COLOCATE_LOCAL_ONLY, launch, reset_trial, wait
 from areal.launcher.local import agent_proxy_command, uses_agent_proxy, without_secrets
 from areal.launcher.procs import ProcessSupervisor, record_failure
 from areal.utils.logging import get_logger
-from areal.workflow.agent_control import agent_proxy_key
 from areal.utils.network import free_port
+from areal.workflow.agent_control import agent_proxy_key
 
 logger = get_logger("launcher")
 POLL_S = 0.5
@@ -104,7 +105,8 @@ class ProcessHost:
 
 
 def forwarded_env(patterns: list[str]) -> dict[str, str]:
-    """This process's variables whose names match one of ``patterns`` (``launcher.ray.forward_env``)."""
+    """This process's variables whose names match one of ``patterns``
+    (``launcher.ray.forward_env``)."""
     return {k: v for k, v in os.environ.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
 
 
@@ -137,7 +139,8 @@ def _place(ray, cfg, n_servers: int, n_ranks: int, n_cpu_only: int = 0):
         raise RuntimeError(
             f"launch ray: {what} need {wanted}; the cluster has "
             + ", ".join(f"{k} {have:g} (wanted {want:g})" for k, (want, have) in short.items())
-            + "; lower cluster.n_servers / cluster.trainer_nprocs / launcher.ray.cpus_per_process or add nodes"
+            + "; lower cluster.n_servers / cluster.trainer_nprocs / "
+            "launcher.ray.cpus_per_process or add nodes"
         )
     bundles = [dict(bundle) for _ in range(n)] + [{"CPU": rc.cpus_per_process}] * n_cpu_only
     pg = placement_group(bundles, strategy=rc.placement_strategy)
@@ -237,7 +240,7 @@ def _logs(cfg) -> Path:
 
 
 def _run(job: _Job, script: str, argv: list[str], attempt: int, n_ranks: int) -> int:
-    cfg, ray = job.cfg, job.ray
+    cfg = job.cfg
     cluster, lc = cfg.cluster, cfg.launcher
     script, cwd = str(Path(script).resolve()), os.getcwd()
     public = without_secrets(argv, cfg)
@@ -245,7 +248,8 @@ def _run(job: _Job, script: str, argv: list[str], attempt: int, n_ranks: int) ->
     server_threads, trainer_threads = lc.server_threads or reserved, lc.trainer_threads or reserved
     logger.info(
         f"threads: per server {server_threads}, per trainer rank {trainer_threads} "
-        f"(launcher.server_threads / trainer_threads; 0 = the bundle's launcher.ray.cpus_per_process)"
+        "(launcher.server_threads / trainer_threads; 0 = the bundle's "
+        "launcher.ray.cpus_per_process)"
     )
     server_cfg = getattr(cfg, "server", None)
     key = {
@@ -347,7 +351,8 @@ def _wait_registered(job: _Job, registry, servers: dict[str, Any]) -> None:
         except TimeoutError:
             if time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"{len(servers)} server(s) did not all register within {cfg.launcher.server_setup_timeout:g} s "
+                    f"{len(servers)} server(s) did not all register "
+                    f"within {cfg.launcher.server_setup_timeout:g} s "
                     "(launcher.server_setup_timeout); see RUN_DIR/logs/server*.log"
                 ) from None
 

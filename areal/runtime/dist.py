@@ -80,7 +80,8 @@ def build_mesh(
 def group_backend(backend: Literal["gloo", "nccl"]) -> str:
     """The backend string a process group is built with: on GPUs NCCL for CUDA tensors *and*
     gloo for host tensors and objects, so a CPU value (stats, counters) never meets an NCCL-only
-    group (torch: "No backend type associated with device type cpu"); see :mod:`areal.utils.comm`."""
+    group (torch: "No backend type associated with device type cpu"); see
+    :mod:`areal.utils.comm`."""
     return "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
 
 
@@ -90,7 +91,8 @@ def init_distributed(
     """Initialise ``torch.distributed`` for this process (a later call joins what is already
     initialised). Under torchrun the ranks rendezvous through ``MASTER_ADDR``/``MASTER_PORT``; a
     process started without them is a job of one rank. ``auto`` = NCCL on GPU, gloo on CPU.
-    Under an areal launcher the rank exits once the launcher has (see :mod:`areal.utils.process`)."""
+    Under an areal launcher the rank exits once the launcher has (see
+    :mod:`areal.utils.process`)."""
     env = env or LaunchEnv.read()
     if env.launcher_pid:  # a rank outlives neither the launcher nor torchrun (our parent)
         die_with(env.launcher_pid)

@@ -28,9 +28,10 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -116,9 +117,14 @@ class ReplayRecorder:
 
         if step == 1:
             self._hash_weights(0, actor)  # the initial weights a replay starts from
-        record = {"step": step, "version": actor.get_version(), "rng": rng_state(),
-                  "cu_seqlens": batch.cu_seqlens.clone(), "tokens": {k: v.detach().cpu().clone() for k, v in batch.tokens.items()},
-                  "seqs": {k: v.detach().cpu().clone() for k, v in batch.seqs.items()}}  # fmt: skip
+        record = {
+            "step": step,
+            "version": actor.get_version(),
+            "rng": rng_state(),
+            "cu_seqlens": batch.cu_seqlens.clone(),
+            "tokens": {k: v.detach().cpu().clone() for k, v in batch.tokens.items()},
+            "seqs": {k: v.detach().cpu().clone() for k, v in batch.seqs.items()},
+        }
         yield
         _atomic_save(record, _step_path(self.root, step, self.rank))
         self._hash_weights(step, actor)
@@ -128,8 +134,13 @@ class ReplayRecorder:
         the module ``areal replay`` loads (``CONFIG``, ``setup_trainers``, ``train_step``), the
         actor's ranks, their intra-op threads and how to record a run of one rank."""
         if self.cfg.enabled and self.rank == 0:
-            meta = {"script": str(Path(script).resolve()), "world_size": world_size,
-                    "torch": torch.__version__, "threads": threads, "one_rank": one_rank}  # fmt: skip
+            meta = {
+                "script": str(Path(script).resolve()),
+                "world_size": world_size,
+                "torch": torch.__version__,
+                "threads": threads,
+                "one_rank": one_rank,
+            }
             (self.root / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
     def _hash_weights(self, step: int, actor: Any) -> None:
@@ -199,7 +210,8 @@ class ReplayReport:
 
     @property
     def ok(self) -> bool:
-        """A plain replay must match bit for bit; a changed-knob replay's divergence is information."""
+        """A plain replay must match bit for bit; a changed-knob replay's divergence is
+        information."""
         return self.first_diff is None or bool(self.knobs)
 
     def text(self) -> str:
@@ -212,8 +224,8 @@ class ReplayReport:
             )
         elif self.knobs:
             lines.append(
-                f"with {' '.join(self.knobs)} the weights first differ at step {first.step} (expected: "
-                "a changed knob on the original samples; see docs/viewer.md, 'Replay')"
+                f"with {' '.join(self.knobs)} the weights first differ at step {first.step} "
+                "(expected: a changed knob on the original samples; see docs/viewer.md, 'Replay')"
             )
         else:
             lines.append(
@@ -242,7 +254,8 @@ def _recorded_hashes(root: Path) -> dict[int, dict[str, str]]:
 def check_step(
     root: Path, step: int, recorded: dict[str, str], state: dict[str, torch.Tensor]
 ) -> StepCheck:
-    """Compare ``state`` (the replay's actor after ``step``) with the recorded hashes of ``step``."""
+    """Compare ``state`` (the replay's actor after ``step``) with the recorded hashes of
+    ``step``."""
     if list(recorded) != list(state):
         raise ValueError(
             f"step {step}: the replay's actor has tensors {sorted(set(state) ^ set(recorded))[:5]} "
@@ -309,8 +322,9 @@ def _check_request(
     fixed = [k for k in knobs if k.split("=", 1)[0].split(".", 1)[0] in BATCH_SECTIONS]
     if fixed:
         raise ValueError(
-            f"{' '.join(fixed)}: a replay trains on the recorded batches, so "
-            f"{'/'.join(BATCH_SECTIONS)} cannot change; change a trainer knob (actor.*, critic.*, ref.*)"
+            f"{' '.join(fixed)}: a replay trains on the recorded batches, "
+            f"so {'/'.join(BATCH_SECTIONS)} cannot change; change a trainer knob (actor.*, "
+            "critic.*, ref.*)"
         )
     return last
 
@@ -339,7 +353,8 @@ def replay_run(
         []
         if meta["torch"] == torch.__version__
         else [
-            f"note: recorded with torch {meta['torch']}, replayed with {torch.__version__}: bit-identity needs the same build"
+            f"note: recorded with torch {meta['torch']}, replayed with {torch.__version__}: "
+            "bit-identity needs the same build"
         ]
     )
     make_deterministic()

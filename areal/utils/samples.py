@@ -54,7 +54,6 @@ class SampleIndex:
 
     def rows(self) -> list[dict[str, Any]]:
         """Every recorded sample's summary (:data:`SUMMARY_COLUMNS`), in step, rank, index order."""
-        import pyarrow.parquet as pq
 
         out, seen = [], set()
         for _, _, path in sample_files(self.run_dir):

@@ -31,7 +31,10 @@ def test_malformed_yaml_names_the_line(tmp_path):
 
 
 def test_every_problem_is_reported_at_once_with_path_value_and_fix(tmp_path):
-    text = "seed: -3\ntrain_dataset:\n  batch_szie: 4\n  type: sft\nmodel:\n  optimizer:\n    lr: abc\n"
+    text = (
+        "seed: -3\ntrain_dataset:\n  batch_szie: 4\n  type: sft\nmodel:\n  optimizer:\n    lr: "
+        "abc\n"
+    )
     with pytest.raises(ConfigError) as e:
         _load(tmp_path, text, "model.mb_spec.n_mbs=0", "model.optimizer.lr_scheduler_type=cosin")
     problems = e.value.problems

@@ -155,9 +155,8 @@ def test_checkpoint_reissues_every_untrained_item_and_keeps_the_bound():
     new.load_state_dict(state)
     assert new.version == 1 and new.staleness.accepted == B  # the one batch trained
     got = new.acquire(0, 10)
-    assert (
-        [i for _, i in got] == [2, 3, 4, 5]
-    )  # in admission order, whichever finished first  # items 2 and 3 again, then the loader goes on
+    # in admission order, whichever finished first: items 2 and 3 again, then the loader goes on
+    assert [i for _, i in got] == [2, 3, 4, 5]
     assert len(got) == (1 + 1 + 1) * B - B  # the bound holds after the resume
     with pytest.raises(RuntimeError, match="before any rollout"):
         new.load_state_dict(state)

@@ -186,7 +186,8 @@ def test_core_sft_steps_equal_lite_sft_steps(tiny_model_dir):
 
 
 def realloc_graph(ema: float, actor_workers=(0,), ref_workers=(0,), n_workers=1):
-    """actor trains (SFT); then the reference, its weights first moved from the actor, computes logp."""
+    """actor trains (SFT); then the reference, its weights first moved from the actor, computes
+    logp."""
     actor, ref = ModelName("actor"), ModelName("ref")
     mfcs = [
         MFC("actor_train", actor, ModelFn.TRAIN_LM, SFT_KEYS),

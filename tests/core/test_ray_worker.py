@@ -11,6 +11,15 @@ pass, so every node of the graph runs."""
 from __future__ import annotations
 
 import pytest
+from test_master_engines import (
+    GROUP,
+    lite_train_step,
+    max_gap,
+    realloc_graph,
+    rollout_batch,
+    sft_batches,
+    snapshot,
+)
 
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
@@ -21,15 +30,6 @@ from areal.core.master import Master
 from areal.core.ray_worker import EngineSpec, build_engine, start_ray_workers
 from areal.runtime.dist import init_distributed
 from areal.utils.batch import PackedBatch
-from test_master_engines import (
-    GROUP,
-    lite_train_step,
-    max_gap,
-    realloc_graph,
-    rollout_batch,
-    sft_batches,
-    snapshot,
-)
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,8 @@ def ray_driver(ray_head):
 
 @pytest.fixture(scope="module")
 def lite_step(tiny_model_dir):
-    """Lite's train_step on the whole batch in this process: (batch, actor stats, critic stats, weights)."""
+    """Lite's train_step on the whole batch in this process: (batch, actor stats, critic stats,
+    weights)."""
     batch = rollout_batch(n_groups=4)
     mesh = init_distributed("gloo").mesh
     lite = {m: build_engine(s, mesh) for m, s in specs(tiny_model_dir).items()}
@@ -73,7 +74,8 @@ def lite_step(tiny_model_dir):
 
 
 def core_step(ray, path: str, allocs: list[Allocation], batch):
-    """One master step over the allocation's Ray workers: (stats, full weights of actor and critic)."""
+    """One master step over the allocation's Ray workers: (stats, full weights of actor and
+    critic)."""
     n_workers = 1 + max(w for a in allocs for w in a.workers)
     graph = build_graph("async_ppo", ppo_mfcs(True, True, True), ROLLOUT_KEYS, allocs, n_workers)
     workers = start_ray_workers(graph, specs(path))

@@ -31,14 +31,23 @@ LITE = REPO / "examples" / "gsm8k_grpo.py"
 YAML = REPO / "examples" / "arithmetic_grpo.yaml"
 HERE = Path(__file__).resolve().parent
 SYNC = [  # 2 prompts x 4 samples x 4 tokens, on-policy, seeded samples, a reward that varies
-    "actor.dynamic_sampling=false", "train_dataset.batch_size=2", "gconfig.n_samples=4",
-    "gconfig.max_new_tokens=4", "eval_gconfig.max_new_tokens=4", "rollout.max_concurrent_rollouts=4",
-    "rollout.max_staleness=0", "gconfig.seed=11", "seed=5", "valid_dataset=null",
-    "reward_fn=sync_rewards:length_reward", "reward.timeout=300",
+    "actor.dynamic_sampling=false",
+    "train_dataset.batch_size=2",
+    "gconfig.n_samples=4",
+    "gconfig.max_new_tokens=4",
+    "eval_gconfig.max_new_tokens=4",
+    "rollout.max_concurrent_rollouts=4",
+    "rollout.max_staleness=0",
+    "gconfig.seed=11",
+    "seed=5",
+    "valid_dataset=null",
+    "reward_fn=sync_rewards:length_reward",
+    "reward.timeout=300",
     # Adam's first step is lr * g / (|g| + eps): with eps=1 it is smooth in g, so summing the
     # gradient in another order (dp=2) moves the weights by ~1e-9, not by lr
-    "actor.optimizer.lr=1e-2", "actor.optimizer.eps=1.0",
-]  # fmt: skip
+    "actor.optimizer.lr=1e-2",
+    "actor.optimizer.eps=1.0",
+]
 ENV = {"PYTHONPATH": str(HERE)}  # sync_rewards, for the trainer and the reward workers
 
 

@@ -7,12 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
-
-from areal.api.config.base import MicroBatchSpec, OptimizerConfig
-from areal.api.config.engine import TrainEngineConfig
-from areal.api.io import FinetuneSpec, SaveLoadMeta
-from areal.engine.fsdp import FSDPEngine
 from test_fsdp import (
     LENGTHS,
     free_port,
@@ -24,6 +18,12 @@ from test_fsdp import (
     set_dist_env,
     world_mesh,
 )
+from torch.distributed.tensor import DTensor
+
+from areal.api.config.base import MicroBatchSpec, OptimizerConfig
+from areal.api.config.engine import TrainEngineConfig
+from areal.api.io import FinetuneSpec, SaveLoadMeta
+from areal.engine.fsdp import FSDPEngine
 
 pytestmark = pytest.mark.slow
 SCHEDULE = OptimizerConfig(lr=1e-3, lr_scheduler_type="cosine", warmup_steps_proportion=0.2)

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from test_fsdp import world_mesh
 
 from areal.api.config import DPOLossConfig
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
@@ -14,7 +15,6 @@ from areal.api.config.engine import TrainEngineConfig
 from areal.engine.dpo import DPOEngine, pack_pairs, with_ref_logp
 from areal.engine.fsdp import FSDPEngine
 from areal.utils.batch import PackedBatch
-from test_fsdp import world_mesh
 
 pytestmark = pytest.mark.slow
 

@@ -110,7 +110,10 @@ def test_packed_logprobs_match_padded_hf_forward(tiny_model_dir):
 
     batch = random_batch()
     engine = make_engine(tiny_model_dir, MicroBatchSpec(max_tokens_per_mb=40))
-    hook = lambda logits, mb: packed_token_logprobs(logits, mb["input_ids"], mb.cu_seqlens)[0]
+
+    def hook(logits, mb):
+        return packed_token_logprobs(logits, mb["input_ids"], mb.cu_seqlens)[0]
+
     packed = engine.forward(batch, hook)  # [T]
     engine.destroy()
 
@@ -153,7 +156,10 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir):
 def test_non_finite_grad_norm_skips_the_step(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
     before = {k: v.clone() for k, v in engine.full_state_dict().items()}
-    nan_loss = lambda logits, mb: (nll_loss(logits, mb)[0] * float("nan"), {})
+
+    def nan_loss(logits, mb):
+        return nll_loss(logits, mb)[0] * float("nan"), {}
+
     stats = engine.train_batch(random_batch(LENGTHS[:3]), nan_loss, n_loss_tokens)
     after = engine.full_state_dict()
     engine.destroy()

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fsdp import world_mesh
 
 from areal.api.config import PPOActorConfig
+from areal.engine.ppo import PPOActor
 from areal.serving.generator import Generator
 from areal.serving.sampling import SamplingParams
-from areal.engine.ppo import PPOActor
 from areal.utils.batch import PackedBatch
-from test_fsdp import world_mesh
 
 
 @pytest.fixture(scope="module")

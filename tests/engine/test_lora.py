@@ -9,15 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
-from areal.api.config.base import MicroBatchSpec, OptimizerConfig
-from areal.api.config.engine import LoRAConfig, TrainEngineConfig
-from areal.api.io import SaveLoadMeta, WeightUpdateMeta
-from areal.engine import lora
-from areal.engine.fsdp import FSDPEngine
-from areal.engine.ppo import PPOActor, PPOCritic
-from areal.utils import weight_sync
 from test_fsdp import (
     free_port,
     n_loss_tokens,
@@ -28,6 +19,15 @@ from test_fsdp import (
     world_mesh,
 )
 from test_ppo import GROUP, rollout_batch
+
+from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
+from areal.api.config.base import MicroBatchSpec, OptimizerConfig
+from areal.api.config.engine import LoRAConfig, TrainEngineConfig
+from areal.api.io import SaveLoadMeta, WeightUpdateMeta
+from areal.engine import lora
+from areal.engine.fsdp import FSDPEngine
+from areal.engine.ppo import PPOActor, PPOCritic
+from areal.utils import weight_sync
 
 pytestmark = pytest.mark.slow
 LORA = LoRAConfig(rank=4, alpha=8.0)

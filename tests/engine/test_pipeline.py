@@ -241,7 +241,10 @@ def test_logprobs_and_values_on_two_stages_equal_the_single_process_ones(runs):
 @pytest.mark.slow
 def test_each_stage_holds_its_layers_and_the_tied_embedding_copies_stay_equal(runs):
     first, last = (s["sft"]["keys"] for s in runs["stages"])
-    layers = lambda keys: sorted({int(k.split(".")[2]) for k in keys if ".layers." in k})
+
+    def layers(keys):
+        return sorted({int(k.split(".")[2]) for k in keys if ".layers." in k})
+
     assert layers(first) == [0, 1] and layers(last) == [2, 3]
     assert [k for k in first if ".layers." not in k] == ["model.embed_tokens.weight"]
     assert [k for k in last if ".layers." not in k] == ["lm_head.weight", "model.norm.weight"]

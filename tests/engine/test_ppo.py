@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fsdp import world_mesh
 
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig, RolloutCorrectionConfig
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.utils.batch import PackedBatch
-from test_fsdp import world_mesh
 
 pytestmark = pytest.mark.slow
 GROUP = 2

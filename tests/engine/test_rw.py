@@ -6,12 +6,12 @@ import warnings
 
 import pytest
 import torch
+from test_fsdp import world_mesh
 
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.engine.rw import RWEngine, bradley_terry_loss
 from areal.utils.batch import PackedBatch
-from test_fsdp import world_mesh
 
 pytestmark = pytest.mark.slow
 
@@ -79,10 +79,10 @@ def test_value_head_gradients_equal_the_unsharded_models_and_fsdp_view_warning_i
     """FSDP2 warned that the value model returns a view (an in-place op on it would skip the
     all-gather and give wrong gradients). Nothing modifies it in place: the engine's gradient
     norm equals the plain transformers model's, and the warning is not raised any more."""
+    from test_fsdp import random_batch
     from transformers import AutoModelForTokenClassification
 
     from areal.engine.fsdp import FSDPEngine
-    from test_fsdp import random_batch
 
     batch = random_batch(seed=3)
 

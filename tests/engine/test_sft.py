@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fsdp import world_mesh
 
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.engine.sft import SFTEngine
 from areal.utils.batch import PackedBatch
-from test_fsdp import world_mesh
 
 pytestmark = pytest.mark.slow
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_fsdp import LINEAR_ADAM, free_port, random_batch, run_processes, set_dist_env, world_mesh
+from test_ppo import GROUP, actor_config, rollout_batch
 
 from areal.api.config.base import MicroBatchSpec
 from areal.api.config.engine import TrainEngineConfig
@@ -26,8 +28,6 @@ from areal.engine.ppo import PPOActor
 from areal.engine.sft import SFTEngine
 from areal.engine.tensor_parallel import check_tensor_parallel
 from areal.utils.batch import balance_across_ranks
-from test_fsdp import LINEAR_ADAM, free_port, random_batch, run_processes, set_dist_env, world_mesh
-from test_ppo import GROUP, actor_config, rollout_batch
 
 pytestmark = pytest.mark.slow
 SFT_MB = MicroBatchSpec(max_tokens_per_mb=30)

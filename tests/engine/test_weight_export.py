@@ -6,11 +6,6 @@ import json
 
 import pytest
 import torch
-
-from areal.api.config.engine import TrainEngineConfig
-from areal.api.io import SaveLoadMeta, WeightUpdateMeta
-from areal.engine.fsdp import FSDPEngine
-from areal.utils import weight_sync
 from test_fsdp import (
     free_port,
     make_engine,
@@ -21,6 +16,11 @@ from test_fsdp import (
     set_dist_env,
     world_mesh,
 )
+
+from areal.api.config.engine import TrainEngineConfig
+from areal.api.io import SaveLoadMeta, WeightUpdateMeta
+from areal.engine.fsdp import FSDPEngine
+from areal.utils import weight_sync
 
 pytestmark = pytest.mark.slow
 N_TRAINERS = 2  # FSDP ranks; the receiver is one more process outside their world

@@ -2,8 +2,9 @@
 
 Four gloo ranks host two different models, each on a disjoint 2-rank sub-mesh, training at the
 same time; each model's loss trace, HF export and final weights must equal a standalone 2-rank
-job's, and its DCP checkpoint must reload exactly on its own sub-mesh. A collective on the wrong group (the default one, or the other model's) would mix
-the two models' numbers or hang, and fails this test.
+job's, and its DCP checkpoint must reload exactly on its own sub-mesh. A collective on the wrong
+group (the default one, or the other model's) would mix the two models' numbers or hang, and fails
+this test.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ sections of one part of the system. A new section goes in the module of the part
 and is re-exported here.
 """
 
+from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.config.base import (
     BaseExperimentConfig,
     GenerationHyperparameters,
@@ -14,14 +15,10 @@ from areal.api.config.base import (
     StatsLoggerConfig,
     TimerConfig,
 )
-from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.config.data import ArithmeticConfig, DatasetConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.experiments import DPOConfig, DPOLossConfig, GRPOConfig, RWConfig, SFTConfig
 from areal.api.config.launcher import ClusterConfig, LauncherConfig, NameResolveConfig
-from areal.api.config.reward import RewardConfig, SandboxConfig, WorkflowConfig
-from areal.api.config.rollout import InferenceEngineConfig
-from areal.api.config.server import GenerationServerConfig
 from areal.api.config.loader import (
     ConfigError,
     from_dict,
@@ -33,6 +30,9 @@ from areal.api.config.loader import (
     save_config,
     to_dict,
 )
+from areal.api.config.reward import RewardConfig, SandboxConfig, WorkflowConfig
+from areal.api.config.rollout import InferenceEngineConfig
+from areal.api.config.server import GenerationServerConfig
 
 __all__ = [
     "ArithmeticConfig",

@@ -13,8 +13,9 @@ the preset table. A subclass of PPOActorConfig must wrap its own ``__init__`` wi
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.loader import param
@@ -143,7 +144,10 @@ class RolloutCorrectionConfig:
 
     def check(self) -> Iterator[str]:
         if self.mode == "truncate" and self.lower is not None:
-            yield f"lower: {self.lower} with mode=truncate; truncation has no lower bound, set lower=null"
+            yield (
+                f"lower: {self.lower} with mode=truncate; truncation has no lower bound, set "
+                "lower=null"
+            )
         if self.lower is not None and self.lower >= self.upper:
             yield f"lower: {self.lower} >= upper={self.upper}; the band must be lower < upper"
         if self.mask_sequence and (self.mode != "mask" or self.level != "token"):
@@ -338,8 +342,8 @@ class PPOActorConfig(TrainEngineConfig):
         if rc.mode != "none":
             if self.behav_imp_weight_cap is not None or self.tis_cap is not None:
                 yield (
-                    "rollout_correction: mode={} replaces behav_imp_weight_cap and tis_cap; set both "
-                    "to null".format(rc.mode)
+                    f"rollout_correction: mode={rc.mode} replaces behav_imp_weight_cap and "
+                    "tis_cap; set both to null"
                 )
             if rc.form == "decoupled" and not self.use_decoupled_loss:
                 yield (

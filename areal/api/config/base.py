@@ -9,9 +9,10 @@ real default, bounds declared on the field, cross-field rules in ``check()`` whi
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Literal
 
 from areal.api.config.data import DatasetConfig
 from areal.api.config.launcher import ClusterConfig, LauncherConfig
@@ -86,8 +87,8 @@ class GenerationHyperparameters:
     json_schema: str = param(
         "",
         help="Structured outputs: a JSON schema (as JSON text) every completion must match; the "
-        "server masks the tokens it forbids. At most one of json_schema, regex, ebnf; empty = none. "
-        "Logprobs are then the masked distribution's (README, Structured outputs).",
+        "server masks the tokens it forbids. At most one of json_schema, regex, ebnf; empty = "
+        "none. Logprobs are then the masked distribution's (README, Structured outputs).",
     )
     regex: str = param(
         "", help="Structured outputs: a regex every completion must match; empty = none."
@@ -114,13 +115,14 @@ class GenerationHyperparameters:
     def check(self) -> Iterator[str]:
         if len(self.grammar) > 1:
             yield (
-                f"json_schema: set at most one of json_schema, regex and ebnf, got {sorted(self.grammar)}; "
-                "keep one"
+                "json_schema: set at most one of json_schema, regex and ebnf, "
+                f"got {sorted(self.grammar)}; keep one"
             )
         if self.grammar and self.min_new_tokens:
             yield (
-                f"min_new_tokens: {self.min_new_tokens} with a grammar ({next(iter(self.grammar))}); the grammar "
-                "decides where a completion ends: set min_new_tokens to 0"
+                f"min_new_tokens: {self.min_new_tokens} with a grammar "
+                f"({next(iter(self.grammar))}); the grammar decides where a completion ends: set "
+                "min_new_tokens to 0"
             )
         if self.min_new_tokens > self.max_new_tokens:
             yield (
@@ -207,7 +209,10 @@ class StatsLoggerConfig:
     tensorboard: bool = param(False, help="Write TensorBoard events to RUN_DIR/tensorboard.")
     wandb: Literal["disabled", "online", "offline"] = param(
         "disabled",
-        help="Weights & Biases mode (needs the wandb extra: `pip install -e '.[wandb]'` in the areal checkout).",
+        help=(
+            "Weights & Biases mode (needs the wandb extra: `pip install -e '.[wandb]'` in the "
+            "areal checkout)."
+        ),
     )
     wandb_project: str = param("areal", help="W&B project name.")
     samples: SamplesConfig = param(factory=SamplesConfig, help="Trained samples for `areal view`.")
@@ -264,7 +269,8 @@ class BaseExperimentConfig:
 
     @property
     def name_resolve_root(self) -> Path:
-        """Root of the trial registry: ``cluster.name_resolve.file_root`` or FILEROOT/name_resolve."""
+        """Root of the trial registry: ``cluster.name_resolve.file_root`` or
+        FILEROOT/name_resolve."""
         root = self.cluster.name_resolve.file_root
         return Path(root) if root else Path(self.fileroot) / "name_resolve"
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Literal
 
 from areal.api.config.loader import param
 
@@ -36,7 +37,9 @@ class ArithmeticConfig:
             yield f"min_steps: {self.min_steps} > max_steps {self.max_steps}; swap them"
         bad = sorted(set(self.operators) - set("+-*"))
         if bad or not self.operators:
-            yield f"operators: {self.operators!r} has {bad or 'no operators'}; use a subset of '+-*'"
+            yield (
+                f"operators: {self.operators!r} has {bad or 'no operators'}; use a subset of '+-*'"
+            )
 
 
 @dataclass(frozen=True)

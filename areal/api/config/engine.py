@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Literal
 
-from areal.api.config.loader import param
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
+from areal.api.config.loader import param
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,8 @@ class LoRAConfig:
     target_modules: list[str] = param(
         ["all-linear"],
         help="Linear layers that get adapters: module-name suffixes (q_proj, "
-        "v_proj, ...) or ['all-linear'] (every linear of the decoder; never lm_head or a value head).",
+        "v_proj, ...) or ['all-linear'] (every linear of the decoder; never lm_head or a value "
+        "head).",
     )
     modules_to_save: list[str] = param(
         [],
@@ -36,7 +38,10 @@ class LoRAConfig:
 
     def check(self) -> Iterator[str]:
         if self.enabled and not self.target_modules:
-            yield "target_modules: empty with rank > 0; name the linears (e.g. [q_proj, v_proj]) or [all-linear]"
+            yield (
+                "target_modules: empty with rank > 0; name the linears (e.g. [q_proj, v_proj]) or "
+                "[all-linear]"
+            )
         if "all-linear" in self.target_modules and len(self.target_modules) > 1:
             yield (
                 f"target_modules: {self.target_modules} mixes all-linear with names; give "

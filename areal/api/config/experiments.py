@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Literal
 
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.config.base import BaseExperimentConfig, GenerationHyperparameters
@@ -28,7 +29,10 @@ class SFTConfig(BaseExperimentConfig):
     def check(self) -> Iterator[str]:
         yield from super().check()
         if self.cluster.n_servers:
-            yield f"cluster.n_servers: SFT uses no generation servers, got {self.cluster.n_servers}; set 0"
+            yield (
+                f"cluster.n_servers: SFT uses no generation servers, got {self.cluster.n_servers}; "
+                "set 0"
+            )
         if self.train_dataset.type != "sft":
             yield (
                 f"train_dataset.type: SFT needs 'sft' data, got {self.train_dataset.type!r}; "
@@ -45,7 +49,10 @@ class RWConfig(BaseExperimentConfig):
     def check(self) -> Iterator[str]:
         yield from super().check()
         if self.train_dataset.type != "rw":
-            yield f"train_dataset.type: RM needs 'rw' data, got {self.train_dataset.type!r}; set train_dataset.type=rw"
+            yield (
+                f"train_dataset.type: RM needs 'rw' data, got {self.train_dataset.type!r}; set "
+                "train_dataset.type=rw"
+            )
         if self.model.mb_spec.granularity % 2:
             yield (
                 f"model.mb_spec.granularity: must be even so pairs stay together, got "
@@ -123,7 +130,10 @@ class DPOConfig(BaseExperimentConfig):
     def check(self) -> Iterator[str]:
         yield from super().check()
         if self.cluster.n_servers:
-            yield f"cluster.n_servers: DPO uses no generation servers, got {self.cluster.n_servers}; set 0"
+            yield (
+                f"cluster.n_servers: DPO uses no generation servers, got {self.cluster.n_servers}; "
+                "set 0"
+            )
         for name in ("train_dataset", "valid_dataset"):
             data = getattr(self, name)
             if data is not None and data.type != "rw":
@@ -260,12 +270,16 @@ class GRPOConfig(BaseExperimentConfig):
             return
         if self.gconfig.temperature != 1.0:
             yield (
-                f"gconfig.temperature: {self.gconfig.temperature} with distillation; the teacher scores at "
-                "temperature 1, so the student must sample at 1 (set gconfig.temperature=1)"
+                f"gconfig.temperature: {self.gconfig.temperature} with distillation; the teacher "
+                "scores at temperature 1, so the student must sample at 1 (set "
+                "gconfig.temperature=1)"
             )
         has_servers = bool(d.addresses or d.n_servers)
         if scored_by == "servers" and not has_servers:
-            yield "distill.n_servers: 0 and no distill.addresses; the teacher needs a server (set n_servers=1)"
+            yield (
+                "distill.n_servers: 0 and no distill.addresses; the teacher needs a server (set "
+                "n_servers=1)"
+            )
         if scored_by == "teacher" and has_servers:
             yield (
                 "distill.n_servers: Core scores with a teacher node on the model workers; set "
@@ -278,7 +292,10 @@ class GRPOConfig(BaseExperimentConfig):
         if self.rollout.backend != "areal":
             return f"rollout.backend={self.rollout.backend} servers are not restarted"
         if self.weight_update_mode != "disk":
-            return "a restarted server cannot join the running weight broadcast group (weight_update_mode=distributed)"
+            return (
+                "a restarted server cannot join the running weight broadcast group "
+                "(weight_update_mode=distributed)"
+            )
         return ""
 
     def check(self) -> Iterator[str]:
@@ -296,8 +313,9 @@ class GRPOConfig(BaseExperimentConfig):
             )
         if a.overlong_reward_penalty and not 0 < a.overlong_tokens < self.gconfig.max_new_tokens:
             yield (
-                f"actor.overlong_tokens: {a.overlong_tokens} must be in (0, gconfig.max_new_tokens="
-                f"{self.gconfig.max_new_tokens}); lower it or set actor.overlong_reward_penalty=false"
+                f"actor.overlong_tokens: {a.overlong_tokens} must be in (0, "
+                f"gconfig.max_new_tokens={self.gconfig.max_new_tokens}); lower it or set "
+                "actor.overlong_reward_penalty=false"
             )
         if self.actor.use_critic and self.critic is None:
             yield "critic: actor.use_critic=true needs a critic section; set critic.path=MODEL_DIR"
@@ -305,16 +323,20 @@ class GRPOConfig(BaseExperimentConfig):
             self.actor.kl_ctl > 0 and self.ref is None and not self.actor.lora.enabled
         ):  # LoRA: its frozen base
             yield (
-                f"ref: actor.kl_ctl={self.actor.kl_ctl} needs a reference model; set ref.path=MODEL_DIR "
-                "(or train actor.lora adapters: the frozen base is then the reference)"
+                f"ref: actor.kl_ctl={self.actor.kl_ctl} needs a reference model; set "
+                "ref.path=MODEL_DIR (or train actor.lora adapters: the frozen base is then the "
+                "reference)"
             )
         if self.cluster.n_servers == 0 and not self.rollout.addresses:
             yield "cluster.n_servers: 0 and no rollout.addresses; RL needs servers (set 1 or more)"
         if self.train_dataset.type != "rl":
-            yield f"train_dataset.type: RL needs 'rl' data, got {self.train_dataset.type!r}; set train_dataset.type=rl"
+            yield (
+                f"train_dataset.type: RL needs 'rl' data, got {self.train_dataset.type!r}; set "
+                "train_dataset.type=rl"
+            )
         ranks = self.cluster.trainer_nprocs * self.cluster.n_nodes
         if ranks > 0 and self.train_dataset.batch_size % ranks:
             yield (
-                f"train_dataset.batch_size: {self.train_dataset.batch_size} is not divisible by the "
-                f"{ranks} trainer ranks (cluster.trainer_nprocs x cluster.n_nodes)"
+                f"train_dataset.batch_size: {self.train_dataset.batch_size} is not divisible by "
+                f"the {ranks} trainer ranks (cluster.trainer_nprocs x cluster.n_nodes)"
             )

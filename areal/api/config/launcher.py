@@ -4,8 +4,9 @@ launcher starts, watches and stops them (``launcher``)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Literal
 
 from areal.api.config.loader import param
 
@@ -103,9 +104,10 @@ class ClusterConfig:
             return
         if self.colocate is False and self.trainer_nprocs + self.n_servers > have:
             yield (
-                f"devices_per_node: {self.devices_per_node} x {self.n_nodes} node(s) cannot hold "
-                f"{self.trainer_nprocs} trainer ranks + {self.n_servers} servers one GPU each; lower "
-                "cluster.trainer_nprocs or cluster.n_servers, or set cluster.colocate=true"
+                f"devices_per_node: {self.devices_per_node} x {self.n_nodes} node(s) cannot "
+                f"hold {self.trainer_nprocs} trainer ranks + {self.n_servers} servers one GPU "
+                "each; lower cluster.trainer_nprocs or cluster.n_servers, or set "
+                "cluster.colocate=true"
             )
         elif self.trainer_nprocs > have:
             yield (
@@ -213,8 +215,8 @@ class SlurmConfig:
     def check(self) -> Iterator[str]:
         if self.time_limit and not _SLURM_TIME.fullmatch(self.time_limit):
             yield (
-                f"time_limit: {self.time_limit!r} is not a Slurm time; use minutes "
-                "(90), H:MM:SS (1:30:00) or D-HH:MM:SS (2-00:00:00), or empty for the partition's default"
+                f"time_limit: {self.time_limit!r} is not a Slurm time; use minutes (90), H:MM:SS "
+                "(1:30:00) or D-HH:MM:SS (2-00:00:00), or empty for the partition's default"
             )
         for line in self.sbatch_lines:
             if not line.startswith("-"):
@@ -245,9 +247,9 @@ class LauncherConfig:
         0,
         ge=0,
         help="OMP/torch threads per server process; 0 = chosen from the cores the launch "
-        "may use (local: an even share of this process's usable cores among the servers and trainer "
-        "ranks; Ray: launcher.ray.cpus_per_process; Slurm: torch's default within the task's CPUs), "
-        "logged at start.",
+        "may use (local: an even share of this process's usable cores among the servers and "
+        "trainer ranks; Ray: launcher.ray.cpus_per_process; Slurm: torch's default within the "
+        "task's CPUs), logged at start.",
     )
     trainer_threads: int = param(
         0,

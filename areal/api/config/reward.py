@@ -6,8 +6,9 @@ real default, bounds on the field, cross-field rules in ``check()``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Literal
 
 from areal.api.config.loader import param
 from areal.utils.imports import IMPORT_PATH
@@ -126,9 +127,9 @@ class AgentConfig:
     on_template_mismatch: Literal["error", "per_call"] = param(
         "error",
         help="concat when a call's prompt does not start with the previous call's prompt + "
-        "completion (a template that rewrites earlier turns, an agent that edits them): error fails "
-        "the episode (counted, dropped); per_call falls back to per-call trajectories (needs "
-        "gconfig.n_samples=1).",
+        "completion (a template that rewrites earlier turns, an agent that edits them): error "
+        "fails the episode (counted, dropped); per_call falls back to per-call trajectories "
+        "(needs gconfig.n_samples=1).",
     )
     gamma: float = param(
         1.0,
@@ -152,8 +153,9 @@ class AgentConfig:
     command: str = param(
         "",
         help="type=agent_cmd: the agent's command line (split like a shell would, run without "
-        "one), e.g. 'python my_agent.py' (a leading python is the trainer's own interpreter); started once per episode with OPENAI_BASE_URL and "
-        "OPENAI_API_KEY set to its session on the agent proxy and the item as JSON on stdin. The "
+        "one), e.g. 'python my_agent.py' (a leading python is the trainer's own interpreter); "
+        "started once per episode with OPENAI_BASE_URL and OPENAI_API_KEY set to its session on "
+        "the agent proxy and the item as JSON on stdin. The "
         'episode ends when it POSTs {"reward": r} to $OPENAI_BASE_URL/reward.',
     )
     reward_path: str = param(
@@ -198,11 +200,11 @@ class WorkflowConfig:
     type: str = param(
         "rlvr",
         help="rlvr: one answer per sample (RLVRWorkflow); multi_turn: retry with feedback "
-        "after a wrong answer, up to max_turns (MultiTurnWorkflow); or your RolloutWorkflow subclass "
-        "by import path 'module:Class', built as Class(reward, gconfig, tokenizer); agent: the "
-        "openai-client agent function workflow.agent.path names (AgentWorkflow); agent_cmd: the "
-        "agent program workflow.agent.command names, in its own process, through the agent proxy "
-        "(AgentCommandWorkflow).",
+        "after a wrong answer, up to max_turns (MultiTurnWorkflow); or your RolloutWorkflow "
+        "subclass by import path 'module:Class', built as Class(reward, gconfig, tokenizer); "
+        "agent: the openai-client agent function workflow.agent.path names (AgentWorkflow); "
+        "agent_cmd: the agent program workflow.agent.command names, in its own process, through "
+        "the agent proxy (AgentCommandWorkflow).",
     )
     max_turns: int = param(1, ge=1, help="Multi-turn: attempts per episode (1 = single turn).")
     turn_discount: float = param(
@@ -233,8 +235,9 @@ class WorkflowConfig:
             )
         if self.agent.reward_path and not IMPORT_PATH.fullmatch(self.agent.reward_path):
             yield (
-                f"agent.reward_path: {self.agent.reward_path!r} is not an import path 'module:function' "
-                "(e.g. my_rewards:score_stdout); leave it empty when the agent posts its reward"
+                f"agent.reward_path: {self.agent.reward_path!r} is not an import path "
+                "'module:function' (e.g. my_rewards:score_stdout); leave it empty when the agent "
+                "posts its reward"
             )
         if self.type not in (
             "rlvr",
@@ -243,8 +246,9 @@ class WorkflowConfig:
             "agent_cmd",
         ) and not IMPORT_PATH.fullmatch(self.type):
             yield (
-                f"type: {self.type!r} is not rlvr, multi_turn, agent, agent_cmd or an import path 'module:Class' "
-                "(e.g. my_workflows:SignalOnlyWorkflow, my_workflows.py beside the entry script)"
+                f"type: {self.type!r} is not rlvr, multi_turn, agent, agent_cmd or an import path "
+                "'module:Class' (e.g. my_workflows:SignalOnlyWorkflow, my_workflows.py beside the "
+                "entry script)"
             )
         if self.type == "rlvr" and self.max_turns > 1:
             yield (

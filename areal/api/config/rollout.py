@@ -5,8 +5,9 @@ Field paths in an experiment config are ``rollout.<field>`` (e.g. ``rollout.max_
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Literal
 
 from areal.api.config.loader import param
 
@@ -91,4 +92,7 @@ class InferenceEngineConfig:
         for i, addr in enumerate(self.addresses):
             host, sep, port = addr.split("://", 1)[-1].rpartition(":")
             if not sep or not host or not port.isdigit():
-                yield f"addresses[{i}]: {addr!r} is not [http://]host:port; write e.g. 127.0.0.1:30000"
+                yield (
+                    f"addresses[{i}]: {addr!r} is not [http://]host:port; write e.g. "
+                    "127.0.0.1:30000"
+                )

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Literal
 
 from areal.api.config.loader import param
 
@@ -127,14 +128,15 @@ class GenerationServerConfig:
         100_000,
         ge=1,
         help="Most characters of one structured-output grammar (a JSON schema, regex, "
-        "Lark/GBNF grammar, choice list, or a forced tool call's tools); longer gets HTTP 400 naming the "
-        "field before anything is compiled.",
+        "Lark/GBNF grammar, choice list, or a forced tool call's tools); longer gets HTTP 400 "
+        "naming the field before anything is compiled.",
     )
     grammar_compile_timeout: float = param(
         10.0,
         gt=0,
         help="Seconds a request waits for its grammar to compile (on the server's two "
-        "compile threads, never the event loop or the decode loop); then HTTP 400 naming the field.",
+        "compile threads, never the event loop or the decode loop); then HTTP 400 naming the "
+        "field.",
     )
     grammar_lexer_fuel: int = param(
         1_000_000,
