@@ -13,8 +13,10 @@ checkpoint), as for a model worker that died.
 
 A busy actor is not hung: model workers answer from a thread of their own while they compute
 (``max_concurrency``), rollout workers run episodes on an event loop thread, and the manager's
-calls are short. An actor that died or is being restarted is not judged (its probe fails or
-waits) until it answers again. The verdict is :class:`ProbeClock`'s: pure, no clock, no Ray.
+calls are short. An actor that died or is being restarted is not judged until it answers again
+(Ray fails a call to a restarting actor with ``ActorUnavailableError``; a call to an actor still
+being created waits, and it has not answered yet). The verdict is :class:`ProbeClock`'s: pure,
+no clock, no Ray.
 """
 
 from __future__ import annotations

@@ -3,11 +3,13 @@
 Tier 1: the verdict (:class:`ProbeClock`) with hand-picked times, and what the master is said
 to run (:class:`MFCActivity`).
 
-Tier 2 (slow): ``areal core async-ppo`` under the real local launcher. A rollout worker is
-stopped (SIGSTOP: alive, silent) mid-run: the master's hang watch names it within
-``health_timeout`` (plus one probe period), kills it, Ray restarts it, its work is redone and the
-run goes on. Then a model worker is stopped: it is named the same way, killed, the step fails
-naming it, and the run stops with nothing left behind.
+Tier 2 (slow): one ``areal core async-ppo`` run under the real local launcher, three faults.
+The generation manager is SIGKILLed: Ray restarts it from its record and the run goes on (the
+version one up every step, each prompt trained once). A rollout worker is stopped (SIGSTOP:
+alive, silent): the master's hang watch names it within ``health_timeout`` (plus one probe
+period), kills it, Ray restarts it, its work is redone and the run goes on. Then a model worker
+is stopped: it is named the same way, killed, the step fails naming it, and the run stops with
+nothing left behind.
 """
 
 from __future__ import annotations
@@ -132,46 +134,70 @@ def hung_lines(run_dir: Path) -> list[tuple[str, int, float]]:
     return [(m[1], int(m[2]), float(m[3])) for m in HUNG.finditer(log)]
 
 
+def until_status(launch, run_dir: Path, what, label: str) -> dict:
+    """Wait for RUN_DIR/core_status.json to satisfy ``what`` while the run goes on."""
+    launch.wait(RUN_TIMEOUT, until=lambda: (st := status(run_dir)) is not None and what(st))
+    assert launch.proc.poll() is None, f"the run ended before {label}:\n{launch.output()}"
+    return status(run_dir)
+
+
 @pytest.mark.slow
-def test_a_hung_rollout_worker_is_restarted_and_a_hung_model_worker_stops_the_run(
+def test_a_killed_manager_and_a_hung_rollout_worker_recover_and_a_hung_model_worker_stops_the_run(
     runs, tiny_model_dir, monkeypatch
 ):
+    """One run, three faults (one launch is the cost of the three)."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    timeout = 8.0  # seconds; probes every min(2, 8 / 4) = 2 s
+    timeout, period = 8.0, 2.0  # seconds; probes every min(2, 8 / 4) = 2 s
     t0 = time.monotonic()
     launch, run_dir = start(
         runs,
-        "hang",
+        "faults",
         [f"actor.path={tiny_model_dir}", *ASYNC, "total_train_steps=200",
          "rollout.max_staleness=1", f"core.health_timeout={timeout}"],
     )  # fmt: skip
-    launch.wait(RUN_TIMEOUT, until=lambda: (status(run_dir) or {}).get("step", 0) >= 2)
-    assert launch.proc.poll() is None, launch.output()
-    victim = status(run_dir)["workers"][1]["pid"]
+    # 1. the manager SIGKILLed: Ray restarts it from its record and the run goes on
+    st = until_status(launch, run_dir, lambda st: st["step"] >= 2, "step 2")
+    manager, killed_at = st["manager_pid"], st["step"]
+    os.kill(manager, signal.SIGKILL)
+    st = until_status(
+        launch,
+        run_dir,
+        lambda st: st["manager_pid"] != manager and st["step"] >= killed_at + 2,
+        "two steps with the restarted manager",
+    )
+    assert st["manager"]["manager/restarts"] == 1
+    # 2. a rollout worker stopped (alive, silent): named within health_timeout, killed,
+    # restarted by Ray, its rollouts redone, the run goes on
+    victim, at = st["workers"][1]["pid"], st["step"]
     os.kill(victim, signal.SIGSTOP)
     stopped = time.monotonic()
     launch.wait(RUN_TIMEOUT, until=lambda: hung_lines(run_dir))
     named = time.monotonic() - stopped
     assert hung_lines(run_dir)[0][:2] == ("rollout worker 1", victim)
-    assert timeout <= hung_lines(run_dir)[0][2] <= timeout + 2 * 2.0 + 1
-    # restarted (a new pid), its slots reclaimed, and the run goes on
-    restarted = lambda st: st["step"] > 4 and st["workers"][1]["pid"] != victim  # noqa: E731
-    launch.wait(RUN_TIMEOUT, until=lambda: restarted(status(run_dir)))
-    st = status(run_dir)
-    assert st["manager"]["rollout_worker/1/restarts"] == 1 and launch.proc.poll() is None
-
+    assert timeout <= hung_lines(run_dir)[0][2] <= timeout + period + 1
+    st = until_status(
+        launch,
+        run_dir,
+        lambda st: st["step"] >= at + 2 and st["workers"][1]["pid"] != victim,
+        "two steps with the restarted rollout worker",
+    )
+    assert st["manager"]["rollout_worker/1/restarts"] == 1
+    # 3. a model worker stopped: named, killed, the step fails and the run stops, no survivor
     model = st["model_worker_pids"][1]
     os.kill(model, signal.SIGSTOP)
-    code = launch.wait(RUN_TIMEOUT)
-    assert code != 0
+    assert launch.wait(RUN_TIMEOUT) != 0
     launch.assert_no_survivors()  # the stopped process too
     lines = hung_lines(run_dir)
-    assert lines[-1][:2] == ("model worker 1", model), lines
-    assert timeout <= lines[-1][2] <= timeout + 2 * 2.0 + 1
+    assert len(lines) == 2 and lines[1][:2] == ("model worker 1", model), lines
+    assert timeout <= lines[1][2] <= timeout + period + 1
+    # every step: one weight update (the version went on across the manager's restart), lags
+    # within the bound, each prompt trained once
     steps = train_steps(run_dir)
+    assert sorted(steps) == list(range(1, len(steps) + 1))
+    assert all(s["manager/version"] == n and s["core/lag/max"] <= 1 for n, s in steps.items())
     ids = [i for r in effective_ids(run_dir).values() for i in r]
-    assert len(ids) == 2 * len(steps) and len(set(ids)) == len(ids)  # each prompt trained once
+    assert len(ids) == 2 * len(steps) and len(set(ids)) == len(ids)
     print(
-        f"rollout worker named {named:.1f} s after SIGSTOP; {len(steps)} steps; "
-        f"the test took {time.monotonic() - t0:.0f} s"
+        f"manager killed after step {killed_at}; rollout worker named {named:.1f} s after "
+        f"SIGSTOP; {len(steps)} steps; the test took {time.monotonic() - t0:.0f} s"
     )
