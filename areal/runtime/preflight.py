@@ -64,7 +64,7 @@ def _vocab_size(path: str) -> int | None:
 
 def preflight(cfg: Any) -> list[str]:
     """Every problem with the paths and token ids ``cfg`` names (empty when it can start)."""
-    problems: list[str] = []
+    problems: list[str | None] = []  # None / '': a check that found nothing
     for prefix, section in _sections(cfg):
         if isinstance(section, TrainEngineConfig):
             problems.append(model_dir_problem(f"{prefix}path", section.path))

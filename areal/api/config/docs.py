@@ -75,7 +75,7 @@ class Section:
 def _section_class(tp: Any) -> tuple[type | None, bool]:
     """The dataclass a field's type holds (if any) and whether the type admits None."""
     args = get_args(tp) if get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-    classes = [a for a in args if dataclasses.is_dataclass(a)]
+    classes = [a for a in args if isinstance(a, type) and dataclasses.is_dataclass(a)]
     return (classes[0] if classes else None), type(None) in args
 
 
