@@ -51,6 +51,7 @@ from typing import Any
 
 from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.io import WeightUpdateMeta
+from areal.api.launch import agent_proxy_env, agent_proxy_token
 from areal.api.protocols import Admission, Checkpointable, StateDict, WeightTarget
 from areal.rollout.remote import RemoteInferenceEngine
 from areal.utils.logging import get_logger
@@ -151,8 +152,13 @@ class RayRolloutSide(Admission, Checkpointable):
             .options(name=manager_name, num_cpus=0, max_restarts=cfg.core.manager_restarts)
             .remote(cfg, addresses, str(record))
         )
+        # workflow.type=agent_cmd: the agent proxy's control token reaches the workers by env as
+        # in Lite (a Ray cluster given by address does not inherit this process's environment)
+        env = agent_proxy_env(agent_proxy_token())
         self._cls = ray.remote(RolloutWorker).options(
-            num_cpus=0, max_restarts=cfg.core.rollout_worker_restarts
+            num_cpus=0,
+            max_restarts=cfg.core.rollout_worker_restarts,
+            **({"runtime_env": {"env_vars": env}} if env else {}),
         )
         self._args = (cfg, manager_name, dump_dir, reject_limit)
         self.servers = list(addresses)  # what the rollout workers route to

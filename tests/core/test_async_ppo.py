@@ -15,6 +15,8 @@ and the generation manager, the tiny model).
 - A SIGKILLed generation server (of 2): the rollout workers fail over to the other, the launcher
   restarts it, the manager's next weight update revives it with the current weights (the
   manager owns the servers and their updates), and the rollout workers route to it again.
+- An agent program (``workflow.type=agent_cmd``): the launcher's agent proxy role serves the
+  rollout workers' sessions, and the rewards the agents posted are what trains.
 - Elastic scaling: a server started by hand and a third rollout worker are added mid-run
   (``areal core scale``); once the new worker has rolled out, the launcher's server and a rollout
   worker are removed; the new server gets every weight update from its first step on and serves
@@ -124,6 +126,36 @@ def test_core_async_ppo_on_policy(runs, tiny_model_dir, monkeypatch):
         scale.returncode != 0 and "the run has ended (it finished at step 4/4)" in scale.stderr
     ), scale.stderr
     assert not (run / "core_scale.json").exists()
+
+
+def test_core_async_ppo_trains_an_agent_program_through_the_proxy_role(
+    runs, tiny_model_dir, monkeypatch
+):
+    """workflow.type=agent_cmd under Core: the launcher's agent proxy role serves the rollout
+    workers' sessions (their control token by Ray's runtime env), and their samples train."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    agent = REPO / "tests" / "workflow" / "turns_agent.py"
+    run = runs.run(
+        "agent0",
+        SCRIPT,
+        [
+            f"actor.path={tiny_model_dir}",
+            *ASYNC,
+            "total_train_steps=2",
+            "rollout.max_staleness=1",
+            "workflow.type=agent_cmd",
+            f"workflow.agent.command=python {agent}",
+        ],
+    )
+    steps = train_steps(run)  # the agent's reward is always 1.0: no gradient to expect
+    assert sorted(steps) == [1, 2]
+    for step, st in steps.items():
+        assert st["manager/version"] == step and st["core/lag/max"] <= 1
+        assert sum(v for k, v in st.items() if k.startswith("core/lag/hist/")) == 8
+        assert st["mfc/actor_train/n_tokens"] > 0
+        assert st["reward/mean"] == 1.0  # the rewards the agents posted, not reward_fn's
+    proxy_log = (run / "logs" / "agent_proxy.log").read_text()
+    assert "agent proxy serves on" in proxy_log and "Traceback" not in proxy_log
 
 
 def status(run_dir: Path) -> dict | None:

@@ -1,7 +1,8 @@
 """A test agent with nothing but the standard library (as an agent in any language would be):
-it reads its item (JSON) on stdin, makes ``item["turns"]`` chat calls to ``$OPENAI_BASE_URL``
-with ``$OPENAI_API_KEY`` (each after the previous answer and a user turn ``go on``), then posts
-reward 1.0. With ``PROXY_AGENT_OUT`` set it writes there, as JSON, the logprobs it was answered,
+it reads its item (JSON) on stdin, makes ``item["turns"]`` (default 1) chat calls to
+``$OPENAI_BASE_URL`` with ``$OPENAI_API_KEY``, the first on ``item["question"]`` (default: the
+item's last message, as a dataset item has it), each later one after the previous answer and a
+user turn ``go on``, then posts reward 1.0. With ``PROXY_AGENT_OUT`` set it writes there, as JSON, the logprobs it was answered,
 per call."""
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ def post(path: str, body: dict) -> dict:
 
 def main() -> None:
     item = json.loads(sys.stdin.readline())
-    messages = [{"role": "user", "content": item["question"]}]
+    question = item.get("question") or item["messages"][-1]["content"]
+    messages = [{"role": "user", "content": question}]
     seen = []
-    for turn in range(item["turns"]):
+    for turn in range(item.get("turns", 1)):
         if turn:
             messages.append({"role": "user", "content": "go on"})
         out = post("/chat/completions", {"model": "areal", "messages": messages, "logprobs": True})
