@@ -1,10 +1,13 @@
 """Train an agent that runs as its own program (``workflow.type: agent_cmd``; docs/agents.md,
 "Bring your own agent").
 
-Per episode the workflow opens a session on its :class:`~areal.workflow.agent_proxy.AgentProxy`
+Per episode the workflow opens a session on the agent proxy (areal.workflow.agent_proxy, a role
+the launchers start; through its control API, :class:`~areal.workflow.agent_control.ProxyClient`)
 and starts ``workflow.agent.command`` with ``OPENAI_BASE_URL`` (the proxy's ``/v1``) and
 ``OPENAI_API_KEY`` (the session's key) in its environment and the dataset item as one JSON
-object on its stdin. The agent makes its calls with whatever client it likes; each is recorded
+object on its stdin: a process of its own, or forked from a fork server that imported the script
+once (``fork_server``, areal.workflow.agent_fork), or inside the code sandbox's namespaces
+(``sandbox``, areal.reward.agent_sandbox). When the session ends the proxy answers its record. The agent makes its calls with whatever client it likes; each is recorded
 in tokens by the same code as the in-process path (:class:`AgentWorkflow`, whose failure
 accounting and trajectory building this class inherits). The episode ends:
 
