@@ -3,11 +3,12 @@ layouts, end to end through the master.
 
 One graph, one step: the actor trains on dp=1 x tp=2 (workers 0, 1); then its weights move
 tp2 -> tp1 (into a replica on worker 0), that replica's move on to tp1 -> tp2 (workers 0, 1) and
-tp1 -> dp2 (workers 0, 1), and the actor's tp2 -> dp2 on workers 1, 0 (another order). Each
-replica starts from other random weights. After the step every replica holds the trained actor's
-weights (1e-6; each piece is copied, not recomputed), and each reallocation's
-``realloc/<model>/bytes`` equals the plan ``areal core graph`` prints
-(:func:`areal.core.realloc.plan_realloc` over the model's config) exactly."""
+tp1 -> dp2 (workers 0, 1), the dp2 replica's to dp2 -> tp2 and dp2 -> dp1 (worker 1), and the
+actor's tp2 -> dp2 on workers 1, 0 (another order). Each replica starts from other random
+weights. After the step every replica holds the trained actor's weights (1e-6; each piece is
+copied, not recomputed), and each reallocation's ``realloc/<model>/bytes`` equals the plan
+``areal core graph`` prints (:func:`areal.core.realloc.plan_realloc` over the model's config)
+exactly."""
 
 from __future__ import annotations
 
@@ -26,13 +27,15 @@ from areal.core.realloc import model_shapes, plan_realloc
 pytestmark = pytest.mark.slow
 
 ACTOR = ModelName("actor")
-TP1, TP2, DP2, DP2_SWAPPED = (ModelName("actor", i) for i in range(1, 5))
+TP1, TP2, DP2, DP2_SWAPPED, DP2_TO_TP2, DP1 = (ModelName("actor", i) for i in range(1, 7))
 LAYOUTS = {  # model: (layout workers, dp, tp), its weights' source
     ACTOR: (((0, 1), 1, 2), None),
     TP1: (((0,), 1, 1), ACTOR),  # tp2 -> tp1
     TP2: (((0, 1), 1, 2), TP1),  # tp1 -> tp2
     DP2: (((0, 1), 2, 1), TP1),  # tp1 -> dp2
     DP2_SWAPPED: (((1, 0), 2, 1), ACTOR),  # tp2 -> dp2, workers in the other order
+    DP2_TO_TP2: (((0, 1), 1, 2), DP2),  # dp2 -> tp2
+    DP1: (((1,), 1, 1), DP2),  # dp2 -> dp1 on the second worker
 }
 
 
@@ -68,7 +71,7 @@ def test_tp2_tp1_and_dp_reallocations_move_the_planned_bytes_and_copy_the_weight
     graph = realloc_graph()
     opt = OptimizerConfig(lr=1e-2, eps=1.0)
     specs = {ACTOR: EngineSpec("sft", TrainEngineConfig(path=tiny_model_dir, optimizer=opt))}
-    for i, model in enumerate([TP1, TP2, DP2, DP2_SWAPPED]):
+    for i, model in enumerate(list(LAYOUTS)[1:]):
         other = TrainEngineConfig(path=tiny_model_dir, init_from_scratch=True, init_seed=7 + i)
         specs[model] = EngineSpec("lm", other)
     workers = start_ray_workers(graph, specs)

@@ -15,9 +15,7 @@ from test_master_engines import (
     GROUP,
     lite_train_step,
     max_gap,
-    realloc_graph,
     rollout_batch,
-    sft_batches,
     snapshot,
 )
 
@@ -172,35 +170,3 @@ def test_a_dead_ray_worker_stops_the_step_naming_the_mfc_and_the_worker(ray_driv
             master.step(2)
     finally:
         ray_driver.kill(workers[0].handle, no_restart=True)
-
-
-def test_reallocation_moves_the_actor_from_dp2_to_a_dp1_reference_on_ray(
-    ray_driver, tiny_model_dir
-):
-    # actor trained on a dp=2 mesh (workers 0, 1); the reference on dp=1 (worker 1) gets its
-    # weights before computing logp: its logprobs then equal the actor's (1e-5)
-    graph = realloc_graph(0.0, actor_workers=(0, 1), ref_workers=(1,), n_workers=2)
-    actor, ref = ModelName("actor"), ModelName("ref")
-    opt = OptimizerConfig(lr=1e-2, eps=1.0)
-    specs_ = {
-        actor: EngineSpec("sft", TrainEngineConfig(path=tiny_model_dir, optimizer=opt)),
-        ref: EngineSpec(
-            "lm", TrainEngineConfig(path=tiny_model_dir, init_from_scratch=True, init_seed=7)
-        ),
-    }
-    workers = start_ray_workers(graph, specs_)
-    try:
-        master = Master(graph, workers, mfc_timeout=300)
-        batch = sft_batches()[0]
-        master.put_batch(batch)
-        master.step(batch.n_seqs)
-        ref_logp = workers[1].call(ref, "compute_logp", batch).result(timeout=300)[0]["logp"]
-        both = [
-            w.call(actor, "compute_logp", batch) for w in workers
-        ]  # collective: same batch on both
-        actor_logp = both[0].result(timeout=300)[0]["logp"]
-        both[1].result(timeout=300)
-    finally:
-        for w in workers:
-            w.close()
-    assert (ref_logp - actor_logp).abs().max() < 1e-5
