@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from areal.core.dfg import Allocation, DataflowGraph, ModelName, ParamRealloc
+from areal.engine import pipeline
 from areal.engine.tensor_parallel import LAYER_PLAN
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension, global indices
@@ -67,15 +68,14 @@ def chunk(n: int, k: int, i: int) -> tuple[int, int]:
 
 
 def stage_layers(n_layers: int, pp: int) -> list[range]:
-    """The decoder layers of each pipeline stage: contiguous, the first ``n_layers % pp`` stages
-    one layer more (e.g. 5 layers over 2 stages: [0, 1, 2] and [3, 4])."""
+    """The decoder layers of each pipeline stage, as :func:`areal.engine.pipeline.stage_layers`
+    cuts them: contiguous, the first ``n_layers % pp`` stages one layer more (e.g. 5 layers over 2
+    stages: [0, 1, 2] and [3, 4])."""
     if not 1 <= pp <= n_layers:
         raise ValueError(
             f"pp={pp} stages for a model of {n_layers} decoder layers; use 1..{n_layers}"
         )
-    base, extra = divmod(n_layers, pp)
-    starts = [p * base + min(p, extra) for p in range(pp + 1)]
-    return [range(starts[p], starts[p + 1]) for p in range(pp)]
+    return [pipeline.stage_layers(n_layers, pp, p) for p in range(pp)]  # the engine's own split
 
 
 def stages_of(name: str, n_layers: int, pp: int, tied: bool) -> set[int]:
