@@ -81,7 +81,7 @@ def _stop_reason(kind: Any, body: Any) -> StopReason:
     raise BadServerResponse(f"unknown finish reason {kind!r} in server answer {str(body)[:300]}")
 
 
-def _sampling(g: GenerationHyperparameters) -> dict[str, Any]:
+def _sampling(g: GenerationHyperparameters) -> dict[str, object]:
     """The sampling knobs every backend names alike (SGLang's ``sampling_params``, vLLM's
     completions fields); greedy is temperature 0."""
     return {

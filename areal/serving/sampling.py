@@ -16,7 +16,6 @@ depend only on its logits and its seed, not on which other requests share the ba
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -182,7 +181,7 @@ def _multinomial_rows(
 
 @torch.no_grad()
 def sample_continuations(
-    model: Any,
+    model: torch.nn.Module,
     prompts: list[list[int]],
     n: int,
     temperature: float,

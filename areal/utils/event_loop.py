@@ -45,7 +45,7 @@ class EventLoopThread:
             fut.cancel()
             raise TimeoutError(f"{what} did not finish within {timeout} s") from None
 
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+    def call_soon(self, fn: Callable[..., object], *args: object) -> None:
         """Run ``fn(*args)`` on the loop thread (thread-safe)."""
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(fn, *args)

@@ -7,7 +7,11 @@ from __future__ import annotations
 import base64
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
+
+import etcd3gw  # loaded only when cluster.name_resolve.type=etcd (make_repository)
+from etcd3gw.client import Etcd3Client
+from etcd3gw.exceptions import Etcd3Exception
 
 from areal.utils.logging import get_logger
 from areal.utils.name_resolve import (
@@ -19,6 +23,7 @@ from areal.utils.name_resolve import (
 )
 
 logger = get_logger("name_resolve")
+T = TypeVar("T")
 
 
 def _b64(data: bytes) -> str:
@@ -36,22 +41,19 @@ class EtcdNameRepository(NameRepository):
     def __init__(
         self, address: str, namespace: str, ttl: int, timeout: float, prefix: str = "areal"
     ):
-        import etcd3gw  # a dependency of areal, imported here so the other backends never load it
-        import etcd3gw.exceptions
-
         host, _, port = address.rpartition(":")
         if not (host and port.isdigit()):
             raise ValueError(
                 f"cluster.name_resolve.etcd_address must be host:port, got {address!r}"
             )
         self.address, self.ttl, self.timeout = address, ttl, timeout
-        self._etcd3gw, self._host, self._port = etcd3gw, host, int(port)
+        self._host, self._port = host, int(port)
         self._root = (
             "/".join(p for p in (prefix.strip("/"), namespace.strip("/")) if p) + "/"
         ).encode()
         self._local = threading.local()
         self._lease_lock = threading.Lock()
-        self._lease: Any = None  # etcd3gw.Lease, granted by the first add
+        self._lease: etcd3gw.Lease | None = None  # granted by the first add
         self._lease_lost = ""  # why this process's entries are gone, set by the keep-alive thread
         self._stop = threading.Event()
         self._request("answer a status request", lambda client: client.status())
@@ -59,19 +61,19 @@ class EtcdNameRepository(NameRepository):
     def _key(self, name: str) -> bytes:
         return self._root + clean_key(name).encode()
 
-    def _client(self) -> Any:
+    def _client(self) -> Etcd3Client:
         client = getattr(self._local, "client", None)
         if client is None:
-            client = self._etcd3gw.client(
+            client = etcd3gw.client(
                 host=self._host, port=self._port, timeout=self.timeout, api_path="/v3/"
             )
             self._local.client = client
         return client
 
-    def _request(self, what: str, call: Callable[[Any], Any]) -> Any:
+    def _request(self, what: str, call: Callable[[Etcd3Client], T]) -> T:
         try:
             return call(self._client())
-        except self._etcd3gw.exceptions.Etcd3Exception as e:
+        except Etcd3Exception as e:
             raise RegistryUnavailableError(
                 f"etcd at {self.address} (cluster.name_resolve.etcd_address) did not {what}: "
                 f"{type(e).__name__}: {e} {e.detail_text or ''}; start etcd there or point "
@@ -79,7 +81,7 @@ class EtcdNameRepository(NameRepository):
                 "answers)"
             ) from e
 
-    def _owned_lease(self) -> Any:
+    def _owned_lease(self) -> etcd3gw.Lease:
         with self._lease_lock:
             if self._lease_lost:
                 raise RegistryUnavailableError(self._lease_lost)
@@ -99,8 +101,8 @@ class EtcdNameRepository(NameRepository):
         period = self.ttl / 3  # seconds; two refreshes may fail before the lease runs out
         while not self._stop.wait(period):
             try:
-                remaining = self._etcd3gw.Lease(lease_id, self._client()).refresh()
-            except self._etcd3gw.exceptions.Etcd3Exception as e:
+                remaining = etcd3gw.Lease(lease_id, self._client()).refresh()
+            except Etcd3Exception as e:
                 logger.warning(
                     f"etcd at {self.address}: lease refresh failed ({e}); retrying in {period:.1f} "
                     "s"
@@ -196,8 +198,8 @@ class EtcdNameRepository(NameRepository):
         if lease is None:
             return
         try:
-            self._etcd3gw.Lease(lease.id, self._client()).revoke()
-        except self._etcd3gw.exceptions.Etcd3Exception as e:
+            etcd3gw.Lease(lease.id, self._client()).revoke()
+        except Etcd3Exception as e:
             logger.warning(
                 f"etcd at {self.address}: could not revoke the registry lease ({e}); its entries "
                 f"expire within cluster.name_resolve.ttl={self.ttl} s"

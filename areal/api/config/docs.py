@@ -79,7 +79,7 @@ def _section_class(tp: Any) -> tuple[type | None, bool]:
     return (classes[0] if classes else None), type(None) in args
 
 
-def _entry_class(tp: Any) -> type | None:
+def _entry_class(tp: object) -> type | None:
     """The dataclass of a list-of-sections field's entries (``list[X]``), if it is one."""
     if get_origin(tp) not in (list, tuple):
         return None
