@@ -313,7 +313,8 @@ class Master:
                         f"worker {worker}{during}: {f.exception()}"
                     ) from f.exception()
         late = [
-            f"{r.mfc.name!r} on workers {[w for (w, _), f in zip(r.shares, r.futures) if not f.done()]}"
+            f"{r.mfc.name!r} on workers "
+            f"{[w for (w, _), f in zip(r.shares, r.futures) if not f.done()]}"
             for r in running.values()
             if time.monotonic() - r.start > self.mfc_timeout
             and not all(f.done() for f in r.all_futures())

@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import json
 import socket
-import uuid
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 

@@ -7,8 +7,8 @@ distilling, the teacher's client and its scoring of every training group.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,9 +21,9 @@ from areal.reward.runner import RewardRunner
 from areal.rollout.executor import WorkflowExecutor
 from areal.rollout.remote import RemoteInferenceEngine, discover_servers
 from areal.runtime.run import Run
+from areal.utils.name_resolve import gen_teacher_key, make_repository
 from areal.workflow.agent import AgentWorkflow
 from areal.workflow.agent_cmd import AgentCommandWorkflow
-from areal.utils.name_resolve import gen_teacher_key, make_repository
 from areal.workflow.agent_control import ProxyClient, agent_proxy_key
 from areal.workflow.custom import make_custom_workflow
 from areal.workflow.distill import TeacherScored

@@ -7,9 +7,10 @@ and starts ``workflow.agent.command`` with ``OPENAI_BASE_URL`` (the proxy's ``/v
 ``OPENAI_API_KEY`` (the session's key) in its environment and the dataset item as one JSON
 object on its stdin: a process of its own, or forked from a fork server that imported the script
 once (``fork_server``, areal.workflow.agent_fork), or inside the code sandbox's namespaces
-(``sandbox``, areal.reward.agent_sandbox). When the session ends the proxy answers its record. The agent makes its calls with whatever client it likes; each is recorded
-in tokens by the same code as the in-process path (:class:`AgentWorkflow`, whose failure
-accounting and trajectory building this class inherits). The episode ends:
+(``sandbox``, areal.reward.agent_sandbox). When the session ends the proxy answers its record.
+The agent makes its calls with whatever client it likes; each is recorded in tokens by the same
+code as the in-process path (:class:`AgentWorkflow`, whose failure accounting and trajectory
+building this class inherits). The episode ends:
 
 * when the agent POSTs ``{"reward": r}`` to ``$OPENAI_BASE_URL/reward`` (the process is given
   :data:`EXIT_GRACE` seconds to exit, then killed);

@@ -28,11 +28,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import urllib.request
 import signal
 import subprocess
 import sys
-import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -51,7 +50,8 @@ pytestmark = pytest.mark.slow
 SCRIPT = REPO / "areal" / "core" / "async_ppo.py"
 ASYNC = [  # 2 prompts x 4 samples x 4 tokens a step, a reward that varies
     "actor.dynamic_sampling=false", "train_dataset.batch_size=2", "gconfig.n_samples=4",
-    "gconfig.max_new_tokens=4", "eval_gconfig.max_new_tokens=4", "rollout.max_concurrent_rollouts=4",
+    "gconfig.max_new_tokens=4", "eval_gconfig.max_new_tokens=4",
+    "rollout.max_concurrent_rollouts=4",
     "valid_dataset=null", "reward_fn=sync_rewards:length_reward", "reward.timeout=300",
     "core.backend=ray", "core.n_workers=2", "core.n_rollout_workers=2", "actor.optimizer.lr=1e-2",
 ]  # fmt: skip

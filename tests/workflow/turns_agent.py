@@ -2,8 +2,8 @@
 it reads its item (JSON) on stdin, makes ``item["turns"]`` (default 1) chat calls to
 ``$OPENAI_BASE_URL`` with ``$OPENAI_API_KEY``, the first on ``item["question"]`` (default: the
 item's last message, as a dataset item has it), each later one after the previous answer and a
-user turn ``go on``, then posts reward 1.0. With ``PROXY_AGENT_OUT`` set it writes there, as JSON, the logprobs it was answered,
-per call."""
+user turn ``go on``, then posts reward 1.0. With ``PROXY_AGENT_OUT`` set it writes there, as
+JSON, the logprobs it was answered, per call."""
 
 from __future__ import annotations
 
