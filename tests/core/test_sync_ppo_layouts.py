@@ -1,7 +1,7 @@
 """Tier 2: ``areal core sync-ppo`` with a non-default layout (the real launcher, a generation
-server, 2 Ray model workers, the tiny model): the actor trains on dp=1 x tp=2 and its
-proximal-logp MFC runs on dp=2 (``core.layouts``), so each step moves the trained weights to the
-dp=2 replica first; the run's stats log that move's bytes (exactly the plan ``areal core graph``
+server, 2 Ray model workers, the tiny model): the actor trains on pp=2 (two pipeline stages) and
+its proximal-logp MFC runs on dp=2 (``core.layouts``), so each step moves the trained weights to
+the dp=2 replica first; the run's stats log that move's bytes (exactly the plan ``areal core graph``
 prints) and seconds at every step."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 LAYOUT = [
     "core.backend=ray",
     "core.n_workers=2",
-    "core.allocations=[{model: actor, workers: [0, 1], tp: 2}]",
+    "core.allocations=[{model: actor, workers: [0, 1], pp: 2}]",
     "core.layouts=[{mfc: actor_logp, dp: 2}]",
     "actor.ppo_n_minibatches=2",  # a proximal-logp MFC (decoupled loss, two minibatches)
     "total_train_steps=2",
@@ -31,7 +31,7 @@ def test_sync_ppo_with_the_actor_logp_on_another_layout_logs_each_reallocation(
     steps = train_steps(run_dir)
     actor, replica = ModelName("actor"), ModelName("actor", 1)
     plan = plan_realloc(
-        Allocation(actor, (0, 1), tp=2),
+        Allocation(actor, (0, 1), pp=2),
         Allocation(replica, (0, 1), dp=2),
         model_shapes(tiny_model_dir),
     )
