@@ -1,5 +1,5 @@
 """Core sync PPO with the actor's inference on another layout than its training: does it learn
-like the plain layout? Held-out gain, wall time and the reallocation's bytes and seconds, per seed.
+like the plain layout? Held-out gain, wall time, reallocation bytes and seconds, per seed.
 
 Run (after ``make demo``, whose SFT checkpoint every run starts from):
 ``python bench/core_layouts.py [--steps 50] [--seeds 1 2 3] [--sft DIR] [--out DIR]``.
@@ -8,16 +8,20 @@ Both sides train ``examples/arithmetic_grpo.yaml`` (two-digit addition, 8 prompt
 step) through ``areal core sync-ppo`` on 2 Ray model workers and one generation server, with two
 PPO minibatches so the graph has its proximal-logp MFC (``actor_logp``, the inference pass):
 
-- plain: the actor trains and infers on one layout, ``--train`` (dp=1 x tp=2 on workers 0, 1);
+- plain: the actor trains and infers on one layout, ``--train`` (pp=2 on workers 0, 1: two
+  pipeline stages);
 - layouts: the actor trains on the same layout and ``actor_logp`` runs on ``--infer`` (dp=2 on
   workers 0, 1): before each inference the trained weights move to the dp=2 replica
   (``core.layouts``; ``realloc/actor@1/{bytes,seconds}`` in the stats).
 
 The two sides differ only in where the proximal logprobs are computed (and the weight move
-before it), so their curves should agree up to floating-point noise. Held-out greedy accuracy (200
-problems) comes from each run's step-0 and final evaluation. Prints per seed each side's gain,
-wall time and the move's bytes and mean seconds, then the mean difference of gains with its
-standard error; writes ``OUT/core_layouts.json``.
+before it): with the same seed the rollouts are the same (``gconfig.seed``) for as long as the
+weights agree, so the curves should agree step by step up to floating-point noise, which the
+script reports (the largest per-step difference of reward, loss and grad norm, and the first
+step whose rollouts differ). Held-out greedy accuracy (200 problems) comes from each run's
+step-0 and final evaluation. Prints per seed each side's gain, wall time and the move's bytes
+and mean seconds, then the mean difference of gains with its standard error; writes
+``OUT/core_layouts.json``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from core_sync import REPO, YAML, _default_sft, _run  # noqa: E402
 
-TRAIN = "{model: actor, workers: [0, 1], tp: 2}"
+CURVE = ("reward/mean", "loss/loss", "loss/grad_norm", "perf/n_tokens")  # compared step by step
+TRAIN = "{model: actor, workers: [0, 1], pp: 2}"
 INFER = "{mfc: actor_logp, dp: 2}"
 
 
@@ -56,10 +61,24 @@ def summarize(run_dir: Path, wall: float) -> dict:
         "step_seconds_mean": statistics.mean(steps) if steps else float("nan"),
     }
     out["gain"] = out["acc_after"] - out["acc_before"]
+    out["curve"] = {r["step"]: {k: r[k] for k in CURVE if k in r} for r in rows if "step" in r}
     if moves:
         out["realloc_bytes_per_step"] = statistics.mean(r["realloc/actor@1/bytes"] for r in moves)
         out["realloc_seconds_mean"] = statistics.mean(r["realloc/actor@1/seconds"] for r in moves)
     return out
+
+
+def curve_gap(plain: dict, layouts: dict) -> dict:
+    """Per stat of :data:`CURVE`, the largest step-by-step difference of the two runs, and the
+    first step whose batch differs (its token count: the rollouts diverged)."""
+    steps = sorted(set(plain) & set(layouts))
+    gap: dict = {
+        k: max((abs(layouts[s][k] - plain[s][k]) for s in steps if k in plain[s]), default=None)
+        for k in CURVE
+    }
+    differ = [s for s in steps if plain[s].get("perf/n_tokens") != layouts[s].get("perf/n_tokens")]
+    gap["first_step_with_other_rollouts"] = differ[0] if differ else None
+    return gap
 
 
 def run_side(side: str, seed: int, args, sft: Path, out: Path) -> dict:
@@ -68,10 +87,11 @@ def run_side(side: str, seed: int, args, sft: Path, out: Path) -> dict:
     cmd = [
         sys.executable, "-m", "areal.cli", "core", "sync-ppo", "--config", str(YAML),
         f"fileroot={out}", f"experiment_name={name}", "trial_name=run", f"actor.path={sft}",
-        f"total_train_steps={args.steps}", f"seed={seed}", "saver.freq_steps=null",
+        f"total_train_steps={args.steps}", f"seed={seed}", f"gconfig.seed={seed}",
+        "saver.freq_steps=null",
         "launcher.echo=false", "rollout.max_staleness=0", "actor.ppo_n_minibatches=2",
         "core.backend=ray", "core.n_workers=2", f"core.allocations=[{args.train}]",
-        f"evaluator.freq_steps={args.steps}",
+        f"evaluator.freq_steps={args.steps}", *args.extra,
     ]  # fmt: skip
     if side == "layouts":
         cmd.append(f"core.layouts=[{args.infer}]")
@@ -98,11 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train", default=TRAIN, help="the actor's allocation (its training layout)")
     ap.add_argument("--infer", default=INFER, help="actor_logp's layout on the layouts side")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench_core_layouts")
+    ap.add_argument("--extra", nargs="*", default=[], help="more key=value overrides, both sides")
     args = ap.parse_args(argv)
     sft, out = (args.sft or _default_sft()).resolve(), args.out.resolve()
     result: dict = {"steps": args.steps, "train": args.train, "infer": args.infer, "seeds": {}}
     for seed in args.seeds:
-        result["seeds"][seed] = {s: run_side(s, seed, args, sft, out) for s in ("plain", "layouts")}
+        sides = {s: run_side(s, seed, args, sft, out) for s in ("plain", "layouts")}
+        sides["curve_gap"] = curve_gap(sides["plain"]["curve"], sides["layouts"]["curve"])
+        print(f"[core_layouts] seed {seed} step by step, layouts vs plain: {sides['curve_gap']}")
+        result["seeds"][seed] = sides
         out.mkdir(parents=True, exist_ok=True)
         (out / "core_layouts.json").write_text(json.dumps(result, indent=2))
     diffs = [(r["layouts"]["gain"] - r["plain"]["gain"]) * 100 for r in result["seeds"].values()]
