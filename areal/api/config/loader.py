@@ -26,11 +26,14 @@ import types
 import typing
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")  # a config class
 _MISSING = dataclasses.MISSING
 
 
@@ -184,7 +187,7 @@ def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
             return value
         (item_tp, *_) = get_args(tp) or (Any,)
         return [_coerce(v, item_tp, f"{path}[{i}]", problems) for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             problems.append(f"{path}: expected a mapping for section {tp.__name__}, got {value!r}")
             return tp()
@@ -393,7 +396,8 @@ def parse_overrides(overrides: list[str]) -> tuple[dict, list[str]]:
         try:
             value = yaml.load(raw, Loader=Yaml12Loader) if raw != "" else ""
         except yaml.YAMLError as e:
-            problems.append(f"override {item!r}: value is not valid YAML ({e.problem})")
+            why = getattr(e, "problem", None) or e  # marked errors say where; others just what
+            problems.append(f"override {item!r}: value is not valid YAML ({why})")
             continue
         node = tree
         *parents, leaf = key.strip().split(".")
@@ -508,8 +512,8 @@ def iter_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.
         tp = hints[f.name]
         path = _join(prefix, f.name)
         yield path, f, tp
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             yield from iter_fields(tp, path)
         for arg in get_args(tp):
-            if dataclasses.is_dataclass(arg):
+            if isinstance(arg, type) and dataclasses.is_dataclass(arg):
                 yield from iter_fields(arg, path)
