@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launcher"))  # lau
 from launch_harness import REPO, Launch, start_launch  # noqa: E402
 
 RUN_TIMEOUT = 180.0  # seconds; each run takes ~10-30 s on a quiet 2-core machine
+CORE_RUN_TIMEOUT = 300.0  # seconds; a Core run starts Ray and its actors first (~20-60 s)
 GRPO_SCRIPT = REPO / "examples" / "gsm8k_grpo.py"
 GRPO_YAML = REPO / "examples" / "arithmetic_grpo.yaml"
 # A few-second RL step on CPU: 2 prompts x 4 samples x 4 new tokens.
@@ -64,10 +65,11 @@ class Launcher:
         config: Path,
         overrides: list[str],
         env: dict[str, str] | None = None,
+        timeout: float = RUN_TIMEOUT,
     ) -> Path:
         """Run to the end; assert exit 0 and that no process of the run is left."""
         run, run_dir = self.start(name, script, config, overrides, env)
-        code = run.wait(RUN_TIMEOUT)
+        code = run.wait(timeout)
         assert code == 0, f"{name} exited with {code}:\n{run.output()}\n{_trainer_tail(run_dir)}"
         run.assert_no_survivors()
         return run_dir
@@ -80,6 +82,34 @@ class Launcher:
 def _trainer_tail(run_dir: Path, n: int = 40) -> str:
     log = run_dir / "logs" / "trainer.log"
     return "\n".join(log.read_text(errors="replace").splitlines()[-n:]) if log.is_file() else ""
+
+
+# A Core async PPO run of 2 steps on one model worker (Ray started by the master), recorded for
+# areal replay: test_core_record replays it, test_viewer shows its MFC timeline beside the Lite run.
+CORE_ASYNC_SCRIPT = REPO / "areal" / "core" / "async_ppo.py"
+CORE_RECORDED = [  # 2 prompts x 4 samples x 4 tokens a step, a reward that varies
+    *SMALL_RL, "valid_dataset=null", "reward_fn=sync_rewards:length_reward", "reward.timeout=300",
+    "core.backend=ray", "core.n_workers=1", "core.n_rollout_workers=2", "actor.optimizer.lr=1e-2",
+    "total_train_steps=2", "rollout.max_staleness=1", "seed=3",
+    "stats_logger.replay.enabled=true", "stats_logger.replay.keep_weights=true",
+]  # fmt: skip
+CORE_ENV = {  # sync_rewards for the reward workers; no RAY_ADDRESS: a local Ray instance
+    "PYTHONPATH": str(REPO / "tests" / "core"),
+    "RAY_ADDRESS": "",
+}
+
+
+@pytest.fixture(scope="session")
+def core_async_recorded(tmp_path_factory, tiny_model_dir) -> Path:
+    """RUN_DIR of the recorded Core async PPO run above (shared by several tests)."""
+    made = Launcher(tmp_path_factory.mktemp("core"), tiny_model_dir)
+    try:
+        yield made.run(
+            "core", CORE_ASYNC_SCRIPT, GRPO_YAML, [f"actor.path={tiny_model_dir}", *CORE_RECORDED],
+            CORE_ENV, timeout=CORE_RUN_TIMEOUT,
+        )  # fmt: skip
+    finally:
+        made.cleanup()
 
 
 @pytest.fixture

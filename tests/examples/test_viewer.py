@@ -1,14 +1,18 @@
 """Tier 2: ``areal view`` in a real browser (Debian's chromium + chromium-driver, selenium)
-against the resume tests' real async GRPO run (6 steps, max_staleness=1, 2 x 4 samples a step).
+against two real runs: the resume tests' async GRPO run of the demo's config (6 steps,
+max_staleness=1, 2 x 4 samples a step) and the recorded Core async PPO run (2 steps).
 
-The page loads with no console errors, the reward curve has the run's 6 points, a staleness
-filter changes the table, and a sample's page colours its tokens by weight version. Screenshots
-go to tmp_path, or to $AREAL_VIEWER_SCREENSHOTS (docs/images for docs/viewer.md).
+The page loads with no console errors, the reward curve has the run's 6 points, the two runs
+stand side by side, a staleness filter changes the table (whose rows name their server and
+rollout worker), a sample's page colours its tokens by weight version and by trainer - server
+logprob, and the Core run's timeline shows its MFCs on its model worker. Screenshots go to
+tmp_path, or to $AREAL_VIEWER_SCREENSHOTS.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,9 +26,10 @@ WAIT = 30  # seconds for the page to fetch and draw
 
 
 @pytest.fixture
-def viewer_url(async_grpo_reference):
+def viewer_url(async_grpo_reference, core_async_recorded):
+    runs = [str(async_grpo_reference), str(core_async_recorded)]  # run 0: Lite, run 1: Core
     proc = subprocess.Popen(
-        [sys.executable, "-m", "areal.cli", "view", str(async_grpo_reference), "--port", "0"],
+        [sys.executable, "-m", "areal.cli", "view", *runs, "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -51,7 +56,7 @@ def browser():
         "--headless=new",
         "--no-sandbox",
         "--disable-dev-shm-usage",
-        "--window-size=1400,1000",
+        "--window-size=1280,860",
     ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
@@ -70,22 +75,33 @@ def _wait(driver, css: str, at_least: int = 1):
     return driver.find_elements(By.CSS_SELECTOR, css)
 
 
-def test_viewer_shows_curves_filters_samples_and_colours_tokens(viewer_url, browser, tmp_path):
+def test_viewer_shows_curves_runs_side_by_side_samples_tokens_and_the_core_timeline(
+    viewer_url, browser, tmp_path
+):
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
+    from selenium.webdriver.support.ui import Select, WebDriverWait
 
     shots = Path(os.environ.get("AREAL_VIEWER_SCREENSHOTS", tmp_path))
     browser.get(viewer_url)
-    points = _wait(browser, 'circle.pt[data-key="reward/mean"]', at_least=6)
+    points = _wait(browser, 'circle.pt[data-run="0"][data-key="reward/mean"]', at_least=6)
     assert sorted(int(p.get_attribute("data-step")) for p in points) == [1, 2, 3, 4, 5, 6]
-    assert _wait(
-        browser, 'circle.pt[data-key^="staleness/hist/"]'
-    )  # the staleness histogram is drawn
+    assert _wait(browser, 'circle.pt[data-key^="staleness/hist/"]')  # the staleness histogram
     browser.save_screenshot(str(shots / "viewer-curves.png"))
+
+    browser.get(viewer_url + "#compare")  # left: run 0 (Lite, 6 steps), right: run 1 (Core, 2)
+    _wait(browser, '#compare-rows circle.pt[data-run="1"][data-key="reward/mean"]', at_least=2)
+    pairs = browser.find_elements(By.CSS_SELECTOR, "#compare-rows .pair")
+    reward = next(p for p in pairs if "mean reward" in p.text)
+    left, right = reward.find_elements(By.CSS_SELECTOR, ".chart")
+    assert len(left.find_elements(By.CSS_SELECTOR, 'circle.pt[data-run="0"]')) == 6
+    assert len(right.find_elements(By.CSS_SELECTOR, 'circle.pt[data-run="1"]')) == 2
+    browser.save_screenshot(str(shots / "viewer-compare.png"))
 
     browser.get(viewer_url + "#samples")
     rows = _wait(browser, "#samples-table tbody tr", at_least=48)  # 6 steps x 2 groups x 4 samples
     assert len(rows) == 48
+    server, worker = (c.text for c in rows[0].find_elements(By.TAG_NAME, "td")[9:11])
+    assert re.fullmatch(r"[\w.-]+:\d+", server) and worker == "rank0"
     browser.find_element(By.NAME, "staleness_min").send_keys("1")
     browser.find_element(By.ID, "apply").click()
     WebDriverWait(browser, WAIT).until(
@@ -103,6 +119,15 @@ def test_viewer_shows_curves_filters_samples_and_colours_tokens(viewer_url, brow
     assert {t.get_attribute("data-version") for t in tokens} <= {"0", "1", "2", "3", "4", "5", "-1"}
     assert "lag 1" in browser.find_element(By.ID, "legend").text
     browser.save_screenshot(str(shots / "viewer-sample.png"))
+    browser.find_element(By.CSS_SELECTOR, 'input[name="colour"][value="logp"]').click()
+    assert browser.find_element(By.ID, "legend").text.startswith("red: trainer logprob")
+
+    browser.get(viewer_url + "#timeline")
+    Select(browser.find_element(By.ID, "timeline-run")).select_by_value("1")
+    bars = _wait(browser, 'rect.span[data-worker="0"]', at_least=2)
+    assert {b.get_attribute("data-name") for b in bars} >= {"actor_adv", "actor_train"}
+    assert "steps 1..2" in browser.find_element(By.ID, "timeline-note").text
+    browser.save_screenshot(str(shots / "viewer-timeline.png"))
 
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors

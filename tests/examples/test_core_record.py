@@ -1,10 +1,10 @@
-"""Tier 2: what a Core async PPO run records (``areal core async-ppo``'s script under the real
-local launcher, one model worker on Ray, 2 rollout workers, the tiny model, 2 steps with
-``rollout.max_staleness=1``) and its replay.
+"""Tier 2: what a Core async PPO run records, and its replay (the session's recorded run,
+``core_async_recorded``: ``areal core async-ppo``'s script under the real local launcher, one
+model worker on Ray, 2 rollout workers, the tiny model, 2 steps with ``rollout.max_staleness=1``).
 
 - samples (``areal view``): every trained sample of both steps, with the server and the rollout
   worker it came from, the trainer's logprob and the advantage of every token;
-- the MFC timeline: each step's actor_adv and actor_train on model worker 0, in order;
+- the MFC timeline: each step's actor_adv then actor_train on model worker 0;
 - ``areal replay``: the async PPO graph re-run in one process on the recorded batches gives the
   run's weights bit for bit after every step; another learning rate first differs at step 1.
 """
@@ -19,17 +19,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the Core tests' helpers
-
-from test_async_ppo import ASYNC, SCRIPT  # noqa: E402
-from test_sync_ppo import ENV, runs  # noqa: E402,F401  (runs: the fixture)
+from conftest import CORE_ENV
 
 pytestmark = pytest.mark.slow
-RECORDED = [
-    *ASYNC, "core.n_workers=1", "total_train_steps=2", "rollout.max_staleness=1", "seed=3",
-    "stats_logger.replay.enabled=true", "stats_logger.replay.keep_weights=true",
-]  # fmt: skip
 
 
 def _replay(run_dir: Path, *knobs: str, to: int | None = None) -> subprocess.CompletedProcess:
@@ -41,16 +33,12 @@ def _replay(run_dir: Path, *knobs: str, to: int | None = None) -> subprocess.Com
         text=True,
         check=False,
         timeout=300,
-        env={**os.environ, **ENV},
+        env={**os.environ, **CORE_ENV},
     )
 
 
-def test_core_async_run_records_samples_and_timeline_and_replays_bit_for_bit(
-    runs, tiny_model_dir, monkeypatch
-):
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    run = runs.run("rec", SCRIPT, [f"actor.path={tiny_model_dir}", *RECORDED])
-
+def test_core_run_records_samples_with_their_sources_and_trainer_logp(core_async_recorded):
+    run = core_async_recorded
     files = sorted((run / "samples").glob("*.parquet"))
     assert [f.name for f in files] == ["step-000001-rank0.parquet", "step-000002-rank0.parquet"]
     rows = [r for f in files for r in pq.read_table(f).to_pylist()]
@@ -71,17 +59,23 @@ def test_core_async_run_records_samples_and_timeline_and_replays_bit_for_bit(
     ]
     assert fresh and max(fresh) < 1e-3
 
-    timeline = [json.loads(line) for line in (run / "timeline.jsonl").read_text().splitlines()]
+
+def test_core_run_records_each_steps_mfcs_per_worker(core_async_recorded):
+    lines = (core_async_recorded / "timeline.jsonl").read_text().splitlines()
+    timeline = [json.loads(line) for line in lines]
     assert [t["step"] for t in timeline] == [1, 2]
     for t in timeline:
-        mfcs = [(s["name"], s["worker"]) for s in t["spans"] if s["kind"] == "mfc"]
-        assert mfcs == [("actor_adv", 0), ("actor_train", 0)]
-        adv, train = (s for s in t["spans"] if s["kind"] == "mfc")
+        mfcs = [s for s in t["spans"] if s["kind"] == "mfc"]
+        assert [(s["name"], s["worker"]) for s in mfcs] == [("actor_adv", 0), ("actor_train", 0)]
+        adv, train = mfcs
         assert 0 <= adv["queued"] <= adv["start"] <= adv["end"] <= train["end"] <= t["seconds"]
 
-    same = _replay(run)
+
+def test_core_replay_matches_every_step_and_a_changed_lr_diverges_at_step_1(core_async_recorded):
+    same = _replay(core_async_recorded)
     assert same.returncode == 0, same.stdout + same.stderr
-    assert "matches the record bit for bit at every step (0..2)" in same.stdout
-    other = _replay(run, "actor.optimizer.lr=0.05", to=1)
+    for step in (0, 1, 2):
+        assert f"step {step}: weights bit-identical" in same.stdout
+    other = _replay(core_async_recorded, "actor.optimizer.lr=0.05", to=1)
     assert other.returncode == 0, other.stdout + other.stderr
-    assert "first differ at step 1" in other.stdout
+    assert "first differ at step 1" in other.stdout and "max |diff| " in other.stdout
