@@ -19,7 +19,8 @@ GRPO_YAML = REPO / "examples" / "arithmetic_grpo.yaml"
 # A few-second RL step on CPU: 2 prompts x 4 samples x 4 new tokens.
 SMALL_RL = [  # the random tiny model always scores 0: no dynamic sampling (it would reject all)
     "actor.dynamic_sampling=false", "train_dataset.batch_size=2", "gconfig.n_samples=4",
-    "gconfig.max_new_tokens=4", "eval_gconfig.max_new_tokens=4", "rollout.max_concurrent_rollouts=4",
+    "gconfig.max_new_tokens=4", "eval_gconfig.max_new_tokens=4",
+    "rollout.max_concurrent_rollouts=4",
 ]  # fmt: skip
 # The resume tests' run: async GRPO, a recover checkpoint every step, relaunch on failure.
 RESUMABLE = [
