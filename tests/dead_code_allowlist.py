@@ -51,3 +51,16 @@ _.acquire_at
 # WorkerCounts fields are read through vars() into stats (core/manager.py).
 reclaimed
 _.reclaimed
+
+# Called on Core actor handles by name through ask("...") (core/rollout_side.py): the manager's
+# holds, and the rollout workers' steps of a weight update (pause, begin, join, done, resume).
+_.holds
+_.pause_servers
+_.begin_update
+_.begin_join
+_.update_done
+_.resume_servers
+_.resume_at
+
+# A type-checking-only import named in a string bound (api/config/loader.py's TypeVar T).
+DataclassInstance
