@@ -2,7 +2,10 @@
 like the plain layout? Held-out gain, wall time, reallocation bytes and seconds, per seed.
 
 Run (after ``make demo``, whose SFT checkpoint every run starts from):
-``python bench/core_layouts.py [--steps 50] [--seeds 1 2 3] [--sft DIR] [--out DIR]``.
+``python bench/core_layouts.py [--steps 50] [--seeds 1 2 3] [--sft DIR] [--out DIR]``; or, from
+any model (e.g. ``areal tiny-model``'s, untrained), ``--quick --sft DIR --steps 8``: the share of
+digits in the answer as the reward (:mod:`layout_rewards`), which GRPO raises from ~0 to ~0.9 in
+12 steps, 4 prompts a step, lr 1e-3.
 
 Both sides train ``examples/arithmetic_grpo.yaml`` (two-digit addition, 8 prompts x 8 samples a
 step) through ``areal core sync-ppo`` on 2 Ray model workers and one generation server, with two
@@ -28,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,6 +43,10 @@ from core_sync import REPO, YAML, _default_sft, _run  # noqa: E402
 
 CURVE = ("reward/mean", "loss/loss", "loss/grad_norm", "perf/n_tokens")  # compared step by step
 TRAIN = "{model: actor, workers: [0, 1], pp: 2}"
+QUICK = (  # --quick: a reward the untrained tiny model learns in ~10 steps (layout_rewards.py)
+    "reward_fn=layout_rewards:digit_share", "actor.dynamic_sampling=false",
+    "actor.optimizer.lr=1e-3", "train_dataset.batch_size=4",
+)  # fmt: skip
 INFER = "{mfc: actor_logp, dp: 2}"
 
 
@@ -86,7 +95,7 @@ def run_side(side: str, seed: int, args, sft: Path, out: Path) -> dict:
     name = f"{side}_s{seed}"
     cmd = [
         sys.executable, "-m", "areal.cli", "core", "sync-ppo", "--config", str(YAML),
-        f"fileroot={out}", f"experiment_name={name}", "trial_name=run", f"actor.path={sft}",
+        f"fileroot={out}", f"experiment_name={name}", f"actor.path={sft}",
         f"total_train_steps={args.steps}", f"seed={seed}", f"gconfig.seed={seed}",
         "saver.freq_steps=null",
         "launcher.echo=false", "rollout.max_staleness=0", "actor.ppo_n_minibatches=2",
@@ -95,7 +104,14 @@ def run_side(side: str, seed: int, args, sft: Path, out: Path) -> dict:
     ]  # fmt: skip
     if side == "layouts":
         cmd.append(f"core.layouts=[{args.infer}]")
-    result = summarize(out / name / "run", _run(cmd))
+    trial = "run"
+    try:
+        wall = _run([*cmd, f"trial_name={trial}"])
+    except subprocess.CalledProcessError as e:  # e.g. a local Ray that timed out starting
+        print(f"[core_layouts] {name} failed (exit {e.returncode}); once more", flush=True)
+        trial = "retry"
+        wall = _run([*cmd, f"trial_name={trial}"])
+    result = summarize(out / name / trial, wall)
     moved = result.get("realloc_bytes_per_step")
     print(
         f"[core_layouts] seed {seed} {side:>7}: held-out {result['acc_before']:.3f} -> "
@@ -119,7 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--infer", default=INFER, help="actor_logp's layout on the layouts side")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench_core_layouts")
     ap.add_argument("--extra", nargs="*", default=[], help="more key=value overrides, both sides")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="the digit-share task from an untrained model (no SFT needed): " + " ".join(QUICK),
+    )
     args = ap.parse_args(argv)
+    if args.quick:  # the reward workers import bench/layout_rewards.py
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")) if p
+        )
+        args.extra = [*QUICK, *args.extra]
     sft, out = (args.sft or _default_sft()).resolve(), args.out.resolve()
     result: dict = {"steps": args.steps, "train": args.train, "infer": args.infer, "seeds": {}}
     for seed in args.seeds:
