@@ -172,3 +172,15 @@ def test_areal_core_graph_prints_each_reallocation_and_its_bytes(tmp_path, capsy
     assert "-> actor@1 (dp=1 x tp=1 on workers [0])" in out
     assert "moves 2.31 KiB between workers" in out
     assert "            0    2.31 KiB" in out and "[1]" in out
+
+
+def test_the_critic_values_take_a_layout_of_their_own_too():
+    allocations = "[{model: actor, workers: [0, 1], dp: 2}, {model: critic, workers: [1]}]"
+    layouts = "[{mfc: critic_values, workers: [0, 1], tp: 2}]"
+    argv = ["n_workers=2", "use_critic=true", f"allocations={allocations}", f"layouts={layouts}"]
+    cfg = load_config(CoreGraphConfig, argv)
+    graph = graph_from_config(cfg)
+    critic, replica = ModelName("critic"), ModelName("critic", 1)
+    assert graph.allocations[replica] == Allocation(replica, (0, 1), tp=2)
+    assert replica_sources(graph) == {replica: critic}
+    assert {m.name: m.model for m in graph.mfcs}["critic_train"] == critic
