@@ -5,7 +5,7 @@ the reason it stays. Keep this list short: anything else vulture reports is remo
 _ = object()
 
 # Parameters a caller's signature requires even though the body ignores them.
-is_causal  # transformers' AttentionInterface signature (engine/fsdp.py varlen_attention)
+is_causal  # transformers' AttentionInterface signature (engine/attention.py varlen_attention)
 frame  # signal handler signature (launcher/common.py)
 exc  # __exit__ signature (launcher/procs.py, reward/runner.py)
 

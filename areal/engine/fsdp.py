@@ -8,7 +8,7 @@ batch (the tp ranks of one dp rank pass the same share).
 
 Packed forward. A micro-batch is one 1-D row of concatenated sequences with per-sequence
 position ids and no padding. Attention is restricted to each sequence by the ``areal_varlen``
-attention function registered with transformers below (one causal SDPA call per sequence, like
+attention function (:mod:`areal.engine.attention`: one causal SDPA call per sequence, like
 flash-attention's varlen kernel), so no ``[T, T]`` mask is ever built; it is numerically the
 same as running each sequence alone. With ``shared_prefix`` (RL batches whose groups share a
 prompt) a group's prompt runs once and its completions attend to it through a small per-group
@@ -42,15 +42,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import (
-    AttentionInterface,
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForTokenClassification,
+    PreTrainedModel,
 )
 
 from areal.algo.logprob import packed_token_logprobs
@@ -58,52 +57,13 @@ from areal.api.config.engine import TrainEngineConfig
 from areal.api.engine import LossFn, LossWeightFn, ModelFnResult, PostHook, TrainEngine
 from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal.engine import checkpoint, lora, pipeline
+from areal.engine.attention import ATTN_IMPL
 from areal.engine.lr_schedule import build_lr_scheduler
 from areal.engine.tensor_parallel import apply_tensor_parallel
 from areal.utils import weight_sync
 from areal.utils.batch import MicroBatches, PackedBatch, split_microbatches
 from areal.utils.comm import all_reduce
 from areal.utils.prefix import share_prefixes
-
-ATTN_IMPL = "areal_varlen"
-
-
-def varlen_attention(
-    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
-):
-    """Attention within each segment of one packed row; the segments come via the forward
-    kwargs: ``areal_segments`` ``[(start, end, mask)]`` (mask ``[n, n]`` bool, or None for
-    causal; the shared-prefix layout) or else ``cu_seqlens`` ``[B+1]`` (one causal segment per
-    sequence).
-
-    query ``[1, Hq, T, D]``, key/value ``[1, Hkv, T, D]``; returns ``[1, T, Hq, D]``.
-    """
-    segments = kwargs.get("areal_segments")
-    if segments is None and kwargs.get("cu_seqlens") is not None:
-        bounds = kwargs["cu_seqlens"].tolist()
-        segments = [(s, e, None) for s, e in zip(bounds[:-1], bounds[1:])]
-    if segments is None or query.shape[0] != 1:
-        raise ValueError(
-            f"{ATTN_IMPL} attention needs one packed row (got batch {query.shape[0]}) and "
-            "areal_segments or cu_seqlens in the forward kwargs; call the model through FSDPEngine"
-        )
-    outs = [
-        F.scaled_dot_product_attention(
-            query[:, :, s:e],
-            key[:, :, s:e],
-            value[:, :, s:e],
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scaling,
-            dropout_p=dropout if module.training else 0.0,
-            enable_gqa=True,
-        )
-        for s, e, mask in segments
-    ]
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(ATTN_IMPL, varlen_attention)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -146,6 +106,11 @@ class FSDPEngine(TrainEngine):
         self.rank, self.world_size = self.dp_mesh.get_local_rank(), self.dp_mesh.size()
         self.mesh_group = self.group if mesh.ndim == 1 else pipeline.whole_mesh_group(mesh)
         coord = mesh.get_coordinate()
+        if coord is None:
+            raise ValueError(
+                f"this rank ({dist.get_rank()}) is not in the engine's mesh {mesh}; build an "
+                "engine only on the ranks of its mesh"
+            )
         self.first = all(c == 0 for c in coord)  # the mesh's first rank
         # holds a full state dict: the first rank, or with pp every stage's first (dp, tp) rank
         self.holder = self.first if self.pp_mesh is None else coord[1] == coord[2] == 0
@@ -197,22 +162,26 @@ class FSDPEngine(TrainEngine):
         auto = AutoModelForCausalLM if self.head == "lm" else AutoModelForTokenClassification
         kwargs = {"attn_implementation": ATTN_IMPL, "dtype": _dtype(cfg.dtype)}
 
-        def prepare(model: torch.nn.Module) -> None:
+        def prepared(model: PreTrainedModel) -> PreTrainedModel:
             if cfg.gradient_checkpointing:
                 model.activation_checkpointing_enable({"use_reentrant": False})
+            return model
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)  # every rank builds identical weights before sharding
             if self.pp_mesh is not None:  # this rank's stage only
                 model = pipeline.build_stage(
-                    auto, hf_config, cfg.path, kwargs, self.pp_mesh, cfg.init_from_scratch, prepare
+                    lambda: prepared(auto.from_config(hf_config, **kwargs)),
+                    hf_config,
+                    cfg.path,
+                    _dtype(cfg.dtype),
+                    self.pp_mesh,
+                    cfg.init_from_scratch,
                 )
             elif cfg.init_from_scratch:
-                model = auto.from_config(hf_config, **kwargs)
+                model = prepared(auto.from_config(hf_config, **kwargs))
             else:
-                model = auto.from_pretrained(cfg.path, config=hf_config, **kwargs)
-        if self.pp_mesh is None:
-            prepare(model)
+                model = prepared(auto.from_pretrained(cfg.path, config=hf_config, **kwargs))
         self.hf_config = model.config
         # exports say what they hold: a value head loads as ...ForTokenClassification (its score
         # has a bias), not as the causal LM the base checkpoint was
@@ -240,6 +209,7 @@ class FSDPEngine(TrainEngine):
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
         if self.pp_mesh is not None:
+            assert isinstance(model, pipeline.StageModule)  # _build_model made it
             self.pipe = pipeline.Pipeline(
                 model, self.pp_mesh, self.dp_mesh, _dtype(compute), self.config.shared_prefix
             )

@@ -42,18 +42,22 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, _ScheduleForwardOnly
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining.schedules import _ScheduleForwardOnly
 from torch.distributed.tensor import DTensor
+from transformers import PretrainedConfig, PreTrainedModel
 
 from areal.utils.batch import PackedBatch
 from areal.utils.comm import all_reduce
 from areal.utils.prefix import share_prefixes
 
+T = TypeVar("T")
 HEADS = ("lm_head", "score")  # causal LM head, token-classification (value) head
 TIED = ("model.embed_tokens.weight", "lm_head.weight")  # first and last stage's copies
 
@@ -86,7 +90,7 @@ def whole_mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     here it is looked up, with no communication."""
     if mesh.ndim == 1:
         return mesh.get_group()
-    return mesh._flatten("_".join(mesh.mesh_dim_names)).get_group()
+    return mesh._flatten("_".join(mesh.mesh_dim_names or ())).get_group()
 
 
 # ------------------------------------------------------------------------------------ stages
@@ -100,7 +104,7 @@ def stage_layers(n_layers: int, pp: int, stage: int) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
-def check_pipeline(hf_config: object, pp: int, path: str) -> None:
+def check_pipeline(hf_config: PretrainedConfig, pp: int, path: str) -> None:
     """Raise ``ValueError`` naming the field and the fix when the model at ``path`` cannot be cut
     into ``pp`` stages of at least one decoder layer each."""
     n = getattr(hf_config, "num_hidden_layers", None)
@@ -145,12 +149,15 @@ class MicroBatchContext:
         return rows[: self.mb.n_tokens] if self.index is None else rows[self.index]
 
 
-def micro_batch_context(mb: PackedBatch, shared_prefix: bool, device) -> MicroBatchContext:
+def micro_batch_context(
+    mb: PackedBatch, shared_prefix: bool, device: torch.device
+) -> MicroBatchContext:
     """``mb`` laid out as one row (shared-prefix layout when it applies), unpadded."""
     row = share_prefixes(mb) if shared_prefix else None
     mb = mb.to(device)
+    segments: list[tuple[int, int, torch.Tensor | None]]
     if row is None:
-        bounds = mb.cu_seqlens.tolist()
+        bounds: list[int] = mb.cu_seqlens.tolist()
         segments = [(s, e, None) for s, e in itertools.pairwise(bounds)]
         return MicroBatchContext(mb, mb["input_ids"], mb.position_ids()[None], segments, None)
     segments = [
@@ -176,6 +183,17 @@ def pad_contexts(contexts: list[MicroBatchContext]) -> int:
     return n
 
 
+def submodule(module: nn.Module, name: str) -> nn.Module:
+    """``module``'s child ``name`` (an HF model's parts by the names Qwen2/Llama give them)."""
+    child = getattr(module, name)
+    if not isinstance(child, nn.Module):
+        raise ValueError(
+            f"{type(module).__name__}.{name} is not a module; only Qwen2/Llama-style decoders can "
+            "be pipelined"
+        )
+    return child
+
+
 class StageModule(nn.Module):
     """One pipeline stage of an HF decoder-only model, with the model's own parameter names.
 
@@ -185,35 +203,42 @@ class StageModule(nn.Module):
     states, or the head's output ``[1, T_pad, V]`` on the last stage.
     """
 
-    def __init__(self, hf_model: nn.Module, layers: range, first: bool, last: bool):
+    def __init__(self, hf_model: PreTrainedModel, layers: range, first: bool, last: bool):
         super().__init__()
-        self.config = hf_model.config
-        self.model = hf_model.model
-        self.model.layers = nn.ModuleDict({str(i): self.model.layers[i] for i in layers})
+        self.config: PretrainedConfig = hf_model.config
+        self.model = submodule(hf_model, "model")  # the decoder: embed_tokens, layers, norm
+        every = submodule(self.model, "layers")
+        self.model.layers = nn.ModuleDict({str(i): every.get_submodule(str(i)) for i in layers})
         self.first, self.last = first, last
         self.hf_class = type(hf_model).__name__  # what an export of the whole model loads as
         if not first:
-            self.model.embed_tokens = None
+            setattr(self.model, "embed_tokens", None)  # noqa: B010 - a child dropped, not a tensor
         if not last:
-            self.model.norm = None
-        self.head_name = next((h for h in HEADS if hasattr(hf_model, h)), None)
-        if self.head_name is None:
+            setattr(self.model, "norm", None)  # noqa: B010
+        head = next((h for h in HEADS if hasattr(hf_model, h)), None)
+        if head is None:
             raise ValueError(f"{type(hf_model).__name__} has no head among {HEADS}")
+        self.head_name: str = head
+        self.dropout: nn.Module | None = None
         if last:
-            setattr(self, self.head_name, getattr(hf_model, self.head_name))
+            setattr(self, head, submodule(hf_model, head))
             self.dropout = getattr(hf_model, "dropout", None)  # a value head's (p=0 here)
         self.contexts: list[MicroBatchContext] = []
 
     @property
     def head(self) -> nn.Module:
         """The last stage's head (``lm_head`` or ``score``)."""
-        return getattr(self, self.head_name)
+        return submodule(self, self.head_name)
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """This stage's decoder layers, in order."""
+        return list(submodule(self.model, "layers").children())
 
     def forward(self, x: torch.Tensor, mb_index: torch.Tensor) -> torch.Tensor:
         ctx = self.contexts[int(mb_index.reshape(-1)[0])]
-        h = self.model.embed_tokens(x) if self.first else x
-        position_embeddings = self.model.rotary_emb(h, ctx.position_ids)
-        for layer in self.model.layers.values():
+        h = submodule(self.model, "embed_tokens")(x) if self.first else x
+        position_embeddings = submodule(self.model, "rotary_emb")(h, ctx.position_ids)
+        for layer in self.decoder_layers():
             h = layer(
                 h,
                 attention_mask=None,
@@ -223,7 +248,7 @@ class StageModule(nn.Module):
             )
         if not self.last:
             return h
-        h = self.model.norm(h)
+        h = submodule(self.model, "norm")(h)
         if self.dropout is not None:
             h = self.dropout(h)
         return self.head(h)
@@ -240,31 +265,26 @@ def tied_name(module: StageModule) -> str | None:
 
 
 def build_stage(
-    auto: type,
-    hf_config: object,
+    build: Callable[[], PreTrainedModel],
+    hf_config: PretrainedConfig,
     path: str,
-    kwargs: dict[str, object],
+    dtype: torch.dtype,
     pp_mesh: DeviceMesh,
     init_from_scratch: bool,
-    prepare: Callable[[nn.Module], None],
 ) -> StageModule:
-    """This pp rank's stage of the model at ``path`` (``auto`` builds it from ``hf_config`` with
-    ``kwargs``; ``prepare`` runs on the HF model before it is cut, e.g. to turn on activation
-    checkpointing). Weights: the stage's own tensors of the checkpoint, or, ``init_from_scratch``,
-    the whole model's seeded init cut to the stage (call under the init seed)."""
+    """This pp rank's stage of the model at ``path`` (``build()`` makes the whole HF model from
+    ``hf_config``, prepared: e.g. activation checkpointing on; it runs on the meta device unless
+    ``init_from_scratch``). Weights: the stage's own tensors of the checkpoint, or, with
+    ``init_from_scratch``, the whole model's seeded init cut to the stage (call under the seed)."""
     pp, stage = pp_mesh.size(), pp_mesh.get_local_rank()
     check_pipeline(hf_config, pp, path)
     layers = stage_layers(hf_config.num_hidden_layers, pp, stage)
     first, last = stage == 0, stage == pp - 1
     if init_from_scratch:
-        model = auto.from_config(hf_config, **kwargs)
-        prepare(model)
-        return StageModule(model, layers, first, last)
+        return StageModule(build(), layers, first, last)
     with torch.device("meta"):
-        model = auto.from_config(hf_config, **kwargs)
-    prepare(model)
+        model = build()
     module = StageModule(model, layers, first, last)
-    dtype = kwargs["dtype"]
     names = list(module.state_dict())
     # a head the checkpoint lacks (a value head on an LM checkpoint) is initialised as
     # from_pretrained does: HF's init of the module, with the init seed (the caller's)
@@ -274,8 +294,8 @@ def build_stage(
     if head is not None and any(n.startswith(head) and n not in state for n in names):
         module.head.to_empty(device="cpu")
         model._init_weights(module.head)
-    rotary = module.model.rotary_emb  # its inv_freq is a non-persistent buffer: compute it
-    module.model.rotary_emb = type(rotary)(config=module.config)
+    rotary: Callable[..., nn.Module] = type(submodule(module.model, "rotary_emb"))
+    module.model.rotary_emb = rotary(config=module.config)  # inv_freq is not in the checkpoint
     left = [n for n, t in module.state_dict(keep_vars=True).items() if t.is_meta]
     left += [n for n, b in module.named_buffers() if b.is_meta]
     if left:
@@ -287,7 +307,7 @@ def build_stage(
 
 
 def read_stage_weights(
-    path: str, names: list[str], hf_config: object, optional: str | None = None
+    path: str, names: list[str], hf_config: PretrainedConfig, optional: str | None = None
 ) -> dict[str, torch.Tensor]:
     """The tensors ``names`` of the HF dir ``path``: each file's header is read, then only those
     tensors (``safe_open``, one key at a time), so a stage never loads another stage's layers.
@@ -328,7 +348,12 @@ class _Reduced(nn.Module):
     """The last stage of a forward-only pass: each micro-batch's output goes through the post
     hook at once (kept in ``outputs``), so no call holds the logits of more than one."""
 
-    def __init__(self, stage: nn.Module, post_hook: Callable, outputs: dict[int, torch.Tensor]):
+    def __init__(
+        self,
+        stage: StageModule,
+        post_hook: Callable[[torch.Tensor, PackedBatch], torch.Tensor],
+        outputs: dict[int, torch.Tensor],
+    ):
         super().__init__()
         self.stage, self.post_hook, self.outputs = stage, post_hook, outputs
 
@@ -436,7 +461,8 @@ class Pipeline:
             return loss * (ctx.weight * scale)
 
         n = pad_contexts(contexts)
-        width = self.module.head.out_features if self.last else 0
+        head = self.module.head if self.last else None
+        width = head.out_features if isinstance(head, nn.Linear) else 0  # logits or values
         stage = self._stage(self.module, n, width, training=True)
         schedule = Schedule1F1B(stage, len(contexts), loss_fn=stage_loss, scale_grads=False)
         self._step(schedule, contexts, training=True)
@@ -458,7 +484,8 @@ class Pipeline:
         stage = self._stage(submodule, n, 1, training=False)
         self._step(_ScheduleForwardOnly(stage, len(contexts)), contexts, training=False)
         sizes = [contexts[i].mb.n_tokens for i in range(n_real)]
-        head = (outputs[0].dtype, tuple(outputs[0].shape[1:])) if self.last else None
+        # the hook's output dtype and trailing shape: known on the last stage only
+        head = (outputs[0].dtype, tuple(outputs[0].shape[1:])) if self.last else (torch.float32, ())
         dtype, tail = self.from_last(head)
         width = math.prod(tail)
         if self.last:
@@ -481,7 +508,7 @@ class Pipeline:
         sum over the pp group); in place, returned."""
         return all_reduce(values, group=self.group)
 
-    def from_last(self, obj: object) -> object:
+    def from_last(self, obj: T) -> T:
         """``obj`` as the last stage has it, on every stage (object broadcast over the pp group)."""
         box = [obj]
         dist.broadcast_object_list(box, src=self.last_rank, group=self.group)
@@ -517,9 +544,9 @@ class Pipeline:
         first stage's; ``{}`` elsewhere. Collective over the holders' pp group."""
         if not holder:
             return {}
-        parts: list[dict[str, torch.Tensor]] | None = [{}] * self.n_stages if self.first else None
+        parts: list[dict[str, torch.Tensor]] = [{}] * self.n_stages
         dst = dist.get_global_rank(self.group, 0)
-        dist.gather_object(own, parts, dst=dst, group=self.group)
+        dist.gather_object(own, parts if self.first else None, dst=dst, group=self.group)
         return {k: v for part in parts for k, v in part.items()} if self.first else {}
 
 
@@ -541,10 +568,15 @@ def micro_batch_contexts(
     return out
 
 
-def load_stage_hf(model: StageModule, path: str, hf_config: object) -> None:
+def load_stage_hf(model: nn.Module, path: str, hf_config: PretrainedConfig) -> None:
     """Load the stage's tensors of the HF dir ``path`` into the sharded stage (every rank reads
     its own stage's; no communication)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        ValueType,
+        set_model_state_dict,
+    )
 
-    state = read_stage_weights(path, list(model.state_dict()), hf_config)
+    state: dict[str, ValueType] = {}
+    state.update(read_stage_weights(path, list(model.state_dict()), hf_config))
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))

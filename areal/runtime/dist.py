@@ -73,7 +73,7 @@ def build_mesh(
     else:
         shape, names = (pp, dp, tp), ("pp", "dp", "tp")
         mesh = DeviceMesh(device_type, grid.reshape(shape), mesh_dim_names=names)
-    mesh._flatten("_".join(mesh.mesh_dim_names))
+    mesh._flatten("_".join(mesh.mesh_dim_names or ()))
     return mesh
 
 

@@ -3,8 +3,9 @@
 A PPO step through the master, with actor, reference and critic all on one layout, equals Lite's
 step (the FSDP engine in one process, test_ray_worker's ``lite_step``): the loss and grad norm
 of both training MFCs, every other stat of theirs, and their updated full weights, within 1e-5.
-The layouts: dp1 x tp1 x pp2, dp1 x tp2 x pp2, dp2 x tp1 x pp2, and dp2 x tp2 (no pp: the
-4-process tensor-parallel case, back in the suite). Each layout also checks where the weights
+The layouts: dp1 x tp1 x pp2, dp1 x tp2 x pp2, dp2 x tp1 x pp2, and without pp dp1 x tp2 and
+dp2 x tp2 (the 4-process tensor-parallel case, back in the suite; dp2 alone is
+test_ray_worker.py's). Each layout also checks where the weights
 are: which stage holds each decoder layer, the embedding and the head, and a column-parallel
 weight's placements and local shape on every worker (an unapplied plan would fail it).
 
@@ -94,6 +95,7 @@ LAYOUTS = {
     "dp1_tp1_pp2": {"dp": 1, "tp": 1, "pp": 2},
     "dp1_tp2_pp2": {"dp": 1, "tp": 2, "pp": 2},
     "dp2_tp1_pp2": {"dp": 2, "tp": 1, "pp": 2},
+    "dp1_tp2_pp1": {"dp": 1, "tp": 2, "pp": 1},
     "dp2_tp2_pp1": {"dp": 2, "tp": 2, "pp": 1},
 }
 
@@ -113,6 +115,8 @@ def test_a_ppo_step_on_the_layout_equals_the_lite_step(
         assert compared <= set(stats[mfc]) and {"loss", "grad_norm"} <= compared
         for key in sorted(compared):
             assert stats[mfc][key] == pytest.approx(lite[key], rel=1e-5, abs=1e-6), (mfc, key)
+        worst = max(abs(stats[mfc][k] - lite[k]) / max(abs(lite[k]), 1e-6) for k in compared)
+        print(f"{name}: {mfc} stats, max relative gap to Lite {worst:.1e}")
     assert stats["actor_train"]["n_tokens"] == batch.n_tokens
     gaps = {m: max_gap(got[m], weights[m]) for m in (ACTOR, CRITIC)}
     print(f"{name}: max weight gap to Lite {gaps}")

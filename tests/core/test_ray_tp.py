@@ -1,40 +1,24 @@
-"""Tier 2 on a real local Ray head: tensor-parallel (dp x tp) allocations of Core models.
+"""Tier 2 on a real local Ray head: parameter reallocation into a tensor-parallel layout.
 
-A PPO step through the master with actor, reference and critic each on a dp=1 x tp=2 mesh over 2
-Ray workers equals the same step on dp=2 x tp=1 and Lite's step in one process (weights and
-stats, 1e-5); an actor trained on dp=2 x tp=1 moved into a reference on dp=1 x tp=2 (parameter
-reallocation: every tp rank cuts its own shards of the full weights) gives the actor's logprobs
-(1e-5)."""
+An actor trained on dp=2 x tp=1 moved into a reference on dp=1 x tp=2 (every tp rank takes its
+own pieces of the actor's shards) gives the actor's logprobs (1e-5). PPO steps on tensor-parallel
+layouts (dp1 x tp2, dp2 x tp2, and tp beside pp) equal Lite's in tests/core/test_ray_pp.py,
+which sets them all up on one shared set of worker actors."""
 
 from __future__ import annotations
 
 import pytest
+from test_master_engines import sft_batches
+from test_ray_worker import ray_driver  # noqa: F401 - fixture
 
 from areal.api.config.base import OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, ParamRealloc, build_graph
-from areal.core.graphs import ACTOR, CRITIC, REF, SFT_KEYS
+from areal.core.graphs import SFT_KEYS
 from areal.core.master import Master
 from areal.core.ray_worker import EngineSpec, start_ray_workers
-from test_master_engines import max_gap, sft_batches
-from test_ray_worker import check_equal, core_step, lite_step, ray_driver  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow
-
-
-def test_core_ppo_step_on_dp1_tp2_equals_dp2_tp1_and_the_lite_step(
-    ray_driver, tiny_model_dir, lite_step
-):
-    tp = [Allocation(m, (0, 1), dp=1, tp=2) for m in (ACTOR, CRITIC, REF)]
-    dp = [Allocation(m, (0, 1), dp=2, tp=1) for m in (ACTOR, CRITIC, REF)]
-    stats_tp, got_tp = core_step(ray_driver, tiny_model_dir, tp, lite_step[0])
-    stats_dp, got_dp = core_step(ray_driver, tiny_model_dir, dp, lite_step[0])
-    check_equal(stats_tp, got_tp, lite_step)
-    for m in (ACTOR, CRITIC):
-        assert max_gap(got_tp[m], got_dp[m]) < 1e-5
-    for mfc in ("actor_train", "critic_train"):
-        for key in ("loss", "grad_norm"):
-            assert stats_tp[mfc][key] == pytest.approx(stats_dp[mfc][key], rel=1e-5, abs=1e-6)
 
 
 def test_reallocation_from_a_dp2_actor_to_a_tp2_reference_gives_equal_logprobs(

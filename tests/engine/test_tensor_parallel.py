@@ -6,8 +6,8 @@ save/load resumes identically, the HF export holds the full weights, a full stat
 into the tp shards (the Core reallocation path), and activation checkpointing changes nothing.
 Each layout runs once (a module fixture) and the tests read what it recorded.
 
-dp=2 x tp=2 (4 processes) is not in the suite: it passed the same checks by hand, but 4
-processes on the 2-core test machine took 160 s, over this file's budget.
+dp=2 x tp=2 (4 processes) runs in the suite through Core, on 4 Ray workers shared by the
+layouts of tests/core/test_ray_pp.py (a PPO step equal to Lite's, and the weights' placements).
 """
 
 from __future__ import annotations
