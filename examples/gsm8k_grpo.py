@@ -125,7 +125,8 @@ def main(argv: list[str]) -> int:
         publisher.yield_device()  # colocated servers give the GPU to the train step
         with run.replay.step(step, batch, actor):  # inputs and weight hashes for `areal replay`
             batch = train_step(cfg, run, actor, critic, ref, batch)
-        run.samples.record(step, groups, batch, actor.get_version())  # for `areal view`
+        with run.tracker.timer("record_samples"):  # for `areal view`
+            run.samples.record(step, groups, batch, actor.get_version())
         with run.tracker.timer("update_weights"):
             publisher.publish()
         if run.saver.check(step, epoch_done):  # and at the last step (Run.steps)
