@@ -64,3 +64,7 @@ _.resume_at
 
 # A type-checking-only import named in a string bound (api/config/loader.py's TypeVar T).
 DataclassInstance
+
+# Set on an HF model and read by its own forward: a pipeline stage's rebuilt rotary embedding
+# (engine/pipeline.py; its inv_freq is a non-persistent buffer the checkpoint lacks).
+_.rotary_emb
