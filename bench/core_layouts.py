@@ -5,7 +5,8 @@ Run (after ``make demo``, whose SFT checkpoint every run starts from):
 ``python bench/core_layouts.py [--steps 50] [--seeds 1 2 3] [--sft DIR] [--out DIR]``; or, from
 any model (e.g. ``areal tiny-model``'s, untrained), ``--quick --sft DIR --steps 8``: the share of
 digits in the answer as the reward (:mod:`layout_rewards`), which GRPO raises from ~0 to ~0.9 in
-12 steps, 4 prompts a step, lr 1e-3.
+12 steps, 4 prompts a step, lr 1e-3; its held-out figure is the sampled share (4 answers a
+prompt, seeded like the rollouts).
 
 Both sides train ``examples/arithmetic_grpo.yaml`` (two-digit addition, 8 prompts x 8 samples a
 step) through ``areal core sync-ppo`` on 2 Ray model workers and one generation server, with two
@@ -46,6 +47,8 @@ TRAIN = "{model: actor, workers: [0, 1], pp: 2}"
 QUICK = (  # --quick: a reward the untrained tiny model learns in ~10 steps (layout_rewards.py)
     "reward_fn=layout_rewards:digit_share", "actor.dynamic_sampling=false",
     "actor.optimizer.lr=1e-3", "train_dataset.batch_size=4",
+    # held-out: the sampled digit share (4 answers a prompt; greedy answers turn all-digit early)
+    "eval_gconfig.greedy=false", "eval_gconfig.n_samples=4",
 )  # fmt: skip
 INFER = "{mfc: actor_logp, dp: 2}"
 
@@ -97,6 +100,7 @@ def run_side(side: str, seed: int, args, sft: Path, out: Path) -> dict:
         sys.executable, "-m", "areal.cli", "core", "sync-ppo", "--config", str(YAML),
         f"fileroot={out}", f"experiment_name={name}", f"actor.path={sft}",
         f"total_train_steps={args.steps}", f"seed={seed}", f"gconfig.seed={seed}",
+        f"eval_gconfig.seed={seed}",
         "saver.freq_steps=null",
         "launcher.echo=false", "rollout.max_staleness=0", "actor.ppo_n_minibatches=2",
         "core.backend=ray", "core.n_workers=2", f"core.allocations=[{args.train}]",
