@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny model built once per test session; the GPU tier skips without CUDA."""
+"""Shared fixtures: a tiny model built once per test session, a run context over it, a Ray head;
+the GPU tier skips without CUDA."""
 
 from __future__ import annotations
 
@@ -48,3 +49,32 @@ def ray_head():
         pytest.skip(str(e))
     yield head
     head.stop()
+
+
+@pytest.fixture
+def make_run(tmp_path, tiny_model_dir):
+    """``make_run(*overrides)`` -> a :class:`Run` over RUN_DIR=tmp_path/e/t (recover.mode=resume);
+    the log files its ``init_run`` opened are closed at teardown."""
+    import logging
+
+    from areal.api.config import SFTConfig, load_config
+    from areal.runtime.run import init_run
+
+    def make(*overrides: str):
+        base = [
+            f"fileroot={tmp_path}",
+            "experiment_name=e",
+            "trial_name=t",
+            "recover.mode=resume",
+            f"model.path={tiny_model_dir}",
+            "cluster.n_servers=0",
+            "train_dataset.type=sft",
+            "stats_logger.console=false",
+        ]
+        return init_run(load_config(SFTConfig, [*base, *overrides]), tiny_model_dir)
+
+    yield make
+    root = logging.getLogger("areal")
+    for handler in [h for h in root.handlers if str(tmp_path) in getattr(h, "baseFilename", "")]:
+        root.removeHandler(handler)
+        handler.close()

@@ -116,36 +116,7 @@ def test_hf_load_into_a_fresh_engine_restores_the_weights(tiny_model_dir, tmp_pa
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
 
 
-# ----------------------------------------------------------------- recover checkpoints of a run
-
-
-@pytest.fixture
-def make_run(tmp_path, tiny_model_dir):
-    """``make_run(*overrides)`` -> a :class:`Run` over RUN_DIR=tmp_path/e/t (recover.mode=resume);
-    the log files its ``init_run`` opened are closed at teardown."""
-    import logging
-
-    from areal.api.config import SFTConfig, load_config
-    from areal.runtime.run import init_run
-
-    def make(*overrides: str):
-        base = [
-            f"fileroot={tmp_path}",
-            "experiment_name=e",
-            "trial_name=t",
-            "recover.mode=resume",
-            f"model.path={tiny_model_dir}",
-            "cluster.n_servers=0",
-            "train_dataset.type=sft",
-            "stats_logger.console=false",
-        ]
-        return init_run(load_config(SFTConfig, [*base, *overrides]), tiny_model_dir)
-
-    yield make
-    root = logging.getLogger("areal")
-    for handler in [h for h in root.handlers if str(tmp_path) in getattr(h, "baseFilename", "")]:
-        root.removeHandler(handler)
-        handler.close()
+# ------------------------------------------- recover checkpoints of a run (make_run: conftest)
 
 
 def test_dcp_shard_with_4kib_overwritten_resumes_from_the_previous_checkpoint(

@@ -1,17 +1,14 @@
 """Tier 2 (one process, no model weights): the run's step-loop rules. ``Run.resume`` registers
 what a recover checkpoint holds and restores it in order; ``Run.checkpoint`` saves it under the
-keys the state file has always had; ``Run.steps`` tells the saver and evaluator the last step."""
+keys the state file has always had; ``Run.steps`` tells the saver and evaluator the last step.
+``make_run`` (tests/conftest.py): a Run over RUN_DIR=tmp_path/e/t with recover.mode=resume."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
-from areal.api.config import SFTConfig, load_config
 from areal.api.io import SaveLoadMeta
 from areal.api.protocols import Checkpointable, Persistent, Publisher, StateDict
-from areal.runtime.run import init_run
 
 
 class Log(list):
@@ -51,32 +48,6 @@ class Weights(Publisher):
     def publish(self, version: int) -> int:
         self.log.append(("weights", "publish", version))
         return version
-
-
-@pytest.fixture
-def make_run(tmp_path, tiny_model_dir):
-    """``make_run(*overrides)`` -> a Run over RUN_DIR=tmp_path/e/t with recover.mode=resume."""
-    base = [
-        f"fileroot={tmp_path}",
-        "experiment_name=e",
-        "trial_name=t",
-        "recover.mode=resume",
-        f"model.path={tiny_model_dir}",
-        "cluster.n_servers=0",
-        "train_dataset.type=sft",
-        "stats_logger.console=false",
-    ]
-    runs = []
-
-    def make(*overrides: str):
-        runs.append(init_run(load_config(SFTConfig, [*base, *overrides]), tiny_model_dir))
-        return runs[-1]
-
-    yield make
-    root = logging.getLogger("areal")
-    for handler in [h for h in root.handlers if str(tmp_path) in getattr(h, "baseFilename", "")]:
-        root.removeHandler(handler)
-        handler.close()
 
 
 def test_resume_restores_what_checkpoint_saved_in_order_and_returns_its_step(make_run):
