@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -93,5 +92,5 @@ class TrainEngine(WeightSource, Persistent, abc.ABC):
         """Free the model and process groups."""
 
     @abc.abstractmethod
-    def full_state_dict(self) -> dict[str, Any]:
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) state dict on CPU, HF names, for in-process handoff to a generator."""

@@ -32,22 +32,27 @@ import random
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    DictValueType,
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
+from torch.optim.lr_scheduler import LRScheduler
 
 from areal.utils.recover import CheckpointError, read_torch_file
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 TIED_KEYS = ("lm_head.weight",)  # dropped from exports when config.tie_word_embeddings
 
@@ -55,7 +60,7 @@ TIED_KEYS = ("lm_head.weight",)  # dropped from exports when config.tie_word_emb
 # ------------------------------------------------------------------------------------ HF format
 
 
-def export_names(hf_config: Any, names: Iterable[str]) -> list[str]:
+def export_names(hf_config: PretrainedConfig, names: Iterable[str]) -> list[str]:
     """``names`` minus the tied duplicates HF does not store."""
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     return [n for n in names if not (tied and n in TIED_KEYS)]
@@ -63,7 +68,7 @@ def export_names(hf_config: Any, names: Iterable[str]) -> list[str]:
 
 def save_hf(
     state: dict[str, torch.Tensor],
-    hf_config: Any,
+    hf_config: PretrainedConfig,
     path: str,
     tokenizer_path: str | None,
     extra: dict | None,
@@ -110,7 +115,7 @@ def _copy_tokenizer(src: str | None, dst: Path) -> None:
             shutil.copy(Path(src) / name, dst / name)
 
 
-def read_hf_weights(path: str, hf_config: Any) -> dict[str, torch.Tensor]:
+def read_hf_weights(path: str, hf_config: PretrainedConfig) -> dict[str, torch.Tensor]:
     """All tensors of the safetensors files in ``path``, with tied duplicates filled in."""
     from safetensors.torch import load_file
 
@@ -125,9 +130,9 @@ def read_hf_weights(path: str, hf_config: Any) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_hf_weights(model: torch.nn.Module, path: str, hf_config: Any) -> None:
+def load_hf_weights(model: torch.nn.Module, path: str, hf_config: PretrainedConfig) -> None:
     """Load HF safetensors from ``path`` into the sharded model (every rank reads; collective)."""
-    state = read_hf_weights(path, hf_config)
+    state: DictValueType = {**read_hf_weights(path, hf_config)}  # as torch's setter types it
     expected = set(model.state_dict())
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
@@ -175,7 +180,7 @@ def save_dcp(
     path: str,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
+    scheduler: LRScheduler | None,
     extra: dict[str, Any],
     group: dist.ProcessGroup,
     trainable_only: bool = False,
@@ -191,7 +196,7 @@ def save_dcp(
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
         state = {"model": model_sd, "optim": optim_sd}
-    dcp.save(state, checkpoint_id=path, process_group=group)
+    state_dict_saver.save(state, checkpoint_id=path, process_group=group)
     rank_state = {
         "rng": _rng_state(),
         "extra": extra,
@@ -206,7 +211,7 @@ def load_dcp(
     path: str,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
+    scheduler: LRScheduler | None,
     group: dist.ProcessGroup,
     trainable_only: bool = False,
     flat_optim: bool = False,
@@ -250,7 +255,7 @@ def _dcp_load(state: dict[str, Any], path: str, group: dist.ProcessGroup) -> Non
     """``dcp.load`` whose failure names the checkpoint and its files (DCP's own error names
     neither; every rank of ``group`` raises it)."""
     try:
-        dcp.load(state, checkpoint_id=path, process_group=group)
+        state_dict_loader.load(state, checkpoint_id=path, process_group=group)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised with the checkpoint named
         if isinstance(e, CheckpointException):  # one per failed rank, each with its traceback
             cause = "; ".join(

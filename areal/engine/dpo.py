@@ -24,7 +24,7 @@ from areal.algo.logprob import packed_token_logprobs
 from areal.algo.segments import segment_sum
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.experiments import DPOLossConfig
-from areal.api.engine import ModelFnResult, TrainEngine
+from areal.api.engine import ModelFnResult
 from areal.engine.fsdp import FSDPEngine
 from areal.utils.batch import PackedBatch
 from areal.utils.comm import all_reduce
@@ -69,12 +69,12 @@ def pair_logps(seq_logp: torch.Tensor, batch: PackedBatch, with_ref: bool) -> Pa
         seq_logp[1::2],
         lens[0::2],
         lens[1::2],
-        ref[0::2] if with_ref else None,
-        ref[1::2] if with_ref else None,
+        ref[0::2] if ref is not None else None,
+        ref[1::2] if ref is not None else None,
     )
 
 
-def with_ref_logp(ref: TrainEngine, batch: PackedBatch) -> PackedBatch:
+def with_ref_logp(ref: FSDPEngine, batch: PackedBatch) -> PackedBatch:
     """``batch`` plus sequence field ``ref_logp`` [B] from the reference engine (no update)."""
     scored, _ = ref.compute_logp(batch, out="ref_token_logp")
     seq = sequence_logp(scored["ref_token_logp"].double(), batch).float()

@@ -38,13 +38,19 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Any
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -128,22 +134,29 @@ class FSDPEngine(TrainEngine):
             raise ValueError(
                 "cpu_offload=True needs a GPU (backend nccl); set cpu_offload=false on CPU"
             )
-        self.model: torch.nn.Module | None = None
+        self._model: torch.nn.Module | None = None  # set by initialize, dropped by destroy
         self.optimizer: torch.optim.Optimizer | None = None
-        self.lr_scheduler: Any = None
+        self.lr_scheduler: LambdaLR | None = None
         self.version = 0
         self.global_step = 0  # optimizer steps taken (skipped non-finite steps included)
         self._weight_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------------------ setup
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """The sharded model (a PeftModel under LoRA), from :meth:`initialize` on."""
+        if self._model is None:
+            raise RuntimeError(f"{type(self).__name__} has no model: call initialize() first")
+        return self._model
+
     def initialize(self, ft_spec: FinetuneSpec | None) -> None:
         """Load and shard the model over the mesh, build AdamW and the LR schedule."""
-        self.model = self._build_model()
-        self._shard(self.model)
+        model = self._model = self._build_model()
+        self._shard(model)
         opt = self.config.optimizer
         self.optimizer = torch.optim.AdamW(  # frozen parameters (LoRA's base) get no state
-            [p for p in self.model.parameters() if p.requires_grad],
+            [p for p in model.parameters() if p.requires_grad],
             lr=opt.lr,
             betas=(opt.beta1, opt.beta2),
             eps=opt.eps,
@@ -197,17 +210,14 @@ class FSDPEngine(TrainEngine):
         mp = MixedPrecisionPolicy(
             param_dtype=_dtype(compute), reduce_dtype=_dtype(self.config.reduce_dtype)
         )
-        kw: dict[str, Any] = {"mesh": self.dp_mesh, "mp_policy": mp}
-        if self.config.cpu_offload:
-            kw["offload_policy"] = CPUOffloadPolicy()
-        elif self.device.type == "cuda":
+        offload = CPUOffloadPolicy() if self.config.cpu_offload else OffloadPolicy()  # the default
+        if not self.config.cpu_offload and self.device.type == "cuda":
             model.to(self.device)
         layers = pipeline.decoder_layers(lora.base_model(model))
         if self.tp_mesh is not None:
             apply_tensor_parallel(model, self.tp_mesh)
-        for layer in layers:
-            fully_shard(layer, **kw)
-        fully_shard(model, **kw)
+        for module in [*layers, model]:
+            fully_shard(module, mesh=self.dp_mesh, mp_policy=mp, offload_policy=offload)
         if self.pp_mesh is not None:
             assert isinstance(model, pipeline.StageModule)  # _build_model made it
             self.pipe = pipeline.Pipeline(
@@ -316,10 +326,12 @@ class FSDPEngine(TrainEngine):
     def _optimizer_step(self) -> dict[str, float]:
         """Clip and step; a non-finite grad norm skips the update (gradients are dropped)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
+        assert self.optimizer is not None  # initialize() built it with the model
         if self.pipe is not None:
             self.pipe.sync_tied_grads()
-        counted = [p.grad for p in params if self.pipe is None or self.pipe.counted(p)]
-        norm = torch.nn.utils.get_total_norm(counted, norm_type=2.0)
+        counted = [p for p in params if self.pipe is None or self.pipe.counted(p)]
+        grads = [p.grad for p in counted if p.grad is not None]  # all of them (params has grads)
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         if self.pipe is not None:  # over the stages
@@ -370,6 +382,8 @@ class FSDPEngine(TrainEngine):
 
     def step_lr_scheduler(self) -> None:
         """Advance the LR schedule by one step."""
+        if self.lr_scheduler is None:
+            raise RuntimeError(f"{type(self).__name__} has no LR schedule: call initialize() first")
         self.lr_scheduler.step()
 
     # ------------------------------------------------------------------------------ save / load
@@ -465,7 +479,7 @@ class FSDPEngine(TrainEngine):
             "shapes": [list(s.shape) for s in self._weight_specs()],
         }
 
-    def _export_plan(self, state: dict[str, Any]) -> dict[str, lora.Source]:
+    def _export_plan(self, state: dict[str, torch.Tensor]) -> dict[str, lora.Source]:
         """HF name -> where it comes from in ``state`` (LoRA: the merged ``W + s * B @ A``)."""
         if self.config.lora.enabled:
             return lora.merge_plan(state)
@@ -534,19 +548,19 @@ class FSDPEngine(TrainEngine):
             )
 
     def _full_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, DTensor):
-            return t.to(self.device).full_tensor()
+        if isinstance(t, DTensor):  # torch types Tensor.to as -> Tensor; a DTensor's is a DTensor
+            return cast(DTensor, t.to(self.device)).full_tensor()
         return t
 
-    def full_state_dict(self) -> dict[str, Any]:
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU state dict (HF names, tied keys included; LoRA: the merged model) on the
         mesh's first rank; ``{}`` elsewhere. Collective over the mesh."""
         return self._merged(self._gathered_state())
 
-    def _merged(self, raw: dict[str, Any]) -> dict[str, Any]:
+    def _merged(self, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return lora.merge_state_dict(raw, self.config.lora) if self.config.lora.enabled else raw
 
-    def _gathered_state(self) -> dict[str, Any]:
+    def _gathered_state(self) -> dict[str, torch.Tensor]:
         """The model's own state dict (peft names under LoRA), full, on the first rank."""
         out = {}
         for name, t in self.model.state_dict().items():
@@ -565,5 +579,5 @@ class FSDPEngine(TrainEngine):
 
     def destroy(self) -> None:
         """Drop model, optimizer and the weight-update group (the mesh belongs to the caller)."""
-        self.model = self.optimizer = self.lr_scheduler = None
+        self._model = self.optimizer = self.lr_scheduler = None
         self._weight_group = None

@@ -28,6 +28,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,13 +36,18 @@ from areal.api.config.engine import LoRAConfig
 from areal.api.engine import ModelFnResult
 from areal.utils.batch import PackedBatch
 
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel
+
+    from areal.engine.fsdp import FSDPEngine
+
 VALUE_HEAD = "score"  # AutoModelForTokenClassification's head (critic, reward model)
 PEFT_PREFIX = "base_model.model."  # a PeftModel's state-dict keys start with it
 ADAPTER = "default"  # peft's adapter name
 ADAPTER_DIR = "adapter"  # inside an HF export: the adapter alone, in peft's layout
 
 
-def peft_config(cfg: LoRAConfig, head: str):
+def peft_config(cfg: LoRAConfig, head: str) -> LoraConfig:
     """The ``peft.LoraConfig`` of ``cfg``; a value head (``head="value"``) stays fully
     trainable (``modules_to_save``) and never gets an adapter; ``cfg.modules_to_save`` are
     trained in full too, weights tied to them (a tied ``lm_head``) staying tied."""
@@ -54,7 +60,7 @@ def peft_config(cfg: LoRAConfig, head: str):
     save = [*cfg.modules_to_save, *([VALUE_HEAD] if value else [])]
     return LoraConfig(
         r=cfg.rank,
-        lora_alpha=cfg.alpha,
+        lora_alpha=cfg.alpha,  # pyright: ignore[reportArgumentType]  # peft: int; uses alpha / r
         lora_dropout=cfg.dropout,
         target_modules=targets,
         bias="none",
@@ -100,10 +106,22 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, head: str, seed: int) ->
     return wrapped
 
 
+def peft_model(model: torch.nn.Module) -> PeftModel:
+    """``model`` as the PeftModel :func:`apply_lora` made (FSDP's class subclasses it)."""
+    from peft import PeftModel
+
+    assert isinstance(model, PeftModel), f"not a LoRA model: {type(model).__name__}"
+    return model
+
+
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face model inside a PeftModel (``model`` itself when not wrapped)."""
     get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
+    if not callable(get):
+        return model
+    base = get()
+    assert isinstance(base, torch.nn.Module)  # peft's get_base_model returns the wrapped model
+    return base
 
 
 # ------------------------------------------------------------------------------ merged export
@@ -154,6 +172,7 @@ def merged_tensor(src: Source, get: Callable[[str], torch.Tensor], scaling: floa
     base = get(src.base)
     if src.a is None:
         return base
+    assert src.b is not None  # merge_plan sets a and b together
     delta = get(src.b).float() @ get(src.a).float()
     return (base.float() + scaling * delta).to(base.dtype)
 
@@ -181,7 +200,8 @@ def save_adapter(
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    adapter = get_peft_model_state_dict(model, state_dict=state, save_embedding_layers=False)
+    peft = peft_model(model)
+    adapter = get_peft_model_state_dict(peft, state_dict=state, save_embedding_layers=False)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     save_file(
@@ -189,7 +209,7 @@ def save_adapter(
         str(out / "adapter_model.safetensors"),
         metadata={"format": "pt"},
     )
-    config = model.peft_config[ADAPTER].to_dict()
+    config = peft.peft_config[ADAPTER].to_dict()
     config["base_model_name_or_path"] = base_path
     config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
@@ -206,17 +226,19 @@ class FrozenBase:
     ``disable_adapter()``, so the logprobs are the frozen base's, at no extra memory.
     """
 
-    def __init__(self, actor):
+    def __init__(self, actor: FSDPEngine):
         if not actor.config.lora.enabled:
             raise ValueError(
                 "FrozenBase needs an actor with lora.rank > 0 (its base is frozen); "
                 "without LoRA configure a separate `ref` model"
             )
-        self.actor = actor
+        self.actor: FSDPEngine | None = actor
 
     def compute_logp(self, batch: PackedBatch, out: str = "logp") -> ModelFnResult:
         """``batch`` plus token field ``out``: the base model's logprobs (adapters off)."""
-        with self.actor.model.disable_adapter():
+        if self.actor is None:
+            raise RuntimeError("FrozenBase.compute_logp after destroy(); build a new FrozenBase")
+        with peft_model(self.actor.model).disable_adapter():
             return self.actor.compute_logp(batch, out=out)
 
     def destroy(self) -> None:

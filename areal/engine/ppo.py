@@ -295,9 +295,11 @@ class PPOActor(FSDPEngine):
             kept, self._kept_logp = self._kept_logp, None
         if kept is not None and self.pipe is not None:  # the losses ran on the last stage
             kept = self.pipe.from_last_stage(kept)
-        buckets = staleness_means(steps)
-        out = batch if logp_out is None else batch.with_fields(tokens={logp_out: kept})
-        return out, {**mean_stats(steps), **buckets}
+        stats = {**mean_stats(steps), **staleness_means(steps)}
+        if logp_out is None:
+            return batch, stats
+        assert kept is not None  # filled by the losses whenever logp_out is set
+        return batch.with_fields(tokens={logp_out: kept}), stats
 
 
 VALUE_NORM_FILE = "value_normalizer.json"  # inside a DCP checkpoint dir, when value_norm

@@ -14,7 +14,7 @@ keeps micro-batches balanced, with at least ``n_mbs`` bins.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +55,10 @@ class PackedBatch:
     def from_sequences(
         cls,
         token_fields: dict[str, Sequence[Sequence]],
-        seq_fields: dict[str, Sequence] | None = None,
+        seq_fields: Mapping[str, Sequence | torch.Tensor] | None = None,
     ) -> PackedBatch:
-        """Pack lists of per-sequence lists, e.g. ``{"input_ids": [[1, 2], [3]]}``."""
+        """Pack lists of per-sequence lists, e.g. ``{"input_ids": [[1, 2], [3]]}``; a sequence
+        field is one value per sequence (a list or a tensor)."""
         lens = [len(s) for s in token_fields["input_ids"]]
         cu = torch.zeros(len(lens) + 1, dtype=torch.long)
         cu[1:] = torch.tensor(lens, dtype=torch.long).cumsum(0)
