@@ -111,7 +111,7 @@ def init_distributed(
         else:  # one process: no rendezvous
             dist.init_process_group(
                 group_backend(backend),
-                store=dist.HashStore(),
+                store=dist.HashStore(),  # pyright: ignore[reportPrivateImportUsage]  # torch re-exports it unmarked
                 rank=0,
                 world_size=1,
                 timeout=TIMEOUT,

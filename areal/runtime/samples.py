@@ -110,7 +110,7 @@ class SampleRecorder:
                 f"{len(trajs)} trajectories but the batch holds {batch.n_seqs} sequences; "
                 "record the batch groups_to_batch built from these groups"
             )
-        cu = batch.cu_seqlens.tolist()
+        cu: list[int] = batch.cu_seqlens.tolist()
         trainer = "prox_logp" if "prox_logp" in batch else "trainer_logp"
         token = {  # one host transfer per field and batch
             k: batch[k].detach().cpu().tolist()
