@@ -21,14 +21,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from areal.core.dfg import ModelFn, ModelName
-from areal.core.master import ServerUpdater
+from areal.core.master import SampleSender, ServerUpdater
 from areal.core.worker import InProcessWorker, MFCReply, MFCRequest, ModelWorker, pack
 from areal.rollout.trajectory import groups_to_batch
 from areal.runtime.publisher import WeightPublisher
 from areal.runtime.rl import RolloutSide
 
 
-class GenerationWorker(InProcessWorker, ServerUpdater):
+class GenerationWorker(InProcessWorker, ServerUpdater, SampleSender):
     """The ``rollout`` model's host (worker ``index``); ``publisher`` pushes ``source``'s
     weights."""
 

@@ -68,6 +68,42 @@ class ServerUpdater(Protocol):
         ...
 
 
+@runtime_checkable
+class SampleSender(Protocol):
+    """What the master asks of a worker that runs a ``generate`` MFC (the generation worker):
+    to hand its new samples to the model workers it places them on."""
+
+    def send(self, sample_ids: list[int], keys: tuple[str, ...], target: ModelWorker) -> None:
+        """Move those samples' ``keys`` to ``target`` and drop them here."""
+        ...
+
+
+def _unfit(graph: DataflowGraph, workers: Sequence[ModelWorker]) -> list[str]:
+    """Why ``workers`` cannot run ``graph``'s MFCs, one line each (none: they can)."""
+    problems = [
+        f"MFC {m.name!r}: {why}"
+        for m in graph.mfcs
+        for w in graph.allocations[m.model].workers
+        if (why := workers[w].hosts(m.model, m.fn)) is not None
+    ]
+    problems += [
+        f"MFC {m.name!r}: worker {w} cannot push weights to generation servers "
+        f"({type(workers[w]).__name__})"
+        for m in graph.mfcs
+        if any(isinstance(h, UpdateServers) for h in m.hooks)
+        for w in graph.allocations[m.model].workers
+        if not isinstance(workers[w], ServerUpdater)
+    ]
+    problems += [
+        f"MFC {m.name!r}: worker {w} cannot send generated samples ({type(workers[w]).__name__})"
+        for m in graph.mfcs
+        if m.fn is ModelFn.GENERATE
+        for w in graph.allocations[m.model].workers
+        if not isinstance(workers[w], SampleSender)
+    ]
+    return problems
+
+
 @dataclass
 class _Running:
     mfc: MFC
@@ -96,26 +132,14 @@ class Master:
                 f"graph {graph.name!r} is allocated over {graph.n_workers} workers, "
                 f"got {len(workers)}"
             )
-        problems = [
-            f"MFC {m.name!r}: {why}"
-            for m in graph.mfcs
-            for w in graph.allocations[m.model].workers
-            if (why := workers[w].hosts(m.model, m.fn)) is not None
-        ]
-        problems += [
-            f"MFC {m.name!r}: worker {w} cannot push weights to generation servers "
-            f"({type(workers[w]).__name__})"
-            for m in graph.mfcs
-            if any(isinstance(h, UpdateServers) for h in m.hooks)
-            for w in graph.allocations[m.model].workers
-            if not isinstance(workers[w], ServerUpdater)
-        ]
+        problems = _unfit(graph, workers)
         if problems:
             raise ValueError(
                 "the workers cannot run the graph:\n" + "\n".join(f"  - {p}" for p in problems)
             )
         self.graph, self.workers, self.group_size = graph, workers, group_size
         self._updaters = {i: w for i, w in enumerate(workers) if isinstance(w, ServerUpdater)}
+        self._senders = {i: w for i, w in enumerate(workers) if isinstance(w, SampleSender)}
         self.mfc_timeout = mfc_timeout
         consumers: dict[str, set[str]] = defaultdict(set)
         for m in graph.mfcs:
@@ -341,7 +365,7 @@ class Master:
             ):
                 target = self._model_workers[rank]
                 part = [sids[i] for i in positions]
-                self.workers[gen].send(part, reply.outputs, self.workers[target])
+                self._senders[gen].send(part, reply.outputs, self.workers[target])
                 metas += [
                     SampleMeta(
                         sids[i], reply.seqlens[i], {k: target for k in reply.outputs}, in_step=True

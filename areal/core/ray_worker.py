@@ -31,10 +31,12 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
+from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.experiments import DistillConfig
 from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
@@ -58,6 +60,7 @@ from areal.runtime.dist import build_mesh, group_backend
 from areal.utils.batch import PackedBatch, split_by_tokens
 
 RPC_TIMEOUT = 300.0  # seconds: a Ray call to a worker (setup loads models, so not short)
+C = TypeVar("C", bound=TrainEngineConfig)
 
 
 @dataclass(frozen=True)
@@ -73,11 +76,22 @@ class EngineSpec:
     distill: DistillConfig | None = None  # ppo_actor: on-policy distillation's advantages
 
 
-def build_engine(spec: EngineSpec, mesh) -> Any:
+def _config_as(spec: EngineSpec, cls: type[C]) -> C:
+    """``spec.config`` as the config class its ``kind`` needs."""
+    if not isinstance(spec.config, cls):
+        raise ValueError(
+            f"EngineSpec.config is a {type(spec.config).__name__}; kind={spec.kind!r} needs a "
+            f"{cls.__name__} (the actor's or critic's config section)"
+        )
+    return spec.config
+
+
+def build_engine(spec: EngineSpec, mesh: DeviceMesh) -> FSDPEngine:
     """The initialized Lite engine ``spec`` describes, sharded over ``mesh``."""
+    engine: FSDPEngine
     if spec.kind == "ppo_actor":
         engine = PPOActor(
-            spec.config,
+            _config_as(spec, PPOActorConfig),
             mesh,
             temperature=spec.temperature,
             group_size=spec.group_size,
@@ -85,7 +99,7 @@ def build_engine(spec: EngineSpec, mesh) -> Any:
             distill=spec.distill,
         )
     elif spec.kind == "ppo_critic":
-        engine = PPOCritic(spec.config, mesh, group_size=spec.group_size)
+        engine = PPOCritic(_config_as(spec, PPOCriticConfig), mesh, group_size=spec.group_size)
     elif spec.kind == "lm":
         engine = FSDPEngine(spec.config, mesh, temperature=spec.temperature)
     elif spec.kind == "sft":
@@ -178,8 +192,15 @@ class WorkerActor:
             [self.inner if i == self.index else _RayPeer(h) for i, h in enumerate(peers)]
         )
 
+    @property
+    def worker(self) -> InProcessWorker:
+        """The worker :meth:`setup` built (until :meth:`release`)."""
+        if self.inner is None:
+            raise RuntimeError(f"worker {self.index} is not set up: call setup() first")
+        return self.inner
+
     def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
-        return self.inner.hosts(model, fn)
+        return self.worker.hosts(model, fn)
 
     def pid(self) -> int:
         """This worker's process id (``areal core status``)."""
@@ -200,17 +221,17 @@ class WorkerActor:
 
     def run(self, number: int, request: MFCRequest) -> MFCReply:
         """Run one MFC share, in the master's order."""
-        return self._in_turn(number, lambda: self.inner.submit(request)).result()
+        return self._in_turn(number, lambda: self.worker.submit(request)).result()
 
     def run_call(self, number: int, model: ModelName, method: str, args: tuple) -> Any:
         """``engine.method(*args)`` on this rank, in the master's order (save, load, evaluate)."""
-        return self._in_turn(number, lambda: self.inner.submit_call(model, method, *args)).result()
+        return self._in_turn(number, lambda: self.worker.submit_call(model, method, *args)).result()
 
     def publish_shards(
         self, number: int, model: ModelName, token: str, layout: Allocation, n_readers: int
     ) -> None:
         self._in_turn(
-            number, partial(self.inner.publish_shards, model, token, layout, n_readers)
+            number, partial(self.worker.publish_shards, model, token, layout, n_readers)
         ).result()
 
     def load_shards(
@@ -222,21 +243,21 @@ class WorkerActor:
         target: Allocation,
         ema: float,
     ) -> Moved:
-        load = partial(self.inner.load_shards, model, token, source, target, ema)
+        load = partial(self.worker.load_shards, model, token, source, target, ema)
         return self._in_turn(number, load).result()
 
     def read_shards(self, token: str, wanted: list[tuple[str, Box]]) -> list[torch.Tensor]:
         """A peer's read: the boxes leave on the host (a peer may have another device)."""
-        return [t.cpu() for t in self.inner.read_shards(token, wanted)]
+        return [t.cpu() for t in self.worker.read_shards(token, wanted)]
 
     def put(self, sample_ids: list[int], batch: PackedBatch) -> None:
-        self.inner.put(sample_ids, batch)
+        self.worker.put(sample_ids, batch)
 
     def get(self, sample_ids: tuple[int, ...], keys: tuple[str, ...]) -> list[SampleFields]:
-        return self.inner.get(sample_ids, keys)
+        return self.worker.get(sample_ids, keys)
 
     def free(self, items: list[tuple[str, int]]) -> None:
-        self.inner.free(items)
+        self.worker.free(items)
 
     def collective_counts(self) -> dict[tuple[int, ...], int]:
         """Collectives issued so far on each process group this worker belongs to, keyed by the
@@ -246,7 +267,7 @@ class WorkerActor:
         from torch.distributed.distributed_c10d import _world
 
         return {
-            tuple(dist.get_process_group_ranks(pg)): pg._get_sequence_number_for_group()
+            tuple(dist.get_process_group_ranks(pg)): pg._get_sequence_number_for_group()  # pyright: ignore[reportAttributeAccessIssue]  # a C++ binding torch's stub lacks
             for pg in _world.pg_map
         }
 
@@ -260,12 +281,12 @@ class WorkerActor:
                 tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape),
                 str(tuple(p.placements)) if isinstance(p, DTensor) else "",
             )
-            for name, p in self.inner.engines[model].model.named_parameters()
+            for name, p in self.worker.engines[model].model.named_parameters()
         }
 
     def full_state_dict(self, model: ModelName) -> dict[str, torch.Tensor]:
         """The model's full weights (on its mesh's first rank; {} elsewhere). Collective."""
-        return self.inner.engines[model].full_state_dict()
+        return self.worker.engines[model].full_state_dict()
 
     def release(self) -> None:
         """Drop this worker's engines, store and request numbering; the process and its process

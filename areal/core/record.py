@@ -35,10 +35,13 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from areal.core.dfg import Allocation, ModelFn, ModelName
+from areal.core.realloc import Box
+from areal.core.worker import MFCReply, MFCRequest, ModelWorker, Moved, SampleFields
 from areal.rollout.trajectory import groups_to_batch
 from areal.utils.batch import PackedBatch
 from areal.utils.logging import get_logger
@@ -46,13 +49,16 @@ from areal.utils.samples import TIMELINE
 
 logger = get_logger("core.record")
 KEPT = ("advantages", "trainer_logp")  # released by the master after actor_train / the step
+R = TypeVar("R")
 
 
-class TimedWorker:
+class TimedWorker(ModelWorker):
     """A model worker as the master sees it, timing each queued call and holding back the
-    release of :data:`KEPT` fields while :attr:`keep` is set (see the module docstring)."""
+    release of :data:`KEPT` fields while :attr:`keep` is set (see the module docstring). Calls
+    beyond :class:`~areal.core.worker.ModelWorker` (a generation worker's ``send`` and
+    ``update_servers``) pass through too, timed when they return a future."""
 
-    def __init__(self, inner: Any, clock: Callable[[], float] = time.time):
+    def __init__(self, inner: ModelWorker, clock: Callable[[], float] = time.time):
         self.inner, self.clock = inner, clock
         self.index = inner.index
         self.keep = False
@@ -60,9 +66,38 @@ class TimedWorker:
         self.spans: list[dict[str, Any]] = []
         self._lock = threading.Lock()  # answers arrive on other threads
 
-    def submit(self, request: Any) -> Future:
+    def submit(self, request: MFCRequest) -> Future[MFCReply]:
         """Queue an MFC share (timed)."""
         return self._timed(self.inner.submit(request), request.mfc.name, "mfc")
+
+    def publish_shards(
+        self, model: ModelName, token: str, layout: Allocation, n_readers: int
+    ) -> Future[None]:
+        """Queue a reallocation's source side (timed)."""
+        queued = self.inner.publish_shards(model, token, layout, n_readers)
+        return self._timed(queued, f"publish_shards {model}", "hook")
+
+    def load_shards(
+        self, model: ModelName, token: str, source: Allocation, target: Allocation, ema: float
+    ) -> Future[Moved]:
+        """Queue a reallocation's destination side (timed)."""
+        queued = self.inner.load_shards(model, token, source, target, ema)
+        return self._timed(queued, f"load_shards {model}", "hook")
+
+    def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
+        return self.inner.hosts(model, fn)
+
+    def put(self, sample_ids: list[int], batch: PackedBatch) -> None:
+        self.inner.put(sample_ids, batch)
+
+    def get(self, sample_ids: tuple[int, ...], keys: tuple[str, ...]) -> list[SampleFields]:
+        return self.inner.get(sample_ids, keys)
+
+    def read_shards(self, token: str, wanted: list[tuple[str, Box]]) -> list[torch.Tensor]:
+        return self.inner.read_shards(token, wanted)
+
+    def close(self) -> None:
+        self.inner.close()
 
     def free(self, items: list[tuple[str, int]]) -> None:
         """Release fields; those of :data:`KEPT` wait while :attr:`keep` is set."""
@@ -98,10 +133,10 @@ class TimedWorker:
 
         return call
 
-    def _timed(self, future: Future, name: str, kind: str) -> Future:
+    def _timed(self, future: Future[R], name: str, kind: str) -> Future[R]:
         queued = self.clock()
 
-        def done(f: Future) -> None:
+        def done(f: Future[R]) -> None:
             end = self.clock()
             reply = None if f.cancelled() or f.exception() is not None else f.result()
             busy = getattr(reply, "compute_time", getattr(reply, "seconds", None))
@@ -119,7 +154,12 @@ class CoreRecorder:
     """Wraps the model workers (:attr:`workers`, for the master) and records each step."""
 
     def __init__(
-        self, cfg: Any, run: Any, workers: list[Any], graph: Any, ray_get: Callable[[Any], Any]
+        self,
+        cfg: Any,
+        run: Any,
+        workers: list[ModelWorker],
+        graph: Any,
+        ray_get: Callable[[Any], Any],
     ):
         """``run``: the master's :class:`~areal.runtime.run.Run` (its sample and replay
         recorders); ``graph``: the one the master walks; ``ray_get``: fetches an object-store
@@ -173,7 +213,7 @@ class CoreRecorder:
 
     def _with_kept(self, batch: PackedBatch, ids: list[int]) -> PackedBatch:
         """``batch`` plus the :data:`KEPT` token fields read from where the workers hold them."""
-        where: dict[str, dict[int, Any]] = {k: {} for k in KEPT}
+        where: dict[str, dict[int, TimedWorker]] = {k: {} for k in KEPT}
         for w in self.workers:
             for key, sid in w.held:
                 where[key].setdefault(sid, w)

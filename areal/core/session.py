@@ -77,8 +77,8 @@ def start_model_workers(
         ray_workers = _start_ray(cfg.core, graph, specs)
         engines = {m: RayModel(ray_workers, m, graph.allocations[m].workers) for m in specs}
         return [*ray_workers], engines
-    engines = {m: build_engine(spec, run.dist.mesh) for m, spec in specs.items()}
-    return [InProcessWorker(0, engines)], engines
+    local = {m: build_engine(spec, run.dist.mesh) for m, spec in specs.items()}
+    return [InProcessWorker(0, local)], {**local}
 
 
 def _start_ray(

@@ -24,7 +24,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,9 @@ from areal.core import realloc
 from areal.core.dfg import MFC, TRAINING_FNS, Allocation, ModelFn, ModelName
 from areal.core.realloc import Box
 from areal.utils.batch import PackedBatch
+
+if TYPE_CHECKING:
+    from areal.engine.fsdp import FSDPEngine
 
 SNAPSHOT_WAIT = 600.0  # seconds a reader waits for a reallocation's source shards
 
@@ -135,7 +138,7 @@ def pack(samples: list[SampleFields]) -> PackedBatch:
 class InProcessWorker(ModelWorker):
     """A model worker in this process: engines given by the caller, one thread for requests."""
 
-    def __init__(self, index: int, engines: dict[ModelName, Any]):
+    def __init__(self, index: int, engines: dict[ModelName, FSDPEngine]):
         self.index = index
         self.engines = engines
         self.peers: list = []
@@ -187,10 +190,10 @@ class InProcessWorker(ModelWorker):
         out = []
         with self._lock:
             for sid in sample_ids:
-                have = self._store.get(sid)
-                missing = [
-                    k for k in keys if have is None or (k not in have.tokens and k not in have.seqs)
-                ]
+                have = self._store.get(sid) or SampleFields(
+                    {}, {}
+                )  # an unknown sample holds nothing
+                missing = [k for k in keys if k not in have.tokens and k not in have.seqs]
                 if missing:
                     raise KeyError(f"worker {self.index} holds no {missing} of sample {sid}")
                 out.append(

@@ -23,7 +23,11 @@ class _Worker:
         self.futures.append(Future())
         return self.futures[-1]
 
-    def load_shards(self, model, token) -> Future:
+    def load_shards(self, model, token, source, target, ema) -> Future:
+        self.futures.append(Future())
+        return self.futures[-1]
+
+    def update_servers(self, source, version) -> Future:
         self.futures.append(Future())
         return self.futures[-1]
 
@@ -40,16 +44,20 @@ def test_calls_are_timed_from_queued_to_answered_with_the_workers_compute_time()
     w = TimedWorker(inner, clock=lambda: now[0])
     request = SimpleNamespace(mfc=SimpleNamespace(name="actor_train"))
     mfc = w.submit(request)
-    move = w.load_shards("actor@1", "tok")  # a hook: any queued call returning a Future
+    move = w.load_shards("actor@1", "tok", None, None, 0.0)  # a hook: a reallocation's load
+    push = w.update_servers("actor", 2)  # a generation worker's call: passed through, timed
     assert w.hosts("actor", "ppo_update") is None  # other calls pass through untimed
     now[0] = 14.0  # answered 4 s after it was queued, 1.5 s of it computing
     mfc.set_result(MFCReply({}, (), 10, compute_time=1.5))
     now[0] = 15.0
     move.set_exception(RuntimeError("lost"))  # no reply: the whole wait counts as running
+    push.set_result(None)
     assert w.take_spans() == [
         {"worker": 3, "name": "actor_train", "kind": "mfc", "queued": 10.0, "start": 12.5,
          "end": 14.0},
         {"worker": 3, "name": "load_shards actor@1", "kind": "hook", "queued": 10.0,
+         "start": 10.0, "end": 15.0},
+        {"worker": 3, "name": "update_servers actor", "kind": "hook", "queued": 10.0,
          "start": 10.0, "end": 15.0},
     ]  # fmt: skip
     assert w.take_spans() == []
