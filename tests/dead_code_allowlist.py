@@ -46,8 +46,9 @@ _.areal_reload_weights
 # Called on Ray actor handles (.collective_counts.remote()): which process groups a step used (core/ray_worker.py).
 _.collective_counts
 
-# Called on the manager's Ray actor handle by name (rollout_worker.RolloutWorker._ask("acquire_at", ...)).
-_.acquire_at
+# Keys of the TypedDict core/rollout_side.ScaleRequest (RUN_DIR/core_scale.json), read as req["..."].
+add_servers
+remove_servers
 # WorkerCounts fields are read through vars() into stats (core/manager.py).
 reclaimed
 _.reclaimed

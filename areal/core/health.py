@@ -25,8 +25,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from areal.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from areal.core.ray_worker import RayWorker
+    from areal.core.rollout_side import RayRolloutSide
 
 logger = get_logger("core.health")
 PERIOD_S = 2.0  # seconds between probes (at most; a short health_timeout probes more often)
@@ -77,7 +84,7 @@ class ProbeClock:
 class Watched:
     """One actor to watch: its Ray handle, whether Ray restarts it, and what a kill leads to."""
 
-    handle: object
+    handle: ActorHandle
     restartable: bool
     after: str  # what follows the kill, for the log line
 
@@ -180,7 +187,9 @@ class HangWatch:
         self._ray.kill(actor.handle, no_restart=not actor.restartable)
 
 
-def async_ppo_actors(model_workers: list, side: object) -> Callable[[], dict[str, Watched]]:
+def async_ppo_actors(
+    model_workers: list[RayWorker], side: RayRolloutSide
+) -> Callable[[], dict[str, Watched]]:
     """The actors of an async PPO run, as :class:`HangWatch` reads them: ``model_workers``
     (:class:`~areal.core.ray_worker.RayWorker`), and ``side``'s
     (:class:`~areal.core.rollout_side.RayRolloutSide`) rollout workers and manager."""

@@ -50,6 +50,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from areal.api.protocols import Checkpointable, StateDict
 from areal.rollout.staleness import StalenessManager
 
 REFUSAL_CAUSES = ("staleness", "capacity", "paused", "fair_share")
@@ -87,11 +88,21 @@ class WorkerCounts:
     restarts: int = 0
 
 
+def _finished(entries: dict[int, tuple[Finished | None, _Ticket]]) -> list[Finished] | None:
+    """The groups of ``entries``, in order; None while one waits for its worker to rejoin."""
+    groups = [g for g, _ in entries.values() if g is not None]
+    return groups if len(groups) == len(entries) else None
+
+
 class GenerationManager:
     """Admission, items, the ordered stream and per-worker accounting (module docstring)."""
 
     def __init__(
-        self, max_staleness: int, batch_groups: int, max_concurrent: int, loader: Iterable
+        self,
+        max_staleness: int,
+        batch_groups: int,
+        max_concurrent: int,
+        loader: Iterable[list[Any]],
     ):
         self.staleness = StalenessManager(max_staleness, batch_groups, max_concurrent)
         self.loader = loader
@@ -242,8 +253,7 @@ class GenerationManager:
         if self._taken is not None and step is not None and self._taken[0] == step:
             if self._taken_lost:
                 raise RuntimeError(self._taken_lost)
-            groups = [g for g, _ in self._taken[1].values()]
-            return None if None in groups else groups
+            return _finished(self._taken[1])
         self._confirm()
         waiting = (t for t, (g, _) in self._done.items() if g is None)
         blocking = min([*self._running, *waiting], default=math.inf)
@@ -251,7 +261,8 @@ class GenerationManager:
         if len(ready) < n:
             return None
         self._taken = (step, {t: self._done.pop(t) for t in ready[:n]})
-        groups = [g for g, _ in self._taken[1].values()]
+        groups = _finished(self._taken[1])
+        assert groups is not None  # a ticket whose group waits for its worker blocks later ones
         if step is None:
             self._confirm()
         return groups
@@ -303,7 +314,7 @@ class GenerationManager:
         return {
             "version": self.version,
             "staleness": staleness,
-            "loader": self.loader.state_dict() if hasattr(self.loader, "state_dict") else None,
+            "loader": self._loader_state(),
             "pending": pending,
             "refused": dict(self.refused),
             "lost": self.lost,
@@ -316,12 +327,26 @@ class GenerationManager:
         self.version = int(state["version"])
         self.staleness.load_state_dict(state["staleness"])
         self.staleness.fast_forward(self.version)
-        if state["loader"] is not None:
-            self.loader.load_state_dict(state["loader"])
+        self._restore_loader(state["loader"])
         self._batches, self._rest = None, deque()
         self._reissue = deque(state["pending"])
         self.refused.update({c: int(n) for c, n in state["refused"].items()})
         self.lost = int(state["lost"])
+
+    def _loader_state(self) -> StateDict | None:
+        """The loader's position, if it keeps one (a plain iterable does not)."""
+        return self.loader.state_dict() if isinstance(self.loader, Checkpointable) else None
+
+    def _restore_loader(self, state: StateDict | None) -> None:
+        if state is None:
+            return
+        if not isinstance(self.loader, Checkpointable):
+            raise ValueError(
+                f"the checkpoint holds a loader position but this manager's loader "
+                f"({type(self.loader).__name__}) has no state_dict/load_state_dict; build it "
+                "with the loader the checkpoint was taken with"
+            )
+        self.loader.load_state_dict(state)
 
     # -- failover (a restarted manager; module docstring) ---------------------------------------
 
@@ -347,7 +372,7 @@ class GenerationManager:
             "taken": None if self._taken is None else (self._taken[0], jobs(self._taken[1])),
             "reissue": list(self._reissue),
             "rest": list(self._rest),
-            "loader": self.loader.state_dict() if hasattr(self.loader, "state_dict") else None,
+            "loader": self._loader_state(),
         }
 
     def restore(self, state: dict) -> None:
@@ -370,8 +395,7 @@ class GenerationManager:
             step, taken = state["taken"]
             self._taken = (step, {t: (None, _Ticket(*job)) for t, job in taken.items()})
         self._reissue, self._rest = deque(state["reissue"]), deque(state["rest"])
-        if state["loader"] is not None:
-            self.loader.load_state_dict(state["loader"])
+        self._restore_loader(state["loader"])
         self._batches = None
         self._unjoined = set(self.workers)
 
@@ -401,13 +425,14 @@ class GenerationManager:
                     self._reissue.append(job.item)
                     self.staleness.accepted -= 1
                     n += 1
-        for t, (g, job) in (self._taken[1] if self._taken else {}).items():
+        step, taken = self._taken if self._taken is not None else (None, {})
+        for t, (g, job) in taken.items():
             if g is None and job.worker == worker:
                 if t in mine:
-                    self._taken[1][t] = (mine[t], job)
+                    taken[t] = (mine[t], job)
                 else:
                     self._taken_lost = (
-                        f"the groups of step {self._taken[0]} were lost: the manager restarted "
+                        f"the groups of step {step} were lost: the manager restarted "
                         f"before the master got them and rollout worker {worker} (holding ticket "
                         f"{t}) had restarted too; resume from the last recover checkpoint"
                     )

@@ -47,7 +47,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.io import WeightUpdateMeta
@@ -65,6 +65,14 @@ SCALE_FILE = "core_scale.json"
 STATUS_FILE = "core_status.json"  # the master's state at its last step (areal core status)
 
 
+class ScaleRequest(TypedDict):
+    """A scaling request as RUN_DIR/core_scale.json holds it (:func:`request_scale`)."""
+
+    rollout_workers: NotRequired[int]  # rollout workers wanted (absent: as many as now)
+    add_servers: list[str]  # server addresses to start routing to
+    remove_servers: list[str]  # server addresses to stop routing to
+
+
 def run_ended(status: dict) -> str:
     """Why the run of ``status`` (RUN_DIR/core_status.json) is over ('' while its master runs):
     it finished, or its master's process (on this host) is gone."""
@@ -78,7 +86,7 @@ def run_ended(status: dict) -> str:
 
 def request_scale(
     run_dir: Path, rollout_workers: int | None, add: list[str], remove: list[str]
-) -> dict:
+) -> ScaleRequest:
     """Merge a scaling request into RUN_DIR/core_scale.json (the master takes it next step);
     refused for a run that has ended (nobody would take it)."""
     path = Path(run_dir) / SCALE_FILE
@@ -94,7 +102,7 @@ def request_scale(
         )
     if rollout_workers is not None and rollout_workers < 1:
         raise ValueError(f"--rollout-workers {rollout_workers}: keep at least 1")
-    req = (
+    req: ScaleRequest = (
         json.loads(path.read_text())
         if path.is_file()
         else {"add_servers": [], "remove_servers": []}
@@ -109,12 +117,12 @@ def request_scale(
     return req
 
 
-def take_scale_request(run_dir: Path) -> dict | None:
+def take_scale_request(run_dir: Path) -> ScaleRequest | None:
     """The pending scaling request, removed from disk (None if there is none)."""
     path = Path(run_dir) / SCALE_FILE
     if not path.is_file():
         return None
-    req = json.loads(path.read_text())
+    req: ScaleRequest = json.loads(path.read_text())
     path.unlink()
     return req
 
@@ -148,7 +156,9 @@ class RayRolloutSide(Admission, Checkpointable):
         # keep for a restart (ray-project/ray#53727; it logs an error line for each such actor).
         manager_name = f"areal-manager-{uuid.uuid4().hex}"
         self.manager = (
-            ray.remote(concurrency_groups={SERVERS: 1})(ManagerActor)
+            ray.remote(concurrency_groups={SERVERS: 1})(  # pyright: ignore[reportCallIssue]  # ray's overloads lack this option
+                ManagerActor
+            )
             .options(name=manager_name, num_cpus=0, max_restarts=cfg.core.manager_restarts)
             .remote(cfg, addresses, str(record))
         )
@@ -311,7 +321,7 @@ class RayRolloutSide(Admission, Checkpointable):
     def rescale(self, run_dir: Path, registered: list[str]) -> None:
         """Before a step: apply a scaling request, and route the master's client to the wanted
         servers (new ones get the current weights in this step's update)."""
-        req = take_scale_request(run_dir) or {"add_servers": [], "remove_servers": []}
+        req: ScaleRequest = take_scale_request(run_dir) or {"add_servers": [], "remove_servers": []}
         n = req.get("rollout_workers")
         if n is not None and n > len(self.active):
             self.add_workers(n - len(self.active))

@@ -44,9 +44,10 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import ray
+import ray.exceptions
 
 from areal.api.config import GRPOConfig
 from areal.api.io import WeightUpdateMeta
@@ -63,6 +64,8 @@ logger = get_logger("core.rollout")
 POLL_S = 0.05  # seconds between asks for slots while the worker is refused
 HEARTBEAT_S = 1.0  # seconds between asks of a full or draining worker (it learns of a restart)
 RETRY_S = 0.5  # seconds between retries of a call to a restarting manager
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _tokenizer(cfg: GRPOConfig):
@@ -146,10 +149,10 @@ class ManagerActor(GenerationManager):
         tmp.write_bytes(pickle.dumps(state))
         tmp.replace(self._record)
 
-    def _changed(self, method: Callable, *args: object) -> object:
+    def _changed(self, method: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """``method(*args)``, recorded before the caller gets the answer."""
         with self._lock:
-            out = method(*args)
+            out = method(*args, **kwargs)
             self._write_record()
         return out
 
@@ -213,7 +216,9 @@ class ManagerActor(GenerationManager):
         self.client.pause()
 
     @ray.method(concurrency_group=SERVERS)
-    def begin_update(self, meta: Any, announcement: dict[str, list] | None = None) -> None:
+    def begin_update(
+        self, meta: WeightUpdateMeta, announcement: dict[str, list] | None = None
+    ) -> None:
         """Start pushing weights to every live server (``disk``: dead ones are probed first and a
         restarted one loads them too; ``distributed``: they receive the trainer's broadcast);
         :meth:`update_done` says when it finished. Asked again for the version being pushed (a
@@ -225,7 +230,7 @@ class ManagerActor(GenerationManager):
         self._update = self.client.update_weights_async(meta, announcement)
 
     @ray.method(concurrency_group=SERVERS)
-    def begin_join(self, meta: Any) -> None:
+    def begin_join(self, meta: WeightUpdateMeta) -> None:
         """Start the live servers joining the trainer's broadcast group (``distributed``)."""
         self._begin("join", meta, None)
         self._update = self.client.init_weights_update_group_async(meta)
@@ -346,12 +351,15 @@ class RolloutWorker:
         if self._main is None:
             self._main = self._thread.submit(self._loop())
 
-    async def _ask(self, method: str, *args: object) -> object:
-        """The manager's answer; a call lost to the manager's death is asked again (it restarts)
+    async def _ask(
+        self, method: Callable[Concatenate[ManagerActor, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """The manager's answer to ``method(*args)`` (a :class:`ManagerActor` method, called on
+        the manager's actor); a call lost to the manager's death is asked again (it restarts)
         until ``restart_timeout``."""
         deadline = time.monotonic() + self.restart_timeout
         while True:
-            ref = getattr(self.manager, method).remote(*args)
+            ref = getattr(self.manager, method.__name__).remote(*args, **kwargs)
             try:
                 return await asyncio.wait_for(
                     asyncio.wrap_future(ref.future()), self.restart_timeout
@@ -376,11 +384,13 @@ class RolloutWorker:
                     await asyncio.sleep(POLL_S)
                     continue
                 self._asked = time.monotonic()
-                version, confirmed, slots = await self._ask("acquire_at", self.index, max(want, 0))
+                version, confirmed, slots = await self._ask(
+                    ManagerActor.acquire_at, self.index, max(want, 0)
+                )
                 self._kept = {t: g for t, g in self._kept.items() if t > confirmed}
                 if slots is None:  # the manager restarted: say what this worker holds
                     await self._ask(
-                        "rejoin", self.index, sorted(self._held), [*self._kept.values()]
+                        ManagerActor.rejoin, self.index, sorted(self._held), [*self._kept.values()]
                     )
                     continue
                 if slots:
@@ -414,7 +424,7 @@ class RolloutWorker:
         if entry is not None:  # kept until the master has it (a restarted manager asks for it)
             self._kept[ticket] = entry
         try:
-            await self._ask("finish", self.index, ticket, entry, failed)
+            await self._ask(ManagerActor.finish, self.index, ticket, entry, failed)
         except Exception as e:  # noqa: BLE001
             self._record(f"rollout worker {self.index} could not report ticket {ticket}: {e}")
         finally:
