@@ -3,7 +3,8 @@ each needs to reach the teacher's held-out accuracy.
 
 Run (after ``make demo``: its SFT model is the student, its GRPO model the teacher):
 ``python bench/distill.py [--steps 150] [--seeds 1,2,3] [--eval-every 10] [--sft DIR]
-[--teacher DIR] [--out runs/bench_distill]``.
+[--teacher DIR] [--out runs/bench_distill] [--sides distill,grpo] [--distill-set KEY=VALUE ...]``
+(``--distill-set`` overrides the distillation side only, e.g. ``distill.coef=5``).
 
 Per seed, two runs of ``examples/gsm8k_grpo.py`` through ``areal launch local`` from the SFT
 model: ``examples/arithmetic_distill.yaml`` (the teacher's servers score every completion; the
@@ -46,6 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sft", type=Path, default=None)
     ap.add_argument("--teacher", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench_distill")
+    ap.add_argument(
+        "--distill-set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides for the distillation side only (e.g. distill.coef=5)",
+    )
+    ap.add_argument(
+        "--sides", default="distill,grpo", help="which sides to run (a sweep: distill alone)"
+    )
     args = ap.parse_args(argv)
     sft, teacher = (
         (args.sft or _default_sft()).resolve(),
@@ -55,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
 
     target = float(run_eval(str(teacher), ["--config", str(YAML)])["accuracy"])
     print(f"[distill] teacher {teacher}: held-out accuracy {target:.3f}", flush=True)
-    sides = {"distill": [DISTILL_YAML, f"distill.teacher_path={teacher}"], "grpo": [YAML]}
+    sides = {
+        "distill": [DISTILL_YAML, f"distill.teacher_path={teacher}", *args.distill_set],
+        "grpo": [YAML],
+    }
+    sides = {side: sides[side] for side in args.sides.split(",")}
     results: dict[str, list[dict]] = {s: [] for s in sides}
     for seed in [int(s) for s in args.seeds.split(",")]:
         for side, (config, *extra) in sides.items():
