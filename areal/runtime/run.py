@@ -91,6 +91,7 @@ class Data:
 
 
 B = TypeVar("B", covariant=True)  # a loader's batch
+T = TypeVar("T")  # what _all_gather gathers
 
 
 class _Loader(Iterable[B], Sized, Protocol[B]):
@@ -188,11 +189,11 @@ class Run:
         """Wait for every trainer rank (no-op with one rank)."""
         self.dist.barrier()
 
-    def _all_gather(self, obj: Any) -> list[Any]:
+    def _all_gather(self, obj: T) -> list[T]:
         """Every trainer rank's ``obj`` in rank order (the process group's timeout bounds it)."""
         if self.world_size == 1:
             return [obj]
-        out: list[Any] = [None] * self.world_size
+        out = [obj] * self.world_size  # all_gather_object overwrites every slot with its rank's
         torch_dist.all_gather_object(out, obj, group=self.dist.mesh.get_group())
         return out
 

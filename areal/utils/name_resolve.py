@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar, TypeVarTuple
 
 from areal.utils.logging import get_logger
 
@@ -39,6 +39,8 @@ if TYPE_CHECKING:  # type-only: utils sits below api
     from areal.api.config.launcher import NameResolveConfig
 
 logger = get_logger("name_resolve")
+R = TypeVar("R")  # what a store operation returns
+Args = TypeVarTuple("Args")  # its arguments after the store
 
 
 class NameEntryNotFoundError(KeyError):
@@ -253,7 +255,7 @@ class KeyValueStore:
             for key in [k for k in self._kv if k == prefix or k.startswith(prefix + "/")]:
                 del self._kv[key]
 
-    def apply(self, op: Callable[..., Any], *args: Any) -> Any:
+    def apply(self, op: Callable[[KeyValueStore, *Args], R], *args: *Args) -> R:
         """``op(self, *args)``: how a Ray caller runs one of the methods above in the actor."""
         return op(self, *args)
 
@@ -264,7 +266,7 @@ class StoreRepository(NameRepository):
     where: str  # where the store lives, for error messages
 
     @abc.abstractmethod
-    def _call(self, op: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, op: Callable[[KeyValueStore, *Args], R], *args: *Args) -> R:
         """``op(store, *args)`` for a method ``op`` of :class:`KeyValueStore`, wherever the
         store is."""
 
@@ -313,7 +315,7 @@ class MemoryNameRepository(StoreRepository):
     def __init__(self) -> None:
         self._store = KeyValueStore()
 
-    def _call(self, op: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, op: Callable[[KeyValueStore, *Args], R], *args: *Args) -> R:
         return op(self._store, *args)
 
 

@@ -4,9 +4,12 @@ process of one Ray cluster reaches (see :mod:`areal.utils.name_resolve`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar, TypeVarTuple
 
 from areal.utils.name_resolve import KeyValueStore, RegistryUnavailableError, StoreRepository
+
+R = TypeVar("R")  # what a store operation returns
+Args = TypeVarTuple("Args")  # its arguments after the store
 
 
 class RayNameRepository(StoreRepository):
@@ -46,7 +49,7 @@ class RayNameRepository(StoreRepository):
             lifetime="detached",
         ).remote()
 
-    def _call(self, op: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, op: Callable[[KeyValueStore, *Args], R], *args: *Args) -> R:
         from ray.exceptions import GetTimeoutError, RayActorError
 
         try:

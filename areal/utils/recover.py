@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypedDict, TypeGuard, TypeVar
 
 import torch
 
@@ -51,7 +51,30 @@ class RecoverError(RuntimeError):
     """A resume was refused (no usable checkpoint, or one the run cannot take); says the fix."""
 
 
-def _alone(obj: Any) -> list[Any]:
+class FileEntry(TypedDict):
+    """One file of a checkpoint as its manifest lists it."""
+
+    size: int
+    blake2b: str  # hex digest, 32 bytes
+
+
+class Manifest(TypedDict):
+    """``MANIFEST.json`` of a published checkpoint."""
+
+    format: int  # MANIFEST_FORMAT
+    step: int
+    world_size: int  # trainer ranks that wrote it
+    digest: str  # "blake2b-256"
+    files: dict[str, FileEntry]  # path relative to the checkpoint -> its entry
+
+
+class AllGather(Protocol):
+    """Every rank's ``obj`` in rank order; collective, with the process group's deadline."""
+
+    def __call__(self, obj: T, /) -> list[T]: ...
+
+
+def _alone(obj: T) -> list[T]:
     return [obj]
 
 
@@ -61,16 +84,16 @@ class Ranks:
 
     rank: int = 0
     world_size: int = 1
-    # every rank's object, in rank order; collective, with the process group's deadline
-    all_gather: Callable[[Any], list[Any]] = field(default=_alone, repr=False)
+    all_gather: AllGather = field(default=_alone, repr=False)
 
     def barrier(self) -> None:
         """Wait for every rank."""
         self.all_gather(None)
 
-    def from_rank0(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank (the others pass anything)."""
-        return self.all_gather(obj if self.rank == 0 else None)[0]
+    def from_rank0(self, make: Callable[[], T]) -> T:
+        """Rank 0's ``make()`` on every rank (the other ranks do not call it). Collective."""
+        mine = [make()] if self.rank == 0 else []
+        return self.all_gather(mine)[0][0]
 
 
 class RecoverDir:
@@ -118,11 +141,11 @@ class RecoverDir:
         self.ranks.barrier()
         yield tmp
         self.ranks.barrier()
-        files = self.ranks.from_rank0(_listing(tmp) if self.ranks.rank == 0 else None)
+        files = self.ranks.from_rank0(lambda: _listing(tmp))
         mine = {rel: _describe(tmp / rel) for rel in self._share(files)}  # also fsyncs each file
         entries = {rel: e for part in self.ranks.all_gather(mine) for rel, e in part.items()}
         if self.ranks.rank == 0:
-            manifest = {
+            manifest: Manifest = {
                 "format": MANIFEST_FORMAT,
                 "step": step,
                 "world_size": self.ranks.world_size,
@@ -160,11 +183,11 @@ class RecoverDir:
         manifest = self._manifest(ckpt)
         return manifest if isinstance(manifest, str) else self._verify_files(ckpt, manifest)
 
-    def _manifest(self, ckpt: Path) -> dict[str, Any] | str:
+    def _manifest(self, ckpt: Path) -> Manifest | str:
         """Rank 0's reading of ``ckpt``'s manifest (or what is wrong with it), on every rank."""
-        return self.ranks.from_rank0(_read_manifest(ckpt) if self.ranks.rank == 0 else None)
+        return self.ranks.from_rank0(lambda: _read_manifest(ckpt))
 
-    def _verify_files(self, ckpt: Path, manifest: dict[str, Any]) -> str | None:
+    def _verify_files(self, ckpt: Path, manifest: Manifest) -> str | None:
         files = sorted(manifest["files"])
         mine = [p for rel in self._share(files) if (p := _check(ckpt, rel, manifest["files"][rel]))]
         problems = sorted(p for part in self.ranks.all_gather(mine) for p in part)
@@ -196,7 +219,7 @@ class RecoverDir:
         there is none. ``load`` runs on every rank and wraps its steps in :meth:`agreed`.
         Raises :class:`RecoverError` when checkpoints exist but none is usable, or when they
         were written by another number of trainer ranks. Collective."""
-        candidates = self.ranks.from_rank0(self.checkpoints() if self.ranks.rank == 0 else None)
+        candidates = self.ranks.from_rank0(self.checkpoints)
         tried: list[str] = []
         for i, ckpt in enumerate(candidates):
             manifest = self._manifest(ckpt)
@@ -225,7 +248,7 @@ class RecoverDir:
             "Tried: " + " | ".join(tried)
         )
 
-    def _check_world_size(self, ckpt: Path, manifest: dict[str, Any]) -> None:
+    def _check_world_size(self, ckpt: Path, manifest: Manifest) -> None:
         if manifest["world_size"] != self.ranks.world_size:
             raise RecoverError(
                 f"recover checkpoint {ckpt} was written by {manifest['world_size']} trainer ranks, "
@@ -287,14 +310,14 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _describe(path: Path) -> dict[str, Any]:
+def _describe(path: Path) -> FileEntry:
     """Size and digest of a just-written file, flushed to disk first."""
     with open(path, "rb") as f:
         os.fsync(f.fileno())
     return {"size": path.stat().st_size, "blake2b": _digest(path)}
 
 
-def _read_manifest(ckpt: Path) -> dict[str, Any] | str:
+def _read_manifest(ckpt: Path) -> Manifest | str:
     """The manifest of ``ckpt``, or what is wrong with it (a string)."""
     path = ckpt / MANIFEST
     if not ckpt.is_dir():
@@ -309,18 +332,7 @@ def _read_manifest(ckpt: Path) -> dict[str, Any] | str:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    well_formed = (
-        isinstance(files, dict)
-        and isinstance(manifest.get("world_size"), int)
-        and all(
-            isinstance(e, dict)
-            and isinstance(e.get("size"), int)
-            and isinstance(e.get("blake2b"), str)
-            for e in files.values()
-        )
-    )
-    if not well_formed or manifest.get("format") != MANIFEST_FORMAT:
+    if not _well_formed(manifest):
         return (
             f"{MANIFEST} is not a format-{MANIFEST_FORMAT} manifest (damaged or written by "
             "another version)"
@@ -328,7 +340,26 @@ def _read_manifest(ckpt: Path) -> dict[str, Any] | str:
     return manifest
 
 
-def _check(ckpt: Path, rel: str, entry: dict[str, Any]) -> str | None:
+def _well_formed(data: object) -> TypeGuard[Manifest]:
+    """Whether ``data`` (a parsed ``MANIFEST.json``) is a format-``MANIFEST_FORMAT`` manifest
+    whose fields a resume reads have their types."""
+    if not isinstance(data, dict):
+        return False
+    files = data.get("files")
+    return (
+        isinstance(files, dict)
+        and isinstance(data.get("world_size"), int)
+        and all(
+            isinstance(e, dict)
+            and isinstance(e.get("size"), int)
+            and isinstance(e.get("blake2b"), str)
+            for e in files.values()
+        )
+        and data.get("format") == MANIFEST_FORMAT
+    )
+
+
+def _check(ckpt: Path, rel: str, entry: FileEntry) -> str | None:
     path = ckpt / rel
     if not path.is_file():
         return f"{rel}: missing (the manifest lists {entry['size']} bytes)"
