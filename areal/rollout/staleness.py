@@ -20,7 +20,16 @@ version ``V`` -- most would be trained far more than ``s`` versions later. Hence
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
+
+
+class StalenessState(TypedDict):
+    """The counters :meth:`StalenessManager.state_dict` saves."""
+
+    accepted: int
+    rejected: int
+    max_staleness: int
+    consumer_batch_size: int
 
 
 class StalenessManager:
@@ -78,7 +87,7 @@ class StalenessManager:
         """Count the ``version * B`` rollouts consumed before a restart at ``version``."""
         self.accepted = max(self.accepted, version * self.consumer_batch_size)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StalenessState:
         """Counters a recover checkpoint needs (running rollouts are re-issued, not counted)."""
         return {
             "accepted": self.accepted,
@@ -87,7 +96,7 @@ class StalenessManager:
             "consumer_batch_size": self.consumer_batch_size,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StalenessState) -> None:
         """Restore counters saved by :meth:`state_dict`; nothing may be running yet."""
         if self.running or self.running_exempt:
             raise RuntimeError(
