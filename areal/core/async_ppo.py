@@ -41,13 +41,14 @@ from areal.core.health import HangWatch, MFCActivity, async_ppo_actors
 from areal.core.manager import Finished
 from areal.core.master import Master
 from areal.core.ray_worker import RayWorker
-from areal.core.record import CoreRecorder
+from areal.core.record import AsyncRecorder
 from areal.core.rollout_side import STATUS_FILE, ManagedServers, RayRolloutSide, run_ended
 from areal.core.session import (
     ActorWeights,
     Engine,
     ManagerCheckpoint,
     close_model_workers,
+    recorded_master,
     saved_engines,
     start_model_workers,
     step_stats,
@@ -239,10 +240,8 @@ def main(argv: list[str]) -> int:
     graph = graph_from_config(graph_config(cfg, cfg.core, "async_ppo"))
     workers, engines = start_model_workers(cfg, run, graph, data.ft_spec)  # attaches Ray
     rollout, publisher = start_rollout(cfg, run, side, engines[ACTOR], data.n_train)
-    recorder = CoreRecorder(cfg, run, workers, graph, lambda ref: rollout.get(ref, "a rollout"))
-    master = Master(  # the workers as the recorder wraps them: timed, kept fields held back
-        graph, recorder.workers, group_size=cfg.gconfig.n_samples, mfc_timeout=cfg.core.mfc_timeout
-    )
+    recorder = AsyncRecorder(cfg, run, workers, graph, lambda ref: rollout.get(ref, "a rollout"))
+    master = recorded_master(cfg, graph, recorder)
     weights = ActorWeights(master, publisher)  # the master counts the actor's versions
 
     # a resume re-issues what the manager admitted but did not train; servers get its version
@@ -260,7 +259,7 @@ def main(argv: list[str]) -> int:
                 groups = rollout.take(n_groups, cfg.rollout.watchdog_timeout, step)
             lags = lag_stats(groups, master.versions[ACTOR], cfg.rollout.max_staleness)
             ids = master.put_groups(groups)
-            with recorder.step(step, groups, ids, engines[ACTOR], master.versions[ACTOR]):
+            with recorder.step_groups(step, groups, ids, engines[ACTOR], master.versions[ACTOR]):
                 out = master.step(n_groups * cfg.gconfig.n_samples)  # for areal view / replay
             with run.tracker.timer("update_weights"):
                 publisher.publish(master.versions[ACTOR])

@@ -175,6 +175,11 @@ class CoreGRPOConfig(GRPOConfig):
                 f"rollout.max_staleness: {self.rollout.max_staleness}; sync PPO generates every "
                 "batch with the current weights, set rollout.max_staleness=0"
             )
+        if self.stats_logger.replay.enabled:
+            yield (
+                "stats_logger.replay.enabled: true; areal replay replays Lite runs and Core async "
+                "PPO, not Core sync PPO: set stats_logger.replay.enabled=false"
+            )
         yield from one_master(self.cluster)
         yield from layout_problems(self, self.core, "sync_ppo")
 

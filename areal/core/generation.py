@@ -6,7 +6,9 @@ drawing prompts from the train dataset's loader (with DAPO's dynamic-sampling fi
 config asks). One ``generate`` call is one
 :meth:`~areal.rollout.executor.WorkflowExecutor.prepare_batch`: a batch of scored groups, stored
 under the step's new sample ids; the master then has the worker
-:meth:`send` each sample's fields to the model worker it places it on.
+:meth:`send` each sample's fields to the model worker it places it on. The trajectories of the
+last call (:meth:`GenerationWorker.trained`) are what ``areal view`` records
+(:mod:`areal.core.record`), stamped ``worker<index>``.
 
 ``update_servers`` (the :class:`~areal.core.dfg.UpdateServers` hook) pushes the actor's weights
 to the servers through the Lite :class:`~areal.runtime.publisher.WeightPublisher` (disk or
@@ -49,7 +51,9 @@ class GenerationWorker(InProcessWorker, ServerUpdater, SampleSender):
             source,
             accept,
         )
+        side.executor.worker = f"worker{index}"  # on each trajectory: its timeline lane
         self.last_groups: list = []  # the groups of the last generate call
+        self._last_ids: list[int] = []  # their samples' ids, in order
         self.last_stats: dict[str, float] = {}  # its executor, reward, client and batch stats
 
     def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
@@ -67,6 +71,10 @@ class GenerationWorker(InProcessWorker, ServerUpdater, SampleSender):
         """Push the source's weights as ``version`` now, unless the servers already have it."""
         if version != self.publisher.version:
             self.publisher.publish(version)
+
+    def trained(self) -> tuple[list, list[int]]:
+        """The last generate call's groups of trajectories and their samples' ids, in order."""
+        return self.last_groups, self._last_ids
 
     def send(self, sample_ids: list[int], keys: tuple[str, ...], target: ModelWorker) -> None:
         """Move those samples' ``keys`` to ``target`` (a model worker) and drop them here."""
@@ -95,7 +103,7 @@ class GenerationWorker(InProcessWorker, ServerUpdater, SampleSender):
                 set(batch.tokens) & set(mfc.outputs),
                 set(batch.seqs) & set(mfc.outputs),
             )
-        self.last_groups = groups
+        self.last_groups, self._last_ids = groups, list(request.sample_ids)
         self.last_stats = {
             **executor.last_batch_stats,
             **self.side.reward.commit_batch(),

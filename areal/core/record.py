@@ -1,7 +1,9 @@
-"""What a Core async PPO run records for ``areal view`` and ``areal replay`` (docs/viewer.md).
+"""What a Core PPO run records for ``areal view`` (sync and async) and ``areal replay`` (async):
+docs/viewer.md.
 
 The master holds metadata only, so the recorder watches its model workers instead of changing
-it: :class:`TimedWorker` wraps each worker the master drives and
+it: :class:`TimedWorker` wraps each worker the master drives (:class:`TimedGenerationWorker` a
+sync run's generation worker) and
 
 - times every call the master queues on it (an MFC share, a weight move, a server push): when it
   was queued, when the worker ran it (its reply's ``compute_time``, or a move's ``seconds``, back
@@ -16,14 +18,17 @@ it: :class:`TimedWorker` wraps each worker the master drives and
   "seconds", "spans": [{"worker", "name", "kind" (mfc | hook), "queued", "start", "end"}]}``
   (span times in seconds since the step's start);
 - the step's samples (``RUN_DIR/samples``, :class:`~areal.runtime.samples.SampleRecorder`): the
-  rollout workers put each accepted group's trajectories beside its packed tensors in the object
-  store (``Finished.ref[1]``), the master reads them and the kept per-token fields;
-- with ``stats_logger.replay.enabled``: the step's packed batch (the groups' tensors as the model
-  workers received them, in sample-id order) and the actor's weight hashes
+  trajectories the step trained, with the kept per-token fields. Sync PPO: the generation
+  worker's groups of the step (it runs in the master's process). Async PPO
+  (:class:`AsyncRecorder`): the rollout workers put each accepted group's trajectories beside its
+  packed tensors in the object store (``Finished.ref[1]``), and the master reads them;
+- async PPO with ``stats_logger.replay.enabled``: the step's packed batch (the groups' tensors as
+  the model workers received them, in sample-id order) and the actor's weight hashes
   (:class:`~areal.runtime.replay.ReplayRecorder`); :mod:`areal.core.replay` replays them.
 
-Recording a step moves its samples' tokens to the master (samples) and the actor's full weights
-(replay: once per step); neither happens on a step that records nothing.
+Recording a step moves its samples' kept fields to the master (samples; async PPO: their tokens
+too) and the actor's full weights (replay: once per step); neither happens on a step that
+records nothing.
 """
 
 from __future__ import annotations
@@ -32,14 +37,16 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from areal.core.dfg import Allocation, ModelFn, ModelName
+from areal.core.dfg import Allocation, DataflowGraph, ModelFn, ModelName
+from areal.core.generation import GenerationWorker
+from areal.core.master import SampleSender, ServerUpdater
 from areal.core.realloc import Box
 from areal.core.worker import MFCReply, MFCRequest, ModelWorker, Moved, SampleFields
 from areal.rollout.trajectory import groups_to_batch
@@ -47,16 +54,22 @@ from areal.utils.batch import PackedBatch
 from areal.utils.logging import get_logger
 from areal.utils.samples import TIMELINE
 
+if TYPE_CHECKING:
+    from areal.api.io import Trajectory
+    from areal.core.config import CoreAsyncGRPOConfig
+    from areal.core.manager import Finished
+    from areal.runtime.run import Run
+
 logger = get_logger("core.record")
 KEPT = ("advantages", "trainer_logp")  # released by the master after actor_train / the step
 R = TypeVar("R")
+# after the step: the groups of trajectories it trained and their sample ids, in that order
+Trained = Callable[[], tuple[Sequence[Sequence["Trajectory"]], list[int]]]
 
 
 class TimedWorker(ModelWorker):
     """A model worker as the master sees it, timing each queued call and holding back the
-    release of :data:`KEPT` fields while :attr:`keep` is set (see the module docstring). Calls
-    beyond :class:`~areal.core.worker.ModelWorker` (a generation worker's ``send`` and
-    ``update_servers``) pass through too, timed when they return a future."""
+    release of :data:`KEPT` fields while :attr:`keep` is set (see the module docstring)."""
 
     def __init__(self, inner: ModelWorker, clock: Callable[[], float] = time.time):
         self.inner, self.clock = inner, clock
@@ -119,20 +132,6 @@ class TimedWorker(ModelWorker):
             spans, self.spans = self.spans, []
         return spans
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.inner, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            out = attr(*args, **kwargs)
-            if isinstance(out, Future):  # a weight move or server push, queued like an MFC
-                what = f"{name} {args[0]}" if args else name
-                return self._timed(out, what, "hook")
-            return out
-
-        return call
-
     def _timed(self, future: Future[R], name: str, kind: str) -> Future[R]:
         queued = self.clock()
 
@@ -150,29 +149,41 @@ class TimedWorker(ModelWorker):
         return future
 
 
+class TimedGenerationWorker(TimedWorker, ServerUpdater, SampleSender):
+    """A sync run's generation worker as the master sees it: a :class:`TimedWorker` that also
+    pushes weights to the servers (timed, a hook) and sends its samples to the model workers."""
+
+    def __init__(self, inner: GenerationWorker, clock: Callable[[], float] = time.time):
+        super().__init__(inner, clock)
+        self.generation = inner
+
+    def update_servers(self, source: ModelName, version: int) -> Future[None]:
+        """Queue a push of ``source``'s weights to the servers (timed)."""
+        queued = self.generation.update_servers(source, version)
+        return self._timed(queued, f"update_servers {source}", "hook")
+
+    def send(self, sample_ids: list[int], keys: tuple[str, ...], target: ModelWorker) -> None:
+        """Move generated samples to ``target`` (on the master's thread, as it admits them)."""
+        self.generation.send(sample_ids, keys, target)
+
+
+def timed(worker: ModelWorker) -> TimedWorker:
+    """``worker`` wrapped for the recorder: a generation worker keeps its extra calls."""
+    if isinstance(worker, GenerationWorker):
+        return TimedGenerationWorker(worker)
+    return TimedWorker(worker)
+
+
 class CoreRecorder:
-    """Wraps the model workers (:attr:`workers`, for the master) and records each step."""
+    """Wraps the workers the master drives (:attr:`workers`, for the master) and records each
+    step's timeline and samples (see the module docstring)."""
 
-    def __init__(
-        self,
-        cfg: Any,
-        run: Any,
-        workers: list[ModelWorker],
-        graph: Any,
-        ray_get: Callable[[Any], Any],
-    ):
-        """``run``: the master's :class:`~areal.runtime.run.Run` (its sample and replay
-        recorders); ``graph``: the one the master walks; ``ray_get``: fetches an object-store
-        reference (with a deadline)."""
-        from areal.core import replay
-        from areal.core.graphs import ACTOR
-
-        self.run, self.get = run, ray_get
-        self.workers = [TimedWorker(w) for w in workers]
+    def __init__(self, run: Run, workers: Sequence[ModelWorker]):
+        """``run``: the master's :class:`~areal.runtime.run.Run` (its sample recorder);
+        ``workers``: the master's, in the graph's order."""
+        self.run = run
+        self.workers = [timed(w) for w in workers]
         self.timeline = Path(run.run_dir) / TIMELINE
-        threads = cfg.core.torch_threads if cfg.core.backend == "ray" else torch.get_num_threads()
-        ranks = len(graph.allocations[ACTOR].workers)
-        run.replay.describe(replay.__file__, ranks, threads, replay.ONE_RANK)
 
     def start(self, step: int) -> None:
         """Before the first step: drop timeline lines of steps after ``step`` (a resume redoes
@@ -183,33 +194,24 @@ class CoreRecorder:
         self.timeline.write_text("".join(ln + "\n" for ln in kept))
 
     @contextlib.contextmanager
-    def step(self, step: int, groups: list, ids: list[int], actor: Any, version: int) -> Iterator:
-        """Around the master's step over ``groups`` (their sample ``ids``, as ``put_groups``
-        returned them): the timeline, the samples and the replay record of ``step``."""
-        samples = self.run.samples
-        keep = samples.cfg.enabled and not step % samples.cfg.keep_every and len(groups[0].ref) > 1
+    def step(self, step: int, version: int, trained: Trained | None) -> Iterator[None]:
+        """Around the master's step ``step`` on the actor's ``version``: its timeline and, when
+        ``stats_logger.samples`` keeps this step and ``trained`` is given (async PPO: the
+        rollout workers shipped the trajectories), the samples ``trained()`` names after it."""
+        cfg = self.run.samples.cfg
+        keep = trained is not None and cfg.enabled and not step % cfg.keep_every
         for w in self.workers:
             w.keep = keep
-        batch = self._packed(groups) if self.run.replay.cfg.enabled else None
         start = time.time()
-        with self.run.replay.step(step, batch, actor) if batch is not None else _nothing():
-            yield
+        yield
         self._write_timeline(step, start, time.time())
-        if keep:
-            trajs = [self.get(g.ref[1]) for g in groups]
-            samples.record(step, trajs, self._with_kept(groups_to_batch(trajs), ids), version)
+        if trained is not None and keep:
+            groups, ids = trained()
+            batch = self._with_kept(groups_to_batch(groups), ids)
+            self.run.samples.record(step, groups, batch, version)
         for w in self.workers:
             w.keep = False
             w.release_held()
-
-    def _packed(self, groups: list) -> PackedBatch:
-        """The step's packed batch as the model workers store it: the groups' tensors in order."""
-        parts = [self.get(g.ref[0]) for g in groups]
-        lens = torch.cat([p.seqlens for p in parts])
-        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-        tokens = {k: torch.cat([p.tokens[k] for p in parts]) for k in parts[0].tokens}
-        seqs = {k: torch.cat([p.seqs[k] for p in parts]) for k in parts[0].seqs}
-        return PackedBatch(cu, tokens, seqs)
 
     def _with_kept(self, batch: PackedBatch, ids: list[int]) -> PackedBatch:
         """``batch`` plus the :data:`KEPT` token fields read from where the workers hold them."""
@@ -236,6 +238,55 @@ class CoreRecorder:
         line = {"step": step, "time": start, "seconds": round(end - start, 4), "spans": spans}
         with open(self.timeline, "a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+class AsyncRecorder(CoreRecorder):
+    """Core async PPO's recorder: the samples come from the object store, and the step's batch
+    and the actor's hashes go to the replay record."""
+
+    def __init__(
+        self,
+        cfg: CoreAsyncGRPOConfig,
+        run: Run,
+        workers: Sequence[ModelWorker],
+        graph: DataflowGraph,
+        ray_get: Callable[[Any], Any],
+    ):
+        """``graph``: the one the master walks; ``ray_get``: fetches an object-store reference
+        (with a deadline)."""
+        from areal.core import replay
+        from areal.core.graphs import ACTOR
+
+        super().__init__(run, workers)
+        self.get = ray_get
+        threads = cfg.core.torch_threads if cfg.core.backend == "ray" else torch.get_num_threads()
+        ranks = len(graph.allocations[ACTOR].workers)
+        run.replay.describe(replay.__file__, ranks, threads, replay.ONE_RANK)
+
+    @contextlib.contextmanager
+    def step_groups(
+        self, step: int, groups: list[Finished], ids: list[int], actor: Any, version: int
+    ) -> Iterator[None]:
+        """Around the master's step over ``groups`` (their sample ``ids``, as ``put_groups``
+        returned them): the timeline, the samples and the replay record of ``step``."""
+        shipped = len(groups[0].ref) > 1  # the rollout workers put the trajectories beside
+
+        def trained() -> tuple[list[Sequence[Trajectory]], list[int]]:
+            return [self.get(g.ref[1]) for g in groups], ids
+
+        batch = self._packed(groups) if self.run.replay.cfg.enabled else None
+        with self.step(step, version, trained if shipped else None):
+            with self.run.replay.step(step, batch, actor) if batch is not None else _nothing():
+                yield
+
+    def _packed(self, groups: list[Finished]) -> PackedBatch:
+        """The step's packed batch as the model workers store it: the groups' tensors in order."""
+        parts = [self.get(g.ref[0]) for g in groups]
+        lens = torch.cat([p.seqlens for p in parts])
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+        tokens = {k: torch.cat([p.tokens[k] for p in parts]) for k in parts[0].tokens}
+        seqs = {k: torch.cat([p.seqs[k] for p in parts]) for k in parts[0].seqs}
+        return PackedBatch(cu, tokens, seqs)
 
 
 def _step_of(line: str) -> int:

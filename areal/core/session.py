@@ -1,6 +1,7 @@
 """What Core's PPO entry scripts share (``areal core sync-ppo``, ``areal core async-ppo``): how
-the model workers build the engines, starting them, the master's stats under Lite's names, the
-actor's weight version as a recover checkpoint keeps it, and closing.
+the model workers build the engines, starting them, the master over the recorder's workers
+(:mod:`areal.core.record`: the timeline and samples ``areal view`` shows), the master's stats
+under Lite's names, the actor's weight version as a recover checkpoint keeps it, and closing.
 
 The version. In Core the actor's version is the master's count of its updates
 (:attr:`~areal.core.master.Master.versions`); :class:`ActorWeights` is the
@@ -25,6 +26,7 @@ from areal.core.dfg import DataflowGraph, ModelName
 from areal.core.graphs import ACTOR, CRITIC, REF, TEACHER, replica_sources
 from areal.core.master import Master
 from areal.core.ray_worker import EngineSpec, RayModel, RayWorker, build_engine
+from areal.core.record import CoreRecorder
 from areal.core.rollout_side import RayRolloutSide
 from areal.core.worker import InProcessWorker, ModelWorker
 from areal.runtime.publisher import WeightPublisher
@@ -107,6 +109,16 @@ def _start_ray(
         f"core: {len(workers)} model worker(s) ready after {time.monotonic() - start:.0f} s"
     )
     return workers
+
+
+def recorded_master(
+    cfg: CoreGRPOConfig | CoreAsyncGRPOConfig, graph: DataflowGraph, recorder: CoreRecorder
+) -> Master:
+    """The master walking ``graph`` over the workers as ``recorder`` wraps them (timed; the
+    kept fields of a recorded step held back until the recorder has read them)."""
+    return Master(
+        graph, recorder.workers, group_size=cfg.gconfig.n_samples, mfc_timeout=cfg.core.mfc_timeout
+    )
 
 
 def saved_engines(engines: dict[ModelName, Engine]) -> dict[str, Persistent]:

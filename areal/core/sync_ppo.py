@@ -26,10 +26,11 @@ from areal.api.config import load_config
 from areal.core.config import CoreGRPOConfig, graph_config
 from areal.core.generation import GenerationWorker
 from areal.core.graphs import ACTOR, graph_from_config
-from areal.core.master import Master
+from areal.core.record import CoreRecorder
 from areal.core.session import (
     ActorWeights,
     close_model_workers,
+    recorded_master,
     saved_engines,
     start_model_workers,
     step_stats,
@@ -65,9 +66,8 @@ def main(argv: list[str]) -> int:
     for w in [*workers, gen]:
         if isinstance(w, InProcessWorker):
             w.connect([*workers, gen])
-    master = Master(
-        graph, [*workers, gen], group_size=cfg.gconfig.n_samples, mfc_timeout=cfg.core.mfc_timeout
-    )
+    recorder = CoreRecorder(run, [*workers, gen])  # for areal view: timeline, samples
+    master = recorded_master(cfg, graph, recorder)
     weights = ActorWeights(master, publisher)  # the master counts the actor's versions
 
     start = run.resume(
@@ -76,9 +76,10 @@ def main(argv: list[str]) -> int:
     if start == 0 and valid_loader is not None:  # the starting model's held-out accuracy
         side.evaluate(valid_loader, run)
         run.commit(0, n_steps, run.tracker.export())
+    recorder.start(start)
     n_samples = cfg.train_dataset.batch_size * cfg.gconfig.n_samples
     for step, epoch_done in run.steps(start, n_steps, len(loader)):
-        with run.tracker.timer("step"):
+        with run.tracker.timer("step"), recorder.step(step, master.versions[ACTOR], gen.trained):
             out = master.step(n_samples)
         run.log_trained(step, [g[0].group_id for g in gen.last_groups])
         stats = {**gen.last_stats, **step_stats(out)}

@@ -1,12 +1,18 @@
-"""Tier 1: the Core recorder's worker wrapper (:class:`areal.core.record.TimedWorker`) with a fake
-worker and a fake clock: call timing, and the release of kept fields held back on recorded steps."""
+"""Tier 1: the Core recorder's worker wrappers (:class:`areal.core.record.TimedWorker`,
+:class:`~areal.core.record.TimedGenerationWorker`) with a fake worker and a fake clock: call
+timing, the release of kept fields held back on recorded steps, and a wrapped generation worker
+still offering what the master asks of one."""
 
 from __future__ import annotations
 
+import inspect
 from concurrent.futures import Future
 from types import SimpleNamespace
 
-from areal.core.record import TimedWorker
+from areal.core.generation import GenerationWorker
+from areal.core.graphs import ACTOR
+from areal.core.master import SampleSender, ServerUpdater
+from areal.core.record import TimedGenerationWorker, TimedWorker, timed
 from areal.core.worker import MFCReply
 
 
@@ -41,11 +47,11 @@ class _Worker:
 def test_calls_are_timed_from_queued_to_answered_with_the_workers_compute_time():
     now = [10.0]
     inner = _Worker()
-    w = TimedWorker(inner, clock=lambda: now[0])
+    w = TimedGenerationWorker(inner, clock=lambda: now[0])
     request = SimpleNamespace(mfc=SimpleNamespace(name="actor_train"))
     mfc = w.submit(request)
     move = w.load_shards("actor@1", "tok", None, None, 0.0)  # a hook: a reallocation's load
-    push = w.update_servers("actor", 2)  # a generation worker's call: passed through, timed
+    push = w.update_servers("actor", 2)  # a generation worker's server push: a timed hook
     assert w.hosts("actor", "ppo_update") is None  # other calls pass through untimed
     now[0] = 14.0  # answered 4 s after it was queued, 1.5 s of it computing
     mfc.set_result(MFCReply({}, (), 10, compute_time=1.5))
@@ -75,3 +81,19 @@ def test_kept_fields_wait_for_release_only_while_a_step_is_recorded():
     w.release_held()
     assert inner.freed == [("logprobs", 2), ("advantages", 2), ("trainer_logp", 2)]
     assert w.held == []
+
+
+def test_a_wrapped_generation_worker_declares_what_the_master_asks_of_it():
+    side = SimpleNamespace(executor=SimpleNamespace(worker="rank0"))
+    gen = GenerationWorker(2, side, loader=None, publisher=None, source=ACTOR)
+    try:
+        w = timed(gen)
+        assert type(w) is TimedGenerationWorker and type(timed(_Worker())) is TimedWorker
+        assert isinstance(w, ServerUpdater) and isinstance(w, SampleSender)
+        # declared, not reached through __getattr__: Python 3.12's protocol check reads
+        # attributes statically
+        for name in ("update_servers", "send"):
+            assert inspect.getattr_static(w, name) is not None
+        assert side.executor.worker == "worker2"  # its samples name it as the timeline does
+    finally:
+        gen.close()

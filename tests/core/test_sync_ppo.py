@@ -2,21 +2,27 @@
 launcher, a real generation server, the tiny model).
 
 - Core's first step on 2 Ray model workers (actor dp=2, a local Ray instance the master starts)
-  + the generation worker equals Lite's
+  + the generation worker (its samples and MFC shares recorded) equals Lite's
   sync GRPO first step (``examples/gsm8k_grpo.py``, ``rollout.max_staleness=0``) with the same
   seed and config: the same rollouts (``gconfig.seed``: seeded per sample), the same loss and
   gradient norm, the same updated weights (1e-5).
 - In process: stats per MFC, the actor's weights pushed to the server before each generation
   (the step-2 rollouts are version 1), and a resume from the recover checkpoint continues with
-  the version it saved.
+  the version it saved. The same runs record what ``areal view`` shows (``areal.core.record``):
+  every trained sample of each step with its server, the generation worker, the trainer's
+  logprob and advantage of every token, and each step's MFCs on their workers; the resume keeps
+  the first run's records and adds step 3's.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file
 
@@ -119,11 +125,49 @@ def test_core_sync_ppo_first_step_on_ray_equals_lite_sync_grpo(runs, tiny_model_
     assert max(float((lite_w[k] - start[k]).abs().max()) for k in start) > 1e-6
     gap = max(float((lite_w[k] - core_w[k]).abs().max()) for k in lite_w)
     assert gap < 1e-5, f"Core's step-1 weights differ from Lite's by {gap}"
+    # recorded for areal view: the kept fields read from both dp ranks, each MFC's shares
+    rows = pq.read_table(core / "samples" / "step-000001-rank0.parquet").to_pylist()
+    assert len(rows) == 8 and {r["worker"] for r in rows} == {"worker2"}
+    assert all(len(r["trainer_logp"]) == len(r["advantages"]) == r["length"] for r in rows)
+    (line,) = (core / "timeline.jsonl").read_text().splitlines()
+    spans = {(s["name"], s["worker"]) for s in json.loads(line)["spans"] if s["kind"] == "mfc"}
+    assert spans == {
+        ("actor_gen", 2),
+        *((m, w) for m in ("actor_adv", "actor_train") for w in (0, 1)),
+    }
+
+
+def assert_recorded(run_dir: Path, steps: list[int]) -> None:
+    """RUN_DIR holds the samples and timeline of ``steps``: every trained sample of each (2
+    prompts x 4) from the generation worker (worker 1) on the step's version (staleness 0), with
+    the trainer's logprob and advantage per token; actor_gen (after its server push) on worker 1,
+    actor_adv and actor_train on worker 0."""
+    files = sorted((run_dir / "samples").glob("*.parquet"))
+    assert [f.name for f in files] == [f"step-{s:06d}-rank0.parquet" for s in steps]
+    rows = [r for f in files for r in pq.read_table(f).to_pylist()]
+    assert [r["step"] for r in rows] == [s for s in steps for _ in range(8)]
+    for r in rows:
+        assert r["worker"] == "worker1" and re.fullmatch(r"[\w.-]+:\d+", r["server"]), r
+        assert r["trainer_version"] == r["step"] - 1 and r["staleness"] == 0
+        assert r["versions"] == [r["step"] - 1] * r["length"]
+        assert len(r["trainer_logp"]) == len(r["advantages"]) == len(r["behav_logp"]) == r["length"]
+    assert any(a != 0 for r in rows for a in r["advantages"])  # the reward varies
+    gap = max(abs(t - b) for r in rows for t, b in zip(r["trainer_logp"], r["behav_logp"]))
+    assert gap < 1e-3  # the server's and the trainer's logprob under the same weights
+    timeline = [json.loads(ln) for ln in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in timeline] == steps
+    for t in timeline:
+        spans = [(s["kind"], s["name"], s["worker"]) for s in t["spans"]]
+        assert spans == [("hook", "update_servers actor@0", 1), ("mfc", "actor_gen", 1),
+                         ("mfc", "actor_adv", 0), ("mfc", "actor_train", 0)]  # fmt: skip
+        assert all(0 <= s["queued"] <= s["start"] <= s["end"] <= t["seconds"] for s in t["spans"])
 
 
 def test_core_sync_ppo_pushes_weights_each_step_and_resumes_with_its_version(runs, tiny_model_dir):
     common = [f"actor.path={tiny_model_dir}", *SYNC, "recover.mode=auto", "recover.freq_steps=1"]
+    common.append("stats_logger.samples.enabled=true")  # areal view's samples and timeline
     first = runs.run("resume", SCRIPT, [*common, "total_train_steps=2"])
+    assert_recorded(first, [1, 2])
     steps = train_steps(first)
     assert (
         steps[1]["staleness/version_share/0"] == 1.0
@@ -139,9 +183,12 @@ def test_core_sync_ppo_pushes_weights_each_step_and_resumes_with_its_version(run
     assert train_steps(again)[3]["staleness/version_share/2"] == 1.0  # resumed at version 2
     log = (again / "logs" / "trainer.log").read_text(errors="replace")
     assert "resum" in log.lower()
+    assert_recorded(again, [1, 2, 3])
 
 
-def test_core_sync_ppo_refuses_an_async_staleness_before_starting(tmp_path, tiny_model_dir):
+def test_core_sync_ppo_refuses_an_async_staleness_and_replay_before_starting(
+    tmp_path, tiny_model_dir
+):
     out = subprocess.run(
         [
             sys.executable,
@@ -154,6 +201,7 @@ def test_core_sync_ppo_refuses_an_async_staleness_before_starting(tmp_path, tiny
             f"actor.path={tiny_model_dir}",
             f"fileroot={tmp_path}",
             "rollout.max_staleness=2",
+            "stats_logger.replay.enabled=true",
         ],
         capture_output=True,
         text=True,
@@ -164,4 +212,8 @@ def test_core_sync_ppo_refuses_an_async_staleness_before_starting(tmp_path, tiny
     assert (
         "rollout.max_staleness: 2; sync PPO generates every batch with the current weights"
         in out.stderr
+    )
+    assert (
+        "stats_logger.replay.enabled: true; areal replay replays Lite runs and Core async PPO, "
+        "not Core sync PPO" in out.stderr
     )
