@@ -23,9 +23,8 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from areal.api.config import ConfigError, load_config, save_config
+from areal.api.config import BaseExperimentConfig, ConfigError, load_config, save_config
 from areal.launcher.procs import read_failures
 from areal.runtime.preflight import preflight
 from areal.utils.logging import add_log_file, get_logger
@@ -66,25 +65,29 @@ def load_script_config_class(script: str | Path) -> type:
     return module.CONFIG
 
 
-def reset_trial(cfg: Any) -> NameRepository:
+def reset_trial(cfg: BaseExperimentConfig) -> NameRepository:
     """The trial's registry, with every key of the trial deleted."""
     registry = make_repository(cfg.cluster.name_resolve, cfg.name_resolve_root)
     registry.clear_subtree(trial_key(cfg.experiment_name, cfg.trial_name))
     return registry
 
 
-def register_server(registry: NameRepository, cfg: Any, address: str) -> None:
+def register_server(registry: NameRepository, cfg: BaseExperimentConfig, address: str) -> None:
     """Publish a healthy server's ``host:port`` for the trial's trainers."""
     registry.add_subentry(gen_servers_key(cfg.experiment_name, cfg.trial_name), address)
 
 
-def wait_for_servers(registry: NameRepository, cfg: Any, timeout: float) -> list[str]:
+def wait_for_servers(
+    registry: NameRepository, cfg: BaseExperimentConfig, timeout: float
+) -> list[str]:
     """The addresses of the trial's ``cluster.n_servers`` servers, once all registered."""
     key = gen_servers_key(cfg.experiment_name, cfg.trial_name)
     return registry.wait_subtree(key, cfg.cluster.n_servers, timeout)
 
 
-def launch(script: str, argv: list[str], run_once: Callable[[Any, int], int]) -> int:
+def launch(
+    script: str, argv: list[str], run_once: Callable[[BaseExperimentConfig, int], int]
+) -> int:
     """Validate SCRIPT's config, then ``run_once(cfg, attempt)`` until it returns 0 or the
     relaunches allowed by ``recover.mode=auto`` are spent, or a failure repeats the cause of the
     one before (``run_once`` records causes with :func:`areal.launcher.procs.record_failure`);
