@@ -18,9 +18,12 @@ import resource
 import socket
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from areal.api.config.loader import ConfigError
+
+if TYPE_CHECKING:
+    from aiohttp.web import RequestHandler
 
 logger = logging.getLogger("areal.serve")
 FD_RESERVE = 64  # descriptors kept for everything but client sockets: model files, logs, groups
@@ -60,13 +63,15 @@ class ConnectionGuard:
     request's body has arrived), which exempts it from eviction."""
 
     def __init__(
-        self, factory: Callable[[], Any], limit: int, clock: Callable[[], float] = time.monotonic
+        self,
+        factory: Callable[[], RequestHandler],
+        limit: int,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.factory, self.limit, self.clock = factory, limit, clock
-        self.opened: dict[
-            Any, _Tracked
-        ] = {}  # aiohttp's protocol -> its wrapper, until connection_lost
-        self.busy: set[Any] = set()
+        # aiohttp's protocol -> its wrapper, until connection_lost
+        self.opened: dict[RequestHandler, _Tracked] = {}
+        self.busy: set[RequestHandler] = set()
         self.n_evicted = 0  # connections closed to make room for a new one
         self.n_refused = 0  # new connections closed at once: every open one was inside a request
 
@@ -88,13 +93,13 @@ class ConnectionGuard:
         self.n_evicted += 1
         return True
 
-    def closed(self, handler: Any) -> None:
+    def closed(self, handler: RequestHandler) -> None:
         """Forget a connection (its connection_lost)."""
         self.opened.pop(handler, None)
         self.busy.discard(handler)
 
     @contextlib.contextmanager
-    def in_request(self, handler: Any) -> Iterator[None]:
+    def in_request(self, handler: RequestHandler) -> Iterator[None]:
         """While inside, ``handler``'s connection is not evicted."""
         self.busy.add(handler)
         try:
@@ -116,7 +121,7 @@ class _Tracked(asyncio.Protocol):
     accept and ``connection_made`` (a burst of accepts makes many at once), it is closed as
     soon as it is made, and aiohttp never sees it."""
 
-    def __init__(self, guard: ConnectionGuard, inner: Any, opened_at: float):
+    def __init__(self, guard: ConnectionGuard, inner: RequestHandler, opened_at: float):
         self.guard, self.inner, self.opened_at = guard, inner, opened_at
         self.made = self.doomed = False
 

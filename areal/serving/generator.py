@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -42,6 +42,7 @@ from areal.serving.sampling import SamplingParams, prompt_logprobs, sample, top_
 from areal.serving.slots import vacate
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")  # what a command run on the scheduler thread returns
 COMMAND_TIMEOUT_S = 600.0  # deadline for a control command to run on the scheduler thread
 MAX_FAILED_STEPS = 3  # consecutive failed steps after which the generator counts as broken
 
@@ -352,9 +353,9 @@ class Generator:
 
     # ------------------------------------------------------------------ scheduler thread
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
+    def _call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the scheduler thread between steps and return its result."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._cv:
             if self._thread is None or self._error is not None:
                 raise GeneratorStopped(f"generator is not running: {self._error or 'not started'}")

@@ -464,6 +464,7 @@ async def serve(
         keepalive_timeout=cfg.request_head_timeout,
     )
     await runner.setup()
+    assert runner.server is not None, "AppRunner.setup() sets its server"
     server.guard = ConnectionGuard(runner.server, connection_limit(cfg.max_connections))
     listener = await asyncio.get_running_loop().create_server(server.guard, sock=sock)
     port = sock.getsockname()[1]

@@ -17,13 +17,23 @@ starts none). Two renderings, for two uses:
 from __future__ import annotations
 
 import codecs
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NotRequired, TypedDict
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from areal.serving.requests import BadRequest
 
 _BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE's char -> byte
+
+
+class Tokenized(TypedDict):
+    """The answer to ``POST /tokenize``."""
+
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    token_strs: NotRequired[list[str]]  # with "return_token_strs": true
 
 
 class TokenText:
@@ -65,7 +75,12 @@ class TokenText:
         return out
 
 
-def parse_tokenize(body: Any, text: TokenText, apply_template: Any, context_length: int) -> dict:
+def parse_tokenize(
+    body: Any,
+    text: TokenText,
+    apply_template: Callable[[list[dict]], list[int]],
+    context_length: int,
+) -> Tokenized:
     """``POST /tokenize``: ``{"prompt": str, "add_special_tokens"?}`` (vLLM and SGLang) or
     ``{"messages": [...], "add_generation_prompt"?}`` (vLLM's chat form) -> ``{"tokens",
     "count", "max_model_len"}``; ``"return_token_strs": true`` adds each token's string."""
@@ -90,7 +105,7 @@ def parse_tokenize(body: Any, text: TokenText, apply_template: Any, context_leng
         ids = apply_template(body["messages"])
     else:
         raise BadRequest("prompt", "send a prompt string or a non-empty messages list")
-    out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": context_length}
+    out: Tokenized = {"tokens": ids, "count": len(ids), "max_model_len": context_length}
     if body.get("return_token_strs"):
         out["token_strs"] = [text.token_str(t) for t in ids]
     return out
