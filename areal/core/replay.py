@@ -16,7 +16,7 @@ does not hold), and the model workers' RNG states (nothing in the PPO step draws
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from areal.core.config import CoreAsyncGRPOConfig, uses_ref
 from areal.core.graphs import ACTOR, CRITIC, REF, CoreGraphConfig, graph_from_config
@@ -27,11 +27,18 @@ from areal.core.worker import InProcessWorker
 from areal.engine.ppo import needs_prox_pass
 from areal.utils.batch import PackedBatch
 
+if TYPE_CHECKING:
+    from areal.api.io import FinetuneSpec
+    from areal.engine.fsdp import FSDPEngine
+    from areal.runtime.run import Run
+
 CONFIG = CoreAsyncGRPOConfig
 ONE_RANK = "record with core.n_workers=1, or an allocation putting the actor on one worker"
 
 
-def setup_trainers(cfg: CoreAsyncGRPOConfig, run: Any, ft_spec: Any) -> tuple[Any, Any, Any]:
+def setup_trainers(
+    cfg: CoreAsyncGRPOConfig, run: Run, ft_spec: FinetuneSpec
+) -> tuple[FSDPEngine, FSDPEngine | None, FSDPEngine | None]:
     """The actor, critic and reference as the model workers build them, on this process's mesh."""
     if cfg.distill.enabled:
         raise ValueError(
@@ -45,7 +52,12 @@ def setup_trainers(cfg: CoreAsyncGRPOConfig, run: Any, ft_spec: Any) -> tuple[An
 
 
 def train_step(
-    cfg: CoreAsyncGRPOConfig, run: Any, actor: Any, critic: Any, ref: Any, batch: PackedBatch
+    cfg: CoreAsyncGRPOConfig,
+    run: Run,
+    actor: FSDPEngine,
+    critic: FSDPEngine | None,
+    ref: FSDPEngine | None,
+    batch: PackedBatch,
 ) -> PackedBatch:
     """One step of the async PPO graph over ``batch`` (a recorded step's samples); the MFCs'
     stats go to ``run``'s tracker under the names the Core run logged."""

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -73,6 +73,18 @@ def _atomic_save(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
+class HashedActor(Protocol):
+    """What a replay record reads of the actor (Lite's FSDPEngine, Core's RayModel)."""
+
+    def get_version(self) -> int:
+        """Version of the current weights."""
+        ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor, full, on the mesh's first rank ({} elsewhere). Collective."""
+        ...
+
+
 class ReplayRecorder:
     """Writes this rank's trainer inputs and (rank 0) the actor's weight hashes of every step."""
 
@@ -107,7 +119,7 @@ class ReplayRecorder:
             (self.root / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
     @contextlib.contextmanager
-    def step(self, step: int, batch: PackedBatch, actor: Any) -> Iterator[None]:
+    def step(self, step: int, batch: PackedBatch, actor: HashedActor) -> Iterator[None]:
         """Around one train step: record ``batch`` (as ``groups_to_batch`` built it), the RNG
         states and ``actor``'s version before it, the weight hashes after it (collective)."""
         if not self.cfg.enabled:
@@ -143,7 +155,7 @@ class ReplayRecorder:
             }
             (self.root / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
-    def _hash_weights(self, step: int, actor: Any) -> None:
+    def _hash_weights(self, step: int, actor: HashedActor) -> None:
         state = actor.full_state_dict()  # collective; {} off the mesh's first rank
         if self.rank != 0:
             return
@@ -304,7 +316,11 @@ def replay_overrides(run_dir: Path) -> list[str]:
 
 
 def _check_request(
-    run_dir: Path, meta: dict[str, Any], hashes: dict[int, Any], to: int | None, knobs: tuple
+    run_dir: Path,
+    meta: dict[str, Any],
+    hashes: dict[int, dict[str, str]],
+    to: int | None,
+    knobs: tuple,
 ) -> int:
     """The last recorded step; ValueError naming the fix for a replay that cannot run."""
     if meta["world_size"] != 1:
