@@ -69,3 +69,9 @@ DataclassInstance
 # Set on an HF model and read by its own forward: a pipeline stage's rebuilt rotary embedding
 # (engine/pipeline.py; its inv_freq is a non-persistent buffer the checkpoint lacks).
 _.rotary_emb
+
+# Keys of the TypedDict serving/tokens.Tokenized: the /tokenize answer, read by HTTP clients.
+max_model_len
+token_strs
+# A callback protocol's signature (utils/recover.AllGather): Ranks.all_gather is called through it.
+_.__call__

@@ -34,6 +34,10 @@ from areal.utils.recover import resume_pending
 logger = get_logger("launcher")
 
 
+# one attempt of the job: (validated config, attempt number from 0) -> exit code
+RunOnce = Callable[[BaseExperimentConfig, int], int]
+
+
 class ScriptError(ValueError):
     """SCRIPT cannot be launched as it is (it defines no ``CONFIG``): a user error, no crash."""
 
@@ -85,9 +89,7 @@ def wait_for_servers(
     return registry.wait_subtree(key, cfg.cluster.n_servers, timeout)
 
 
-def launch(
-    script: str, argv: list[str], run_once: Callable[[BaseExperimentConfig, int], int]
-) -> int:
+def launch(script: str, argv: list[str], run_once: RunOnce) -> int:
     """Validate SCRIPT's config, then ``run_once(cfg, attempt)`` until it returns 0 or the
     relaunches allowed by ``recover.mode=auto`` are spent, or a failure repeats the cause of the
     one before (``run_once`` records causes with :func:`areal.launcher.procs.record_failure`);

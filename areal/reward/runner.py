@@ -27,7 +27,6 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 from areal.api.config.reward import RewardConfig
@@ -228,10 +227,5 @@ class RewardRunner:
     def __enter__(self) -> RewardRunner:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.close()
