@@ -295,7 +295,8 @@ class PPOActor(FSDPEngine):
             kept, self._kept_logp = self._kept_logp, None
         if kept is not None and self.pipe is not None:  # the losses ran on the last stage
             kept = self.pipe.from_last_stage(kept)
-        stats = {**mean_stats(steps), **staleness_means(steps)}
+        buckets = staleness_means(steps)  # first: it pops the bucket sums mean_stats must not see
+        stats = {**mean_stats(steps), **buckets}
         if logp_out is None:
             return batch, stats
         assert kept is not None  # filled by the losses whenever logp_out is set

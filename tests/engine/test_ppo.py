@@ -310,3 +310,5 @@ def test_stale_tokens_train_over_four_minibatches_without_the_prox_pass_and_log_
         "mismatch_k3_stale2",
     }
     assert "mismatch_k3_stale0" not in stats  # no token of the current version
+    # the per-micro-batch bucket sums are consumed by the buckets, never logged themselves
+    assert not [k for k in stats if k.startswith("stale")], sorted(stats)
