@@ -98,7 +98,9 @@ def test_a_weight_update_inside_a_multi_turn_episode_keeps_every_tokens_version(
 ):
     monkeypatch.setenv("PROXY_AGENT_OUT", str(tmp_path))
     trainer = clients[0]
-    n = 120  # tokens per call, all of them (ignore_eos): the update lands inside call 1
+    # tokens per call, all of them (ignore_eos): the update lands inside call 1. 120 tokens took
+    # ~0.3 s on a quiet machine, so the update after 0.3 s missed the call (CI, 2026-11-26)
+    n = 400
     g = GenerationHyperparameters(n_samples=1, max_new_tokens=n, ignore_eos=True)
     wf = _workflow(tiny_tokenizer, proxy, g, tmp_path)
 
@@ -107,7 +109,7 @@ def test_a_weight_update_inside_a_multi_turn_episode_keeps_every_tokens_version(
         while _running(server) == 0:
             assert time.monotonic() < deadline, "the agent's first call never reached the server"
             time.sleep(0.02)
-        time.sleep(0.3)  # some tokens under version 0
+        time.sleep(0.15)  # some tokens under version 0, well before the call ends
         _update(trainer, other_weights, 1)
 
     updater = threading.Thread(target=update_during_the_first_call)
