@@ -22,11 +22,17 @@ REPO = Path(__file__).resolve().parents[1]
 WAIT = 60  # seconds for a page to fetch and draw
 
 
-def _driver():
+def headless_chromium(
+    chromium: str = "/usr/bin/chromium",
+    chromedriver: str = "/usr/bin/chromedriver",
+    console_logs: bool = False,
+):
+    """A headless Debian Chromium driven by selenium at the viewer's window size (also the
+    browser of tests/examples/test_viewer.py); ``console_logs`` keeps the page's console."""
     from selenium import webdriver
 
     options = webdriver.ChromeOptions()
-    options.binary_location = "/usr/bin/chromium"
+    options.binary_location = chromium
     for flag in (
         "--headless=new",
         "--no-sandbox",
@@ -34,9 +40,9 @@ def _driver():
         "--window-size=1280,860",
     ):
         options.add_argument(flag)
-    return webdriver.Chrome(
-        options=options, service=webdriver.ChromeService("/usr/bin/chromedriver")
-    )
+    if console_logs:
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(options=options, service=webdriver.ChromeService(chromedriver))
 
 
 def _shoot(driver, url: str, css: str, path: Path, before=None) -> None:
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     driver = None
     try:
         url = view.stdout.readline().split()[2]  # "areal view: http://127.0.0.1:<port>/ ..."
-        driver = _driver()
+        driver = headless_chromium()
         _shoot(
             driver,
             url + "#curves",

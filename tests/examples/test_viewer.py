@@ -49,18 +49,11 @@ def browser():
             "chromium and chromedriver are not installed (make install installs them as root: "
             "apt-get install chromium chromium-driver)"
         )
-    webdriver = pytest.importorskip("selenium.webdriver")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-dev-shm-usage",
-        "--window-size=1280,860",
-    ):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(DRIVER))
+    pytest.importorskip("selenium.webdriver")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from viewer_screenshots import headless_chromium  # the docs' screenshots use it too
+
+    driver = headless_chromium(CHROMIUM, DRIVER, console_logs=True)
     yield driver
     driver.quit()
 
