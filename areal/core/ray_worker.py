@@ -284,10 +284,6 @@ class WorkerActor:
             for name, p in self.worker.engines[model].model.named_parameters()
         }
 
-    def full_state_dict(self, model: ModelName) -> dict[str, torch.Tensor]:
-        """The model's full weights (on its mesh's first rank; {} elsewhere). Collective."""
-        return self.worker.engines[model].full_state_dict()
-
     def release(self) -> None:
         """Drop this worker's engines, store and request numbering; the process and its process
         group stay, ready for another graph's :meth:`setup`."""

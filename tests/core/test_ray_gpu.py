@@ -14,7 +14,7 @@ from areal.api.config.engine import TrainEngineConfig
 from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, build_graph
 from areal.core.graphs import SFT_KEYS
 from areal.core.master import Master
-from areal.core.ray_worker import EngineSpec, start_ray_workers
+from areal.core.ray_worker import EngineSpec, RayModel, start_ray_workers
 from areal.utils.batch import PackedBatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -22,7 +22,6 @@ MODEL = ModelName("model")
 
 
 def sft_step(path: str, gpus: int) -> tuple[float, dict[str, torch.Tensor]]:
-    import ray
 
     graph = build_graph(
         "sft",
@@ -44,7 +43,7 @@ def sft_step(path: str, gpus: int) -> tuple[float, dict[str, torch.Tensor]]:
             )
         )
         loss = master.step(4)["sft_train"]["loss"]
-        full = ray.get([w.handle.full_state_dict.remote(MODEL) for w in workers], timeout=300)[0]
+        full = RayModel(workers, MODEL, tuple(range(len(workers)))).full_state_dict()
         return loss, {k: v.float().cpu() for k, v in full.items()}
     finally:
         for w in workers:

@@ -28,7 +28,7 @@ from areal.api.config.engine import TrainEngineConfig
 from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, build_graph
 from areal.core.graphs import ACTOR, CRITIC, REF, ROLLOUT_KEYS, SFT_KEYS, ppo_mfcs
 from areal.core.master import Master
-from areal.core.ray_worker import EngineSpec, start_ray_workers, start_worker_actors
+from areal.core.ray_worker import EngineSpec, RayModel, start_ray_workers, start_worker_actors
 from areal.engine.pipeline import stage_layers
 
 pytestmark = pytest.mark.slow
@@ -60,10 +60,8 @@ def pooled_step(ray, pool, path: str, layout: dict, batch):
         master = Master(graph, workers, group_size=GROUP, mfc_timeout=300)
         master.put_batch(batch)
         stats = master.step(batch.n_seqs)
-        got = {
-            m: ray.get([w.handle.full_state_dict.remote(m) for w in workers], timeout=300)[0]
-            for m in (ACTOR, CRITIC)
-        }
+        ranks = tuple(range(n))  # gathered in order with the MFCs, as areal replay does
+        got = {m: RayModel(workers, m, ranks).full_state_dict() for m in (ACTOR, CRITIC)}
         params = ray.get([w.handle.parameters.remote(ACTOR) for w in workers], timeout=60)
     finally:
         for w in workers:

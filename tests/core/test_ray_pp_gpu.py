@@ -16,7 +16,7 @@ from areal.api.config.engine import TrainEngineConfig
 from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, build_graph
 from areal.core.graphs import SFT_KEYS
 from areal.core.master import Master
-from areal.core.ray_worker import EngineSpec, start_ray_workers
+from areal.core.ray_worker import EngineSpec, RayModel, start_ray_workers
 from areal.utils.batch import PackedBatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -28,7 +28,6 @@ BATCH = {
 
 
 def pipelined_sft_step(path: str, gpus: int) -> tuple[float, torch.Tensor, dict]:
-    import ray
 
     graph = build_graph(
         "sft",
@@ -51,7 +50,7 @@ def pipelined_sft_step(path: str, gpus: int) -> tuple[float, torch.Tensor, dict]
         loss = master.step(4)["sft_train"]["loss"]
         logps = [w.call(MODEL, "compute_logp", batch) for w in workers]  # both stages join
         logp = [f.result(timeout=300)[0]["logp"].float().cpu() for f in logps][0]
-        full = ray.get([w.handle.full_state_dict.remote(MODEL) for w in workers], timeout=300)[0]
+        full = RayModel(workers, MODEL, tuple(range(len(workers)))).full_state_dict()
         return loss, logp, {k: v.float().cpu() for k, v in full.items()}
     finally:
         for w in workers:

@@ -21,7 +21,7 @@ from areal.api.config.engine import TrainEngineConfig
 from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, ParamRealloc, build_graph
 from areal.core.graphs import SFT_KEYS
 from areal.core.master import Master
-from areal.core.ray_worker import EngineSpec, start_ray_workers
+from areal.core.ray_worker import EngineSpec, RayModel, start_ray_workers
 from areal.core.realloc import model_shapes, plan_realloc
 
 pytestmark = pytest.mark.slow
@@ -60,9 +60,8 @@ def realloc_graph():
 
 
 def full_weights(workers, graph, model) -> dict:
-    """The model's full weights (a collective over its workers; the first one returns them)."""
-    ranks = graph.allocations[model].workers
-    return [workers[w].handle.full_state_dict.remote(model) for w in ranks]
+    """The model's full weights (a collective over its workers, in order with the MFCs)."""
+    return RayModel(workers, model, graph.allocations[model].workers).full_state_dict()
 
 
 def test_tp2_tp1_and_dp_reallocations_move_the_planned_bytes_and_copy_the_weights(
@@ -80,9 +79,7 @@ def test_tp2_tp1_and_dp_reallocations_move_the_planned_bytes_and_copy_the_weight
         batch = sft_batches()[0]
         master.put_batch(batch)
         stats = master.step(batch.n_seqs)
-        weights = {
-            m: ray_driver.get(full_weights(workers, graph, m), timeout=300)[0] for m in LAYOUTS
-        }
+        weights = {m: full_weights(workers, graph, m) for m in LAYOUTS}
     finally:
         for w in workers:
             w.close()
@@ -125,9 +122,7 @@ def test_pp2_to_dp2_and_back_moves_the_planned_bytes_and_copies_the_weights(
         batch = sft_batches()[0]
         master.put_batch(batch)
         stats = master.step(batch.n_seqs)
-        weights = {
-            m: ray_driver.get(full_weights(workers, graph, m), timeout=300)[0] for m in layouts
-        }
+        weights = {m: full_weights(workers, graph, m) for m in layouts}
     finally:
         for w in workers:
             w.close()

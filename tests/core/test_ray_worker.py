@@ -25,7 +25,7 @@ from areal.api.config.engine import TrainEngineConfig
 from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, build_graph
 from areal.core.graphs import ACTOR, CRITIC, REF, ROLLOUT_KEYS, SFT_KEYS, ppo_mfcs
 from areal.core.master import Master
-from areal.core.ray_worker import EngineSpec, build_engine, start_ray_workers
+from areal.core.ray_worker import EngineSpec, RayModel, build_engine, start_ray_workers
 from areal.runtime.dist import init_distributed
 from areal.utils.batch import PackedBatch
 
@@ -91,15 +91,10 @@ def core_step(ray, path: str, allocs: list[Allocation], batch):
             assert not crossing, (
                 f"worker {w}'s collectives spanned {crossing}, beyond its models' meshes {meshes}"
             )
-        got = {}
-        for m in (
-            ACTOR,
-            CRITIC,
-        ):  # collective over the model's ranks; its first rank has the weights
-            ranks = graph.allocations[m].workers
-            got[m] = ray.get(
-                [workers[w].handle.full_state_dict.remote(m) for w in ranks], timeout=300
-            )[0]
+        got = {  # collective over the model's ranks, in order with the MFCs
+            m: RayModel(workers, m, graph.allocations[m].workers).full_state_dict()
+            for m in (ACTOR, CRITIC)
+        }
         for w in workers:  # every field released after its last reader: sample 0 is gone
             with pytest.raises(ray.exceptions.RayTaskError, match="holds no"):
                 ray.get(w.handle.get.remote((0,), ("input_ids",)), timeout=60)

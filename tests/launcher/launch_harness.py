@@ -96,8 +96,11 @@ class Launch:
         while todo:
             pid = todo.pop()
             st = _stat(pid)
-            if st is not None and pid not in self.seen:
-                self.seen[pid] = (st[2], _cmdline(pid))
+            # a first sighting can fall between fork and exec (the parent's command line), so a
+            # live process's command line is read again each time; a reused pid keeps the first
+            if st is not None and (pid not in self.seen or self.seen[pid][0] == st[2]):
+                cmd = _cmdline(pid)
+                self.seen[pid] = (st[2], cmd or self.seen.get(pid, (0, ""))[1])
             todo += children.get(pid, [])
 
     def wait(self, timeout: float, until=None) -> int | None:
