@@ -14,6 +14,7 @@ PNG is reduced to a 64-colour palette to keep the docs small.
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,15 +23,21 @@ REPO = Path(__file__).resolve().parents[1]
 WAIT = 60  # seconds for a page to fetch and draw
 
 
-def headless_chromium(
-    chromium: str = "/usr/bin/chromium",
-    chromedriver: str = "/usr/bin/chromedriver",
-    console_logs: bool = False,
-):
+def chromium_paths() -> tuple[str | None, str | None]:
+    """Where Debian's ``chromium`` and ``chromedriver`` are on PATH (None where absent)."""
+    return shutil.which("chromium"), shutil.which("chromedriver")
+
+
+def headless_chromium(console_logs: bool = False):
     """A headless Debian Chromium driven by selenium at the viewer's window size (also the
     browser of tests/examples/test_viewer.py); ``console_logs`` keeps the page's console."""
     from selenium import webdriver
 
+    chromium, chromedriver = chromium_paths()
+    if not (chromium and chromedriver):
+        raise SystemExit(
+            "chromium and chromedriver are not on PATH: apt-get install chromium chromium-driver"
+        )
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for flag in (

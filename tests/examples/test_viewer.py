@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from viewer_screenshots import chromium_paths, headless_chromium  # noqa: E402
+
 pytestmark = pytest.mark.slow
-CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 WAIT = 30  # seconds for the page to fetch and draw
 
 
@@ -44,16 +45,13 @@ def viewer_url(async_grpo_reference, core_async_recorded):
 
 @pytest.fixture
 def browser():
-    if not (CHROMIUM and DRIVER):
+    if not all(chromium_paths()):
         pytest.skip(
             "chromium and chromedriver are not installed (make install installs them as root: "
             "apt-get install chromium chromium-driver)"
         )
     pytest.importorskip("selenium.webdriver")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from viewer_screenshots import headless_chromium  # the docs' screenshots use it too
-
-    driver = headless_chromium(CHROMIUM, DRIVER, console_logs=True)
+    driver = headless_chromium(console_logs=True)  # the docs' screenshots use it too
     yield driver
     driver.quit()
 
