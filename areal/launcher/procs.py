@@ -221,7 +221,9 @@ class ProcessSupervisor:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=cwd,
-            env={**os.environ, **launcher_env(), **(env or {})},
+            # PYTHONFAULTHANDLER: a child killed by a native crash (SIGSEGV, SIGABRT: a C++
+            # exception in torch or gloo) writes every thread's Python stack to its log
+            env={"PYTHONFAULTHANDLER": "1", **os.environ, **launcher_env(), **(env or {})},
             start_new_session=True,
             preexec_fn=parent_death_signal(signal.SIGTERM),  # dies with us, even on SIGKILL
         )

@@ -141,6 +141,7 @@ def submit(cfg, path: Path, lay: Layout) -> SlurmJob:
     sc = cfg.launcher.slurm
     server = getattr(cfg, "server", None)
     env = {k: v for k, v in os.environ.items() if k != LAUNCHER_PID}
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a native crash leaves its Python stack (procs.py)
     env.update(api_key_env(server_api_key(server.api_key) if server else ""))
     env.update(agent_proxy_env(secrets.token_urlsafe(32) if lay.proxy else ""))
     proc = run_command(["sbatch", "--parsable", str(path)], env=env)

@@ -247,3 +247,14 @@ def test_a_child_stopped_by_sigterm_from_outside_is_no_failure(tmp_path):
         os.kill(child.proc.pid, signal.SIGTERM)
         assert child.proc.wait(timeout=30) == -signal.SIGTERM
     assert read_failures(tmp_path / "logs") == []
+
+
+def test_a_child_killed_by_a_native_abort_leaves_its_python_stack_in_its_log(tmp_path):
+    # SIGABRT from native code (a C++ exception escaping torch or gloo) ends a process with no
+    # Python traceback of its own; the supervisor's children run with the fault handler on
+    code = "import os\ndef where_it_died():\n    os.abort()\nwhere_it_died()"
+    with ProcessSupervisor(tmp_path / "logs", echo=False, stop_timeout=3) as sup:
+        child = sup.start("trainer", [sys.executable, "-c", code])
+        assert child.proc.wait(timeout=60) == -6
+    log = child.log_path.read_text()
+    assert "Fatal Python error: Aborted" in log and "in where_it_died" in log, log
