@@ -63,11 +63,11 @@ typecheck: $(STAMP)
 	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright
 
 # Two pytest-xdist workers: most tier-2 tests wait on processes they started, so two at a time
-# halve the wall time on 2 cores; tests/conftest.py keeps each module, and the modules sharing a
-# Ray cluster, a session fixture, vLLM or the sandbox's uid, on one worker (SERIAL_GROUPS).
+# halve the wall time on 2 cores; tests/conftest.py's scheduler keeps each module, and the modules
+# sharing a Ray cluster, a session fixture, vLLM or the sandbox's uid, on one worker.
 TEST_WORKERS ?= 2
 test: lint vllm-env
-	$(VPY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadgroup
+	$(VPY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS)
 
 # Wheels (Python 3.12, manylinux x86_64, one version each) of what a bare GPU machine's image lacks,
 # into .whl/ (ignored), for gpu-check there; run where pip reaches PyPI (bench/gpu_wheels.py).

@@ -13,11 +13,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-# `make test` runs on two pytest-xdist workers (`-n 2 --dist loadgroup`): most tier-2 tests wait
-# on processes they started, so two at a time take about half the wall time on 2 cores. Each
-# module runs whole on one worker (its module fixtures are made once); the modules of one group
-# below run on one worker, one after another, because they share a session fixture or would
-# crowd the machine together.
+# `make test` runs on two pytest-xdist workers (`-n 2`): most tier-2 tests wait on processes
+# they started, so two at a time take about half the wall time on 2 cores. The scheduler below
+# hands out whole modules (a module's fixtures are made once) and whole groups of modules: the
+# modules of one group run on one worker, one after another, because they share a session
+# fixture or would crowd the machine together.
 SERIAL_GROUPS = {
     # Ray clusters of several worker actors each, one cluster at a time (test_viewer and
     # test_core_record share the session fixture core_async_recorded, a Core run on Ray)
@@ -55,12 +55,21 @@ SERIAL_GROUPS = {
 GROUP_OF = {module: group for group, modules in SERIAL_GROUPS.items() for module in modules}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler for ``-n N``: its work units are a module, or a group of
+    :data:`SERIAL_GROUPS` (largest units first). xdist's own ``--dist loadgroup`` marks cannot
+    do it under pytest 9.2, which no longer reads the node id xdist rewrites."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0].removeprefix("tests/")
+            return GROUP_OF.get(module, module)
+
+    return ModuleGroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    for item in items:
-        module = os.path.relpath(str(item.path), tests_dir)
-        item.add_marker(pytest.mark.xdist_group(GROUP_OF.get(module, module)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="tier 3: needs a CUDA GPU")
