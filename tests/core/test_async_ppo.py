@@ -267,7 +267,7 @@ def server_version(addr: str) -> int:
 def test_rollout_workers_and_servers_scale_while_the_job_runs(runs, tiny_model_dir, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     extra = start_servers(str(tiny_model_dir), 1)
-    n = 30
+    n = 60  # with the paced reward, enough steps left for both scalings on a loaded machine
     try:
         launch, run_dir = start(
             runs,
@@ -277,6 +277,7 @@ def test_rollout_workers_and_servers_scale_while_the_job_runs(runs, tiny_model_d
                 *ASYNC,
                 f"total_train_steps={n}",
                 "rollout.max_staleness=1",
+                "reward_fn=sync_rewards:paced_length_reward",
             ],
         )
         ((_, added),) = extra
