@@ -140,7 +140,8 @@ def test_models_on_disjoint_sub_meshes_run_at_once_without_crossing(
     check_equal(*core_step(ray_driver, tiny_model_dir, allocs, lite_step[0]), lite_step)
 
 
-def test_a_dead_ray_worker_stops_the_step_naming_the_mfc_and_the_worker(ray_driver, tiny_model_dir):
+def sft_on_two_workers(path: str):
+    """(model, graph, workers): one SFT model on dp=2 over 2 fresh Ray workers."""
     model = ModelName("model")
     graph = build_graph(
         "sft",
@@ -149,9 +150,12 @@ def test_a_dead_ray_worker_stops_the_step_naming_the_mfc_and_the_worker(ray_driv
         [Allocation(model, (0, 1), dp=2)],
         2,
     )
-    workers = start_ray_workers(
-        graph, {model: EngineSpec("sft", TrainEngineConfig(path=tiny_model_dir))}
-    )
+    workers = start_ray_workers(graph, {model: EngineSpec("sft", TrainEngineConfig(path=path))})
+    return model, graph, workers
+
+
+def test_a_dead_ray_worker_stops_the_step_naming_the_mfc_and_the_worker(ray_driver, tiny_model_dir):
+    model, graph, workers = sft_on_two_workers(tiny_model_dir)
     try:
         master = Master(graph, workers, mfc_timeout=120)
         batch = {"input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[0, 1, 1], [0, 1]]}
@@ -172,17 +176,7 @@ def test_a_collective_one_rank_never_joins_times_out_naming_where_each_rank_wait
 ):
     from areal.core import ray_worker
 
-    model = ModelName("model")
-    graph = build_graph(
-        "sft",
-        [MFC("sft_train", model, ModelFn.TRAIN_LM, SFT_KEYS)],
-        SFT_KEYS,
-        [Allocation(model, (0, 1), dp=2)],
-        2,
-    )
-    workers = start_ray_workers(
-        graph, {model: EngineSpec("sft", TrainEngineConfig(path=tiny_model_dir))}
-    )
+    model, _, workers = sft_on_two_workers(tiny_model_dir)
     try:
         monkeypatch.setattr(ray_worker, "RPC_TIMEOUT", 3.0)
         with pytest.raises(TimeoutError) as hung:  # rank 0 gathers; rank 1 is never asked
