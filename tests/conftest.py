@@ -29,6 +29,7 @@ SERIAL_GROUPS = {
         "core/test_ray_realloc.py",
         "core/test_ray_tp.py",
         "core/test_ray_worker.py",
+        "core/test_rollout_side.py",
         "core/test_sync_ppo.py",
         "core/test_sync_ppo_layouts.py",
         "examples/test_core_record.py",

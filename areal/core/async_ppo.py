@@ -240,7 +240,7 @@ def main(argv: list[str]) -> int:
     graph = graph_from_config(graph_config(cfg, cfg.core, "async_ppo"))
     workers, engines = start_model_workers(cfg, run, graph, data.ft_spec)  # attaches Ray
     rollout, publisher = start_rollout(cfg, run, side, engines[ACTOR], data.n_train)
-    recorder = AsyncRecorder(cfg, run, workers, graph, lambda ref: rollout.get(ref, "a rollout"))
+    recorder = AsyncRecorder(cfg, run, workers, graph)
     master = recorded_master(cfg, graph, recorder)
     weights = ActorWeights(master, publisher)  # the master counts the actor's versions
 
@@ -256,10 +256,10 @@ def main(argv: list[str]) -> int:
         rollout.rescale(run.run_dir, registry.get_subtree(run.servers_key))
         with run.tracker.timer("step"):
             with run.tracker.timer("wait_rollouts"):
-                groups = rollout.take(n_groups, cfg.rollout.watchdog_timeout, step)
+                groups, data = rollout.take(n_groups, cfg.rollout.watchdog_timeout, step)
             lags = lag_stats(groups, master.versions[ACTOR], cfg.rollout.max_staleness)
-            ids = master.put_groups(groups)
-            with recorder.step_groups(step, groups, ids, engines[ACTOR], master.versions[ACTOR]):
+            ids = master.put_groups(groups, [d.packed for d in data])
+            with recorder.step_groups(step, data, ids, engines[ACTOR], master.versions[ACTOR]):
                 out = master.step(n_groups * cfg.gconfig.n_samples)  # for areal view / replay
             with run.tracker.timer("update_weights"):
                 publisher.publish(master.versions[ACTOR])

@@ -17,7 +17,7 @@ holds, atomically, the loader position and every item admitted but not yet train
 first after a resume, under new tickets).
 
 Stream. A worker reports each ticket with :meth:`finish`: its group (metadata and a reference to
-the packed tensors, which stay with the worker until a model worker fetches them), or ``None``
+the packed tensors, which stay with the worker until the master fetches them), or ``None``
 when the group was filtered out or the episode failed (its slot is freed). :meth:`take` hands the
 master the ``n`` oldest-admitted accepted groups, only once every older ticket has finished: the
 n-th admitted rollout is trained in batch ``n // B`` or later, which is what the bound assumes
@@ -25,7 +25,8 @@ n-th admitted rollout is trained in batch ``n // B`` or later, which is what the
 
 Workers. In-flight tickets are tracked per worker, so a dead worker's slots are reclaimed
 (:meth:`reclaim`): its running items are re-issued, counted in ``lost``; a late report for a
-reclaimed ticket is dropped, so nothing is trained twice.
+reclaimed ticket is dropped, so nothing is trained twice. A taken group whose worker died before
+the master fetched its tensors is redone too (:meth:`untake`).
 
 Failover. :meth:`snapshot` is all of the state but the groups' object references (those stay with
 the rollout workers that made them, until :meth:`take` hands them out *and* the master confirms
@@ -266,6 +267,27 @@ class GenerationManager:
         if step is None:
             self._confirm()
         return groups
+
+    def untake(self, step: int, dead: Iterable[int]) -> int:
+        """The master could not fetch the groups of step ``step``'s take that the workers ``dead``
+        made (their tensors died with them): those items, and the other finished groups of
+        ``dead``, are re-issued; the take's other groups go back to the stream, so the master's
+        next take for ``step`` starts again. Returns how many items are redone (0 when asked
+        again: the take is already undone)."""
+        if self._taken is None or self._taken[0] != step:
+            return 0
+        dead = set(dead)
+        n = 0
+        for t, (g, job) in self._taken[1].items():
+            if job.worker in dead:
+                self._reissue.append(job.item)
+                self.staleness.accepted -= 1  # never trained: admission counts it again when redone
+                n += 1
+            else:
+                self._done[t] = (g, job)
+        self._taken, self._taken_lost = None, ""
+        self.lost += n
+        return n + sum(self.drop_worker_groups(w) for w in sorted(dead))
 
     def _confirm(self) -> None:
         """The last take reached the master: its workers may forget those groups."""

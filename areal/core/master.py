@@ -29,8 +29,9 @@ weights to their servers, with the source's version: the number of training MFCs
 (:attr:`Master.versions`; a resume sets it).
 
 Streamed groups (async PPO): :meth:`Master.put_groups` places each rollout group, whole, on a
-model worker by token count; the tensors go from the rollout worker's object store straight to
-that model worker.
+model worker by token count. The master fetched its tensors from the object store first: a rollout
+worker owns what it put there, so a group is safe from its worker's death only once copied (a
+worker that dies before has its groups redone: ``GenerationManager.untake``).
 
 Generation. A graph with a ``generate`` MFC (sync PPO) makes its samples each step: the step's
 sample ids are new, the generation workers fill them (prompts from their own dataset) and report
@@ -189,10 +190,10 @@ class Master:
         self.buffer.put(sorted(metas, key=lambda m: m.sample_id))
         return ids
 
-    def put_groups(self, groups: list) -> list[int]:
-        """Add streamed rollout groups (async PPO; :class:`~areal.core.manager.Finished`): each is
-        placed whole on a model worker by token count, and that worker fetches its tensors from
-        the object store; the master records metadata only. Returns the new sample ids."""
+    def put_groups(self, groups: list, packed: list[PackedBatch]) -> list[int]:
+        """Add streamed rollout groups (async PPO; :class:`~areal.core.manager.Finished`, each
+        with its tensors ``packed``): each is placed whole on a model worker by token count.
+        Returns the new sample ids."""
         bad = [g.group_id for g in groups if len(g.seqlens) != self.group_size]
         if bad:
             raise ValueError(f"groups {bad} do not hold group_size={self.group_size} samples")
@@ -206,7 +207,7 @@ class Master:
         for rank, positions in enumerate(split_by_tokens(seqlens, n_place, size)):
             target = self._model_workers[rank]
             for g in sorted({p // size for p in positions}):
-                self.workers[target].put(ids[g * size : (g + 1) * size], groups[g].ref[0])
+                self.workers[target].put(ids[g * size : (g + 1) * size], packed[g])
             metas += [SampleMeta(ids[i], seqlens[i], {k: target for k in keys}) for i in positions]
         self.buffer.put(sorted(metas, key=lambda m: m.sample_id))
         return ids

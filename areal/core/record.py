@@ -21,14 +21,14 @@ sync run's generation worker) and
   trajectories the step trained, with the kept per-token fields. Sync PPO: the generation
   worker's groups of the step (it runs in the master's process). Async PPO
   (:class:`AsyncRecorder`): the rollout workers put each accepted group's trajectories beside its
-  packed tensors in the object store (``Finished.ref[1]``), and the master reads them;
+  packed tensors in the object store (``Finished.ref[1]``), and the master fetches them with the
+  group (:class:`~areal.core.rollout_side.GroupData`);
 - async PPO with ``stats_logger.replay.enabled``: the step's packed batch (the groups' tensors as
   the model workers received them, in sample-id order) and the actor's weight hashes
   (:class:`~areal.runtime.replay.ReplayRecorder`); :mod:`areal.core.replay` replays them.
 
-Recording a step moves its samples' kept fields to the master (samples; async PPO: their tokens
-too) and the actor's full weights (replay: once per step); neither happens on a step that
-records nothing.
+Recording a step moves its samples' kept fields to the master (samples) and the actor's full
+weights (replay: once per step); neither happens on a step that records nothing.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from areal.utils.samples import TIMELINE
 if TYPE_CHECKING:
     from areal.api.io import Trajectory
     from areal.core.config import CoreAsyncGRPOConfig
-    from areal.core.manager import Finished
+    from areal.core.rollout_side import GroupData
     from areal.runtime.run import Run
 
 logger = get_logger("core.record")
@@ -241,8 +241,8 @@ class CoreRecorder:
 
 
 class AsyncRecorder(CoreRecorder):
-    """Core async PPO's recorder: the samples come from the object store, and the step's batch
-    and the actor's hashes go to the replay record."""
+    """Core async PPO's recorder: the samples are the trajectories the master fetched with the
+    groups, and the step's batch and the actor's hashes go to the replay record."""
 
     def __init__(
         self,
@@ -250,43 +250,42 @@ class AsyncRecorder(CoreRecorder):
         run: Run,
         workers: Sequence[ModelWorker],
         graph: DataflowGraph,
-        ray_get: Callable[[Any], Any],
     ):
-        """``graph``: the one the master walks; ``ray_get``: fetches an object-store reference
-        (with a deadline)."""
+        """``graph``: the one the master walks."""
         from areal.core import replay
         from areal.core.graphs import ACTOR
 
         super().__init__(run, workers)
-        self.get = ray_get
         threads = cfg.core.torch_threads if cfg.core.backend == "ray" else torch.get_num_threads()
         ranks = len(graph.allocations[ACTOR].workers)
         run.replay.describe(replay.__file__, ranks, threads, replay.ONE_RANK)
 
     @contextlib.contextmanager
     def step_groups(
-        self, step: int, groups: list[Finished], ids: list[int], actor: Any, version: int
+        self, step: int, data: list[GroupData], ids: list[int], actor: Any, version: int
     ) -> Iterator[None]:
-        """Around the master's step over ``groups`` (their sample ``ids``, as ``put_groups``
-        returned them): the timeline, the samples and the replay record of ``step``."""
-        shipped = len(groups[0].ref) > 1  # the rollout workers put the trajectories beside
+        """Around the master's step over the groups of ``data`` (their sample ``ids``, as
+        ``put_groups`` returned them): the timeline, the samples and the replay record of
+        ``step``."""
+        shipped = data[0].trajectories is not None  # the rollout workers put them beside
 
         def trained() -> tuple[list[Sequence[Trajectory]], list[int]]:
-            return [self.get(g.ref[1]) for g in groups], ids
+            return [d.trajectories or [] for d in data], ids
 
-        batch = self._packed(groups) if self.run.replay.cfg.enabled else None
+        batch = _packed(data) if self.run.replay.cfg.enabled else None
         with self.step(step, version, trained if shipped else None):
             with self.run.replay.step(step, batch, actor) if batch is not None else _nothing():
                 yield
 
-    def _packed(self, groups: list[Finished]) -> PackedBatch:
-        """The step's packed batch as the model workers store it: the groups' tensors in order."""
-        parts = [self.get(g.ref[0]) for g in groups]
-        lens = torch.cat([p.seqlens for p in parts])
-        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-        tokens = {k: torch.cat([p.tokens[k] for p in parts]) for k in parts[0].tokens}
-        seqs = {k: torch.cat([p.seqs[k] for p in parts]) for k in parts[0].seqs}
-        return PackedBatch(cu, tokens, seqs)
+
+def _packed(data: list[GroupData]) -> PackedBatch:
+    """The step's packed batch as the model workers store it: the groups' tensors in order."""
+    parts = [d.packed for d in data]
+    lens = torch.cat([p.seqlens for p in parts])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    tokens = {k: torch.cat([p.tokens[k] for p in parts]) for k in parts[0].tokens}
+    seqs = {k: torch.cat([p.seqs[k] for p in parts]) for k in parts[0].seqs}
+    return PackedBatch(cu, tokens, seqs)
 
 
 def _step_of(line: str) -> int:

@@ -46,15 +46,22 @@ import json
 import socket
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.io import WeightUpdateMeta
 from areal.api.launch import agent_proxy_env, agent_proxy_token
 from areal.api.protocols import Admission, Checkpointable, StateDict, WeightTarget
+from areal.core.manager import Finished
 from areal.rollout.remote import RemoteInferenceEngine
+from areal.utils.batch import PackedBatch
 from areal.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from areal.api.io import Trajectory
 
 logger = get_logger("core.rollout")
 POLL_S = 0.05  # seconds between asks for a batch
@@ -125,6 +132,32 @@ def take_scale_request(run_dir: Path) -> ScaleRequest | None:
     req: ScaleRequest = json.loads(path.read_text())
     path.unlink()
     return req
+
+
+@dataclass
+class GroupData:
+    """A taken group's data, fetched from the object store by the master."""
+
+    packed: PackedBatch  # the tensors the model workers store (ROLLOUT_KEYS)
+    trajectories: list[Trajectory] | None = None  # shipped when samples are recorded (areal view)
+
+
+def fetch_groups(
+    groups: list[Finished], get: Callable[[Any, str], Any]
+) -> tuple[list[GroupData], set[int]]:
+    """The data of ``groups`` whose workers still own it (``get(ref, who)`` fetches one
+    reference), and the workers whose groups were lost: a rollout worker owns what it put in the
+    object store, and its death loses it."""
+    import ray
+
+    data, dead = [], set()
+    for g in groups:
+        try:
+            data.append(GroupData(*(get(r, f"rollout worker {g.worker}") for r in g.ref)))
+        except ray.exceptions.ObjectLostError as e:
+            logger.warning(f"rollout worker {g.worker} lost group {g.group_id}: {e}")
+            dead.add(g.worker)
+    return data, dead
 
 
 class RayRolloutSide(Admission, Checkpointable):
@@ -361,14 +394,18 @@ class RayRolloutSide(Admission, Checkpointable):
 
     # -- the stream ---------------------------------------------------------------------------
 
-    def take(self, n_groups: int, deadline_s: float, step: int) -> list:
+    def take(
+        self, n_groups: int, deadline_s: float, step: int
+    ) -> tuple[list[Finished], list[GroupData]]:
         """The next ``n_groups`` groups of the stream for ``step`` (asked again for the same step,
-        the manager hands out the same groups), checking the workers while waiting."""
+        the manager hands out the same groups) and their data, fetched by the master while their
+        workers live; checks the workers while waiting."""
         start = checked = time.monotonic()
         while True:
             groups = self.ask("take", n_groups, step)
-            if groups is not None:
-                return groups
+            data = None if groups is None else self._fetch(groups, step)
+            if groups is not None and data is not None:
+                return groups, data
             if time.monotonic() - checked > HEALTH_EVERY_S:
                 checked = time.monotonic()
                 self.check_health()
@@ -379,6 +416,20 @@ class RayRolloutSide(Admission, Checkpointable):
                     f"{deadline_s} s; manager: {stats}"
                 )
             time.sleep(POLL_S)
+
+    def _fetch(self, groups: list[Finished], step: int) -> list[GroupData] | None:
+        """The groups' data, or None when a worker died before its groups were fetched: its
+        groups are redone, the others go back to the stream
+        (:meth:`~areal.core.manager.GenerationManager.untake`)."""
+        data, dead = fetch_groups(groups, self.get)
+        if not dead:
+            return data
+        n = self.ask("untake", step, sorted(dead))
+        logger.warning(
+            f"rollout workers {sorted(dead)} died before the master fetched their groups of "
+            f"step {step}: {n} rollouts are redone"
+        )
+        return None
 
     # -- the weight publisher's admission: it stops with the servers, resumes at the new version
 

@@ -179,6 +179,9 @@ class ManagerActor(GenerationManager):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._changed(super().load_state_dict, state)
 
+    def untake(self, step: int, dead: list[int]) -> int:
+        return self._changed(super().untake, step, dead)
+
     def take(self, n: int, step: int | None = None) -> list[Finished] | None:
         with self._lock:
             before = self._taken

@@ -137,6 +137,26 @@ def test_untaken_groups_of_a_dead_worker_are_redone():
     assert [i for _, i in mgr.acquire(1, 2)] == [i for _, i in slots]
 
 
+def test_an_untaken_step_redoes_the_dead_workers_groups_and_returns_the_others():
+    mgr = GenerationManager(
+        max_staleness=1, batch_groups=2, max_concurrent=10, loader=ListLoader(100, 2)
+    )
+    a, b, c = mgr.acquire(0, 1) + mgr.acquire(1, 1) + mgr.acquire(0, 1)  # items 0, 1, 2
+    for (t, _), w in zip((a, b, c), (0, 1, 0)):
+        mgr.finish(w, t, group(t, w))
+    assert [g.ticket for g in mgr.take(2, step=1)] == [a[0], b[0]]
+    # worker 0 died before the master fetched ticket a: a and its untaken c are redone
+    assert mgr.untake(1, [0]) == 2 and mgr.lost == 2
+    assert mgr.untake(1, [0]) == 0  # asked again after a lost reply: already undone
+    assert mgr.staleness.accepted == 1  # b only
+    assert mgr.take(2, step=1) is None  # b waits for a batch-mate
+    again = mgr.acquire(1, 2)
+    assert [i for _, i in again] == [a[1], c[1]]  # the same items, new tickets
+    for t, _ in again:
+        mgr.finish(1, t, group(t, 1))
+    assert [g.ticket for g in mgr.take(2, step=1)] == [b[0], again[0][0]]
+
+
 def test_checkpoint_reissues_every_untrained_item_and_keeps_the_bound():
     B = 2
     mgr = GenerationManager(
