@@ -58,7 +58,7 @@ from areal.engine.fsdp import FSDPEngine
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.engine.rw import RWEngine
 from areal.engine.sft import SFTEngine
-from areal.runtime.dist import build_mesh, group_backend
+from areal.runtime.dist import build_mesh, group_backend, mesh_groups
 from areal.utils.batch import PackedBatch, split_by_tokens
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # areal/
@@ -149,6 +149,7 @@ class WorkerActor:
         self.inner: InProcessWorker | None = None
         self._turn = 0  # number of the next request to hand to the worker
         self._order = threading.Condition()
+        self._groups: list = []  # the process groups of this graph's meshes (release drops them)
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port there (worker 0 hosts the gloo rendezvous)."""
@@ -189,6 +190,7 @@ class WorkerActor:
             mesh = build_mesh(device, a.workers, a.dp, a.tp, a.pp)  # collective: every worker
             if self.index in a.workers:
                 meshes[a.model] = mesh
+                self._groups += mesh_groups(mesh)
         engines = {model: build_engine(specs[model], mesh) for model, mesh in meshes.items()}
         self.inner = InProcessWorker(self.index, engines)
         self.inner.connect(
@@ -299,14 +301,19 @@ class WorkerActor:
         }
 
     def release(self) -> None:
-        """Drop this worker's engines, store and request numbering; the process and its process
-        group stay, ready for another graph's :meth:`setup`."""
+        """Drop this worker's engines, store, request numbering and mesh groups; the process and
+        its default process group stay, ready for another graph's :meth:`setup`."""
+        import torch.distributed as dist
+
         if self.inner is not None:
             self.inner.close()
             for engine in self.inner.engines.values():
                 engine.destroy()
             self.inner = None
         self._turn = 0
+        for pg in self._groups:  # a reused actor's next graph builds its own meshes
+            dist.destroy_process_group(pg)
+        self._groups = []
 
     def shutdown(self) -> None:
         import torch.distributed as dist

@@ -77,6 +77,18 @@ def build_mesh(
     return mesh
 
 
+def mesh_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
+    """The process groups :func:`build_mesh` made for ``mesh`` on this rank (one per dim and the
+    flattened whole-mesh group), less the default group, which a mesh over every rank reuses."""
+    default = dist.distributed_c10d._get_default_group()
+    flat = [m.get_group() for m in mesh._flatten_mapping.values()]  # pyright: ignore[reportPrivateUsage]  # torch keeps the flattened meshes only here
+    out: list[dist.ProcessGroup] = []
+    for g in [*mesh.get_all_groups(), *flat]:
+        if g is not default and all(g is not o for o in out):
+            out.append(g)
+    return out
+
+
 def group_backend(backend: Literal["gloo", "nccl"]) -> str:
     """The backend string a process group is built with: on GPUs NCCL for CUDA tensors *and*
     gloo for host tensors and objects, so a CPU value (stats, counters) never meets an NCCL-only

@@ -4,20 +4,19 @@ A PPO step through the master, with actor, reference and critic all on one layou
 step (the FSDP engine in one process, test_ray_worker's ``lite_step``): the loss and grad norm
 of both training MFCs, every other stat of theirs, and their updated full weights, within 1e-5.
 The layouts: dp1 x tp1 x pp2, dp1 x tp2 x pp2, dp2 x tp1 x pp2, and without pp dp1 x tp2 and
-dp2 x tp2 (the 4-process tensor-parallel case; skipped unless AREAL_TEST_DP2_TP2=1 while its
-hang under load is open, see HANGS; dp2 alone is test_ray_worker.py's). Each layout also
+dp2 x tp2 (the 4-process tensor-parallel case; dp2 alone is test_ray_worker.py's). Each layout also
 checks where the weights are: which stage holds each decoder layer, the embedding and the
 head, and a column-parallel weight's placements and local shape on every worker (an unapplied
 plan would fail it).
 
 One set of 4 worker actors serves the whole module: each layout sets up its graph on them and
-releases it after (test_ray_worker.py covers freshly started actors). A layout its model cannot
+releases it after, which leaves each actor only the job's default process group
+(test_ray_worker.py covers freshly started actors). A layout its model cannot
 take fails in one line before any worker is touched.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
@@ -68,6 +67,10 @@ def pooled_step(ray, pool, path: str, layout: dict, batch):
     finally:
         for w in workers:
             w.release()
+    # released, each pooled actor keeps only the job's default group: the next layout's meshes
+    # are built anew (dp2 x tp2's gather hung after earlier layouts' groups lingered)
+    groups = ray.get([a.collective_counts.remote() for a in pool], timeout=60)
+    assert [sorted(g) for g in groups] == [[tuple(range(len(pool)))]] * len(pool), groups
     return stats, got, params
 
 
@@ -98,21 +101,9 @@ LAYOUTS = {
     "dp1_tp2_pp1": {"dp": 1, "tp": 2, "pp": 1},
     "dp2_tp2_pp1": {"dp": 2, "tp": 2, "pp": 1},
 }
-# A known hang, open in #38: on a loaded machine (CI, or two test workers) the full-weight gather
-# after the step sometimes never ends on dp2 x tp2 (FSDP over TP): all four ranks sit in gloo
-# allgathers inside DTensor.full_tensor, dp rank 1's tp pair both in waitSend at one weight while
-# dp rank 0 has gone on to the next (py-spy and gdb on the live workers). It hung in 3 of the
-# last 3 loaded runs and in none of the quiet ones; the cause is not found. AREAL_TEST_DP2_TP2=1
-# runs it.
-HANGS = pytest.mark.skipif(
-    os.environ.get("AREAL_TEST_DP2_TP2") != "1",
-    reason="dp2 x tp2 weight gather hangs under load (#38, see the comment); AREAL_TEST_DP2_TP2=1",
-)
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=HANGS) if n == "dp2_tp2_pp1" else n for n in LAYOUTS]
-)
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_ppo_step_on_the_layout_equals_the_lite_step(
     ray_driver, pool, tiny_model_dir, lite_step, name
 ):
