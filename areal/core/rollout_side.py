@@ -148,13 +148,13 @@ def fetch_groups(
     """The data of ``groups`` whose workers still own it (``get(ref, who)`` fetches one
     reference), and the workers whose groups were lost: a rollout worker owns what it put in the
     object store, and its death loses it."""
-    import ray
+    from ray.exceptions import ObjectLostError
 
     data, dead = [], set()
     for g in groups:
         try:
             data.append(GroupData(*(get(r, f"rollout worker {g.worker}") for r in g.ref)))
-        except ray.exceptions.ObjectLostError as e:
+        except ObjectLostError as e:
             logger.warning(f"rollout worker {g.worker} lost group {g.group_id}: {e}")
             dead.add(g.worker)
     return data, dead
