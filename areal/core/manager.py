@@ -276,18 +276,9 @@ class GenerationManager:
         again: the take is already undone)."""
         if self._taken is None or self._taken[0] != step:
             return 0
-        dead = set(dead)
-        n = 0
-        for t, (g, job) in self._taken[1].items():
-            if job.worker in dead:
-                self._reissue.append(job.item)
-                self.staleness.accepted -= 1  # never trained: admission counts it again when redone
-                n += 1
-            else:
-                self._done[t] = (g, job)
+        self._done.update(self._taken[1])
         self._taken, self._taken_lost = None, ""
-        self.lost += n
-        return n + sum(self.drop_worker_groups(w) for w in sorted(dead))
+        return sum(self.drop_worker_groups(w) for w in sorted(set(dead)))
 
     def _confirm(self) -> None:
         """The last take reached the master: its workers may forget those groups."""
