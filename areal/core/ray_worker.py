@@ -169,7 +169,8 @@ class WorkerActor:
         peers: list,
     ) -> None:
         """Join the job (once: a reused actor keeps its process group), build every model's mesh
-        (all workers, same order), build my engines (a previous graph's are dropped first)."""
+        (all workers, same order), build my engines (a previous graph's are dropped first) on
+        the new worker's request thread (:meth:`InProcessWorker.build` says why)."""
         import torch.distributed as dist
 
         backend, device = ("nccl", "cuda") if self.gpu else ("gloo", "cpu")
@@ -191,8 +192,8 @@ class WorkerActor:
             if self.index in a.workers:
                 meshes[a.model] = mesh
                 self._groups += mesh_groups(mesh)
-        engines = {model: build_engine(specs[model], mesh) for model, mesh in meshes.items()}
-        self.inner = InProcessWorker(self.index, engines)
+        self.inner = InProcessWorker(self.index, {})
+        self.inner.build(lambda: {m: build_engine(specs[m], mesh) for m, mesh in meshes.items()})
         self.inner.connect(
             [self.inner if i == self.index else _RayPeer(h) for i, h in enumerate(peers)]
         )

@@ -34,6 +34,8 @@ from areal.core.realloc import Box
 from areal.utils.batch import PackedBatch
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from areal.engine.fsdp import FSDPEngine
 
 SNAPSHOT_WAIT = 600.0  # seconds a reader waits for a reallocation's source shards
@@ -147,6 +149,16 @@ class InProcessWorker(ModelWorker):
         self._published: dict[str, list] = {}  # token -> [own shards, readers left]
         self._published_ready = threading.Condition()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"model-worker-{index}")
+
+    def build(self, make: Callable[[], dict[ModelName, FSDPEngine]]) -> None:
+        """Build this worker's engines with ``make`` on its request thread, where every later
+        call on them runs. DTensor caches its sharding decisions per thread, keyed by meshes that
+        compare equal when their ranks and dim names do, whatever their process groups: a
+        long-lived thread (a Ray actor's) that built an earlier graph's engines hands this
+        graph's tensors the old meshes, and their groups, on the ranks where it happens to run
+        (a reused actor's dp2 x tp2 step then hung in the weight gather). The request thread is
+        new with each worker, so its cache starts empty."""
+        self.engines = self._thread.submit(make).result()
 
     def connect(self, peers: list) -> None:
         """The job's workers, indexed like the allocation's worker indices (self included): each

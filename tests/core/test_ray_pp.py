@@ -4,21 +4,22 @@ A PPO step through the master, with actor, reference and critic all on one layou
 step (the FSDP engine in one process, test_ray_worker's ``lite_step``): the loss and grad norm
 of both training MFCs, every other stat of theirs, and their updated full weights, within 1e-5.
 The layouts: dp1 x tp1 x pp2, dp1 x tp2 x pp2, dp2 x tp1 x pp2, and without pp dp1 x tp2 and
-dp2 x tp2 (the 4-process tensor-parallel case; skipped unless AREAL_TEST_DP2_TP2=1 while its
-hang under load is open, see HANGS; dp2 alone is test_ray_worker.py's). Each layout also
-checks where the weights are: which stage holds each decoder layer, the embedding and the
-head, and a column-parallel weight's placements and local shape on every worker (an unapplied
-plan would fail it).
+dp2 x tp2 (the 4-process tensor-parallel case; dp2 alone is test_ray_worker.py's). Each
+layout also checks where the weights are: which stage holds each decoder layer, the embedding
+and the head, and a column-parallel weight's placements and local shape on every worker (an
+unapplied plan would fail it).
 
 One set of 4 worker actors serves the whole module: each layout sets up its graph on them and
 releases it after, which leaves each actor only the job's default process group
-(test_ray_worker.py covers freshly started actors). A layout its model cannot
-take fails in one line before any worker is touched.
+(test_ray_worker.py covers freshly started actors). After each setup, every parameter's mesh
+holds only this graph's live groups: dp2 x tp2's tp sub-meshes compare equal to dp1 x tp2 x
+pp2's, and an actor thread that built both used to hand the later graph the earlier groups on
+some ranks only (its weight gather then hung). A layout its model cannot take fails in one line
+before any worker is touched.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
@@ -58,8 +59,31 @@ def pooled_step(ray, pool, path: str, layout: dict, batch):
     n = layout["dp"] * layout["tp"] * layout["pp"]
     allocs = [Allocation(m, tuple(range(n)), **layout) for m in (ACTOR, CRITIC, REF)]
     graph = build_graph("async_ppo", ppo_mfcs(True, True, True), ROLLOUT_KEYS, allocs, n)
+
+    def stale_meshes(actor) -> list[str]:
+        """(Run in a worker actor; defined here, as Ray sends it by value.) Its engines'
+        parameters whose mesh holds a group that is not live: an earlier graph's mesh, which
+        compares equal to this graph's."""
+        from torch.distributed.distributed_c10d import _world
+        from torch.distributed.tensor import DTensor
+
+        def stale(mesh) -> bool:
+            try:  # a destroyed group's name no longer resolves
+                return any(g not in _world.pg_map for g in mesh.get_all_groups())
+            except RuntimeError:
+                return True
+
+        return [
+            f"{model}.{name}"
+            for model, engine in actor.worker.engines.items()
+            for name, p in engine.model.named_parameters()
+            if isinstance(p, DTensor) and stale(p.device_mesh)
+        ]
+
     workers = start_ray_workers(graph, specs(path), actors=pool)
     try:
+        stale = ray.get([a.__ray_call__.remote(stale_meshes) for a in pool[:n]], timeout=60)
+        assert stale == [[]] * n, stale
         master = Master(graph, workers, group_size=GROUP, mfc_timeout=300)
         master.put_batch(batch)
         stats = master.step(batch.n_seqs)
@@ -105,24 +129,7 @@ LAYOUTS = {
 }
 
 
-# A known hang, open in #38: on a loaded machine (CI, or two test workers) the full-weight gather
-# after the step sometimes never ends on dp2 x tp2 (FSDP over TP), on actors reused from the
-# earlier layouts: the ranks sit in gloo allgathers inside DTensor.full_tensor, some already past
-# a weight their peers are still gathering (py-spy and gdb on the live workers; in the last one,
-# worker 3 had finished the whole gather). It hung in 5 of 8 loaded runs, and not in the one
-# loaded run on a fresh pool nor in plain torch processes; the process-group names agree on every
-# rank after each layout, and destroying the old layouts' groups did not stop it. The cause is
-# not found.
-# AREAL_TEST_DP2_TP2=1 runs it.
-HANGS = pytest.mark.skipif(
-    os.environ.get("AREAL_TEST_DP2_TP2") != "1",
-    reason="dp2 x tp2 weight gather hangs under load (#38, see the comment); AREAL_TEST_DP2_TP2=1",
-)
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=HANGS) if n == "dp2_tp2_pp1" else n for n in LAYOUTS]
-)
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_ppo_step_on_the_layout_equals_the_lite_step(
     ray_driver, pool, tiny_model_dir, lite_step, name
 ):
