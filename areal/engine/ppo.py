@@ -201,6 +201,7 @@ class PPOActor(FSDPEngine):
                 mask,
                 d.coef,
                 d.reward_weight,
+                batch.cu_seqlens if d.baseline == "others" else None,
             )
             reverse_kl = (batch["logprobs"] - batch["teacher_logp"]).float() * mask
             stats["distill_reverse_kl"] = float(reverse_kl.sum() / mask.sum().clamp(min=1))

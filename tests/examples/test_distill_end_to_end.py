@@ -1,7 +1,7 @@
 """Tier 2: on-policy distillation end to end on the tiny model. The example config through
 ``areal launch local``: the launcher starts the student's server and the teacher's, the teacher
 scores every training group, and the update's advantages carry its reverse KL; and Core's sync
-PPO with the teacher as a node on the model worker."""
+PPO with the teacher as a node on the model worker (with the other sequences' baseline)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def test_core_sync_ppo_distils_with_a_teacher_node(launcher, tiny_model_dir, tea
             f"actor.path={tiny_model_dir}",
             f"distill.teacher_path={teacher_dir}",
             "distill.n_servers=0",
+            "distill.baseline=others",  # the Lite test above runs the raw log ratio
             *SMALL_RL,
             "total_train_steps=2",
             "valid_dataset=null",

@@ -177,6 +177,11 @@ class DistillConfig:
         "n_servers must be 0.",
     )
     timeout: float = param(120.0, gt=0, help="Seconds the teacher may take to score one group.")
+    baseline: Literal["none", "others"] = param(
+        "none",
+        help="'others': subtract from each sequence's log ratio the mean reverse KL of the "
+        "batch's other sequences (unbiased, lower variance); 'none': the raw log ratio.",
+    )
 
     @property
     def enabled(self) -> bool:
