@@ -180,7 +180,7 @@ class DistillConfig:
     baseline: Literal["none", "others"] = param(
         "none",
         help="'others': subtract from each sequence's log ratio the mean reverse KL of the "
-        "batch's other sequences (unbiased, lower variance); 'none': the raw log ratio.",
+        "other sequences of its rank's batch (unbiased, lower variance); 'none': the raw ratio.",
     )
 
     @property
