@@ -22,6 +22,13 @@ SMALL_RL = [  # the random tiny model always scores 0: no dynamic sampling (it w
     "gconfig.max_new_tokens=4", "eval_gconfig.max_new_tokens=4",
     "rollout.max_concurrent_rollouts=4",
 ]  # fmt: skip
+# The random tiny model scores 0 on arithmetic: zero advantages, weights that never move. A reward
+# that varies within a group gives an update something to train (a test aid, written into the run's
+# PYTHONPATH as varying_reward.py). It reads the completion's characters, not its length: every
+# token of the tiny byte-level tokenizer decodes to one character, so lengths tie in most groups.
+VARYING_REWARD = (
+    "def content(completion, reference):\n    return (sum(map(ord, completion)) % 97) / 96\n"
+)
 # The resume tests' run: async GRPO, a recover checkpoint every step, relaunch on failure.
 RESUMABLE = [
     *SMALL_RL,

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, RUN_TIMEOUT, SMALL_RL
+from conftest import REPO, RUN_TIMEOUT, SMALL_RL, VARYING_REWARD
 
 from launch_harness import read_jsonl
 
@@ -115,11 +115,8 @@ def test_readme_workflow_recipe_runs_verbatim_from_a_scratch_dir(tmp_path, tiny_
     task = tmp_path / "my_task"
     task.mkdir()
     (task / "my_workflows.py").write_text(_readme_block("python", "# my_workflows.py"))
-    # The random tiny model scores 0 on arithmetic, and the recipe's workflow rejects groups with
-    # equal rewards: a reward that varies lets it train (a test aid, not part of the recipe).
-    (task / "varying_reward.py").write_text(
-        "def parity(completion, reference):\n    return float(len(completion) % 2)\n"
-    )
+    # The recipe's workflow rejects groups with equal rewards: a varying reward lets it train.
+    (task / "varying_reward.py").write_text(VARYING_REWARD)
     for name in ("gsm8k_grpo.py", "arithmetic_grpo.yaml"):
         shutil.copy(REPO / "examples" / name, task)
     launch = _readme_block(
@@ -141,7 +138,7 @@ def test_readme_workflow_recipe_runs_verbatim_from_a_scratch_dir(tmp_path, tiny_
         "launcher.echo=false",
         "launcher.server_threads=1",
         "valid_dataset=null",
-        "reward_fn=varying_reward:parity",
+        "reward_fn=varying_reward:content",
     ]
     launch = (
         launch.strip()

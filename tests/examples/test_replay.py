@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import GRPO_SCRIPT, GRPO_YAML, SMALL_RL
+from conftest import GRPO_SCRIPT, GRPO_YAML, SMALL_RL, VARYING_REWARD
 
 pytestmark = pytest.mark.slow
 RECORDED = [
@@ -23,11 +23,8 @@ RECORDED = [
     "stats_logger.replay.enabled=true",
     "stats_logger.replay.keep_weights=true",
     "seed=3",
-    "reward_fn=varying_reward:parity",
+    "reward_fn=varying_reward:content",
 ]
-# The random tiny model scores 0 on arithmetic: zero advantages, weights that never move. A
-# reward that varies within a group gives the update something to train (a test aid).
-PARITY = "def parity(completion, reference):\n    return float(len(completion) % 2)\n"
 
 
 def _replay(
@@ -47,7 +44,7 @@ def _replay(
 def test_replay_matches_every_step_and_a_changed_lr_diverges_at_step_1(
     launcher, tiny_model_dir, tmp_path
 ):
-    (tmp_path / "varying_reward.py").write_text(PARITY)
+    (tmp_path / "varying_reward.py").write_text(VARYING_REWARD)
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     run_dir = launcher.run(
         "rec", GRPO_SCRIPT, GRPO_YAML, [f"actor.path={tiny_model_dir}", *RECORDED], env
