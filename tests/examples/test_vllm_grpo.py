@@ -22,7 +22,7 @@ RUN_TIMEOUT = 900.0  # seconds: vLLM's start (~30 s idle, minutes on a loaded 2-
 def test_async_grpo_on_a_launcher_started_vllm_server_updates_its_weights_every_step(
     launcher, tiny_model_dir, monkeypatch
 ):
-    python, reason = vllm_env.status()
+    python, reason = vllm_env.wait_built()  # `make test` builds it beside the tests
     if python is None:
         pytest.skip(reason)
     for key, value in vllm_env.SERVER_ENV.items():  # the launcher passes its env to servers

@@ -31,7 +31,7 @@ PROMPT = list(range(40, 80))  # 40 tokens: more than one KV block, so prefix cac
 
 @pytest.fixture(scope="module")
 def vllm_server(tiny_model_dir, tmp_path_factory):
-    python, reason = vllm_env.status()
+    python, reason = vllm_env.wait_built()  # `make test` builds it beside the tests
     if python is None and not vllm_env.FAILED.exists():
         python, reason = vllm_env.ensure()  # run directly (not via make): build it now
     if python is None:
