@@ -57,6 +57,7 @@ from areal.core.worker import TRAINING_FNS, MFCReply, MFCRequest, ModelWorker
 from areal.utils.batch import PackedBatch, split_by_tokens
 
 REALLOC_LOAD = "load of the weights of "  # a reallocation hook's load, by its description
+FAILURE_GRACE_S = 10.0  # after one call of an MFC fails, how long the others get to finish
 
 
 @runtime_checkable
@@ -329,14 +330,8 @@ class Master:
             return_when=FIRST_COMPLETED,
         )
         for run in running.values():
-            parts = [*run.hooks, *(("", w, f) for (w, _), f in zip(run.shares, run.futures))]
-            for what, worker, f in parts:
-                if f.done() and f.exception() is not None:
-                    during = f" ({what})" if what else ""
-                    raise RuntimeError(
-                        f"MFC {run.mfc.name!r} ({run.mfc.model}.{run.mfc.fn.value}) failed on "
-                        f"worker {worker}{during}: {f.exception()}"
-                    ) from f.exception()
+            if any(f.done() and f.exception() is not None for f in run.all_futures()):
+                raise self._failure(run)
         late = [
             f"{r.mfc.name!r} on workers "
             f"{[w for (w, _), f in zip(r.shares, r.futures) if not f.done()]}"
@@ -349,6 +344,29 @@ class Master:
                 f"MFCs still running after mfc_timeout={self.mfc_timeout} s: "
                 f"{', '.join(late)}; a worker is stuck or the timeout is too short"
             )
+
+    def _failure(self, run: _Running) -> RuntimeError:
+        """The error for ``run``, one of whose calls failed, naming the cause first. A killed
+        rank's live peers fail at once (their collective loses a peer) while Ray reports the
+        dead rank's own call a moment later, so the other calls get up to
+        :data:`FAILURE_GRACE_S` to finish; then a worker whose process is gone
+        (:meth:`ModelWorker.lost`) is named before the others that failed."""
+        parts = [*run.hooks, *(("", w, f) for (w, _), f in zip(run.shares, run.futures))]
+        wait([f for _, _, f in parts], timeout=FAILURE_GRACE_S)
+        failed = [
+            (what, w, e) for what, w, f in parts if f.done() and (e := f.exception()) is not None
+        ]
+        failed.sort(key=lambda part: not self.workers[part[1]].lost(part[2]))  # stable
+        what, worker, error = failed[0]
+        others = sorted({w for _, w, _ in failed} - {worker})
+        during = f" ({what})" if what else ""
+        also = f"\n(the MFC also failed on workers {others})" if others else ""
+        out = RuntimeError(
+            f"MFC {run.mfc.name!r} ({run.mfc.model}.{run.mfc.fn.value}) failed on "
+            f"worker {worker}{during}: {error}{also}"
+        )
+        out.__cause__ = error
+        return out
 
     def _admit_generated(self, run: _Running, replies: list[MFCReply]) -> None:
         """Place a generate MFC's new samples on the model workers by token count (the

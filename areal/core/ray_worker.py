@@ -350,6 +350,10 @@ class RayWorker(ModelWorker):
     def submit(self, request: MFCRequest) -> Future[MFCReply]:
         return self._numbered(self.handle.run, request)
 
+    def lost(self, error: BaseException) -> bool:
+        """The actor died or was killed (not an error raised by its call)."""
+        return isinstance(error, self._ray.exceptions.RayActorError)
+
     def _numbered(self, method, *args) -> Future:
         with self._numbering:  # the master's thread and a generation worker's both call
             ref = method.remote(self._next, *args)

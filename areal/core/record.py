@@ -100,6 +100,9 @@ class TimedWorker(ModelWorker):
     def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
         return self.inner.hosts(model, fn)
 
+    def lost(self, error: BaseException) -> bool:
+        return self.inner.lost(error)
+
     def put(self, sample_ids: list[int], batch: PackedBatch) -> None:
         self.inner.put(sample_ids, batch)
 

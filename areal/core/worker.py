@@ -127,6 +127,11 @@ class ModelWorker(abc.ABC):
     def close(self) -> None:
         """Stop running requests (the engines belong to the caller)."""
 
+    def lost(self, error: BaseException) -> bool:
+        """Whether ``error``, a queued call's, says this worker's process is gone (the master
+        names such a worker before the peers whose collectives it broke). In-process: never."""
+        return False
+
 
 def pack(samples: list[SampleFields]) -> PackedBatch:
     """Stored samples as one packed batch, in order (lengths from their ``input_ids``)."""

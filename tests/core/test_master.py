@@ -253,6 +253,49 @@ def test_a_failing_mfc_stops_the_step_naming_it_and_the_worker():
         master.step(1)
 
 
+class WorkerGone(Exception):
+    """What a dead worker's call fails with (Ray: ``RayActorError``)."""
+
+
+class Mortal(InProcessWorker):
+    def lost(self, error: BaseException) -> bool:
+        return isinstance(error, WorkerGone)
+
+
+def test_a_dead_rank_is_named_before_the_peers_whose_collective_it_broke():
+    """Worker 0's collective fails at once; worker 1, whose process died, is reported 0.3 s
+    later: the error names worker 1 (the cause) and then worker 0."""
+
+    def die(fn, batch):
+        if threading.current_thread().name.startswith("model-worker-1"):
+            threading.Event().wait(0.3)
+            raise WorkerGone("the actor died")
+        raise RuntimeError("Connection reset by peer")
+
+    seen: list = []
+    workers = [
+        cls(w, {CRITIC: StandIn(str(CRITIC), seen, die)})
+        for w, cls in enumerate((InProcessWorker, Mortal))
+    ]
+    for w in workers:
+        w.connect(workers)
+    mfc = MFC("v", CRITIC, ModelFn.COMPUTE_VALUES, ("input_ids",), ("values",))
+    graph = build_graph("test", [mfc], ROLLOUT_KEYS, [Allocation(CRITIC, (0, 1), dp=2)], 2)
+    master = Master(graph, workers)
+    master.put_batch(rollout_batch([2, 3]))
+    try:
+        with pytest.raises(RuntimeError) as failed:
+            master.step(2)
+    finally:
+        for w in workers:
+            w.close()
+    assert str(failed.value).startswith(
+        "MFC 'v' (critic@0.compute_values) failed on worker 1: the actor died"
+    )
+    assert str(failed.value).endswith("(the MFC also failed on workers [0])")
+    assert isinstance(failed.value.__cause__, WorkerGone)
+
+
 def test_a_stuck_mfc_stops_the_step_at_its_deadline():
     release = threading.Event()
     master, workers, _ = ppo_setup(hooks={REF: lambda fn, b: release.wait(30)}, mfc_timeout=0.5)
