@@ -5,7 +5,6 @@ a stale pid or none, and gives up at its deadline naming the pid."""
 from __future__ import annotations
 
 import subprocess
-import time
 
 import pytest
 
@@ -43,21 +42,19 @@ def _detached(script: str) -> int:
 def test_waits_while_the_builder_lives_then_reports_what_it_built(cache):
     stamp = f"mkdir -p {vllm_env.VENV}; echo {vllm_env.REQUIREMENT} > {vllm_env.STAMP}"
     vllm_env.BUILDING.write_text(f"{_detached(f'sleep 1.5; {stamp}')}\n")
-    start = time.monotonic()
+    # the stamp appears only after 1.5 s: an answer without waiting would be "not built"
     assert vllm_env.wait_built(deadline_s=30) == (vllm_env.PYTHON, "")
-    assert time.monotonic() - start >= 1.0  # it waited for the build, not answered "not built"
 
 
 @pytest.mark.parametrize("building", [None, "garbage\n", "999999999\n"])
 def test_no_builder_or_a_stale_pid_answers_at_once_with_the_status(cache, building):
     if building is not None:
         vllm_env.BUILDING.write_text(building)
-    start = time.monotonic()
-    python, reason = vllm_env.wait_built(deadline_s=30)
-    assert time.monotonic() - start < 1.0
+    # deadline 0: a wait for a live builder would answer "did not finish" instead
+    python, reason = vllm_env.wait_built(deadline_s=0)
     assert python is None and reason.startswith("the vLLM venv is not built")
     vllm_env.FAILED.write_text("pip could not reach PyPI\n")
-    assert vllm_env.wait_built() == (None, "pip could not reach PyPI")
+    assert vllm_env.wait_built(deadline_s=0) == (None, "pip could not reach PyPI")
 
 
 def test_gives_up_at_the_deadline_naming_the_builder(cache):

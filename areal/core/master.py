@@ -114,8 +114,12 @@ class _Running:
     hooks: list[tuple[str, int, Future]]  # (what, worker index, its future)
     start: float  # time.monotonic()
 
+    def parts(self) -> list[tuple[str, int, Future]]:
+        """(what, worker index, future) of every queued call: the hooks, then the shares ("")."""
+        return [*self.hooks, *(("", w, f) for (w, _), f in zip(self.shares, self.futures))]
+
     def all_futures(self) -> list[Future]:
-        return [*(f for _, _, f in self.hooks), *self.futures]
+        return [f for _, _, f in self.parts()]
 
 
 class Master:
@@ -351,10 +355,11 @@ class Master:
         dead rank's own call a moment later, so the other calls get up to
         :data:`FAILURE_GRACE_S` to finish; then a worker whose process is gone
         (:meth:`ModelWorker.lost`) is named before the others that failed."""
-        parts = [*run.hooks, *(("", w, f) for (w, _), f in zip(run.shares, run.futures))]
-        wait([f for _, _, f in parts], timeout=FAILURE_GRACE_S)
+        wait(run.all_futures(), timeout=FAILURE_GRACE_S)
         failed = [
-            (what, w, e) for what, w, f in parts if f.done() and (e := f.exception()) is not None
+            (what, w, e)
+            for what, w, f in run.parts()
+            if f.done() and (e := f.exception()) is not None
         ]
         failed.sort(key=lambda part: not self.workers[part[1]].lost(part[2]))  # stable
         what, worker, error = failed[0]
