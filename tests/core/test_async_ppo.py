@@ -52,7 +52,7 @@ ASYNC = [  # 2 prompts x 4 samples x 4 tokens a step, a reward that varies
     "actor.dynamic_sampling=false", "train_dataset.batch_size=2", "gconfig.n_samples=4",
     "gconfig.max_new_tokens=4", "eval_gconfig.max_new_tokens=4",
     "rollout.max_concurrent_rollouts=4",
-    "valid_dataset=null", "reward_fn=sync_rewards:length_reward", "reward.timeout=300",
+    "valid_dataset=null", "reward_fn=sync_rewards:content_reward", "reward.timeout=300",
     "core.backend=ray", "core.n_workers=2", "core.n_rollout_workers=2", "actor.optimizer.lr=1e-2",
 ]  # fmt: skip
 
@@ -277,7 +277,7 @@ def test_rollout_workers_and_servers_scale_while_the_job_runs(runs, tiny_model_d
                 *ASYNC,
                 f"total_train_steps={n}",
                 "rollout.max_staleness=1",
-                "reward_fn=sync_rewards:paced_length_reward",
+                "reward_fn=sync_rewards:paced_content_reward",
             ],
         )
         ((_, added),) = extra

@@ -23,12 +23,10 @@ SMALL_RL = [  # the random tiny model always scores 0: no dynamic sampling (it w
     "rollout.max_concurrent_rollouts=4",
 ]  # fmt: skip
 # The random tiny model scores 0 on arithmetic: zero advantages, weights that never move. A reward
-# that varies within a group gives an update something to train (a test aid, written into the run's
-# PYTHONPATH as varying_reward.py). It reads the completion's characters, not its length: every
-# token of the tiny byte-level tokenizer decodes to one character, so lengths tie in most groups.
-VARYING_REWARD = (
-    "def content(completion, reference):\n    return (sum(map(ord, completion)) % 97) / 96\n"
-)
+# that varies within a group gives an update something to train: tests/core/sync_rewards.py, on
+# the run's PYTHONPATH (REWARDS_ENV) or copied beside a scratch-dir run.
+SYNC_REWARDS = REPO / "tests" / "core" / "sync_rewards.py"
+REWARDS_ENV = {"PYTHONPATH": str(SYNC_REWARDS.parent)}
 # The resume tests' run: async GRPO, a recover checkpoint every step, relaunch on failure.
 RESUMABLE = [
     *SMALL_RL,
@@ -96,15 +94,12 @@ def _trainer_tail(run_dir: Path, n: int = 40) -> str:
 # areal replay: test_core_record replays it, test_viewer shows its MFC timeline beside the Lite run.
 CORE_ASYNC_SCRIPT = REPO / "areal" / "core" / "async_ppo.py"
 CORE_RECORDED = [  # 2 prompts x 4 samples x 4 tokens a step, a reward that varies
-    *SMALL_RL, "valid_dataset=null", "reward_fn=sync_rewards:length_reward", "reward.timeout=300",
+    *SMALL_RL, "valid_dataset=null", "reward_fn=sync_rewards:content_reward", "reward.timeout=300",
     "core.backend=ray", "core.n_workers=1", "core.n_rollout_workers=2", "actor.optimizer.lr=1e-2",
     "total_train_steps=2", "rollout.max_staleness=1", "seed=3",
     "stats_logger.replay.enabled=true", "stats_logger.replay.keep_weights=true",
 ]  # fmt: skip
-CORE_ENV = {  # sync_rewards for the reward workers; no RAY_ADDRESS: a local Ray instance
-    "PYTHONPATH": str(REPO / "tests" / "core"),
-    "RAY_ADDRESS": "",
-}
+CORE_ENV = {**REWARDS_ENV, "RAY_ADDRESS": ""}  # no RAY_ADDRESS: a local Ray instance
 
 
 @pytest.fixture(scope="session")

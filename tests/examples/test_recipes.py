@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, RUN_TIMEOUT, SMALL_RL, VARYING_REWARD
+from conftest import REPO, RUN_TIMEOUT, SMALL_RL, SYNC_REWARDS
 
 from launch_harness import read_jsonl
 
@@ -116,7 +116,7 @@ def test_readme_workflow_recipe_runs_verbatim_from_a_scratch_dir(tmp_path, tiny_
     task.mkdir()
     (task / "my_workflows.py").write_text(_readme_block("python", "# my_workflows.py"))
     # The recipe's workflow rejects groups with equal rewards: a varying reward lets it train.
-    (task / "varying_reward.py").write_text(VARYING_REWARD)
+    shutil.copy(SYNC_REWARDS, task)
     for name in ("gsm8k_grpo.py", "arithmetic_grpo.yaml"):
         shutil.copy(REPO / "examples" / name, task)
     launch = _readme_block(
@@ -138,7 +138,7 @@ def test_readme_workflow_recipe_runs_verbatim_from_a_scratch_dir(tmp_path, tiny_
         "launcher.echo=false",
         "launcher.server_threads=1",
         "valid_dataset=null",
-        "reward_fn=varying_reward:content",
+        "reward_fn=sync_rewards:content_reward",
     ]
     launch = (
         launch.strip()

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import GRPO_SCRIPT, GRPO_YAML, SMALL_RL, VARYING_REWARD
+from conftest import GRPO_SCRIPT, GRPO_YAML, REWARDS_ENV, SMALL_RL
 
 pytestmark = pytest.mark.slow
 RECORDED = [
@@ -23,7 +23,7 @@ RECORDED = [
     "stats_logger.replay.enabled=true",
     "stats_logger.replay.keep_weights=true",
     "seed=3",
-    "reward_fn=varying_reward:content",
+    "reward_fn=sync_rewards:content_reward",
 ]
 
 
@@ -44,8 +44,7 @@ def _replay(
 def test_replay_matches_every_step_and_a_changed_lr_diverges_at_step_1(
     launcher, tiny_model_dir, tmp_path
 ):
-    (tmp_path / "varying_reward.py").write_text(VARYING_REWARD)
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env = REWARDS_ENV
     run_dir = launcher.run(
         "rec", GRPO_SCRIPT, GRPO_YAML, [f"actor.path={tiny_model_dir}", *RECORDED], env
     )
