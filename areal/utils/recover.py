@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypedDict, TypeGuard, TypeVar
 
-import torch
-
 from areal.utils.logging import get_logger
 
 logger = get_logger("recover")
@@ -269,6 +267,8 @@ def resume_pending(root: str | Path, mode: str) -> bool:
 
 def save_state(ckpt_dir: Path, rank: int, state: dict[str, Any]) -> None:
     """Write one rank's non-tensor-engine state (dataloader, executor, counters, timers)."""
+    import torch  # here: the launcher reads recover dirs without torch (~1.5 s of imports)
+
     torch.save(state, ckpt_dir / f"state-rank{rank}.pt")
 
 
@@ -286,6 +286,8 @@ def load_state(ckpt_dir: Path, rank: int) -> dict[str, Any]:
 def read_torch_file(path: Path) -> Any:
     """``torch.load`` of one of our own checkpoint files; an unreadable file raises
     :class:`CheckpointError` naming it."""
+    import torch  # here: the launcher reads recover dirs without torch (~1.5 s of imports)
+
     try:
         return torch.load(path, weights_only=False)
     except Exception as e:  # noqa: BLE001 - torch's errors name no file; ours does
