@@ -3,6 +3,8 @@ everything it started at teardown, and the reference async GRPO run the resume t
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +29,23 @@ SMALL_RL = [  # the random tiny model always scores 0: no dynamic sampling (it w
 # the run's PYTHONPATH (REWARDS_ENV) or copied beside a scratch-dir run.
 SYNC_REWARDS = REPO / "tests" / "core" / "sync_rewards.py"
 REWARDS_ENV = {"PYTHONPATH": str(SYNC_REWARDS.parent)}
+
+
+def replay(
+    run_dir: Path, env: dict[str, str], *knobs: str, to: int | None = None
+) -> subprocess.CompletedProcess:
+    """``areal replay [--to STEP] RUN_DIR [KEY=VALUE ...]`` with ``env`` over the test's own."""
+    to_args = ["--to", str(to)] if to is not None else []
+    return subprocess.run(
+        [sys.executable, "-m", "areal.cli", "replay", *to_args, str(run_dir), *knobs],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        env={**os.environ, **env},
+    )
+
+
 # The resume tests' run: async GRPO, a recover checkpoint every step, relaunch on failure.
 RESUMABLE = [
     *SMALL_RL,

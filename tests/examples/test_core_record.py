@@ -12,29 +12,12 @@ model worker on Ray, 2 rollout workers, the tiny model, 2 steps with ``rollout.m
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import CORE_ENV
+from conftest import CORE_ENV, replay
 
 pytestmark = pytest.mark.slow
-
-
-def _replay(run_dir: Path, *knobs: str, to: int | None = None) -> subprocess.CompletedProcess:
-    """``areal replay [--to STEP] RUN_DIR [KEY=VALUE ...]``"""
-    to_args = ["--to", str(to)] if to is not None else []
-    return subprocess.run(
-        [sys.executable, "-m", "areal.cli", "replay", *to_args, str(run_dir), *knobs],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-        env={**os.environ, **CORE_ENV},
-    )
 
 
 def test_core_run_records_samples_with_their_sources_and_trainer_logp(core_async_recorded):
@@ -72,10 +55,10 @@ def test_core_run_records_each_steps_mfcs_per_worker(core_async_recorded):
 
 
 def test_core_replay_matches_every_step_and_a_changed_lr_diverges_at_step_1(core_async_recorded):
-    same = _replay(core_async_recorded)
+    same = replay(core_async_recorded, CORE_ENV)
     assert same.returncode == 0, same.stdout + same.stderr
     for step in (0, 1, 2):
         assert f"step {step}: weights bit-identical" in same.stdout
-    other = _replay(core_async_recorded, "actor.optimizer.lr=0.05", to=1)
+    other = replay(core_async_recorded, CORE_ENV, "actor.optimizer.lr=0.05", to=1)
     assert other.returncode == 0, other.stdout + other.stderr
     assert "first differ at step 1" in other.stdout and "max |diff| " in other.stdout

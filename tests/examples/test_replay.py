@@ -6,13 +6,9 @@ step; a replay with another learning rate reports step 1 as the first differing 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from conftest import GRPO_SCRIPT, GRPO_YAML, REWARDS_ENV, SMALL_RL
+from conftest import GRPO_SCRIPT, GRPO_YAML, REWARDS_ENV, SMALL_RL, replay
 
 pytestmark = pytest.mark.slow
 RECORDED = [
@@ -27,23 +23,7 @@ RECORDED = [
 ]
 
 
-def _replay(
-    run_dir: Path, env: dict[str, str], *knobs: str, to: int | None = None
-) -> subprocess.CompletedProcess:
-    """``areal replay [--to STEP] RUN_DIR [KEY=VALUE ...]``"""
-    to_args = ["--to", str(to)] if to is not None else []
-    return subprocess.run(
-        [sys.executable, "-m", "areal.cli", "replay", *to_args, str(run_dir), *knobs],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **env},
-    )
-
-
-def test_replay_matches_every_step_and_a_changed_lr_diverges_at_step_1(
-    launcher, tiny_model_dir, tmp_path
-):
+def test_replay_matches_every_step_and_a_changed_lr_diverges_at_step_1(launcher, tiny_model_dir):
     env = REWARDS_ENV
     run_dir = launcher.run(
         "rec", GRPO_SCRIPT, GRPO_YAML, [f"actor.path={tiny_model_dir}", *RECORDED], env
@@ -58,13 +38,13 @@ def test_replay_matches_every_step_and_a_changed_lr_diverges_at_step_1(
     ]
     assert [h == hashes[0] for h in hashes] == [True, False, False]  # every step moved the weights
 
-    same = _replay(run_dir, env)
+    same = replay(run_dir, env)
     assert same.returncode == 0, same.stdout + same.stderr
     for step in (0, 1, 2):
         assert f"step {step}: weights bit-identical" in same.stdout
     assert "matches the record bit for bit at every step (0..2)" in same.stdout
 
-    other_lr = _replay(run_dir, env, "actor.optimizer.lr=0.05", to=1)
+    other_lr = replay(run_dir, env, "actor.optimizer.lr=0.05", to=1)
     assert other_lr.returncode == 0, other_lr.stdout + other_lr.stderr
     assert "first differ at step 1" in other_lr.stdout
     assert "step 1: " in other_lr.stdout and "max |diff| " in other_lr.stdout
@@ -76,7 +56,7 @@ def test_replay_matches_every_step_and_a_changed_lr_diverges_at_step_1(
     rec["tensors"][name] = "0" * 32
     lines[2] = json.dumps(rec)
     (root / "hashes.jsonl").write_text("\n".join(lines) + "\n")
-    tampered = _replay(run_dir, env)
+    tampered = replay(run_dir, env)
     assert tampered.returncode == 1, tampered.stdout + tampered.stderr
     assert (
         f"MISMATCH: the replay first differs from the record at step 2, tensor {name!r}"
