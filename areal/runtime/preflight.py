@@ -113,9 +113,7 @@ def _workflow_problems(cfg: Any) -> list[str]:
             load_agent(cfg.workflow.agent.path)
         except ValueError as e:
             return [str(e)]
-    elif (
-        workflow == "agent_cmd"
-    ):  # the agent program and its reward function must be found here already
+    elif workflow == "agent_cmd":  # the agent program and its reward function must be found
         from areal.workflow.agent_cmd import command_problems
 
         return command_problems(cfg.workflow.agent)
