@@ -122,7 +122,9 @@ def test_one_deadline_bounds_parse_and_verify_even_on_a_big_integer(on_main_thre
         worker.start()
         worker.join(10)
     assert out["equal"] is False
-    assert out["elapsed"] < 1.5  # the deadline plus fork/kill/wait overhead
+    # The power alone runs for hours; the bound leaves room for fork/kill/wait on a loaded CI box
+    # (1.7 s was seen there with both cores busy).
+    assert out["elapsed"] < 5.0
     assert _children_of_us() == baseline  # the late child was killed and reaped
 
 
