@@ -144,7 +144,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _core_scale(argv: list[str]) -> int:
-    from areal.core.rollout_side import request_scale
+    from areal.core.status import request_scale
 
     p = argparse.ArgumentParser(
         prog="areal core scale",
@@ -184,7 +184,7 @@ def _core(args: argparse.Namespace) -> int:
 
         return core_sft(args.rest)
     if args.action == "status":
-        from areal.core.async_ppo import format_status
+        from areal.core.status import format_status
 
         if len(args.rest) != 1:
             raise SystemExit(

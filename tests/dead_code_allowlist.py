@@ -46,7 +46,7 @@ _.areal_reload_weights
 # Called on Ray actor handles (.collective_counts.remote()): which process groups a step used (core/ray_worker.py).
 _.collective_counts
 
-# Keys of the TypedDict core/rollout_side.ScaleRequest (RUN_DIR/core_scale.json), read as req["..."].
+# Keys of the TypedDict core/status.ScaleRequest (RUN_DIR/core_scale.json), read as req["..."].
 add_servers
 remove_servers
 # WorkerCounts fields are read through vars() into stats (core/manager.py).

@@ -42,7 +42,7 @@ from areal.core.manager import Finished
 from areal.core.master import Master
 from areal.core.ray_worker import RayWorker
 from areal.core.record import AsyncRecorder
-from areal.core.rollout_side import STATUS_FILE, ManagedServers, RayRolloutSide, run_ended
+from areal.core.rollout_side import ManagedServers, RayRolloutSide
 from areal.core.session import (
     ActorWeights,
     Engine,
@@ -53,6 +53,7 @@ from areal.core.session import (
     start_model_workers,
     step_stats,
 )
+from areal.core.status import STATUS_FILE
 from areal.core.worker import ModelWorker
 from areal.runtime.publisher import WeightPublisher
 from areal.runtime.rl import RolloutSide, setup_rollout
@@ -110,52 +111,6 @@ def mark_finished(run_dir) -> None:
         tmp = run_dir / f"{STATUS_FILE}.tmp"
         tmp.write_text(json.dumps({**json.loads(path.read_text()), "state": "finished"}, indent=1))
         tmp.replace(path)
-
-
-def format_status(run_dir) -> str:
-    """``areal core status RUN_DIR``: the manager, the servers and every rollout worker at the
-    last step (``*``: draining)."""
-    from pathlib import Path
-
-    path = Path(run_dir) / STATUS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} does not exist: RUN_DIR must be an `areal core async-ppo` run "
-            "that finished at least one step"
-        )
-    st = json.loads(path.read_text())
-    m, ended = st["manager"], run_ended(st)
-    refused = ", ".join(
-        f"{k.rsplit('/', 1)[1]} {v:.0f}" for k, v in m.items() if k.startswith("manager/refused/")
-    )
-    when = f"step {st['step']}/{st['total_steps']}, {time.time() - st['time']:.0f} s ago"
-    rollouts = (
-        f"rollouts running {m['manager/running']:.0f}, buffered {m['manager/buffered']:.0f}"
-        if not ended
-        else f"rollouts in flight at its last step {m['manager/running']:.0f} (dropped at the "
-        f"end), buffered {m['manager/buffered']:.0f}"
-    )
-    lines = [
-        (f"run ended: {ended}, {time.time() - st['time']:.0f} s ago" if ended else when)
-        + f"; version {m['manager/version']:.0f}; {rollouts}, lost {m['manager/lost']:.0f}; "
-        f"refused asks: {refused}",
-        f"model workers (pids): {st['model_worker_pids']}; servers: {st['servers']}"
-        + (f"; refused servers: {st['servers_refused']}" if st["servers_refused"] else ""),
-        f"{'worker':>6} {'pid':>8} {'episodes':>9} {'tok/s':>8} {'in_flight':>9} {'accepted':>9} "
-        f"{'rejected':>9} {'failed':>7} {'restarts':>9}",
-    ]
-    for w in st["workers"]:
-        c = {
-            k: m.get(f"rollout_worker/{w['index']}/{k}", 0.0)
-            for k in ("in_flight", "accepted", "rejected", "failed", "restarts")
-        }
-        name = f"{w['index']}{'*' if w['draining'] else ''}"
-        lines.append(
-            f"{name:>6} {w['pid']:>8} {w['episodes']:>9} {w['tokens_per_s']:>8.1f} "
-            f"{c['in_flight']:>9.0f} {c['accepted']:>9.0f} {c['rejected']:>9.0f} "
-            f"{c['failed']:>7.0f} {c['restarts']:>9.0f}"
-        )
-    return "\n".join(lines)
 
 
 def lag_stats(groups: list, version: int, bound: int) -> dict[str, float]:

@@ -19,7 +19,6 @@ from areal.core.graphs import (
     pipeline_problems,
     with_layouts,
 )
-from areal.engine.ppo import needs_prox_pass
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ def graph_config(cfg: GRPOConfig, core: CoreWorkersConfig, graph: PPOGraph) -> C
         n_workers=core.n_workers,
         use_critic=cfg.actor.use_critic,
         use_ref=uses_ref(cfg),
-        prox_logp=needs_prox_pass(cfg.actor),
+        prox_logp=cfg.actor.needs_prox_pass,
         use_teacher=cfg.distill.enabled,
         allocations=core.allocations,
         layouts=core.layouts,

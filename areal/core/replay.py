@@ -24,7 +24,6 @@ from areal.core.master import Master
 from areal.core.ray_worker import build_engine
 from areal.core.session import engine_specs, step_stats
 from areal.core.worker import InProcessWorker
-from areal.engine.ppo import needs_prox_pass
 from areal.utils.batch import PackedBatch
 
 if TYPE_CHECKING:
@@ -68,7 +67,7 @@ def train_step(
             n_workers=1,
             use_critic=cfg.actor.use_critic,
             use_ref=uses_ref(cfg),
-            prox_logp=needs_prox_pass(cfg.actor),
+            prox_logp=cfg.actor.needs_prox_pass,
         )
     )
     worker = InProcessWorker(0, engines)

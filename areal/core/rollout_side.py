@@ -16,10 +16,11 @@ idempotent: :meth:`~areal.core.manager.GenerationManager.take` is keyed by the s
 Scaling, while the job runs (:meth:`RayRolloutSide.rescale`, before each step):
 
 - ``areal core scale RUN_DIR --rollout-workers N`` (or ``--add-server`` / ``--remove-server``)
-  writes RUN_DIR/core_scale.json; the master takes it at the next step. New rollout workers get
-  fresh indices and start asking the manager for slots at once. Removed ones (the newest first)
-  drain: they ask for nothing more, their running episodes finish and are reported, and the
-  worker is stopped once the master has taken all its groups (their tensors live with it).
+  writes RUN_DIR/core_scale.json (:mod:`areal.core.status`); the master takes it at the next
+  step. New rollout workers get fresh indices and start asking the manager for slots at once.
+  Removed ones (the newest first) drain: they ask for nothing more, their running episodes finish
+  and are reported, and the worker is stopped once the master has taken all its groups (their
+  tensors live with it).
 - Servers: the wanted set is the registered ones (the trial's registry: a server that registers
   itself is picked up), plus those added, minus those removed. The manager, which owns the
   servers and their weight updates, takes the wanted set first, so a new server gets the current
@@ -42,20 +43,19 @@ admission resume at that version.
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any
 
 from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.io import WeightUpdateMeta
 from areal.api.launch import agent_proxy_env, agent_proxy_token
 from areal.api.protocols import Admission, Checkpointable, StateDict, WeightTarget
 from areal.core.manager import Finished
+from areal.core.status import ScaleRequest, take_scale_request
 from areal.rollout.remote import RemoteInferenceEngine
 from areal.utils.batch import PackedBatch
 from areal.utils.logging import get_logger
@@ -68,70 +68,6 @@ POLL_S = 0.05  # seconds between asks for a batch
 HEALTH_EVERY_S = 5.0  # seconds between health checks while waiting for a batch
 RETRY_S = 0.5  # seconds between calls to a restarting manager
 RECORD_FILE = "core_manager.pkl"  # the manager's failover record, in the rollouts' dir
-SCALE_FILE = "core_scale.json"
-STATUS_FILE = "core_status.json"  # the master's state at its last step (areal core status)
-
-
-class ScaleRequest(TypedDict):
-    """A scaling request as RUN_DIR/core_scale.json holds it (:func:`request_scale`)."""
-
-    rollout_workers: NotRequired[int]  # rollout workers wanted (absent: as many as now)
-    add_servers: list[str]  # server addresses to start routing to
-    remove_servers: list[str]  # server addresses to stop routing to
-
-
-def run_ended(status: dict) -> str:
-    """Why the run of ``status`` (RUN_DIR/core_status.json) is over ('' while its master runs):
-    it finished, or its master's process (on this host) is gone."""
-    if status.get("state") == "finished":
-        return f"it finished at step {status['step']}/{status['total_steps']}"
-    pid, host = status.get("master_pid"), status.get("master_host")
-    if pid and host == socket.gethostname() and not Path(f"/proc/{pid}").exists():
-        return f"its master (pid {pid}) is gone, at step {status['step']}/{status['total_steps']}"
-    return ""
-
-
-def request_scale(
-    run_dir: Path, rollout_workers: int | None, add: list[str], remove: list[str]
-) -> ScaleRequest:
-    """Merge a scaling request into RUN_DIR/core_scale.json (the master takes it next step);
-    refused for a run that has ended (nobody would take it)."""
-    path = Path(run_dir) / SCALE_FILE
-    if not (Path(run_dir) / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    status = Path(run_dir) / STATUS_FILE
-    ended = run_ended(json.loads(status.read_text())) if status.is_file() else ""
-    if ended:
-        raise ValueError(
-            f"{run_dir}: the run has ended ({ended}); scaling applies to a running `areal core "
-            "async-ppo` job: launch it again (it resumes from its recover checkpoint, if any) "
-            "and scale that"
-        )
-    if rollout_workers is not None and rollout_workers < 1:
-        raise ValueError(f"--rollout-workers {rollout_workers}: keep at least 1")
-    req: ScaleRequest = (
-        json.loads(path.read_text())
-        if path.is_file()
-        else {"add_servers": [], "remove_servers": []}
-    )
-    if rollout_workers is not None:
-        req["rollout_workers"] = rollout_workers
-    req["add_servers"] += add
-    req["remove_servers"] += remove
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(req))
-    tmp.replace(path)
-    return req
-
-
-def take_scale_request(run_dir: Path) -> ScaleRequest | None:
-    """The pending scaling request, removed from disk (None if there is none)."""
-    path = Path(run_dir) / SCALE_FILE
-    if not path.is_file():
-        return None
-    req: ScaleRequest = json.loads(path.read_text())
-    path.unlink()
-    return req
 
 
 @dataclass

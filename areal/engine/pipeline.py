@@ -42,20 +42,22 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-from torch.distributed.pipelining.schedules import _ScheduleForwardOnly
 from torch.distributed.tensor import DTensor
-from transformers import PretrainedConfig, PreTrainedModel
 
 from areal.utils.batch import PackedBatch
 from areal.utils.comm import all_reduce
 from areal.utils.prefix import share_prefixes
+
+if TYPE_CHECKING:  # torch.distributed.pipelining and transformers are imported where a stage is
+    # built: the Core master and `areal core` commands import this module for its layer split only
+    from torch.distributed.pipelining import PipelineStage
+    from transformers import PretrainedConfig, PreTrainedModel
 
 T = TypeVar("T")
 HEADS = ("lm_head", "score")  # causal LM head, token-classification (value) head
@@ -411,6 +413,8 @@ class Pipeline:
         else:
             inputs = torch.empty(hidden, **meta)
         outputs = torch.empty((1, n_tokens, width) if self.last else hidden, **meta)
+        from torch.distributed.pipelining import PipelineStage
+
         return PipelineStage(
             submodule,
             self.stage,
@@ -464,6 +468,8 @@ class Pipeline:
         head = self.module.head if self.last else None
         width = head.out_features if isinstance(head, nn.Linear) else 0  # logits or values
         stage = self._stage(self.module, n, width, training=True)
+        from torch.distributed.pipelining import Schedule1F1B
+
         schedule = Schedule1F1B(stage, len(contexts), loss_fn=stage_loss, scale_grads=False)
         self._step(schedule, contexts, training=True)
         return self.from_last(dict(sums))
@@ -482,6 +488,8 @@ class Pipeline:
         n = pad_contexts(contexts)
         submodule = _Reduced(self.module, post_hook, outputs) if self.last else self.module
         stage = self._stage(submodule, n, 1, training=False)
+        from torch.distributed.pipelining.schedules import _ScheduleForwardOnly
+
         self._step(_ScheduleForwardOnly(stage, len(contexts)), contexts, training=False)
         sizes = [contexts[i].mb.n_tokens for i in range(n_real)]
         # the hook's output dtype and trailing shape: known on the last stage only

@@ -81,13 +81,6 @@ def mean_stats(steps: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} if steps else {}
 
 
-def needs_prox_pass(cfg: PPOActorConfig) -> bool:
-    """:attr:`PPOActor.needs_prox_pass` from the config alone (Core builds its graph from it)."""
-    kl_in_advantages = cfg.kl_ctl > 0 and cfg.kl_in_reward
-    needed = cfg.ppo_n_minibatches > 1 or kl_in_advantages or cfg.recompute_prox_logp
-    return cfg.use_decoupled_loss and cfg.prox_logp == "recompute" and needed
-
-
 def staleness_sums(
     train_logp: torch.Tensor, mb: PackedBatch, version: int, weight: float
 ) -> dict[str, float]:
@@ -161,7 +154,7 @@ class PPOActor(FSDPEngine):
         (later ones run updated weights), when the advantages' KL-in-reward uses them, and
         when ``recompute_prox_logp`` asks for it.
         """
-        return needs_prox_pass(self.config)
+        return self.config.needs_prox_pass
 
     @torch.no_grad()
     def compute_advantages(self, batch: PackedBatch) -> ModelFnResult:

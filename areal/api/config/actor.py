@@ -377,6 +377,15 @@ class PPOActorConfig(TrainEngineConfig):
                 "use values below 1 (0.2 is usual)"
             )
 
+    @property
+    def needs_prox_pass(self) -> bool:
+        """Whether a step runs the extra proximal-logprob forward (decoupled loss, exact
+        recompute, and the trained weights differ from the proximal ones: several minibatches,
+        KL in the advantages, or ``recompute_prox_logp``). Core builds its graph from it."""
+        kl_in_advantages = self.kl_ctl > 0 and self.kl_in_reward
+        needed = self.ppo_n_minibatches > 1 or kl_in_advantages or self.recompute_prox_logp
+        return self.use_decoupled_loss and self.prox_logp == "recompute" and needed
+
 
 def _fill_preset(init):
     """Wrap the dataclass __init__: knobs not passed explicitly come from the named preset."""
