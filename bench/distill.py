@@ -3,8 +3,10 @@ each needs to reach the teacher's held-out accuracy.
 
 Run (after ``make demo``: its SFT model is the student, its GRPO model the teacher):
 ``python bench/distill.py [--steps 150] [--seeds 1,2,3] [--eval-every 10] [--sft DIR]
-[--teacher DIR] [--out runs/bench_distill] [--sides distill,grpo] [--distill-set KEY=VALUE ...]``
-(``--distill-set`` overrides the distillation side only, e.g. ``distill.coef=5``).
+[--teacher DIR] [--out runs/bench_distill] [--sides distill,grpo] [--distill-set KEY=VALUE ...]
+[--grpo-set KEY=VALUE ...]`` (``--distill-set`` overrides the distillation side only, e.g.
+``distill.coef=5``; ``--grpo-set`` the GRPO side only, e.g. a control at the distillation side's
+batch shape).
 
 Per seed, two runs of ``examples/gsm8k_grpo.py`` through ``areal launch local`` from the SFT
 model: ``examples/arithmetic_distill.yaml`` (the teacher's servers score every completion; the
@@ -55,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
         help="overrides for the distillation side only (e.g. distill.coef=5)",
     )
     ap.add_argument(
+        "--grpo-set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides for the GRPO side only (e.g. gconfig.n_samples=1 ...)",
+    )
+    ap.add_argument(
         "--sides", default="distill,grpo", help="which sides to run (a sweep: distill alone)"
     )
     args = ap.parse_args(argv)
@@ -68,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[distill] teacher {teacher}: held-out accuracy {target:.3f}", flush=True)
     sides = {
         "distill": [DISTILL_YAML, f"distill.teacher_path={teacher}", *args.distill_set],
-        "grpo": [YAML],
+        "grpo": [YAML, *args.grpo_set],
     }
     sides = {side: sides[side] for side in args.sides.split(",")}
     results: dict[str, list[dict]] = {s: [] for s in sides}
