@@ -26,11 +26,7 @@ stops the run (``recover.mode=auto`` relaunches it from the last recover checkpo
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import sys
-import time
 from collections import Counter
 from typing import Any
 
@@ -53,7 +49,7 @@ from areal.core.session import (
     start_model_workers,
     step_stats,
 )
-from areal.core.status import STATUS_FILE
+from areal.core.status import mark_finished, write_status
 from areal.core.worker import ModelWorker
 from areal.runtime.publisher import WeightPublisher
 from areal.runtime.rl import RolloutSide, setup_rollout
@@ -80,37 +76,6 @@ def worker_stats(status: dict[str, Any]) -> dict[str, float]:
         )
         out.update({f"rollout_worker/{w['index']}/{k}": float(v) for k, v in w["stats"].items()})
     return out
-
-
-def write_status(run_dir, step: int, n_steps: int, status: dict[str, Any]) -> None:
-    """RUN_DIR/core_status.json: the live state ``areal core status RUN_DIR`` prints (``state``
-    becomes ``finished`` at the end, :func:`mark_finished`; the master's pid tells a crashed
-    run)."""
-    tmp = run_dir / f"{STATUS_FILE}.tmp"
-    tmp.write_text(
-        json.dumps(
-            {
-                "step": step,
-                "total_steps": n_steps,
-                "time": time.time(),
-                "state": "running",
-                "master_pid": os.getpid(),
-                "master_host": socket.gethostname(),
-                **status,
-            },
-            indent=1,
-        )
-    )
-    tmp.replace(run_dir / STATUS_FILE)
-
-
-def mark_finished(run_dir) -> None:
-    """The run is over: RUN_DIR/core_status.json says so (``areal core status``, ``scale``)."""
-    path = run_dir / STATUS_FILE
-    if path.is_file():
-        tmp = run_dir / f"{STATUS_FILE}.tmp"
-        tmp.write_text(json.dumps({**json.loads(path.read_text()), "state": "finished"}, indent=1))
-        tmp.replace(path)
 
 
 def lag_stats(groups: list, version: int, bound: int) -> dict[str, float]:

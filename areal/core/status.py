@@ -1,8 +1,9 @@
 """The files through which the ``areal core`` commands talk to a running async-PPO job, read and
 written without Ray or torch (so ``areal core status`` and ``scale`` start in a second):
 
-- RUN_DIR/core_status.json: the master's state at its last step (written each step by
-  :mod:`areal.core.async_ppo`), shown by :func:`format_status`;
+- RUN_DIR/core_status.json: the master's state at its last step (:func:`write_status` each step
+  of :mod:`areal.core.async_ppo`, :func:`mark_finished` at its end), shown by
+  :func:`format_status`;
 - RUN_DIR/core_scale.json: a scaling request (:func:`request_scale`), which the master takes
   before its next step (:func:`take_scale_request`, in
   :meth:`~areal.core.rollout_side.RayRolloutSide.rescale`).
@@ -11,10 +12,11 @@ written without Ray or torch (so ``areal core status`` and ``scale`` start in a 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
-from typing import NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 SCALE_FILE = "core_scale.json"
 STATUS_FILE = "core_status.json"  # the master's state at its last step (areal core status)
@@ -26,6 +28,38 @@ class ScaleRequest(TypedDict):
     rollout_workers: NotRequired[int]  # rollout workers wanted (absent: as many as now)
     add_servers: list[str]  # server addresses to start routing to
     remove_servers: list[str]  # server addresses to stop routing to
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Replace ``path`` with ``obj`` as JSON in one rename: readers see the old file or the new."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+def write_status(run_dir: Path, step: int, n_steps: int, status: dict[str, Any]) -> None:
+    """RUN_DIR/core_status.json: the live state ``areal core status RUN_DIR`` prints (``state``
+    becomes ``finished`` at the end, :func:`mark_finished`; the master's pid tells a crashed
+    run)."""
+    _write_json(
+        Path(run_dir) / STATUS_FILE,
+        {
+            "step": step,
+            "total_steps": n_steps,
+            "time": time.time(),
+            "state": "running",
+            "master_pid": os.getpid(),
+            "master_host": socket.gethostname(),
+            **status,
+        },
+    )
+
+
+def mark_finished(run_dir: Path) -> None:
+    """The run is over: RUN_DIR/core_status.json says so (``areal core status``, ``scale``)."""
+    path = Path(run_dir) / STATUS_FILE
+    if path.is_file():
+        _write_json(path, {**json.loads(path.read_text()), "state": "finished"})
 
 
 def run_ended(status: dict) -> str:
@@ -66,9 +100,7 @@ def request_scale(
         req["rollout_workers"] = rollout_workers
     req["add_servers"] += add
     req["remove_servers"] += remove
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(req))
-    tmp.replace(path)
+    _write_json(path, req)
     return req
 
 

@@ -55,7 +55,7 @@ from areal.utils.comm import all_reduce
 from areal.utils.prefix import share_prefixes
 
 if TYPE_CHECKING:  # torch.distributed.pipelining and transformers are imported where a stage is
-    # built: the Core master and `areal core` commands import this module for its layer split only
+    # built: the Core master and `areal core graph` import this module for its layer split only
     from torch.distributed.pipelining import PipelineStage
     from transformers import PretrainedConfig, PreTrainedModel
 
