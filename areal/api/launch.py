@@ -51,6 +51,14 @@ TORCHRUN_ONLY = (
 TORCHRUN_VARS = (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, *TORCHRUN_ONLY)
 
 
+def drop_torchrun_env() -> None:
+    """Forget torchrun's variables in this Ray worker process. A local Ray instance started by a
+    process under torchrun passes them on to its workers; with TORCHELASTIC_USE_AGENT_STORE every
+    rank would wait for an agent's store instead of rank 0 serving this job's rendezvous."""
+    for var in [v for v in os.environ if v.startswith("TORCHELASTIC_")] + list(TORCHRUN_VARS):
+        os.environ.pop(var, None)
+
+
 @dataclass(frozen=True)
 class LaunchEnv:
     """What a started process learns from its environment (defaults: one process, attempt 0)."""

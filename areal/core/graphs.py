@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from areal.api.config.loader import param
 from areal.core.dfg import (
@@ -50,7 +50,9 @@ from areal.core.dfg import (
     build_graph,
     format_graph,
 )
-from areal.core.realloc import ModelShapes, format_reallocations, model_shapes
+
+if TYPE_CHECKING:  # realloc imports torch: only `areal core graph` needs it, not the configs
+    from areal.core.realloc import ModelShapes
 
 # What the rollout side hands over: the fields of groups_to_batch.
 ROLLOUT_KEYS = (
@@ -400,6 +402,8 @@ def graph_from_config(cfg: CoreGraphConfig) -> DataflowGraph:
 def describe_graph(cfg: CoreGraphConfig) -> str:
     """What ``areal core graph`` prints: the graph and its reallocations (with ``model_path``,
     the bytes each moves)."""
+    from areal.core.realloc import format_reallocations, model_shapes
+
     graph = graph_from_config(cfg)
     cache: dict[str, ModelShapes] = {}
 

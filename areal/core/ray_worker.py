@@ -33,7 +33,7 @@ import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -42,7 +42,7 @@ from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.experiments import DistillConfig
 from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
-from areal.api.launch import TORCHRUN_VARS, disable_ray_token_auth
+from areal.api.launch import disable_ray_token_auth, drop_torchrun_env
 from areal.api.protocols import Persistent, WeightSource
 from areal.core.dfg import Allocation, DataflowGraph, ModelFn, ModelName
 from areal.core.realloc import Box
@@ -54,12 +54,11 @@ from areal.core.worker import (
     Moved,
     SampleFields,
 )
-from areal.engine.fsdp import FSDPEngine
-from areal.engine.ppo import PPOActor, PPOCritic
-from areal.engine.rw import RWEngine
-from areal.engine.sft import SFTEngine
 from areal.runtime.dist import build_mesh, group_backend, mesh_groups
 from areal.utils.batch import PackedBatch, split_by_tokens
+
+if TYPE_CHECKING:
+    from areal.engine.fsdp import FSDPEngine
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # areal/
 RPC_TIMEOUT = 300.0  # seconds: a Ray call to a worker (setup loads models, so not short)
@@ -90,7 +89,14 @@ def _config_as(spec: EngineSpec, cls: type[C]) -> C:
 
 
 def build_engine(spec: EngineSpec, mesh: DeviceMesh) -> FSDPEngine:
-    """The initialized Lite engine ``spec`` describes, sharded over ``mesh``."""
+    """The initialized Lite engine ``spec`` describes, sharded over ``mesh``. The engines (and
+    transformers' models) are imported here, in the model workers, not by the master that starts
+    them."""
+    from areal.engine.fsdp import FSDPEngine
+    from areal.engine.ppo import PPOActor, PPOCritic
+    from areal.engine.rw import RWEngine
+    from areal.engine.sft import SFTEngine
+
     engine: FSDPEngine
     if spec.kind == "ppo_actor":
         engine = PPOActor(
@@ -130,14 +136,6 @@ class _RayPeer:
         import ray
 
         return ray.get(self.handle.read_shards.remote(token, wanted), timeout=RPC_TIMEOUT)
-
-
-def drop_torchrun_env() -> None:
-    """Forget torchrun's variables in this Ray worker process. A local Ray instance started by a
-    process under torchrun passes them on to its workers; with TORCHELASTIC_USE_AGENT_STORE every
-    rank would wait for an agent's store instead of rank 0 serving this job's rendezvous."""
-    for var in [v for v in os.environ if v.startswith("TORCHELASTIC_")] + list(TORCHRUN_VARS):
-        os.environ.pop(var, None)
 
 
 class WorkerActor:

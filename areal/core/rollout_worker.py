@@ -51,10 +51,10 @@ import ray.exceptions
 
 from areal.api.config import GRPOConfig
 from areal.api.io import WeightUpdateMeta
+from areal.api.launch import drop_torchrun_env
 from areal.core.config import CoreAsyncGRPOConfig
 from areal.core.graphs import ROLLOUT_KEYS
 from areal.core.manager import Finished, GenerationManager
-from areal.core.ray_worker import drop_torchrun_env
 from areal.rollout.executor import EventLoopThread
 from areal.rollout.trajectory import groups_to_batch
 from areal.utils.batch import PackedBatch

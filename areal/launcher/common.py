@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
 import os
 import re
@@ -49,8 +51,11 @@ COLOCATE_LOCAL_ONLY = (
 
 
 def load_script_config_class(script: str | Path) -> type:
-    """Import SCRIPT (its ``__main__`` guard keeps it from running; its directory goes on
-    ``sys.path``) and return its ``CONFIG``."""
+    """SCRIPT's ``CONFIG`` class (SCRIPT's directory goes on ``sys.path``). When SCRIPT binds it
+    to a class it imports (``from M import C`` ... ``CONFIG = C``, as every entry script here
+    does), only module M is imported: the script's own imports (torch, transformers, the
+    engines) cost a launcher, and each server or proxy task, seconds of CPU it does not use.
+    Otherwise SCRIPT itself is imported (its ``__main__`` guard keeps it from running)."""
     path = Path(script)
     if not path.is_file():
         raise FileNotFoundError(f"launch script {path} does not exist")
@@ -58,6 +63,10 @@ def load_script_config_class(script: str | Path) -> type:
     # reward or workflow of the user's), here and in the checks before the run starts
     if str(path.resolve().parent) not in sys.path:
         sys.path.insert(0, str(path.resolve().parent))
+    imported = config_import(path.read_text())
+    if imported is not None:
+        module_name, name = imported
+        return getattr(importlib.import_module(module_name), name)
     spec = importlib.util.spec_from_file_location(f"_areal_script_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -67,6 +76,37 @@ def load_script_config_class(script: str | Path) -> type:
             "level"
         )
     return module.CONFIG
+
+
+def config_import(source: str) -> tuple[str, str] | None:
+    """``(module, name)`` when ``source`` has a module-level ``CONFIG = NAME`` and NAME's only
+    binding anywhere in it is a module-level ``from module import NAME [as ...]``; None for any
+    other ``CONFIG`` (a class the script defines, a conditional choice)."""
+    tree = ast.parse(source)
+    bound = [
+        node.value.id
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and [getattr(t, "id", None) for t in node.targets] == ["CONFIG"]
+        and isinstance(node.value, ast.Name)
+    ]
+    if len(bound) != 1:
+        return None
+    name = bound[0]
+    imports = [
+        (node.module, alias.name)
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+        for alias in node.names
+        if (alias.asname or alias.name) == name
+    ]
+    bindings = sum(
+        (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id == name)
+        or (isinstance(n, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name)
+        or (isinstance(n, ast.alias) and (n.asname or n.name) == name)
+        for n in ast.walk(tree)
+    )
+    return imports[0] if len(imports) == 1 and bindings == 1 else None
 
 
 def reset_trial(cfg: BaseExperimentConfig) -> NameRepository:

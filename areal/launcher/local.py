@@ -23,6 +23,7 @@ whole config before starting anything.
 
 from __future__ import annotations
 
+import os
 import secrets
 import sys
 import time
@@ -170,13 +171,20 @@ def _usable_gpus(cfg) -> list[str]:
     never widened), else ``0..n-1`` for ``cluster.devices_per_node`` or the GPUs torch sees;
     ``cluster.devices_per_node`` caps how many are used."""
     visible = visible_devices()
-    if visible is None:
-        import torch
-
-        n = cfg.cluster.devices_per_node
-        visible = [str(i) for i in range(torch.cuda.device_count() if n is None else n)]
     n = cfg.cluster.devices_per_node
+    if visible is None:
+        visible = [str(i) for i in range(gpu_count() if n is None else n)]
     return visible if n is None else visible[:n]
+
+
+def gpu_count() -> int:
+    """The GPUs torch sees; 0 without importing torch (seconds of CPU per launch) when the
+    machine has no GPU driver (no ``/dev/nvidiactl``, no ROCm ``/dev/kfd``)."""
+    if not any(os.path.exists(dev) for dev in ("/dev/nvidiactl", "/dev/kfd")):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def without_secrets(argv: list[str], cfg) -> list[str]:

@@ -1,8 +1,9 @@
 """Run reward functions in worker processes with a deadline per call, and count failures.
 
-:class:`RewardRunner` keeps ``n_workers`` long-lived processes (``spawn`` by default), each fed
-through its own pipe. A call that misses ``reward.timeout`` gets its worker SIGKILLed and replaced
-(a plain ``future.result(timeout)`` would leave the hung worker running); a call whose worker dies
+:class:`RewardRunner` keeps ``n_workers`` long-lived processes (:mod:`areal.reward.worker`,
+which imports the reward's module and not the training script), each fed through its own
+socket. A call that misses ``reward.timeout`` gets its worker SIGKILLed and replaced (a plain
+``future.result(timeout)`` would leave the hung worker running); a call whose worker dies
 (segfault, ``os._exit``) or whose function raises is a failure too. Only the failing call is
 affected: other calls hold other workers.
 
@@ -21,18 +22,24 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import multiprocessing as mp
+import os
 import queue
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from areal.api.config.reward import RewardConfig
 from areal.reward.resolve import wants_prompt
 
 logger = logging.getLogger("areal.reward")
+_WORKER = Path(__file__).with_name("worker.py")  # run by path: see its docstring
 
 
 class RewardFailureError(RuntimeError):
@@ -108,28 +115,18 @@ class FailureTracker:
         return stats
 
 
-def _worker_main(conn) -> None:
-    """Worker loop: receive (fn, args, kwargs), reply ("ok", float) or ("error", message)."""
-    while True:
-        try:
-            fn, args, kwargs = conn.recv()
-        except (EOFError, OSError):
-            return  # the runner closed the pipe
-        try:
-            reply = ("ok", float(fn(*args, **kwargs)))
-        except BaseException as e:  # reported to the parent, which counts and logs it
-            reply = ("error", f"{type(e).__name__}: {e}")
-        conn.send(reply)
-
-
 class _Worker:
-    """One worker process and the parent's end of its pipe."""
+    """One worker process (:mod:`areal.reward.worker`) and the parent's end of its socket."""
 
-    def __init__(self, ctx: Any):
-        self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child_conn,), daemon=True)
-        self.proc.start()
-        child_conn.close()
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-P", str(_WORKER), str(theirs.fileno()), str(os.getpid())],
+            pass_fds=(theirs.fileno(),),
+        )
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send(sys.path)
 
     def call(self, payload: tuple, timeout: float) -> tuple[str, Any]:
         """("ok", value) | ("error", msg) | ("timeout", None) | ("crash", msg)."""
@@ -139,27 +136,29 @@ class _Worker:
                 return "timeout", None
             return self.conn.recv()
         except (EOFError, OSError, BrokenPipeError):
-            self.proc.join(1.0)
-            return "crash", f"reward worker died (exit code {self.proc.exitcode})"
+            try:
+                code = self.proc.wait(1.0)
+            except subprocess.TimeoutExpired:
+                code = None
+            return "crash", f"reward worker died (exit code {code})"
 
     def kill(self) -> None:
         """SIGKILL the process and reap it."""
         self.proc.kill()
-        self.proc.join(5.0)
+        self.proc.wait(5.0)
         self.conn.close()
 
 
 class RewardRunner:
     """Scores with ``fn`` in a pool of worker processes; see the module docstring."""
 
-    def __init__(self, fn: Callable[..., float], cfg: RewardConfig, mp_context: str = "spawn"):
+    def __init__(self, fn: Callable[..., float], cfg: RewardConfig):
         self.fn = fn
         self.wants_prompt = wants_prompt(fn)  # workflows pass prompt= to such a reward
         self.cfg = cfg
-        self._ctx = mp.get_context(mp_context)
         self._idle: queue.Queue[_Worker] = queue.Queue()
         for _ in range(cfg.n_workers):
-            self._idle.put(_Worker(self._ctx))
+            self._idle.put(_Worker())
         self._threads = ThreadPoolExecutor(cfg.n_workers, thread_name_prefix="reward")
         self._lock = threading.Lock()
         self.tracker = FailureTracker(cfg.max_failure_fraction, cfg.failure_policy)
@@ -178,7 +177,7 @@ class RewardRunner:
             status, value = worker.call((self.fn, args, kwargs), self.cfg.timeout)
             if status in ("timeout", "crash"):
                 worker.kill()
-                worker = _Worker(self._ctx)
+                worker = _Worker()
         finally:
             self._idle.put(worker)
         return self._settle(sample_id, status, value)
