@@ -146,10 +146,12 @@ def load_dataset(cfg: DatasetConfig, tokenizer: Any = None, seed: int = 0) -> It
 
 
 class ShardedBatchSampler:
-    """Per-rank batches of indices; reshuffled per epoch from the seed; resumable mid-epoch."""
+    """Per-rank batches of indices; reshuffled per epoch from the seed; resumable mid-epoch.
+    ``pad=False``: an incomplete last batch is not padded (its share of each rank may be short or
+    empty), so every item comes once per epoch."""
 
     def __init__(self, n: int, batch_size: int, seed: int, shuffle: bool, drop_last: bool,
-                 dp_rank: int, dp_world: int):  # fmt: skip
+                 dp_rank: int, dp_world: int, pad: bool = True):  # fmt: skip
         if batch_size % dp_world:
             raise ValueError(
                 f"batch_size={batch_size} is not divisible by the {dp_world} data-parallel ranks; "
@@ -158,7 +160,7 @@ class ShardedBatchSampler:
         if not 0 <= dp_rank < dp_world:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, {dp_world})")
         self.n, self.batch_size, self.seed = n, batch_size, seed
-        self.shuffle, self.drop_last = shuffle, drop_last
+        self.shuffle, self.drop_last, self.pad = shuffle, drop_last, pad
         self.dp_rank, self.dp_world = dp_rank, dp_world
         self.epoch = 0
         self.offset = 0  # batches of the current epoch already handed out
@@ -169,7 +171,8 @@ class ShardedBatchSampler:
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of ``epoch``; an incomplete last batch (drop_last=False) is padded
-        by wrapping around to the epoch's first indices so every rank gets the same count."""
+        by wrapping around to the epoch's first indices so every rank gets the same count (unless
+        ``pad`` is False)."""
         if self.shuffle:
             gen = torch.Generator().manual_seed(self.seed + epoch)
             order = torch.randperm(self.n, generator=gen).tolist()
@@ -179,7 +182,9 @@ class ShardedBatchSampler:
         batches = []
         for b in range(len(self)):
             chunk = order[b * self.batch_size : (b + 1) * self.batch_size]
-            chunk += list(itertools.islice(itertools.cycle(order), self.batch_size - len(chunk)))
+            if self.pad:
+                short = self.batch_size - len(chunk)
+                chunk += list(itertools.islice(itertools.cycle(order), short))
             batches.append(chunk[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank])
         return batches
 
@@ -206,15 +211,17 @@ def collate_items(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def create_dataloader(dataset: ItemDataset, cfg: DatasetConfig, seed: int, dp_rank: int = 0,
-                      dp_world: int = 1) -> StatefulDataLoader:  # fmt: skip
-    """A resumable loader yielding this rank's ``cfg.batch_size // dp_world`` items per step."""
+                      dp_world: int = 1, pad: bool = True) -> StatefulDataLoader:  # fmt: skip
+    """A resumable loader yielding this rank's ``cfg.batch_size // dp_world`` items per step
+    (``pad=False``: fewer, maybe none, in an incomplete last batch; see
+    :class:`ShardedBatchSampler`)."""
     if len(dataset) < cfg.batch_size and cfg.drop_last:
         raise DatasetError(
             f"{dataset.name}: {len(dataset)} items is fewer than batch_size={cfg.batch_size} "
             "with drop_last=true, so an epoch has no batch; lower batch_size or add data"
         )
     sampler = ShardedBatchSampler(
-        len(dataset), cfg.batch_size, seed, cfg.shuffle, cfg.drop_last, dp_rank, dp_world
+        len(dataset), cfg.batch_size, seed, cfg.shuffle, cfg.drop_last, dp_rank, dp_world, pad
     )
     # torchdata's constructor calls torch.set_vital, which torch deprecates with a UserWarning on
     # every start; the call is theirs and harmless (a telemetry flag), so that one warning is

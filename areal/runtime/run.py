@@ -155,9 +155,13 @@ class Run:
         valid_loader = None
         if cfg.valid_dataset is not None:
             valid = load_dataset(cfg.valid_dataset, tok, cfg.seed)
+            # rl items are scored by rollouts (no collective per batch): each held-out item once,
+            # not the last batch padded with repeats; a forward pass (SFT, RM, DPO loss) needs
+            # every rank in every batch, so those stay padded
             valid_loader = create_dataloader(
-                valid, cfg.valid_dataset, cfg.seed, self.rank, self.world_size
-            )
+                valid, cfg.valid_dataset, cfg.seed, self.rank, self.world_size,
+                pad=cfg.valid_dataset.type != "rl",
+            )  # fmt: skip
         ft_spec = FinetuneSpec(
             cfg.total_train_epochs, len(train), cfg.train_dataset.batch_size, cfg.total_train_steps
         )

@@ -51,6 +51,16 @@ def test_without_drop_last_the_last_batch_is_padded_for_every_rank():
     assert s.epoch_batches(0) == [[2, 3], [6, 7], [0, 1]]
 
 
+def test_unpadded_the_last_batch_gives_each_item_once_and_a_rank_may_get_none():
+    # global batches [0..3], [4..7], [8, 9]: rank 0 takes 8 and 9, rank 1 nothing of the last
+    shards = [ShardedBatchSampler(10, 4, 0, False, False, r, 2, pad=False) for r in (0, 1)]
+    assert [s.epoch_batches(0) for s in shards] == [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7], []]]
+    # a held-out set of 8 under a batch of 200 (the eval batch's default): 8 items, not 200
+    assert ShardedBatchSampler(8, 200, 0, False, False, 0, 1, pad=False).epoch_batches(0) == [
+        list(range(8))
+    ]
+
+
 def test_batch_size_must_divide_over_ranks():
     with pytest.raises(ValueError, match="not divisible by the 3 data-parallel ranks"):
         ShardedBatchSampler(10, 4, 0, True, True, 0, 3)

@@ -23,6 +23,7 @@ SMALL_RL = [  # the random tiny model always scores 0: no dynamic sampling (it w
     "actor.dynamic_sampling=false", "train_dataset.batch_size=2", "gconfig.n_samples=4",
     "gconfig.max_new_tokens=4", "eval_gconfig.max_new_tokens=4",
     "rollout.max_concurrent_rollouts=4",
+    "valid_dataset.size=8",  # the held-out evaluations at step 0 and the end: 8 problems
 ]  # fmt: skip
 # The random tiny model scores 0 on arithmetic: zero advantages, weights that never move. A reward
 # that varies within a group gives an update something to train: tests/core/sync_rewards.py, on

@@ -27,6 +27,7 @@ SMALL_RL = [
     "launcher.server_threads=1",
     "launcher.trainer_threads=1",
     "launcher.stop_timeout=5",
+    "valid_dataset.size=8",  # the held-out evaluations at step 0 and the end: 8 problems
 ]
 RUN_TIMEOUT = 240.0
 

@@ -287,7 +287,7 @@ def test_short_grpo_run_on_two_nodes_trains_and_writes_the_local_run_dir_layout(
         "cluster.n_nodes=2", "cluster.n_servers=2", "rollout.max_staleness=0",
         "evaluator.freq_steps=null", "actor.dynamic_sampling=false", "train_dataset.batch_size=2",
         "gconfig.n_samples=4", "gconfig.max_new_tokens=4", "eval_gconfig.max_new_tokens=4",
-        "rollout.max_concurrent_rollouts=4", "launcher.stop_timeout=3",
+        "rollout.max_concurrent_rollouts=4", "launcher.stop_timeout=3", "valid_dataset.size=8",
     ], tmp_path / "root", slurm, {"AREAL_SERVER_API_KEY": key})  # fmt: skip
     run_dir = tmp_path / "root" / "g" / "t"
     commands: dict[int, str] = {}  # every process of the run seen, on both nodes

@@ -60,7 +60,12 @@ class DatasetConfig:
     split: str = param("train", help="Split name for HF datasets and the synthetic generator.")
     batch_size: int = param(8, ge=1, help="Prompts (or pairs) per step, over all DP ranks.")
     shuffle: bool = param(True, help="Shuffle every epoch with a seed derived from the run seed.")
-    drop_last: bool = param(True, help="Drop the last incomplete batch of an epoch.")
+    drop_last: bool = param(
+        True,
+        help="Drop the last incomplete batch of an epoch; kept, it is padded with the epoch's "
+        "first items so every rank gets a full share (not for a held-out rl set, whose items are "
+        "each scored once).",
+    )
     max_length: int | None = param(
         None, ge=1, help="Drop prompts longer than this many tokens; null keeps all."
     )
