@@ -31,16 +31,17 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
-
-from openai.types import Completion
-from openai.types.chat import ChatCompletion
+from typing import TYPE_CHECKING, Any
 
 from areal.api.config.base import GenerationHyperparameters
 from areal.api.engine import InferenceEngine
 from areal.api.io import ModelRequest, ModelResponse
 from areal.dataset.chat import encode
 from areal.utils.tool_calls import extract_tool_calls, tool_choice_prefill
+
+if TYPE_CHECKING:  # the SDK (~0.7 s to import) is loaded by the first answer, not by importers
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
 
 _KNOWN = {
     "messages",
@@ -408,6 +409,8 @@ class ArealOpenAI:
                 self.calls[len(self.calls) - n + i]
             )
         n_out = sum(len(r.output_ids) for r in resps)
+        from openai.types.chat import ChatCompletion
+
         return ChatCompletion.model_validate(
             {
                 "id": cid,
@@ -459,6 +462,8 @@ class ArealOpenAI:
                 }
             )
         n_out = sum(len(r.output_ids) for r in resps)
+        from openai.types import Completion
+
         return Completion.model_validate(
             {
                 "id": cid,
