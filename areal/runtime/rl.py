@@ -164,10 +164,12 @@ def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
         workflow if teacher is None else TeacherScored(workflow, teacher, cfg.distill.timeout)
     )
     eval_workflow = RLVRWorkflow(reward, cfg.eval_gconfig, run.tokenizer)
+    agent = None  # the training workflow when it is an agent's (its stats)
     if cfg.workflow.type == "agent":
         from areal.workflow.agent import AgentWorkflow
 
         eval_workflow = AgentWorkflow(cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer)
+        agent = workflow if isinstance(workflow, AgentWorkflow) else None
     elif cfg.workflow.type == "agent_cmd":
         eval_workflow = AgentCommandWorkflow(
             cfg.workflow.agent,
@@ -189,7 +191,7 @@ def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
         train_workflow,
         eval_workflow,
         executor,
-        agent=workflow if cfg.workflow.type == "agent" else None,
+        agent=agent,
         teacher=teacher,
     )
 
