@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -92,3 +94,26 @@ def test_async_scoring_runs_calls_concurrently():
 
     with RewardRunner(slow_if_negative, RewardConfig(n_workers=2)) as runner:
         assert [o.reward for o in asyncio.run(main(runner))] == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_worker_imports_the_rewards_module_not_the_callers_main_script(tmp_path):
+    """A spawn child would re-import the training script (torch, the engines: seconds of CPU per
+    worker); areal.reward.worker imports only the reward's own module."""
+    (tmp_path / "heavy_marker.py").write_text("LOADED = True\n")
+    (tmp_path / "rew.py").write_text(
+        "import sys\n\ndef fresh(_):\n    return float('heavy_marker' not in sys.modules)\n"
+    )
+    (tmp_path / "train.py").write_text(
+        "import heavy_marker\n"
+        "from areal.api.config.reward import RewardConfig\n"
+        "from areal.reward.runner import RewardRunner\n"
+        "from rew import fresh\n"
+        "if __name__ == '__main__':\n"
+        "    with RewardRunner(fresh, RewardConfig(n_workers=1)) as runner:\n"
+        "        print(runner.call('s0', 0.0))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / "train.py")], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1.0"], out.stdout  # the script's import did not reach it
