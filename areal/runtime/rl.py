@@ -10,7 +10,6 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +22,7 @@ from areal.rollout.executor import WorkflowExecutor
 from areal.rollout.remote import RemoteInferenceEngine, discover_servers
 from areal.runtime.run import Run
 from areal.utils.name_resolve import gen_teacher_key, make_repository
+from areal.workflow.agent import AgentWorkflow
 from areal.workflow.agent_cmd import AgentCommandWorkflow
 from areal.workflow.agent_control import ProxyClient, agent_proxy_key
 from areal.workflow.custom import make_custom_workflow
@@ -30,17 +30,12 @@ from areal.workflow.distill import TeacherScored
 from areal.workflow.multi_turn import MultiTurnWorkflow
 from areal.workflow.rlvr import RLVRWorkflow
 
-if TYPE_CHECKING:
-    from areal.workflow.agent import AgentWorkflow
-
 
 def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RolloutWorkflow:
     """The training workflow ``workflow.type`` names (yours by ``module:Class``)."""
     if cfg.workflow.type == "multi_turn":
         return MultiTurnWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir)
     if cfg.workflow.type == "agent":  # your openai-client agent, trained as it is (docs/agents.md)
-        from areal.workflow.agent import AgentWorkflow  # the openai SDK: only for its runs
-
         return AgentWorkflow(cfg.workflow.agent, cfg.gconfig, tokenizer)
     if cfg.workflow.type == "agent_cmd":  # your agent program, through the agent proxy
         return AgentCommandWorkflow(
@@ -164,12 +159,8 @@ def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
         workflow if teacher is None else TeacherScored(workflow, teacher, cfg.distill.timeout)
     )
     eval_workflow = RLVRWorkflow(reward, cfg.eval_gconfig, run.tokenizer)
-    agent = None  # the training workflow when it is an agent's (its stats)
     if cfg.workflow.type == "agent":
-        from areal.workflow.agent import AgentWorkflow
-
         eval_workflow = AgentWorkflow(cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer)
-        agent = workflow if isinstance(workflow, AgentWorkflow) else None
     elif cfg.workflow.type == "agent_cmd":
         eval_workflow = AgentCommandWorkflow(
             cfg.workflow.agent,
@@ -191,7 +182,7 @@ def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
         train_workflow,
         eval_workflow,
         executor,
-        agent=agent,
+        agent=workflow if isinstance(workflow, AgentWorkflow) else None,
         teacher=teacher,
     )
 
