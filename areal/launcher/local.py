@@ -177,10 +177,13 @@ def _usable_gpus(cfg) -> list[str]:
     return visible if n is None else visible[:n]
 
 
+GPU_DRIVER_NODES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, ROCm's
+
+
 def gpu_count() -> int:
     """The GPUs torch sees; 0 without importing torch (seconds of CPU per launch) when the
-    machine has no GPU driver (no ``/dev/nvidiactl``, no ROCm ``/dev/kfd``)."""
-    if not any(os.path.exists(dev) for dev in ("/dev/nvidiactl", "/dev/kfd")):
+    machine has no GPU driver (none of :data:`GPU_DRIVER_NODES`)."""
+    if not any(os.path.exists(dev) for dev in GPU_DRIVER_NODES):
         return 0
     import torch
 

@@ -24,14 +24,13 @@ import functools
 import logging
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing import Pipe
 from pathlib import Path
 from typing import Any
 
@@ -119,13 +118,12 @@ class _Worker:
     """One worker process (:mod:`areal.reward.worker`) and the parent's end of its socket."""
 
     def __init__(self) -> None:
-        ours, theirs = socket.socketpair()
+        self.conn, theirs = Pipe()  # a socketpair: the child's end is passed by fd number
         self.proc = subprocess.Popen(
             [sys.executable, "-P", str(_WORKER), str(theirs.fileno()), str(os.getpid())],
             pass_fds=(theirs.fileno(),),
         )
         theirs.close()
-        self.conn = Connection(ours.detach())
         self.conn.send(sys.path)
 
     def call(self, payload: tuple, timeout: float) -> tuple[str, Any]:

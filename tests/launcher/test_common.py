@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from areal.launcher.common import config_import
+from areal.launcher.local import GPU_DRIVER_NODES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,6 +66,6 @@ def test_a_launch_and_the_core_processes_import_only_what_they_use():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     launcher, workers = json.loads(out.stdout.strip().splitlines()[-1])
-    gpu_driver = Path("/dev/nvidiactl").exists() or Path("/dev/kfd").exists()
+    gpu_driver = any(Path(dev).exists() for dev in GPU_DRIVER_NODES)
     assert launcher == (["torch"] if gpu_driver else []), launcher  # a GPU machine asks torch
     assert workers == [], workers
