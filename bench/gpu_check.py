@@ -3,8 +3,9 @@ wheels): on one GPU, in a few minutes, the tier-3 tests, every entry point for a
 the GPU bench (``bench/gpu.py``); one summary table and ``OUT/gpu_check.json``.
 
 Each step is a subprocess with its own deadline and log (``OUT/logs/<step>.log``); a failed step
-is recorded with the last line of its output and the others still run. Exit 0 only when every
-step passed. Runs unchanged on an H100 and an H200; nothing here needs the network.
+is recorded with the last line of its output and the others still run. The functional steps run
+``--jobs`` at a time; the timing step (``bench_gpu``) runs after them, alone on the GPU. Exit 0
+only when every step passed. Runs unchanged on an H100 and an H200; nothing here needs the network.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,6 +52,7 @@ class Step:
     argv: list[str]
     timeout: float  # seconds
     run_dir: str = ""  # where its stats.jsonl lands (figures for the table)
+    alone: bool = False  # a timing step: runs after the others, with the GPU to itself
     result: dict = field(default_factory=dict)
 
 
@@ -67,6 +70,12 @@ def steps(out: Path, model: Path) -> list[Step]:
 
     grpo = [f"actor.path={model}", *SHORT_RL, "total_train_steps=5", "rollout.max_staleness=1"]
     return [
+        Step(  # first: the longest step (SFT 300 steps, then GRPO 150 steps colocated)
+            "quickstart",
+            [*AREAL, "quickstart", "--out", str(out / "quickstart")],
+            420,
+            str(out / "quickstart" / "grpo" / "run"),
+        ),
         Step(
             "tier3_tests",
             [
@@ -160,6 +169,7 @@ def steps(out: Path, model: Path) -> list[Step]:
                 "150",
             ],
             240,
+            alone=True,
         ),
     ]
 
@@ -217,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="areal's GPU check (see bench/gpu_check.sh)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "gpu-check"))
     ap.add_argument("--only", nargs="*", default=None, help="run only these steps")
+    ap.add_argument(
+        "--jobs", type=int, default=3, help="functional steps run side by side (timings alone)"
+    )
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -227,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     device = device_line()
     print(f"[gpu-check] {device}", flush=True)
     todo = [s for s in steps(out, model) if args.only is None or s.name in args.only]
-    for step in todo:
+
+    def run_and_say(step: Step) -> None:
         run_step(step, out / "logs")
         r = step.result
         print(
@@ -235,6 +249,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['figures'] or r['last_line']}",
             flush=True,
         )
+
+    start = time.monotonic()
+    # the functional steps side by side (each is small next to the GPU, 16 cores), then the
+    # timing steps one at a time
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        list(pool.map(run_and_say, [s for s in todo if not s.alone]))
+    for step in todo:
+        if step.alone:
+            run_and_say(step)
+    wall = round(time.monotonic() - start, 1)
     print("\n| step | result | seconds | figures / last line |\n| --- | --- | --- | --- |")
     for s in todo:
         r = s.result
@@ -242,8 +266,11 @@ def main(argv: list[str] | None = None) -> int:
             f"| {s.name} | {'pass' if r['passed'] else 'FAIL (' + str(r['code']) + ')'} "
             f"| {r['seconds']} | {r['figures'] or r['last_line']} |"
         )
+    print(f"[gpu-check] {wall} s on {device}")
     (out / "gpu_check.json").write_text(
-        json.dumps({"device": device, "steps": [asdict(s) for s in todo]}, indent=2)
+        json.dumps(
+            {"device": device, "wall_seconds": wall, "steps": [asdict(s) for s in todo]}, indent=2
+        )
     )
     return 0 if all(s.result["passed"] for s in todo) else 1
 

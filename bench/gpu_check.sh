@@ -8,9 +8,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 SITE=/tmp/areal-site
-if compgen -G ".whl/*.whl" >/dev/null; then
+STAMP="$SITE/.areal-wheels"  # the wheel names installed there: a second check skips the install
+if compgen -G ".whl/*.whl" >/dev/null && [ "$(ls .whl)" = "$(cat "$STAMP" 2>/dev/null)" ]; then
+  echo "gpu-check: .whl/ already installed in $SITE"
+elif compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
     || { echo "gpu-check: installing .whl/*.whl failed (run make gpu-wheels where pip reaches PyPI)"; exit 2; }
+  ls .whl >"$STAMP"
 else
   echo "gpu-check: no .whl/ here: the runtime dependencies must already be installed"
 fi

@@ -22,7 +22,10 @@ IMAGE = ROOT / "bench" / "gpu_image.txt"  # distributions the GPU image already 
 # ours (on PYTHONPATH); Ray: Core runs in process in the check, and its wheel is ~70 MiB; vulture:
 # the dead-code test, not run there
 SKIP = {"areal", "ray", "vulture"}
-PLATFORMS = [
+PLATFORMS = [  # pip matches each tag exactly; llguidance 1.9 ships manylinux_2_31 only
+    "manylinux_2_35_x86_64",
+    "manylinux_2_34_x86_64",
+    "manylinux_2_31_x86_64",
     "manylinux_2_28_x86_64",
     "manylinux_2_27_x86_64",
     "manylinux_2_24_x86_64",

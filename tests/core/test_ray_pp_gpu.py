@@ -58,10 +58,9 @@ def pipelined_sft_step(path: str, gpus: int) -> tuple[float, torch.Tensor, dict]
 
 
 def test_a_pipelined_sft_step_on_two_gpu_workers_equals_two_cpu_workers(tiny_model_dir):
-    import ray
-
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs for 2 NCCL stages, found {torch.cuda.device_count()}")
+    ray = pytest.importorskip("ray", reason="Core's GPU placement runs on Ray")
     ray.init(
         num_cpus=4, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False
     )
