@@ -93,11 +93,13 @@ def gpu_memory_cap(cfg: GenerationServerConfig) -> Iterator[None]:
     if device.type != "cuda" or not cfg.gpu_memory_fraction:
         yield
         return
-    torch.cuda.set_per_process_memory_fraction(cfg.gpu_memory_fraction, device)
+    # torch takes an index here, not a bare "cuda" (the launcher's colocated servers say cuda)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    torch.cuda.set_per_process_memory_fraction(cfg.gpu_memory_fraction, index)
     try:
         yield
     except torch.cuda.OutOfMemoryError as e:
-        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        total = torch.cuda.get_device_properties(index).total_memory / 2**30
         raise ConfigError(
             [
                 f"gpu_memory_fraction: {cfg.gpu_memory_fraction} of {total:.1f} GiB does not hold "
