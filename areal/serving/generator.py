@@ -302,12 +302,10 @@ class Generator:
         values and (``complete``) missing weights raise ValueError and keep the old weights; the
         check runs on the caller's thread, so generation goes on meanwhile.
         """
-        problems = self.model.check_weights(named, complete)
-        if problems:
-            raise ValueError("; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
+        self.model.require_loadable(named, complete)
 
         def _update() -> int:
-            self.model.load_state_dict(named)
+            self.model.assign_weights(named)  # checked above, off this thread
             self._version = self._version + 1 if version is None else int(version)
             return self._version
 

@@ -59,6 +59,17 @@ class ModelSpec:
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
 
 
+def finite_as(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """True when ``t`` holds no NaN or inf once cast to ``dtype``: its min and max (NaN
+    propagates) lie in ``dtype``'s finite range. One pass, no cast copy: the cast-then-isfinite
+    it replaces took ~3.5 s a check of a 0.5B model on the server's one loading thread."""
+    if t.numel() == 0:
+        return True
+    lo, hi = (float(v) for v in torch.aminmax(t))
+    big = torch.finfo(dtype).max
+    return -big <= lo and hi <= big
+
+
 def read_hf_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """``config.json`` as a dict and every ``*.safetensors`` tensor of an HF model dir."""
     from safetensors.torch import load_file
@@ -288,8 +299,11 @@ class Qwen2Forward:
                     f"{name}: dtype {t.dtype} is not floating point; send {self.dtype} "
                     "(or any float dtype: it is cast)"
                 )
-            elif not bool(torch.isfinite(t.to(self.dtype)).all()):
-                problems.append(f"{name}: holds NaN or inf values once cast to {self.dtype}")
+            elif not finite_as(t, self.dtype):
+                problems.append(
+                    f"{name}: holds NaN or inf values once cast to {self.dtype} (or values past "
+                    "its largest finite one)"
+                )
         if complete:
             missing = sorted(set(self.params) - set(named))
             if missing:
@@ -299,9 +313,17 @@ class Qwen2Forward:
     def load_state_dict(self, named: dict[str, torch.Tensor], complete: bool = False) -> None:
         """Replace (a subset of) weights by HF name; raises ValueError (weights unchanged) on any
         problem :meth:`check_weights` finds."""
+        self.require_loadable(named, complete)
+        self.assign_weights(named)
+
+    def require_loadable(self, named: dict[str, torch.Tensor], complete: bool = False) -> None:
+        """ValueError naming the first problems :meth:`check_weights` finds, if any."""
         problems = self.check_weights(named, complete)
         if problems:
             raise ValueError("; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
+
+    def assign_weights(self, named: dict[str, torch.Tensor]) -> None:
+        """Copy ``named`` (HF names; already passed :meth:`check_weights`) into the weights."""
         for name, t in named.items():
             if name in self.params:
                 self.params[name].copy_(t.to(self.device, self.dtype))

@@ -232,6 +232,25 @@ def test_a_request_failed_by_nan_leaves_no_nan_in_its_cache_slot_for_the_next_on
 # ------------------------------------------------------------------ weights
 
 
+@pytest.mark.parametrize(
+    "values, source, target, ok",
+    [
+        ([1.0, -2.0], torch.float32, torch.bfloat16, True),
+        ([1.0, float("nan")], torch.float32, torch.float32, False),  # NaN: min and max are NaN
+        ([float("-inf"), 0.0], torch.bfloat16, torch.float32, False),
+        ([1e300], torch.float64, torch.float32, False),  # finite in float64, inf in float32
+        ([3.0e38], torch.float32, torch.bfloat16, True),  # bf16's largest is 3.39e38
+        ([-3.4e38], torch.float32, torch.bfloat16, False),
+        ([70000.0], torch.float32, torch.float16, False),  # fp16's largest is 65504
+        ([], torch.float32, torch.float16, True),
+    ],
+)
+def test_finite_as_reads_the_target_dtypes_range(values, source, target, ok):
+    from areal.serving.model import finite_as
+
+    assert finite_as(torch.tensor(values, dtype=source), target) is ok
+
+
 def test_weight_updates_refuse_integer_tensors_and_values_that_overflow_the_model_dtype(generator):
     from areal.serving.sampling import SamplingParams
 
