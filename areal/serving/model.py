@@ -310,12 +310,6 @@ class Qwen2Forward:
                 problems.append(f"missing {len(missing)} weight(s), e.g. {missing[:3]}")
         return problems
 
-    def load_state_dict(self, named: dict[str, torch.Tensor], complete: bool = False) -> None:
-        """Replace (a subset of) weights by HF name; raises ValueError (weights unchanged) on any
-        problem :meth:`check_weights` finds."""
-        self.require_loadable(named, complete)
-        self.assign_weights(named)
-
     def require_loadable(self, named: dict[str, torch.Tensor], complete: bool = False) -> None:
         """ValueError naming the first problems :meth:`check_weights` finds, if any."""
         problems = self.check_weights(named, complete)
@@ -323,7 +317,8 @@ class Qwen2Forward:
             raise ValueError("; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
 
     def assign_weights(self, named: dict[str, torch.Tensor]) -> None:
-        """Copy ``named`` (HF names; already passed :meth:`check_weights`) into the weights."""
+        """Replace (a subset of) weights by HF name; ``named`` has passed
+        :meth:`require_loadable` (the generator checks off its scheduler thread)."""
         for name, t in named.items():
             if name in self.params:
                 self.params[name].copy_(t.to(self.device, self.dtype))
