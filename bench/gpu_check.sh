@@ -9,14 +9,14 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 SITE=/tmp/areal-site
 STAMP="$SITE/.areal-wheels"  # the wheel names installed there: a second check skips the install
-if compgen -G ".whl/*.whl" >/dev/null && [ "$(ls .whl)" = "$(cat "$STAMP" 2>/dev/null)" ]; then
+if ! compgen -G ".whl/*.whl" >/dev/null; then
+  echo "gpu-check: no .whl/ here: the runtime dependencies must already be installed"
+elif [ "$(ls .whl)" = "$(cat "$STAMP" 2>/dev/null)" ]; then
   echo "gpu-check: .whl/ already installed in $SITE"
-elif compgen -G ".whl/*.whl" >/dev/null; then
+else
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
     || { echo "gpu-check: installing .whl/*.whl failed (run make gpu-wheels where pip reaches PyPI)"; exit 2; }
   ls .whl >"$STAMP"
-else
-  echo "gpu-check: no .whl/ here: the runtime dependencies must already be installed"
 fi
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 exec "$PY" bench/gpu_check.py "$@"
