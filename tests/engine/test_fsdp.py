@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from areal.api.config.engine import TrainEngineConfig
 from areal.engine.fsdp import FSDPEngine
 from areal.runtime.dist import init_distributed
 from areal.utils.batch import PackedBatch, balance_across_ranks
+from areal.utils.network import free_port
 
 pytestmark = pytest.mark.slow
 LENGTHS = [7, 19, 3, 12, 25, 9, 16, 5]
@@ -72,12 +72,6 @@ def assert_states_close(a: dict, b: dict, atol: float) -> None:
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= atol, f"max parameter difference {worst} > {atol}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_processes(fn, nprocs: int, args: tuple, timeout: float = 150.0) -> None:

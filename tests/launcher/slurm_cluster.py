@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal.utils.network import free_port
 from areal.utils.process import parent_death_signal
 from launch_harness import REPO, Launch
 
@@ -59,12 +60,6 @@ def unavailable_reason() -> str:
     except KeyError:
         return f"there is no munge user; {INSTALL}"
     return ""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _exe(name: str) -> str:
@@ -158,7 +153,7 @@ def _conf(root: Path, host: str, nodes: list[str], cpus: int) -> str:
         [
             "ClusterName=areal-test",
             f"SlurmctldHost={host}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
+            f"SlurmctldPort={free_port()}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
             f"AuthInfo=socket={root}/munge/socket",
@@ -178,7 +173,7 @@ def _conf(root: Path, host: str, nodes: list[str], cpus: int) -> str:
             "ReturnToService=2",
             "KillWait=10",
             *(
-                f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
+                f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
                 f"CPUs={cpus} State=UNKNOWN"
                 for n in nodes
             ),

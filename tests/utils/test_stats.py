@@ -1,6 +1,5 @@
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -8,6 +7,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from areal.api.config import StatsLoggerConfig
+from areal.utils.network import free_port
 from areal.utils.stats import StatsTracker
 from areal.utils.stats_logger import StatsLogger
 
@@ -68,15 +68,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_export_reduces_across_two_gloo_ranks(tmp_path):
     mp.start_processes(
-        _worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn", join=True
+        _worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn", join=True
     )
     # token mean over both ranks: (1 + 2 + 10) / 3 tokens = 13/3; max(5, 2) = 5; names unioned
     expected = {"tok": 13 / 3, "mx": 5.0, "only_rank0": 1.0, "only_rank1": -3.0}
