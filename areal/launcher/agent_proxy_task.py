@@ -51,7 +51,8 @@ def _engine(cfg, registry) -> RemoteInferenceEngine:
         cfg.rollout, api_key=cfg.server.api_key, server_restarts=restarts, no_restart_reason=why_not
     )
     key = gen_servers_key(cfg.experiment_name, cfg.trial_name)
-    engine.initialize(discover_servers(cfg.rollout, registry, key, cfg.cluster.n_servers))
+    start_s = cfg.launcher.server_setup_timeout  # the launcher starts us beside the servers
+    engine.initialize(discover_servers(cfg.rollout, registry, key, cfg.cluster.n_servers, start_s))
     return engine
 
 

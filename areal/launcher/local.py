@@ -1,12 +1,14 @@
 """``areal launch local SCRIPT --config YAML [overrides]``: one machine, real processes.
 
 Clears the trial's registry, starts ``cluster.n_servers`` generation servers (ours, or SGLang /
-vLLM when ``rollout.backend`` says so and they are installed), registers each in the registry
-once it answers ``/health`` (with a deadline), with ``workflow.type: agent_cmd`` starts the agent
-proxy role (areal.launcher.agent_proxy_task; a control token per attempt, by env to it and the
-trainers; its exit stops the run), then runs SCRIPT under ``torchrun`` on
-``cluster.trainer_nprocs`` ranks with the launch env contract (:mod:`areal.api.launch`); the
-trainers find the servers in the registry. On a GPU machine the trainer ranks get GPUs
+vLLM when ``rollout.backend`` says so and they are installed), with ``workflow.type: agent_cmd``
+the agent proxy role (areal.launcher.agent_proxy_task; a control token per attempt, by env to it
+and the trainers; its exit stops the run), and at once, beside them, SCRIPT under ``torchrun`` on
+``cluster.trainer_nprocs`` ranks with the launch env contract (:mod:`areal.api.launch`): the
+trainers' start-up overlaps the servers'. Each server is registered in the registry once it
+answers ``/health``; one that dies or misses ``launcher.server_setup_timeout`` first stops the
+run. The trainers wait for the servers in the registry (``launcher.server_setup_timeout`` +
+``rollout.setup_timeout``). On a GPU machine the trainer ranks get GPUs
 ``0..trainer_nprocs-1`` and server ``i`` the GPU after them (``CUDA_VISIBLE_DEVICES``; inside a
 server its GPU is ``cuda``). Logs go to RUN_DIR/logs/<process>.log and to the console with a
 prefix. Everything is torn down on exit, on Ctrl-C / SIGTERM, and when the trainer fails. A
@@ -27,6 +29,9 @@ import os
 import secrets
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 from areal.api.config.loader import iter_fields
 from areal.api.launch import (
@@ -43,9 +48,8 @@ from areal.launcher.common import (
     reset_trial,
     thread_split,
     usable_cores,
-    wait_for_servers,
 )
-from areal.launcher.procs import Child, ProcessSupervisor
+from areal.launcher.procs import Child, ProcessSupervisor, http_ok
 from areal.launcher.servers import ManagedServer, server_command, server_env
 from areal.utils.logging import get_logger
 from areal.utils.name_resolve import gen_teacher_key, make_repository
@@ -89,36 +93,46 @@ def gpu_layout(
     return ",".join(trainers), [trainers[i % trainer_nprocs] for i in range(n_servers)]
 
 
+@dataclass
+class Starting:
+    """A started process the launch waits for, beside the trainer: once ``url`` answers 200,
+    ``ready()`` runs (a server is registered for the trainers, which wait for it there)."""
+
+    child: Child
+    url: str
+    ready: Callable[[], None]
+
+
 def _start_servers(
     sup: ProcessSupervisor, cfg, server_gpus: list[str | None], threads: int
-) -> list[ManagedServer]:
-    """Start the servers (``threads`` OMP/torch threads each), register each once healthy."""
-    lc = cfg.launcher
+) -> tuple[list[ManagedServer], list[Starting]]:
+    """Start the servers (``threads`` OMP/torch threads each); each is registered once it
+    answers ``/health`` (its :class:`Starting`)."""
     registry = reset_trial(cfg)
-    servers = []
+    servers, starting = [], []
     for i in range(cfg.cluster.n_servers):
         env = {
             **threads_env(threads),
             **devices_env(server_gpus[i]),
             **api_key_env(cfg.server.api_key),
         }
-        servers.append(ManagedServer.start(sup, cfg, f"server{i}", free_port(), env))
-    for s in servers:
-        sup.wait_http_ok(s.child, f"{s.url}/health", lc.server_setup_timeout)
-        register_server(registry, cfg, s.address)
-    wait_for_servers(registry, cfg, lc.server_setup_timeout)
-    return servers
+        s = ManagedServer.start(sup, cfg, f"server{i}", free_port(), env)
+        servers.append(s)
+        starting.append(
+            Starting(s.child, f"{s.url}/health", partial(register_server, registry, cfg, s.address))
+        )
+    return servers, starting
 
 
-def _start_teachers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) -> None:
+def _start_teachers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) -> list[Starting]:
     """On-policy distillation: ``distill.n_servers`` servers of the teacher (never updated, not
-    restarted), teacher ``i`` on student server ``i``'s GPU, registered under the trial's
-    teacher key once healthy."""
+    restarted), teacher ``i`` on student server ``i``'s GPU, each registered under the trial's
+    teacher key once it answers ``/health``."""
     distill = getattr(cfg, "distill", None)
     if distill is None or not distill.enabled or not distill.n_servers:
-        return
+        return []
     lc, registry = cfg.launcher, make_repository(cfg.cluster.name_resolve, cfg.name_resolve_root)
-    started = []
+    key, starting = gen_teacher_key(cfg.experiment_name, cfg.trial_name), []
     for i in range(distill.n_servers):
         port, gpu = free_port(), server_gpus[i % len(server_gpus)] if server_gpus else None
         env = {
@@ -130,10 +144,15 @@ def _start_teachers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) 
         cmd = server_command(
             cfg, port, cfg.run_dir / f"teacher{i}.yaml", model=distill.teacher_path
         )
-        started.append((sup.start(f"teacher{i}", cmd, env=env), f"127.0.0.1:{port}"))
-    for child, address in started:
-        sup.wait_http_ok(child, f"http://{address}/health", lc.server_setup_timeout)
-        registry.add_subentry(gen_teacher_key(cfg.experiment_name, cfg.trial_name), address)
+        address = f"127.0.0.1:{port}"
+        starting.append(
+            Starting(
+                sup.start(f"teacher{i}", cmd, env=env),
+                f"http://{address}/health",
+                partial(registry.add_subentry, key, address),
+            )
+        )
+    return starting
 
 
 def uses_agent_proxy(cfg) -> bool:
@@ -153,8 +172,9 @@ def agent_proxy_command(script: str, argv: list[str], cfg, host: str, port: int 
 def _start_agent_proxy(
     sup: ProcessSupervisor, script: str, argv: list[str], cfg
 ) -> tuple[Child | None, str]:
-    """With ``workflow.type: agent_cmd``: the agent proxy role, once it answers ``/health``
-    (it registers itself), and the control token it shares with the trainers; else (None, '')."""
+    """With ``workflow.type: agent_cmd``: the agent proxy role (it registers itself once it
+    serves; the trainers wait for that, and its exit stops the run) and the control token it
+    shares with the trainers; else (None, '')."""
     if not uses_agent_proxy(cfg):
         return None, ""
     token, port = secrets.token_urlsafe(32), free_port()
@@ -162,7 +182,6 @@ def _start_agent_proxy(
     child = sup.start(
         "agent_proxy", agent_proxy_command(script, argv, cfg, "127.0.0.1", port), env=env
     )
-    sup.wait_http_ok(child, f"http://127.0.0.1:{port}/health", cfg.launcher.server_setup_timeout)
     return child, token
 
 
@@ -220,8 +239,10 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
             usable_cores(),
         )
         logger.info(f"launcher: {how}")
-        servers = _start_servers(sup, cfg, server_gpus, server_threads)
-        _start_teachers(sup, cfg, server_gpus)
+        # the trainer starts beside the servers (its imports overlap their start) and waits
+        # for them in the registry, where each is published once it answers /health
+        servers, starting = _start_servers(sup, cfg, server_gpus, server_threads)
+        starting += _start_teachers(sup, cfg, server_gpus)
         proxy, token = _start_agent_proxy(sup, script, argv, cfg)
         server_cfg = getattr(cfg, "server", None)  # experiments without servers (SFT) have none
         colocated = trainer_gpus is not None and bool(
@@ -237,18 +258,13 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
         }
         cmd = _trainer_command(script, without_secrets(argv, cfg), cluster.trainer_nprocs)
         trainer = sup.start("trainer", cmd, env=env)
-        watched = list(servers)
-        while trainer.proc.poll() is None:
-            for s in list(watched):
-                if s.child.proc.poll() is not None and not s.restart(sup, cfg):
-                    watched.remove(s)
-            if proxy is not None and proxy.proc.poll() is not None:
-                logger.error(
-                    f"the agent proxy exited with code {proxy.proc.returncode}: "
-                    f"{proxy.root_cause()}; the run stops (see {proxy.log_path})"
-                )
-                return proxy.proc.returncode or 1
-            time.sleep(0.2)
+        try:
+            stopped = _watch(sup, cfg, trainer, servers, proxy, starting)
+        except (RuntimeError, TimeoutError) as e:  # one died or hung while starting
+            logger.error(f"{e}\nthe run stops")
+            return 1
+        if stopped is not None:
+            return stopped
         code = trainer.proc.returncode
         if code != 0:
             logger.error(
@@ -256,6 +272,39 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
                 f"last lines of this run's trainer output:\n{trainer.tail(20)}"
             )
         return code
+
+
+def _watch(
+    sup: ProcessSupervisor,
+    cfg,
+    trainer: Child,
+    servers: list[ManagedServer],
+    proxy: Child | None,
+    starting: list[Starting],
+) -> int | None:
+    """Until the trainer exits: publish each :class:`Starting` once it answers (raises when one
+    dies first or misses ``launcher.server_setup_timeout``), restart dead servers (up to
+    ``launcher.server_restarts``); the agent proxy's exit code (or 1) if it dies, else None."""
+    timeout = cfg.launcher.server_setup_timeout
+    deadline = time.monotonic() + timeout
+    restartable = [s for s in servers if not any(p.child is s.child for p in starting)]
+    while trainer.proc.poll() is None:
+        for p in list(starting):
+            if http_ok(p.child, p.url, deadline, timeout):
+                p.ready()
+                starting.remove(p)
+                restartable += [s for s in servers if s.child is p.child]
+        for s in list(restartable):
+            if s.child.proc.poll() is not None and not s.restart(sup, cfg):
+                restartable.remove(s)
+        if proxy is not None and proxy.proc.poll() is not None:
+            logger.error(
+                f"the agent proxy exited with code {proxy.proc.returncode}: "
+                f"{proxy.root_cause()}; the run stops (see {proxy.log_path})"
+            )
+            return proxy.proc.returncode or 1
+        time.sleep(0.2)
+    return None
 
 
 def launch_local(script: str, argv: list[str]) -> int:

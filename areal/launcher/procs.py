@@ -197,6 +197,29 @@ def read_failures(log_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def http_ok(child: Child, url: str, deadline: float, timeout: float) -> bool:
+    """Whether ``url`` answers 200 now; raises naming ``child`` if it died first, or if the
+    ``deadline`` (``time.monotonic()``; ``timeout`` seconds after the start, for the message)
+    passed."""
+    if child.proc.poll() is not None:
+        raise RuntimeError(
+            f"{child.name} exited with code {child.proc.returncode} before {url} answered; "
+            f"last lines of {child.log_path}:\n{child.tail()}"
+        )
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            if r.status == 200:
+                return True
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        pass
+    if time.monotonic() >= deadline:
+        raise TimeoutError(
+            f"{child.name} did not answer {url} within {timeout:.0f}s (raise launcher."
+            f"server_setup_timeout if the model is large); last lines:\n{child.tail()}"
+        )
+    return False
+
+
 class ProcessSupervisor:
     """Starts children, watches them, and stops all of them (used as a context manager)."""
 
@@ -238,23 +261,8 @@ class ProcessSupervisor:
     def wait_http_ok(self, child: Child, url: str, timeout: float) -> None:
         """Poll ``url`` until it answers 200; raise naming the child if it dies or time runs out."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if child.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{child.name} exited with code {child.proc.returncode} before {url} answered; "
-                    f"last lines of {child.log_path}:\n{child.tail()}"
-                )
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
+        while not http_ok(child, url, deadline, timeout):
             time.sleep(0.2)
-        raise TimeoutError(
-            f"{child.name} did not answer {url} within {timeout:.0f}s (raise launcher."
-            f"server_setup_timeout if the model is large); last lines:\n{child.tail()}"
-        )
 
     def stop_all(self) -> None:
         """SIGTERM every child's process group and every descendant (torchrun starts its

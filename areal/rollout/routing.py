@@ -51,11 +51,16 @@ class Server:
 
 
 def discover_servers(
-    config: InferenceEngineConfig, registry: NameRepository | None, key: str, n_servers: int
+    config: InferenceEngineConfig,
+    registry: NameRepository | None,
+    key: str,
+    n_servers: int,
+    start_s: float = 0.0,
 ) -> list[str]:
     """Server addresses: ``rollout.addresses`` when set (servers started by hand), else the
-    ``n_servers`` (at least one) entries registered under ``key``, waiting up to
-    ``rollout.setup_timeout`` seconds for them."""
+    ``n_servers`` (at least one) entries registered under ``key``, waiting up to ``start_s``
+    (the seconds a launcher gives its servers to start: it starts the trainers beside them,
+    ``launcher.server_setup_timeout``) plus ``rollout.setup_timeout`` seconds for them."""
     if config.addresses:
         return list(config.addresses)
     if registry is None:
@@ -63,7 +68,7 @@ def discover_servers(
             "no generation server addresses: set rollout.addresses=[host:port,...] "
             "or start the run with `areal launch`, which registers its servers"
         )
-    return sorted(registry.wait_subtree(key, max(1, n_servers), config.setup_timeout))
+    return sorted(registry.wait_subtree(key, max(1, n_servers), start_s + config.setup_timeout))
 
 
 class ServerPool:

@@ -60,7 +60,8 @@ def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RolloutWorkfl
 def agent_proxy_client(cfg: GRPOConfig) -> ProxyClient:
     """The control client of the trial's agent proxy, the role the launchers start with
     ``workflow.type: agent_cmd`` (areal.launcher.agent_proxy_task): its address from the trial
-    registry (waiting up to ``rollout.setup_timeout``), its token from the launcher's env."""
+    registry (waiting up to ``launcher.server_setup_timeout`` + ``rollout.setup_timeout``: the
+    launcher starts it beside the servers it serves), its token from the launcher's env."""
     token = agent_proxy_token()
     if not token:
         raise ValueError(
@@ -70,7 +71,8 @@ def agent_proxy_client(cfg: GRPOConfig) -> ProxyClient:
         )
     registry = make_repository(cfg.cluster.name_resolve, cfg.name_resolve_root)
     key = agent_proxy_key(cfg.experiment_name, cfg.trial_name)
-    return ProxyClient(registry.wait_subtree(key, 1, cfg.rollout.setup_timeout)[0], token)
+    wait_s = cfg.launcher.server_setup_timeout + cfg.rollout.setup_timeout
+    return ProxyClient(registry.wait_subtree(key, 1, wait_s)[0], token)
 
 
 @dataclass
@@ -125,7 +127,8 @@ def make_teacher(cfg: GRPOConfig, run) -> RemoteInferenceEngine | None:
         no_restart_reason="distillation teacher servers are not restarted",
     )
     key = gen_teacher_key(cfg.experiment_name, cfg.trial_name)
-    teacher.initialize(discover_servers(config, run.registry(), key, d.n_servers))
+    start_s = cfg.launcher.server_setup_timeout
+    teacher.initialize(discover_servers(config, run.registry(), key, d.n_servers, start_s))
     return teacher
 
 
@@ -149,8 +152,11 @@ def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
     rollout = RemoteInferenceEngine(
         cfg.rollout, api_key=cfg.server.api_key, server_restarts=restarts, no_restart_reason=why_not
     )
+    start_s = cfg.launcher.server_setup_timeout  # the launcher starts us beside the servers
     rollout.initialize(
-        discover_servers(cfg.rollout, run.registry(), run.servers_key, cfg.cluster.n_servers)
+        discover_servers(
+            cfg.rollout, run.registry(), run.servers_key, cfg.cluster.n_servers, start_s
+        )
     )
     reward = RewardRunner(resolve_reward(cfg.reward_fn), cfg.reward)
     workflow = make_workflow(cfg, reward, run.tokenizer, run.run_dir / "rollouts")

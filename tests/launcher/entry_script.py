@@ -38,7 +38,9 @@ def main(argv: list[str]) -> int:
     behaviour = os.environ["AREAL_TEST_BEHAVIOUR"]
     attempt = LaunchEnv.read().attempt
     registry = make_repository(cfg.cluster.name_resolve, cfg.name_resolve_root)
-    addrs = registry.get_subtree(gen_servers_key(cfg.experiment_name, cfg.trial_name))
+    key, n = gen_servers_key(cfg.experiment_name, cfg.trial_name), cfg.cluster.n_servers
+    # the launcher starts this script beside the servers: wait for them as trainers do
+    addrs = registry.wait_subtree(key, n, 120) if n else registry.get_subtree(key)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     with open(cfg.run_dir / "entry.jsonl", "a") as f:
         f.write(

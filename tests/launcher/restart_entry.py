@@ -45,7 +45,8 @@ def _pid_listening_on(port: int) -> int:
 def main(argv: list[str]) -> int:
     cfg = load_config(CONFIG, argv)
     registry = make_repository(cfg.cluster.name_resolve, cfg.name_resolve_root)
-    [addr] = registry.get_subtree(gen_servers_key(cfg.experiment_name, cfg.trial_name))
+    # the launcher starts this script beside the server: wait for it as trainers do
+    [addr] = registry.wait_subtree(gen_servers_key(cfg.experiment_name, cfg.trial_name), 1, 120)
     shutil.copytree(cfg.actor.path, cfg.weights_dir / "v3")
     os.kill(_pid_listening_on(int(addr.rsplit(":", 1)[1])), signal.SIGKILL)
     deadline = time.monotonic() + 90

@@ -93,6 +93,27 @@ def test_an_agent_cmd_run_gets_the_agent_proxy_role_and_its_death_stops_the_run(
     run.assert_no_survivors()
 
 
+def test_a_server_that_dies_while_starting_stops_the_run_the_trainer_waited_beside(
+    launch, tmp_path, tiny_model_dir
+):
+    """The trainer starts beside the servers and waits for them in the registry; a server that
+    exits before it answers /health stops the run with one error naming it, no traceback."""
+    import shutil
+
+    broken = tmp_path / "broken_model"
+    shutil.copytree(tiny_model_dir, broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(b"not safetensors")
+    run, run_dir = launch("ok", "cluster.n_servers=1", f"actor.path={broken}")
+    assert run.wait(RUN_TIMEOUT) == 1, run.output()
+    out = run.output()
+    assert "started trainer" in out and "server0 exited with code" in out, out
+    assert "before http://127.0.0.1:" in out and "the run stops" in out, out
+    assert "launcher/local.py" not in out, out  # no traceback of the launcher's own
+    assert not (run_dir / "entry.jsonl").exists()  # the trainer was still waiting for it
+    run.assert_no_survivors()
+
+
 def test_failed_trainer_stops_the_run_and_tears_everything_down(launch):
     run, run_dir = launch("exit3", "cluster.n_servers=1")
     assert run.wait(RUN_TIMEOUT) not in (0, None), (
