@@ -44,7 +44,10 @@ class InferenceEngineConfig:
         help="How a new group picks a server; all samples of one group stay on one server.",
     )
     setup_timeout: float = param(
-        120.0, gt=0, help="Seconds to wait for servers to register and for every /health to pass."
+        120.0,
+        gt=0,
+        help="Seconds to wait for servers to register (plus launcher.server_setup_timeout: "
+        "a launcher starts the trainers beside its servers) and for every /health to pass.",
     )
     request_timeout: float = param(
         3600.0, gt=0, help="Seconds one agenerate call may take end to end (pauses included)."
