@@ -33,7 +33,7 @@ from areal.api.config import ConfigError, load_config
 from areal.api.launch import LaunchEnv, agent_proxy_token
 from areal.launcher.common import load_script_config_class
 from areal.rollout.remote import RemoteInferenceEngine, discover_servers
-from areal.runtime.rl import server_restarts
+from areal.runtime.rl import registration_wait, server_restarts
 from areal.utils.logging import get_logger
 from areal.utils.name_resolve import gen_servers_key, make_repository
 from areal.utils.process import die_with
@@ -51,8 +51,8 @@ def _engine(cfg, registry) -> RemoteInferenceEngine:
         cfg.rollout, api_key=cfg.server.api_key, server_restarts=restarts, no_restart_reason=why_not
     )
     key = gen_servers_key(cfg.experiment_name, cfg.trial_name)
-    start_s = cfg.launcher.server_setup_timeout  # the launcher starts us beside the servers
-    engine.initialize(discover_servers(cfg.rollout, registry, key, cfg.cluster.n_servers, start_s))
+    n = cfg.cluster.n_servers
+    engine.initialize(discover_servers(cfg.rollout, registry, key, n, registration_wait(cfg)))
     return engine
 
 

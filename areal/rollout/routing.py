@@ -55,12 +55,12 @@ def discover_servers(
     registry: NameRepository | None,
     key: str,
     n_servers: int,
-    start_s: float = 0.0,
+    wait_s: float | None = None,
 ) -> list[str]:
     """Server addresses: ``rollout.addresses`` when set (servers started by hand), else the
-    ``n_servers`` (at least one) entries registered under ``key``, waiting up to ``start_s``
-    (the seconds a launcher gives its servers to start: it starts the trainers beside them,
-    ``launcher.server_setup_timeout``) plus ``rollout.setup_timeout`` seconds for them."""
+    ``n_servers`` (at least one) entries registered under ``key``, waiting up to ``wait_s``
+    seconds for them (default ``rollout.setup_timeout``; a launched run waits
+    :func:`areal.runtime.rl.registration_wait`)."""
     if config.addresses:
         return list(config.addresses)
     if registry is None:
@@ -68,7 +68,11 @@ def discover_servers(
             "no generation server addresses: set rollout.addresses=[host:port,...] "
             "or start the run with `areal launch`, which registers its servers"
         )
-    return sorted(registry.wait_subtree(key, max(1, n_servers), start_s + config.setup_timeout))
+    return sorted(
+        registry.wait_subtree(
+            key, max(1, n_servers), config.setup_timeout if wait_s is None else wait_s
+        )
+    )
 
 
 class ServerPool:

@@ -57,11 +57,17 @@ def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RolloutWorkfl
     )
 
 
+def registration_wait(cfg: GRPOConfig) -> float:
+    """Seconds a process of a launched run waits for the trial's servers (or its agent proxy) to
+    register: ``launcher.server_setup_timeout`` + ``rollout.setup_timeout``, as a launcher may
+    start it beside them (``areal launch local`` does)."""
+    return cfg.launcher.server_setup_timeout + cfg.rollout.setup_timeout
+
+
 def agent_proxy_client(cfg: GRPOConfig) -> ProxyClient:
     """The control client of the trial's agent proxy, the role the launchers start with
     ``workflow.type: agent_cmd`` (areal.launcher.agent_proxy_task): its address from the trial
-    registry (waiting up to ``launcher.server_setup_timeout`` + ``rollout.setup_timeout``: the
-    launcher starts it beside the servers it serves), its token from the launcher's env."""
+    registry (waiting up to :func:`registration_wait`), its token from the launcher's env."""
     token = agent_proxy_token()
     if not token:
         raise ValueError(
@@ -71,8 +77,7 @@ def agent_proxy_client(cfg: GRPOConfig) -> ProxyClient:
         )
     registry = make_repository(cfg.cluster.name_resolve, cfg.name_resolve_root)
     key = agent_proxy_key(cfg.experiment_name, cfg.trial_name)
-    wait_s = cfg.launcher.server_setup_timeout + cfg.rollout.setup_timeout
-    return ProxyClient(registry.wait_subtree(key, 1, wait_s)[0], token)
+    return ProxyClient(registry.wait_subtree(key, 1, registration_wait(cfg))[0], token)
 
 
 @dataclass
@@ -127,8 +132,8 @@ def make_teacher(cfg: GRPOConfig, run) -> RemoteInferenceEngine | None:
         no_restart_reason="distillation teacher servers are not restarted",
     )
     key = gen_teacher_key(cfg.experiment_name, cfg.trial_name)
-    start_s = cfg.launcher.server_setup_timeout
-    teacher.initialize(discover_servers(config, run.registry(), key, d.n_servers, start_s))
+    wait_s = registration_wait(cfg)
+    teacher.initialize(discover_servers(config, run.registry(), key, d.n_servers, wait_s))
     return teacher
 
 
@@ -152,10 +157,13 @@ def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
     rollout = RemoteInferenceEngine(
         cfg.rollout, api_key=cfg.server.api_key, server_restarts=restarts, no_restart_reason=why_not
     )
-    start_s = cfg.launcher.server_setup_timeout  # the launcher starts us beside the servers
     rollout.initialize(
         discover_servers(
-            cfg.rollout, run.registry(), run.servers_key, cfg.cluster.n_servers, start_s
+            cfg.rollout,
+            run.registry(),
+            run.servers_key,
+            cfg.cluster.n_servers,
+            registration_wait(cfg),
         )
     )
     reward = RewardRunner(resolve_reward(cfg.reward_fn), cfg.reward)
