@@ -6,7 +6,14 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
+
+# Before torch loads OpenMP (which reads it once), and inherited by every process a test starts:
+# OpenMP threads waiting for work sleep instead of spinning. Two pytest workers and the processes
+# they start share 2 cores; a spinning thread holds a core the others need (a small training loop
+# took 36 s instead of 1.4 s beside a busy neighbour). Results do not depend on it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub
