@@ -71,8 +71,8 @@ typecheck: $(STAMP)
 # ends, however it ends, the build's process group (and the pid, had setsid not yet run) gets
 # SIGTERM and its log is printed; a stopped build is rebuilt by the next run.
 # compileall first: with PYTHONDONTWRITEBYTECODE set (as on this project's machines) every process
-# a test starts would compile the areal modules it imports again (~0.1 s of CPU for a trainer, hundreds of
-# processes); compileall writes the .pyc files once and the processes read them.
+# a test starts would compile the areal modules it imports again (~0.1 s of CPU for a trainer;
+# hundreds of processes); compileall writes the .pyc files once and the processes read them.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	mkdir -p .cache
