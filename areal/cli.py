@@ -178,6 +178,25 @@ def _core_scale(argv: list[str]) -> int:
     return 0
 
 
+def _core_stop(argv: list[str]) -> int:
+    from areal.core.status import request_stop
+
+    p = argparse.ArgumentParser(
+        prog="areal core stop",
+        description="Stop a running `areal core async-ppo` job early: the master makes its next "
+        "step the last, saves and evaluates there, writes a recover checkpoint when recovery is "
+        "on, and ends (docs/core.md).",
+    )
+    p.add_argument("run_dir")
+    a = p.parse_args(argv)
+    try:
+        request_stop(a.run_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"areal core stop: {e}") from None
+    print("requested; the master ends the run after its next step")
+    return 0
+
+
 def _core(args: argparse.Namespace) -> int:
     if args.action == "sft":
         from areal.core.sft import main as core_sft
@@ -197,6 +216,8 @@ def _core(args: argparse.Namespace) -> int:
         return 0
     if args.action == "scale":
         return _core_scale(args.rest)
+    if args.action == "stop":
+        return _core_stop(args.rest)
     if args.action in ("sync-ppo", "async-ppo"):  # the master under the local launcher (servers)
         import areal.core.async_ppo
         import areal.core.sync_ppo
@@ -222,7 +243,8 @@ CORE_ACTIONS = (
     "PPO/GRPO through the master (servers started by the local launcher); async-ppo: async "
     "PPO/GRPO, rollout workers and the generation manager on Ray; status RUN_DIR: an async-ppo "
     "run's manager and rollout workers at its last step; scale RUN_DIR --rollout-workers N "
-    "--add-server/--remove-server HOST:PORT: scale a running async-ppo job"
+    "--add-server/--remove-server HOST:PORT: scale a running async-ppo job; stop RUN_DIR: end "
+    "it after its next step (saved, evaluated, a recover checkpoint when recovery is on)"
 )
 CORE_REST = (
     "--config YAML and key=value overrides: CoreGraphConfig fields (areal/core/graphs.py) for "
@@ -346,7 +368,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("core",
             "Core mode (docs/core.md): print a dataflow graph, run SFT, sync or async PPO",
             _core, (
-        _arg("action", choices=["graph", "sft", "sync-ppo", "async-ppo", "status", "scale"],
+        _arg("action", choices=["graph", "sft", "sync-ppo", "async-ppo", "status", "scale", "stop"],
              help=CORE_ACTIONS),
         _arg("rest", nargs=argparse.REMAINDER, help=CORE_REST),
     )),

@@ -49,7 +49,7 @@ from areal.core.session import (
     start_model_workers,
     step_stats,
 )
-from areal.core.status import mark_finished, write_status
+from areal.core.status import mark_finished, take_stop_request, write_status
 from areal.core.worker import ModelWorker
 from areal.runtime.publisher import WeightPublisher
 from areal.runtime.rl import RolloutSide, setup_rollout
@@ -173,6 +173,8 @@ def main(argv: list[str]) -> int:
     watch, model_pids = start_generation(cfg, rollout, workers, master)
     n_groups, registry = cfg.train_dataset.batch_size, run.registry()
     for step, epoch_done in run.steps(start, n_steps, len(data.loader)):
+        if take_stop_request(run.run_dir):  # `areal core stop`: this step is the last
+            run.end_at(step)
         rollout.rescale(run.run_dir, registry.get_subtree(run.servers_key))
         with run.tracker.timer("step"):
             with run.tracker.timer("wait_rollouts"):

@@ -6,7 +6,9 @@ written without Ray or torch (so ``areal core status`` and ``scale`` start in a 
   :func:`format_status`;
 - RUN_DIR/core_scale.json: a scaling request (:func:`request_scale`), which the master takes
   before its next step (:func:`take_scale_request`, in
-  :meth:`~areal.core.rollout_side.RayRolloutSide.rescale`).
+  :meth:`~areal.core.rollout_side.RayRolloutSide.rescale`);
+- RUN_DIR/core_stop.json: a stop request (:func:`request_stop`): the master makes its next step
+  the run's last (:func:`take_stop_request`, :meth:`areal.runtime.run.Run.end_at`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
 SCALE_FILE = "core_scale.json"
+STOP_FILE = "core_stop.json"
 STATUS_FILE = "core_status.json"  # the master's state at its last step (areal core status)
 
 
@@ -64,33 +67,42 @@ def mark_finished(run_dir: Path) -> None:
 
 def run_ended(status: dict) -> str:
     """Why the run of ``status`` (RUN_DIR/core_status.json) is over ('' while its master runs):
-    it finished, or its master's process (on this host) is gone."""
+    it finished (before its last step: stopped by ``areal core stop``), or its master's process
+    (on this host) is gone."""
     if status.get("state") == "finished":
-        return f"it finished at step {status['step']}/{status['total_steps']}"
+        at = f"step {status['step']}/{status['total_steps']}"
+        early = status["step"] < status["total_steps"]
+        return f"it was stopped at {at} (areal core stop)" if early else f"it finished at {at}"
     pid, host = status.get("master_pid"), status.get("master_host")
     if pid and host == socket.gethostname() and not Path(f"/proc/{pid}").exists():
         return f"its master (pid {pid}) is gone, at step {status['step']}/{status['total_steps']}"
     return ""
 
 
-def request_scale(
-    run_dir: Path, rollout_workers: int | None, add: list[str], remove: list[str]
-) -> ScaleRequest:
-    """Merge a scaling request into RUN_DIR/core_scale.json (the master takes it next step);
-    refused for a run that has ended (nobody would take it)."""
-    path = Path(run_dir) / SCALE_FILE
+def _require_running(run_dir: Path, what: str) -> None:
+    """Refuse a request to a directory that is not a run, or to a run that has ended (nobody
+    would take it), naming the fix."""
     if not (Path(run_dir) / "config.yaml").is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
     status = Path(run_dir) / STATUS_FILE
     ended = run_ended(json.loads(status.read_text())) if status.is_file() else ""
     if ended:
         raise ValueError(
-            f"{run_dir}: the run has ended ({ended}); scaling applies to a running `areal core "
-            "async-ppo` job: launch it again (it resumes from its recover checkpoint, if any) "
-            "and scale that"
+            f"{run_dir}: the run has ended ({ended}); `areal core {what}` applies to a running "
+            f"`areal core async-ppo` job: launch it again (it resumes from its recover "
+            f"checkpoint, if any) and {what} that"
         )
+
+
+def request_scale(
+    run_dir: Path, rollout_workers: int | None, add: list[str], remove: list[str]
+) -> ScaleRequest:
+    """Merge a scaling request into RUN_DIR/core_scale.json (the master takes it next step);
+    refused for a run that has ended."""
+    _require_running(run_dir, "scale")
     if rollout_workers is not None and rollout_workers < 1:
         raise ValueError(f"--rollout-workers {rollout_workers}: keep at least 1")
+    path = Path(run_dir) / SCALE_FILE
     req: ScaleRequest = (
         json.loads(path.read_text())
         if path.is_file()
@@ -102,6 +114,23 @@ def request_scale(
     req["remove_servers"] += remove
     _write_json(path, req)
     return req
+
+
+def request_stop(run_dir: Path) -> None:
+    """Ask the master to make its next step the run's last (RUN_DIR/core_stop.json): it saves
+    and evaluates there as at ``total_train_steps``, writes a recover checkpoint when recovery
+    is on, and ends; refused for a run that has ended."""
+    _require_running(run_dir, "stop")
+    _write_json(Path(run_dir) / STOP_FILE, {"time": time.time()})
+
+
+def take_stop_request(run_dir: Path) -> bool:
+    """Whether a stop was requested (the request is removed from disk)."""
+    path = Path(run_dir) / STOP_FILE
+    if not path.is_file():
+        return False
+    path.unlink()
+    return True
 
 
 def take_scale_request(run_dir: Path) -> ScaleRequest | None:

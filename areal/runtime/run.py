@@ -146,6 +146,7 @@ class Run:
         self._bar = None
         self._last_commit: float | None = None
         self._saved: _Saved | None = None  # what Run.checkpoint saves (Run.resume registers it)
+        self._last_step = 0  # the last step Run.steps yields (Run.end_at may lower it)
 
     def load_data(self) -> Data:
         """Tokenized train (and valid) datasets, sharded over the trainer ranks."""
@@ -171,9 +172,19 @@ class Run:
         """Yield ``(step, epoch_done)`` for steps ``start + 1 .. n_steps``. The saver and the
         evaluator learn the last step: their ``check`` is True there whatever their frequency,
         so a run always ends with an export and an evaluation."""
-        self.saver.last_step = self.evaluator.last_step = n_steps
-        for step in range(start + 1, n_steps + 1):
+        self._last_step = self.saver.last_step = self.evaluator.last_step = n_steps
+        step = start
+        while step < self._last_step:  # end_at may move it closer
+            step += 1
             yield step, step % steps_per_epoch == 0
+
+    def end_at(self, step: int) -> None:
+        """Make ``step`` (the one :meth:`steps` just yielded) the run's last: no step follows;
+        the saver and the evaluator fire at it as at the last step, and so does the recover
+        timer when recovery is on (a relaunch with recover.mode=resume goes on from there)."""
+        self._last_step = self.saver.last_step = self.evaluator.last_step = step
+        if self.cfg.recover.mode != "disabled":
+            self.recover_timer.last_step = step
 
     def batches(
         self, loader: _Loader[B], n_steps: int, start_step: int = 0

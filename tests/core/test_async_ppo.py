@@ -211,7 +211,7 @@ def test_a_killed_rollout_worker_then_a_killed_server_are_restarted_and_the_run_
     SIGKILLed server (of 2): the rollout workers fail over to the other, the launcher restarts
     it, the manager's next weight update revives it and the workers route to it again."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    n = 40
+    n = 60  # a ceiling: the test stops the run once the restarted server served a step
     launch, run_dir = start(
         runs,
         "faults",
@@ -248,25 +248,21 @@ def test_a_killed_rollout_worker_then_a_killed_server_are_restarted_and_the_run_
     st = wait_for(
         launch, run_dir, lambda st: len(st["servers"]) == 2, "the restarted server served again"
     )
-    back = st["step"]
-    finish(launch, run_dir)
-    steps = check_lags(run_dir, 1, n)  # no rollout ran on stale weights
-    assert steps[n]["rollout_worker/1/restarts"] == 1 and steps[n]["rollout_worker/0/restarts"] == 0
-    assert status(run_dir)["workers"][1]["pid"] != victim
-    assert back < n and sorted(status(run_dir)["servers"]) == sorted(both)
-    assert steps[n]["manager/remote/revived"] >= 1  # by the manager's weight update
-    ids = [i for r in effective_ids(run_dir).values() for i in r]
-    assert len(ids) == 2 * n and len(set(ids)) == 2 * n  # redone work is trained once
-    out = subprocess.run(
-        [sys.executable, "-m", "areal.cli", "core", "status", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
+    last = stop_after(launch, run_dir, st["step"] + 1)  # a step on both servers again
+    steps = check_lags(run_dir, 1, last)  # no rollout ran on stale weights
+    assert (
+        steps[last]["rollout_worker/1/restarts"] == 1
+        and steps[last]["rollout_worker/0/restarts"] == 0
     )
-    assert out.returncode == 0, out.stderr
-    row = [line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["1"]][0]
-    assert row[-1] == "1" and f"step {n}/{n}" in out.stdout  # worker 1 restarted once
+    assert status(run_dir)["workers"][1]["pid"] != victim
+    assert sorted(status(run_dir)["servers"]) == sorted(both)
+    assert steps[last]["manager/remote/revived"] >= 1  # by the manager's weight update
+    ids = [i for r in effective_ids(run_dir).values() for i in r]
+    assert len(ids) == 2 * last and len(set(ids)) == 2 * last  # redone work is trained once
+    shown = core("status", run_dir)
+    row = [line.split() for line in shown.splitlines() if line.split()[:1] == ["1"]][0]
+    assert row[-1] == "1"  # worker 1 restarted once
+    assert f"run ended: it was stopped at step {last}/{n} (areal core stop)" in shown, shown
 
 
 def test_a_killed_model_worker_resumes_with_the_uninterrupted_sample_sequence(
@@ -295,15 +291,28 @@ def test_a_killed_model_worker_resumes_with_the_uninterrupted_sample_sequence(
     check_lags(run_dir, 2, 6)
 
 
-def scale(run_dir: Path, *args: str) -> None:
+def core(action: str, run_dir: Path, *args: str) -> str:
+    """``areal core ACTION RUN_DIR ARGS``'s output (it must succeed)."""
     out = subprocess.run(
-        [sys.executable, "-m", "areal.cli", "core", "scale", str(run_dir), *args],
+        [sys.executable, "-m", "areal.cli", "core", action, str(run_dir), *args],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=REPO,
     )
     assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def stop_after(launch, run_dir: Path, step: int) -> int:
+    """Once the run reached ``step``: ``areal core stop``, the run's end; its last step (a test
+    ends the run once it saw what it checks instead of waiting out total_train_steps)."""
+    wait_for_step(launch, run_dir, step)
+    core("stop", run_dir)
+    finish(launch, run_dir)
+    last = status(run_dir)["step"]
+    assert status(run_dir)["state"] == "finished" and step < last
+    return last
 
 
 def wait_for(launch, run_dir: Path, what, label: str) -> dict:
@@ -320,7 +329,8 @@ def server_version(addr: str) -> int:
 def test_rollout_workers_and_servers_scale_while_the_job_runs(runs, tiny_model_dir, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     extra = start_servers(str(tiny_model_dir), 1)
-    n = 60  # with the paced reward, enough steps left for both scalings on a loaded machine
+    n = 60  # a ceiling (the paced reward leaves time for both scalings on a loaded machine);
+    # the test stops the run once it has run on the new server alone
     try:
         launch, run_dir = start(
             runs,
@@ -335,7 +345,7 @@ def test_rollout_workers_and_servers_scale_while_the_job_runs(runs, tiny_model_d
         )
         ((_, added),) = extra
         first = wait_for_step(launch, run_dir, 2)["servers"]
-        scale(run_dir, "--rollout-workers", "3", "--add-server", added)
+        core("scale", run_dir, "--rollout-workers", "3", "--add-server", added)
         worked = lambda st: any(w["index"] == 2 and w["episodes"] > 0 for w in st["workers"])  # noqa: E731
         st = wait_for(
             launch,
@@ -344,7 +354,7 @@ def test_rollout_workers_and_servers_scale_while_the_job_runs(runs, tiny_model_d
             "the new worker rolled out",
         )
         grown = st["step"]
-        scale(run_dir, "--rollout-workers", "2", "--remove-server", first[0])
+        core("scale", run_dir, "--rollout-workers", "2", "--remove-server", first[0])
         st = wait_for(
             launch,
             run_dir,
@@ -352,18 +362,17 @@ def test_rollout_workers_and_servers_scale_while_the_job_runs(runs, tiny_model_d
             "scaling down",
         )
         shrunk = st["step"]
-        finish(launch, run_dir)
-        assert server_version(added) == n  # it got every update from its first step on
+        last = stop_after(launch, run_dir, shrunk + 2)  # steps on the new server alone
+        assert server_version(added) == last  # it got every update from its first step on
     finally:
         stop_servers(extra)
-    steps = check_lags(run_dir, 1, n)
+    steps = check_lags(run_dir, 1, last)
     assert steps[grown]["core/servers"] == 2 and steps[grown]["core/rollout_workers"] == 3
     assert steps[grown]["rollout_worker/2/episodes"] > 0  # the added worker rolled out
-    assert steps[n]["core/servers"] == 1 and steps[n]["core/rollout_workers"] == 2
-    assert shrunk < n, "nothing ran on the new server alone"
+    assert steps[last]["core/servers"] == 1 and steps[last]["core/rollout_workers"] == 2
     assert (
-        "rollout_worker/2/episodes" not in steps[n]
+        "rollout_worker/2/episodes" not in steps[last]
     )  # it drained (the newest goes first) and stopped
-    assert steps[n]["manager/lost"] == 0
+    assert steps[last]["manager/lost"] == 0
     ids = [i for r in effective_ids(run_dir).values() for i in r]
-    assert len(ids) == 2 * n and len(set(ids)) == 2 * n
+    assert len(ids) == 2 * last and len(set(ids)) == 2 * last

@@ -97,3 +97,27 @@ def test_steps_tell_the_saver_and_evaluator_the_last_step(make_run):
         (6, True, True, True),  # the last step: saved and evaluated whatever the frequency
     ]
     assert not run.recover_timer.check(6)  # recover checkpoints keep their own schedule
+
+
+def test_end_at_makes_the_running_step_the_last_for_the_loop_and_every_timer(make_run):
+    """`areal core stop`'s path: step 3 of 10 becomes the last; saver, evaluator and (recovery
+    on) the recover timer fire there though none is due."""
+    run = make_run(
+        "saver.freq_steps=4", "evaluator.freq_steps=null", "recover.freq_steps=null"
+    )  # make_run's recover.mode is resume
+    fired = []
+    for step, _ in run.steps(0, 10, steps_per_epoch=5):
+        if step == 3:
+            run.end_at(step)
+        fired.append((step, run.saver.check(step), run.evaluator.check(step)))
+        fired[-1] += (run.recover_timer.check(step),)
+    assert fired == [
+        (1, False, False, False),
+        (2, False, False, False),
+        (3, True, True, True),
+    ]
+    off = make_run("recover.mode=disabled", "recover.freq_steps=null")
+    for step, _ in off.steps(0, 10, steps_per_epoch=5):
+        off.end_at(step)
+        assert not off.recover_timer.check(step)  # no recovery: no recover checkpoint
+    assert step == 1
