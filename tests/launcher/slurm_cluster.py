@@ -171,7 +171,7 @@ def _conf(root: Path, host: str, nodes: list[str], cpus: int) -> str:
             "SlurmdParameters=config_overrides",
             "MpiDefault=none",
             "ReturnToService=2",
-            "KillWait=10",
+            "KillWait=3",  # seconds from SIGTERM to SIGKILL (the stubborn test waits it out)
             *(
                 f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
                 f"CPUs={cpus} State=UNKNOWN"
