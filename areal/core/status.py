@@ -59,7 +59,9 @@ def write_status(run_dir: Path, step: int, n_steps: int, status: dict[str, Any])
 
 
 def mark_finished(run_dir: Path) -> None:
-    """The run is over: RUN_DIR/core_status.json says so (``areal core status``, ``scale``)."""
+    """The run is over: RUN_DIR/core_status.json says so (``areal core status``, ``scale``); a
+    stop request that came during the last step is dropped (a later resume must not take it)."""
+    (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
     path = Path(run_dir) / STATUS_FILE
     if path.is_file():
         _write_json(path, {**json.loads(path.read_text()), "state": "finished"})

@@ -33,6 +33,9 @@ def test_a_stop_request_is_taken_once(run_dir):
     request_stop(run_dir)
     assert (run_dir / STOP_FILE).is_file()
     assert take_stop_request(run_dir) and not take_stop_request(run_dir)
+    request_stop(run_dir)  # during the last step: nobody takes it
+    mark_finished(run_dir)
+    assert not take_stop_request(run_dir)  # a later resume does not stop at its first step
 
 
 def test_a_run_that_ended_before_its_last_step_says_it_was_stopped(run_dir):
