@@ -18,7 +18,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict, cast
 
 SCALE_FILE = "core_scale.json"
 STOP_FILE = "core_stop.json"
@@ -126,23 +126,23 @@ def request_stop(run_dir: Path) -> None:
     _write_json(Path(run_dir) / STOP_FILE, {"time": time.time()})
 
 
+def _take(path: Path) -> object:
+    """The request a JSON file at ``path`` holds, removed from disk (None if there is none)."""
+    if not path.is_file():
+        return None
+    req = json.loads(path.read_text())
+    path.unlink()
+    return req
+
+
 def take_stop_request(run_dir: Path) -> bool:
     """Whether a stop was requested (the request is removed from disk)."""
-    path = Path(run_dir) / STOP_FILE
-    if not path.is_file():
-        return False
-    path.unlink()
-    return True
+    return _take(Path(run_dir) / STOP_FILE) is not None
 
 
 def take_scale_request(run_dir: Path) -> ScaleRequest | None:
     """The pending scaling request, removed from disk (None if there is none)."""
-    path = Path(run_dir) / SCALE_FILE
-    if not path.is_file():
-        return None
-    req: ScaleRequest = json.loads(path.read_text())
-    path.unlink()
-    return req
+    return cast(ScaleRequest | None, _take(Path(run_dir) / SCALE_FILE))  # request_scale wrote it
 
 
 def format_status(run_dir) -> str:

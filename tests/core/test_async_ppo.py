@@ -310,9 +310,9 @@ def stop_after(launch, run_dir: Path, step: int) -> int:
     wait_for_step(launch, run_dir, step)
     core("stop", run_dir)
     finish(launch, run_dir)
-    last = status(run_dir)["step"]
-    assert status(run_dir)["state"] == "finished" and step < last
-    return last
+    st = status(run_dir)
+    assert st["state"] == "finished" and step < st["step"] < st["total_steps"], st  # stopped
+    return st["step"]
 
 
 def wait_for(launch, run_dir: Path, what, label: str) -> dict:

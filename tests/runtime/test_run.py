@@ -109,8 +109,8 @@ def test_end_at_makes_the_running_step_the_last_for_the_loop_and_every_timer(mak
     for step, _ in run.steps(0, 10, steps_per_epoch=5):
         if step == 3:
             run.end_at(step)
-        fired.append((step, run.saver.check(step), run.evaluator.check(step)))
-        fired[-1] += (run.recover_timer.check(step),)
+        timers = (run.saver, run.evaluator, run.recover_timer)
+        fired.append((step, *(timer.check(step) for timer in timers)))
     assert fired == [
         (1, False, False, False),
         (2, False, False, False),
