@@ -4,6 +4,7 @@ the GPU tier skips without CUDA."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,11 @@ import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub
+# Built CPU kernels (areal/serving/cpu_attention.py) kept in the checkout, not the home directory:
+# the suite's ~100 servers build the decode-attention kernel once (a clean clone: once per run)
+os.environ.setdefault(
+    "AREAL_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "areal")
+)
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

@@ -8,9 +8,14 @@ same bytes runs at ~28 GB/s. This kernel reads each row's keys and values once, 
 its own length (so the generator needs no attention runs), with the softmax done blockwise in
 L1 (an online softmax over blocks of ``BLOCK`` keys): ~2x faster than the matmuls at 64 rows.
 
-How: the C source below is compiled with ``$CC`` (default ``cc``) into a temporary shared
-library, loaded with ``ctypes`` (which drops the GIL for the call) and deleted; ~0.3 s, once
-per process. ``-march=native`` is safe because each process builds for the machine it runs on.
+How: the C source below is compiled with ``$CC`` (default ``cc``) into a shared library and
+loaded with ``ctypes`` (which drops the GIL for the call); ~0.4 s of CPU for the compiler. The
+library is kept in the kernel cache (:func:`cache_dir`: ``$AREAL_CACHE_DIR/kernels``, default
+``~/.cache/areal/kernels``) under a key of the source, the flags, the compiler binary and this
+machine's CPU (``-march=native`` code runs only on the CPU it was built for, and a home
+directory may be shared by machines of several kinds), so a later server on the machine loads
+it instead of compiling. Where the CPU cannot be identified (no ``/proc/cpuinfo``) or the cache
+cannot be written, each process builds into a temporary directory, as it always may.
 OpenMP is linked by soname, so the loader binds it to the ``libgomp`` torch already loaded: the
 kernel shares torch's thread team and follows ``torch.set_num_threads`` of the calling thread.
 ``exp`` is a degree-7 polynomial on ``[-ln2/2, ln2/2]`` times ``2^k`` (relative error < 1e-7,
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -39,6 +45,7 @@ import torch
 logger = logging.getLogger(__name__)
 Mode = Literal["auto", "compiled", "torch"]
 BUILD_TIMEOUT_S = 120.0
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=gnu11", "-shared", "-fPIC"]
 
 SOURCE = r"""
 #include <math.h>
@@ -157,23 +164,25 @@ class DecodeAttentionKernel:
         self._fn = fn
 
     @classmethod
-    def build(cls, cc: str | None = None) -> DecodeAttentionKernel:
-        """Compile :data:`SOURCE` with ``cc`` (default :func:`compiler`) and load it; raises
-        ``RuntimeError`` saying why not."""
+    def build(cls, cc: str | None = None, cache: Path | None = None) -> DecodeAttentionKernel:
+        """The kernel compiled from :data:`SOURCE` with ``cc`` (default :func:`compiler`), loaded
+        from ``cache`` (default :func:`cache_dir`) when built there before; raises
+        ``RuntimeError`` saying why it cannot be built."""
         cc = cc or compiler()
-        if shutil.which(cc) is None:
+        found = shutil.which(cc)
+        if found is None:
             raise RuntimeError(f"C compiler {cc!r} not found (set CC or install gcc)")
-        with tempfile.TemporaryDirectory(prefix="areal-kernel-") as tmp:
-            src, lib = Path(tmp) / "decode_attention.c", Path(tmp) / "decode_attention.so"
-            src.write_text(SOURCE)
-            cmd = [cc, "-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=gnu11",
-                   "-shared", "-fPIC", str(src), "-o", str(lib)]  # fmt: skip
+        key = build_key(found)
+        kept = (cache or cache_dir()) / f"decode_attention-{key}.so" if key else None
+        if kept is not None and kept.is_file():
             try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"{cc} did not finish within {BUILD_TIMEOUT_S:.0f} s") from None
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd[:-3])} failed: {done.stderr.strip()[-600:]}")
+                return cls(ctypes.CDLL(str(kept)))
+            except (OSError, AttributeError) as e:  # a damaged file: build it again over it
+                logger.warning("decode attention: rebuilding %s, which does not load: %s", kept, e)
+        with tempfile.TemporaryDirectory(prefix="areal-kernel-") as tmp:
+            lib = _compile(cc, Path(tmp))
+            if kept is not None:
+                lib = _keep(lib, kept)
             try:
                 library = ctypes.CDLL(str(lib))  # mapped: the file may go with the directory
             except OSError as e:
@@ -214,6 +223,76 @@ class DecodeAttentionKernel:
 def compiler() -> str:
     """The C compiler the kernel is built with: ``$CC``, default ``cc``."""
     return os.environ.get("CC", "cc")
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$AREAL_CACHE_DIR/kernels``, else
+    ``$XDG_CACHE_HOME/areal/kernels``, else ``~/.cache/areal/kernels``."""
+    if root := os.environ.get("AREAL_CACHE_DIR"):
+        return Path(root) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg) / "areal" / "kernels"
+
+
+def cpu_identity() -> str | None:
+    """This machine's CPU model and instruction-set flags (what ``-march=native`` targets), from
+    ``/proc/cpuinfo``; ``None`` where that cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    wanted = ("model name", "flags", "Features", "CPU part")  # x86; Arm names its flags Features
+    seen = {line.split(":")[0].strip(): line for line in lines if ":" in line}
+    picked = [seen[k] for k in wanted if k in seen]
+    return "\n".join(picked) if picked else None
+
+
+def build_key(compiler_path: str) -> str | None:
+    """The cache key of a build: the source, the flags, the compiler binary (path, size, mtime:
+    an upgrade changes them) and :func:`cpu_identity`; ``None`` (do not keep the build) when the
+    CPU cannot be identified."""
+    cpu = cpu_identity()
+    if cpu is None:
+        return None
+    real = os.path.realpath(compiler_path)
+    st = os.stat(real)
+    parts = [SOURCE, " ".join(FLAGS), real, str(st.st_size), str(st.st_mtime_ns), cpu]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def _compile(cc: str, where: Path) -> Path:
+    """``SOURCE`` compiled by ``cc`` into ``where/decode_attention.so``; ``RuntimeError`` with
+    the compiler's message when it fails."""
+    src, lib = where / "decode_attention.c", where / "decode_attention.so"
+    src.write_text(SOURCE)
+    cmd = [cc, *FLAGS, str(src), "-o", str(lib)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{cc} did not finish within {BUILD_TIMEOUT_S:.0f} s") from None
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:-3])} failed: {done.stderr.strip()[-600:]}")
+    return lib
+
+
+def _keep(lib: Path, kept: Path) -> Path:
+    """Copy the built ``lib`` to ``kept`` (written under a temporary name, then renamed: servers
+    starting together each write a whole file) and return the path to load: ``kept``, or ``lib``
+    with a warning when the cache cannot be written."""
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_name(f".{kept.name}.{os.getpid()}")
+        shutil.copyfile(lib, partial)
+        os.replace(partial, kept)
+        return kept
+    except OSError as e:
+        logger.warning(
+            "decode attention: could not keep the built kernel in %s (%s); every server start "
+            "builds it again. Set AREAL_CACHE_DIR to a writable directory.",
+            kept.parent,
+            e,
+        )
+        return lib
 
 
 @functools.cache

@@ -7,12 +7,12 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal.algo.advantages import compute_advantages, gae, normalize
 from areal.api.config.actor import NormSpec, PPOActorConfig
+from tests.ranks import context
 
 
 def _norm(mean="none", std="none", loo=False, unbiased=False, eps=1e-6):
@@ -191,7 +191,7 @@ def test_batch_statistics_are_all_reduced_over_data_parallel_ranks():
         (x[:4], mask[:4], torch.tensor([0, 4])),  # rank 0: sequence 0
         (x[4:], mask[4:], torch.tensor([0, 2, 5])),
     ]  # rank 1: sequences 1 and 2
-    ctx = mp.get_context("spawn")
+    ctx = context()
     queue = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(), "pg_init")
     procs = [

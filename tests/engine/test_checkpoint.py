@@ -14,7 +14,6 @@ from test_fsdp import (
     n_loss_tokens,
     nll_loss,
     random_batch,
-    run_processes,
     set_dist_env,
     world_mesh,
 )
@@ -24,6 +23,7 @@ from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.io import FinetuneSpec, SaveLoadMeta
 from areal.engine.fsdp import FSDPEngine
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 SCHEDULE = OptimizerConfig(lr=1e-3, lr_scheduler_type="cosine", warmup_steps_proportion=0.2)
@@ -251,6 +251,6 @@ def _two_rank_resume(rank: int, path: str, port: int, out: str) -> None:
 
 
 def test_two_ranks_fall_back_together_when_one_ranks_shard_is_corrupt(tiny_model_dir, tmp_path):
-    run_processes(_two_rank_resume, 2, (tiny_model_dir, free_port(), str(tmp_path)))
+    run_ranks(_two_rank_resume, 2, (tiny_model_dir, free_port(), str(tmp_path)))
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert results == [{"step": 1, "rank": r, "same_as_step1": True} for r in range(2)]

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from areal.algo.logprob import packed_token_logprobs
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
@@ -16,6 +14,7 @@ from areal.engine.fsdp import FSDPEngine
 from areal.runtime.dist import init_distributed
 from areal.utils.batch import PackedBatch, balance_across_ranks
 from areal.utils.network import free_port
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 LENGTHS = [7, 19, 3, 12, 25, 9, 16, 5]
@@ -72,17 +71,6 @@ def assert_states_close(a: dict, b: dict, atol: float) -> None:
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= atol, f"max parameter difference {worst} > {atol}"
-
-
-def run_processes(fn, nprocs: int, args: tuple, timeout: float = 150.0) -> None:
-    """Spawn ``fn(rank, *args)`` in ``nprocs`` processes; fail if any fails or time runs out."""
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{nprocs} processes did not finish within {timeout} s")
 
 
 def set_dist_env(rank: int, world_size: int, port: int) -> None:
@@ -175,7 +163,7 @@ def _two_rank_step(rank: int, path: str, port: int, out: str) -> None:
 
 def test_two_process_fsdp_step_equals_one_process_step(tiny_model_dir, tmp_path):
     out = str(tmp_path / "two_rank.pt")
-    run_processes(_two_rank_step, 2, (tiny_model_dir, free_port(), out))
+    run_ranks(_two_rank_step, 2, (tiny_model_dir, free_port(), out))
     two = torch.load(out)
     one, stats = train_and_snapshot(
         tiny_model_dir, random_batch(), MicroBatchSpec(max_tokens_per_mb=30)

@@ -14,7 +14,6 @@ from test_fsdp import (
     n_loss_tokens,
     nll_loss,
     random_batch,
-    run_processes,
     set_dist_env,
     world_mesh,
 )
@@ -28,6 +27,7 @@ from areal.engine import lora
 from areal.engine.fsdp import FSDPEngine
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.utils import weight_sync
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 LORA = LoRAConfig(rank=4, alpha=8.0)
@@ -240,7 +240,7 @@ def _broadcast(rank: int, path: str, ports: tuple[int, int], out: str) -> None:
 
 def test_broadcast_sends_the_merged_model_under_hf_names(tiny_model_dir, tmp_path):
     out = str(tmp_path / "w")
-    run_processes(_broadcast, 2, (tiny_model_dir, (free_port(), free_port()), out))
+    run_ranks(_broadcast, 2, (tiny_model_dir, (free_port(), free_port()), out))
     sent, received = torch.load(out + ".sent"), torch.load(out + ".received")
     assert set(received) == set(sent) - {"lm_head.weight"} and not any(
         "lora" in k for k in received

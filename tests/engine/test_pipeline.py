@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_fsdp import LINEAR_ADAM, free_port, random_batch, run_processes, set_dist_env, world_mesh
+from test_fsdp import LINEAR_ADAM, free_port, random_batch, set_dist_env, world_mesh
 from test_ppo import GROUP, actor_config, rollout_batch
 
 from areal.api.config.actor import PPOCriticConfig
@@ -30,6 +30,7 @@ from areal.engine.pipeline import check_pipeline, read_stage_weights, stage_laye
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.engine.sft import SFTEngine
 from areal.runtime.dist import build_mesh, check_layout
+from tests.ranks import run_ranks
 
 SFT_MB = MicroBatchSpec(max_tokens_per_mb=30)
 
@@ -205,7 +206,7 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict:
         "critic": _critic(tiny_model_dir, mesh),
     }
     out = str(tmp / "pp2.pt")
-    run_processes(_pp_run, 2, (tiny_model_dir, free_port(), out, str(tmp)), timeout=300)
+    run_ranks(_pp_run, 2, (tiny_model_dir, free_port(), out, str(tmp)), timeout=300)
     stages = [torch.load(f"{out}.{r}") for r in range(2)]
     return {"single": single, "stages": stages, "hf_dir": tmp / "hf"}
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_fsdp import LINEAR_ADAM, free_port, random_batch, run_processes, set_dist_env, world_mesh
+from test_fsdp import LINEAR_ADAM, free_port, random_batch, set_dist_env, world_mesh
 from test_ppo import GROUP, actor_config, rollout_batch
 
 from areal.api.config.base import MicroBatchSpec
@@ -28,6 +28,7 @@ from areal.engine.ppo import PPOActor
 from areal.engine.sft import SFTEngine
 from areal.engine.tensor_parallel import check_tensor_parallel
 from areal.utils.batch import balance_across_ranks
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 SFT_MB = MicroBatchSpec(max_tokens_per_mb=30)
@@ -125,7 +126,7 @@ def _layout_run(
 def run_layout(path: str, tmp: Path, dp: int, tp: int, extras: bool = False) -> dict:
     out = str(tmp / f"dp{dp}_tp{tp}.pt")
     work = str(tmp / f"work_dp{dp}_tp{tp}") if extras else None
-    run_processes(_layout_run, dp * tp, (path, free_port(), out, dp, tp, work), timeout=240)
+    run_ranks(_layout_run, dp * tp, (path, free_port(), out, dp, tp, work), timeout=240)
     return torch.load(out)
 
 

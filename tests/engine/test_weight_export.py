@@ -12,7 +12,6 @@ from test_fsdp import (
     n_loss_tokens,
     nll_loss,
     random_batch,
-    run_processes,
     set_dist_env,
     world_mesh,
 )
@@ -21,6 +20,7 @@ from areal.api.config.engine import TrainEngineConfig
 from areal.api.io import SaveLoadMeta, WeightUpdateMeta
 from areal.engine.fsdp import FSDPEngine
 from areal.utils import weight_sync
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 N_TRAINERS = 2  # FSDP ranks; the receiver is one more process outside their world
@@ -60,7 +60,7 @@ def test_broadcast_over_gloo_reproduces_every_tensor_in_a_receiver_process(
     tiny_model_dir, tmp_path
 ):
     out = str(tmp_path / "weights")
-    run_processes(
+    run_ranks(
         _trainer_or_receiver, N_TRAINERS + 1, (tiny_model_dir, (free_port(), free_port()), out)
     )
     sent, received = torch.load(out + ".sent"), torch.load(out + ".received")

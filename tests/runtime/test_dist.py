@@ -23,7 +23,6 @@ from test_fsdp import (  # noqa: E402
     n_loss_tokens,
     nll_loss,
     random_batch,
-    run_processes,
     set_dist_env,
 )
 
@@ -31,6 +30,7 @@ from areal.api.config.base import MicroBatchSpec  # noqa: E402
 from areal.api.io import SaveLoadMeta  # noqa: E402
 from areal.runtime.dist import build_mesh, close_distributed, init_distributed  # noqa: E402
 from areal.utils.batch import balance_across_ranks  # noqa: E402
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -86,8 +86,8 @@ def test_two_models_on_disjoint_sub_meshes_train_as_two_standalone_jobs(tiny_mod
 
     other = str(build_tiny_model(tmp_path / "other", size="tiny", seed=1))
     paths = [tiny_model_dir, other]
-    run_processes(_shared_job, 4, (paths, free_port(), str(tmp_path)), timeout=300)
-    run_processes(_standalone_jobs, 2, (paths, free_port(), str(tmp_path)), timeout=300)
+    run_ranks(_shared_job, 4, (paths, free_port(), str(tmp_path)), timeout=300)
+    run_ranks(_standalone_jobs, 2, (paths, free_port(), str(tmp_path)), timeout=300)
     finals = []
     for model in range(2):
         shared, alone = (

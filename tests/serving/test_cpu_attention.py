@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from areal.serving.cpu_attention import DecodeAttentionKernel, load_decode_attention
+from areal.serving import cpu_attention
+from areal.serving.cpu_attention import DecodeAttentionKernel, compiler, load_decode_attention
 from tests.serving.conftest import needs_cc
 
 CPU = torch.device("cpu")
@@ -102,3 +105,78 @@ def test_a_compile_error_is_reported_with_the_compiler_output(monkeypatch, tmp_p
     monkeypatch.setenv("CC", str(fake))
     with pytest.raises(RuntimeError, match="failed: omp.h: No such file or directory"):
         DecodeAttentionKernel.build()
+
+
+def counting_compiler(tmp_path: Path) -> tuple[str, Path]:
+    """A ``cc`` that records each call in a file and runs the real compiler."""
+    calls, cc = tmp_path / "calls", tmp_path / "counting-cc"
+    cc.write_text(f'#!/bin/sh\necho x >> {calls}\nexec {shutil.which(compiler())} "$@"\n')
+    cc.chmod(0o755)
+    return str(cc), calls
+
+
+def n_calls(calls: Path) -> int:
+    return len(calls.read_text().splitlines()) if calls.exists() else 0
+
+
+def small_check(kernel: DecodeAttentionKernel) -> None:
+    gen = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 2, 16, 64, generator=gen), torch.randn(2, 2, 16, 64, generator=gen)
+    q, lengths = torch.randn(2, 256, generator=gen), torch.tensor([16, 5])
+    torch.testing.assert_close(
+        kernel(q, k, v, lengths), reference(q, k, v, lengths), atol=2e-6, rtol=1e-5
+    )
+
+
+@needs_cc
+def test_a_built_kernel_is_kept_and_the_next_build_loads_it_without_compiling(tmp_path, caplog):
+    cc, calls = counting_compiler(tmp_path)
+    cache = tmp_path / "cache"
+    small_check(DecodeAttentionKernel.build(cc, cache))
+    [kept] = cache.glob("decode_attention-*.so")
+    small_check(DecodeAttentionKernel.build(cc, cache))
+    assert n_calls(calls) == 1  # the second build loaded the kept library
+    # A damaged file under the key (a full disk, a stray write), in another cache: this process
+    # has the first one mapped, and the loader would hand back that mapping for its path.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / kept.name).write_bytes(b"not a shared library")
+    with caplog.at_level(logging.WARNING, logger="areal.serving.cpu_attention"):
+        small_check(DecodeAttentionKernel.build(cc, other))
+    assert n_calls(calls) == 2 and "rebuilding" in caplog.text
+    assert [p.name for p in other.iterdir()] == [kept.name]  # replaced; no partial file left
+    assert (other / kept.name).read_bytes()[:4] == b"\x7fELF"  # the rebuilt library
+
+
+@needs_cc
+def test_another_cpu_builds_its_own_and_an_unknown_cpu_keeps_nothing(tmp_path, monkeypatch):
+    cc, calls = counting_compiler(tmp_path)
+    cache = tmp_path / "cache"
+    DecodeAttentionKernel.build(cc, cache)
+    monkeypatch.setattr(cpu_attention, "cpu_identity", lambda: "model name : another\nflags : sse2")
+    DecodeAttentionKernel.build(cc, cache)
+    assert n_calls(calls) == 2 and len(list(cache.glob("*.so"))) == 2  # -march=native differs
+    monkeypatch.setattr(cpu_attention, "cpu_identity", lambda: None)
+    small_check(DecodeAttentionKernel.build(cc, cache))
+    small_check(DecodeAttentionKernel.build(cc, cache))
+    assert n_calls(calls) == 4 and len(list(cache.glob("*.so"))) == 2  # built, not kept
+
+
+@needs_cc
+def test_an_unwritable_cache_warns_and_the_kernel_still_runs(tmp_path, caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # the cache directory would have to be created under a file
+    with caplog.at_level(logging.WARNING, logger="areal.serving.cpu_attention"):
+        small_check(DecodeAttentionKernel.build(None, blocked / "kernels"))
+    assert "could not keep the built kernel" in caplog.text and "AREAL_CACHE_DIR" in caplog.text
+
+
+def test_the_cache_directory_follows_areal_cache_dir_then_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("AREAL_CACHE_DIR", str(tmp_path / "a"))
+    assert cpu_attention.cache_dir() == tmp_path / "a" / "kernels"
+    monkeypatch.delenv("AREAL_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert cpu_attention.cache_dir() == tmp_path / "x" / "areal" / "kernels"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "h"))
+    assert cpu_attention.cache_dir() == tmp_path / "h" / ".cache" / "areal" / "kernels"

@@ -4,12 +4,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from areal.api.config import StatsLoggerConfig
 from areal.utils.network import free_port
 from areal.utils.stats import StatsTracker
 from areal.utils.stats_logger import StatsLogger
+from tests.ranks import run_ranks
 
 
 def test_masked_mean_counts_only_masked_elements():
@@ -69,9 +69,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_export_reduces_across_two_gloo_ranks(tmp_path):
-    mp.start_processes(
-        _worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn", join=True
-    )
+    run_ranks(_worker, 2, (free_port(), str(tmp_path)))
     # token mean over both ranks: (1 + 2 + 10) / 3 tokens = 13/3; max(5, 2) = 5; names unioned
     expected = {"tok": 13 / 3, "mx": 5.0, "only_rank0": 1.0, "only_rank1": -3.0}
     for rank in (0, 1):

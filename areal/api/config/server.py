@@ -77,7 +77,8 @@ class GenerationServerConfig:
     cpu_attention: Literal["auto", "compiled", "torch"] = param(
         "auto",
         help="Decode attention on CPU fp32: compiled = a C kernel built with $CC (default cc) at "
-        "start, an error if it cannot be built; torch = batched matmuls; auto = compiled if it "
+        "start (kept in $AREAL_CACHE_DIR/kernels, default ~/.cache/areal/kernels, for the next "
+        "start), an error if it cannot be built; torch = batched matmuls; auto = compiled if it "
         "builds, else torch with a warning. /get_server_info reports decode_attention.",
     )
     seed: int = param(0, ge=0, help="Seed of the shared generator for requests without a seed.")
