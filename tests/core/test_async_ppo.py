@@ -1,6 +1,6 @@
 """Tier 2: Core async PPO end to end (``areal core async-ppo``'s script under the real local
-launcher: a real generation server, a local Ray instance with 2 model workers, 2 rollout workers
-and the generation manager, the tiny model).
+launcher: a real generation server, a local Ray instance with 2 model workers (1 in the
+rollout-side tests), 2 rollout workers and the generation manager, the tiny model).
 
 - On-policy with broadcast weight updates (``weight_update_mode=distributed``, gloo): versions go
   up by one every step; every consumed sample's lag (trained version minus the
@@ -57,6 +57,9 @@ ASYNC = [  # 2 prompts x 4 samples x 4 tokens a step, a reward that varies
     "valid_dataset=null", "reward_fn=sync_rewards:content_reward", "reward.timeout=300",
     "core.backend=ray", "core.n_workers=2", "core.n_rollout_workers=2", "actor.optimizer.lr=1e-2",
 ]  # fmt: skip
+# The rollout-side tests (an agent program, faults, scaling) train on one model worker: a worker
+# process costs ~7 s of CPU to start, and two are checked by the on-policy and model-worker runs.
+ONE_MODEL_WORKER = "core.n_workers=1"
 
 
 def trained(run_dir: Path) -> list[dict]:
@@ -160,6 +163,7 @@ def test_core_async_ppo_trains_an_agent_program_through_the_proxy_role(
         [
             f"actor.path={tiny_model_dir}",
             *ASYNC,
+            ONE_MODEL_WORKER,
             "total_train_steps=2",
             "rollout.max_staleness=1",
             "workflow.type=agent_cmd",
@@ -218,6 +222,7 @@ def test_a_killed_rollout_worker_then_a_killed_server_are_restarted_and_the_run_
         [
             f"actor.path={tiny_model_dir}",
             *ASYNC,
+            ONE_MODEL_WORKER,
             f"total_train_steps={n}",
             "rollout.max_staleness=1",
             "cluster.n_servers=2",
@@ -338,6 +343,7 @@ def test_rollout_workers_and_servers_scale_while_the_job_runs(runs, tiny_model_d
             [
                 f"actor.path={tiny_model_dir}",
                 *ASYNC,
+                ONE_MODEL_WORKER,
                 f"total_train_steps={n}",
                 "rollout.max_staleness=1",
                 "reward_fn=sync_rewards:paced_content_reward",
