@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple, TypedDict, Unpack
 
 
@@ -219,12 +220,11 @@ def _core(args: argparse.Namespace) -> int:
     if args.action == "stop":
         return _core_stop(args.rest)
     if args.action in ("sync-ppo", "async-ppo"):  # the master under the local launcher (servers)
-        import areal.core.async_ppo
-        import areal.core.sync_ppo
         from areal.launcher.local import launch_local
 
-        script = areal.core.sync_ppo if args.action == "sync-ppo" else areal.core.async_ppo
-        return launch_local(script.__file__, args.rest)
+        # the script's path only: importing it would load torch and Ray in the launcher
+        script = Path(__file__).parent / "core" / f"{args.action.replace('-', '_')}.py"
+        return launch_local(str(script), args.rest)
     from areal.api.config import load_config
     from areal.core.dfg import GraphError
     from areal.core.graphs import CoreGraphConfig, describe_graph

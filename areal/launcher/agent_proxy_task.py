@@ -35,9 +35,8 @@ from areal.launcher.common import load_script_config_class
 from areal.rollout.remote import RemoteInferenceEngine, discover_servers
 from areal.runtime.rl import registration_wait, server_restarts
 from areal.utils.logging import get_logger
-from areal.utils.name_resolve import gen_servers_key, make_repository
+from areal.utils.name_resolve import agent_proxy_key, gen_servers_key, make_repository
 from areal.utils.process import die_with
-from areal.workflow.agent_control import agent_proxy_key
 from areal.workflow.agent_proxy import AgentProxy
 
 logger = get_logger("agent_proxy_task")

@@ -49,8 +49,8 @@ from areal.launcher.common import COLOCATE_LOCAL_ONLY, launch, reset_trial, wait
 from areal.launcher.local import agent_proxy_command, uses_agent_proxy, without_secrets
 from areal.launcher.procs import ProcessSupervisor, record_failure
 from areal.utils.logging import get_logger
+from areal.utils.name_resolve import agent_proxy_key
 from areal.utils.network import free_port
-from areal.workflow.agent_control import agent_proxy_key
 
 logger = get_logger("launcher")
 POLL_S = 0.5

@@ -21,10 +21,10 @@ from areal.reward.runner import RewardRunner
 from areal.rollout.executor import WorkflowExecutor
 from areal.rollout.remote import RemoteInferenceEngine, discover_servers
 from areal.runtime.run import Run
-from areal.utils.name_resolve import gen_teacher_key, make_repository
+from areal.utils.name_resolve import agent_proxy_key, gen_teacher_key, make_repository
 from areal.workflow.agent import AgentWorkflow
 from areal.workflow.agent_cmd import AgentCommandWorkflow
-from areal.workflow.agent_control import ProxyClient, agent_proxy_key
+from areal.workflow.agent_control import ProxyClient
 from areal.workflow.custom import make_custom_workflow
 from areal.workflow.distill import TeacherScored
 from areal.workflow.multi_turn import MultiTurnWorkflow

@@ -348,6 +348,11 @@ def trial_key(experiment_name: str, trial_name: str) -> str:
     return f"{experiment_name}/{trial_name}"
 
 
+def agent_proxy_key(experiment_name: str, trial_name: str) -> str:
+    """Registry prefix under which a trial's agent proxy publishes ``host:port``."""
+    return f"{trial_key(experiment_name, trial_name)}/agent_proxy"
+
+
 def gen_servers_key(experiment_name: str, trial_name: str) -> str:
     """Prefix under which generation servers of one trial publish ``host:port``."""
     return f"{trial_key(experiment_name, trial_name)}/gen_servers"

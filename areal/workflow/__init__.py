@@ -4,11 +4,7 @@
 * :class:`areal.workflow.multi_turn.MultiTurnWorkflow`: retry with feedback up to ``max_turns``.
 * :class:`areal.workflow.agent.AgentWorkflow`: an agent written with the openai client, run
   through :class:`areal.workflow.openai_client.ArealOpenAI` (docs/agents.md).
+
+Import each from its module: the package itself imports nothing, so the processes that need only
+a light module of it (the launchers' agent-proxy key, ``agent_control``) do not load torch.
 """
-
-from areal.workflow.agent import AgentWorkflow
-from areal.workflow.multi_turn import MultiTurnWorkflow
-from areal.workflow.openai_client import ArealOpenAI
-from areal.workflow.rlvr import RLVRWorkflow
-
-__all__ = ["AgentWorkflow", "ArealOpenAI", "MultiTurnWorkflow", "RLVRWorkflow"]

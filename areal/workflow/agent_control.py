@@ -21,16 +21,10 @@ from typing import Any
 import aiohttp
 
 from areal.api.config.base import GenerationHyperparameters
-from areal.utils.name_resolve import trial_key
 from areal.workflow.openai_client import Call, EngineFailure
 
 CONTROL_TIMEOUT = 30.0  # seconds one control call may take, a long poll's hold excluded
 POLL = 20.0  # seconds one long poll holds (the proxy caps it at its own MAX_WAIT)
-
-
-def agent_proxy_key(experiment_name: str, trial_name: str) -> str:
-    """Registry prefix under which a trial's agent proxy publishes ``host:port``."""
-    return f"{trial_key(experiment_name, trial_name)}/agent_proxy"
 
 
 class ProxyUnavailable(EngineFailure):

@@ -11,7 +11,8 @@ from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.reward import RewardConfig, WorkflowConfig
 from areal.api.io import RolloutStatus
 from areal.reward.runner import RewardRunner
-from areal.workflow import MultiTurnWorkflow, RLVRWorkflow
+from areal.workflow.multi_turn import MultiTurnWorkflow
+from areal.workflow.rlvr import RLVRWorkflow
 
 ITEM = {"id": "q7", "messages": [{"role": "user", "content": "3 + 4 = ?"}], "reference": "7"}
 G3 = GenerationHyperparameters(n_samples=3, max_new_tokens=8)
