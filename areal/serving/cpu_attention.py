@@ -181,12 +181,12 @@ class DecodeAttentionKernel:
                 logger.warning("decode attention: rebuilding %s, which does not load: %s", kept, e)
         with tempfile.TemporaryDirectory(prefix="areal-kernel-") as tmp:
             lib = _compile(cc, Path(tmp))
-            if kept is not None:
-                lib = _keep(lib, kept)
-            try:
+            try:  # loaded from here: the loader would hand back a damaged file loaded at `kept`
                 library = ctypes.CDLL(str(lib))  # mapped: the file may go with the directory
             except OSError as e:
                 raise RuntimeError(f"built kernel does not load: {e}") from None
+            if kept is not None:
+                _keep(lib, kept)
         return cls(library)
 
     def __call__(
@@ -275,24 +275,24 @@ def _compile(cc: str, where: Path) -> Path:
     return lib
 
 
-def _keep(lib: Path, kept: Path) -> Path:
-    """Copy the built ``lib`` to ``kept`` (written under a temporary name, then renamed: servers
-    starting together each write a whole file) and return the path to load: ``kept``, or ``lib``
-    with a warning when the cache cannot be written."""
+def _keep(lib: Path, kept: Path) -> None:
+    """Copy the built ``lib`` to ``kept`` for the next process (written under a temporary name,
+    then renamed: servers starting together each write a whole file, and a process that mapped
+    the old file keeps it); a warning when the cache cannot be written."""
+    partial = kept.with_name(f".{kept.name}.{os.getpid()}")
     try:
         kept.parent.mkdir(parents=True, exist_ok=True)
-        partial = kept.with_name(f".{kept.name}.{os.getpid()}")
         shutil.copyfile(lib, partial)
         os.replace(partial, kept)
-        return kept
     except OSError as e:
+        if partial.parent.is_dir():
+            partial.unlink(missing_ok=True)
         logger.warning(
             "decode attention: could not keep the built kernel in %s (%s); every server start "
             "builds it again. Set AREAL_CACHE_DIR to a writable directory.",
             kept.parent,
             e,
         )
-        return lib
 
 
 @functools.cache

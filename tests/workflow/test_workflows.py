@@ -11,8 +11,7 @@ from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.reward import RewardConfig, WorkflowConfig
 from areal.api.io import RolloutStatus
 from areal.reward.runner import RewardRunner
-from areal.workflow.multi_turn import MultiTurnWorkflow
-from areal.workflow.rlvr import RLVRWorkflow
+from areal.workflow import MultiTurnWorkflow, RLVRWorkflow
 
 ITEM = {"id": "q7", "messages": [{"role": "user", "content": "3 + 4 = ?"}], "reference": "7"}
 G3 = GenerationHyperparameters(n_samples=3, max_new_tokens=8)
@@ -155,3 +154,25 @@ def test_multi_turn_with_the_tiny_model_masks_injected_tokens(
             assert t.loss_mask[0] == 1 and t.loss_mask[-1] == 1 and 0 in t.loss_mask
         for v, m, lp in zip(t.versions, t.loss_mask, t.logprobs):
             assert (v, lp) == (-1, 0.0) if m == 0 else v == 5
+
+
+def test_the_package_imports_its_workflows_only_when_asked():
+    """Importing the package (or one light module of it) loads no workflow; ``from areal.workflow
+    import X`` still gives each of the four, and another name is an AttributeError."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, areal.workflow\n"
+        "assert 'areal.workflow.rlvr' not in sys.modules, 'rlvr loaded with the package'\n"
+        "from areal.workflow import AgentWorkflow, ArealOpenAI, MultiTurnWorkflow, RLVRWorkflow\n"
+        "assert RLVRWorkflow.__module__ == 'areal.workflow.rlvr'\n"
+        "try:\n"
+        "    areal.workflow.Nope\n"
+        "except AttributeError as e:\n"
+        "    assert 'Nope' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
