@@ -20,6 +20,7 @@ _.chat_template
 _.generation_config
 _.__cause__  # exception chaining read by the trainer's traceback (rollout/executor.py)
 yaml_implicit_resolvers  # read by PyYAML's Resolver (api/config/loader.py)
+__getattr__  # a module's lazy attributes, called by Python (PEP 562; workflow/__init__.py)
 
 # The launch env contract names what torchrun sets; torch.distributed's env:// rendezvous reads them.
 MASTER_ADDR
