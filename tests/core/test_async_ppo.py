@@ -1,6 +1,7 @@
 """Tier 2: Core async PPO end to end (``areal core async-ppo``'s script under the real local
-launcher: a real generation server, a local Ray instance with 2 model workers (1 in the
-rollout-side tests), 2 rollout workers and the generation manager, the tiny model).
+launcher: a real generation server, Ray with 2 model workers (1 in the rollout-side tests), 2
+rollout workers and the generation manager, the tiny model). The on-policy run's master starts a
+local Ray instance (a user's default); the others join the session's Ray cluster (ray_head).
 
 - On-policy with broadcast weight updates (``weight_update_mode=distributed``, gloo): versions go
   up by one every step; every consumed sample's lag (trained version minus the
@@ -40,9 +41,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # test_sync_ppo's helpers
 
-from test_sync_ppo import ENV, RUN_TIMEOUT, YAML, Runs, runs  # noqa: E402,F401  (runs: the fixture)
+from test_sync_ppo import RUN_TIMEOUT, YAML, Runs, cluster_runs, runs  # noqa: E402,F401  (fixtures)
 
-from launch_harness import REPO, effective_ids, start_launch, train_steps  # noqa: E402  (on the path now)
+from launch_harness import REPO, effective_ids, train_steps  # noqa: E402  (on the path now)
 
 sys.path.insert(0, str(REPO / "tests" / "serving"))
 from servers import start_servers, stop_servers  # noqa: E402
@@ -151,13 +152,12 @@ def test_core_async_ppo_on_policy(runs, tiny_model_dir, monkeypatch):
 
 
 def test_core_async_ppo_trains_an_agent_program_through_the_proxy_role(
-    runs, tiny_model_dir, monkeypatch
+    cluster_runs, tiny_model_dir
 ):
     """workflow.type=agent_cmd under Core: the launcher's agent proxy role serves the rollout
     workers' sessions (their control token by Ray's runtime env), and their samples train."""
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     agent = REPO / "tests" / "workflow" / "turns_agent.py"
-    run = runs.run(
+    run = cluster_runs.run(
         "agent0",
         SCRIPT,
         [
@@ -187,11 +187,7 @@ def status(run_dir: Path) -> dict | None:
 
 
 def start(runs: Runs, name: str, overrides: list[str]):
-    launch = start_launch(
-        SCRIPT, YAML, [f"experiment_name={name}", "trial_name=t", *overrides], runs.root, env=ENV
-    )
-    runs.launches.append(launch)
-    return launch, runs.root / name / "t"
+    return runs.start(name, SCRIPT, overrides), runs.root / name / "t"
 
 
 def finish(launch, run_dir: Path) -> None:
@@ -208,16 +204,15 @@ def wait_for_step(launch, run_dir: Path, step: int) -> dict:
 
 
 def test_a_killed_rollout_worker_then_a_killed_server_are_restarted_and_the_run_goes_on(
-    runs, tiny_model_dir, monkeypatch
+    cluster_runs, tiny_model_dir
 ):
     """Two faults one after the other in one run (a Core run starts in ~1 CPU-minute here): a
     SIGKILLed rollout worker is restarted by Ray, its slots reclaimed and its work redone; then a
     SIGKILLed server (of 2): the rollout workers fail over to the other, the launcher restarts
     it, the manager's next weight update revives it and the workers route to it again."""
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     n = 60  # a ceiling: the test stops the run once the restarted server served a step
     launch, run_dir = start(
-        runs,
+        cluster_runs,
         "faults",
         [
             f"actor.path={tiny_model_dir}",
@@ -271,9 +266,8 @@ def test_a_killed_rollout_worker_then_a_killed_server_are_restarted_and_the_run_
 
 
 def test_a_killed_model_worker_resumes_with_the_uninterrupted_sample_sequence(
-    runs, tiny_model_dir, monkeypatch
+    cluster_runs, tiny_model_dir
 ):
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     common = [
         f"actor.path={tiny_model_dir}",
         *ASYNC,
@@ -283,7 +277,7 @@ def test_a_killed_model_worker_resumes_with_the_uninterrupted_sample_sequence(
         "recover.freq_steps=1",
         "recover.retries=2",
     ]
-    launch, run_dir = start(runs, "mwkill", common)
+    launch, run_dir = start(cluster_runs, "mwkill", common)
     victim = wait_for_step(launch, run_dir, 3)["model_worker_pids"][1]
     os.kill(victim, signal.SIGKILL)
     finish(launch, run_dir)
@@ -331,14 +325,13 @@ def server_version(addr: str) -> int:
         return json.loads(resp.read())["weight_version"]
 
 
-def test_rollout_workers_and_servers_scale_while_the_job_runs(runs, tiny_model_dir, monkeypatch):
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+def test_rollout_workers_and_servers_scale_while_the_job_runs(cluster_runs, tiny_model_dir):
     extra = start_servers(str(tiny_model_dir), 1)
     n = 60  # a ceiling (the paced reward leaves time for both scalings on a loaded machine);
     # the test stops the run once it has run on the new server alone
     try:
         launch, run_dir = start(
-            runs,
+            cluster_runs,
             "elastic",
             [
                 f"actor.path={tiny_model_dir}",

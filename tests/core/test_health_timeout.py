@@ -27,7 +27,7 @@ from areal.core.health import HangWatch, MFCActivity, ProbeClock, Watched
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_async_ppo import ASYNC, start, status  # noqa: E402
-from test_sync_ppo import RUN_TIMEOUT, runs  # noqa: E402,F401  (runs: the fixture)
+from test_sync_ppo import RUN_TIMEOUT, cluster_runs  # noqa: E402,F401  (the fixture)
 
 from launch_harness import effective_ids, train_steps  # noqa: E402  (on the path now)
 
@@ -143,14 +143,14 @@ def until_status(launch, run_dir: Path, what, label: str) -> dict:
 
 @pytest.mark.slow
 def test_a_killed_manager_and_a_hung_rollout_worker_recover_and_a_hung_model_worker_stops_the_run(
-    runs, tiny_model_dir, monkeypatch
+    cluster_runs, tiny_model_dir
 ):
-    """One run, three faults (one launch is the cost of the three)."""
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    """One run, three faults (one launch is the cost of the three), on the session's Ray
+    cluster."""
     timeout, period = 8.0, 2.0  # seconds; probes every min(2, 8 / 4) = 2 s
     t0 = time.monotonic()
     launch, run_dir = start(
-        runs,
+        cluster_runs,
         "faults",
         [f"actor.path={tiny_model_dir}", *ASYNC, "total_train_steps=200",
          "rollout.max_staleness=1", f"core.health_timeout={timeout}"],

@@ -65,21 +65,30 @@ RUN_TIMEOUT = 300.0  # seconds; a run takes ~20-60 s on a quiet 2-core machine
 
 
 class Runs:
-    """Launches under one root; :meth:`cleanup` kills whatever any of them left."""
+    """Launches under one root; :meth:`cleanup` kills whatever any of them left. With ``head``
+    (a :class:`tests.daemons.Daemon`), a Core run's master joins that Ray cluster; without, it
+    starts a local instance of its own (RAY_ADDRESS unset: the default a user gets)."""
 
-    def __init__(self, root: Path):
-        self.root, self.launches = root, []
+    def __init__(self, root: Path, head=None):
+        self.root, self.head, self.launches = root, head, []
 
-    def run(self, name: str, script: Path, overrides: list[str]) -> Path:
-        """Run ``script`` to the end as experiment ``name``; assert exit 0 and no survivors."""
+    def start(self, name: str, script: Path, overrides: list[str]):
+        """Start ``script`` as experiment ``name`` (trial t): its :class:`Launch`."""
+        address = self.head.address if self.head else ""
         launch = start_launch(
             script,
             YAML,
             [f"experiment_name={name}", "trial_name=t", *overrides],
             self.root,
-            env=ENV,
+            env={**ENV, "RAY_ADDRESS": address},
+            cluster=self.head.proc.pid if self.head else None,
         )
         self.launches.append(launch)
+        return launch
+
+    def run(self, name: str, script: Path, overrides: list[str]) -> Path:
+        """Run ``script`` to the end as experiment ``name``; assert exit 0 and no survivors."""
+        launch = self.start(name, script, overrides)
         code = launch.wait(RUN_TIMEOUT)
         run_dir = self.root / name / "t"
         log = run_dir / "logs" / "trainer.log"
@@ -96,6 +105,14 @@ class Runs:
 @pytest.fixture
 def runs(tmp_path):
     made = Runs(tmp_path)
+    yield made
+    made.cleanup()
+
+
+@pytest.fixture
+def cluster_runs(tmp_path, ray_head):
+    """Runs whose Core masters join the session's Ray cluster (tests/conftest.py ray_head)."""
+    made = Runs(tmp_path, ray_head)
     yield made
     made.cleanup()
 

@@ -7,7 +7,7 @@ prints) and seconds at every step."""
 from __future__ import annotations
 
 import pytest
-from test_sync_ppo import SCRIPT, SYNC, runs, train_steps  # noqa: F401 - fixture
+from test_sync_ppo import SCRIPT, SYNC, cluster_runs, train_steps  # noqa: F401 - fixture
 
 from areal.core.dfg import Allocation, ModelName
 from areal.core.realloc import model_shapes, plan_realloc
@@ -25,9 +25,9 @@ LAYOUT = [
 
 
 def test_sync_ppo_with_the_actor_logp_on_another_layout_logs_each_reallocation(
-    runs, tiny_model_dir
+    cluster_runs, tiny_model_dir
 ):
-    run_dir = runs.run("layouts", SCRIPT, [f"actor.path={tiny_model_dir}", *SYNC, *LAYOUT])
+    run_dir = cluster_runs.run("layouts", SCRIPT, [f"actor.path={tiny_model_dir}", *SYNC, *LAYOUT])
     steps = train_steps(run_dir)
     actor, replica = ModelName("actor"), ModelName("actor", 1)
     plan = plan_realloc(

@@ -84,24 +84,42 @@ class Launch:
     marker: str  # a string in every run process's command line (the test's fileroot)
     out_path: Path
     seen: dict[int, tuple[int, str]] = field(default_factory=dict)  # pid -> (start, cmdline)
+    # the root pid of a Ray cluster the run joins (RAY_ADDRESS): its processes started since the
+    # launch (the run's actors: the cluster runs one run at a time) are the run's too
+    cluster: int | None = None
+    in_cluster: set[int] = field(default_factory=set)
+    since: int = 0  # the launcher's start time (clock ticks)
 
     def snapshot(self) -> None:
-        """Record the launcher's current descendants."""
+        """Record the launcher's current descendants, and the cluster's processes started since
+        the launch."""
         children: dict[int, list[int]] = {}
         for pid in _all_pids():
             st = _stat(pid)
             if st is not None:
                 children.setdefault(st[1], []).append(pid)
-        todo = list(children.get(self.proc.pid, []))
+        self._record(children, self.proc.pid)
+        if self.cluster is not None:
+            self.in_cluster.update(self._record(children, self.cluster, self.since))
+
+    def _record(self, children: dict[int, list[int]], root: int, since: int = 0) -> list[int]:
+        """Record the descendants of ``root`` started at or after ``since``; their pids."""
+        todo, recorded = list(children.get(root, [])), []
         while todo:
             pid = todo.pop()
             st = _stat(pid)
             # a first sighting can fall between fork and exec (the parent's command line), so a
             # live process's command line is read again each time; a reused pid keeps the first
-            if st is not None and (pid not in self.seen or self.seen[pid][0] == st[2]):
+            if (
+                st is not None
+                and st[2] >= since
+                and (pid not in self.seen or self.seen[pid][0] == st[2])
+            ):
                 cmd = _cmdline(pid)
                 self.seen[pid] = (st[2], cmd or self.seen.get(pid, (0, ""))[1])
+                recorded.append(pid)
             todo += children.get(pid, [])
+        return recorded
 
     def wait(self, timeout: float, until=None) -> int | None:
         """Poll until the launcher exits (its code) or ``until()`` is true (None), recording
@@ -140,7 +158,10 @@ class Launch:
         """SIGKILL the launcher and everything of the run (finalizer; safe to call twice)."""
         for pid in [self.proc.pid, *self.seen]:
             try:
-                if pid == self.proc.pid or alive(pid, self.seen[pid][0]):
+                if pid in self.in_cluster:  # its group may be the cluster's
+                    if alive(pid, self.seen[pid][0]):
+                        os.kill(pid, signal.SIGKILL)
+                elif pid == self.proc.pid or alive(pid, self.seen[pid][0]):
                     os.killpg(os.getpgid(pid), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
@@ -162,9 +183,11 @@ def start_launch(
     fileroot: Path,
     env: dict[str, str] | None = None,
     mode: str = "local",
+    cluster: int | None = None,
 ) -> Launch:
     """Start ``areal launch MODE SCRIPT [--config YAML] fileroot=... OVERRIDES`` in a new
-    session."""
+    session; ``cluster``: the root pid of the Ray cluster at ``env``'s RAY_ADDRESS, whose new
+    processes are then the run's too (:class:`Launch`)."""
     fileroot.mkdir(parents=True, exist_ok=True)
     argv = [
         str(script),
@@ -184,7 +207,8 @@ def start_launch(
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
             start_new_session=True,
         )
-    return Launch(proc, str(fileroot), out_path)
+    st = _stat(proc.pid)
+    return Launch(proc, str(fileroot), out_path, cluster=cluster, since=st[2] if st else 0)
 
 
 def server_ports(run_dir: Path) -> list[int]:
