@@ -148,6 +148,7 @@ class Launch:
 
     def assert_no_survivors(self, timeout: float = 15.0) -> None:
         """Every process of the run is gone within ``timeout`` seconds."""
+        assert self.cluster is None or self.in_cluster, "no process of the run seen on its cluster"
         deadline = time.monotonic() + timeout
         while self.survivors() and time.monotonic() < deadline:
             time.sleep(0.1)
