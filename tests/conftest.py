@@ -32,8 +32,8 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # modules of one group run on one worker, one after another, because they share a session
 # fixture or would crowd the machine together.
 SERIAL_GROUPS = {
-    # Ray clusters of several worker actors each, one cluster at a time: the session's ray_head
-    # and the Core runs that start a local instance of their own
+    # Ray clusters of several worker actors each, one at a time: the session's ray_head and the
+    # Core runs that start a local instance of their own (besides core_async_recorded's, below)
     "ray": (
         "core/test_async_ppo.py",
         "core/test_core_sft.py",
