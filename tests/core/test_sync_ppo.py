@@ -74,14 +74,13 @@ class Runs:
 
     def start(self, name: str, script: Path, overrides: list[str]):
         """Start ``script`` as experiment ``name`` (trial t): its :class:`Launch`."""
-        address = self.head.address if self.head else ""
         launch = start_launch(
             script,
             YAML,
             [f"experiment_name={name}", "trial_name=t", *overrides],
             self.root,
-            env={**ENV, "RAY_ADDRESS": address},
-            cluster=self.head.proc.pid if self.head else None,
+            env={**ENV, "RAY_ADDRESS": ""},  # unset unless it joins the head
+            cluster=self.head,
         )
         self.launches.append(launch)
         return launch

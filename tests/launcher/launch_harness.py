@@ -20,6 +20,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.daemons import Daemon
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -184,11 +188,11 @@ def start_launch(
     fileroot: Path,
     env: dict[str, str] | None = None,
     mode: str = "local",
-    cluster: int | None = None,
+    cluster: Daemon | None = None,
 ) -> Launch:
     """Start ``areal launch MODE SCRIPT [--config YAML] fileroot=... OVERRIDES`` in a new
-    session; ``cluster``: the root pid of the Ray cluster at ``env``'s RAY_ADDRESS, whose new
-    processes are then the run's too (:class:`Launch`)."""
+    session; ``cluster``: a Ray head (:class:`tests.daemons.Daemon`) the run joins through
+    RAY_ADDRESS, whose processes started from now on are the run's too (:class:`Launch`)."""
     fileroot.mkdir(parents=True, exist_ok=True)
     argv = [
         str(script),
@@ -205,11 +209,17 @@ def start_launch(
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+            env={
+                **os.environ,
+                "TOKENIZERS_PARALLELISM": "false",
+                **(env or {}),
+                **({"RAY_ADDRESS": cluster.address} if cluster is not None else {}),
+            },
             start_new_session=True,
         )
     st = _stat(proc.pid)
-    return Launch(proc, str(fileroot), out_path, cluster=cluster, since=st[2] if st else 0)
+    root = cluster.proc.pid if cluster is not None else None
+    return Launch(proc, str(fileroot), out_path, cluster=root, since=st[2] if st else 0)
 
 
 def server_ports(run_dir: Path) -> list[int]:

@@ -174,5 +174,5 @@ def test_the_package_imports_its_workflows_only_when_asked():
         "else:\n"
         "    raise SystemExit('no AttributeError')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
