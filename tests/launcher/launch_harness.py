@@ -218,8 +218,9 @@ def start_launch(
             start_new_session=True,
         )
     st = _stat(proc.pid)
+    assert st is not None  # not reaped yet (a zombie at worst): its /proc entry is there
     root = cluster.proc.pid if cluster is not None else None
-    return Launch(proc, str(fileroot), out_path, cluster=root, since=st[2] if st else 0)
+    return Launch(proc, str(fileroot), out_path, cluster=root, since=st[2])
 
 
 def server_ports(run_dir: Path) -> list[int]:
