@@ -145,6 +145,7 @@ class Run:
         )
         self._bar = None
         self._last_commit: float | None = None
+        self._loop_start: float | None = None  # time.monotonic() when steps() began
         self._saved: _Saved | None = None  # what Run.checkpoint saves (Run.resume registers it)
         self._last_step = 0  # the last step Run.steps yields (Run.end_at may lower it)
 
@@ -173,6 +174,7 @@ class Run:
         evaluator learn the last step: their ``check`` is True there whatever their frequency,
         so a run always ends with an export and an evaluation."""
         self._last_step = self.saver.last_step = self.evaluator.last_step = n_steps
+        self._loop_start = time.monotonic()  # the progress report's rate counts from here
         step = start
         while step < self._last_step:  # end_at may move it closer
             step += 1
@@ -239,9 +241,9 @@ class Run:
             return
         if self._bar is None and step > 0:
             mode = self.env.progress_mode(sys.stderr.isatty())
-            self._bar = StepProgress(total_steps, step - 1, mode)
+            self._bar = StepProgress(total_steps, step - 1, mode, start=self._loop_start)
         if self._bar is not None:
-            self._bar.update()
+            self._bar.update(stats)
         self.stats_logger.commit(step, stats)
 
     def log_trained(self, step: int, sample_ids: list[str]) -> None:

@@ -110,7 +110,10 @@ def test_a_log_gets_plain_progress_lines_while_the_sft_stage_runs(tiny_model_dir
     text = "".join(t for _, t in chunks)
     assert proc.returncode == 0, text[-3000:]
     lines = re.findall(
-        rf"^\[trainer\] steps (\d+)/{STEPS} \(\d+%\) \| [\d.]+ steps/s \| ETA \S+$", text, re.M
+        rf"^\[trainer\] steps (\d+)/{STEPS} \(\d+%\) \| [\d.]+ steps/s \| ETA \S+ \| loss [-\d.e]+$",
+        text,
+        re.M,
     )
     assert [int(s) for s in lines][:3] == [1, 2, 3] and int(lines[-1]) == STEPS, text[-3000:]
     assert "\r" not in text  # no redraws in a log
+    assert re.search(rf"^\[trainer\] done: {STEPS} steps in \S+ \| loss ", text, re.M), text[-3000:]

@@ -4,6 +4,7 @@ step progress (a bar on a terminal, plain lines in logs)."""
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 import time
@@ -92,6 +93,31 @@ def test_step_progress_resumed_run_counts_from_its_start_step():
     progress = StepProgress(total=100, initial=60, mode="lines", out=out, interval=1e9)
     progress.update()
     assert out.getvalue().startswith("steps 61/100 (61%)")
+
+
+def test_step_progress_first_line_rate_counts_the_first_steps_time():
+    out = io.StringIO()
+    # the first step began 2 s ago: 1 step / 2 s = 0.50 steps/s (it used to count from the
+    # first update, ~1e-5 s, and print ~100,000 steps/s)
+    start = time.monotonic() - 2.0
+    progress = StepProgress(total=10, initial=0, mode="lines", out=out, interval=1e9, start=start)
+    progress.update()
+    rate = float(re.search(r"\| ([\d.]+) steps/s", out.getvalue()).group(1))
+    assert 0.4 <= rate <= 0.5
+
+
+def test_step_progress_shows_the_latest_headline_figures_and_ends_with_a_summary():
+    out = io.StringIO()
+    progress = StepProgress(total=2, initial=0, mode="lines", out=out, interval=1e9)
+    progress.update({"reward/mean": 0.25, "staleness/mean": 0.5, "timing/step": 3.0})
+    progress.update({"reward/mean": 0.75, "eval/accuracy": 0.125})  # staleness kept from step 1
+    progress.close()
+    first, second, summary = out.getvalue().splitlines()
+    assert first.endswith("| reward 0.25 | staleness 0.5")
+    assert second.endswith("| reward 0.75 | eval 0.125 | staleness 0.5")
+    assert re.fullmatch(
+        r"done: 2 steps in \d+s \| reward 0.75 \| eval 0.125 \| staleness 0.5", summary
+    )
 
 
 def test_progress_mode_follows_the_launcher_then_the_terminal():
