@@ -21,7 +21,9 @@ checkout, which is what ``make demo`` installs).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -194,6 +196,20 @@ def run_quickstart(
     return 0
 
 
+def areal_command(path_env: str | None = None) -> str:
+    """How the user's shell runs this ``areal``: ``areal`` when the shell's PATH finds this
+    installation's script (an activated venv), else its path, e.g. ``.venv/bin/areal`` after
+    ``make demo`` (which installs into .venv without activating it)."""
+    script = Path(sys.executable).parent / "areal"
+    found = shutil.which("areal", path=os.environ.get("PATH") if path_env is None else path_env)
+    if found and Path(found).resolve() == script.resolve():
+        return "areal"
+    try:
+        return os.path.relpath(script)
+    except ValueError:  # another drive (Windows)
+        return str(script)
+
+
 def _print_summary(summary: dict, out: Path) -> None:
     gain = summary["acc_after"] - summary["acc_before"]
     what = "agent success rate" if summary["task"] == "tools" else "greedy accuracy"
@@ -207,5 +223,6 @@ def _print_summary(summary: dict, out: Path) -> None:
         f"{summary['samples_per_second']:.1f} samples/s, staleness mean "
         f"{summary['staleness_mean']:.2f} max {summary['staleness_max']:.0f}\n"
         f"[quickstart] {out / 'summary.json'}, {summary['plot']}\n"
-        f"[quickstart] every trained sample, in the browser: areal view {out / 'grpo' / 'run'}"
+        f"[quickstart] every trained sample, in the browser: "
+        f"{areal_command()} view {out / 'grpo' / 'run'}"
     )
