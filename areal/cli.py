@@ -198,23 +198,30 @@ def _core_stop(argv: list[str]) -> int:
     return 0
 
 
+def _core_status(argv: list[str]) -> int:
+    from areal.core.status import format_status
+
+    p = argparse.ArgumentParser(
+        prog="areal core status",
+        description="An `areal core async-ppo` run's manager and rollout workers at its last "
+        "step (docs/core.md).",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of an async-ppo run")
+    a = p.parse_args(argv)
+    try:
+        print(format_status(a.run_dir))
+    except FileNotFoundError as e:
+        raise SystemExit(f"areal core status: {e}") from None
+    return 0
+
+
 def _core(args: argparse.Namespace) -> int:
     if args.action == "sft":
         from areal.core.sft import main as core_sft
 
         return core_sft(args.rest)
     if args.action == "status":
-        from areal.core.status import format_status
-
-        if len(args.rest) != 1:
-            raise SystemExit(
-                "areal core status RUN_DIR: give the run directory of an async-ppo run"
-            )
-        try:
-            print(format_status(args.rest[0]))
-        except FileNotFoundError as e:
-            raise SystemExit(f"areal core status: {e}") from None
-        return 0
+        return _core_status(args.rest)
     if args.action == "scale":
         return _core_scale(args.rest)
     if args.action == "stop":
@@ -376,14 +383,41 @@ COMMANDS: tuple[Command, ...] = (
 # fmt: on
 
 
+# one example per subcommand, shown under its --help
+EXAMPLES = {
+    "tiny-model": "areal tiny-model --out models/tiny",
+    "dpo-pairs": "areal dpo-pairs --model SFT_MODEL_DIR --out data/pairs n_samples=16",
+    "view": "areal view runs/quickstart/grpo/run",
+    "replay": "areal replay --to 3 RUN_DIR",
+    "quickstart": "areal quickstart --out runs/quickstart",
+    "launch": "areal launch local examples/gsm8k_grpo.py --config examples/arithmetic_grpo.yaml "
+    "total_train_steps=20   (--help after the script: its config's fields)",
+    "eval": "areal eval --model RUN_DIR/checkpoints/actor/step200 --config "
+    "examples/arithmetic_grpo.yaml",
+    "plot": "areal plot runs/quickstart/grpo/run",
+    "config-docs": "areal config-docs --out docs/config.md",
+    "serve": "areal serve --model runs/quickstart/model --port 30000 max_batch_size=64",
+    "core": "areal core graph graph=sync_ppo   (--help after an action: its config's fields or "
+    "arguments)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``areal`` parser: one subparser per row of :data:`COMMANDS`."""
+    from areal import __version__
+
     parser = argparse.ArgumentParser(
         prog="areal", description="Asynchronous RL for LLM post-training on verifiable tasks."
     )
+    parser.add_argument("--version", action="version", version=f"areal {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
-        p = sub.add_parser(command.name, help=command.help)
+        p = sub.add_parser(
+            command.name,
+            help=command.help,
+            description=command.help[0].upper() + command.help[1:] + ".",
+            epilog=f"example: {EXAMPLES[command.name]}",
+        )
         for flags, kw in command.args:
             p.add_argument(*flags, **kw)
         p.set_defaults(func=command.func)

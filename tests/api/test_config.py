@@ -47,6 +47,15 @@ def test_every_problem_is_reported_at_once_with_path_value_and_fix(tmp_path):
     assert "did you mean 'cosine'?" in msg  # bad choice with suggestion
 
 
+def test_problems_set_on_the_command_line_are_marked_as_such_beside_the_yaml_file(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        _load(tmp_path, "train_dataset:\n  type: sft\n  batch_szie: 4\n", "model.mb_spec.n_mbs=0")
+    assert str(e.value).startswith("2 problem(s) in ") and " and the command line:" in str(e.value)
+    yaml_typo, cli_typo = sorted(e.value.problems, key=lambda p: p.startswith("model"))
+    assert yaml_typo.startswith("train_dataset.batch_szie") and "command line" not in yaml_typo
+    assert "got 0" in cli_typo and cli_typo.endswith(" (set on the command line)")
+
+
 def test_cross_field_rule_names_both_fields(tmp_path):
     with pytest.raises(ConfigError, match="train_dataset.type: SFT needs 'sft' data, got 'rl'"):
         _load(tmp_path, "")

@@ -454,8 +454,52 @@ def from_dict(cls: type[T], data: dict, source: str = "config") -> T:
     return cfg
 
 
+def config_help(cls: type) -> str:
+    """What ``--help`` prints for a config-driven entry point: the usage, then each top-level
+    field with its default and help, each section with its summary."""
+    lines = [
+        f"{cls.__name__}: {_summary(cls)}",
+        "usage: [--config YAML] [key=value ...]  (dotted keys reach into sections: "
+        "actor.optimizer.lr=1e-5; values are YAML)",
+        "",
+    ]
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        sections = [t for t in (hints[f.name], *get_args(hints[f.name])) if _is_section(t)]
+        if sections:
+            lines.append(f"  {f.name}.*  {_summary(sections[0])}")
+        else:
+            default = f.default if f.default is not _MISSING else "(required)"
+            lines.append(f"  {f.name}={default!r}  {f.metadata.get('help', '')}".rstrip())
+    lines += ["", "Every field with its type, default and meaning: docs/config.md."]
+    return "\n".join(lines)
+
+
+def _summary(cls: type) -> str:
+    """The first paragraph of a class's docstring, on one line."""
+    return " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _attribute(problems: list[str], override_keys: list[str]) -> list[str]:
+    """Mark the problems whose field was set on the command line, not in the YAML file."""
+    out = []
+    for p in problems:
+        where = re.split(r"[:\s]", p, maxsplit=1)[0]  # "a.b: ..." or "a.b must be ..."
+        mine = any(where == k or where.startswith(k + ".") for k in override_keys)
+        out.append(f"{p} (set on the command line)" if mine else p)
+    return out
+
+
 def load_config(cls: type[T], argv: list[str]) -> T:
-    """The one loader every entry point uses: ``[--config FILE] [a.b=c ...]`` -> frozen ``cls``."""
+    """The one loader every entry point uses: ``[--config FILE] [a.b=c ...]`` -> frozen ``cls``.
+    ``-h``/``--help`` among the arguments prints :func:`config_help` and exits 0."""
+    if "-h" in argv or "--help" in argv:
+        print(config_help(cls))
+        raise SystemExit(0)
     path, overrides = None, []
     it = iter(argv)
     for arg in it:
@@ -469,11 +513,12 @@ def load_config(cls: type[T], argv: list[str]) -> T:
             overrides.append(arg)
     data = read_yaml(path) if path else {}
     tree, problems = parse_overrides(overrides)
-    source = path or "command line"
+    source = f"{path} and the command line" if path and overrides else path or "command line"
     try:
         cfg = from_dict(cls, _merge(data, tree), source)
     except ConfigError as e:
-        raise ConfigError(problems + e.problems, source) from None
+        keys = [o.split("=", 1)[0].strip() for o in overrides if "=" in o] if path else []
+        raise ConfigError(problems + _attribute(e.problems, keys), source) from None
     if problems:
         raise ConfigError(problems, source)
     return cfg
