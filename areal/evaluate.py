@@ -27,7 +27,7 @@ from areal.reward.resolve import resolve_reward
 from areal.reward.runner import RewardRunner
 from areal.rollout.executor import WorkflowExecutor
 from areal.rollout.remote import RemoteInferenceEngine
-from areal.runtime.preflight import preflight
+from areal.runtime.preflight import model_dir_problem, preflight
 from areal.utils.network import free_port
 from areal.workflow.rlvr import RLVRWorkflow
 
@@ -39,6 +39,9 @@ def run_eval(model: str, argv: list[str]) -> dict[str, Any]:
     scratch = tempfile.mkdtemp(
         prefix="areal-eval-"
     )  # the server's logs; the run dirs stay untouched
+    problem = model_dir_problem("--model", model)  # named as the user gave it, not actor.path
+    if problem:
+        raise ConfigError([problem], "areal eval")
     base = ["actor.use_critic=false", "cluster.n_servers=1", "rollout.max_staleness=0"]
     cfg = load_config(GRPOConfig, [*base, *argv, f"actor.path={model}", f"fileroot={scratch}"])
     problems = preflight(cfg)

@@ -71,3 +71,14 @@ def test_areal_eval_without_held_out_data_says_so(tiny_model_dir):
     assert (
         run.returncode == 2 and "valid_dataset: null; areal eval needs held-out data" in run.stderr
     )
+
+
+def test_areal_eval_names_its_own_flag_for_a_missing_model(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "areal.cli", "eval", "--model", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and f"--model: '{tmp_path / 'nope'}' does not exist" in run.stderr
+    assert "actor.path" not in run.stderr

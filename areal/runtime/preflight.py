@@ -36,11 +36,16 @@ def model_dir_problem(field: str, path: str) -> str | None:
     if not (d / "config.json").is_file():
         what = "does not exist" if not d.exists() else "has no config.json"
         if "checkpoints" in d.parts:  # a training run's output: the run that writes it is missing
+            # a teacher is a stronger model than the student: the demo's GRPO export, not its SFT
+            which = (
+                "its GRPO model to runs/quickstart/grpo/run/checkpoints/actor/step150"
+                if field.endswith("teacher_path")
+                else "its SFT model to runs/quickstart/sft/run/checkpoints/model/step300"
+            )
             return (
                 f"{field}: {path!r} {what}; it is a training run's export "
                 "(RUN_DIR/checkpoints/<name>/step<N>): run that stage first, or pass the one a "
-                "run wrote (`make demo` writes its SFT model to "
-                "runs/quickstart/sft/run/checkpoints/model/step300)"
+                f"run wrote (`make demo` writes {which})"
             )
         return (
             f"{field}: {path!r} {what}; it must be a local Hugging Face model directory: one a run "

@@ -28,6 +28,11 @@ WORKER_THROUGHPUT = ("rollout worker tokens/s (Core async)", "rollout_worker/", 
 def read_stats(run_dir: str | Path) -> list[dict]:
     """Rows of RUN_DIR/stats.jsonl; a clear error if the run wrote none."""
     path = Path(run_dir) / "stats.jsonl"
+    if not Path(run_dir).is_dir():
+        raise FileNotFoundError(
+            f"{run_dir}: no such run directory; pass RUN_DIR = fileroot/experiment_name/"
+            "trial_name of a run (e.g. runs/quickstart/grpo/run)"
+        )
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} not found: is {run_dir} a run dir with stats_logger.jsonl=true?"

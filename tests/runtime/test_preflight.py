@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from areal.api.config import GRPOConfig, load_config
-from areal.runtime.preflight import preflight
+from areal.runtime.preflight import model_dir_problem, preflight
 
 BASE = ["actor.use_critic=false", "cluster.n_servers=1"]
 
@@ -134,3 +134,10 @@ def test_a_missing_run_export_says_to_run_its_stage_not_to_download(tmp_path):
         and "runs/quickstart/sft/run/checkpoints/model/step300" in actor
     )
     assert "hf download" not in actor
+
+
+def test_a_missing_teacher_export_points_at_the_demos_grpo_model_not_its_sft_model(tmp_path):
+    # a teacher must be stronger than the student: the SFT model is where the student starts
+    problem = model_dir_problem("distill.teacher_path", "runs/x/trial0/checkpoints/actor/step150")
+    assert "runs/quickstart/grpo/run/checkpoints/actor/step150" in problem
+    assert "sft" not in problem

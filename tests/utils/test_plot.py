@@ -20,6 +20,12 @@ def test_plot_of_a_dir_without_stats_says_what_is_missing(tmp_path):
         plot_run(tmp_path)
 
 
+def test_plot_of_a_run_dir_that_is_not_there_says_so_not_which_logger_to_enable(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such run directory") as e:
+        plot_run(tmp_path / "typo")
+    assert "stats_logger" not in str(e.value)
+
+
 def test_each_run_type_gets_the_panels_of_what_it_logged():
     from areal.utils.plot import panels
 
