@@ -6,6 +6,7 @@ import yaml
 from areal.api.config import (
     BaseExperimentConfig,
     ConfigError,
+    GRPOConfig,
     SFTConfig,
     iter_fields,
     load_config,
@@ -54,6 +55,21 @@ def test_problems_set_on_the_command_line_are_marked_as_such_beside_the_yaml_fil
     yaml_typo, cli_typo = sorted(e.value.problems, key=lambda p: p.startswith("model"))
     assert yaml_typo.startswith("train_dataset.batch_szie") and "command line" not in yaml_typo
     assert "got 0" in cli_typo and cli_typo.endswith(" (set on the command line)")
+
+
+def test_a_typod_algorithm_is_one_problem_not_also_the_default_presets_critic(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(GRPOConfig, ["actor.algorithm=grpoo", "cluster.n_servers=1"])
+    (problem,) = e.value.problems
+    assert problem.startswith("actor.algorithm: got 'grpoo'") and "did you mean 'grpo'" in problem
+
+
+def test_a_minimal_rl_config_is_told_why_it_needs_a_critic_and_servers():
+    with pytest.raises(ConfigError) as e:
+        load_config(GRPOConfig, [])
+    servers, critic = sorted(e.value.problems)  # "cluster..." < "critic..."
+    assert "actor.algorithm='ppo' trains a critic" in critic and "actor.algorithm=grpo" in critic
+    assert "cluster.n_servers: 0 (the default)" in servers and "cluster.n_servers=1" in servers
 
 
 def test_cross_field_rule_names_both_fields(tmp_path):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
+from areal.api.config.actor import PRESETS, PPOActorConfig, PPOCriticConfig
 from areal.api.config.base import BaseExperimentConfig, GenerationHyperparameters
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.loader import param
@@ -322,8 +322,13 @@ class GRPOConfig(BaseExperimentConfig):
                 f"gconfig.max_new_tokens={self.gconfig.max_new_tokens}); lower it or set "
                 "actor.overlong_reward_penalty=false"
             )
-        if self.actor.use_critic and self.critic is None:
-            yield "critic: actor.use_critic=true needs a critic section; set critic.path=MODEL_DIR"
+        # an unknown actor.algorithm is reported by itself: its preset (critic or not) is unknown
+        if self.actor.use_critic and self.critic is None and self.actor.algorithm in PRESETS:
+            yield (
+                f"critic: actor.algorithm={self.actor.algorithm!r} trains a critic "
+                "(actor.use_critic=true) and there is no critic section; set "
+                "critic.path=MODEL_DIR, or pick a critic-free algorithm, e.g. actor.algorithm=grpo"
+            )
         if (
             self.actor.kl_ctl > 0 and self.ref is None and not self.actor.lora.enabled
         ):  # LoRA: its frozen base
@@ -333,7 +338,11 @@ class GRPOConfig(BaseExperimentConfig):
                 "reference)"
             )
         if self.cluster.n_servers == 0 and not self.rollout.addresses:
-            yield "cluster.n_servers: 0 and no rollout.addresses; RL needs servers (set 1 or more)"
+            yield (
+                "cluster.n_servers: 0 (the default) and no rollout.addresses; RL needs "
+                "generation servers: set cluster.n_servers=1 (or more), or "
+                "rollout.addresses=[HOST:PORT] of servers started by hand"
+            )
         if self.train_dataset.type != "rl":
             yield (
                 f"train_dataset.type: RL needs 'rl' data, got {self.train_dataset.type!r}; set "
