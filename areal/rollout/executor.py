@@ -66,8 +66,14 @@ class _Job:
 
 
 def _describe(job: _Job) -> str:
-    text = repr(job.item)
-    text = text if len(text) <= 300 else text[:300] + "..."
+    """``RLVRWorkflow on item #12 (id 'arith-train-000012')``: a dataset item by its id (its
+    token ids would make the launcher's one-line cause hundreds of characters long)."""
+    item = job.item
+    if isinstance(item, dict) and "id" in item:
+        text = f"(id {item['id']!r})"
+    else:
+        text = repr(item)
+        text = text if len(text) <= 120 else text[:120] + "..."
     return f"{type(job.workflow).__name__} on item #{job.seq} {text}"
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import areal
 from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.data import DatasetConfig
 from areal.api.config.engine import TrainEngineConfig
@@ -36,6 +38,11 @@ def model_dir_problem(field: str, path: str) -> str | None:
     if not (d / "config.json").is_file():
         what = "does not exist" if not d.exists() else "has no config.json"
         if "checkpoints" in d.parts:  # a training run's output: the run that writes it is missing
+            export = f"{field}: {path!r} {what}; it is a training run's export"
+            writer = _example_writing(d)
+            if writer:  # an example's own path: that example's run writes it, not the demo
+                return f"{export}, written by the run of examples/{writer}: run that first (the "\
+                    "file's header says how), or pass a model a run wrote"  # fmt: skip
             # a teacher is a stronger model than the student: the demo's GRPO export, not its SFT
             which = (
                 "its GRPO model to runs/quickstart/grpo/run/checkpoints/actor/step150"
@@ -43,9 +50,8 @@ def model_dir_problem(field: str, path: str) -> str | None:
                 else "its SFT model to runs/quickstart/sft/run/checkpoints/model/step300"
             )
             return (
-                f"{field}: {path!r} {what}; it is a training run's export "
-                "(RUN_DIR/checkpoints/<name>/step<N>): run that stage first, or pass the one a "
-                f"run wrote (`make demo` writes {which})"
+                f"{export} (RUN_DIR/checkpoints/<name>/step<N>): run that stage first, or pass "
+                f"the one a run wrote (`make demo` writes {which})"
             )
         return (
             f"{field}: {path!r} {what}; it must be a local Hugging Face model directory: one a run "
@@ -54,6 +60,20 @@ def model_dir_problem(field: str, path: str) -> str | None:
         )
     if not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
         return f"{field}: {path!r} has config.json but no *.safetensors or *.bin weights"
+    return None
+
+
+def _example_writing(export: Path) -> str | None:
+    """The examples/*.yaml whose run writes ``export`` (FILEROOT/EXPERIMENT/TRIAL/checkpoints/
+    ...): the one whose experiment_name is EXPERIMENT; None when no example names it."""
+    i = export.parts.index("checkpoints")
+    if i < 2:
+        return None
+    line = re.compile(rf"^experiment_name:\s*{re.escape(export.parts[i - 2])}\s*(#.*)?$", re.M)
+    examples = Path(areal.__file__).resolve().parents[1] / "examples"
+    for yaml_file in sorted(examples.glob("*.yaml")):
+        if line.search(yaml_file.read_text()):
+            return yaml_file.name
     return None
 
 

@@ -34,9 +34,15 @@ class DynamicSamplingFilter:
         with self._lock:
             self.streak = 0 if informative else self.streak + 1
             if self.streak >= self.limit:
+                last = float(rewards[0])
+                why = (  # a reward of 0 or less everywhere: most often the wrong starting model
+                    "never: is actor.path a model warmed up for this task?"
+                    if last <= 0
+                    else "always: use harder data"
+                )
                 raise RuntimeError(
                     f"dynamic sampling rejected {self.streak} groups in a row (all rewards equal, "
-                    f"last {float(rewards[0])}): the model solves every prompt always or never; "
-                    "set actor.dynamic_sampling=false or use data of suitable difficulty"
+                    f"last {last}): the model solves every prompt {why} Or set "
+                    "actor.dynamic_sampling=false"
                 )
         return informative

@@ -68,7 +68,7 @@ def test_stop_token_ids_outside_the_models_vocabulary_are_refused(tmp_path, tiny
     "argv,message",
     [
         (["serve", "--model", "/nonexistent"], "model_path: '/nonexistent' does not exist"),
-        (["plot", "/nonexistent"], "stats.jsonl not found"),
+        (["plot", "/nonexistent"], "/nonexistent: no such run directory"),
         (["tiny-model", "--out", "/proc/no/such"], "No such file or directory"),
         (["launch", "local", "/nonexistent.py"], "launch script /nonexistent.py does not exist"),
     ],
@@ -123,17 +123,25 @@ def test_script_file_override_and_config_mistakes_are_one_message_naming_the_fix
 
 
 def test_a_missing_run_export_says_to_run_its_stage_not_to_download(tmp_path):
-    """The README's recipes point at `make demo`'s SFT export; when it is not there the cause is
-    the missing run, not the hub (issue 34)."""
-    problems = _problems(
-        tmp_path, "actor.path=runs/sft-arithmetic/trial0/checkpoints/model/step300"
-    )
+    """A path under no example's experiment: the demo's SFT export is the model to start from;
+    the cause is the missing run, not the hub (issue 34)."""
+    problems = _problems(tmp_path, "actor.path=runs/mine/trial0/checkpoints/model/step300")
     (actor,) = [p for p in problems if p.startswith("actor.path")]
     assert (
         "training run's export" in actor
         and "runs/quickstart/sft/run/checkpoints/model/step300" in actor
     )
     assert "hf download" not in actor
+
+
+def test_a_missing_export_of_an_examples_run_names_that_example_not_the_demo(tmp_path):
+    # examples/agent_arithmetic.yaml starts from examples/agent_arithmetic_sft.yaml's export: the
+    # addition demo's SFT model would starve its GRPO (issue 57)
+    problem = model_dir_problem(
+        "actor.path", "runs/sft-agent-arithmetic/trial0/checkpoints/model/step400"
+    )
+    assert "written by the run of examples/agent_arithmetic_sft.yaml: run that first" in problem
+    assert "quickstart" not in problem and "hf download" not in problem
 
 
 def test_a_missing_teacher_export_points_at_the_demos_grpo_model_not_its_sft_model(tmp_path):

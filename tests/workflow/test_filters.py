@@ -31,3 +31,12 @@ def test_too_many_rejections_in_a_row_stop_the_run_with_the_fix():
         RuntimeError, match="rejected 2 groups in a row.*actor.dynamic_sampling=false"
     ):
         f(_group(0.0, 0.0))
+
+
+def test_a_run_that_never_scores_is_asked_whether_it_started_from_the_right_model():
+    f = DynamicSamplingFilter(max_consecutive_rejections=1)
+    with pytest.raises(RuntimeError, match="never: is actor.path a model warmed up for this task"):
+        f(_group(0.0, 0.0))
+    f = DynamicSamplingFilter(max_consecutive_rejections=1)
+    with pytest.raises(RuntimeError, match="always: use harder data"):
+        f(_group(1.0, 1.0))
