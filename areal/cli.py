@@ -66,21 +66,20 @@ def _view(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     import importlib.util
-    from pathlib import Path
 
-    from areal.runtime.replay import read_meta, replay_run
+    from areal.runtime.replay import replay_run
+    from areal.runtime.replay_files import read_meta, replay_script
 
-    script = args.script or read_meta(args.run_dir)["script"]
-    if not script or not Path(script).is_file():
-        raise FileNotFoundError(
-            f"entry script {script!r} of {args.run_dir} is not there; pass --script PATH "
-            "(the script that trained it, e.g. examples/gsm8k_grpo.py)"
-        )
+    try:  # a damaged record or a refused script is one line, never a traceback
+        meta = read_meta(args.run_dir)
+        script = replay_script(args.run_dir, meta, args.script, args.trust_run_dir)
+    except ValueError as e:
+        raise SystemExit(f"areal replay: {e}") from None
     spec = importlib.util.spec_from_file_location("areal_replayed_script", script)
     if spec is None or spec.loader is None:
         raise SystemExit(f"areal replay: {script} is not a Python file; pass --script PATH.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # its CONFIG, setup_trainers and train_step: the run's own code
+    spec.loader.exec_module(module)  # CONFIG, setup_trainers, train_step: the code the user chose
     try:
         report = replay_run(
             args.run_dir,
@@ -90,7 +89,7 @@ def _replay(args: argparse.Namespace) -> int:
             to=args.to,
             knobs=tuple(args.knobs),
         )
-    except ValueError as e:
+    except ValueError as e:  # ReplayFileError too: a damaged step, hashes or weights file
         raise SystemExit(f"areal replay: {e}") from None
     print(report.text())
     return 0 if report.ok else 1
@@ -325,7 +324,10 @@ COMMANDS: tuple[Command, ...] = (
         _arg("--to", type=int, default=None, metavar="STEP",
              help="replay steps 1..STEP (default: all); options go before RUN_DIR"),
         _arg("--script", default=None,
-             help="entry script (default: the one that recorded the run)"),
+             help="run this entry script (one you trust, e.g. examples/gsm8k_grpo.py)"),
+        _arg("--trust-run-dir", action="store_true",
+             help="run the run dir's own recorded copy of its script (RUN_DIR/replay/script.py): "
+                  "only for a run dir you trust, as it runs that code"),
         _arg("knobs", nargs="*", metavar="KEY=VALUE",
              help="change a knob, e.g. actor.optimizer.lr=1e-4: the divergence is reported, "
                   "not an error"),
@@ -388,7 +390,7 @@ EXAMPLES = {
     "tiny-model": "areal tiny-model --out models/tiny",
     "dpo-pairs": "areal dpo-pairs --model SFT_MODEL_DIR --out data/pairs n_samples=16",
     "view": "areal view runs/quickstart/grpo/run",
-    "replay": "areal replay --to 3 RUN_DIR",
+    "replay": "areal replay --trust-run-dir --to 3 RUN_DIR",
     "quickstart": "areal quickstart --out runs/quickstart",
     "launch": "areal launch local examples/gsm8k_grpo.py --config examples/arithmetic_grpo.yaml "
     "total_train_steps=20   (--help after the script: its config's fields)",

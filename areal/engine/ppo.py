@@ -42,7 +42,9 @@ from areal.api.io import SaveLoadMeta
 from areal.engine import checkpoint
 from areal.engine.fsdp import FSDPEngine
 from areal.utils.batch import PackedBatch, split_microbatches
+from areal.utils.logging import get_logger
 
+logger = get_logger("ppo")
 TOKEN_INDEX = "token_index"  # [T] a token's position in ppo_update's batch (for logp_out)
 
 
@@ -115,6 +117,55 @@ def staleness_means(steps: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+class SkippedUpdatesError(RuntimeError):
+    """``actor.max_skipped_steps`` train steps in a row skipped every optimizer update."""
+
+
+class SkippedSteps:
+    """Counts train steps in a row whose every optimizer update was skipped (the engine skips an
+    update whose grad norm is not finite: a NaN/inf loss, reward or weight): each such step is a
+    warning; ``limit`` in a row (``actor.max_skipped_steps``; 0 = never) stop the run with
+    :class:`SkippedUpdatesError` naming the last reason. Every rank sees the same skips (the
+    grad norm is all-reduced), so every rank stops at the same step."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_a_row = 0  # train steps, the last one included
+
+    def observe(self, steps: list[dict[str, float]], batch: PackedBatch) -> None:
+        """After one ``ppo_update`` of ``batch`` whose optimizer steps returned ``steps``."""
+        if not steps or not all(s["update_skipped"] for s in steps):
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        why = skip_reason(steps[-1], batch)
+        if self.limit and self.in_a_row >= self.limit:
+            raise SkippedUpdatesError(
+                f"{self.in_a_row} train steps in a row skipped every optimizer update "
+                f"(actor.max_skipped_steps={self.limit}); the last: {why}"
+            )
+        stop = f"stops at {self.limit}" if self.limit else "never stops: max_skipped_steps=0"
+        logger.warning(
+            f"this train step skipped every optimizer update ({self.in_a_row} in a row; the run "
+            f"{stop}): {why}"
+        )
+
+
+def skip_reason(last: dict[str, float], batch: PackedBatch) -> str:
+    """Why an update was skipped: its grad norm and loss, and the batch's non-finite inputs."""
+    parts = [f"grad norm {last['grad_norm']:.3g}, loss {last.get('loss', float('nan')):.3g}"]
+    for key in ("rewards", "advantages", "logprobs"):
+        if key in batch:
+            n_bad = int((~torch.isfinite(batch[key].float())).sum())
+            if n_bad:
+                parts.append(f"{n_bad} non-finite {key} in the batch")
+    if len(parts) == 1:
+        parts.append("the batch's rewards and advantages are finite: the model diverged")
+    elif "rewards" in parts[1]:
+        parts.append("a reward that is NaN or inf as float32: see reward.non_finite")
+    return "; ".join(parts)
+
+
 class PPOActor(FSDPEngine):
     """The policy: logprobs, advantages and the clipped-surrogate update (PPO family).
 
@@ -139,6 +190,7 @@ class PPOActor(FSDPEngine):
         self.max_new_tokens = max_new_tokens  # for overlong penalty / seq-mean-token-sum-norm
         self._progress = 0.0  # minibatch k of n of the running ppo_update: k / n
         self._kept_logp: torch.Tensor | None = None  # [T] ppo_update's logp_out, being filled
+        self.skipped = SkippedSteps(config.max_skipped_steps)
 
     def _dp_group(self):
         return self.group if self.world_size > 1 else None
@@ -289,6 +341,7 @@ class PPOActor(FSDPEngine):
             kept, self._kept_logp = self._kept_logp, None
         if kept is not None and self.pipe is not None:  # the losses ran on the last stage
             kept = self.pipe.from_last_stage(kept)
+        self.skipped.observe(steps, batch)  # warns; stops the run at actor.max_skipped_steps
         buckets = staleness_means(steps)  # first: it pops the bucket sums mean_stats must not see
         stats = {**mean_stats(steps), **buckets}
         if logp_out is None:

@@ -13,6 +13,13 @@ Failures are data, never silent: each one is logged with its sample id and count
 than ``max_failure_fraction`` of the batch failed. ``failure_policy=raise`` stops at the first one.
 The trainer calls ``commit_batch()`` once per training batch.
 
+A reward that is not finite as float32 (NaN, inf, or beyond float32's range such as ``1e308``:
+:func:`areal.api.sampling.finite_in_float32`) would turn its group's advantages and the whole
+update into NaN. It is counted (``reward/n_non_finite``), logged with its sample id, and handled by
+``reward.non_finite``: ``drop`` scores it 0.0 as a failed call (status ``error_reward``, not
+trained on, counted toward ``max_failure_fraction``), ``zero`` scores it 0.0 and trains on it,
+``error`` stops the run.
+
 Reward functions must be picklable (module-level functions or ``functools.partial`` of them) and
 return something ``float()`` accepts.
 """
@@ -35,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from areal.api.config.reward import RewardConfig
+from areal.api.sampling import finite_in_float32
 from areal.reward.resolve import wants_prompt
 
 logger = logging.getLogger("areal.reward")
@@ -64,15 +72,23 @@ class FailureTracker:
 
     max_failure_fraction: float
     policy: str = "zero"  # "zero" | "raise"
+    non_finite: str = "drop"  # "drop" | "zero" | "error": reward.non_finite
     n_calls: int = 0
     n_timeouts: int = 0
     n_errors: int = 0
+    n_non_finite: int = 0  # returned normally, but NaN / inf as float32
     examples: list[str] = field(default_factory=list)  # "sample_id: error", first few only
 
-    def record(self, sample_id: str, error: str | None, timed_out: bool = False) -> None:
-        """Count one call; ``error`` is None on success. Raises at once under policy ``raise``."""
+    def record(
+        self, sample_id: str, error: str | None, timed_out: bool = False, non_finite: bool = False
+    ) -> None:
+        """Count one call; ``error`` is None on success. Raises at once under policy ``raise``
+        (a non-finite reward: under ``non_finite=error``)."""
         self.n_calls += 1
         if error is None:
+            return
+        if non_finite:
+            self._record_non_finite(sample_id, error)
             return
         if timed_out:
             self.n_timeouts += 1
@@ -86,10 +102,22 @@ class FailureTracker:
                 "stops the run (set reward.failure_policy=zero to score failures 0 and go on)"
             )
 
+    def _record_non_finite(self, sample_id: str, error: str) -> None:
+        self.n_non_finite += 1
+        if self.non_finite == "error":
+            raise RewardFailureError(
+                f"reward for sample {sample_id} {error}; reward.non_finite=error stops the run "
+                "(drop: train without the sample; zero: train on it with reward 0)"
+            )
+        if len(self.examples) < 5:
+            self.examples.append(f"{sample_id}: {error}")
+
     @property
     def n_failed(self) -> int:
-        """Failed calls (timeouts + errors) in the current batch."""
-        return self.n_timeouts + self.n_errors
+        """Failed calls in the current batch: timeouts, errors and, under ``non_finite=drop``,
+        non-finite rewards (scored 0 and not trained on)."""
+        dropped = self.n_non_finite if self.non_finite == "drop" else 0
+        return self.n_timeouts + self.n_errors + dropped
 
     def commit(self) -> dict[str, float]:
         """The batch's metrics; resets the counts; raises if the failed fraction is too high."""
@@ -100,10 +128,11 @@ class FailureTracker:
             "reward/n_failed": float(failed),
             "reward/n_timeouts": float(self.n_timeouts),
             "reward/n_errors": float(self.n_errors),
+            "reward/n_non_finite": float(self.n_non_finite),
             "reward/failure_fraction": frac,
         }
         examples = "; ".join(self.examples)
-        self.n_calls = self.n_timeouts = self.n_errors = 0
+        self.n_calls = self.n_timeouts = self.n_errors = self.n_non_finite = 0
         self.examples = []
         if frac > self.max_failure_fraction:
             raise RewardFailureError(
@@ -159,7 +188,7 @@ class RewardRunner:
             self._idle.put(_Worker())
         self._threads = ThreadPoolExecutor(cfg.n_workers, thread_name_prefix="reward")
         self._lock = threading.Lock()
-        self.tracker = FailureTracker(cfg.max_failure_fraction, cfg.failure_policy)
+        self.tracker = FailureTracker(cfg.max_failure_fraction, cfg.failure_policy, cfg.non_finite)
         self._closed = False
 
     def call(self, sample_id: str, *args: Any, **kwargs: Any) -> float:
@@ -181,16 +210,25 @@ class RewardRunner:
         return self._settle(sample_id, status, value)
 
     def _settle(self, sample_id: str, status: str, value: Any) -> RewardOutcome:
-        if status == "ok":
+        non_finite = status == "ok" and not finite_in_float32(value)
+        if non_finite:
+            error = (  # NaN, inf, or past float32's range (~3.4e38): the training dtype
+                f"{value!r} is not finite as float32 (the training dtype; float32 ends near 3.4e38)"
+            )
+        elif status == "ok":
             error = None
         elif status == "timeout":
             error = f"missed the {self.cfg.timeout}s deadline (worker killed and replaced)"
         else:
             error = str(value)
         if error is not None:
-            logger.warning("reward for sample %s failed, scored 0.0: %s", sample_id, error)
+            how = {"drop": "scored 0.0, not trained on", "zero": "scored 0.0"}
+            what = how.get(self.cfg.non_finite, "stops the run") if non_finite else "scored 0.0"
+            logger.warning("reward for sample %s failed, %s: %s", sample_id, what, error)
         with self._lock:
-            self.tracker.record(sample_id, error, timed_out=status == "timeout")
+            self.tracker.record(sample_id, error, status == "timeout", non_finite)
+        if non_finite and self.cfg.non_finite == "zero":  # trained on, with reward 0
+            return RewardOutcome(0.0)
         return RewardOutcome(value if error is None else 0.0, error)
 
     async def ascore(self, sample_id: str, *args: Any, **kwargs: Any) -> RewardOutcome:

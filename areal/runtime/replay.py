@@ -6,13 +6,21 @@ runs record here; Core async PPO runs through :mod:`areal.core.record` (the same
 With ``stats_logger.replay.enabled`` each trainer rank writes to ``RUN_DIR/replay``:
 
 - ``meta.json`` (rank 0): the entry script, trainer ranks, torch version, intra-op threads;
+- ``script.py`` (rank 0): a copy of that entry script, the code ``areal replay
+  --trust-run-dir`` runs (a replay never runs a script unless told to:
+  :func:`~areal.runtime.replay_files.replay_script`);
 - ``step-<step:06d>-rank<r>.pt``: the packed batch the actor trains on at that step, exactly as
   ``groups_to_batch`` built it (``cu_seqlens`` and every token and sequence field, in order), the
-  Python / NumPy / torch RNG states just before the train step and the actor's weight version;
+  Python / NumPy / torch RNG states just before the train step and the actor's weight version:
+  tensors and one JSON string only (:func:`pack_step`), read with ``torch.load(weights_only=True)``
+  so a replay never unpickles an object of the recorded run;
 - ``hashes.jsonl`` (rank 0): one line per step, a blake2b hash of every actor tensor (full, HF
   names) after the step; step 0 is the initial weights;
 - ``weights-<step:06d>.pt`` (rank 0, ``keep_weights``): the actor's full weights after the step,
   so a replay can name the max difference of a differing tensor.
+
+A damaged file (a truncated ``meta.json``, a cut-short or foreign step file, a missing tensor) is
+a one-line :class:`ReplayFileError` naming the file and what is wrong.
 
 Recording turns on ``torch.use_deterministic_algorithms``. The replay re-runs only the trainer, in
 one process, from the initial weights (``setup_trainers`` of the entry script) on the recorded
@@ -26,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,15 +42,26 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from areal.runtime.replay_files import (
+    HASHES,
+    REPLAY_DIR,
+    ReplayFileError,
+    load_step_file,
+    pack_step,
+    read_meta,
+    recorded_hashes,
+    recorded_tensor,
+    save_step,
+    write_meta,
+)
 from areal.utils.batch import PackedBatch
+from areal.utils.jsonl import keep_steps_upto
 from areal.utils.logging import get_logger
 
 if TYPE_CHECKING:
     from areal.api.config.base import ReplayConfig
 
 logger = get_logger("replay")
-REPLAY_DIR = "replay"
-HASHES = "hashes.jsonl"
 BATCH_SECTIONS = ("gconfig", "train_dataset", "rollout", "cluster")  # what made the batches
 ONE_RANK = "record with cluster.trainer_nprocs=1"  # how a Lite run trains its actor on one rank
 
@@ -65,12 +83,6 @@ def make_deterministic() -> None:
 
 def _step_path(root: Path, step: int, rank: int) -> Path:
     return root / f"step-{step:06d}-rank{rank}.pt"
-
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 class HashedActor(Protocol):
@@ -110,13 +122,7 @@ class ReplayRecorder:
         self.root.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             main = getattr(sys.modules.get("__main__"), "__file__", None)
-            meta = {
-                "script": str(Path(main).resolve()) if main else None,
-                "world_size": world_size,
-                "torch": torch.__version__,
-                "threads": torch.get_num_threads(),
-            }
-            (self.root / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+            write_meta(self.root, main, world_size, torch.get_num_threads())
 
     @contextlib.contextmanager
     def step(self, step: int, batch: PackedBatch, actor: HashedActor) -> Iterator[None]:
@@ -129,16 +135,9 @@ class ReplayRecorder:
 
         if step == 1:
             self._hash_weights(0, actor)  # the initial weights a replay starts from
-        record = {
-            "step": step,
-            "version": actor.get_version(),
-            "rng": rng_state(),
-            "cu_seqlens": batch.cu_seqlens.clone(),
-            "tokens": {k: v.detach().cpu().clone() for k, v in batch.tokens.items()},
-            "seqs": {k: v.detach().cpu().clone() for k, v in batch.seqs.items()},
-        }
+        record = pack_step(step, actor.get_version(), rng_state(), batch)  # copies, before the step
         yield
-        _atomic_save(record, _step_path(self.root, step, self.rank))
+        save_step(record, _step_path(self.root, step, self.rank))
         self._hash_weights(step, actor)
 
     def describe(self, script: str | Path, world_size: int, threads: int, one_rank: str) -> None:
@@ -146,14 +145,7 @@ class ReplayRecorder:
         the module ``areal replay`` loads (``CONFIG``, ``setup_trainers``, ``train_step``), the
         actor's ranks, their intra-op threads and how to record a run of one rank."""
         if self.cfg.enabled and self.rank == 0:
-            meta = {
-                "script": str(Path(script).resolve()),
-                "world_size": world_size,
-                "torch": torch.__version__,
-                "threads": threads,
-                "one_rank": one_rank,
-            }
-            (self.root / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+            write_meta(self.root, script, world_size, threads, one_rank)
 
     def _hash_weights(self, step: int, actor: HashedActor) -> None:
         state = actor.full_state_dict()  # collective; {} off the mesh's first rank
@@ -162,7 +154,7 @@ class ReplayRecorder:
         with open(self.root / HASHES, "a") as f:
             f.write(json.dumps({"step": step, "tensors": tensor_hashes(state)}) + "\n")
         if self.cfg.keep_weights:
-            _atomic_save(state, self.root / f"weights-{step:06d}.pt")
+            save_step(state, self.root / f"weights-{step:06d}.pt")
 
     def truncate_after(self, step: int) -> None:
         """Drop the records of steps after ``step`` (a resume trains and records them again)."""
@@ -171,10 +163,8 @@ class ReplayRecorder:
         for path in self.root.glob(f"*-rank{self.rank}.pt"):
             if int(path.name.split("-")[1]) > step:
                 path.unlink()
-        if self.rank == 0 and (self.root / HASHES).is_file():
-            lines = (self.root / HASHES).read_text().splitlines()
-            kept = [ln for ln in lines if json.loads(ln)["step"] <= step]
-            (self.root / HASHES).write_text("".join(ln + "\n" for ln in kept))
+        if self.rank == 0:
+            keep_steps_upto(self.root / HASHES, step)  # drops a killed run's half-written line
             for path in self.root.glob("weights-*.pt"):
                 if int(path.stem.split("-")[1]) > step:
                     path.unlink()
@@ -247,22 +237,6 @@ class ReplayReport:
         return "\n".join(lines)
 
 
-def read_meta(run_dir: str | Path) -> dict[str, Any]:
-    """RUN_DIR/replay/meta.json, or FileNotFoundError naming how to record one."""
-    path = Path(run_dir) / REPLAY_DIR / "meta.json"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} is missing: {run_dir} was not recorded for replay; run it with "
-            "stats_logger.replay.enabled=true"
-        )
-    return json.loads(path.read_text())
-
-
-def _recorded_hashes(root: Path) -> dict[int, dict[str, str]]:
-    lines = (root / HASHES).read_text().splitlines() if (root / HASHES).is_file() else []
-    return {rec["step"]: rec["tensors"] for rec in map(json.loads, lines)}
-
-
 def check_step(
     root: Path, step: int, recorded: dict[str, str], state: dict[str, torch.Tensor]
 ) -> StepCheck:
@@ -281,7 +255,7 @@ def check_step(
     weights = root / f"weights-{step:06d}.pt"
     max_diff = None
     if weights.is_file():
-        before = torch.load(weights, map_location="cpu", weights_only=True)[differing[0]]
+        before = recorded_tensor(weights, differing[0])
         max_diff = (state[differing[0]].double() - before.double()).abs().max().item()
     return StepCheck(step, False, len(differing), differing[0], max_diff)
 
@@ -290,13 +264,15 @@ def load_step(root: Path, step: int) -> tuple[PackedBatch, dict[str, Any]]:
     """The recorded batch of ``step`` (rank 0) and its record (RNG states, version)."""
     path = _step_path(root, step, 0)
     if not path.is_file():
-        raise FileNotFoundError(
+        raise ReplayFileError(
             f"{path} is missing: step {step} was not recorded; replay fewer steps with --to"
         )
-    record = torch.load(
-        path, map_location="cpu", weights_only=False
-    )  # our own file: RNG states are tuples
-    return PackedBatch(record["cu_seqlens"], record["tokens"], record["seqs"]), record
+    batch, record = load_step_file(path)  # tensors + JSON only: no object of the run unpickled
+    if record["step"] != step:
+        raise ReplayFileError(
+            f"{path} records step {record['step']}, not {step}: renamed or mixed up"
+        )
+    return batch, record
 
 
 def replay_overrides(run_dir: Path) -> list[str]:
@@ -330,7 +306,7 @@ def _check_request(
         )
     last = max(hashes, default=0)
     if last == 0:
-        raise FileNotFoundError(
+        raise ReplayFileError(
             f"{run_dir / REPLAY_DIR / HASHES} records no trained step yet; replay after step 1 ends"
         )
     if to is not None and not 1 <= to <= last:
@@ -360,7 +336,7 @@ def replay_run(
 
     run_dir = Path(run_dir)
     meta, root = read_meta(run_dir), run_dir / REPLAY_DIR
-    hashes = _recorded_hashes(root)
+    hashes = recorded_hashes(root)
     last = _check_request(run_dir, meta, hashes, to, knobs)
     cfg = load_config(
         config_class, ["--config", str(run_dir / "config.yaml"), *replay_overrides(run_dir), *knobs]

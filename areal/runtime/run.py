@@ -44,6 +44,7 @@ from areal.runtime.dist import DistContext, close_distributed, init_distributed
 from areal.runtime.preflight import preflight
 from areal.runtime.replay import ReplayRecorder
 from areal.runtime.samples import SampleRecorder
+from areal.utils.jsonl import repair_tail
 from areal.utils.logging import add_log_file, get_logger
 from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository
 from areal.utils.process import die_with
@@ -250,8 +251,12 @@ class Run:
         """Append the ids trained at ``step`` to RUN_DIR/trained_samples-rank<r>.jsonl (the
         launch attempt is recorded, so a resumed run's effective sequence can be checked)."""
         attempt = self.env.attempt
-        with open(self.run_dir / f"trained_samples-rank{self.rank}.jsonl", "a") as f:
+        with open(self._trained_path, "a") as f:
             f.write(json.dumps({"step": step, "attempt": attempt, "ids": sample_ids}) + "\n")
+
+    @property
+    def _trained_path(self) -> Path:
+        return self.run_dir / f"trained_samples-rank{self.rank}.jsonl"
 
     def close(self) -> None:
         """Close the progress report and stats sinks, then the process groups (end of the run)."""
@@ -344,6 +349,7 @@ class Run:
             self.stats_logger.truncate_after(state["step"])
         self.samples.truncate_after(state["step"])
         self.replay.truncate_after(state["step"])
+        repair_tail(self._trained_path)  # a killed run's half-written line: appends stay JSONL
         logger.info(f"resumed from {ckpt} at step {state['step']}")
         return state
 

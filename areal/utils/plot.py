@@ -4,8 +4,9 @@ admission refusals and per-rollout-worker throughput, and time per stage."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from areal.utils.jsonl import read_records
 
 TIMING_PREFIX = "timing/"
 # (title, keys): a panel is drawn when the run logged one of its keys (RL, SFT and RM runs log
@@ -37,7 +38,7 @@ def read_stats(run_dir: str | Path) -> list[dict]:
         raise FileNotFoundError(
             f"{path} not found: is {run_dir} a run dir with stats_logger.jsonl=true?"
         )
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_records(path)  # a half-written last line (a running or killed run) is skipped
     if not rows:
         raise ValueError(f"{path} is empty: the run logged no step yet")
     return rows

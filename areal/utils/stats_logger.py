@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from areal.utils.jsonl import keep_steps_upto, repair_tail
 from areal.utils.logging import get_logger
 
 if TYPE_CHECKING:  # type-only: utils sits below api
@@ -70,6 +71,7 @@ class StatsLogger:
                     f"stats.jsonl.{k} (a new trial_name keeps runs apart; recover.mode=resume "
                     "continues one)"
                 )
+            repair_tail(path)  # a killed run's half-written last line: appends stay valid JSONL
             self._jsonl = open(path, "a", buffering=1)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -109,19 +111,13 @@ class StatsLogger:
 
     def truncate_after(self, step: int) -> None:
         """Drop the JSONL records of steps after ``step`` (a resume from the checkpoint of
-        ``step`` logs them again), so the file's steps stay increasing."""
+        ``step`` logs them again), so the file's steps stay increasing. A line that is not a
+        complete record (a killed run's half-written last line) is dropped with a warning."""
         if self._jsonl is None:
             return
         self._jsonl.close()
         path = self.run_dir / "stats.jsonl"
-        kept = [
-            line
-            for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
-        tmp = path.with_name("stats.jsonl.tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(path)
+        keep_steps_upto(path, step)
         self._jsonl = open(path, "a", buffering=1)
 
     def close(self) -> None:

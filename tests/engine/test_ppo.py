@@ -312,3 +312,26 @@ def test_stale_tokens_train_over_four_minibatches_without_the_prox_pass_and_log_
     assert "mismatch_k3_stale0" not in stats  # no token of the current version
     # the per-micro-batch bucket sums are consumed by the buckets, never logged themselves
     assert not [k for k in stats if k.startswith("stale")], sorted(stats)
+
+
+def test_a_non_finite_reward_skips_every_update_and_stops_the_run_at_max_skipped_steps(
+    tiny_model_dir,
+):
+    from areal.engine.ppo import SkippedUpdatesError
+
+    cfg = actor_config(tiny_model_dir, max_skipped_steps=2)
+    actor = PPOActor(cfg, world_mesh(), group_size=GROUP)
+    actor.initialize(None)
+    batch = rollout_batch()
+    rewards = batch["rewards"].clone()
+    rewards[1] = torch.tensor(1e308, dtype=torch.float64).float()  # inf as float32
+    logp = actor.compute_logp(batch)[0]["logp"]
+    batch = batch.with_fields(tokens={"logprobs": logp}, seqs={"rewards": rewards})
+    batch, _ = actor.compute_advantages(batch)
+    try:
+        _, stats = actor.ppo_update(batch)  # skipped: a warning, the run goes on
+        assert stats["update_skipped"] == 1.0 and actor.skipped.in_a_row == 1
+        with pytest.raises(SkippedUpdatesError, match="2 train steps in a row.*non-finite rewards"):
+            actor.ppo_update(batch)
+    finally:
+        actor.destroy()

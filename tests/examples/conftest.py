@@ -35,10 +35,11 @@ REWARDS_ENV = {"PYTHONPATH": str(SYNC_REWARDS.parent)}
 def replay(
     run_dir: Path, env: dict[str, str], *knobs: str, to: int | None = None
 ) -> subprocess.CompletedProcess:
-    """``areal replay [--to STEP] RUN_DIR [KEY=VALUE ...]`` with ``env`` over the test's own."""
-    to_args = ["--to", str(to)] if to is not None else []
+    """``areal replay --trust-run-dir [--to STEP] RUN_DIR [KEY=VALUE ...]`` (the run's own
+    recorded script: the test recorded it) with ``env`` over the test's own."""
+    args = ["--trust-run-dir", *(["--to", str(to)] if to is not None else []), str(run_dir)]
     return subprocess.run(
-        [sys.executable, "-m", "areal.cli", "replay", *to_args, str(run_dir), *knobs],
+        [sys.executable, "-m", "areal.cli", "replay", *args, *knobs],
         capture_output=True,
         text=True,
         check=False,

@@ -28,6 +28,11 @@ def die(_: float) -> float:
     os._exit(3)
 
 
+def nan_or_huge(x: float) -> float:
+    """Test reward: NaN on 7, 1e308 (finite in float64, inf in float32) on 8, else x."""
+    return {7.0: float("nan"), 8.0: 1e308}.get(x, x)
+
+
 # ----------------------------------------------------------------------------- tier 1
 
 
@@ -59,7 +64,45 @@ def test_tracker_raise_policy_stops_at_the_first_failure():
         t.record("b", "boom")
 
 
+def test_tracker_counts_non_finite_rewards_under_each_policy():
+    drop = FailureTracker(max_failure_fraction=1.0, non_finite="drop")
+    zero = FailureTracker(max_failure_fraction=1.0, non_finite="zero")
+    # drop: a failed call (1 of 2); zero: scored 0 and trained on, not a failure
+    for t, failed in ((drop, 1.0), (zero, 0.0)):
+        t.record("a", None)
+        t.record("b", "nan is not finite", non_finite=True)
+        stats = t.commit()
+        assert stats["reward/n_non_finite"] == 1.0 and stats["reward/n_failed"] == failed
+    error = FailureTracker(max_failure_fraction=1.0, policy="zero", non_finite="error")
+    with pytest.raises(RewardFailureError, match="sample b nan is not finite.*non_finite=error"):
+        error.record("b", "nan is not finite", non_finite=True)
+
+
 # ----------------------------------------------------------------------------- tier 2
+
+
+@pytest.mark.parametrize("policy", ["drop", "zero"])
+def test_nan_and_float32_overflow_rewards_are_counted_and_never_reach_training(policy, caplog):
+    cfg = RewardConfig(n_workers=1, max_failure_fraction=0.5, non_finite=policy)
+    with RewardRunner(nan_or_huge, cfg) as runner:
+        with caplog.at_level(logging.WARNING, logger="areal.reward"):
+            outcomes = [runner.score(f"s{i}", float(i)) for i in range(1, 41)]  # 2 bad of 40
+        stats = runner.commit_batch()
+    bad = [outcomes[6], outcomes[7]]  # x = 7 (NaN) and 8 (1e308)
+    assert all(o.reward == 0.0 for o in bad)
+    assert [o.ok for o in bad] == [policy == "zero"] * 2  # drop: a failed call, not trained on
+    assert all(o.ok and o.reward == i for i, o in enumerate(outcomes, 1) if i not in (7, 8))
+    assert stats["reward/n_non_finite"] == 2.0
+    assert stats["reward/n_failed"] == (2.0 if policy == "drop" else 0.0)
+    assert "s7" in caplog.text and "s8" in caplog.text and "1e+308" in caplog.text
+
+
+def test_non_finite_error_policy_stops_at_the_first_non_finite_reward():
+    cfg = RewardConfig(n_workers=1, non_finite="error")
+    with RewardRunner(nan_or_huge, cfg) as runner:
+        assert runner.call("s1", 1.0) == 1.0
+        with pytest.raises(RewardFailureError, match="sample s8 1e\\+308 is not finite as float32"):
+            runner.call("s8", 8.0)
 
 
 def test_hung_call_is_killed_replaced_and_reported(caplog):

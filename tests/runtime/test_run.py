@@ -121,3 +121,27 @@ def test_end_at_makes_the_running_step_the_last_for_the_loop_and_every_timer(mak
         off.end_at(step)
         assert not off.recover_timer.check(step)  # no recovery: no recover checkpoint
     assert step == 1
+
+
+def test_a_resume_after_a_kill_mid_write_keeps_stats_and_trained_samples_valid_jsonl(make_run):
+    import json
+
+    first = make_run()
+    first.resume({})
+    for step in (1, 2):
+        first.log_trained(step, [f"s{step}"])
+        first.commit(step, 3, {"loss": float(step)})
+    first.checkpoint(2)
+    first.stats_logger.close()
+    for name in ("stats.jsonl", "trained_samples-rank0.jsonl"):  # killed in the middle of step 3
+        with open(first.run_dir / name, "a") as f:
+            f.write('{"step": 3, "lo')
+
+    second = make_run()
+    assert second.resume({}) == 2  # no crash on the half-written lines
+    second.log_trained(3, ["s3"])
+    second.commit(3, 3, {"loss": 3.0})
+    second.stats_logger.close()
+    for name in ("stats.jsonl", "trained_samples-rank0.jsonl"):
+        lines = (second.run_dir / name).read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == [1, 2, 3], name

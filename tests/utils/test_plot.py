@@ -15,6 +15,12 @@ def test_plot_writes_a_png_from_stats_jsonl(tmp_path):
     assert out == tmp_path / "plot.png" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_skips_a_half_written_last_line_of_a_running_or_killed_run(tmp_path):
+    row = {"step": 1, "reward/mean": 0.1, "timing/rollout": 2.0}
+    (tmp_path / "stats.jsonl").write_text(json.dumps(row) + '\n{"step": 2, "rew')
+    assert plot_run(tmp_path).is_file()
+
+
 def test_plot_of_a_dir_without_stats_says_what_is_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="stats.jsonl not found"):
         plot_run(tmp_path)

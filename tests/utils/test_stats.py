@@ -122,3 +122,38 @@ def test_a_rerun_of_a_trial_starts_a_new_stats_file_and_a_resume_drops_the_steps
     resumed.commit(3, {"loss": 3.5})
     resumed.close()
     assert steps("stats.jsonl") == [1, 2, 3]
+
+
+def test_a_resume_skips_a_half_written_last_stats_line_and_keeps_the_file_valid_jsonl(tmp_path):
+    import json
+
+    from areal.api.config import StatsLoggerConfig
+
+    cfg = StatsLoggerConfig(console=False, tensorboard=False)
+    first = StatsLogger(cfg, tmp_path)
+    for step in (1, 2):
+        first.commit(step, {"loss": float(step)})
+    first.close()
+    path = tmp_path / "stats.jsonl"
+    with open(path, "a") as f:  # the run was killed in the middle of step 3's line
+        f.write('{"step": 3, "time": 1.0, "lo')
+    resumed = StatsLogger(cfg, tmp_path, fresh=False)  # no crash: the half line is cut off
+    resumed.truncate_after(2)
+    resumed.commit(3, {"loss": 3.0})
+    resumed.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]  # every line parses
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["loss"] == 3.0
+
+
+def test_truncate_after_drops_an_invalid_or_empty_line_instead_of_raising(tmp_path):
+    import json
+
+    from areal.api.config import StatsLoggerConfig
+
+    cfg = StatsLoggerConfig(console=False, tensorboard=False)
+    path = tmp_path / "stats.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n\n[1, 2]\n{"step": 2, "loss": 2.0}\n{"step": 3,\n')
+    resumed = StatsLogger(cfg, tmp_path, fresh=False)
+    resumed.truncate_after(2)
+    resumed.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]

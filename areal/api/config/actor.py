@@ -165,6 +165,13 @@ class PPOActorConfig(TrainEngineConfig):
         "ppo", help="Preset filling the knobs listed in docs/algorithms.md; explicit knobs win."
     )
     ppo_n_minibatches: int = param(1, ge=1, help="Optimizer steps per batch (PPO minibatches).")
+    max_skipped_steps: int = param(
+        3,
+        ge=0,
+        help="Stop the run after this many train steps in a row whose every optimizer update was "
+        "skipped (a non-finite loss or grad norm: NaN/inf rewards, a diverged model), naming "
+        "the last reason; each such step is a warning. 0 = never stop.",
+    )
     # -- advantages --------------------------------------------------------------------------
     use_critic: bool = param(
         True,

@@ -97,6 +97,13 @@ class RewardConfig:
         help="zero: a failed call scores 0, is counted and logged; raise: the first failure "
         "stops the run.",
     )
+    non_finite: Literal["drop", "zero", "error"] = param(
+        "drop",
+        help="A reward that is NaN or infinite as float32, the training dtype (1e308 is): drop: "
+        "it scores 0 as a failed call (status error_reward, not trained on, counted toward "
+        "max_failure_fraction); zero: it scores 0 and is trained on; error: the run stops. "
+        "Counted as reward/n_non_finite and logged with its sample id.",
+    )
     sandbox: SandboxConfig = param(factory=SandboxConfig, help="Limits for code rewards.")
 
     def check(self) -> Iterator[str]:
@@ -186,10 +193,11 @@ class AgentConfig:
         "fork_server.",
     )
     max_request_mb: float = param(
-        16.0,
+        4.0,
         gt=0,
-        help="type=agent_cmd: largest request body the agent proxy accepts (MiB); a "
-        "larger one gets 413.",
+        help="type=agent_cmd: largest request body the agent proxy accepts (MiB), checked "
+        "before the body is read; a larger one gets 413. 4 MiB of text is far past any "
+        "model's context, and each MiB costs ~1 s of tokenization.",
     )
 
 
