@@ -136,6 +136,7 @@ def main(argv: list[str]) -> int:
         if run.recover_timer.check(step, epoch_done):
             run.checkpoint(step)
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
+    publisher.close()  # the weight dirs of disk updates: the last export holds the weights
     side.close()
     for engine in (actor, critic, ref):
         if engine is not None:

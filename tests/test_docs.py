@@ -30,10 +30,11 @@ tests/examples/test_interrupt.py run the first stage of.
 Cost: about 1.5 minutes on a busy 2-core machine: `areal core sync-ppo` for 2 steps with one
 in-process worker (the block's 2 Ray workers are what tests/core/test_sync_ppo.py runs through
 the same launcher, so the block's run drops them), `areal eval` on 8 problems (~35 s), `areal
-serve` and a chat request (~30 s), four `areal core graph` config checks (~1 s each). The rest
+serve` and a chat request (~30 s), four `areal core graph` config checks (~1 s each), and
+docs/algorithms.md's rollout-correction overrides loaded onto the demo config (~3 s). The rest
 is skipped with its reason: a GPU, a cluster or the network, or a block another test already runs
-(the README's reward and workflow recipes: tests/examples/test_recipes.py; the tools demo; the
-vLLM GRPO run). Where `make vllm-env` built the vLLM venv, its `vllm bench serve` block adds
+(docs/recipes.md's reward and workflow recipes: tests/examples/test_recipes.py; the tools demo;
+the vLLM GRPO run). Where `make vllm-env` built the vLLM venv, its `vllm bench serve` block adds
 ~1.5 minutes (vLLM's import).
 """
 

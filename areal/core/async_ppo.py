@@ -200,6 +200,7 @@ def main(argv: list[str]) -> int:
     mark_finished(run.run_dir)
     watch.stop()
     rollout.close()
+    publisher.close()  # the weight dirs of disk updates: the last export holds the weights
     registry.close()
     close_model_workers(workers, engines)
     side.close()

@@ -92,6 +92,7 @@ def main(argv: list[str]) -> int:
             run.checkpoint(step)
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
     gen.close()
+    publisher.close()  # the weight dirs of disk updates: the last export holds the weights
     close_model_workers(workers, engines)
     side.close()
     run.close()

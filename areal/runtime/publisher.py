@@ -6,9 +6,11 @@ hand the actor's weights to every generation server (``disk``: an HF dir the ser
 push -> the actor moves to the new version -> admission resumes at it (the version travels with
 the call). Only the first trainer rank talks to the servers; every rank runs the collective
 parts. ``disk`` keeps the newest ``keep`` weight dirs under RUN_DIR/weights and deletes older
-ones. With servers colocated on the trainer's GPUs, :meth:`yield_device` pauses rollouts and has
-the servers give back their KV cache before the train step, and :meth:`publish` gives it back to
-them after the push.
+ones; :meth:`close` deletes the rest when the run ends (the servers hold the weights in memory, a
+restarted server loads a hard-linked copy of its own, and the run's last HF export holds the
+final weights). With servers colocated on the trainer's GPUs, :meth:`yield_device` pauses
+rollouts and has the servers give back their KV cache before the train step, and
+:meth:`publish` gives it back to them after the push.
 
 The publisher is typed against the seams of :mod:`areal.api.protocols`, which Lite and Core
 both fill: the actor is a :class:`~areal.api.protocols.WeightSource` (Lite's FSDP engine, Core's
@@ -126,6 +128,15 @@ class WeightPublisher(Publisher):
             for old in self.weights_dir.glob("v*"):
                 if old.name[1:].isdigit() and int(old.name[1:]) <= version - self.keep:
                     shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        """End of the run (``disk``, first rank): delete the weight dirs the updates left, so
+        RUN_DIR (or ``weight_update_dir``, a tmpfs) does not keep two copies of the model."""
+        if self.mode != "disk" or not self._leader:
+            return
+        for old in self.weights_dir.glob("v*"):
+            if old.name[1:].isdigit():
+                shutil.rmtree(old, ignore_errors=True)
 
     def _push_broadcast(self, version: int) -> None:
         self.connect()

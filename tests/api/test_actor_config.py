@@ -17,7 +17,8 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "algorithms.md"
 
 
 def preset_table_markdown() -> str:
-    """The table in docs/algorithms.md, generated from PRESETS (knobs as rows)."""
+    """The table in docs/algorithms.md, generated from PRESETS (knobs as rows, each named by its
+    full override key, so a column pastes as ``key=value`` overrides)."""
     names = list(PRESETS)
     lines = [
         "| knob | " + " | ".join(f"`{n}`" for n in names) + " |",
@@ -32,7 +33,7 @@ def preset_table_markdown() -> str:
             else str(PRESETS[n][key])
             for n in names
         ]
-        lines.append(f"| `{key}` | " + " | ".join(cells) + " |")
+        lines.append(f"| `actor.{key}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -21,7 +21,8 @@ def test_one_gpu_colocates_trainer_and_server_and_the_server_sleeps_each_step(
         f"actor.path={tiny_model_dir}", *SMALL_RL, "total_train_steps=2", "rollout.max_staleness=1",
         "valid_dataset=null", "cluster.n_servers=1", f"weight_update_dir={shm}",
     ], env={"CUDA_VISIBLE_DEVICES": "0"})  # fmt: skip
-    assert sorted(p.name for p in (shm / "coloc" / "t").glob("v*")) == ["v1", "v2"]
+    # the updates went there, and the run deleted them when it ended (the export holds them)
+    assert (shm / "coloc" / "t").is_dir() and not list((shm / "coloc" / "t").glob("v*"))
     assert not (run_dir / "weights").exists()
     out = (launcher.root / "coloc" / "launcher.out").read_text(errors="replace")
     assert "1 GPU(s) for 1 trainer ranks + 1 servers: each server shares a trainer's GPU" in out, (

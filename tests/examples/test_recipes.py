@@ -1,4 +1,5 @@
-"""The README's recipes run verbatim from a scratch directory outside the repository."""
+"""The reward and workflow recipes of docs/recipes.md run verbatim from a scratch directory outside
+the repository."""
 
 from __future__ import annotations
 
@@ -16,40 +17,43 @@ from launch_harness import read_jsonl
 pytestmark = pytest.mark.slow
 
 
-def _readme_block(lang: str, first_line: str) -> str:
-    """The README's ``lang`` code block that starts with ``first_line``."""
-    for block in re.findall(rf"```{lang}\n(.*?)```", (REPO / "README.md").read_text(), re.S):
+RECIPES = REPO / "docs" / "recipes.md"
+
+
+def _recipe_block(lang: str, first_line: str) -> str:
+    """The ``lang`` code block of docs/recipes.md that starts with ``first_line``."""
+    for block in re.findall(rf"```{lang}\n(.*?)```", RECIPES.read_text(), re.S):
         if block.startswith(first_line):
             return block
-    raise AssertionError(f"README has no ```{lang} block starting with {first_line!r}")
+    raise AssertionError(f"docs/recipes.md has no ```{lang} block starting with {first_line!r}")
 
 
-def test_readme_reward_recipe_runs_verbatim_from_a_scratch_dir(tmp_path, tiny_model_dir):
+def test_reward_recipe_runs_verbatim_from_a_scratch_dir(tmp_path, tiny_model_dir):
     home = tmp_path / "home"
     (home / "my_task").mkdir(parents=True)
     log = tmp_path / "reward_calls.txt"
     (home / "my_task" / "my_rewards.py").write_text(
-        _readme_block("python", "# my_rewards.py")
+        _recipe_block("python", "# my_rewards.py")
         + f"""
 
 import os as _os
-_readme_reward = last_line_reward
+_recipe_reward = last_line_reward
 
 
 def last_line_reward(completion, reference, prompt):  # the test's wrapper: records each call
     with open({str(log)!r}, "a") as f:
         f.write(repr(prompt[-30:]) + "\\n")
-    return _readme_reward(completion, reference, prompt)
+    return _recipe_reward(completion, reference, prompt)
 """
     )
-    export, cp, launch = _readme_block("bash", "export SFT_MODEL=").strip().splitlines()
+    export, cp, launch = _recipe_block("bash", "export SFT_MODEL=").strip().splitlines()
     assert export.endswith(
         "/runs/quickstart/sft/run/checkpoints/model/step300"
     )  # what `make demo` writes
     subprocess.run(
         cp, shell=True, cwd=REPO, env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, check=True
     )
-    # the README's launch line, verbatim, plus a tiny model and a two-step budget
+    # the recipe's launch line, verbatim, plus a tiny model and a two-step budget
     areal = (
         str(REPO / ".venv" / "bin" / "areal")
         if (REPO / ".venv" / "bin" / "areal").exists()
@@ -111,15 +115,15 @@ def test_a_reward_fn_that_does_not_import_fails_before_anything_starts(tmp_path,
     assert not (tmp_path / "runs").exists()  # nothing was written or started
 
 
-def test_readme_workflow_recipe_runs_verbatim_from_a_scratch_dir(tmp_path, tiny_model_dir):
+def test_workflow_recipe_runs_verbatim_from_a_scratch_dir(tmp_path, tiny_model_dir):
     task = tmp_path / "my_task"
     task.mkdir()
-    (task / "my_workflows.py").write_text(_readme_block("python", "# my_workflows.py"))
+    (task / "my_workflows.py").write_text(_recipe_block("python", "# my_workflows.py"))
     # The recipe's workflow rejects groups with equal rewards: a varying reward lets it train.
     shutil.copy(SYNC_REWARDS, task)
     for name in ("gsm8k_grpo.py", "arithmetic_grpo.yaml"):
         shutil.copy(REPO / "examples" / name, task)
-    launch = _readme_block(
+    launch = _recipe_block(
         "bash", "areal launch local gsm8k_grpo.py --config arithmetic_grpo.yaml workflow"
     )
     areal = (

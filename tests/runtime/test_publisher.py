@@ -75,6 +75,22 @@ def test_disk_mode_keeps_the_two_newest_weight_dirs(tmp_path):
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v3", "v4"]
 
 
+def test_close_at_the_end_of_the_run_deletes_the_weight_dirs_it_kept(tmp_path):
+    pub, _ = _publisher(tmp_path)
+    for _ in range(3):
+        pub.publish()
+    (tmp_path / "weights" / "notes.txt").write_text("not ours")
+    pub.close()  # two model copies would otherwise stay in RUN_DIR (or a tmpfs) after the run
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["notes.txt"]
+
+
+def test_only_the_first_rank_deletes_the_weight_dirs_at_close(tmp_path):
+    pub, _ = _publisher(tmp_path, rank=1)
+    (tmp_path / "weights" / "v1").mkdir(parents=True)
+    pub.close()
+    assert (tmp_path / "weights" / "v1").is_dir()
+
+
 def test_resume_publishes_the_checkpoint_version(tmp_path):
     pub, log = _publisher(tmp_path, start=0)
     assert pub.publish(7) == 7 and pub.publish() == 8

@@ -88,7 +88,7 @@ class GenerationHyperparameters:
         "",
         help="Structured outputs: a JSON schema (as JSON text) every completion must match; the "
         "server masks the tokens it forbids. At most one of json_schema, regex, ebnf; empty = "
-        "none. Logprobs are then the masked distribution's (README, Structured outputs).",
+        "none. Logprobs are then the masked distribution's (docs/serving.md, Structured outputs).",
     )
     regex: str = param(
         "", help="Structured outputs: a regex every completion must match; empty = none."
