@@ -180,6 +180,22 @@ def agent_proxy_token(environ: Mapping[str, str] = os.environ) -> str:
     return environ.get(AGENT_PROXY_TOKEN, "")
 
 
+def agent_env(
+    session: Mapping[str, str], environ: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """The environment of an agent program (``workflow.type: agent_cmd``): ``environ`` without
+    the run's variables and secrets (every ``AREAL_*`` one: the control token, the servers'
+    admin key, ...; torchrun's; any ``OPENAI_*`` the trainer had, such as a real API key), plus
+    ``session`` (its ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``)."""
+    dropped = set(TORCHRUN_VARS)
+    kept = {
+        k: v
+        for k, v in environ.items()
+        if not k.startswith(("AREAL_", "OPENAI_", "TORCHELASTIC_")) and k not in dropped
+    }
+    return {**kept, **session}
+
+
 def server_api_key(configured: str = "", environ: Mapping[str, str] = os.environ) -> str:
     """The admin key: ``configured`` if set, else the one a launcher passed by env ('' = none)."""
     return configured or environ.get(SERVER_API_KEY, "")

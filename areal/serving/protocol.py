@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal.api.config.server import GenerationServerConfig
+from areal.api.sampling import stop_problems, stop_strings
 from areal.serving.constraints import Constraint, schema_text
 from areal.serving.requests import BadRequest, GenerationResult
 from areal.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
@@ -87,27 +88,12 @@ def _bool(d: dict, key: str, path: str, default: bool) -> bool:
 
 
 def _stop_strings(v: Any, path: str, cfg: GenerationServerConfig) -> tuple[str, ...]:
-    """Stop strings, bounded: each is searched for in the output at every decode step."""
-    if v is None:
-        return ()
-    if isinstance(v, str):
-        v = [v]
-    if not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
-        raise BadRequest(path, f"expected a string or a list of strings, got {str(v)[:80]}")
-    stops = tuple(s for s in v if s)
-    if len(stops) > cfg.max_stop_strings:
-        raise BadRequest(
-            path,
-            f"{len(stops)} stop strings; this server allows {cfg.max_stop_strings} "
-            "(server.max_stop_strings)",
-        )
-    if sum(map(len, stops)) > cfg.max_stop_chars:
-        raise BadRequest(
-            path,
-            f"stop strings of {sum(map(len, stops))} characters together; this server "
-            f"allows {cfg.max_stop_chars} (server.max_stop_chars)",
-        )
-    return stops
+    """Stop strings, bounded (areal.api.sampling's rule): each is searched for in the output at
+    every decode step."""
+    problems = stop_problems(v, cfg.max_stop_strings, cfg.max_stop_chars)
+    if problems:
+        raise BadRequest(path, problems[0][1])
+    return stop_strings(v)
 
 
 def check_count(count: int, cfg: GenerationServerConfig) -> None:

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from areal.api.sampling import MAX_TOP_LOGPROBS as MAX_TOP_LOGPROBS  # serving.* import it here
+from areal.api.sampling import sampling_problems
+
 NEG_INF = float("-inf")
-MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 1e4  # logits / T stays finite in fp32 inside these
-MAX_INT = 2**31 - 1  # counts and top_k fit an int32 tensor
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range
-MAX_TOP_LOGPROBS = 20  # alternatives reported per token (OpenAI's limit)
+IMPOSSIBLE_LOGPROB = -9999.0  # a top_logprobs entry's floor (OpenAI's value)
 
 
 @dataclass(frozen=True)
@@ -47,35 +47,20 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     def problems(self) -> list[str]:
-        """``"field: message"`` for each invalid value (empty when valid)."""
-        out = []
-        if self.max_new_tokens < 0:
-            out.append(f"max_new_tokens: must be >= 0, got {self.max_new_tokens}")
-        if self.min_new_tokens < 0:
-            out.append(f"min_new_tokens: must be >= 0, got {self.min_new_tokens}")
-        if self.min_new_tokens > max(self.max_new_tokens, 0):
-            out.append(
-                f"min_new_tokens: {self.min_new_tokens} exceeds max_new_tokens "
-                f"{self.max_new_tokens}"
+        """``"field: message"`` for each invalid value (empty when valid): the shared rules of
+        areal.api.sampling, which the agent client checks too."""
+        return [
+            f"{name}: {problem}"
+            for name, problem in sampling_problems(
+                max_new_tokens=self.max_new_tokens,
+                min_new_tokens=self.min_new_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                seed=self.seed,
+                top_logprobs=self.top_logprobs,
             )
-        for name in ("max_new_tokens", "min_new_tokens"):
-            if getattr(self, name) > MAX_INT:
-                out.append(f"{name}: must be <= {MAX_INT}, got {getattr(self, name)}")
-        t = self.temperature
-        if not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):  # NaN fails both
-            out.append(
-                f"temperature: must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
-                f"got {t}"
-            )
-        if not 0 < self.top_p <= 1:  # NaN fails too
-            out.append(f"top_p: must be in (0, 1], got {self.top_p}")
-        if not -1 <= self.top_k <= MAX_INT:
-            out.append(f"top_k: must be -1 or 0 (off) or in [1, {MAX_INT}], got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            out.append(f"seed: must be in [0, {MAX_SEED}], got {self.seed}")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            out.append(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
-        return out
+        ]
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -144,9 +129,12 @@ def top_logprobs(
         logits.float() / torch.tensor(temperatures, device=logits.device)[:, None], dim=-1
     )
     top = logp.topk(max(ks), dim=-1)
+    # A token a grammar masked has logprob -inf, which JSON cannot hold (json.dumps writes
+    # -Infinity): reported as OpenAI reports impossible tokens, -9999.0.
+    values = top.values.clamp(min=IMPOSSIBLE_LOGPROB)
     return [
         list(zip(ids[:k].tolist(), lps[:k].tolist()))
-        for ids, lps, k in zip(top.indices, top.values, ks)
+        for ids, lps, k in zip(top.indices, values, ks)
     ]
 
 

@@ -8,13 +8,16 @@ the workflow runs ``gconfig.n_samples`` episodes concurrently, each with its own
 executor's staleness bound and concurrency cap hold for agents too), and turns each episode's
 recorded calls into trajectories (areal.workflow.agent_trajectories).
 
-Failures. An episode whose agent raises (a bug, a tool error, a malformed answer it did not
-handle), returns no number, makes no model call, runs past ``episode_timeout`` or cannot be
-concatenated is counted (``agent/episodes_failed``) and dropped with the rest of its group
-(GRPO's group normalisation needs whole groups): the item is rejected and the executor admits
-another. More than ``max_failure_fraction`` of the last :data:`WINDOW` episodes failing stops the
-run (that is a bug, not bad luck), as does any failure of the inference engine under a call (an
-infrastructure error, never counted as the agent's).
+Failures. A call the client or the server refuses for what it asks (a sampling field out of
+range, a conversation longer than the context) is raised to the agent as openai's
+``BadRequestError`` and counted (``agent/calls_rejected``); the agent may catch it and go on.
+An episode whose agent raises (a bug, a tool error, a malformed answer it did not handle, a
+refused call it did not catch), returns no finite number, makes no model call, runs past
+``episode_timeout`` or cannot be concatenated is counted (``agent/episodes_failed``) and
+dropped with the rest of its group (GRPO's group normalisation needs whole groups): the item is
+rejected and the executor admits another. More than ``max_failure_fraction`` of the last
+:data:`WINDOW` episodes failing stops the run (that is a bug, not bad luck), as does any failure
+of the inference engine under a call (an infrastructure error, never counted as the agent's).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.reward import AgentConfig
 from areal.api.engine import InferenceEngine
 from areal.api.io import Trajectory
+from areal.api.sampling import reward_problems
 from areal.api.workflow import RolloutWorkflow
 from areal.utils.imports import import_by_path
 from areal.utils.logging import get_logger
@@ -84,6 +88,7 @@ class AgentWorkflow(RolloutWorkflow):
             "groups_dropped": 0,
             "template_fallbacks": 0,
             "calls": 0,
+            "calls_rejected": 0,
         }
         self._recent: deque[bool] = deque(maxlen=WINDOW)  # True = that episode failed
 
@@ -102,6 +107,7 @@ class AgentWorkflow(RolloutWorkflow):
         try:
             reward = await asyncio.wait_for(self.agent(client, item), self.config.episode_timeout)
         finally:  # the engine, not the agent, failed (even if the agent caught it): stop the run
+            self.counts["calls_rejected"] += client.n_rejected
             if client.engine_failure is not None:
                 raise client.engine_failure
         return client, reward
@@ -110,9 +116,10 @@ class AgentWorkflow(RolloutWorkflow):
         self, engine: InferenceEngine, item: dict, group_id: str, index: int
     ) -> list[Trajectory]:
         client, reward = await self._run_agent(engine, item, group_id, index)
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+        if reward_problems("reward", reward):  # never trained on: 1e308 is inf in float32
             raise TypeError(
-                f"the agent returned {reward!r}; it must return the episode reward (a float)"
+                f"the agent returned {str(reward)[:80]}; it must return the episode reward "
+                "(a finite float)"
             )
         self.counts["calls"] += len({c.turn for c in client.calls})
         trajs, fell_back = episode_trajectories(

@@ -2,15 +2,17 @@
 "Bring your own agent").
 
 Per episode the workflow opens a session on the agent proxy (areal.workflow.agent_proxy, a role
-the launchers start; through its control API, :class:`~areal.workflow.agent_control.ProxyClient`)
-and starts ``workflow.agent.command`` with ``OPENAI_BASE_URL`` (the proxy's ``/v1``) and
-``OPENAI_API_KEY`` (the session's key) in its environment and the dataset item as one JSON
-object on its stdin: a process of its own, or forked from a fork server that imported the script
-once (``fork_server``, areal.workflow.agent_fork), or inside the code sandbox's namespaces
-(``sandbox``, areal.reward.agent_sandbox). When the session ends the proxy answers its record.
-The agent makes its calls with whatever client it likes; each is recorded in tokens by the same
-code as the in-process path (:class:`AgentWorkflow`, whose failure accounting and trajectory
-building this class inherits). The episode ends:
+the launchers start; through its control API,
+:class:`~areal.workflow.agent_control.ProxyClient`) and starts ``workflow.agent.command`` with
+``OPENAI_BASE_URL`` (the proxy's ``/v1``) and ``OPENAI_API_KEY`` (the session's key) in its
+environment (the trainer's, without the run's variables and secrets: no control token, no admin
+key; areal.api.launch.agent_env) and the dataset item as one JSON object on its stdin: a process
+of its own, or forked from a fork server that imported the script once (``fork_server``,
+areal.workflow.agent_fork), or inside the code sandbox's namespaces (``sandbox``,
+areal.reward.agent_sandbox). When the session ends the proxy answers its record. The agent makes
+its calls with whatever client it likes; each is recorded in tokens by the same code as the
+in-process path (:class:`AgentWorkflow`, whose failure accounting and trajectory building this
+class inherits). The episode ends:
 
 * when the agent POSTs ``{"reward": r}`` to ``$OPENAI_BASE_URL/reward`` (the process is given
   :data:`EXIT_GRACE` seconds to exit, then killed);
@@ -42,6 +44,8 @@ from typing import Any
 from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.reward import AgentConfig
 from areal.api.engine import InferenceEngine
+from areal.api.launch import agent_env
+from areal.api.sampling import reward_problems
 from areal.reward.agent_sandbox import sandbox_argv, sandbox_problem
 from areal.utils.imports import import_by_path
 from areal.utils.logging import get_logger
@@ -155,7 +159,7 @@ class AgentCommandWorkflow(AgentWorkflow):
 
     async def _spawn(self, key: str) -> Any:
         """The episode's process (forked by the fork server when configured), with its
-        session's ``OPENAI_BASE_URL``/``OPENAI_API_KEY``."""
+        session's ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` and none of the run's secrets."""
         session = {"OPENAI_BASE_URL": self.proxy.base_url, "OPENAI_API_KEY": key}
         if self.forks is not None:
             if self._forks_ready is None:  # started once, by the first episode
@@ -169,7 +173,7 @@ class AgentCommandWorkflow(AgentWorkflow):
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, **session},
+            env=agent_env(session),
             start_new_session=True,
             preexec_fn=parent_death_signal(signal.SIGKILL),
         )
@@ -200,6 +204,7 @@ class AgentCommandWorkflow(AgentWorkflow):
         finally:
             self.open_sessions -= 1
             record = await self.proxy.close(sid)
+            self.counts["calls_rejected"] += record.rejected
         if record.engine_failure is not None:  # infrastructure: stops the run
             raise EngineFailure(record.engine_failure)
         if record.reward is not None:
@@ -257,7 +262,14 @@ class AgentCommandWorkflow(AgentWorkflow):
             raise AgentEpisodeError(
                 f"agent {name} exited with code {code} without posting a reward{where}"
             )
-        return float(await asyncio.to_thread(self.reward_fn, item, stdout.decode(errors="replace")))
+        reward = await asyncio.to_thread(self.reward_fn, item, stdout.decode(errors="replace"))
+        problems = reward_problems("reward", reward)
+        if problems:
+            raise AgentEpisodeError(
+                f"workflow.agent.reward_path {self.config.reward_path} returned "
+                f"{str(reward)[:80]} for agent {name}: {problems[0][1]}"
+            )
+        return float(reward)
 
     async def _log_stderr(self, stream: asyncio.StreamReader, name: str) -> None:
         """Copy the agent's stderr into the run's log, lines prefixed by the episode's name."""

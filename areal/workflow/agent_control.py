@@ -6,9 +6,9 @@ with :meth:`ProxyClient.open` (its id and the key the agent gets), waits for it 
 :meth:`ProxyClient.wait_ended` (long polls) and takes its record with :meth:`ProxyClient.close`:
 the calls as :class:`~areal.workflow.openai_client.Call` objects, exactly as the proxy's
 ``ArealOpenAI`` recorded them (JSON carries ints and floats unchanged), the per-call rewards, the
-posted reward and any engine failure. Every control call has a deadline; a proxy that cannot
-be reached, or answers an error, is :class:`ProxyUnavailable`, an infrastructure failure that
-stops the run.
+posted reward, how many calls were refused (the agent's errors) and any engine failure. Every
+control call has a deadline; a proxy that cannot be reached, or answers an error, is
+:class:`ProxyUnavailable`, an infrastructure failure that stops the run.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class SessionRecord:
     calls: list[Call]
     call_rewards: dict[int, float]  # turn -> reward the agent gave that call
     engine_failure: str | None  # the engine failure under a call, if any
+    rejected: int  # calls refused for what they asked (by the client or the server)
 
 
 def record_of(session: Any) -> dict:
@@ -52,6 +53,7 @@ def record_of(session: Any) -> dict:
         "calls": [dataclasses.asdict(c) for c in client.calls],
         "call_rewards": {str(k): v for k, v in client.call_rewards.items()},
         "engine_failure": None if failure is None else str(failure),
+        "rejected": client.n_rejected,
     }
 
 
@@ -63,6 +65,7 @@ def record_from(body: dict) -> SessionRecord:
         [Call(**c) for c in body["calls"]],
         {int(k): float(v) for k, v in body["call_rewards"].items()},
         body["engine_failure"],
+        int(body["rejected"]),
     )
 
 

@@ -7,7 +7,8 @@ group, killed at its deadline, its stdin, stdout and stderr, its exit code), but
 from one server process that imported the script's modules once:
 
 * the server (``python -m areal.utils.fork_server SOCKET SCRIPT``: stdlib only, so nothing
-  of ours is imported into the agents) runs SCRIPT's module body
+  of ours is imported into the agents; its environment is the trainer's without the run's
+  variables and secrets, areal.api.launch.agent_env) runs SCRIPT's module body
   under the name ``__areal_preload__`` (its imports and definitions; its ``if __name__ ==
   "__main__"`` block does not run), says ``ready`` on stdout, and listens on a Unix socket
   (SOCK_SEQPACKET, in a private temporary directory);
@@ -34,6 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from areal.api.launch import agent_env
 from areal.utils.process import parent_death_signal
 from areal.workflow.openai_client import EngineFailure
 
@@ -84,6 +86,7 @@ class ForkServer:
             sys.executable, "-m", "areal.utils.fork_server", self.path, self.script,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, preexec_fn=parent_death_signal(signal.SIGKILL),
+            env=agent_env({}),  # its children inherit it: none of the run's secrets
         )  # fmt: skip
         self._sink = asyncio.ensure_future(stderr_sink(self.proc.stderr))
         try:

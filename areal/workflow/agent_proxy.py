@@ -30,11 +30,16 @@ the session: the proxy generates only inside admitted episodes. ``GET /health`` 
 Sessions. Each has a fresh random key (no shared or admin key for agents; keys are never logged
 nor echoed) and reaches only its own calls. A call with an unknown key, or the key of a session
 that ended (reward posted, closed, its deadline passed), is refused with 401; a body that is not
-a JSON object, or a call the client refuses (an argument training cannot honour), with 400; a
-body over the size limit with 413. None of these touch any session, and the proxy keeps
-serving. A session whose owner never closes it (a trainer that died) is dropped at its deadline.
-An engine failure under a call is answered 503 and recorded; the rollout side that owns the
-session stops the run with it (an infrastructure error, never the agent's).
+a JSON object (or nests deeper than the JSON parser goes), or a call the client refuses (an
+argument training cannot honour, a sampling field out of the server's range), with 400; a body
+over the size limit with 413, by its Content-Length before it is read. A call the generation
+server refuses for what it asks (a conversation longer than the context) is answered with the
+server's status and message. Refused calls count in the session's record (``rejected``) and
+are the agent's error: the run goes on. None of these touch any other session, and the proxy
+keeps serving. A session whose owner never closes it (a trainer that died) is dropped at its
+deadline. An engine failure under a call (a server gone past its restart deadline) is answered
+503 and recorded; the rollout side that owns the session stops the run with it (an
+infrastructure error, never the agent's).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from aiohttp import web
 
 from areal.api.config.base import GenerationHyperparameters
 from areal.api.engine import InferenceEngine
+from areal.api.sampling import RequestRejected, reward_problems
 from areal.utils.logging import get_logger
 from areal.workflow.agent_control import record_of
 from areal.workflow.openai_client import ArealOpenAI, EngineFailure
@@ -71,10 +77,14 @@ class Session:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    """An error in OpenAI's shape, which openai's clients raise with the message."""
+def _error(
+    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+) -> web.Response:
+    """An error in OpenAI's shape, which openai's clients raise with the message; ``param``
+    names the offending field when known."""
     return web.json_response(
-        {"error": {"message": message, "type": kind, "code": status}}, status=status
+        {"error": {"message": message, "type": kind, "param": param, "code": status}},
+        status=status,
     )
 
 
@@ -194,12 +204,8 @@ class AgentProxy:
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except web.HTTPRequestEntityTooLarge:
-            return _error(
-                413,
-                f"request body over workflow.agent.max_request_mb "
-                f"({self.max_request_bytes} bytes); send a smaller conversation or raise it",
-            )
+        except web.HTTPRequestEntityTooLarge:  # a body without Content-Length, cut while read
+            return self._too_large()
         except web.HTTPException as e:
             return _error(e.status, e.reason)
 
@@ -215,12 +221,28 @@ class AgentProxy:
             )
         return key, session
 
+    def _too_large(self) -> web.Response:
+        mib = self.max_request_bytes / (1 << 20)
+        return _error(
+            413,
+            f"request body over workflow.agent.max_request_mb={mib:g} "
+            f"({self.max_request_bytes} bytes); send a shorter conversation or raise the limit",
+        )
+
     async def _body(self, request: web.Request) -> dict | web.Response:
+        """The request's JSON object, or the 4xx to answer: the size limit applies before a
+        byte is read (Content-Length) and while reading (a chunked body)."""
+        if (request.content_length or 0) > self.max_request_bytes:
+            return self._too_large()
         raw = await request.read()
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return _error(400, f"request body is not JSON: {e}")
+        except RecursionError:  # json's parser recurses per level: ~1000 levels exhaust it
+            return _error(
+                400, "request body nests JSON arrays/objects too deeply; send a flatter body"
+            )
         if not isinstance(body, dict):
             return _error(400, f"request body must be a JSON object, got {type(body).__name__}")
         return body
@@ -240,6 +262,8 @@ class AgentProxy:
             out = await (client.create(**body) if chat else client.complete(**body))
         except EngineFailure as e:
             return _error(503, f"the rollout engine failed: {e}; the run stops", "server_error")
+        except RequestRejected as e:  # refused here or by the server: the agent's error
+            return _error(e.status, str(e), param=e.field)
         except (ValueError, TypeError) as e:  # what training cannot honour, named by the client
             return _error(400, str(e))
         if found[0] not in self._keys:  # the episode ended while the call ran
@@ -279,18 +303,14 @@ class AgentProxy:
             return body
         key, session = found
         reward = body.get("reward")
-        if (
-            isinstance(reward, bool)
-            or not isinstance(reward, (int, float))
-            or reward != reward
-            or abs(reward) == float("inf")
-        ):
-            return _error(400, f"reward: expected a finite number, got {reward!r}")
+        problems = reward_problems("reward", reward)  # never stored: 1e308 is inf in float32
+        if problems:
+            return _error(400, str(RequestRejected.of(problems)), param="reward")
         if body.get("completion_id") is not None:
             try:
                 session.client.set_reward(str(body["completion_id"]), float(reward))
             except ValueError as e:
-                return _error(400, str(e))
+                return _error(400, str(e), param="completion_id")
             return web.json_response({"ok": True, "ended": False})
         session.reward = float(reward)
         self.end(key, "reward")

@@ -21,23 +21,45 @@ Training constraints, each an error that names the argument and the fix rather t
 change: ``temperature`` must be the rollout's (``gconfig.temperature``, which the trainer's
 logprobs use), ``stream`` is refused, a ``tool_choice`` naming a function not in ``tools`` (or
 malformed) is an error naming ``tool_choice``, as on the server, and ``max_tokens`` is capped by
-``gconfig.max_new_tokens``.
+``gconfig.max_new_tokens``. ``top_p``, ``seed``, ``stop``, ``n`` and prompt token ids follow the
+server's own rules (areal.api.sampling), checked before sending.
+
+Refusals. A call refused here, or by the server for what it asks (a prompt longer than the
+context: HTTP 400 surfacing as :class:`~areal.api.sampling.RequestRejected`), is the agent's
+error: it is counted (:attr:`ArealOpenAI.n_rejected`) and raised as openai's own exception for
+that answer (``openai.BadRequestError`` for a 400, as ``AsyncOpenAI`` raises it; also a
+``ValueError``), so the agent may catch it and go on. Only a failure of the engine itself (a
+server gone past its restart deadline, a timeout) is an :class:`EngineFailure`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from areal.api.config.base import GenerationHyperparameters
+from areal.api.config.server import GenerationServerConfig
 from areal.api.engine import InferenceEngine
 from areal.api.io import ModelRequest, ModelResponse
+from areal.api.sampling import (
+    MAX_SEED,
+    RequestRejected,
+    number_problems,
+    reward_problems,
+    sampling_problems,
+    stop_problems,
+    stop_strings,
+    token_problems,
+)
 from areal.dataset.chat import encode
-from areal.utils.tool_calls import extract_tool_calls, tool_choice_prefill
+from areal.utils.tool_calls import extract_tool_calls
+from areal.workflow.chat_prompt import check_tools, clean_messages, render_prompt, signature
 
 if TYPE_CHECKING:  # the SDK (~0.7 s to import) is loaded by the first answer, not by importers
     from openai.types import Completion
@@ -102,150 +124,37 @@ class EngineFailure(RuntimeError):
     the run, never be counted as the agent's failure (see AgentWorkflow)."""
 
 
-def _message_dict(m: Any, i: int) -> dict:
-    """A message as a dict: the agent may pass back the pydantic message it was given."""
-    if hasattr(m, "model_dump"):
-        m = m.model_dump(exclude_none=True)
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise ValueError(f"messages[{i}]: expected a dict with a string 'role', got {m!r}")
-    return m
+T = TypeVar("T")
+SERVER = GenerationServerConfig()  # the server's default limits (stop strings, n) checked here
 
 
-def clean_messages(messages: Any) -> list[dict]:
-    """``messages`` in the shape the chat template is given, as the server's parse_chat builds it:
-    assistant turns keep their ``tool_calls`` (arguments as JSON strings), text content parts
-    are joined, ``tool`` turns need a ``tool_call_id``."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages: expected a non-empty list of {role, content}")
-    clean = []
-    for i, raw in enumerate(messages):
-        m = _message_dict(raw, i)
-        content = m.get("content")
-        if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = []
-            for j, c in enumerate(m["tool_calls"]):
-                fn = c.get("function") if isinstance(c, dict) else None
-                if (
-                    not isinstance(fn, dict)
-                    or not isinstance(fn.get("name"), str)
-                    or not isinstance(fn.get("arguments"), str)
-                ):
-                    raise ValueError(
-                        f"messages[{i}].tool_calls[{j}]: expected {{id, type: function, "
-                        "function: {name: str, arguments: JSON string}}"
-                    )
-                calls.append(
-                    {
-                        "id": str(c.get("id", "")),
-                        "type": "function",
-                        "function": {"name": fn["name"], "arguments": fn["arguments"]},
-                    }
-                )
-            clean.append({"role": "assistant", "content": content or "", "tool_calls": calls})
-            continue
-        if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
-            raise ValueError(
-                f"messages[{i}].tool_call_id: a tool message needs the tool_call_id it answers"
-            )
-        if isinstance(content, list):
-            if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
-                raise ValueError(f"messages[{i}].content: only text content parts are supported")
-            content = "".join(str(c.get("text", "")) for c in content)
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content: expected a string, got {content!r}")
-        clean.append({"role": m["role"], "content": content})
-    return clean
+@functools.cache
+def _openai_class(status: int) -> type:
+    import openai  # the SDK (~0.7 s) is loaded by the first refusal, as by the first answer
 
-
-def check_tools(tools: Any, tool_choice: Any, template: str) -> tuple[list[dict] | None, bool, str]:
-    """(``tools`` for the template or None, whether to parse tool calls, the text that opens the
-    assistant's answer: empty unless ``tool_choice`` forces a call), as the server decides."""
-    if tools is not None:
-        if not isinstance(tools, list) or not tools:
-            raise ValueError(
-                "tools: expected a non-empty list of {type: function, function: {...}}"
-            )
-        for i, t in enumerate(tools):
-            fn = t.get("function") if isinstance(t, dict) else None
-            if (
-                not isinstance(fn, dict)
-                or t.get("type") != "function"
-                or not isinstance(fn.get("name"), str)
-            ):
-                raise ValueError(
-                    f'tools[{i}]: expected {{"type": "function", "function": {{"name": ...}}}}'
-                )
-        if "tools" not in template:
-            raise ValueError(
-                "tools: this model's chat template does not render tools, so the model would "
-                "never see them; use a model whose template does (e.g. Qwen2.5)"
-            )
-    prefill = tool_choice_prefill(
-        tool_choice, None if tools is None else [t["function"]["name"] for t in tools]
+    base = {400: openai.BadRequestError, 422: openai.UnprocessableEntityError}.get(
+        status, openai.APIStatusError
     )
-    return tools, tools is not None and tool_choice != "none", prefill
+    return type(f"Rejected{status}", (base, RequestRejected), {"openai_shaped": True})
 
 
-def signature(content: str | None, tool_calls: list[dict]) -> tuple:
-    """What identifies an assistant message the client returned when the agent passes it back."""
-    return content or "", tuple(
-        (c["function"]["name"], c["function"]["arguments"]) for c in tool_calls
+def openai_error(e: ValueError) -> RequestRejected:
+    """A refused request as ``openai.AsyncOpenAI`` raises it on the same HTTP answer
+    (``BadRequestError`` for 400, ``UnprocessableEntityError`` for 422, else ``APIStatusError``);
+    the result is also a :class:`RequestRejected` (a ValueError) with ``field`` and ``status``."""
+    if getattr(e, "openai_shaped", False):
+        return e  # made here already
+    import httpx
+
+    status = e.status if isinstance(e, RequestRejected) else 400
+    field = e.field if isinstance(e, RequestRejected) else None
+    request = httpx.Request("POST", "http://areal.invalid/v1")  # in process: no HTTP call
+    body = {"message": str(e), "type": "invalid_request_error", "param": field, "code": status}
+    error = _openai_class(status)(
+        str(e), response=httpx.Response(status, request=request), body=body
     )
-
-
-def render_prompt(
-    tokenizer: Any, messages: list[dict], tools: list[dict] | None, generated: dict[tuple, Call]
-) -> list[int]:
-    """Prompt ids of ``messages`` by the chat template, with the model's own tokens for every
-    assistant turn this client generated (``generated``: signature -> call).
-
-    Such a turn is rendered as a placeholder, then replaced by the call's forced tool-call
-    opening (its prompt's last ``prefill`` ids, if any) and completion ids (whose stop token
-    stands for the template's end-of-turn token right after it). The result equals the plain
-    rendering whenever the model's answer re-encodes to the same tokens, and otherwise keeps what
-    the model generated (invalid UTF-8 bytes, special tokens, tool-call JSON spaced its own way)
-    instead of a re-encoding of the decoded text, so an append-only template gives each call a
-    prompt that extends the previous call's prompt + completion. A template that drops or alters
-    the placeholder gets the plain rendering.
-    """
-    spliced, turns = [], []
-    for i, m in enumerate(messages):
-        call = (
-            generated.get(signature(m["content"], m.get("tool_calls", [])))
-            if m["role"] == "assistant"
-            else None
-        )
-        if call is not None:
-            turns.append(call)
-            m = {"role": "assistant", "content": f"AREALTURN{i}X{uuid.uuid4().hex}"}
-        spliced.append(m)
-    if turns:
-        text = tokenizer.apply_chat_template(
-            spliced, tools=tools, add_generation_prompt=True, tokenize=False
-        )
-        marks = [m["content"] for m, orig in zip(spliced, messages) if m is not orig]
-        if all(text.count(mark) == 1 for mark in marks):
-            return _splice(tokenizer, text, marks, turns)
-    text = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=False
-    )
-    return encode(tokenizer, text)
-
-
-def _splice(tokenizer: Any, text: str, marks: list[str], turns: list[Call]) -> list[int]:
-    """Token ids of ``text`` with each placeholder replaced by its call's completion ids."""
-    ids: list[int] = []
-    rest = text
-    for mark, call in zip(marks, turns):
-        head, rest = rest.split(mark, 1)
-        opening = call.prompt_ids[len(call.prompt_ids) - call.prefill :]  # [] without a forced call
-        ids += encode(tokenizer, head) + opening + call.completion_ids
-        # a call that stopped on its stop token (EOS, <|im_end|>, ...) already holds the template's
-        # end-of-turn token, which the template writes right after the content
-        end = tokenizer.decode(call.completion_ids[-1:]) if call.stop_reason == "stop" else ""
-        if end and rest.startswith(end):
-            rest = rest[len(end) :]
-    return ids + encode(tokenizer, rest)
+    error.field, error.status = field, status
+    return error
 
 
 class _Completions:
@@ -283,6 +192,7 @@ class ArealOpenAI:
         self.calls: list[Call] = []
         self.call_rewards: dict[int, float] = {}  # turn -> reward the agent gave that call
         self.engine_failure: EngineFailure | None = None
+        self.n_rejected = 0  # calls refused (here or by the server) for what they asked
         self._turn_of: dict[str, int] = {}
         self._generated: dict[tuple, Call] = {}  # signature of a returned message -> its call
 
@@ -292,30 +202,58 @@ class ArealOpenAI:
             raise ValueError(
                 f"set_reward: {completion_id!r} is not a completion of this episode's client"
             )
+        problems = reward_problems("reward", reward)
+        if problems:
+            raise RequestRejected.of(problems)
         self.call_rewards[self._turn_of[completion_id]] = float(reward)
 
-    def _gconfig(self, kw: dict) -> GenerationHyperparameters:
+    def _gconfig(self, kw: dict, n: int) -> GenerationHyperparameters:
+        """The call's generation settings: ``gconfig`` with what the call may set, checked by the
+        server's rules (areal.api.sampling) before anything is sent."""
         g = self.gconfig
+        integers = ("max_tokens", "max_completion_tokens", "seed")
+        problems = number_problems(
+            {k: kw.get(k) for k in ("temperature", "top_p", *integers)}, integers
+        ) + stop_problems(kw.get("stop"), SERVER.max_stop_strings, SERVER.max_stop_chars)
+        if problems:
+            raise RequestRejected.of(problems)
         temperature = kw.get("temperature")
-        if temperature is not None and abs(float(temperature) - g.temperature) > 1e-6:
-            raise ValueError(
+        if temperature is not None and abs(temperature - g.temperature) > 1e-6:
+            raise RequestRejected(
                 f"temperature: {temperature} differs from the rollout's gconfig.temperature "
                 f"{g.temperature}, which the trainer's logprobs use; drop it from the call "
-                f"or set gconfig.temperature={temperature}"
+                f"or set gconfig.temperature={temperature}",
+                "temperature",
             )
         limit = kw.get("max_completion_tokens") or kw.get("max_tokens") or g.max_new_tokens
-        if not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"max_tokens: expected a positive int, got {limit!r}")
-        stop = kw.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else list(stop)
+        if limit < 1:
+            raise RequestRejected(
+                f"max_tokens: expected a positive int, got {limit!r}", "max_tokens"
+            )
         top_p = g.top_p if kw.get("top_p") is None else float(kw["top_p"])
-        return dataclasses.replace(
+        seed = kw.get("seed")
+        out = dataclasses.replace(
             g,
             n_samples=1,
             max_new_tokens=min(limit, g.max_new_tokens),
             top_p=top_p,
-            stop=stop or list(g.stop),
+            stop=list(stop_strings(kw.get("stop"))) or list(g.stop),
         )
+        problems = sampling_problems(
+            max_new_tokens=out.max_new_tokens,
+            min_new_tokens=out.min_new_tokens,
+            temperature=out.temperature,
+            top_p=out.top_p,
+            top_k=out.top_k,
+            seed=seed,
+        )
+        if seed is not None and 0 <= seed <= MAX_SEED < seed + n - 1:  # choice i uses seed + i
+            problems.append(
+                ("seed", f"the {n} choices use seeds {seed}..+{n - 1}, past {MAX_SEED}")
+            )
+        if problems:
+            raise RequestRejected.of(problems)
+        return out
 
     def _check_args(self, kw: dict) -> int:
         unknown = sorted(set(kw) - _KNOWN)
@@ -330,9 +268,13 @@ class ArealOpenAI:
             )
         if kw.get("top_logprobs"):
             raise ValueError("top_logprobs: not available from the rollout engine; leave it unset")
-        n = kw.get("n") or 1
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"n: expected a positive int, got {n!r}")
+        n = 1 if kw.get("n") is None else kw["n"]
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= SERVER.max_n:
+            raise RequestRejected(
+                f"n: expected an int in [1, {SERVER.max_n}] (server.max_n's default), got "
+                f"{str(n)[:40]}",
+                "n",
+            )
         return n
 
     async def _generate(
@@ -358,6 +300,8 @@ class ArealOpenAI:
         ]
         try:
             resps = await asyncio.gather(*(self.engine.agenerate(r) for r in reqs))
+        except RequestRejected:  # the server refused what the call asks: the agent's error
+            raise
         except Exception as e:  # the engine retried and failed over already: infrastructure
             self.engine_failure = EngineFailure(
                 f"inference engine failed under an agent call: {e!r}"
@@ -386,18 +330,43 @@ class ArealOpenAI:
         return cid, resps
 
     async def create(self, **kw: Any) -> ChatCompletion:
-        """Render, generate ``n`` completions, parse tool calls, record, answer."""
+        """Render, generate ``n`` completions, parse tool calls, record, answer; a refused call
+        is raised as openai's error (module docstring)."""
+        return await self._answer(self._chat_call(kw))
+
+    async def complete(self, **kw: Any) -> Completion:
+        """``completions.create`` (the legacy text API): ``prompt`` as a string or token ids,
+        generated and recorded as a chat call is; no chat template, no tool parsing."""
+        return await self._answer(self._text_call(kw))
+
+    async def _answer(self, call: Coroutine[Any, Any, T]) -> T:
+        """``call``'s answer. A refusal (a ValueError naming the argument, the server's
+        :class:`RequestRejected`) is counted and raised as openai's error; unknown arguments
+        stay a TypeError, as in openai's client."""
+        try:
+            return await call
+        except TypeError:
+            self.n_rejected += 1
+            raise
+        except ValueError as e:
+            self.n_rejected += 1
+            raise openai_error(e) from e
+
+    async def _chat_call(self, kw: dict) -> ChatCompletion:
         n = self._check_args(kw)
+        gconfig = self._gconfig(kw, n)
         template = self.tokenizer.chat_template or ""
         tools, parse_calls, prefill = check_tools(
             kw.get("tools"), kw.get("tool_choice", "auto"), template
         )
-        prompt = render_prompt(
-            self.tokenizer, clean_messages(kw.get("messages")), tools, self._generated
+        messages = clean_messages(kw.get("messages"))
+        # off the event loop: a long conversation takes seconds to tokenize, and the agent
+        # proxy's other sessions go on meanwhile (the tokenizer releases the GIL)
+        prompt = await asyncio.to_thread(
+            render_prompt, self.tokenizer, messages, tools, self._generated
         )
         opening = encode(self.tokenizer, prefill) if prefill else []  # prompt, as on the server
         prompt += opening
-        gconfig = self._gconfig(kw)
         cid, resps = await self._generate(prompt, len(opening), gconfig, n, kw.get("seed"))
         choices = []
         for i, r in enumerate(resps):
@@ -426,9 +395,7 @@ class ArealOpenAI:
             }
         )
 
-    async def complete(self, **kw: Any) -> Completion:
-        """``completions.create`` (the legacy text API): ``prompt`` as a string or token ids,
-        generated and recorded as a chat call is; no chat template, no tool parsing."""
+    async def _text_call(self, kw: dict) -> Completion:
         unknown = sorted(set(kw) - _KNOWN_TEXT)
         if unknown:
             raise TypeError(
@@ -440,8 +407,8 @@ class ArealOpenAI:
                 "echo, best_of and suffix: not available in training; leave them unset"
             )
         n = self._check_args({"n": kw.get("n"), "stream": kw.get("stream")})
-        ids = self._prompt_ids(kw.get("prompt"))
-        gconfig = self._gconfig(kw)
+        gconfig = self._gconfig(kw, n)
+        ids = await self._prompt_ids(kw.get("prompt"))
         cid, resps = await self._generate(ids, 0, gconfig, n, kw.get("seed"), "cmpl")
         choices = []
         for i, r in enumerate(resps):
@@ -479,16 +446,16 @@ class ArealOpenAI:
             }
         )
 
-    def _prompt_ids(self, prompt: object) -> list[int]:
-        """The token ids of a text-API ``prompt``: token ids as given, a string encoded."""
-        if (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
+    async def _prompt_ids(self, prompt: object) -> list[int]:
+        """The token ids of a text-API ``prompt``: token ids as given (each in the tokenizer's
+        vocabulary), a string encoded (off the event loop, as a chat prompt is)."""
+        if isinstance(prompt, list) and prompt:
+            problems = token_problems("prompt", prompt, len(self.tokenizer))
+            if problems:
+                raise RequestRejected.of(problems)
             return list(prompt)
         if isinstance(prompt, str) and prompt:
-            return encode(self.tokenizer, prompt)
+            return await asyncio.to_thread(encode, self.tokenizer, prompt)
         raise ValueError(
             "prompt: expected a non-empty string or list of token ids (one prompt per call)"
         )

@@ -168,3 +168,41 @@ def test_the_staleness_bound_holds_for_proxy_samples_across_weight_updates(
     finally:
         ex.run_on_loop(wf.aclose(), timeout=10.0)
         ex.destroy()
+
+
+def test_a_conversation_longer_than_the_context_is_the_agents_400_and_the_run_goes_on(
+    clients, proxy, tiny_tokenizer
+):
+    """The server refuses a prompt past its context (2048 tokens) with a 400: through the proxy
+    the agent gets that 400 and message, counted in the session's record, and its next call is
+    served; in process the agent gets openai's BadRequestError. Neither is an engine failure."""
+    import aiohttp
+    import openai
+
+    from areal.workflow.openai_client import ArealOpenAI
+
+    g = GenerationHyperparameters(n_samples=1, max_new_tokens=4)
+    long = {"messages": [{"role": "user", "content": "x " * 3000}]}
+    short = {"messages": [{"role": "user", "content": "1 + 1 ="}]}
+
+    async def run():
+        control = ProxyClient(proxy.address, TOKEN)
+        sid, key = await control.open("q", "q/0", g, 0, 60.0)
+        answers = []
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as http:
+            for body in (long, short):
+                async with http.post(f"{control.base_url}/chat/completions", json=body) as r:
+                    answers.append((r.status, await r.json()))
+        record = await control.close(sid)
+        await control.aclose()
+        client = ArealOpenAI(clients[0], tiny_tokenizer, g)
+        with pytest.raises(openai.BadRequestError, match="the context is 2048"):
+            await client.chat.completions.create(**long)
+        return answers, record, client
+
+    (refused, served), record, client = asyncio.run(run())
+    assert refused[0] == 400 and refused[1]["error"]["param"] == "input_ids"
+    assert "the context is 2048" in refused[1]["error"]["message"]
+    assert served[0] == 200
+    assert record.rejected == 1 and record.engine_failure is None and len(record.calls) == 1
+    assert client.engine_failure is None and client.n_rejected == 1
