@@ -20,6 +20,7 @@ per-step check ``any(guide is not None)`` over the batch, timed separately.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import tempfile
 import time
 import timeit
@@ -28,7 +29,7 @@ import torch
 from transformers import AutoTokenizer
 
 import areal.serving.generator as generator_module
-from areal.serving.constraints import Constraint, GrammarCompiler, GrammarLimits
+from areal.serving.constraints import Constraint, GrammarCompiler, GrammarLimits, compile_guides
 from areal.serving.generator import Generator
 from areal.serving.requests import Seq
 from areal.serving.sampling import SamplingParams
@@ -59,7 +60,9 @@ def run(gen: Generator, compiler: GrammarCompiler, n_constrained: int) -> float:
     prompts = [[(7 * i + j) % 250 for j in range(16)] for i in range(BATCH)]
     params = [SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)] * BATCH
     guides = (
-        compiler.submit(Constraint("json_schema", SCHEMA, "bench"), n_constrained).result(60)
+        asyncio.run(
+            compile_guides(compiler, [Constraint("json_schema", SCHEMA, "bench")] * n_constrained)
+        )
         if n_constrained
         else []
     )
@@ -88,7 +91,7 @@ def main() -> None:
         tok,
         gen.model.spec.vocab_size,
         sorted(gen.eos_token_ids),
-        GrammarLimits(100_000, 10.0, 1_000_000, 16),
+        GrammarLimits(100_000, 10.0, 1_000_000, 16, 1, 4),
     )
     try:
         cases = {"free": 0, "mixed": BATCH // 2, "constrained": BATCH}

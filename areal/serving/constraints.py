@@ -21,6 +21,16 @@ capped, each refusal a 400 naming the request field. Compiles run on threads wit
 stack: llguidance's schema compiler recurses through ``$ref`` chains, and a long chain
 overflowed an 8 MiB stack (a segfault of the whole server); 256 MiB holds any schema under the
 size cap (tests/serving/test_structured_outputs.py compiles the deepest one that fits).
+
+Scheduling: compiles run on ``server.grammar_compile_threads`` threads (a grammar that took
+2 s per compile on one shared thread made eight of them fail every other structured request).
+A cached grammar is copied on the event loop at once, never queued behind compiles; requests
+sending the same new grammar share one compile; at most ``server.max_queued_grammars`` wait for
+a thread (more: :class:`Overloaded`, HTTP 503 with Retry-After). A request waits at most
+``grammar_compile_timeout`` for a thread (then Overloaded: busy, not its grammar's fault) and as
+long for its own compile (then a 400 naming its field). A compile whose requests gave up still
+runs to its end (llguidance cannot be interrupted) and is cached; it holds its thread meanwhile,
+which the queue bound accounts for.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
+import dataclasses
 import json
 import math
 import queue
@@ -42,19 +54,17 @@ import llguidance as llg
 import llguidance.hf
 import torch
 
-from areal.serving.requests import BadRequest
+from areal.serving.requests import BadRequest, Overloaded, json_type
+from areal.utils.tool_calls import JSON_LAYOUT  # JSON without free whitespace
 
 Kind = Literal["json_schema", "regex", "lark", "ebnf", "choice"]
 COMPILE_STACK_BYTES = 256 << 20  # see the module docstring
-# JSON without free whitespace: ", " between items, ": " after keys (Python's and Hermes' own
-# layout). Free whitespace would let a model pad forever between tokens of a JSON value.
 # Counted repeats are unrolled when llguidance builds a regex: ((a{100}){100}){100} took 4.6 s,
 # and a schema's "pattern" is built lazily, at the decode step that enters the string, which
 # would stall every request. A pattern that unrolls to more characters than this is refused.
 MAX_REGEX_UNITS = 10_000
 _LARK_REGEX = re.compile(r"/((?:[^/\\\n]|\\.)+)/")  # a Lark /regex/ literal
 _JSON_PATTERN = re.compile(r'"pattern"\s*:\s*("(?:[^"\\]|\\.)*")')  # inside a Lark %json schema
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -92,31 +102,45 @@ class GrammarLimits:
     compile_timeout: float  # seconds
     lexer_fuel: int
     cache_size: int
+    threads: int  # compile threads
+    max_queued: int  # compiles waiting for a thread
 
 
 def choice_grammar(choices: Any, field: str) -> str:
     """A Lark grammar matching exactly one of ``choices`` (a non-empty list of strings)."""
-    if (
-        not isinstance(choices, list)
-        or not choices
-        or not all(isinstance(c, str) and c for c in choices)
-    ):
-        raise BadRequest(field, "expected a non-empty list of non-empty strings")
+    if not isinstance(choices, list) or not choices:
+        got = "an empty array" if choices == [] else json_type(choices)
+        raise BadRequest(
+            field, f'expected a non-empty list of strings, got {got}; send e.g. ["yes", "no"]'
+        )
+    bad = [c for c in choices if not (isinstance(c, str) and c)]
+    if bad:
+        raise BadRequest(
+            field, f"every choice must be a non-empty string, got {json_type(bad[0])}; drop it"
+        )
     return "start: " + " | ".join(json.dumps(c) for c in choices)
 
 
 def schema_text(value: Any, field: str) -> str:
-    """A JSON schema sent as an object or as JSON text (SGLang sends text) -> JSON text."""
+    """A JSON schema sent as an object or as JSON text of one (SGLang sends text) -> JSON text."""
+    schema = value
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            schema = json.loads(value)
         except json.JSONDecodeError as e:
             raise BadRequest(
-                field, f"not valid JSON ({e.msg} at position {e.pos}); send a JSON schema"
+                field,
+                f"got {json_type(value)}, which is not JSON text ({e.msg} at position {e.pos}); "
+                "send the JSON schema as an object",
             ) from None
-    if not isinstance(value, (dict, bool)):
-        raise BadRequest(field, f"expected a JSON schema object, got {str(value)[:80]}")
-    return json.dumps(value)
+    if not isinstance(schema, (dict, bool)):
+        held = f" holding {json_type(schema)}" if isinstance(value, str) else ""
+        raise BadRequest(
+            field,
+            f"expected a JSON schema (an object, or true/false), got {json_type(value)}{held}; "
+            "send the schema object itself",
+        )
+    return json.dumps(schema)
 
 
 def to_grammar(c: Constraint) -> str:
@@ -218,17 +242,28 @@ def _big_stack_threads(n: int, target: Callable[[], None], name: str) -> None:
 _STACK_LOCK = threading.Lock()
 
 
+@dataclass
+class _Compile:
+    """One constraint's compile: queued until a compile thread starts it, shared by every
+    request that sends the same constraint meanwhile (``waiters`` of them)."""
+
+    constraint: Constraint
+    started: concurrent.futures.Future = dataclasses.field(
+        default_factory=concurrent.futures.Future
+    )
+    done: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    waiters: int = 1
+
+
 class GrammarCompiler:
-    """Compiles constraints on its own threads and keeps the newest ``cache_size`` compiled
-    grammars (an initial matcher each, copied for every generation)."""
+    """Compiles constraints on a pool of ``limits.threads`` threads and keeps the newest
+    ``cache_size`` compiled grammars (an initial matcher each, copied for every generation).
+
+    A cached grammar never waits for a thread. At most ``limits.max_queued`` compiles wait for
+    a thread; past that a request needing a new compile is refused (:class:`Overloaded`)."""
 
     def __init__(
-        self,
-        tokenizer: Any,
-        vocab_size: int,
-        eos_token_ids: list[int],
-        limits: GrammarLimits,
-        n_threads: int = 1,
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int], limits: GrammarLimits
     ):
         self.tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids
@@ -239,38 +274,78 @@ class GrammarCompiler:
         )
         self._cache: collections.OrderedDict[Constraint, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        _big_stack_threads(n_threads, self._work, "areal-grammar")
+        self._pending: dict[Constraint, _Compile] = {}  # queued or running, by constraint
+        self._queued = 0  # compiles in _jobs not yet started that someone still waits for
+        self._running = 0  # compiles on a thread now
+        self._jobs: queue.SimpleQueue[_Compile] = queue.SimpleQueue()
+        _big_stack_threads(limits.threads, self._work, "areal-grammar")
 
-    def submit(self, c: Constraint, n: int) -> concurrent.futures.Future:
-        """Compile ``c`` (or take it from the cache) on a compile thread; the future holds
-        ``n`` fresh :class:`Guide` s or raises :class:`BadRequest` naming ``c.field``."""
+    def cached(self, c: Constraint) -> Any | None:
+        """The initial matcher of ``c`` when it was compiled before (marked newest), else None."""
+        with self._lock:
+            if c in self._cache:
+                self._cache.move_to_end(c)
+                return self._cache[c]
+        return None
+
+    def enqueue(self, c: Constraint) -> _Compile:
+        """Join the compile of ``c`` under way, or queue a new one; :class:`Overloaded` when
+        ``limits.max_queued`` compiles already wait. Every call is paired with :meth:`leave`."""
         if len(c.source) > self.limits.max_chars:
             raise BadRequest(
                 c.field,
                 f"a grammar of {len(c.source)} characters; this server compiles at most "
                 f"{self.limits.max_chars} (server.max_grammar_chars); send a smaller one",
             )
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((c, n, fut))
-        return fut
+        with self._lock:
+            job = self._pending.get(c)
+            if job is not None:
+                job.waiters += 1
+                return job
+            waiting = self._queued - (self.limits.threads - self._running)  # beyond idle threads
+            if waiting >= self.limits.max_queued:
+                raise Overloaded(
+                    c.field,
+                    f"{waiting} grammars already wait for the {self.limits.threads} "
+                    f"compile threads (server.max_queued_grammars={self.limits.max_queued}); "
+                    "retry later, or send a grammar this server compiled before (cached)",
+                )
+            job = self._pending[c] = _Compile(c)
+            self._queued += 1
+        self._jobs.put(job)
+        return job
+
+    def leave(self, job: _Compile) -> None:
+        """One request stops waiting for ``job``; a job nobody waits for is dropped unstarted
+        (a started one runs to its end: a compile cannot be interrupted, and it is cached)."""
+        with self._lock:
+            job.waiters -= 1
+            if job.waiters == 0 and not job.started.done():
+                self._queued -= 1
+                if self._pending.get(job.constraint) is job:
+                    del self._pending[job.constraint]
 
     def _work(self) -> None:
         while True:
-            c, n, fut = self._jobs.get()
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                initial = self._compiled(c)
-                fut.set_result([Guide(initial.deep_copy(), c.field) for _ in range(n)])
-            except BaseException as e:  # reported to the request that sent it
-                fut.set_exception(e)
+            job = self._jobs.get()
+            with self._lock:
+                if job.waiters == 0:  # its requests gave up before a thread was free
+                    continue
+                self._queued -= 1
+                self._running += 1
+                job.started.set_result(None)
+            try:  # a request that raced the compile before may have cached it meanwhile
+                initial = self.cached(job.constraint)
+                job.done.set_result(self._build(job.constraint) if initial is None else initial)
+            except BaseException as e:  # reported to the requests that sent it
+                job.done.set_exception(e)
+            finally:
+                with self._lock:
+                    self._running -= 1
+                    if self._pending.get(job.constraint) is job:
+                        del self._pending[job.constraint]
 
-    def _compiled(self, c: Constraint) -> Any:
-        with self._lock:
-            if c in self._cache:
-                self._cache.move_to_end(c)
-                return self._cache[c]
+    def _build(self, c: Constraint) -> Any:
         check_regexes(c)
         try:
             grammar = to_grammar(c)
@@ -296,12 +371,57 @@ def _first_line(message: str) -> str:
     return " ".join(message.split())[:300]
 
 
+async def _done_within(fut: concurrent.futures.Future, timeout: float) -> bool:
+    """True when ``fut`` is done within ``timeout`` seconds; ``fut`` is never cancelled (other
+    requests may wait for it too)."""
+    loop = asyncio.get_running_loop()
+    ready = asyncio.Event()
+
+    def wake(_: concurrent.futures.Future) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(ready.set)
+
+    fut.add_done_callback(wake)
+    try:
+        await asyncio.wait_for(ready.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True
+
+
+async def _initial_matcher(compiler: GrammarCompiler, c: Constraint) -> Any:
+    """``c``'s compiled initial matcher: from the cache at once, else compiled on a compile
+    thread, waiting at most ``compile_timeout`` for a free thread (then :class:`Overloaded`:
+    other requests' grammars hold them) and as long again for its own compile (then a 400
+    naming ``c.field``)."""
+    initial = compiler.cached(c)
+    if initial is not None:
+        return initial
+    timeout = compiler.limits.compile_timeout
+    job = compiler.enqueue(c)
+    try:
+        if not await _done_within(job.started, timeout):
+            raise Overloaded(
+                c.field,
+                f"no grammar compile thread was free within {timeout} s (all "
+                f"{compiler.limits.threads} busy with other requests' grammars; "
+                "server.grammar_compile_threads); retry later",
+            )
+        if not await _done_within(job.done, timeout):
+            raise BadRequest(
+                c.field,
+                f"did not compile within {timeout} s (server.grammar_compile_timeout); simplify it",
+            )
+        return job.done.result()
+    finally:
+        compiler.leave(job)
+
+
 async def compile_guides(
     compiler: GrammarCompiler, constraints: list[Constraint | None]
 ) -> list[Guide | None] | None:
     """One :class:`Guide` per constrained job (None for free jobs; None for all when none is
-    constrained), each distinct constraint compiled once, within
-    ``server.grammar_compile_timeout``."""
+    constrained), each distinct constraint compiled once (see :func:`_initial_matcher`)."""
     if all(c is None for c in constraints):
         return None
     where: dict[Constraint, list[int]] = {}
@@ -309,19 +429,10 @@ async def compile_guides(
         if c is not None:
             where.setdefault(c, []).append(i)
     guides: list[Guide | None] = [None] * len(constraints)
-    timeout = compiler.limits.compile_timeout
     for c, rows in where.items():
-        try:
-            made = await asyncio.wait_for(
-                asyncio.wrap_future(compiler.submit(c, len(rows))), timeout
-            )
-        except TimeoutError:
-            raise BadRequest(
-                c.field,
-                f"did not compile within {timeout} s (server.grammar_compile_timeout); simplify it",
-            ) from None
-        for i, guide in zip(rows, made):
-            guides[i] = guide
+        initial = await _initial_matcher(compiler, c)
+        for i in rows:
+            guides[i] = Guide(initial.deep_copy(), c.field)
     return guides
 
 

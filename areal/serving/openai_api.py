@@ -37,9 +37,10 @@ from areal.serving.protocol import (
     render_text,
     usage,
 )
+from areal.serving.requests import json_type
 from areal.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from areal.serving.tokens import TokenText
-from areal.serving.tools import clean_tool_calls, extract_tool_calls, parse_tools
+from areal.serving.tools import clean_messages, extract_tool_calls, parse_tools
 
 COMMON_KEYS = {
     "model",
@@ -138,9 +139,15 @@ def output_constraint(body: dict) -> Constraint | None:
             f"expected text, json_object or json_schema, got {str(fmt)[:80]}",
         )
     spec = fmt.get("json_schema")
-    if not isinstance(spec, dict) or spec.get("strict") not in (None, True, False):
+    if not isinstance(spec, dict):
         raise BadRequest(
-            "response_format.json_schema", 'expected {"name", "schema", "strict": bool}'
+            "response_format.json_schema",
+            f'expected {{"name", "schema", "strict": bool}}, got {json_type(spec)}',
+        )
+    if spec.get("strict") not in (None, True, False):
+        raise BadRequest(
+            "response_format.json_schema.strict",
+            f"expected true or false, got {json_type(spec['strict'])}",
         )
     where = "response_format.json_schema.schema"
     schema = schema_text(spec.get("schema", {"type": "object"}), where)
@@ -172,7 +179,7 @@ def _structured_outputs(so: Any) -> Constraint:
         choice_grammar(value, where)  # checks the list
         return Constraint("choice", json.dumps(value), where)
     if not isinstance(value, str) or not value:
-        raise BadRequest(where, f"expected a non-empty string, got {str(value)[:80]}")
+        raise BadRequest(where, f"expected a non-empty string, got {json_type(value)}")
     return Constraint("regex" if key == "regex" else "ebnf", value, where)
 
 
@@ -272,9 +279,7 @@ def parse_chat(
     if not isinstance(body, dict):
         raise BadRequest("body", "expected a JSON object")
     _check_known(body, CHAT_KEYS, "")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages", "expected a non-empty list of {role, content}")
+    clean = clean_messages(body.get("messages"))
     tools, parse_calls, forced, parallel = parse_tools(body)
     constraint = output_constraint(body)
     if forced is not None and constraint is not None:
@@ -283,32 +288,12 @@ def parse_chat(
             "a forced tool call cannot also follow response_format or "
             "structured_outputs; send tool_choice 'auto' or drop the format",
         )
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}]", "expected an object with a string role")
-        content = m.get("content")
-        if m.get("tool_calls") is not None and m["role"] == "assistant":  # an agent's call turn
-            calls = clean_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
-            clean.append({"role": "assistant", "content": content or "", "tool_calls": calls})
-            continue
-        if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
-            raise BadRequest(
-                f"messages[{i}].tool_call_id", "a tool message needs the tool_call_id it answers"
-            )
-        if isinstance(content, list):  # content parts: keep the text ones
-            if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
-                raise BadRequest(f"messages[{i}].content", "only text content parts are supported")
-            content = "".join(str(c.get("text", "")) for c in content)
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content", f"expected a string, got {content!r}")
-        clean.append({"role": m["role"], "content": content})
     max_tokens = _int(body, "max_completion_tokens", "", None, lo=0)
     max_tokens = _int(body, "max_tokens", "", None, lo=0) if max_tokens is None else max_tokens
     # OpenAI chat without a limit runs to the end of the context (the generator stops there)
     params, opts, n = _common(body, CHAT_UNLIMITED if max_tokens is None else max_tokens, cfg)
     want = _bool(body, "logprobs", "", False)
-    top = _int(body, "top_logprobs", "", 0, lo=0)
+    top = _int(body, "top_logprobs", "", 0, lo=0) or 0
     if top and not want:
         raise BadRequest("top_logprobs", "top_logprobs needs logprobs=true")
     if top > MAX_TOP_LOGPROBS:

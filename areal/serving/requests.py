@@ -1,7 +1,8 @@
 """A request inside the generator (:class:`Seq`: tokens so far, how to sample and stop, its
 future), what it resolves to (:class:`GenerationResult`), :func:`request_problems` (what makes a
-request impossible to run), and :class:`BadRequest`, the error every parser raises for an invalid
-field."""
+request impossible to run), :class:`BadRequest`, the error every parser raises for an invalid
+field, and :class:`Overloaded`, the refusal of a request that would wait past a bound on queued
+work."""
 
 from __future__ import annotations
 
@@ -29,6 +30,30 @@ class BadRequest(ValueError):
     def __init__(self, field: str, message: str):
         self.field = field
         super().__init__(f"{field}: {message}")
+
+
+class Overloaded(Exception):
+    """A request refused because the work queued before it is at its bound (HTTP 503 with
+    Retry-After: back-pressure, not a dead server): ``field`` names what it needed, e.g. the
+    grammar's field or ``body``."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+def json_type(value: object) -> str:
+    """``value``'s JSON type as an error message names it: ``a string '{"typ...'``,
+    ``an array``, ``null``..."""
+    if isinstance(value, str):
+        return f"a string {value[:40]!r}" + ("..." if len(value) > 40 else "")
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value})"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 def request_problems(

@@ -22,7 +22,8 @@ from typing import Any, NotRequired, TypedDict
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from areal.serving.requests import BadRequest
+from areal.serving.requests import BadRequest, json_type
+from areal.serving.tools import clean_messages
 
 _BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE's char -> byte
 
@@ -78,14 +79,15 @@ class TokenText:
 def parse_tokenize(
     body: Any,
     text: TokenText,
-    apply_template: Callable[[list[dict]], list[int]],
+    apply_template: Callable[[list[dict], None, bool], list[int]],
     context_length: int,
 ) -> Tokenized:
     """``POST /tokenize``: ``{"prompt": str, "add_special_tokens"?}`` (vLLM and SGLang) or
     ``{"messages": [...], "add_generation_prompt"?}`` (vLLM's chat form) -> ``{"tokens",
-    "count", "max_model_len"}``; ``"return_token_strs": true`` adds each token's string."""
+    "count", "max_model_len"}``; ``"return_token_strs": true`` adds each token's string.
+    ``apply_template(messages, tools, add_generation_prompt)`` renders the chat form."""
     if not isinstance(body, dict):
-        raise BadRequest("body", "expected a JSON object")
+        raise BadRequest("body", f"expected a JSON object, got {json_type(body)}")
     unknown = set(body) - {
         "model",
         "prompt",
@@ -96,19 +98,34 @@ def parse_tokenize(
     }
     if unknown:
         raise BadRequest(sorted(unknown)[0], "unknown parameter; send prompt or messages")
-    if isinstance(body.get("prompt"), str):
-        add = body.get("add_special_tokens", True)
-        if not isinstance(add, bool):
-            raise BadRequest("add_special_tokens", f"expected true/false, got {add!r}")
-        ids = text.encode(body["prompt"], add_special_tokens=add)
-    elif isinstance(body.get("messages"), list) and body["messages"]:
-        ids = apply_template(body["messages"])
+    flags = {
+        name: _flag(body, name, default)
+        for name, default in (
+            ("add_special_tokens", True),
+            ("add_generation_prompt", True),
+            ("return_token_strs", False),
+        )
+    }
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise BadRequest("prompt", "send exactly one of a prompt string or a messages list")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise BadRequest("prompt", f"expected a string, got {json_type(prompt)}")
+        ids = text.encode(prompt, add_special_tokens=flags["add_special_tokens"])
     else:
-        raise BadRequest("prompt", "send a prompt string or a non-empty messages list")
+        ids = apply_template(clean_messages(messages), None, flags["add_generation_prompt"])
     out: Tokenized = {"tokens": ids, "count": len(ids), "max_model_len": context_length}
-    if body.get("return_token_strs"):
+    if flags["return_token_strs"]:
         out["token_strs"] = [text.token_str(t) for t in ids]
     return out
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise BadRequest(name, f"expected true or false, got {json_type(value)}")
+    return value
 
 
 def parse_detokenize(body: Any, text: TokenText, vocab_size: int) -> dict:
@@ -123,5 +140,5 @@ def parse_detokenize(body: Any, text: TokenText, vocab_size: int) -> dict:
         raise BadRequest(
             "tokens", f"expected a list of token ids in [0, {vocab_size}), got {str(ids)[:80]}"
         )
-    decoded = text.decode(ids, skip_special_tokens=bool(body.get("skip_special_tokens", False)))
+    decoded = text.decode(ids, skip_special_tokens=_flag(body, "skip_special_tokens", False))
     return {"prompt": decoded, "text": decoded}

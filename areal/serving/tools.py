@@ -27,21 +27,18 @@ being ignored.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from areal.serving.constraints import JSON_LAYOUT, Constraint
-from areal.serving.requests import BadRequest
+from areal.serving.constraints import Constraint
+from areal.serving.requests import BadRequest, json_type
 from areal.utils.tool_calls import (
-    CALL_OPEN,
     ToolChoiceError,
     extract_tool_calls,
+    tool_call_grammar,
     tool_choice_prefill,
 )
 
-CALL_CLOSE = "}\n</tool_call>"  # what ends a call's JSON object and its block
-
-__all__ = ["clean_tool_calls", "extract_tool_calls", "parse_tools"]
+__all__ = ["clean_messages", "extract_tool_calls", "parse_tools"]
 
 
 def parse_tools(body: dict) -> tuple[list[dict] | None, bool, Constraint | None, bool]:
@@ -70,7 +67,16 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, bool, Constraint | None,
                     f"tools[{i}]", 'expected {"type": "function", "function": {"name": ...}}'
                 )
             if "parameters" in fn and not isinstance(fn["parameters"], dict):
-                raise BadRequest(f"tools[{i}].function.parameters", "expected a JSON schema object")
+                raise BadRequest(
+                    f"tools[{i}].function.parameters",
+                    f"expected a JSON schema object, got {json_type(fn['parameters'])}; send "
+                    "the schema object itself (not JSON text), or leave parameters out",
+                )
+            if fn.get("strict") not in (None, True, False):
+                raise BadRequest(
+                    f"tools[{i}].function.strict",
+                    f"expected true or false, got {json_type(fn['strict'])}",
+                )
     try:  # validates the choice; a forced one is constrained rather than prefilled here
         forced = tool_choice_prefill(
             choice, None if tools is None else [t["function"]["name"] for t in tools]
@@ -83,25 +89,6 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, bool, Constraint | None,
         fns = [t["function"] for t in tools if named in (None, t["function"]["name"])]  # type: ignore[union-attr]
         constraint = Constraint("lark", tool_call_grammar(fns, parallel is not False), "tools")
     return tools, tools is not None and choice != "none", constraint, parallel is not False
-
-
-def tool_call_grammar(functions: list[dict], parallel: bool) -> str:
-    """A Lark grammar for Hermes tool-call blocks calling one of ``functions``, the arguments
-    matching each one's ``parameters`` (any object when it has none); ``parallel``: one or
-    more blocks, newline-separated, else exactly one."""
-    rules = []
-    for k, fn in enumerate(functions):
-        schema = dict(fn.get("parameters") or {"type": "object"})
-        schema["x-guidance"] = {**JSON_LAYOUT, "lenient": not fn.get("strict", False)}
-        opening = f'{CALL_OPEN}{{"name": {json.dumps(fn["name"])}, "arguments": '
-        rules += [
-            f"call{k}: {json.dumps(opening)} args{k} {json.dumps(CALL_CLOSE)}",
-            f"args{k}: %json {json.dumps(schema)}",
-        ]
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return "\n".join(
-        [start, "call: " + " | ".join(f"call{k}" for k in range(len(functions))), *rules]
-    )
 
 
 def clean_tool_calls(calls: Any, where: str) -> list[dict]:
@@ -129,3 +116,44 @@ def clean_tool_calls(calls: Any, where: str) -> list[dict]:
             }
         )
     return out
+
+
+def clean_messages(messages: Any, where: str = "messages") -> list[dict]:
+    """Chat ``messages`` checked and reduced to what the chat template takes: ``{role,
+    content}`` (text content parts joined), an assistant's ``tool_calls``, a tool turn's
+    ``tool_call_id``; a 400 naming the first bad message and what it holds otherwise."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(
+            where,
+            f"expected a non-empty list of {{role, content}} objects, got "
+            f"{'an empty array' if messages == [] else json_type(messages)}",
+        )
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            got = json_type(m) if not isinstance(m, dict) else f"role {json_type(m.get('role'))}"
+            raise BadRequest(
+                f"{where}[{i}]",
+                f"expected an object with a string role, got {got}; send "
+                '{"role": "user", "content": "..."}',
+            )
+        content = m.get("content")
+        if m.get("tool_calls") is not None and m["role"] == "assistant":  # an agent's call turn
+            calls = clean_tool_calls(m["tool_calls"], f"{where}[{i}].tool_calls")
+            clean.append({"role": "assistant", "content": content or "", "tool_calls": calls})
+            continue
+        if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise BadRequest(
+                f"{where}[{i}].tool_call_id", "a tool message needs the tool_call_id it answers"
+            )
+        if isinstance(content, list):  # content parts: keep the text ones
+            if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
+                raise BadRequest(f"{where}[{i}].content", "only text content parts are supported")
+            content = "".join(str(c.get("text", "")) for c in content)
+        if not isinstance(content, str):
+            raise BadRequest(
+                f"{where}[{i}].content",
+                f"expected a string or a list of text parts, got {json_type(content)}",
+            )
+        clean.append({"role": m["role"], "content": content})
+    return clean

@@ -6,6 +6,7 @@ untouched in a mixed batch, logprobs of the masked distribution)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -336,16 +337,24 @@ def test_the_deepest_ref_chain_under_the_size_cap_compiles_without_crashing(serv
 def test_free_requests_batched_with_constrained_ones_get_their_greedy_outputs_alone(
     generator, tiny_tokenizer
 ):
-    from areal.serving.constraints import Constraint, GrammarCompiler, GrammarLimits
+    from areal.serving.constraints import (
+        Constraint,
+        GrammarCompiler,
+        GrammarLimits,
+        compile_guides,
+    )
     from areal.serving.sampling import SamplingParams
 
     compiler = GrammarCompiler(
-        tiny_tokenizer, generator.model.spec.vocab_size, [258], GrammarLimits(10**5, 10, 10**6, 8)
+        tiny_tokenizer,
+        generator.model.spec.vocab_size,
+        [258],
+        GrammarLimits(10**5, 10, 10**6, 8, 1, 4),
     )
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     free = [[5, 17, 99], [40, 41, 42, 43], [7]]
     alone = [r.output_ids for r in generator.generate(free, greedy)]
-    guides = compiler.submit(Constraint("regex", "[a-c]{12}", "regex"), 2).result(30)
+    guides = asyncio.run(compile_guides(compiler, [Constraint("regex", "[a-c]{12}", "regex")] * 2))
     futures = generator.submit_batch(
         [free[0], [9, 9], free[1], [9, 8], free[2]],
         [greedy] * 5,
@@ -361,13 +370,21 @@ def test_free_requests_batched_with_constrained_ones_get_their_greedy_outputs_al
 def test_constrained_logprobs_are_those_of_the_masked_distribution(
     generator, tiny_tokenizer, hf_model
 ):
-    from areal.serving.constraints import Constraint, GrammarCompiler, GrammarLimits
+    from areal.serving.constraints import (
+        Constraint,
+        GrammarCompiler,
+        GrammarLimits,
+        compile_guides,
+    )
     from areal.serving.sampling import SamplingParams
 
     compiler = GrammarCompiler(
-        tiny_tokenizer, generator.model.spec.vocab_size, [258], GrammarLimits(10**5, 10, 10**6, 8)
+        tiny_tokenizer,
+        generator.model.spec.vocab_size,
+        [258],
+        GrammarLimits(10**5, 10, 10**6, 8, 1, 4),
     )
-    guide = compiler.submit(Constraint("regex", "[a-c][0-9]", "regex"), 1).result(30)[0]
+    guide = asyncio.run(compile_guides(compiler, [Constraint("regex", "[a-c][0-9]", "regex")]))[0]
     prompt = [5, 17, 99]
     r = generator.submit_batch(
         [prompt], [SamplingParams(max_new_tokens=4, temperature=0.7)], guides=[guide]
