@@ -58,9 +58,13 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _view(args: argparse.Namespace) -> int:
-    from areal.utils.viewer import serve
+    from areal.utils.viewer import CannotStart, serve
 
-    serve(args.run_dirs, args.port)
+    try:
+        serve(args.run_dirs, args.port, args.host, allowed_hosts=args.allowed_hosts)
+    except CannotStart as e:  # a taken port: one line naming it and --port, no traceback
+        print(f"areal view: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -314,7 +318,13 @@ COMMANDS: tuple[Command, ...] = (
             _view, (
         _arg("run_dirs", nargs="+", metavar="RUN_DIR",
              help="run dir(s); several are drawn in the same charts"),
-        _arg("--port", type=int, default=8765, help="TCP port on 127.0.0.1 (0 = any free port)"),
+        _arg("--port", type=int, default=8765, help="TCP port (0 = any free port)"),
+        _arg("--host", default="127.0.0.1", metavar="ADDR",
+             help="address to listen on (default loopback; another one, e.g. 0.0.0.0, lets "
+                  "anyone who reaches it read the run: prefer an SSH tunnel, docs/viewer.md)"),
+        _arg("--allowed-host", dest="allowed_hosts", action="append", default=[], metavar="NAME",
+             help="a host name the browser may reach the viewer by besides loopback names "
+                  "(a proxy's name; repeatable; '*' = any; docs/security.md)"),
     )),
     Command("replay",
             "re-run a recorded run's trainer on its own batches; check weights bit for bit",

@@ -106,14 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         _shoot(
             driver,
             url + "#curves",
-            'circle.pt[data-key="reward/mean"]',
+            "#charts .chart .uplot",  # uPlot has drawn a chart (RL: reward; SFT: loss)
             args.out / "viewer-curves.png",
         )
         if len(args.run_dirs) > 1:
             _shoot(
                 driver,
                 url + "#compare",
-                '#compare-rows circle.pt[data-run="1"]',
+                "#compare-rows .chart .uplot",
                 args.out / "viewer-compare.png",
             )
         stale = _has_stale(args.run_dirs[0])

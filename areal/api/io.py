@@ -83,6 +83,7 @@ class Trajectory:
     group_id: str = ""
     prompt_text: str = ""  # for logging only
     completion_text: str = ""  # for logging only
+    reference: str = ""  # the item's reference answer as text, for logging only (areal view)
     # where it came from, for logging (``areal view``): the generation server(s)
     # (ModelResponse.server; several comma-separated) and the rollout worker that ran the
     # episode (Lite: the trainer rank's executor, "rank<r>"; Core: "worker<i>")

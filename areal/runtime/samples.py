@@ -13,7 +13,8 @@ weights it was trained on), ``staleness`` (trainer_version minus the oldest vers
 trained tokens), ``prompt_len``, ``length`` (completion tokens), ``server`` (the generation
 server(s), host:port), ``worker`` (the rollout worker: Lite ``rank<r>``, Core ``worker<i>``),
 ``turn_starts`` (multi-turn and agent samples: where each model turn starts in the completion;
-[] for one turn), ``prompt_text``, ``completion_text``, ``prompt_ids``, ``completion_ids``, and
+[] for one turn), ``prompt_text``, ``completion_text``, ``reference`` (the item's reference
+answer; null when the workflow gave none), ``prompt_ids``, ``completion_ids``, and
 per completion token ``completion_tokens`` (each decoded on its own), ``versions`` (-1:
 injected, not sampled), ``loss_mask``, ``behav_logp`` (the server's), ``trainer_logp``,
 ``advantages``.
@@ -145,6 +146,7 @@ class SampleRecorder:
                     "turn_starts": list(t.turn_starts),
                     "prompt_text": t.prompt_text or self.tokenizer.decode(t.prompt_ids),
                     "completion_text": t.completion_text or self.tokenizer.decode(t.completion_ids),
+                    "reference": t.reference or None,  # None: the workflow recorded none
                     "prompt_ids": list(t.prompt_ids),
                     "completion_ids": list(t.completion_ids),
                     "completion_tokens": [self._decode(x) for x in t.completion_ids],

@@ -31,6 +31,7 @@ from areal.workflow.rlvr import (
     group_version,
     item_prompt_ids,
     prompt_kwargs,
+    reference_text,
     rollout_status,
 )
 
@@ -162,6 +163,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
             group_id=item["id"],
             prompt_text=self.tokenizer.decode(prompt),
             completion_text=self.tokenizer.decode(ep.completion_ids),
+            reference=reference_text(item["reference"]),
             extras={"turns": float(len(texts))},
             server=",".join(ep.servers),
             turn_starts=ep.turn_starts,

@@ -51,6 +51,11 @@ def sample_seed(seed: int | None, prompt_id: Any, k: int, version: int) -> int |
     return seed + zlib.crc32(f"{prompt_id}/{k}/{version}".encode())
 
 
+def reference_text(reference: Any) -> str:
+    """An item's reference answer as the viewer shows it: a string as it is, else its JSON."""
+    return reference if isinstance(reference, str) else json.dumps(reference, default=str)
+
+
 def rollout_status(response: ModelResponse, reward: RewardOutcome) -> RolloutStatus:
     """Trajectory status: a failed reward call wins over the generation's stop reason."""
     if not reward.ok:
@@ -158,6 +163,7 @@ class RLVRWorkflow(RolloutWorkflow):
                 group_id=item["id"],
                 prompt_text=prompt_text,
                 completion_text=text,
+                reference=reference_text(item["reference"]),
                 server=resp.server,
             )
             for k, (resp, text, outcome) in enumerate(zip(responses, texts, outcomes))

@@ -787,3 +787,275 @@ def test_an_internal_error_is_a_json_500_and_the_server_goes_on(tiny_model_dir):
         srv.generator.shutdown()
     assert s1 == 500 and "internal error: ZeroDivisionError" in bug["error"]["message"]
     assert s2 == 200 and len(ok["choices"]) == 1
+
+
+# ------------------------------------------------------------------ Host and Origin (issue 56)
+
+
+def _with_headers(url: str, headers: dict[str, str], body: dict | None = None) -> tuple[int, dict]:
+    """POST (body given) or GET with these headers (``Host`` included); (status, JSON)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_pages_of_other_sites_and_rebound_names_cannot_pause_or_relabel_the_server(server):
+    """What a browser did to a local server (issue 56): a page of another origin paused it and
+    set its weight version. Its requests carry the admin key here, so only the guard stops them."""
+    port = server.rsplit(":", 1)[1]
+    before = call(f"{server}/get_server_info")[1]
+    admin = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    page = {**admin, "Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"}
+    no_cors = {**admin, "Sec-Fetch-Site": "cross-site"}  # a no-cors form post without Origin
+    rebound = {**admin, "Host": f"rebind.evil.example:{port}"}  # DNS rebinding: same origin
+    refused = [
+        (f"{server}/pause_generation", page, {}),
+        (f"{server}/update_weight_version", no_cors, {"new_version": 99}),
+        (f"{server}/update_weight_version", rebound, {"new_version": 99}),
+        (f"{server}/generate", {"Origin": "null"}, GREEDY),
+        (f"{server}/get_server_info", {"Host": f"rebind.evil.example:{port}"}, None),
+    ]
+    for url, headers, body in refused:
+        status, answer = _with_headers(url, headers, body)
+        assert status == 403, (url, headers, answer)
+        message = answer["error"]["message"]
+        assert "\n" not in message and "server.allowed_hosts" in message, message
+    after = call(f"{server}/get_server_info")[1]
+    assert not after["paused"] and after["weight_version"] == before["weight_version"]
+    # non-browser clients naming the server by loopback name, IP or its own host name go on
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"{socket.gethostname()}:{port}"):
+        assert _with_headers(f"{server}/flush_cache", {**admin, "Host": host}, {})[0] == 200
+    same_origin = {**admin, "Origin": f"http://127.0.0.1:{port}", "Sec-Fetch-Site": "same-origin"}
+    assert _with_headers(f"{server}/flush_cache", same_origin, {})[0] == 200
+
+
+# ------------------------------------------------------------------ fuzz: proxy and viewer routes
+
+JUNK_SEGMENTS = ["", "..", "%2e%2e", "%", "%zz", "%00", "%ff", "\u00e9", "a" * 3000, "1" * 300]
+JUNK_SEGMENTS += [";x", "*"]
+JUNK_VALUES = ["", "nan", "-inf", "1e999", "-1", "0", "abc", "%ff", "\u2603", "1" * 400, "[]"]
+
+
+def _fuzz_path(rng: random.Random, routes: list[str], query_keys: list[str]) -> str:
+    """One of ``routes`` with a segment replaced, junk appended, or a random query string."""
+    path = rng.choice(routes)
+    r = rng.random()
+    if r < 0.3:
+        parts = path.split("/")
+        parts[rng.randrange(1, len(parts))] = rng.choice(JUNK_SEGMENTS + ["7", "99999999999999"])
+        path = "/".join(parts)
+    elif r < 0.4:
+        path = rng.choice(["/", "//", "/../../etc/passwd", "/static/../viewer.py"]) + path
+    if rng.random() < 0.4:
+        pairs = [
+            f"{rng.choice(query_keys + ['limit', 'x'])}={rng.choice(JUNK_VALUES)}"
+            for _ in range(rng.randint(1, 4))
+        ]
+        path += "?" + "&".join(pairs)
+    return path
+
+
+def _fuzz_request(
+    rng: random.Random, address: str, method: str, path: str, auth: str, body: bytes
+) -> bytes:
+    """A raw HTTP/1.1 request with random Host, Origin, Authorization and content headers; now
+    and then a header or request line no parser should take."""
+    host = rng.choice([address, address, "localhost", "evil.example", "[::1]", "a b", "\u00ff"])
+    lines = [f"{method} {path} HTTP/1.1", "Connection: close"]
+    lines += [f"Host: {host}"] if rng.random() < 0.95 else []
+    if rng.random() < 0.2:
+        lines.append(
+            f"Origin: {rng.choice(['http://evil.example', 'null', 'http://[', 'http://' + host])}"
+        )
+    if rng.random() < 0.1:
+        lines.append(f"Sec-Fetch-Site: {rng.choice(['cross-site', 'same-origin', 'x'])}")
+    if auth:
+        lines.append(f"Authorization: {auth}")
+    ctype = rng.choice(["application/json", "text/plain", "multipart/form-data; boundary=", ""])
+    lines += [f"Content-Type: {ctype}"] if ctype else []
+    length = str(len(body)) if body or rng.random() < 0.9 else rng.choice(["abc", "-1", "0 0"])
+    lines.append(f"Content-Length: {length}")
+    if rng.random() < 0.03:
+        lines.append(rng.choice(["X-\u00ff: \x01", "no colon", " folded: x", "Host: twice"]))
+    if rng.random() < 0.02:
+        lines[0] = rng.choice(["GET", "GET / HTTP/9.9", f"{method}  {path}", "\x00 / HTTP/1.1"])
+    return "\r\n".join(lines).encode("utf-8", "surrogateescape") + b"\r\n\r\n" + body
+
+
+async def _status(address: str, request: bytes) -> int:
+    """The status of the answer to ``request`` (0: the connection closed without one)."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), 60)
+    except ConnectionError:  # refused mid-send (a head no parser takes): no answer
+        return 0
+    finally:
+        writer.close()
+    return int(line.split()[1]) if line.startswith(b"HTTP/") else 0
+
+
+async def _fuzz(address: str, requests: list[bytes]) -> list[int]:
+    """Send ``requests`` eight at a time; their statuses in order."""
+    gate = asyncio.Semaphore(8)
+
+    async def one(request: bytes) -> int:
+        async with gate:
+            return await _status(address, request)
+
+    return await asyncio.gather(*(one(r) for r in requests))
+
+
+def _json_junk(rng: random.Random, shapes: dict) -> bytes:
+    """A body: a route's fields with random values, other JSON, or bytes that are not JSON."""
+    r = rng.random()
+    if r < 0.1:
+        return rng.choice([b"", b"{", b"\xff\xfe", b"[]", b"null", b'"x"', b"[" * 5000])
+    body = {k: _value(rng) if rng.random() < 0.5 else rng.choice(v) for k, v in shapes.items()}
+    for k in rng.sample(list(body), rng.randint(0, len(body))):
+        del body[k]
+    return json.dumps(body, allow_nan=True).encode()
+
+
+def test_fuzz_agent_proxy_routes_never_500_and_it_keeps_serving(tiny_tokenizer):
+    """Random and malformed paths, methods, headers, keys, query strings and bodies on every
+    route of the agent proxy (agent and control side) with live session keys: every answer is
+    below 500 and a well-formed episode still works after."""
+    from areal.workflow.agent_proxy import AgentProxy
+    from tests.workflow.test_agent_proxy import TOKEN, G, ToolThenAnswer
+
+    chat = {"messages": [[{"role": "user", "content": "hi"}], [{"role": 1}], "x", []]}
+    shapes = {
+        "/v1/chat/completions": {**chat, "max_tokens": [1, -1, 10**20], "stream": [True, 1]},
+        "/v1/completions": {"prompt": ["1+1=", [5, 6], []], "max_tokens": [1, 0, "4"]},
+        "/v1/reward": {"reward": [1, 0.5, "1", None, True, 1e308], "completion_id": ["x", 3]},
+        "/control/sessions": {
+            "gconfig": [
+                {"n_samples": 1, "max_new_tokens": 4},
+                {"max_new_tokens": -1},
+                [],
+                {"x": 1},
+            ],
+            "group_id": ["g", 1, None],
+            "name": ["n", None],
+            "timeout": [5.0, 0, -1, "x", 1e308],
+            "version": [0, -1, "x", 2**70],
+        },
+        "wait": {"timeout": [0, 0.05, -1, "x", None, True]},
+    }
+    routes = ["/v1/chat/completions", "/v1/completions", "/v1/reward", "/v1/models", "/health"]
+    routes += ["/control/sessions", "/control/sessions/ID/wait", "/control/sessions/ID/close"]
+
+    async def run() -> tuple[list[int], list[bytes], int]:
+        proxy = AgentProxy(tiny_tokenizer, ToolThenAnswer(tiny_tokenizer), 1 << 16, TOKEN)
+        address = await proxy.start()
+        keys = [proxy.open(G, f"q{i}", f"q{i}/0", 60.0) for i in range(4)]
+        ended_key, ended = keys[0]
+        proxy.end(ended_key, "reward")  # its wait returns at once: no fuzz request idles 30 s
+        rng = random.Random(56)
+        auths = [
+            "",
+            "Bearer ",
+            "Basic eA==",
+            f"Bearer {TOKEN}",
+            f"Bearer {TOKEN}x",
+            "Bearer \u00e9",
+        ]
+        auths += [f"Bearer {k}" for k, _ in keys]
+        requests = []
+        for _ in range(600):
+            path = _fuzz_path(rng, routes, ["stream", "model"])
+            if "/ID/" in path:
+                path = path.replace("ID", ended.id if "wait" in path else rng.choice(
+                    [ended.id, keys[1][1].id, "s-0", "%00"]))  # fmt: skip
+            shape = shapes["wait"] if path.endswith("/wait") else shapes.get(path, {})
+            method = rng.choice(["POST"] * 6 + ["GET", "PUT", "DELETE", "OPTIONS", "HEAD"])
+            requests.append(
+                _fuzz_request(rng, address, method, path, rng.choice(auths), _json_junk(rng, shape))
+            )
+        statuses = await _fuzz(address, requests)
+        try:
+            key, session = proxy.open(G, "after", "after/0", 60.0)
+            body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+            good = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n"
+                f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n"
+            ).encode() + body
+            after = await _status(address, good)
+        finally:
+            await proxy.stop()
+        return statuses, requests, after
+
+    statuses, requests, after = asyncio.run(run())
+    counts = {s: statuses.count(s) for s in set(statuses)}
+    bad = [r[:300] for r, s in zip(requests, statuses) if s >= 500]
+    assert not bad, (counts, bad[:5])
+    assert counts.get(200, 0) > 10 and counts.get(401, 0) > 50, counts  # keys and junk both ran
+    assert after == 200
+
+
+def test_fuzz_viewer_routes_never_500_on_odd_requests_or_recorded_files(tmp_path):
+    """Random and malformed paths, query strings and headers on every route of ``areal view``,
+    over a run whose recorded files include an empty and a truncated sample file, a non-finite
+    reward and broken stats and timeline lines: every answer is below 500."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from areal.utils.viewer import make_app
+    from tests.utils.test_viewer_api import _record
+
+    for step in (1, 2, 3):
+        _record(tmp_path, step, [[0], [0, 0]], version=0)
+    step1 = tmp_path / "samples" / "step-000001-rank0.parquet"
+    rows = pq.read_table(step1).to_pylist()
+    rows[0]["reward"] = float("nan")
+    pq.write_table(pa.Table.from_pylist(rows, schema=pq.read_schema(step1)), step1)
+    (tmp_path / "samples" / "step-000002-rank0.parquet").write_bytes(b"")
+    step3 = tmp_path / "samples" / "step-000003-rank0.parquet"
+    step3.write_bytes(step3.read_bytes()[:200])
+    (tmp_path / "stats.jsonl").write_text(
+        '{"step": 1, "perf/step_seconds": "x"}\n{"step": [2]}\nnull\n{"step": 3, "r": Infinity}\n{'
+    )
+    (tmp_path / "timeline.jsonl").write_text('{"step": "1", "spans": 3}\n{"step": [2]}\n[]\n')
+    routes = ["/", "/static/viewer.js", "/api/runs", "/api/stats/0", "/api/samples/0"]
+    routes += ["/api/timeline/0", "/api/sample/0/1/0/0", "/api/sample/0/3/0/1", "/api/stats/1"]
+    keys = [
+        f"{c}_{side}" for c in ("step", "reward", "staleness", "length") for side in ("min", "max")
+    ]
+
+    async def run() -> tuple[list[int], list[bytes]]:
+        from aiohttp import web
+
+        runner = web.AppRunner(make_app([tmp_path]))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        address = f"127.0.0.1:{runner.addresses[0][1]}"
+        rng = random.Random(8)
+        requests = [
+            _fuzz_request(
+                rng,
+                address,
+                rng.choice(["GET"] * 8 + ["POST", "HEAD", "OPTIONS"]),
+                _fuzz_path(rng, routes, keys + ["server", "worker"]),
+                "",
+                rng.choice([b"", b"{}", b"\xff"]),
+            )
+            for _ in range(600)
+        ]
+        try:
+            return await _fuzz(address, requests), requests
+        finally:
+            await runner.cleanup()
+
+    statuses, requests = asyncio.run(run())
+    counts = {s: statuses.count(s) for s in set(statuses)}
+    bad = [r[:300] for r, s in zip(requests, statuses) if s >= 500]
+    assert not bad, (counts, bad[:5])
+    assert counts.get(200, 0) > 50 and counts.get(403, 0) > 20, counts

@@ -47,6 +47,7 @@ def test_rlvr_scores_each_sample_and_dumps_per_version(
         assert t.status == RolloutStatus.COMPLETED
         assert t.completion_ids[-1] == tiny_tokenizer.eos_token_id
     assert group[1].completion_text == "The answer is 8."
+    assert {t.reference for t in group} == {"7"}  # recorded for areal view's sample page
     # dumped under the newest version in the group (6)
     rows = [json.loads(line) for line in (tmp_path / "6.jsonl").read_text().splitlines()]
     assert [r["reward"] for r in rows] == [1.0, 0.0, 1.0] and rows[0]["prompt"] == prompt
@@ -80,6 +81,7 @@ def test_multi_turn_retries_after_feedback_and_discounts(tiny_tokenizer, math_ru
     (t,) = asyncio.run(wf.arun_episode(engine, ITEM))
     assert t.reward == 0.5  # correct on turn 2: 1.0 * 0.5 ** (2 - 1)
     assert t.extras["turns"] == 2.0 and t.status == RolloutStatus.COMPLETED
+    assert t.reference == "7"
     _check_shapes(t)
     ids, mask = t.completion_ids, t.loss_mask
     first = ids.index(tiny_tokenizer.eos_token_id) + 1  # the model's first reply ends at EOS
