@@ -1,7 +1,7 @@
 """HTTP client for generation servers (ours, SGLang, vLLM): routing, retries with failover,
 pause/resume with re-submission of interrupted requests, and weight updates on every server.
 
-The client runs its own asyncio loop (and aiohttp session) in a background thread, so the SPMD
+The client runs its own asyncio loop (and aiohttp sessions) in a background thread, so the SPMD
 training script can call the synchronous methods (``pause``, ``resume``, ``update_weights``) and
 coroutines on any other loop (the workflow executor's) can ``await agenerate(...)``.
 
@@ -9,9 +9,12 @@ Routing (:mod:`areal.rollout.routing`): the first request of a group (``ModelReq
 picks a server by ``rollout.schedule_policy`` (round_robin | least_requests); later samples of
 the group go to the same server (prefix reuse) unless it fails. Failures: a connection error or
 HTTP 5xx is retried on another server after ``retry_backoff * 2**k`` seconds, at most
-``request_retries`` times; a server with ``server_failure_threshold`` consecutive failures (or
+``request_retries`` times, unless it is back-pressure (a 503 with Retry-After, a reset from a
+server that answers health: waits and is sent again within the deadline, :mod:`.transport`);
+a server with ``server_failure_threshold`` consecutive failures (or
 one failed control call) is declared dead, logged and counted, and not routed to until it answers
-health again. HTTP 4xx is a bug or a bad config and raises at once.
+health again. HTTP 4xx raises at once: 400, 413 and 422 (what the request asks) as
+:class:`ServerRejected`, the caller's error; any other 4xx is a bug or a bad config.
 
 Server loss: when none is left and the launcher restarts dead servers (``server_restarts`` > 0),
 calls wait, logged, up to ``rollout.server_restart_timeout`` seconds for one to answer health
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import json
 import time
 import zlib
@@ -43,6 +45,7 @@ from areal.api.engine import InferenceEngine, TokenScorer
 from areal.api.io import ModelRequest, ModelResponse, WeightUpdateMeta
 from areal.api.launch import server_api_key
 from areal.api.protocols import SharesDevice, WeightTarget
+from areal.api.sampling import RequestRejected, rejected_reply
 from areal.rollout.backends import HttpCall, make_backend
 from areal.rollout.routing import (
     AllServersDeadError,
@@ -51,6 +54,14 @@ from areal.rollout.routing import (
     ServerPool,
     discover_servers,
 )
+from areal.rollout.transport import (
+    Backpressure,
+    Retryable,
+    answers_health,
+    health_error,
+    make_sessions,
+    retry_after,
+)
 from areal.utils.event_loop import EventLoopThread
 from areal.utils.logging import get_logger
 
@@ -58,6 +69,7 @@ __all__ = [
     "AllServersDeadError",
     "RemoteEngineError",
     "RemoteInferenceEngine",
+    "ServerRejected",
     "continuation_seed",
     "discover_servers",
 ]
@@ -79,8 +91,11 @@ def continuation_seed(seed: int | None, n_done: int) -> int | None:
     return (seed + zlib.crc32(f"continuation/{n_done}".encode())) % MAX_CONTINUATION_SEED
 
 
-class _Retryable(Exception):
-    """A connection error or HTTP 5xx: try again, elsewhere."""
+class ServerRejected(RequestRejected, RemoteEngineError):
+    """A server refused a request for what it asks (HTTP 400, 413, 422: a field out of range, a
+    prompt longer than its context): the caller's error (:class:`RequestRejected`, which the
+    agent client answers to the agent), and a :class:`RemoteEngineError` for every other caller,
+    which stops as for any 4xx."""
 
 
 class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDevice):
@@ -103,11 +118,17 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         self._revive_lock: asyncio.Lock | None = None  # one waiter for a restart at a time
         self._api_key = server_api_key(api_key)
         self.backend = make_backend(config.backend, config.served_model_name)
+        health = self.backend.health
         self.pool = ServerPool(config, no_restart_reason)
         self._version = 0
         self._paused = False
         self._resumed: asyncio.Event | None = None  # created on the client loop
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # work: bounded per server
+        self._control: aiohttp.ClientSession | None = None  # health and admin calls
+        self.backpressure = Backpressure(
+            config.retry_backoff,
+            lambda address: answers_health(self._control, Server(address).url + health.path),
+        )
         self._thread: EventLoopThread | None = None
         self.n_failovers = 0
         self.n_resubmits = 0
@@ -130,8 +151,8 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
 
     async def _setup(self) -> None:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else None
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), headers=headers
+        self._session, self._control = make_sessions(
+            self.config.max_connections_per_server, headers
         )
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -142,16 +163,10 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
     async def _wait_healthy(self, server: Server, deadline: float) -> None:
         call, last = self.backend.health, "no answer"
         while time.monotonic() < deadline:
-            try:
-                timeout = aiohttp.ClientTimeout(
-                    total=max(0.1, min(5.0, deadline - time.monotonic()))
-                )
-                async with self._session.get(server.url + call.path, timeout=timeout) as resp:
-                    if resp.status == 200:
-                        return
-                    last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-            except (TimeoutError, aiohttp.ClientError) as e:
-                last = repr(e)
+            timeout = max(0.1, min(5.0, deadline - time.monotonic()))
+            last = await health_error(self._control, server.url + call.path, timeout) or ""
+            if not last:
+                return
             await asyncio.sleep(0.2)
         raise TimeoutError(
             f"generation server {server.address} did not pass GET {call.path} within "
@@ -163,8 +178,9 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         """Close the HTTP session and stop the client loop."""
         if self._thread is None:
             return
-        if self._session is not None:
-            self._thread.run(self._session.close(), 10, "closing the HTTP session")
+        for session in (self._session, self._control):
+            if session is not None:
+                self._thread.run(session.close(), 10, "closing the HTTP session")
         self._thread.stop()
         self._thread = None
 
@@ -238,16 +254,22 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
                 "the launcher restarts them; raise it if a restart takes longer"
             )
 
-    async def _send(self, server: Server, call: HttpCall, deadline: float) -> dict:
-        """One HTTP call; raises _Retryable (connection/5xx), RemoteEngineError (4xx) or
-        TimeoutError (``deadline`` passed)."""
+    async def _send(
+        self,
+        server: Server,
+        call: HttpCall,
+        deadline: float,
+        session: aiohttp.ClientSession | None = None,
+    ) -> dict:
+        """One HTTP call (on ``session``, default the work pool); raises Retryable
+        (connection/5xx), RemoteEngineError (4xx) or TimeoutError (``deadline`` passed)."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"{call.path} on {server.address}: deadline passed before sending")
         server.outstanding += 1
         server.n_requests += 1
         try:
-            async with self._session.request(
+            async with (session or self._session).request(
                 call.method,
                 server.url + call.path,
                 json=call.json,
@@ -256,37 +278,54 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
             ) as resp:
                 text = await resp.text()
                 if resp.status >= 500:
-                    raise _Retryable(f"HTTP {resp.status}: {text[:300]}")
+                    after = retry_after(resp.headers)
+                    raise Retryable(f"HTTP {resp.status}: {text[:300]}", after=after)
+                rejected = rejected_reply(
+                    resp.status, text, f"{server.address} ({call.method} {call.path})"
+                )
+                if rejected is not None:  # what the request asks: the caller's error
+                    raise ServerRejected(str(rejected), rejected.field, rejected.status)
                 if resp.status >= 400:
                     raise RemoteEngineError(
                         f"{server.address} answered {call.method} {call.path} with HTTP "
                         f"{resp.status}: {text[:500]}"
                     )
                 server.failures = 0
+                self.backpressure.answered(server.address)
                 return json.loads(text) if text else {}
         except TimeoutError:
             if time.monotonic() < deadline:  # a socket-level timeout: the server is stuck
-                raise _Retryable(f"timeout talking to {server.address}") from None
+                raise Retryable(f"timeout talking to {server.address}") from None
             raise TimeoutError(
                 f"{call.method} {call.path} on {server.address} got no answer before its deadline; "
                 "raise rollout.request_timeout (generation) or rollout.weight_update_timeout"
             ) from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
-            raise _Retryable(repr(e)) from e
+            raise Retryable(repr(e), connection=True) from e
         finally:
             server.outstanding -= 1
 
     async def _send_with_failover(
         self, call: HttpCall, group_id: str | None, deadline: float, what: str
     ) -> tuple[dict, str]:
-        """(the answer's body, the address of the server that gave it)."""
+        """(the answer's body, the address of the server that gave it). Back-pressure waits
+        and sends again, within ``deadline``; other failures fail over, at most
+        ``rollout.request_retries`` times."""
         tried: set[str] = set()
-        for attempt in itertools.count(1):
+        attempt = n_waits = 0
+        while True:
             await self._await_alive()
             server = self.pool.choose(group_id, tried)
+            sent_at = time.monotonic()
             try:
                 return await self._send(server, call, deadline), server.address
-            except _Retryable as e:
+            except Retryable as e:
+                if await self.backpressure.holds(server.address, sent_at, e.connection, e.after):
+                    where = f"{what} on {server.address} ({e})"
+                    await self.backpressure.wait(n_waits, e.after, deadline, where)
+                    n_waits += 1
+                    continue
+                attempt += 1
                 self.pool.mark_failure(server, e)
                 tried.add(server.address)
                 if attempt > self.config.request_retries:
@@ -297,7 +336,6 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
                 self.n_failovers += 1
                 backoff = self.config.retry_backoff * 2 ** (attempt - 1)
                 await asyncio.sleep(max(0.0, min(backoff, deadline - time.monotonic())))
-        raise AssertionError("unreachable")
 
     async def _broadcast(self, calls: dict[str, HttpCall], what: str, timeout: float) -> None:
         """Send one control call per server (by address) concurrently; a server that cannot be
@@ -305,10 +343,11 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         deadline = time.monotonic() + timeout
         targets = [s for s in await self._await_alive() if s.address in calls]
         results = await asyncio.gather(
-            *(self._send(s, calls[s.address], deadline) for s in targets), return_exceptions=True
+            *(self._send(s, calls[s.address], deadline, self._control) for s in targets),
+            return_exceptions=True,
         )
         for server, res in zip(targets, results):
-            if isinstance(res, _Retryable):
+            if isinstance(res, Retryable):
                 self.pool.mark_failure(server, f"{what}: {res}", fatal=True)
             elif isinstance(res, BaseException):
                 raise RemoteEngineError(f"{what} on {server.address} failed: {res}") from res
@@ -476,15 +515,8 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         for server in self.servers:
             if server.alive:
                 continue
-            try:
-                timeout = aiohttp.ClientTimeout(total=REVIVE_PROBE_S)
-                async with self._session.get(
-                    server.url + self.backend.health.path, timeout=timeout
-                ) as resp:
-                    healthy = resp.status == 200
-            except (TimeoutError, aiohttp.ClientError):
-                healthy = False
-            if healthy:
+            url = server.url + self.backend.health.path
+            if await health_error(self._control, url, REVIVE_PROBE_S) is None:
                 self.pool.revive(server, restarted=True)
                 logger.warning(
                     "generation server %s answers again (restarted); it serves again, with the "
@@ -558,6 +590,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
             "remote/servers_alive": float(alive),
             "remote/servers_dead": float(len(self.servers) - alive),
             "remote/failovers": float(self.n_failovers),
+            "remote/backpressure_waits": float(self.backpressure.n_waits),
             "remote/resubmits": float(self.n_resubmits),
             "remote/revived": float(self.pool.n_revived),
         }

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import torch.distributed as dist
 from aiohttp import web
@@ -33,11 +32,18 @@ class AdminRoutes:
     """The admin endpoints over one :class:`Generator`; ``read_json`` reads a request's JSON
     body within the server's limits."""
 
-    def __init__(self, generator: Generator, read_json: Callable[[web.Request], Awaitable[object]]):
+    def __init__(
+        self,
+        generator: Generator,
+        read_json: Callable[[web.Request], Awaitable[object]],
+        weight_read_timeout: float = 600.0,
+    ):
         self.generator = generator
         self.read_json = read_json
+        self.weight_read_timeout = weight_read_timeout  # seconds (server.weight_read_timeout)
         self.group: dist.ProcessGroup | None = None  # joined via /init_weights_update_group
         self.control = asyncio.Lock()  # pause and continue take effect in the order they arrive
+        self.loading = asyncio.Lock()  # one disk update reads at a time: one copy in memory
 
     def routes(self) -> list[web.RouteDef]:
         """The admin paths (SGLang's names) and their handlers."""
@@ -107,16 +113,21 @@ class AdminRoutes:
         return web.json_response({"success": True, "weight_version": version})
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
-        """Load weights from an HF dir: ``{"model_path", "weight_version"?}``."""
+        """Load weights from an HF dir: ``{"model_path", "weight_version"?}``. The files are read
+        on a worker thread, only regular ones, within ``server.weight_read_timeout``."""
         body = await self._body(request)
         path = body.get("model_path")
-        if not isinstance(path, str) or not Path(path, "config.json").is_file():
-            raise BadRequest("model_path", f"not a Hugging Face model dir: {path!r}")
+        if not isinstance(path, str) or not path:
+            raise BadRequest("model_path", f"expected a Hugging Face model dir, got {path!r}")
         try:
-            v = await asyncio.to_thread(
-                self.generator.update_weights_from_disk, path, self._version_arg(body)
-            )
-        except ValueError as e:  # unreadable, partial or non-finite: the old weights stay
+            async with self.loading:
+                v = await asyncio.to_thread(
+                    self.generator.update_weights_from_disk,
+                    path,
+                    self._version_arg(body),
+                    self.weight_read_timeout,
+                )
+        except ValueError as e:  # not a regular file, unreadable, partial or non-finite
             raise BadRequest("model_path", str(e)) from None
         return web.json_response({"success": True, "message": "loaded", "weight_version": v})
 
@@ -139,15 +150,24 @@ class AdminRoutes:
         backend = body.get("backend", "gloo")
         if backend not in ("gloo", "nccl"):
             raise BadRequest("backend", f"expected 'gloo' or 'nccl', got {backend!r}")
-        self.group = await asyncio.to_thread(
-            weight_sync.init_weight_update_group,
-            address,
-            port,
-            offset,
-            world,
-            backend,
-            float(timeout),
-        )
+        try:
+            self.group = await asyncio.to_thread(
+                weight_sync.init_weight_update_group,
+                address,
+                port,
+                offset,
+                world,
+                backend,
+                float(timeout),
+            )
+        except (dist.DistError, OSError) as e:  # nobody listens there, or rank 0 never came
+            cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise BadRequest(
+                "master_address",
+                f"cannot join the weight update group at {address}:{port} within {timeout} s "
+                f"(timeout): {cause}; start the trainer's side first (rank 0 listens there) or "
+                "fix master_address/master_port",
+            ) from None
         return web.json_response({"success": True, "message": "joined weight update group"})
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:

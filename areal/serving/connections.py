@@ -1,12 +1,20 @@
-"""A cap on open connections, so slow or idle clients cannot take every file descriptor.
+"""A cap on open connections, so slow or idle clients cannot take every file descriptor, with
+a reserve that keeps ``/health`` and the admin routes answerable under any load.
 
-Without it, 1,100 clients that each send half a request head hold 1,100 sockets: against the
+Without a cap, 1,100 clients that each send half a request head hold 1,100 sockets: against the
 common 1,024 open-file limit ``accept`` fails with EMFILE and ``/health`` goes unanswered (the
 head deadline, ``server.request_head_timeout``, frees them only later). :class:`ConnectionGuard`
 sits in front of aiohttp's protocol factory and keeps at most ``limit`` connections open: a
-new one past it closes the oldest connection that is not inside a request (idle, or still
-sending its head or body), or, when every one is inside a request, is closed itself at once.
-:func:`connection_limit` keeps the cap below the process's open-file limit.
+new one past it closes one that is not inside a request, or, when every one is inside a request,
+is closed itself at once. Which one: first the longest-open connection that never completed a
+request (a flood's: half-sent heads, connections opened and left), then the least recently used
+keep-alive connection, so a flood does not reset a well-behaved client's pooled connection.
+
+Of the ``limit``, ``reserve`` are kept for control requests (``/health``, info, admin): work
+requests (generation, tokenizer) may be inside at most ``limit - reserve`` connections at once;
+past that the server answers them 503 with ``Retry-After`` (:meth:`ConnectionGuard.saturated`),
+an answer clients take as back-pressure, not as a dead server, and a health check still finds a
+connection. :func:`connection_limit` keeps the cap below the process's open-file limit.
 """
 
 from __future__ import annotations
@@ -59,37 +67,48 @@ def connection_limit(wanted: int) -> int:
 class ConnectionGuard:
     """Protocol factory wrapping ``factory`` (aiohttp's ``web.Server``); see the module doc.
 
-    ``in_request(handler)`` marks a connection as inside a request (the server enters it once a
-    request's body has arrived), which exempts it from eviction."""
+    ``in_request(handler, work)`` marks a connection as inside a request (the server enters it
+    once a request's body has arrived), which exempts it from eviction; ``work`` requests count
+    against ``limit - reserve``."""
 
     def __init__(
         self,
         factory: Callable[[], RequestHandler],
         limit: int,
+        reserve: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ):
+        assert 0 <= reserve < limit, f"reserve {reserve} must be below the limit {limit}"
         self.factory, self.limit, self.clock = factory, limit, clock
+        self.work_limit = limit - reserve  # connections that may be inside work requests at once
         # aiohttp's protocol -> its wrapper, until connection_lost
         self.opened: dict[RequestHandler, _Tracked] = {}
         self.busy: set[RequestHandler] = set()
+        self.n_work = 0  # connections inside a work request now
         self.n_evicted = 0  # connections closed to make room for a new one
         self.n_refused = 0  # new connections closed at once: every open one was inside a request
+        self.n_shed = 0  # work requests answered 503: work_limit connections were inside work
 
     def __call__(self) -> asyncio.BaseProtocol:
-        if len(self.opened) >= self.limit and not self._evict_oldest_idle():
+        if len(self.opened) >= self.limit and not self._evict_one():
             self.n_refused += 1
             return _Refused()
         tracked = _Tracked(self, self.factory(), self.clock())
         self.opened[tracked.inner] = tracked
         return tracked
 
-    def _evict_oldest_idle(self) -> bool:
+    def _evict_one(self) -> bool:
+        """Close the connection outside a request that a flood most likely holds: the
+        longest-open one that never completed a request, else the least recently used."""
         idle = [t for h, t in self.opened.items() if h not in self.busy]
         if not idle:
             return False
-        oldest = min(idle, key=lambda t: t.opened_at)
-        del self.opened[oldest.inner]  # counted free now; its connection_lost comes on a later tick
-        oldest.evict()
+        victim = min(
+            idle,
+            key=lambda t: (False, t.opened_at) if t.last_used is None else (True, t.last_used),
+        )
+        del self.opened[victim.inner]  # counted free now; its connection_lost comes on a later tick
+        victim.evict()
         self.n_evicted += 1
         return True
 
@@ -98,21 +117,37 @@ class ConnectionGuard:
         self.opened.pop(handler, None)
         self.busy.discard(handler)
 
+    def saturated(self, work: bool) -> bool:
+        """True (and counted) when a ``work`` request must be answered 503 now: ``work_limit``
+        connections are inside work requests. Control requests are never refused here."""
+        if work and self.n_work >= self.work_limit:
+            self.n_shed += 1
+            return True
+        return False
+
     @contextlib.contextmanager
-    def in_request(self, handler: RequestHandler) -> Iterator[None]:
-        """While inside, ``handler``'s connection is not evicted."""
+    def in_request(self, handler: RequestHandler, work: bool = False) -> Iterator[None]:
+        """While inside, ``handler``'s connection is not evicted (a ``work`` request counts
+        against ``limit - reserve``); on leaving, it counts as used now."""
         self.busy.add(handler)
+        self.n_work += work
         try:
             yield
         finally:
             self.busy.discard(handler)
+            self.n_work -= work
+            tracked = self.opened.get(handler)
+            if tracked is not None:
+                tracked.last_used = self.clock()
 
     def stats(self) -> dict[str, int]:
-        """Open, evicted and refused connection counts (for /get_server_info)."""
+        """Open, busy, evicted, refused and shed counts (for /get_server_info)."""
         return {
             "connections": len(self.opened),
+            "connections_busy": len(self.busy),
             "connections_evicted": self.n_evicted,
             "connections_refused": self.n_refused,
+            "requests_shed": self.n_shed,
         }
 
 
@@ -123,6 +158,7 @@ class _Tracked(asyncio.Protocol):
 
     def __init__(self, guard: ConnectionGuard, inner: RequestHandler, opened_at: float):
         self.guard, self.inner, self.opened_at = guard, inner, opened_at
+        self.last_used: float | None = None  # when its last request ended; None: never one
         self.made = self.doomed = False
 
     def evict(self) -> None:

@@ -36,10 +36,11 @@ import torch
 
 from areal.serving.constraints import ConstraintFailed, Guide, advance, mask_logits
 from areal.serving.cpu_attention import Mode
-from areal.serving.model import KVCache, Qwen2Forward, read_hf_dir
+from areal.serving.model import KVCache, Qwen2Forward
 from areal.serving.requests import FinishReason, GenerationResult, Seq, request_problems
 from areal.serving.sampling import SamplingParams, prompt_logprobs, sample, top_logprobs
 from areal.serving.slots import vacate
+from areal.serving.weight_files import read_weight_dir
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")  # what a command run on the scheduler thread returns
@@ -311,15 +312,22 @@ class Generator:
 
         return self._call(_update)
 
-    def update_weights_from_disk(self, path: str | Path, version: int | None = None) -> int:
-        """Read an HF dir's safetensors (off the scheduler thread) and swap them all in.
+    def update_weights_from_disk(
+        self, path: str | Path, version: int | None = None, timeout: float = 600.0
+    ) -> int:
+        """Read an HF dir's safetensors (on the caller's thread, never the scheduler's) and swap
+        them all in.
 
-        An unreadable dir or file, or a partial or non-finite state dict, raises ValueError and
-        keeps the old weights."""
+        Only regular files inside the dir are read, at most 16 bytes a parameter of this model
+        in all, within ``timeout`` seconds (:mod:`areal.serving.weight_files`: a named pipe or a
+        device there cannot block). A file that is not one, an unreadable one, or a partial or
+        non-finite state dict raises ValueError naming it and keeps the old weights."""
+        numel = sum(t.numel() for t in self.model.params.values())
+        limit = 16 * numel + len(self.model.params) * 1024 + (1 << 20)  # + headers
         try:
-            _, params = read_hf_dir(path)
-        except Exception as e:  # missing, truncated or corrupt files: safetensors' own errors
-            raise ValueError(f"{path}: cannot read the weights: {e}") from e
+            params = read_weight_dir(path, limit, timeout)
+        except ValueError as e:
+            raise ValueError(f"{path}: cannot read the weights: {e}") from None
         return self.update_weights(params, version, complete=True)
 
     def prompt_logprobs(

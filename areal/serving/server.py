@@ -16,26 +16,29 @@ Endpoints
   :mod:`areal.utils.weight_sync`), ``POST /update_weight_version`` ``{"new_version"}``,
   ``POST /flush_cache``, ``POST /release_memory_occupation`` (paused: give back the KV cache
   while a colocated trainer steps) and ``POST /resume_memory_occupation`` (SGLang's names).
+Every route checks ``Host`` and the POST routes ``Origin`` (DNS rebinding, pages of other
+sites: 403 naming ``server.allowed_hosts``; :mod:`areal.utils.http_guard`).
 Invalid requests get HTTP 400 ``{"error": {"message", "type", "param"}}`` where ``param`` names
 the field. Work before admission is bounded by ``server.*`` limits (body bytes: 413; text,
 nesting, n, stop lists, prompt-logprob tokens: 400 naming the field and the limit; see
 :mod:`areal.serving.limits`), parsing and tokenizing run off the event loop, request heads and
-bodies have deadlines (the body's: 408) and connections a cap (:mod:`areal.serving.connections`).
+bodies have deadlines (the body's: 408) and connections a cap (:mod:`areal.serving.connections`;
+past the connections kept for the control routes, generation is 503 with Retry-After).
 A request whose logits turn NaN/inf fails alone (HTTP 500 naming it; counted in ``/health``). A
 generation step that raises fails only its requests (HTTP 500 naming the cause) and the server
 goes on; after several failed steps in a row the generator counts as broken: requests get HTTP
 503 naming the cause and the process exits with code 1, so its supervisor sees it. A client that
 disconnects cancels its generation (its slot is freed at the next step). Weight updates with
 tensors that are not floating point or not finite in the model's dtype, missing or unknown
-tensors, or unreadable files get 400 and keep the old weights. Pause and continue take effect in
-the order they arrive. SIGTERM/SIGINT: in-flight requests are answered (aborted), the port is
-closed, exit 0.
+tensors, unreadable files or ones that are not regular files in the dir (a named pipe: never
+opened; :mod:`areal.serving.weight_files`) get 400 and keep the old weights. Pause and
+continue take effect in the order they arrive. SIGTERM/SIGINT: in-flight requests are answered
+(aborted), the port is closed, exit 0.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -58,19 +61,23 @@ from areal.serving import limits, openai_api, protocol, streaming, tokens
 from areal.serving.admin import AdminRoutes
 from areal.serving.connections import ConnectionGuard, connection_limit, listen_socket
 from areal.serving.constraints import (
-    ConstraintFailed,
     GrammarCompiler,
     GrammarLimits,
     compile_guides,
 )
 from areal.serving.generator import Generator, GeneratorStopped, StepFailed
+from areal.serving.parsing import ParsePool
 from areal.serving.protocol import BadRequest, Job, error_body
+from areal.serving.requests import Overloaded
 from areal.serving.sampling import SamplingParams
+from areal.utils.http_guard import HostPolicy, guard_middleware, mutating
 from areal.utils.process import die_with
 
 logger = logging.getLogger("areal.serve")
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 GENERATOR_WATCH_S = 0.5  # how often serve() checks that the generator is still running
+RETRY_AFTER_S = 1  # what a work request refused for want of connections is told to wait
+CONTROL_PATHS = ("/health", "/health_generate", "/get_model_info", "/get_server_info", "/v1/models")
 T = TypeVar("T")
 
 
@@ -145,19 +152,32 @@ class GenerationServer:
                 cfg.grammar_compile_timeout,
                 cfg.grammar_lexer_fuel,
                 cfg.grammar_cache_size,
+                cfg.grammar_compile_threads,
+                cfg.max_queued_grammars,
             ),
         )
         self.hf_config = json.loads((Path(cfg.model_path) / "config.json").read_text())
-        # JSON decoding, tokenizing and chat templates run here, off the event loop, one request
-        # at a time (a tokenizer call is not safe from two threads at once)
-        self.parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="areal-parse")
-        self.admin = AdminRoutes(self.generator, self._json_body)
+        # JSON decoding, tokenizing and chat templates run here, off the event loop
+        self.parser = ParsePool(
+            cfg.parse_threads,
+            cfg.parse_small_body_bytes,
+            cfg.max_queued_parses,
+            cfg.request_parse_timeout,
+        )
+        self.admin = AdminRoutes(self.generator, self._json_body, cfg.weight_read_timeout)
         self.admin_paths = {route.path for route in self.admin.routes()}
+        # answered from the connections kept by server.control_connections under any load
+        self.control_paths = self.admin_paths | set(CONTROL_PATHS)
         self.guard: ConnectionGuard | None = None  # set by serve() (tests in process run without)
 
     # ------------------------------------------------------------------ helpers
 
-    def apply_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def apply_template(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
         """Chat messages (and tools) -> prompt ids via the tokenizer's chat template."""
         template = self.tokenizer.chat_template or ""
         if tools and "tools" not in template:
@@ -168,7 +188,7 @@ class GenerationServer:
             )
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except TemplateError as e:  # the template's own raise_exception (a role it does not take)
             raise BadRequest("messages", f"the model's chat template refused them: {e}") from None
@@ -176,7 +196,7 @@ class GenerationServer:
 
     async def _parse(self, request: web.Request, parse: Callable[[Any], T]) -> tuple[Any, T]:
         """The request's JSON body (checked against the ``server.*`` limits) and ``parse(body)``,
-        both on the parse thread, so a big body never stalls the event loop."""
+        both on a parse thread (parsing.py), so a big body never stalls the event loop."""
         raw = await request.read()  # already received by the middleware, within its deadline
 
         def run() -> tuple[Any, T]:
@@ -184,7 +204,7 @@ class GenerationServer:
             limits.check_body(body, self.cfg.max_json_depth, self.cfg.max_text_chars)
             return body, parse(body)
 
-        return await asyncio.get_running_loop().run_in_executor(self.parser, run)
+        return await self.parser.run(len(raw), run)
 
     async def _json_body(self, request: web.Request) -> object:
         """The request's JSON body, checked against the ``server.*`` limits (parse thread)."""
@@ -192,12 +212,10 @@ class GenerationServer:
         return body
 
     def _validate(self, jobs: list[Job]) -> None:
-        """400 naming the field for a request this server cannot run."""
+        """400 naming the field for a request this server cannot run (protocol.check_job)."""
         for job in jobs:
             problems = self.generator.check_request(job.input_ids, job.params)
-            if problems:
-                field, message = problems[0].split(": ", 1)
-                raise BadRequest(field, message)
+            protocol.check_job(job, problems, self.generator.context_length)
 
     async def run_jobs(self, jobs: list[Job]):
         """Validate, submit together, await all results (a client that goes away cancels them:
@@ -250,6 +268,22 @@ class GenerationServer:
         resp.force_close()  # the rest of the body is never read
         return resp
 
+    def _shed(self) -> web.Response:
+        """503 with Retry-After for a work request past the connections work may hold."""
+        assert self.guard is not None
+        resp = _error(
+            503,
+            f"overloaded: all {self.guard.work_limit} connections for generation are inside "
+            f"requests (server.max_connections={self.cfg.max_connections} less "
+            f"server.control_connections={self.cfg.control_connections}); retry after "
+            f"{RETRY_AFTER_S} s, or bound each client's connections "
+            "(rollout.max_connections_per_server)",
+            code="overloaded",
+        )
+        resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+        resp.force_close()  # frees the connection for the requests inside
+        return resp
+
     @web.middleware
     async def middleware(self, request: web.Request, handler: Callable[..., Awaitable]):
         """API-key check for admin paths; the body within its limits; bad fields -> 400 naming
@@ -262,14 +296,23 @@ class GenerationServer:
         refused = await self._receive_body(request)
         if refused is not None:
             return refused
+        work = request.path not in self.control_paths
+        if self.guard is not None and self.guard.saturated(work):
+            return self._shed()
         in_request = (
-            self.guard.in_request(request.protocol) if self.guard else contextlib.nullcontext()
+            self.guard.in_request(request.protocol, work)
+            if self.guard
+            else contextlib.nullcontext()
         )
         try:
             with in_request:
                 return await handler(request)
-        except (BadRequest, ConstraintFailed) as e:
-            return _error(400, str(e), e.field)
+        except BadRequest as e:  # ConstraintFailed too: a grammar that failed mid-way
+            return _error(400, str(e), e.field, e.code)
+        except Overloaded as e:  # queued work (grammar compiles, parses) at its bound
+            busy = _error(503, str(e), e.field, "overloaded")  # back-pressure, as _shed's
+            busy.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return busy
         except GeneratorStopped as e:
             return _error(503, str(e))
         except StepFailed as e:
@@ -426,8 +469,10 @@ class GenerationServer:
 
     def build_app(self) -> web.Application:
         """The aiohttp application with every route."""
-        app = web.Application(
-            middlewares=[self.middleware], client_max_size=self.cfg.max_body_bytes
+        hosts = HostPolicy.build(self.cfg.host, self.cfg.allowed_hosts, "server.allowed_hosts")
+        app = web.Application(  # Host/Origin first: a refused request's body is never read
+            middlewares=[guard_middleware(hosts, mutating), self.middleware],
+            client_max_size=self.cfg.max_body_bytes,
         )
         post, get = web.post, web.get
         app.add_routes(
@@ -446,6 +491,22 @@ class GenerationServer:
             ]
         )
         return app
+
+
+def _guard(cfg: GenerationServerConfig, factory: web.Server) -> ConnectionGuard:
+    """The connection cap (under the open-file limit) with its control reserve; a cap lowered
+    by the open-file limit keeps at most half of it for control requests (logged)."""
+    limit = connection_limit(cfg.max_connections)
+    reserve = min(cfg.control_connections, limit // 2)
+    if reserve < cfg.control_connections:
+        logger.warning(
+            "control_connections=%d kept as %d: half of the %d connections the open-file limit "
+            "allows (raise `ulimit -n` for more)",
+            cfg.control_connections,
+            reserve,
+            limit,
+        )
+    return ConnectionGuard(factory, limit, reserve)
 
 
 async def serve(
@@ -467,7 +528,7 @@ async def serve(
     )
     await runner.setup()
     assert runner.server is not None, "AppRunner.setup() sets its server"
-    server.guard = ConnectionGuard(runner.server, connection_limit(cfg.max_connections))
+    server.guard = _guard(cfg, runner.server)
     listener = await asyncio.get_running_loop().create_server(server.guard, sock=sock)
     port = sock.getsockname()[1]
     print(

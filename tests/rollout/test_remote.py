@@ -8,6 +8,7 @@ servers dead (clear error), the /health deadline, address resolution and group-s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import threading
@@ -530,3 +531,96 @@ def test_set_servers_adds_revives_and_retires(servers, make_engine):
         eng.set_servers([])
     with pytest.raises(TimeoutError, match="did not pass GET"):
         make_engine([b], setup_timeout=1.0).set_servers([b, "127.0.0.1:9"])  # nothing listens there
+
+
+# ------------------------------------------------------------------ load: connections, resets
+
+# 8 connections, 2 kept for health and admin: at most 6 inside generation requests at once
+CAPPED = ("max_connections=8", "control_connections=2")
+
+
+@pytest.fixture(scope="module")
+def capped(tiny_model_dir):
+    procs = start_servers(tiny_model_dir, 1, *CAPPED)
+    yield procs[0][1]
+    stop_servers(procs)
+
+
+def _burst(eng: RemoteInferenceEngine, n: int) -> list:
+    g = GenerationHyperparameters(max_new_tokens=8, ignore_eos=True)
+    return _gather(
+        [eng.agenerate(ModelRequest(input_ids=[5, i + 1, 7], gconfig=g)) for i in range(n)]
+    )
+
+
+def test_more_requests_than_a_server_has_connections_wait_in_the_client(capped, make_engine):
+    eng = make_engine([capped], max_connections_per_server=4, request_retries=0)
+    shed = _get(f"http://{capped}/get_server_info")["requests_shed"]
+    assert all(len(r.output_ids) == 8 for r in _burst(eng, 24))
+    stats = eng.stats()
+    assert stats["remote/backpressure_waits"] == 0 and stats["remote/servers_dead"] == 0
+    assert _get(f"http://{capped}/get_server_info")["requests_shed"] == shed  # none refused
+
+
+def test_a_server_pushing_back_is_waited_for_not_declared_dead(capped, make_engine):
+    eng = make_engine(
+        [capped], max_connections_per_server=32, request_retries=0, server_failure_threshold=1
+    )
+    assert all(len(r.output_ids) == 8 for r in _burst(eng, 24))  # 24 at once on 6 connections
+    stats = eng.stats()
+    assert stats["remote/backpressure_waits"] > 0 and stats["remote/failovers"] == 0
+    assert stats["remote/servers_dead"] == 0
+
+
+@contextlib.contextmanager
+def _fake_server(routes: list):
+    """An aiohttp app with ``routes`` on a loopback port, on a loop of its own; its address."""
+    from aiohttp import web
+
+    loop, port = asyncio.new_event_loop(), free_port()
+    app = web.Application()
+    app.add_routes(routes)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_a_connection_closed_under_a_request_is_sent_again_when_the_server_answers_health(
+    make_engine,
+):
+    """A pooled connection the server closes as a request goes out on it (evicted by a flood,
+    or at its keep-alive deadline) is back-pressure: sent again, no failure counted."""
+    from aiohttp import web
+
+    calls = []
+
+    async def generate(request):
+        calls.append(request.transport)
+        if len(calls) == 1:
+            request.transport.close()  # no answer: the client sees the connection go
+        meta = {
+            "output_token_logprobs": [[-0.5, 3, None]],
+            "finish_reason": {"type": "length"},
+            "weight_version": 0,
+        }
+        return web.json_response({"output_ids": [3], "meta_info": meta})
+
+    async def health(request):
+        return web.json_response({"status": "ok"})
+
+    routes = [web.post("/generate", generate), web.get("/health", health)]
+    with _fake_server(routes) as addr:
+        eng = make_engine([addr], request_retries=0, server_failure_threshold=1)
+        req = ModelRequest(input_ids=[1, 2], gconfig=GenerationHyperparameters(max_new_tokens=1))
+        assert asyncio.run(eng.agenerate(req)).output_ids == [3]
+        assert len(calls) == 2 and eng.stats()["remote/backpressure_waits"] == 1
+        assert eng.stats()["remote/servers_dead"] == 0

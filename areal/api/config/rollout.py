@@ -53,10 +53,25 @@ class InferenceEngineConfig:
         3600.0, gt=0, help="Seconds one agenerate call may take end to end (pauses included)."
     )
     request_retries: int = param(
-        3, ge=0, help="Retries of one HTTP request after connection errors, on another server."
+        3,
+        ge=0,
+        help="Retries of one HTTP request after connection errors or HTTP 5xx, on another "
+        "server. Back-pressure is not counted: a 503 with Retry-After, or a connection closed "
+        "by a server that still answers /health, is sent again after a wait, within "
+        "rollout.request_timeout.",
     )
     retry_backoff: float = param(
         0.2, ge=0, help="Seconds before the first retry; doubles on each further retry."
+    )
+    max_connections_per_server: int = param(
+        128,
+        ge=1,
+        help="Most connections this client opens to one server for generation and scoring; "
+        "more requests wait in the client, in order, within rollout.request_timeout. Keep the "
+        "clients per server times this below server.max_connections less "
+        "server.control_connections (968 by default): past that the server answers 503 with "
+        "Retry-After, which clients take as back-pressure (they wait and send again), not as "
+        "a dead server. Health and admin calls have connections of their own.",
     )
     server_failure_threshold: int = param(
         2, ge=1, help="Consecutive connection failures after which a server is declared dead."

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from areal.api.config.loader import param
+from areal.utils.http_guard import allowed_host_problems
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -40,6 +41,13 @@ class GenerationServerConfig:
         help="Bearer key for admin endpoints (weight updates, pause, flush); empty = none. Prefer "
         "the AREAL_SERVER_API_KEY env variable (read when this is empty): a key on a command "
         "line is visible to every user of the machine. Never written to RUN_DIR.",
+    )
+    allowed_hosts: list[str] = param(
+        [],
+        help="Host names clients and browser pages may use for this server besides IP literals, "
+        "localhost, the bind address and this machine's names (docs/security.md): a request whose "
+        "Host header names another gets HTTP 403 (DNS rebinding), and a browser page of another "
+        "origin may not call POST or admin routes. Bare names (gpu-3.example.com); '*' = any.",
     )
     device: str = param("cpu", help="torch device: cpu, cuda, cuda:1, ...")
     gpu_memory_fraction: float = param(
@@ -135,9 +143,10 @@ class GenerationServerConfig:
     grammar_compile_timeout: float = param(
         10.0,
         gt=0,
-        help="Seconds a request waits for its grammar to compile (on the server's two "
-        "compile threads, never the event loop or the decode loop); then HTTP 400 naming the "
-        "field.",
+        help="Seconds a request waits for a free grammar compile thread (then HTTP 503 with "
+        "Retry-After: other requests' grammars hold them all), and then as long again for its own "
+        "grammar to compile (then HTTP 400 naming the field). Compiles run on "
+        "grammar_compile_threads threads, never the event loop or the decode loop.",
     )
     grammar_lexer_fuel: int = param(
         1_000_000,
@@ -151,6 +160,44 @@ class GenerationServerConfig:
         ge=1,
         help="Compiled grammars kept (newest used first); a request with a cached grammar "
         "skips the compile.",
+    )
+    grammar_compile_threads: int = param(
+        2,
+        ge=1,
+        help="Threads compiling structured-output grammars, so one slow grammar holds one "
+        "thread, not every structured request; a request whose grammar is cached never waits "
+        "for them.",
+    )
+    max_queued_grammars: int = param(
+        16,
+        ge=0,
+        help="Most grammar compiles waiting for a compile thread (requests sending the same "
+        "grammar share one); past it a request needing a new compile gets HTTP 503 with "
+        "Retry-After, at once.",
+    )
+    parse_threads: int = param(
+        2,
+        ge=1,
+        help="Threads decoding, rendering (chat templates) and tokenizing request bodies "
+        "longer than parse_small_body_bytes, off the event loop.",
+    )
+    parse_small_body_bytes: int = param(
+        65536,
+        ge=0,
+        help="Bodies up to this many bytes are parsed on a thread of their own, so a short "
+        "request never waits behind the tokenizing of long ones.",
+    )
+    max_queued_parses: int = param(
+        8,
+        ge=0,
+        help="Most long bodies (past parse_small_body_bytes) waiting for a parse thread; past "
+        "it a long request gets HTTP 503 with Retry-After, at once.",
+    )
+    request_parse_timeout: float = param(
+        30.0,
+        gt=0,
+        help="Seconds a request's body may take to be parsed and tokenized, queueing for a "
+        "parse thread included; then HTTP 503 with Retry-After (the server is busy).",
     )
     request_head_timeout: float = param(
         30.0,
@@ -168,10 +215,28 @@ class GenerationServerConfig:
     max_connections: int = param(
         1000,
         ge=1,
-        help="Most open client connections. A new one past this closes the oldest "
-        "connection not inside a request (idle, or still sending its head or body), or is "
-        "closed itself when all are; capped below the open-file limit (raised to its hard "
-        "limit at start) so accept never runs out of descriptors.",
+        help="Most open client connections. A new one past this closes an open one not "
+        "inside a request (first the longest-open one that never completed a request, as a "
+        "flood's are, then the least recently used keep-alive one), or is closed itself when "
+        "all are inside requests; capped below the open-file limit (raised to its hard limit at "
+        "start) so accept never runs out of descriptors. control_connections of them are kept "
+        "for /health, the info and the admin routes.",
+    )
+    control_connections: int = param(
+        32,
+        ge=1,
+        help="Of max_connections, how many are kept for /health, /health_generate, "
+        "/get_model_info, /get_server_info, /v1/models and the admin routes: when the other "
+        "max_connections - control_connections connections are all inside generation or "
+        "tokenizer requests, a further such request gets HTTP 503 with Retry-After (clients "
+        "retry it), and those routes still answer.",
+    )
+    weight_read_timeout: float = param(
+        600.0,
+        gt=0,
+        help="Seconds /update_weights_from_disk may take to read the weight files (regular "
+        "files inside model_path only, at most 16 bytes a parameter; read on a worker thread, "
+        "so /health keeps answering); past it HTTP 400 naming the file, old weights kept.",
     )
     shutdown_timeout: float = param(
         10.0, gt=0, help="Seconds to finish answering in-flight requests on SIGTERM."
@@ -188,6 +253,13 @@ class GenerationServerConfig:
             yield (
                 f"api_key: binding non-loopback host {self.host!r} needs an API key for the "
                 "admin endpoints; pass --api-key KEY or bind 127.0.0.1"
+            )
+        yield from allowed_host_problems("allowed_hosts", self.allowed_hosts)
+        if self.control_connections >= self.max_connections:
+            yield (
+                f"control_connections: {self.control_connections} leaves none of "
+                f"max_connections={self.max_connections} for generation; set it below "
+                "max_connections (default 32)"
             )
         if self.dtype != "float32" and self.device == "cpu":
             yield f"dtype: {self.dtype} on CPU is slow and inexact; use float32 on CPU"
