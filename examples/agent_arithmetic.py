@@ -6,9 +6,10 @@ the item's reference. Tool and wording are kept minimal on purpose: the tiny mod
 spends a token per character, and the whole prompt is ~60 tokens. Nothing in it knows about
 training:
 
-* train it: ``areal launch local examples/gsm8k_grpo.py --config examples/agent_arithmetic.yaml``
-  (``workflow.type: agent``, ``workflow.agent.path: agent_arithmetic:calculator_agent``): each
-  episode gets an in-process client backed by the rollout engine (areal.workflow.agent);
+* train it: ``areal quickstart --task tools`` (SFT warm-up, then GRPO with
+  examples/agent_arithmetic.yaml: ``workflow.type: agent``, ``workflow.agent.path:
+  agent_arithmetic:calculator_agent``; docs/agents.md): each episode gets an in-process client
+  backed by the rollout engine (areal.workflow.agent);
 * run it against any OpenAI-compatible server, e.g. ``areal serve --model DIR --port 8000``:
   ``python examples/agent_arithmetic.py --base-url http://127.0.0.1:8000/v1`` (the agent asks
   for model ``areal``: serve with ``served_model_name=areal``).

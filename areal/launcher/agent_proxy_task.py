@@ -101,7 +101,7 @@ def run_agent_proxy(host: str, port: int, script: str, argv: list[str]) -> int:
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.actor.path)
         max_bytes = int(cfg.workflow.agent.max_request_mb * (1 << 20))
-        proxy = AgentProxy(tokenizer, engine, max_bytes, token)
+        proxy = AgentProxy(tokenizer, engine, max_bytes, token, server=cfg.server)
         asyncio.run(_serve(proxy, engine, host, port, cfg, registry))
     finally:
         engine.destroy()

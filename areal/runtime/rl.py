@@ -36,7 +36,7 @@ def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RolloutWorkfl
     if cfg.workflow.type == "multi_turn":
         return MultiTurnWorkflow(reward, cfg.gconfig, tokenizer, cfg.workflow, dump_dir)
     if cfg.workflow.type == "agent":  # your openai-client agent, trained as it is (docs/agents.md)
-        return AgentWorkflow(cfg.workflow.agent, cfg.gconfig, tokenizer)
+        return AgentWorkflow(cfg.workflow.agent, cfg.gconfig, tokenizer, server=cfg.server)
     if cfg.workflow.type == "agent_cmd":  # your agent program, through the agent proxy
         return AgentCommandWorkflow(
             cfg.workflow.agent,
@@ -174,7 +174,9 @@ def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
     )
     eval_workflow = RLVRWorkflow(reward, cfg.eval_gconfig, run.tokenizer)
     if cfg.workflow.type == "agent":
-        eval_workflow = AgentWorkflow(cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer)
+        eval_workflow = AgentWorkflow(
+            cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer, server=cfg.server
+        )
     elif cfg.workflow.type == "agent_cmd":
         eval_workflow = AgentCommandWorkflow(
             cfg.workflow.agent,

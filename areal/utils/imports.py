@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 from typing import Any
 
 IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
@@ -18,6 +19,13 @@ def import_by_path(spec: str, field: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
+        missing = (e.name or "") if isinstance(e, ModuleNotFoundError) else ""
+        if missing and missing != module_name and not module_name.startswith(missing + "."):
+            raise ValueError(  # the module is there; something it imports is not
+                f"{field}: {module_name!r} does not import in {sys.executable}: "
+                f"ModuleNotFoundError: {e}; install the package that provides {missing!r} into "
+                f"that interpreter ({sys.executable} -m pip install ...)"
+            ) from None
         raise ValueError(
             f"{field}: cannot import {module_name!r} ({e}); put {module_name}.py beside "
             "the entry script or on PYTHONPATH"

@@ -17,18 +17,22 @@ refused call it did not catch), returns no finite number, makes no model call, r
 dropped with the rest of its group (GRPO's group normalisation needs whole groups): the item is
 rejected and the executor admits another. More than ``max_failure_fraction`` of the last
 :data:`WINDOW` episodes failing stops the run (that is a bug, not bad luck), as does any failure
-of the inference engine under a call (an infrastructure error, never counted as the agent's).
+of the inference engine under a call (an infrastructure error, never counted as the agent's) and
+an agent program that cannot import its module or framework (:class:`AgentSetupError`, at the
+first episode, with Python's own ``ModuleNotFoundError`` line and the fix).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.reward import AgentConfig
+from areal.api.config.server import GenerationServerConfig
 from areal.api.engine import InferenceEngine
 from areal.api.io import Trajectory
 from areal.api.sampling import reward_problems
@@ -36,7 +40,7 @@ from areal.api.workflow import RolloutWorkflow
 from areal.utils.imports import import_by_path
 from areal.utils.logging import get_logger
 from areal.workflow.agent_trajectories import episode_trajectories
-from areal.workflow.openai_client import ArealOpenAI, EngineFailure
+from areal.workflow.openai_client import DEFAULT_SERVER, ArealOpenAI, EngineFailure
 
 logger = get_logger("agent")
 Agent = Callable[[Any, dict], Awaitable[float]]
@@ -45,6 +49,33 @@ WINDOW = 64  # episodes over which max_failure_fraction is judged
 
 class AgentFailureRate(RuntimeError):
     """Too many episodes raised: the agent (or its task) is broken; the run stops."""
+
+
+class AgentSetupError(RuntimeError):
+    """The agent cannot run in this environment at all (its module or its framework does not
+    import in the interpreter that runs it): every episode would fail the same way, so the run
+    stops at the first, never counted as an episode's bad luck."""
+
+
+IMPORT_FAILURE = re.compile(r"(ModuleNotFoundError|ImportError): .*")
+MISSING_MODULE = re.compile(r"No module named '([^']+)'")
+
+
+def import_failure(stderr_line: str, interpreter: str, what: str) -> AgentSetupError | None:
+    """The :class:`AgentSetupError` of an agent program whose stderr ended with
+    ``stderr_line``, when that is Python's import failure (else None); ``interpreter`` is the
+    Python that ran it, ``what`` names the agent in the config."""
+    if not IMPORT_FAILURE.fullmatch(stderr_line.strip()):
+        return None
+    missing = MISSING_MODULE.search(stderr_line)
+    package = f"the package that provides {missing.group(1).split('.')[0]!r}" if missing else "it"
+    return AgentSetupError(
+        f"the agent ({what}) cannot import what it needs in {interpreter}: "
+        f"{stderr_line.strip()}. Install {package} into that interpreter ({interpreter} -m pip "
+        "install ...), or run the agent with a Python that has it: workflow.agent.command="
+        "'/path/to/that/python my_agent.py' (fork_server=false: a fork server runs the "
+        "trainer's interpreter)"
+    )
 
 
 def load_agent(spec: str) -> Agent:
@@ -68,6 +99,7 @@ class AgentWorkflow(RolloutWorkflow):
         gconfig: GenerationHyperparameters,
         tokenizer: Any,
         agent: Agent | None = None,
+        server: GenerationServerConfig = DEFAULT_SERVER,
     ):
         per_call = config.trajectory == "per_call" or config.on_template_mismatch == "per_call"
         if per_call and gconfig.n_samples > 1:
@@ -81,6 +113,7 @@ class AgentWorkflow(RolloutWorkflow):
         self.config = config
         self.gconfig = gconfig
         self.tokenizer = tokenizer
+        self.server = server  # the run's server limits, which the clients check calls against
         self.agent = agent if agent is not None or config.command else load_agent(config.path)
         self.counts = {
             "episodes": 0,
@@ -91,6 +124,15 @@ class AgentWorkflow(RolloutWorkflow):
             "calls_rejected": 0,
         }
         self._recent: deque[bool] = deque(maxlen=WINDOW)  # True = that episode failed
+
+    @property
+    def described(self) -> str:
+        """The agent as the config names it, for errors."""
+        if self.config.command:
+            return f"workflow.agent.command={self.config.command!r}"
+        if self.config.path:
+            return f"workflow.agent.path={self.config.path}"
+        return getattr(self.agent, "__qualname__", repr(self.agent))
 
     def stats(self) -> dict[str, float]:
         """Counters since the start, for the step's log (``agent/...``)."""
@@ -103,7 +145,9 @@ class AgentWorkflow(RolloutWorkflow):
         self, engine: InferenceEngine, item: dict, group_id: str, index: int
     ) -> tuple[ArealOpenAI, Any]:
         """Run one episode of the agent: (its client, what it returned as the reward)."""
-        client = ArealOpenAI(engine, self.tokenizer, self.gconfig, group_id=group_id)
+        client = ArealOpenAI(
+            engine, self.tokenizer, self.gconfig, group_id=group_id, server=self.server
+        )
         try:
             reward = await asyncio.wait_for(self.agent(client, item), self.config.episode_timeout)
         finally:  # the engine, not the agent, failed (even if the agent caught it): stop the run
@@ -154,8 +198,7 @@ class AgentWorkflow(RolloutWorkflow):
             raise AgentFailureRate(
                 f"{sum(self._recent)} of the last {WINDOW} agent episodes raised (more than "
                 f"workflow.agent.max_failure_fraction={self.config.max_failure_fraction}); the "
-                f"last: {error!r}. Fix the agent {self.config.path or self.agent!r} or raise the "
-                "fraction"
+                f"last: {error!r}. Fix the agent ({self.described}) or raise the fraction"
             )
 
     async def arun_episode(
@@ -185,5 +228,5 @@ class AgentWorkflow(RolloutWorkflow):
 
 def _agent_failure(out: BaseException) -> bool:
     """An exception the agent's episode raised (counted, dropped), as opposed to an engine
-    failure or a cancellation (which propagate)."""
-    return isinstance(out, Exception) and not isinstance(out, EngineFailure)
+    failure, a cancellation or an agent that cannot run here at all (which propagate)."""
+    return isinstance(out, Exception) and not isinstance(out, (EngineFailure, AgentSetupError))

@@ -50,7 +50,7 @@ from areal.reward.agent_sandbox import sandbox_argv, sandbox_problem
 from areal.utils.imports import import_by_path
 from areal.utils.logging import get_logger
 from areal.utils.process import parent_death_signal
-from areal.workflow.agent import AgentWorkflow
+from areal.workflow.agent import AgentWorkflow, import_failure
 from areal.workflow.agent_control import ProxyClient, SessionRecord
 from areal.workflow.agent_fork import ForkServer, fork_script
 from areal.workflow.openai_client import EngineFailure
@@ -112,6 +112,7 @@ class _Outcome:
     deadline: bool  # killed at workflow.agent.episode_timeout
     code: int | None  # its exit code (None: killed by us)
     stdout: bytes
+    stderr_tail: str = ""  # the last line it wrote to stderr
 
 
 class AgentCommandWorkflow(AgentWorkflow):
@@ -164,7 +165,7 @@ class AgentCommandWorkflow(AgentWorkflow):
         if self.forks is not None:
             if self._forks_ready is None:  # started once, by the first episode
                 sink = functools.partial(self._log_stderr, name="fork-server")
-                self._forks_ready = asyncio.ensure_future(self.forks.start(sink))
+                self._forks_ready = asyncio.ensure_future(self.forks.start(sink, self.described))
             await asyncio.shield(self._forks_ready)
             return await self.forks.spawn(self.argv, session)
         argv = sandbox_argv(self.argv, session) if self.config.sandbox else self.argv
@@ -219,7 +220,7 @@ class AgentCommandWorkflow(AgentWorkflow):
                 f"agent {name} posted no reward within workflow.agent.episode_timeout="
                 f"{self.config.episode_timeout} s; killed and dropped"
             )
-        return record, await self._exit_reward(outcome.code, outcome.stdout, item, name)
+        return record, await self._exit_reward(outcome, item, name)
 
     async def _supervise(self, sid: str, key: str, item: dict, name: str) -> _Outcome:
         """Run the agent until its session ends (a posted reward: it then has
@@ -248,21 +249,29 @@ class AgentCommandWorkflow(AgentWorkflow):
                 await asyncio.wait([exited], timeout=EXIT_GRACE)
             if not exited.done():
                 return _Outcome(not ended.done() or not ended.result(), None, b"")
-            stdout, _ = await pipes
-            return _Outcome(False, proc.returncode, stdout)
+            stdout, tail = await pipes
+            return _Outcome(False, proc.returncode, stdout, tail)
         finally:
             _kill(proc)
             ended.cancel()
             await asyncio.gather(ended, exited, pipes, return_exceptions=True)
 
-    async def _exit_reward(self, code: int | None, stdout: bytes, item: dict, name: str) -> float:
-        """The reward of an agent that exited without posting one (module docstring)."""
+    async def _exit_reward(self, outcome: _Outcome, item: dict, name: str) -> float:
+        """The reward of an agent that exited without posting one (module docstring); an agent
+        that could not import its module or framework stops the run (AgentSetupError)."""
+        code, tail = outcome.code, outcome.stderr_tail
         if code != 0 or self.reward_fn is None:
+            interpreter = shutil.which(self.argv[0]) or self.argv[0]
+            cannot_run = import_failure(tail, interpreter, self.described)
+            if code and cannot_run is not None:
+                raise cannot_run
+            last = f" (its last stderr line: {tail.strip()[:300]})" if tail.strip() else ""
             where = f"; its stderr is in {self.log_path}" if self.log_path else ""
             raise AgentEpisodeError(
-                f"agent {name} exited with code {code} without posting a reward{where}"
+                f"agent {name} exited with code {code} without posting a reward{last}{where}"
             )
-        reward = await asyncio.to_thread(self.reward_fn, item, stdout.decode(errors="replace"))
+        stdout = outcome.stdout.decode(errors="replace")
+        reward = await asyncio.to_thread(self.reward_fn, item, stdout)
         problems = reward_problems("reward", reward)
         if problems:
             raise AgentEpisodeError(
@@ -271,15 +280,18 @@ class AgentCommandWorkflow(AgentWorkflow):
             )
         return float(reward)
 
-    async def _log_stderr(self, stream: asyncio.StreamReader, name: str) -> None:
-        """Copy the agent's stderr into the run's log, lines prefixed by the episode's name."""
-        kept = 0
+    async def _log_stderr(self, stream: asyncio.StreamReader, name: str) -> str:
+        """Copy the agent's stderr into the run's log, lines prefixed by the episode's name;
+        the last non-blank line (Python's error line when it crashed)."""
+        kept, last = 0, ""
         while line := await stream.readline():
+            last = line.decode(errors="replace") if line.strip() else last
             if self.log_path is not None and kept < STDERR_LIMIT:
                 kept += len(line)
                 self.log_path.parent.mkdir(parents=True, exist_ok=True)
                 with open(self.log_path, "a", errors="replace") as f:
                     f.write(f"[{name}] {line.decode(errors='replace').rstrip()}\n")
+        return last.strip()
 
 
 async def _read(stream: asyncio.StreamReader, limit: int) -> bytes:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from areal.api.launch import agent_env
 from areal.utils.process import parent_death_signal
+from areal.workflow.agent import import_failure
 from areal.workflow.openai_client import EngineFailure
 
 READY_TIMEOUT = 300.0  # seconds the server may take to import the script's modules
@@ -79,9 +80,12 @@ class ForkServer:
         self.path = str(Path(self._dir.name) / "socket")
         self.proc: asyncio.subprocess.Process | None = None
 
-    async def start(self, stderr_sink) -> None:
+    async def start(self, stderr_sink, what: str = "") -> None:
         """Start the server and wait (``READY_TIMEOUT``) until it imported the script;
-        ``stderr_sink(stream)`` copies its stderr (import errors) into the run's log."""
+        ``stderr_sink(stream)`` copies its stderr (import errors) into the run's log and returns
+        its last line. A server that exits before it is ready is reported at once with that line
+        (an import failure as :class:`~areal.workflow.agent.AgentSetupError` naming the fix;
+        ``what`` names the agent in the config)."""
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "areal.utils.fork_server", self.path, self.script,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -90,14 +94,22 @@ class ForkServer:
         )  # fmt: skip
         self._sink = asyncio.ensure_future(stderr_sink(self.proc.stderr))
         try:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), READY_TIMEOUT)
+            ready = await asyncio.wait_for(_says_ready(self.proc.stdout), READY_TIMEOUT)
         except TimeoutError:
-            line = b""
-        if line.strip() != b"ready":
             await self.aclose()
             raise ForkServerDied(
                 f"the agent fork server for {self.script} did not get ready within "
-                f"{READY_TIMEOUT:.0f} s (its import failed?); see the run's agent_stderr.log"
+                f"{READY_TIMEOUT:.0f} s (still importing it); see the run's agent_stderr.log"
+            ) from None
+        if not ready:  # it exited: its import (or its module body) failed
+            code = await self.proc.wait()
+            tail = await self._sink
+            await self.aclose()
+            tail = tail.strip() if isinstance(tail, str) else ""
+            raise import_failure(tail, sys.executable, what or self.script) or ForkServerDied(
+                f"the agent fork server for {self.script} exited with code {code} before it "
+                f"was ready: {tail or '(no stderr)'}; its traceback is in the run's "
+                "agent_stderr.log"
             )
 
     async def spawn(self, argv: list[str], env: dict[str, str]) -> ForkedAgent:
@@ -136,6 +148,15 @@ class ForkServer:
             await self.proc.wait()
             await asyncio.gather(self._sink, return_exceptions=True)
         self._dir.cleanup()
+
+
+async def _says_ready(stdout: asyncio.StreamReader) -> bool:
+    """True once the server says ``ready`` (what the script printed while imported is passed
+    over), False when its stdout ends first (it exited)."""
+    while line := await stdout.readline():
+        if line.strip() == b"ready":
+            return True
+    return False
 
 
 def fork_script(argv: list[str]) -> str:

@@ -7,11 +7,13 @@ with a rollout client of its own); tests run it on their event loop over a scrip
 
 For agents, keyed by their session's key (``Authorization: Bearer <key>``):
 
-* ``POST /v1/chat/completions`` (tools, ``tool_choice``, ``n``, ``logprobs``, ``stream``) and
-  ``POST /v1/completions``: each call goes to the session's
-  :class:`~areal.workflow.openai_client.ArealOpenAI`, the same code the in-process agent path
-  uses, so the prompt is rendered, generated through the rollout client (re-submission on weight
-  updates, per-token versions) and recorded in tokens exactly as there. ``stream: true`` is
+* ``POST /v1/chat/completions`` (tools, ``tool_choice``, ``response_format``, ``n``,
+  ``logprobs``, ``stream``) and ``POST /v1/completions``: each call goes to the session's
+  :class:`~areal.workflow.openai_client.ArealOpenAI` (checked against the run's server limits,
+  ``cfg.server``), the same code the in-process agent path uses, so the prompt is rendered,
+  constrained as ``areal serve`` constrains it (a forced tool call, a response format),
+  generated through the rollout client (re-submission on weight updates, per-token versions)
+  and recorded in tokens exactly as there. ``stream: true`` is
   answered as server-sent events once the completion is generated (the rollout engine does not
   stream tokens): one chunk with the whole message, one with the finish reason, the usage chunk
   when ``stream_options.include_usage`` asks, ``[DONE]``.
@@ -54,11 +56,12 @@ from typing import Any
 from aiohttp import web
 
 from areal.api.config.base import GenerationHyperparameters
+from areal.api.config.server import GenerationServerConfig
 from areal.api.engine import InferenceEngine
 from areal.api.sampling import RequestRejected, reward_problems
 from areal.utils.logging import get_logger
 from areal.workflow.agent_control import record_of
-from areal.workflow.openai_client import ArealOpenAI, EngineFailure
+from areal.workflow.openai_client import DEFAULT_SERVER, ArealOpenAI, EngineFailure
 
 logger = get_logger("agent_proxy")
 MODEL = "areal"
@@ -97,6 +100,7 @@ class AgentProxy:
         engine: InferenceEngine,
         max_request_bytes: int,
         control_token: str,
+        server: GenerationServerConfig = DEFAULT_SERVER,
     ):
         if not control_token:
             raise ValueError(
@@ -106,6 +110,7 @@ class AgentProxy:
         self.tokenizer = tokenizer
         self.engine = engine
         self.max_request_bytes = max_request_bytes
+        self.server = server  # the run's server limits, which each session's client checks
         self._token = control_token
         self._keys: dict[str, Session] = {}  # key -> open session
         self._ids: dict[str, tuple[str, Session]] = {}  # id -> (key, session), until collected
@@ -164,9 +169,11 @@ class AgentProxy:
         if version is not None and version > self.engine.get_version():
             self.engine.set_version(version)
         key = f"areal-{secrets.token_urlsafe(32)}"
-        session = Session(
-            name, ArealOpenAI(self.engine, self.tokenizer, gconfig, group_id=group_id, model=MODEL)
-        )
+        client = ArealOpenAI(
+            self.engine, self.tokenizer, gconfig, group_id=group_id, model=MODEL,
+            server=self.server,
+        )  # fmt: skip
+        session = Session(name, client)
         self._keys[key] = session
         self._ids[session.id] = (key, session)
         asyncio.get_running_loop().call_later(timeout, self._expire, session.id)

@@ -1,16 +1,20 @@
 """What the model is shown for an agent's chat call: the messages as the chat template takes
-them, the tools and what ``tool_choice`` forces, and the prompt ids, with the model's own tokens
+them, the tools and what ``tool_choice`` forces (an opening and the grammar of the rest), the
+schema ``response_format`` asks for, and the prompt ids, with the model's own tokens
 for the assistant turns it generated (:func:`render_prompt`). Used by
 :class:`~areal.workflow.openai_client.ArealOpenAI`, in process and behind the agent proxy; the
 server's ``/v1/chat/completions`` decides the same way (areal.serving.openai_api)."""
 
 from __future__ import annotations
 
+import json
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from areal.api.sampling import RequestRejected
 from areal.dataset.chat import encode
-from areal.utils.tool_calls import tool_choice_prefill
+from areal.utils.tool_calls import tool_call_grammar, tool_choice_prefill
 
 if TYPE_CHECKING:
     from areal.workflow.openai_client import Call
@@ -71,33 +75,114 @@ def clean_messages(messages: Any) -> list[dict]:
     return clean
 
 
-def check_tools(tools: Any, tool_choice: Any, template: str) -> tuple[list[dict] | None, bool, str]:
-    """(``tools`` for the template or None, whether to parse tool calls, the text that opens the
-    assistant's answer: empty unless ``tool_choice`` forces a call), as the server decides."""
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat call's ``tools``/``tool_choice``/``parallel_tool_calls`` ask for."""
+
+    tools: list[dict] | None  # for the chat template
+    parse_calls: bool  # read tool calls out of the answer
+    prefill: str  # the forced opening of the answer ("" unless tool_choice forces a call)
+    grammar: str  # the Lark grammar the rest of a forced answer follows ("" when not forced)
+    parallel: bool  # several calls may come (else only the first is returned)
+
+
+def check_tools(
+    tools: Any, tool_choice: Any, template: str, parallel: Any, additional_properties: bool
+) -> ToolPlan:
+    """The call's :class:`ToolPlan`, as the server decides (areal.serving.tools.parse_tools):
+    a forced call is opened by its prefill and constrained to the tools' schemas (their objects
+    per ``server.json_schema_additional_properties``, ``additional_properties``), a named
+    function to exactly one call."""
+    if parallel not in (None, True, False):
+        raise RequestRejected(
+            f"parallel_tool_calls: expected true or false, got {str(parallel)[:40]}",
+            "parallel_tool_calls",
+        )
     if tools is not None:
-        if not isinstance(tools, list) or not tools:
-            raise ValueError(
-                "tools: expected a non-empty list of {type: function, function: {...}}"
-            )
-        for i, t in enumerate(tools):
-            fn = t.get("function") if isinstance(t, dict) else None
-            if (
-                not isinstance(fn, dict)
-                or t.get("type") != "function"
-                or not isinstance(fn.get("name"), str)
-            ):
-                raise ValueError(
-                    f'tools[{i}]: expected {{"type": "function", "function": {{"name": ...}}}}'
-                )
+        _check_tool_list(tools)
         if "tools" not in template:
             raise ValueError(
                 "tools: this model's chat template does not render tools, so the model would "
                 "never see them; use a model whose template does (e.g. Qwen2.5)"
             )
-    prefill = tool_choice_prefill(
-        tool_choice, None if tools is None else [t["function"]["name"] for t in tools]
-    )
-    return tools, tools is not None and tool_choice != "none", prefill
+    names = None if tools is None else [t["function"]["name"] for t in tools]
+    prefill = tool_choice_prefill(tool_choice, names)
+    grammar, several = "", parallel is not False
+    if prefill:
+        named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+        fns = [t["function"] for t in tools or [] if named in (None, t["function"]["name"])]
+        several = several and named is None  # a named choice: that one call, no more
+        grammar = tool_call_grammar(fns, several, prefill, additional_properties)
+    parse_calls = tools is not None and tool_choice != "none"
+    return ToolPlan(tools, parse_calls, prefill, grammar, several)
+
+
+def _check_tool_list(tools: Any) -> None:
+    """``tools``: a non-empty list of ``{"type": "function", "function": {"name", "parameters":
+    a schema object, "strict": bool}}``, as the server requires."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("tools: expected a non-empty list of {type: function, function: {...}}")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or t.get("type") != "function"
+            or not isinstance(fn.get("name"), str)
+            or not fn["name"]
+        ):
+            raise ValueError(
+                f'tools[{i}]: expected {{"type": "function", "function": {{"name": ...}}}}'
+            )
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise RequestRejected(
+                f"tools[{i}].function.parameters: expected a JSON schema object, got "
+                f"{str(fn['parameters'])[:60]!r}; send the schema object itself (not JSON "
+                "text), or leave parameters out",
+                f"tools[{i}].function.parameters",
+            )
+        if fn.get("strict") not in (None, True, False):
+            raise RequestRejected(
+                f"tools[{i}].function.strict: expected true or false, got {fn['strict']!r}",
+                f"tools[{i}].function.strict",
+            )
+
+
+def response_schema(fmt: Any) -> str:
+    """The JSON schema (as JSON text) ``response_format`` asks every answer to follow, as the
+    server reads it (areal.serving.openai_api.output_constraint): ``{"type": "json_object"}``
+    is any object, ``{"type": "json_schema", "json_schema": {"schema": ...}}`` that schema;
+    ``""`` for none or ``{"type": "text"}``."""
+    if fmt is None or fmt == {"type": "text"}:
+        return ""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind != "json_schema":
+        raise RequestRejected(
+            f"response_format.type: expected text, json_object or json_schema, got {str(fmt)[:80]}",
+            "response_format.type",
+        )
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise RequestRejected(
+            'response_format.json_schema: expected {"name", "schema", "strict": bool}, got '
+            f"{str(spec)[:80]}",
+            "response_format.json_schema",
+        )
+    schema = spec.get("schema", {"type": "object"})
+    if isinstance(schema, str):  # JSON text of a schema, as the server also takes it
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            pass  # refused below, as text
+    if not isinstance(schema, (dict, bool)):
+        where = "response_format.json_schema.schema"
+        raise RequestRejected(
+            f"{where}: expected a JSON schema (an object, or true/false), got "
+            f"{str(spec.get('schema'))[:80]!r}; send the schema object itself",
+            where,
+        )
+    return json.dumps(schema)
 
 
 def signature(content: str | None, tool_calls: list[dict]) -> tuple:

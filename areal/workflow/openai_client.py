@@ -10,11 +10,17 @@ the same answers from either; tests/workflow/test_agent.py runs one agent both w
   weight version of each token), sharing the episode's ``group_id`` for routing;
 * reads tool calls out of the answer with the server's parser (areal.utils.tool_calls);
 * forces a call for ``tool_choice`` ``required`` or ``{"type": "function", "function": {"name":
-  F}}`` as the server does (the same areal.utils.tool_calls.tool_choice_prefill): the assistant's
+  F}}`` with the server's grammar (areal.utils.tool_calls.tool_call_grammar): the assistant's
   answer is opened with ``<tool_call>\n`` (+ ``{"name": "F", "arguments": ``), tokens appended to
   the prompt and recorded as prompt (:attr:`Call.prefill`), never as generated tokens, so they
-  are never trained on; the opening + the generated text is what is parsed, and a continuation
-  that makes no valid call comes back as text with the generator's finish reason;
+  are never trained on, and the rest is constrained to the grammar after that opening (the
+  tools' ``parameters`` schemas, read per ``server.json_schema_additional_properties``; a named
+  F: exactly one call; ``required`` with ``parallel_tool_calls: false``: one), sent through the
+  engine request (``gconfig.ebnf``); the opening + the generated text is what is parsed (text
+  only when ``max_tokens`` cut it);
+* constrains the answer to ``response_format``'s schema (``json_object``, ``json_schema``) as the
+  server does, through the engine request (``gconfig.json_schema``); a run whose
+  ``gconfig`` sets a grammar of its own refuses both (one grammar per request);
 * returns an ``openai.types.chat.ChatCompletion`` and records a :class:`Call` per completion.
 
 Training constraints, each an error that names the argument and the fix rather than a silent
@@ -22,7 +28,9 @@ change: ``temperature`` must be the rollout's (``gconfig.temperature``, which th
 logprobs use), ``stream`` is refused, a ``tool_choice`` naming a function not in ``tools`` (or
 malformed) is an error naming ``tool_choice``, as on the server, and ``max_tokens`` is capped by
 ``gconfig.max_new_tokens``. ``top_p``, ``seed``, ``stop``, ``n`` and prompt token ids follow the
-server's own rules (areal.api.sampling), checked before sending.
+server's own rules (areal.api.sampling) with the run's server limits (``server.max_n``,
+``server.max_stop_strings``, ``server.max_stop_chars``; the client is given ``cfg.server``),
+checked before sending.
 
 Refusals. A call refused here, or by the server for what it asks (a prompt longer than the
 context: HTTP 400 surfacing as :class:`~areal.api.sampling.RequestRejected`), is the agent's
@@ -59,7 +67,13 @@ from areal.api.sampling import (
 )
 from areal.dataset.chat import encode
 from areal.utils.tool_calls import extract_tool_calls
-from areal.workflow.chat_prompt import check_tools, clean_messages, render_prompt, signature
+from areal.workflow.chat_prompt import (
+    check_tools,
+    clean_messages,
+    render_prompt,
+    response_schema,
+    signature,
+)
 
 if TYPE_CHECKING:  # the SDK (~0.7 s to import) is loaded by the first answer, not by importers
     from openai.types import Completion
@@ -71,6 +85,7 @@ _KNOWN = {
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "response_format",
     "temperature",
     "top_p",
     "max_tokens",
@@ -125,7 +140,10 @@ class EngineFailure(RuntimeError):
 
 
 T = TypeVar("T")
-SERVER = GenerationServerConfig()  # the server's default limits (stop strings, n) checked here
+# the engine request's grammar fields as servers name them in a refusal (ours and SGLang's
+# /generate, vLLM's completions)
+GRAMMAR_FIELDS = ("sampling_params.json_schema", "sampling_params.ebnf", "structured_outputs")
+DEFAULT_SERVER = GenerationServerConfig()  # limits of a client not given the run's server config
 
 
 @functools.cache
@@ -173,7 +191,9 @@ class _Chat:
 
 class ArealOpenAI:
     """Drop-in for the part of ``openai.AsyncOpenAI`` an agent uses (``chat.completions.create``);
-    one client per episode, whose :attr:`calls` are the episode's record."""
+    one client per episode, whose :attr:`calls` are the episode's record. ``server``: the run's
+    ``cfg.server``, whose limits (``max_n``, ``max_stop_strings``, ``max_stop_chars``) calls are
+    checked against (default: the server's defaults)."""
 
     def __init__(
         self,
@@ -182,8 +202,10 @@ class ArealOpenAI:
         gconfig: GenerationHyperparameters,
         group_id: str | None = None,
         model: str = "areal",
+        server: GenerationServerConfig = DEFAULT_SERVER,
     ):
         self.engine = engine
+        self.server = server
         self.tokenizer = tokenizer
         self.gconfig = gconfig
         self.group_id = group_id
@@ -214,7 +236,7 @@ class ArealOpenAI:
         integers = ("max_tokens", "max_completion_tokens", "seed")
         problems = number_problems(
             {k: kw.get(k) for k in ("temperature", "top_p", *integers)}, integers
-        ) + stop_problems(kw.get("stop"), SERVER.max_stop_strings, SERVER.max_stop_chars)
+        ) + stop_problems(kw.get("stop"), self.server.max_stop_strings, self.server.max_stop_chars)
         if problems:
             raise RequestRejected.of(problems)
         temperature = kw.get("temperature")
@@ -255,6 +277,39 @@ class ArealOpenAI:
             raise RequestRejected.of(problems)
         return out
 
+    def _constrain(
+        self, g: GenerationHyperparameters, kw: dict, tool_grammar: str
+    ) -> tuple[GenerationHyperparameters, str]:
+        """``g`` with the grammar the call asks for (a forced tool call's, ``response_format``'s
+        schema) and the call's field that asked for it ("" for none), or the refusal of a call
+        that asks for two grammars or a grammar the run's settings exclude."""
+        schema = response_schema(kw.get("response_format"))
+        field = "tool_choice" if tool_grammar else "response_format" if schema else ""
+        if tool_grammar and schema:
+            raise RequestRejected(
+                "tool_choice: a forced tool call cannot also follow response_format; send "
+                "tool_choice 'auto' or drop the format",
+                "tool_choice",
+            )
+        if not field:
+            return g, ""
+        if g.grammar:
+            raise RequestRejected(
+                f"{field}: this run constrains every completion already (gconfig."
+                f"{next(iter(g.grammar))}); one grammar per request: drop {field} from the call "
+                "or unset the run's grammar",
+                field,
+            )
+        if g.min_new_tokens:
+            raise RequestRejected(
+                f"{field}: a grammar decides where the answer ends, but the run sets "
+                f"gconfig.min_new_tokens={g.min_new_tokens}; set it to 0 or drop {field}",
+                field,
+            )
+        if tool_grammar:
+            return dataclasses.replace(g, ebnf=tool_grammar), field
+        return dataclasses.replace(g, json_schema=schema), field
+
     def _check_args(self, kw: dict) -> int:
         unknown = sorted(set(kw) - _KNOWN)
         if unknown:
@@ -269,10 +324,9 @@ class ArealOpenAI:
         if kw.get("top_logprobs"):
             raise ValueError("top_logprobs: not available from the rollout engine; leave it unset")
         n = 1 if kw.get("n") is None else kw["n"]
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= SERVER.max_n:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.server.max_n:
             raise RequestRejected(
-                f"n: expected an int in [1, {SERVER.max_n}] (server.max_n's default), got "
-                f"{str(n)[:40]}",
+                f"n: expected an int in [1, {self.server.max_n}] (server.max_n), got {str(n)[:40]}",
                 "n",
             )
         return n
@@ -354,11 +408,16 @@ class ArealOpenAI:
 
     async def _chat_call(self, kw: dict) -> ChatCompletion:
         n = self._check_args(kw)
-        gconfig = self._gconfig(kw, n)
         template = self.tokenizer.chat_template or ""
-        tools, parse_calls, prefill = check_tools(
-            kw.get("tools"), kw.get("tool_choice", "auto"), template
+        plan = check_tools(
+            kw.get("tools"),
+            kw.get("tool_choice", "auto"),
+            template,
+            kw.get("parallel_tool_calls"),
+            self.server.json_schema_additional_properties,
         )
+        gconfig, grammar_field = self._constrain(self._gconfig(kw, n), kw, plan.grammar)
+        tools, parse_calls, prefill = plan.tools, plan.parse_calls, plan.prefill
         messages = clean_messages(kw.get("messages"))
         # off the event loop: a long conversation takes seconds to tokenize, and the agent
         # proxy's other sessions go on meanwhile (the tokenizer releases the GIL)
@@ -367,12 +426,18 @@ class ArealOpenAI:
         )
         opening = encode(self.tokenizer, prefill) if prefill else []  # prompt, as on the server
         prompt += opening
-        cid, resps = await self._generate(prompt, len(opening), gconfig, n, kw.get("seed"))
+        try:
+            cid, resps = await self._generate(prompt, len(opening), gconfig, n, kw.get("seed"))
+        except (
+            RequestRejected
+        ) as e:  # the server's words for the grammar, named as the agent sent it
+            if grammar_field and str(e.field).startswith(GRAMMAR_FIELDS):
+                raise RequestRejected(f"{grammar_field}: {e}", grammar_field, e.status) from e
+            raise
         choices = []
         for i, r in enumerate(resps):
-            choices.append(
-                self._choice(i, r, gconfig, prefill, parse_calls, bool(kw.get("logprobs")))
-            )
+            answer = (prefill, parse_calls, plan.parallel)
+            choices.append(self._choice(i, r, gconfig, answer, bool(kw.get("logprobs"))))
             message = choices[-1]["message"]
             self._generated[signature(message["content"], message.get("tool_calls", []))] = (
                 self.calls[len(self.calls) - n + i]
@@ -465,19 +530,21 @@ class ArealOpenAI:
         index: int,
         r: ModelResponse,
         g: GenerationHyperparameters,
-        prefill: str,
-        parse_calls: bool,
+        answer: tuple[str, bool, bool],
         logprobs: bool,
     ) -> dict:
         """One ``choices[i]`` entry: the forced opening + the text (a matched stop string and what
-        follows cut, as OpenAI does), the parsed tool calls, the finish reason, logprobs (of the
-        generated tokens) when asked."""
+        follows cut, as OpenAI does), the parsed tool calls (``answer``: the opening, whether to
+        parse calls, whether several may come), the finish reason (``tool_calls`` unless
+        ``max_tokens`` cut the answer, as on the server), logprobs (of the generated tokens)."""
+        prefill, parse_calls, parallel = answer
         content = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
         cuts = [content.find(s) for s in g.stop if s and s in content]
         content = prefill + (content[: min(cuts)] if cuts else content)
         calls: list[dict] = []
         if parse_calls:
             content, calls = extract_tool_calls(content)
+            calls = calls if parallel else calls[:1]
         lp = None
         if logprobs:
             lp = {
@@ -500,5 +567,5 @@ class ArealOpenAI:
             "index": index,
             "message": message,
             "logprobs": lp,
-            "finish_reason": "tool_calls" if calls else r.stop_reason,
+            "finish_reason": "tool_calls" if calls and r.stop_reason != "length" else r.stop_reason,
         }

@@ -10,9 +10,11 @@ import json
 import os
 import signal
 import sys
+import time
 
 import pytest
 
+from areal.workflow.agent import WINDOW, AgentFailureRate, AgentSetupError
 from areal.workflow.agent_fork import ForkServer, ForkServerDied, fork_script
 
 SCRIPT = """
@@ -79,19 +81,91 @@ def test_each_episode_is_its_own_forked_process_with_its_io_env_and_exit_code(tm
     assert not stderr_lines  # the server itself said nothing
 
 
-def test_a_script_that_fails_to_import_or_a_dead_server_is_named(tmp_path):
+def test_a_script_whose_import_fails_is_named_at_once_with_pythons_line_and_the_fix(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("import no_such_module_anywhere\n")
+    crashing = tmp_path / "crashing.py"
+    crashing.write_text("raise RuntimeError('the module body failed')\n")
 
-    async def sink(stream):
+    async def sink(stream):  # as the workflow's: the log, and the last line back
         sink.text = (await stream.read()).decode()
+        return sink.text.strip().splitlines()[-1]
 
-    async def run():
-        server = ForkServer([sys.executable, str(broken)])
-        with pytest.raises(ForkServerDied, match="did not get ready"):
-            await server.start(sink)
+    async def run(script, error):
+        server = ForkServer([sys.executable, str(script)])
+        start = time.monotonic()
+        with pytest.raises(error) as e:
+            await server.start(sink, "workflow.agent.command='python agent.py'")
+        return str(e.value), time.monotonic() - start
 
-    asyncio.run(run())
-    assert "no_such_module_anywhere" in sink.text
+    message, took = asyncio.run(run(broken, AgentSetupError))
+    assert took < 30  # not the 300 s ready timeout
+    assert "ModuleNotFoundError: No module named 'no_such_module_anywhere'" in message
+    assert f"{sys.executable} -m pip install" in message and "python agent.py" in message
+    assert "no_such_module_anywhere" in sink.text  # the traceback is in the run's log
+    message, _ = asyncio.run(run(crashing, ForkServerDied))
+    assert "exited with code 1 before it was ready: RuntimeError: the module body failed" in message
+
+    async def noisy_starts():  # what a script prints while imported is not its failure
+        noisy = tmp_path / "noisy.py"
+        noisy.write_text("print('loading the framework')\n")
+        server = ForkServer([sys.executable, str(noisy)])
+        try:
+            await asyncio.wait_for(server.start(sink), 30)
+        finally:
+            await server.aclose()
+
+    asyncio.run(noisy_starts())
     with pytest.raises(ValueError, match="'python SCRIPT.py"):
         fork_script(["node", "agent.js"])
+
+
+@pytest.mark.parametrize("fork_server", [False, True])
+def test_an_agent_program_that_cannot_import_its_framework_stops_the_run_at_its_first_episode(
+    tiny_tokenizer, tmp_path, fork_server
+):
+    from tests.workflow.test_agent_proxy import ToolThenAnswer, _episodes, _item
+
+    agent = tmp_path / "agent.py"
+    agent.write_text("import json\nimport no_such_framework.agents\n")
+    engine = ToolThenAnswer(tiny_tokenizer)
+    with pytest.raises(AgentSetupError) as e:
+        _episodes(tiny_tokenizer, engine, tmp_path, [_item(0)], command=f"python {agent}",
+                  fork_server=fork_server)  # fmt: skip
+    message = str(e.value)
+    assert "ModuleNotFoundError: No module named 'no_such_framework'" in message
+    assert f"the agent (workflow.agent.command='python {agent}')" in message
+    assert f"{sys.executable} -m pip install" in message
+
+
+def test_the_failure_rate_error_names_the_agent_program(tiny_tokenizer, tmp_path):
+    from tests.workflow.test_agent_proxy import ToolThenAnswer, _episodes, _item
+
+    agent = tmp_path / "agent.py"
+    agent.write_text("import sys\nsys.exit('no answer today')\n")
+    engine = ToolThenAnswer(tiny_tokenizer)
+    items = [_item(i) for i in range(WINDOW // 2)]  # 2 episodes each: the window fills
+    with pytest.raises(AgentFailureRate) as e:
+        _episodes(tiny_tokenizer, engine, tmp_path, items, command=f"python {agent}")
+    message = str(e.value)
+    assert f"Fix the agent (workflow.agent.command='python {agent}')" in message
+    assert "its last stderr line: no answer today" in message
+
+
+def test_an_in_process_agent_whose_framework_is_missing_names_it_and_the_interpreter(
+    tmp_path, monkeypatch
+):
+    from areal.workflow.agent import load_agent
+
+    (tmp_path / "fw_agent_t.py").write_text("import no_such_framework.agents\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as e:
+        load_agent("fw_agent_t:agent")
+    message = str(e.value)
+    assert message.startswith(
+        f"workflow.agent.path: 'fw_agent_t' does not import in {sys.executable}"
+    )
+    assert "ModuleNotFoundError: No module named 'no_such_framework'" in message
+    assert f"provides 'no_such_framework' into that interpreter ({sys.executable} -m pip" in message
+    with pytest.raises(ValueError, match="cannot import 'no_such_agent_t'.*beside the entry"):
+        load_agent("no_such_agent_t:agent")  # the module itself missing: where to put it

@@ -206,3 +206,79 @@ def test_a_conversation_longer_than_the_context_is_the_agents_400_and_the_run_go
     assert served[0] == 200
     assert record.rejected == 1 and record.engine_failure is None and len(record.calls) == 1
     assert client.engine_failure is None and client.n_rejected == 1
+
+
+ANSWER = {  # short values only: a random model fills an unbounded number or string forever
+    "type": "object",
+    "properties": {"done": {"type": "boolean"}, "unit": {"enum": ["m", "s"]}},
+    "required": ["done", "unit"],
+    "additionalProperties": False,
+}
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+TWO_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {
+                "type": "object",
+                "properties": {"a": DIGIT, "b": DIGIT},
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    for name in ("add", "mul")
+]
+
+
+def test_response_format_and_a_named_tool_choice_constrain_answers_in_process_and_via_proxy(
+    clients, proxy, tiny_tokenizer
+):
+    """The random tiny model writes JSON only when constrained: every answer parses against the
+    schema, and a named tool_choice gives exactly one call of that tool with valid arguments, in
+    process and through the proxy (as `areal serve`'s OpenAI routes answer them)."""
+    import openai
+
+    from areal.workflow.openai_client import ArealOpenAI
+
+    g = GenerationHyperparameters(n_samples=1, max_new_tokens=48)
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER, "strict": True}}
+    mul = {"type": "function", "function": {"name": "mul"}}
+    messages = [{"role": "user", "content": "2 * 3 ="}]
+
+    async def run():
+        control = ProxyClient(proxy.address, TOKEN)
+        sid, key = await control.open("q", "q/0", g, 0, 120.0)
+        remote = openai.AsyncOpenAI(base_url=control.base_url, api_key=key)
+        answers = []
+        for client in (ArealOpenAI(clients[0], tiny_tokenizer, g), remote):
+            for seed in range(3):
+                answers.append(
+                    await client.chat.completions.create(
+                        model="areal", messages=messages, response_format=fmt, seed=seed
+                    )
+                )
+                answers.append(
+                    await client.chat.completions.create(
+                        model="areal", messages=messages, tools=TWO_TOOLS, tool_choice=mul,
+                        seed=seed,
+                        parallel_tool_calls=False,
+                    )
+                )  # fmt: skip
+        record = await control.close(sid)
+        await control.aclose()
+        await remote.close()
+        return answers, record
+
+    answers, record = asyncio.run(run())
+    assert record.rejected == 0 and len(record.calls) == 6
+    for formatted, called in zip(answers[::2], answers[1::2]):
+        obj = json.loads(formatted.choices[0].message.content)
+        assert set(obj) == {"done", "unit"}, obj
+        assert isinstance(obj["done"], bool) and obj["unit"] in ("m", "s"), obj
+        assert called.choices[0].finish_reason == "tool_calls", called
+        (call,) = called.choices[0].message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "mul" and set(args) == {"a", "b"}, call
+        assert all(isinstance(v, int) and 0 <= v <= 9 for v in args.values()), args
