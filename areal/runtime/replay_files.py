@@ -69,6 +69,11 @@ def write_meta(
 def read_meta(run_dir: str | Path) -> dict[str, Any]:
     """RUN_DIR/replay/meta.json; :class:`ReplayFileError` when it is missing or damaged."""
     path = Path(run_dir) / REPLAY_DIR / META
+    if not Path(run_dir).is_dir():  # a typo, not a run that skipped recording
+        raise ReplayFileError(
+            f"{run_dir}: no such run directory; pass RUN_DIR = fileroot/experiment_name/"
+            "trial_name of a run recorded with stats_logger.replay.enabled=true"
+        )
     if not path.is_file():
         raise ReplayFileError(
             f"{path} is missing: {run_dir} was not recorded for replay; run it with "

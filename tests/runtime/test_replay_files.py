@@ -142,6 +142,14 @@ def test_a_truncated_or_wrong_meta_json_is_one_line_naming_it(recorded):
         read_meta(run_dir)
 
 
+def test_a_run_dir_that_is_not_there_is_named_as_such_not_as_unrecorded(tmp_path):
+    with pytest.raises(ReplayFileError, match="no such run directory") as e:
+        read_meta(tmp_path / "typo")
+    assert "was not recorded" not in str(e.value)
+    with pytest.raises(ReplayFileError, match="was not recorded for replay"):
+        read_meta(tmp_path)  # a run dir without replay/
+
+
 def test_damaged_hashes_and_weights_files_are_one_line_naming_them(recorded):
     run_dir, _ = recorded
     root = run_dir / "replay"
