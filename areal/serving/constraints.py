@@ -55,7 +55,7 @@ import llguidance.hf
 import torch
 
 from areal.serving.requests import BadRequest, Overloaded, json_type
-from areal.utils.tool_calls import JSON_LAYOUT  # JSON without free whitespace
+from areal.utils.tool_calls import JSON_LAYOUT, forbid_unnamed_properties
 
 Kind = Literal["json_schema", "regex", "lark", "ebnf", "choice"]
 COMPILE_STACK_BYTES = 256 << 20  # see the module docstring
@@ -75,15 +75,15 @@ class Constraint:
     source: str  # the schema (JSON text), regex, grammar, or choices (a JSON list)
     field: str  # named by every error about it, e.g. response_format.json_schema.schema
     strict: bool = True  # json_schema: unsupported keywords are errors (False: ignored)
+    # json_schema: whether an object naming properties allows others where it leaves
+    # additionalProperties unset (server.json_schema_additional_properties; False: it does not,
+    # forbid_unnamed_properties at compile, so server.max_grammar_chars bounds the schema sent)
+    additional_properties: bool = True
 
 
-class ConstraintFailed(ValueError):
+class ConstraintFailed(BadRequest):
     """A constrained generation's grammar failed mid-way (a lexer limit at a step): the
     request fails alone, answered 400 naming its field."""
-
-    def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"{field}: {message}")
 
 
 @dataclass
@@ -146,8 +146,10 @@ def schema_text(value: Any, field: str) -> str:
 def to_grammar(c: Constraint) -> str:
     """The llguidance grammar of ``c`` (not yet checked: the matcher reports its errors)."""
     if c.kind == "json_schema":
+        schema = json.loads(c.source)
+        closed = schema if c.additional_properties else forbid_unnamed_properties(schema)
         return llg.LLMatcher.grammar_from_json_schema(
-            c.source,
+            json.dumps(closed),
             defaults=JSON_LAYOUT,  # type: ignore[arg-type]
             overrides={"lenient": not c.strict},
         )

@@ -8,6 +8,9 @@ by ``/pause_generation``) | ``tool_calls``.
 Structured outputs (constraints.py): ``response_format`` ``json_object`` / ``json_schema``
 (``strict``: unsupported schema keywords are a 400, else ignored), vLLM's ``structured_outputs``
 (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and forced tool calls (tools.py).
+OpenAI fields that change no answer are accepted and ignored (IGNORED); a prompt that fills the
+context, or a prompt plus a sent ``max_tokens`` past it, is OpenAI's 400 with code
+``context_length_exceeded`` (protocol.check_job).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from areal.serving.protocol import (
 from areal.serving.requests import json_type
 from areal.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from areal.serving.tokens import TokenText
-from areal.serving.tools import clean_messages, extract_tool_calls, parse_tools
+from areal.serving.tools import answer_calls, clean_messages, parse_tools
 
 COMMON_KEYS = {
     "model",
@@ -52,7 +55,6 @@ COMMON_KEYS = {
     "seed",
     "stream",
     "stream_options",
-    "user",
     "logit_bias",
     "top_k",
     "min_tokens",
@@ -64,6 +66,21 @@ COMMON_KEYS = {
     "structured_outputs",
     *NEUTRAL,
 }
+# OpenAI fields that change no token of an answer, accepted (their type checked) and ignored:
+# store and metadata (OpenAI keeps answers for its dashboard; nothing is kept here),
+# service_tier (its latency and price tier), user, prompt_cache_key and safety_identifier
+# (abuse monitoring, cache routing), prediction (Predicted Outputs: only speeds up an answer it
+# leaves unchanged). modalities is accepted as ["text"]; audio output is refused.
+IGNORED = {
+    "store": bool,
+    "metadata": dict,
+    "service_tier": str,
+    "user": str,
+    "prompt_cache_key": str,
+    "safety_identifier": str,
+}
+CHAT_IGNORED = {**IGNORED, "prediction": dict}
+COMMON_KEYS |= set(IGNORED)
 CHAT_UNLIMITED = 1 << 30  # max_tokens of a chat request that sets none: the context ends it
 COMPLETION_KEYS = COMMON_KEYS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_KEYS = COMMON_KEYS | {
@@ -74,7 +91,34 @@ CHAT_KEYS = COMMON_KEYS | {
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "modalities",
+    "audio",
+    *CHAT_IGNORED,
 }
+_TYPE_NAMES = {bool: "true or false", dict: "an object", str: "a string"}
+
+
+def _check_ignored(body: dict) -> None:
+    """The fields OpenAI defines that change nothing here (IGNORED, CHAT_IGNORED): of their
+    type when sent; ``modalities`` text only, no ``audio`` (both would change the answer)."""
+    for key, kind in CHAT_IGNORED.items():
+        value = body.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise BadRequest(
+                key,
+                f"expected {_TYPE_NAMES[kind]}, got {json_type(value)}; this server accepts and "
+                "ignores it (it changes no answer), so leave it out or fix its type",
+            )
+    if body.get("modalities") not in (None, ["text"]):
+        raise BadRequest(
+            "modalities",
+            f"this server answers in text only, got {str(body['modalities'])[:80]}; send "
+            '["text"] or leave it out',
+        )
+    if body.get("audio") is not None:
+        raise BadRequest(
+            "audio", "this server answers in text only (no audio output); leave audio out"
+        )
 
 
 def _common(
@@ -84,15 +128,20 @@ def _common(
     checked against ``server.max_n`` here, before any job is built."""
     if _bool(body, "stream", "", False):
         options = body.get("stream_options") or {}
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise BadRequest("stream_options", 'expected {"include_usage": true|false}')
+        if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+            raise BadRequest(
+                "stream_options",
+                'expected {"include_usage": true|false, "include_obfuscation": true|false}',
+            )
         _bool(options, "include_usage", "stream_options.", False)
+        _bool(options, "include_obfuscation", "stream_options.", True)  # no padding sent: no-op
         if body.get("logprobs") or body.get("echo"):
             raise BadRequest(
                 "stream", "logprobs and echo are not streamed; send stream=false for them"
             )
     if body.get("logit_bias"):
         raise BadRequest("logit_bias", "logit_bias is not supported; send none or {}")
+    _check_ignored(body)
     n = _int(body, "n", "", 1, lo=1)
     check_count(n, cfg)  # type: ignore[arg-type]
     params = SamplingParams(
@@ -117,17 +166,18 @@ def _common(
     return params, opts, n  # type: ignore[return-value]
 
 
-def output_constraint(body: dict) -> Constraint | None:
+def output_constraint(body: dict, additional_properties: bool) -> Constraint | None:
     """The grammar ``response_format`` (OpenAI: ``json_object``, ``json_schema`` with
     ``strict``) or ``structured_outputs`` (vLLM: one of ``json``, ``regex``, ``choice``,
-    ``grammar``, ``json_object``) asks for; at most one of the two."""
+    ``grammar``, ``json_object``) asks for; at most one of the two. ``additional_properties``:
+    ``server.json_schema_additional_properties`` (constraints.Constraint)."""
     fmt, so = body.get("response_format"), body.get("structured_outputs")
     if fmt is not None and fmt != {"type": "text"} and so is not None:
         raise BadRequest(
             "structured_outputs", "send response_format or structured_outputs, not both"
         )
     if so is not None:
-        return _structured_outputs(so)
+        return _structured_outputs(so, additional_properties)
     if fmt is None or fmt == {"type": "text"}:
         return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -151,10 +201,10 @@ def output_constraint(body: dict) -> Constraint | None:
         )
     where = "response_format.json_schema.schema"
     schema = schema_text(spec.get("schema", {"type": "object"}), where)
-    return Constraint("json_schema", schema, where, strict=bool(spec.get("strict")))
+    return Constraint("json_schema", schema, where, bool(spec.get("strict")), additional_properties)
 
 
-def _structured_outputs(so: Any) -> Constraint:
+def _structured_outputs(so: Any, additional_properties: bool) -> Constraint:
     given = [
         k
         for k in ("json", "regex", "choice", "grammar", "json_object")
@@ -169,12 +219,8 @@ def _structured_outputs(so: Any) -> Constraint:
     key, value = given[0], so[given[0]]
     where = f"structured_outputs.{key}"
     if key in ("json", "json_object"):
-        return Constraint(
-            "json_schema",
-            schema_text(value if key == "json" else {"type": "object"}, where),
-            where,
-            strict=False,
-        )
+        schema = schema_text(value if key == "json" else {"type": "object"}, where)
+        return Constraint("json_schema", schema, where, False, additional_properties)
     if key == "choice":
         choice_grammar(value, where)  # checks the list
         return Constraint("choice", json.dumps(value), where)
@@ -193,6 +239,16 @@ def _constrain(jobs: list[Job], constraint: Constraint | None) -> list[Job]:
         )
     for job in jobs:
         job.constraint = constraint
+    return jobs
+
+
+def _overflow_fields(jobs: list[Job], prompt_field: str, body: dict) -> list[Job]:
+    """Name the fields a context overflow of ``jobs`` points at (protocol.check_job): the
+    prompt's, and the length limit the request sent (none sent: the answer ends with the
+    context, as OpenAI's)."""
+    sent = [k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
+    for job in jobs:
+        job.prompt_field, job.limit_field = prompt_field, (sent[0] if sent else None)
     return jobs
 
 
@@ -237,7 +293,8 @@ def parse_completions(
     jobs: list[Job] = []
     for p in prompts:
         jobs += _fan_out(p, params, opts, n, len(jobs))
-    _constrain(jobs, output_constraint(body))
+    _constrain(jobs, output_constraint(body, cfg.json_schema_additional_properties))
+    _overflow_fields(jobs, "prompt", body)
     if echo and logprobs is not None:  # prompt logprobs too (loglikelihood requests)
         for job in jobs:
             job.extra["prompt_logprobs"] = logprobs
@@ -280,9 +337,9 @@ def parse_chat(
         raise BadRequest("body", "expected a JSON object")
     _check_known(body, CHAT_KEYS, "")
     clean = clean_messages(body.get("messages"))
-    tools, parse_calls, forced, parallel = parse_tools(body)
-    constraint = output_constraint(body)
-    if forced is not None and constraint is not None:
+    use = parse_tools(body, cfg.json_schema_additional_properties)
+    constraint = output_constraint(body, cfg.json_schema_additional_properties)
+    if use.constraint is not None and constraint is not None:
         raise BadRequest(
             "tool_choice",
             "a forced tool call cannot also follow response_format or "
@@ -300,10 +357,10 @@ def parse_chat(
         raise BadRequest("top_logprobs", f"must be <= {MAX_TOP_LOGPROBS}, got {top}")
     params = dataclasses.replace(params, top_logprobs=top)
     jobs = _constrain(
-        _fan_out(apply_template(clean, tools), params, opts, n, 0), forced or constraint
+        _fan_out(apply_template(clean, use.tools), params, opts, n, 0), use.constraint or constraint
     )
-    for job in jobs:
-        job.extra["tool_calls"], job.extra["parallel_tool_calls"] = parse_calls, parallel
+    for job in _overflow_fields(jobs, "messages", body):
+        job.extra["tool_use"] = use
     return jobs, want
 
 
@@ -393,8 +450,9 @@ def _chat_logprobs(r: GenerationResult, text: TokenText) -> dict:
 
 
 def chat_finish(calls: list[dict], r: GenerationResult) -> str:
-    """``tool_calls`` when the answer holds calls, unless max_tokens cut it (``length``)."""
-    return "tool_calls" if calls and r.finish_reason != "length" else r.finish_reason
+    """``tool_calls`` when the answer holds calls and ended by itself, else how it ended
+    (``length``: max_tokens cut it, its last call partial)."""
+    return "tool_calls" if calls and r.finish_reason == "stop" else r.finish_reason
 
 
 def chat_response(
@@ -403,10 +461,7 @@ def chat_response(
     """OpenAI ``chat.completion`` object."""
     choices = []
     for job, r in zip(jobs, results):
-        content, calls = render_text(job, r, text.decode), []
-        if job.extra.get("tool_calls"):
-            content, calls = extract_tool_calls(content)
-            calls = calls if job.extra.get("parallel_tool_calls", True) else calls[:1]
+        content, calls = answer_calls(render_text(job, r, text.decode), job.extra.get("tool_use"))
         message = {
             "role": "assistant",
             "content": content,

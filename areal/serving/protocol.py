@@ -35,6 +35,10 @@ class Job:
     skip_special_tokens: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
     constraint: Constraint | None = None  # structured outputs: the grammar the output follows
+    # OpenAI routes: the fields a context overflow names, the prompt's (messages or prompt) and
+    # the length limit's where the request sent one (max_tokens or max_completion_tokens)
+    prompt_field: str | None = None
+    limit_field: str | None = None
 
 
 # Parameters accepted only at their neutral value (we do not implement penalties).
@@ -170,9 +174,12 @@ def sampling_from_sglang(
     return params, opts
 
 
-def constraint_from_sglang(sp: dict, path: str = "sampling_params.") -> Constraint | None:
+def constraint_from_sglang(
+    sp: dict, additional_properties: bool, path: str = "sampling_params."
+) -> Constraint | None:
     """SGLang's structured-output fields: at most one of ``json_schema`` (JSON text or an
-    object), ``regex`` and ``ebnf`` (GBNF or Lark); unsupported schema keywords are ignored."""
+    object), ``regex`` and ``ebnf`` (GBNF or Lark); unsupported schema keywords are ignored;
+    ``additional_properties``: ``server.json_schema_additional_properties``."""
     given = [k for k in ("json_schema", "regex", "ebnf") if sp.get(k) is not None]
     if not given:
         return None
@@ -187,7 +194,8 @@ def constraint_from_sglang(sp: dict, path: str = "sampling_params.") -> Constrai
             "cannot be combined with a grammar (the grammar decides where the output ends); send 0",
         )
     if given[0] == "json_schema":
-        return Constraint("json_schema", schema_text(sp["json_schema"], key), key, strict=False)
+        schema = schema_text(sp["json_schema"], key)
+        return Constraint("json_schema", schema, key, False, additional_properties)
     value = sp[given[0]]
     if not isinstance(value, str) or not value:
         raise BadRequest(key, f"expected a non-empty string, got {str(value)[:80]}")
@@ -239,12 +247,43 @@ def parse_generate(
         if start >= 0:  # prompt logprobs from this position on
             check_prompt_logprobs(prompts, "logprob_start_len", cfg)
             extra = {"prompt_logprobs": top, "logprob_start_len": start}
-    constraint = constraint_from_sglang(body.get("sampling_params") or {})
+    constraint = constraint_from_sglang(
+        body.get("sampling_params") or {}, cfg.json_schema_additional_properties
+    )
     jobs = [
         Job(p, params, **opts, extra={**extra, "prompt_index": i}, constraint=constraint)
         for i, p in enumerate(prompts)
     ]
     return jobs, batch, return_logprob
+
+
+def check_job(job: Job, problems: list[str], context_length: int) -> None:
+    """Raise the 400 of a job the server cannot run: on the OpenAI routes a prompt that fills
+    the context, or a prompt and sent max_tokens past it, in OpenAI's shape (code
+    ``context_length_exceeded``, naming the prompt's field or the limit's; as vLLM, no silent
+    clamp of a limit the client set), else the first of ``problems`` (the generator's
+    request_problems: /generate keeps SGLang's answers, its max_new_tokens ends at the context)."""
+    prompt = len(job.input_ids)
+    if job.prompt_field is not None and prompt >= context_length:
+        raise BadRequest(
+            job.prompt_field,
+            f"this model's maximum context length is {context_length} tokens and the "
+            f"{job.prompt_field} take {prompt}, leaving no room for an answer; shorten them",
+            code="context_length_exceeded",
+        )
+    wanted = prompt + job.params.max_new_tokens
+    if job.limit_field is not None and wanted > context_length:
+        raise BadRequest(
+            job.limit_field,
+            f"{job.limit_field}={job.params.max_new_tokens} with a prompt of {prompt} tokens "
+            f"asks for {wanted} tokens; this model's maximum context length is {context_length}; "
+            f"send {job.limit_field} <= {context_length - prompt}, or leave it out (the answer "
+            "then ends with the context)",
+            code="context_length_exceeded",
+        )
+    if problems:
+        field, message = problems[0].split(": ", 1)
+        raise BadRequest(field, message)
 
 
 def finish_reason_obj(r: GenerationResult) -> dict:

@@ -25,10 +25,12 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 class BadRequest(ValueError):
-    """An invalid request: ``field`` names the offending JSON field (HTTP 400)."""
+    """An invalid request: ``field`` names the offending JSON field (HTTP 400); ``code`` is the
+    error's ``code`` where OpenAI names one (``context_length_exceeded``), else None."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, code: str | None = None):
         self.field = field
+        self.code = code
         super().__init__(f"{field}: {message}")
 
 

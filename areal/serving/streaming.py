@@ -27,7 +27,7 @@ from aiohttp import web
 from areal.serving.generator import GenerationResult
 from areal.serving.openai_api import chat_finish
 from areal.serving.protocol import Job, now, render_text, usage
-from areal.serving.tools import extract_tool_calls
+from areal.serving.tools import ToolUse, answer_calls
 
 
 def _chunk(
@@ -67,10 +67,9 @@ def _safe_prefix(text: str, jobs_stop: tuple[str, ...]) -> str:
 
 
 def _tool_chunk(
-    ident: str, model: str, index: int, text: str, r: GenerationResult, parallel: bool
+    ident: str, model: str, index: int, text: str, r: GenerationResult, use: ToolUse
 ) -> dict:
-    content, calls = extract_tool_calls(text)
-    calls = calls if parallel else calls[:1]
+    content, calls = answer_calls(text, use)
     delta: dict[str, Any] = {"content": content} if content else {}
     if calls:
         delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
@@ -107,7 +106,8 @@ class _Stream:
         self.ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         # a chat answer that may hold tool calls is sent whole at its end (a call is known once
         # its block closes)
-        self.calls_parsed = {i for i, job in enumerate(jobs) if job.extra.get("tool_calls")}
+        uses = [job.extra.get("tool_use") for job in jobs]  # None on /v1/completions
+        self.calls_parsed = {i for i, use in enumerate(uses) if use is not None and use.parse_calls}
         self.ids: list[list[int]] = [[] for _ in jobs]
         self.sent = [""] * len(jobs)
         self.opened: set[int] = set()  # chat choices whose role chunk went out
@@ -152,7 +152,7 @@ class _Stream:
                     job.extra["index"],
                     final,
                     r,
-                    job.extra.get("parallel_tool_calls", True),
+                    job.extra["tool_use"],
                 )
             )
         else:

@@ -16,79 +16,167 @@ is not valid JSON with a ``name`` is left in the content, as the model wrote it.
 - ``none``: the tools are still rendered (they may shape the answer) but no call is parsed.
 - ``required``: the answer is constrained to tool-call blocks, each naming one of the tools and
   carrying arguments that match that tool's ``parameters`` schema.
-- ``{"type": "function", "function": {"name": F}}``: the same with F only.
+- ``{"type": "function", "function": {"name": F}}``: exactly one call of F (as OpenAI and vLLM
+  answer it): generation ends when the call closes.
 
-A forced answer is one call, or with ``parallel_tool_calls`` (the default) one or more calls
-separated by newlines; it always parses unless ``max_tokens`` cuts it (``finish_reason``
-``length``, the partial text as ``content``). With ``parallel_tool_calls: false`` only the first
-call is returned. A tool's ``"strict": true`` makes unsupported schema keywords a 400 instead of
-being ignored.
+A forced answer is calls only (``content`` null): ``required`` one call, or with
+``parallel_tool_calls`` (the default) one or more separated by newlines. Where ``max_tokens``
+cuts it, the calls written so far are returned with ``finish_reason`` ``length``, the last one
+partial (its ``arguments`` as far as written; a ``required`` call cut before its name is
+complete is dropped), never the raw ``<tool_call>`` text. With ``auto`` and
+``parallel_tool_calls: false`` only the first call is returned. A tool's ``"strict": true``
+makes unsupported schema keywords a 400 instead of being ignored; its ``parameters`` objects
+allow only the properties they name unless they set ``additionalProperties``
+(``server.json_schema_additional_properties``).
 """
 
 from __future__ import annotations
 
+import json
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from areal.serving.constraints import Constraint
 from areal.serving.requests import BadRequest, json_type
 from areal.utils.tool_calls import (
+    CALL_OPEN,
     ToolChoiceError,
     extract_tool_calls,
     tool_call_grammar,
     tool_choice_prefill,
 )
 
-__all__ = ["clean_messages", "extract_tool_calls", "parse_tools"]
+__all__ = ["answer_calls", "clean_messages", "extract_tool_calls", "parse_tools"]
+_NAME_KEY, _ARGS_KEY = '{"name": ', ', "arguments": '  # a call's JSON up to name and arguments
+_JSON = json.JSONDecoder()
 
 
-def parse_tools(body: dict) -> tuple[list[dict] | None, bool, Constraint | None, bool]:
-    """(``tools`` for the chat template or None, whether to parse tool calls, the grammar a
-    forced call follows or None, whether several calls may come) from a request."""
+@dataclass(frozen=True)
+class ToolUse:
+    """What a chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` ask for."""
+
+    tools: list[dict] | None  # for the chat template
+    parse_calls: bool  # read calls out of the answer (tools given, tool_choice not "none")
+    constraint: Constraint | None  # the grammar a forced answer follows
+    parallel: bool  # several calls may come
+    forced: bool = False  # tool_choice "required" or named: the answer is calls only
+    named: str | None = None  # the function a named tool_choice forces
+
+
+def parse_tools(body: dict, additional_properties: bool) -> ToolUse:
+    """The request's :class:`ToolUse`; a forced call's grammar (tools' parameter schemas per
+    ``server.json_schema_additional_properties``, ``additional_properties``): a named choice
+    exactly one call of that function, ``required`` one call or, with ``parallel_tool_calls``
+    (the default), one or more."""
     tools = body.get("tools")
     choice = body.get("tool_choice", "auto")
     parallel = body.get("parallel_tool_calls")
     if parallel not in (None, True, False):
         raise BadRequest("parallel_tool_calls", f"expected true or false, got {str(parallel)[:40]}")
     if tools is not None:
-        if not isinstance(tools, list) or not tools:
-            raise BadRequest(
-                "tools", "expected a non-empty list of {type: function, function: {...}}"
-            )
-        for i, t in enumerate(tools):
-            fn = t.get("function") if isinstance(t, dict) else None
-            if (
-                not isinstance(t, dict)
-                or t.get("type") != "function"
-                or not isinstance(fn, dict)
-                or not isinstance(fn.get("name"), str)
-                or not fn["name"]
-            ):
-                raise BadRequest(
-                    f"tools[{i}]", 'expected {"type": "function", "function": {"name": ...}}'
-                )
-            if "parameters" in fn and not isinstance(fn["parameters"], dict):
-                raise BadRequest(
-                    f"tools[{i}].function.parameters",
-                    f"expected a JSON schema object, got {json_type(fn['parameters'])}; send "
-                    "the schema object itself (not JSON text), or leave parameters out",
-                )
-            if fn.get("strict") not in (None, True, False):
-                raise BadRequest(
-                    f"tools[{i}].function.strict",
-                    f"expected true or false, got {json_type(fn['strict'])}",
-                )
+        _check_tools(tools)
     try:  # validates the choice; a forced one is constrained rather than prefilled here
         forced = tool_choice_prefill(
             choice, None if tools is None else [t["function"]["name"] for t in tools]
         )
     except ToolChoiceError as e:
         raise BadRequest("tool_choice", e.detail) from e
-    constraint = None
-    if forced:
-        named = choice["function"]["name"] if isinstance(choice, dict) else None
-        fns = [t["function"] for t in tools if named in (None, t["function"]["name"])]  # type: ignore[union-attr]
-        constraint = Constraint("lark", tool_call_grammar(fns, parallel is not False), "tools")
-    return tools, tools is not None and choice != "none", constraint, parallel is not False
+    parse_calls = tools is not None and choice != "none"
+    if not forced:
+        return ToolUse(tools, parse_calls, None, parallel is not False)
+    named = choice["function"]["name"] if isinstance(choice, dict) else None
+    fns = [t["function"] for t in tools if named in (None, t["function"]["name"])]  # type: ignore[union-attr]
+    several = parallel is not False and named is None  # a named choice: that one call, no more
+    grammar = tool_call_grammar(fns, several, additional_properties=additional_properties)
+    return ToolUse(tools, True, Constraint("lark", grammar, "tools"), several, True, named)
+
+
+def _check_tools(tools: Any) -> None:
+    """``tools``: a non-empty list of ``{"type": "function", "function": {"name", "parameters":
+    a schema object, "strict": bool}}``; a 400 naming the first bad one otherwise."""
+    if not isinstance(tools, list) or not tools:
+        raise BadRequest("tools", "expected a non-empty list of {type: function, function: {...}}")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if (
+            not isinstance(t, dict)
+            or t.get("type") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not fn["name"]
+        ):
+            raise BadRequest(
+                f"tools[{i}]", 'expected {"type": "function", "function": {"name": ...}}'
+            )
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise BadRequest(
+                f"tools[{i}].function.parameters",
+                f"expected a JSON schema object, got {json_type(fn['parameters'])}; send "
+                "the schema object itself (not JSON text), or leave parameters out",
+            )
+        if fn.get("strict") not in (None, True, False):
+            raise BadRequest(
+                f"tools[{i}].function.strict",
+                f"expected true or false, got {json_type(fn['strict'])}",
+            )
+
+
+def answer_calls(text: str, use: ToolUse | None) -> tuple[str | None, list[dict]]:
+    """(content, ``tool_calls``) of a chat answer: the text alone without tools (or with
+    ``tool_choice`` none); a forced answer's calls and no content (:func:`forced_calls`); else
+    the parsed blocks (the first only without ``parallel_tool_calls``), the rest content."""
+    if use is None or not use.parse_calls:
+        return text, []
+    if use.forced:
+        return None, forced_calls(text, use.named)
+    content, calls = extract_tool_calls(text)
+    return content, calls if use.parallel else calls[:1]
+
+
+def forced_calls(text: str, named: str | None) -> list[dict]:
+    """The calls of an answer a forced tool choice's grammar wrote (Hermes blocks, newline
+    separated), the last one partial where generation stopped early (max_tokens, abort): its
+    ``arguments`` as far as written ("" before they begin). A partial call is kept where its
+    function is known: always for a named choice, for ``required`` once the name is written;
+    a fragment before that is dropped (never returned as text)."""
+    blocks = text.split(CALL_OPEN)[1:]
+    if named is not None and not blocks:  # cut inside the opening: the call asked for, empty
+        return [_call(named, "")]
+    calls = []
+    for block in blocks:
+        name, args = named, ""
+        if block.startswith(_NAME_KEY):
+            try:
+                name, end = _JSON.raw_decode(block, len(_NAME_KEY))
+            except json.JSONDecodeError:  # cut inside the name
+                pass
+            else:
+                args = _arguments(block[end:])
+        if name is not None:
+            calls.append(_call(name, args))
+    return calls
+
+
+def _arguments(rest: str) -> str:
+    """The arguments JSON in ``rest``, the text of a block after its name: complete ones end
+    where their value ends (before the block's close), cut ones as far as written."""
+    if not rest.startswith(_ARGS_KEY):  # cut before the arguments began
+        return ""
+    args = rest[len(_ARGS_KEY) :]
+    try:
+        return args[: _JSON.raw_decode(args)[1]]
+    except json.JSONDecodeError:  # cut inside them
+        return args
+
+
+def _call(name: str, arguments: str) -> dict:
+    """One OpenAI tool call (``arguments`` as JSON text, partial where cut)."""
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def clean_tool_calls(calls: Any, where: str) -> list[dict]:

@@ -65,7 +65,8 @@ def is_ip(host: str) -> bool:
     return True
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and ``localhost``; False for 0.0.0.0 and real interfaces."""
     if host in LOOPBACK_NAMES:
         return True
     try:
@@ -135,7 +136,7 @@ class HostPolicy:
         netloc = parts.netloc.lower() if parts and parts.scheme in ("http", "https") else ""
         name = host_name(netloc) if netloc else None
         if name is not None and (
-            netloc == (host or "").strip().lower() or _is_loopback(name) or name in self.names
+            netloc == (host or "").strip().lower() or is_loopback(name) or name in self.names
         ):
             return ""
         return (

@@ -9,12 +9,13 @@ Pure text in, OpenAI-shaped ``tool_calls`` out, shared by the server's chat comp
 (areal.serving.tools) and the in-process OpenAI client of agent workflows
 (areal.workflow.openai_client), so both read a model's answer the same way.
 
-Both also force calls the same way (:func:`tool_choice_prefill`, OpenAI's ``tool_choice``
-without constrained decoding): ``required`` opens the assistant's answer with ``<tool_call>\n``,
-so the model writes a call and picks the function; ``{"type": "function", "function": {"name":
-F}}`` opens it with ``<tool_call>\n{"name": "F", "arguments": `` so the model writes F's
-arguments. The opening is prompt (the model is conditioned on it, never trained on it) and leads
-the text that is parsed; a continuation that still makes no valid call comes back as text.
+A forced call (OpenAI's ``tool_choice`` ``required`` or ``{"type": "function", "function":
+{"name": F}}``) follows one grammar, :func:`tool_call_grammar` (Lark with the tools' JSON
+schemas embedded, llguidance's dialect): the server constrains the whole answer to it; the
+agent client opens the answer with :func:`tool_choice_prefill`'s text (``<tool_call>\n``, or
+``<tool_call>\n{"name": "F", "arguments": `` for a named F: prompt, which the model is
+conditioned on and never trained on) and constrains the rest to the same grammar after that
+opening, through the engine request (``gconfig.ebnf``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,49 @@ from typing import Any
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 CALL_OPEN = "<tool_call>\n"  # how a Hermes-style call begins (see the chat template)
+CALL_CLOSE = "}\n</tool_call>"  # what ends a call's JSON object and its block
+# JSON without free whitespace: ", " between items, ": " after keys (Python's and Hermes' own
+# layout). Free whitespace would let a model pad forever between tokens of a JSON value.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# JSON schema keywords holding subschemas, by how forbid_unnamed_properties treats them
+_OWN_SCHEMAS = (  # a schema (or a list of them) of a value inside the object or array
+    "additionalProperties", "additionalItems", "items", "prefixItems", "contains",
+    "unevaluatedProperties", "unevaluatedItems",
+)  # fmt: skip
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_INTERSECTED = ("allOf", "if", "then", "else")  # schemas intersected with their parent
+_MIXED = (*_INTERSECTED, "anyOf", "oneOf", "$ref", "dependentSchemas")  # parent: left open
+
+
+def forbid_unnamed_properties(schema: Any) -> Any:
+    """A copy of the JSON ``schema`` in which every object schema that names ``properties`` (or
+    ``patternProperties``) and leaves ``additionalProperties`` unset sets it to false, through
+    every subschema: vLLM's and SGLang's reading, as Pydantic means its schemas (which never
+    forbid other keys); a weak model otherwise invents keys until ``max_tokens``. A schema's own
+    ``additionalProperties`` stays. A schema intersected with others (beside or inside
+    ``allOf``, ``$ref``, ``if``/``then``/``else``, an ``anyOf``/``oneOf`` beside properties)
+    stays open: closing it would forbid the others' properties (a ``$defs`` entry is closed
+    wherever it is referenced from); ``not`` is left as sent."""
+    out = json.loads(json.dumps(schema))  # a copy: the request's own object is also the prompt's
+    stack: list[tuple[Any, bool]] = [(out, True)]  # (schema or list of them, may be closed)
+    while stack:
+        node, close = stack.pop()
+        if isinstance(node, list):
+            stack += [(s, close) for s in node]
+            continue
+        if not isinstance(node, dict):
+            continue
+        names = "properties" in node or "patternProperties" in node
+        stack += [(node[k], True) for k in _OWN_SCHEMAS if k in node]
+        for k in _SCHEMA_MAPS:
+            if isinstance(node.get(k), dict):
+                stack += [(s, k != "dependentSchemas") for s in node[k].values()]
+        stack += [(node[k], close and not names) for k in ("anyOf", "oneOf") if k in node]
+        stack += [(node[k], False) for k in _INTERSECTED if k in node]
+        unset = "additionalProperties" not in node and "unevaluatedProperties" not in node
+        if close and names and unset and not any(k in node for k in _MIXED):
+            node["additionalProperties"] = False
+    return out
 
 
 class ToolChoiceError(ValueError):
@@ -66,7 +110,49 @@ def tool_choice_prefill(choice: Any, names: list[str] | None) -> str:
         raise ToolChoiceError(
             f"names function {fn['name']!r}, which is not among the tools {names}"
         )
-    return f'{CALL_OPEN}{{"name": {json.dumps(fn["name"])}, "arguments": '
+    return _opening(fn["name"])
+
+
+def _opening(name: str) -> str:
+    """The text that opens a call of function ``name``, up to its arguments."""
+    return f'{CALL_OPEN}{{"name": {json.dumps(name)}, "arguments": '
+
+
+def tool_call_grammar(
+    functions: list[dict], parallel: bool, opened: str = "", additional_properties: bool = False
+) -> str:
+    """A Lark grammar for Hermes tool-call blocks calling one of ``functions``, the arguments
+    matching each one's ``parameters`` (any object when it has none; ``"strict": true`` makes
+    schema keywords llguidance does not implement an error; an object schema naming properties
+    without ``additionalProperties`` allows no others unless ``additional_properties``, see
+    :func:`forbid_unnamed_properties`); ``parallel``: one or more blocks, newline-separated,
+    else exactly one. ``opened``: the text the answer was opened with already (a
+    :func:`tool_choice_prefill`), so the grammar is that of the rest: its first call is one
+    whose opening starts with ``opened``."""
+    rules, firsts = [], []
+    for k, fn in enumerate(functions):
+        schema: dict[str, Any] = dict(fn.get("parameters") or {"type": "object"})
+        if not additional_properties:
+            schema = forbid_unnamed_properties(schema)
+        schema["x-guidance"] = {**JSON_LAYOUT, "lenient": not fn.get("strict", False)}
+        opening = _opening(fn["name"])
+        rules += [
+            f"call{k}: {json.dumps(opening)} args{k} {json.dumps(CALL_CLOSE)}",
+            f"args{k}: %json {json.dumps(schema)}",
+        ]
+        if opened and opening.startswith(opened):
+            rest = opening[len(opened) :]
+            head = f"{json.dumps(rest)} " if rest else ""
+            rules.append(f"first{k}: {head}args{k} {json.dumps(CALL_CLOSE)}")
+            firsts.append(f"first{k}")
+    if opened and not firsts:
+        raise ValueError(f"no function's call opens with {opened!r}")
+    first = "first" if opened else "call"
+    start = f'start: {first} ("\\n" call)*' if parallel else f"start: {first}"
+    calls = ["call: " + " | ".join(f"call{k}" for k in range(len(functions)))]
+    if opened:
+        calls.append("first: " + " | ".join(firsts))
+    return "\n".join([start, *calls, *rules])
 
 
 def extract_tool_calls(text: str) -> tuple[str | None, list[dict]]:

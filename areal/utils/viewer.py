@@ -26,7 +26,6 @@ the API refuses pages of other sites (:mod:`areal.utils.http_guard`).
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import math
 import socket
@@ -265,11 +264,9 @@ def bind(host: str, port: int) -> socket.socket:
 def exposure_warning(host: str, port: int) -> str:
     """The warning ``areal view --host ADDR`` prints when ADDR is not loopback (other machines
     can then read the run), naming the SSH tunnel that avoids it; "" for a loopback ADDR."""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to any interface
-        loopback = False
-    if loopback:
+    from areal.utils.http_guard import is_loopback
+
+    if is_loopback(host):  # a host name other than localhost may resolve to any interface
         return ""
     return (
         f"areal view: listening on {host}:{port}, which other machines may reach: anyone who "

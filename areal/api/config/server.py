@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
 from areal.api.config.loader import param
-from areal.utils.http_guard import allowed_host_problems
-
-LOOPBACK_NAMES = ("localhost",)
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and ``localhost``; False for 0.0.0.0 and real interfaces."""
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from areal.utils.http_guard import allowed_host_problems, is_loopback
 
 
 @dataclass(frozen=True)
@@ -174,6 +161,14 @@ class GenerationServerConfig:
         help="Most grammar compiles waiting for a compile thread (requests sending the same "
         "grammar share one); past it a request needing a new compile gets HTTP 503 with "
         "Retry-After, at once.",
+    )
+    json_schema_additional_properties: bool = param(
+        False,
+        help="What a JSON schema's object that names properties but leaves "
+        "additionalProperties unset allows (response_format, structured_outputs.json, "
+        "sampling_params.json_schema, tool parameters): false (vLLM's and SGLang's reading) "
+        "only the named keys, so a model cannot invent keys until max_tokens; true (JSON "
+        "Schema's own default) any others too. A schema that sets additionalProperties keeps it.",
     )
     parse_threads: int = param(
         2,
