@@ -110,7 +110,8 @@ def test_a_log_gets_plain_progress_lines_while_the_sft_stage_runs(tiny_model_dir
     text = "".join(t for _, t in chunks)
     assert proc.returncode == 0, text[-3000:]
     lines = re.findall(
-        rf"^\[trainer\] steps (\d+)/{STEPS} \(\d+%\) \| [\d.]+ steps/s \| ETA \S+ \| loss [-\d.e]+$",
+        rf"^\[trainer\] steps (\d+)/{STEPS} \(\d+%\) \| [\d.]+ steps/s \| ETA \S+ "
+        rf"\| loss [-\d.e]+$",
         text,
         re.M,
     )
