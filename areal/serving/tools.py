@@ -24,32 +24,29 @@ A forced answer is calls only (``content`` null): ``required`` one call, or with
 cuts it, the calls written so far are returned with ``finish_reason`` ``length``, the last one
 partial (its ``arguments`` as far as written; a ``required`` call cut before its name is
 complete is dropped), never the raw ``<tool_call>`` text. With ``auto`` and
-``parallel_tool_calls: false`` only the first call is returned. A tool's ``"strict": true``
-makes unsupported schema keywords a 400 instead of being ignored; its ``parameters`` objects
-allow only the properties they name unless they set ``additionalProperties``
+``parallel_tool_calls: false`` only the first call is returned. This reading,
+areal.utils.tool_calls.answer_calls, is the in-process agent client's too. A tool's ``"strict":
+true`` makes unsupported schema keywords a 400 instead of being ignored; its ``parameters``
+objects allow only the properties they name unless they set ``additionalProperties``
 (``server.json_schema_additional_properties``).
 """
 
 from __future__ import annotations
 
-import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from areal.serving.constraints import Constraint
 from areal.serving.requests import BadRequest, json_type
 from areal.utils.tool_calls import (
-    CALL_OPEN,
     ToolChoiceError,
+    answer_calls,
     extract_tool_calls,
     tool_call_grammar,
     tool_choice_prefill,
 )
 
 __all__ = ["answer_calls", "clean_messages", "extract_tool_calls", "parse_tools"]
-_NAME_KEY, _ARGS_KEY = '{"name": ', ', "arguments": '  # a call's JSON up to name and arguments
-_JSON = json.JSONDecoder()
 
 
 @dataclass(frozen=True)
@@ -120,63 +117,6 @@ def _check_tools(tools: Any) -> None:
                 f"tools[{i}].function.strict",
                 f"expected true or false, got {json_type(fn['strict'])}",
             )
-
-
-def answer_calls(text: str, use: ToolUse | None) -> tuple[str | None, list[dict]]:
-    """(content, ``tool_calls``) of a chat answer: the text alone without tools (or with
-    ``tool_choice`` none); a forced answer's calls and no content (:func:`forced_calls`); else
-    the parsed blocks (the first only without ``parallel_tool_calls``), the rest content."""
-    if use is None or not use.parse_calls:
-        return text, []
-    if use.forced:
-        return None, forced_calls(text, use.named)
-    content, calls = extract_tool_calls(text)
-    return content, calls if use.parallel else calls[:1]
-
-
-def forced_calls(text: str, named: str | None) -> list[dict]:
-    """The calls of an answer a forced tool choice's grammar wrote (Hermes blocks, newline
-    separated), the last one partial where generation stopped early (max_tokens, abort): its
-    ``arguments`` as far as written ("" before they begin). A partial call is kept where its
-    function is known: always for a named choice, for ``required`` once the name is written;
-    a fragment before that is dropped (never returned as text)."""
-    blocks = text.split(CALL_OPEN)[1:]
-    if named is not None and not blocks:  # cut inside the opening: the call asked for, empty
-        return [_call(named, "")]
-    calls = []
-    for block in blocks:
-        name, args = named, ""
-        if block.startswith(_NAME_KEY):
-            try:
-                name, end = _JSON.raw_decode(block, len(_NAME_KEY))
-            except json.JSONDecodeError:  # cut inside the name
-                pass
-            else:
-                args = _arguments(block[end:])
-        if name is not None:
-            calls.append(_call(name, args))
-    return calls
-
-
-def _arguments(rest: str) -> str:
-    """The arguments JSON in ``rest``, the text of a block after its name: complete ones end
-    where their value ends (before the block's close), cut ones as far as written."""
-    if not rest.startswith(_ARGS_KEY):  # cut before the arguments began
-        return ""
-    args = rest[len(_ARGS_KEY) :]
-    try:
-        return args[: _JSON.raw_decode(args)[1]]
-    except json.JSONDecodeError:  # cut inside them
-        return args
-
-
-def _call(name: str, arguments: str) -> dict:
-    """One OpenAI tool call (``arguments`` as JSON text, partial where cut)."""
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": arguments},
-    }
 
 
 def clean_tool_calls(calls: Any, where: str) -> list[dict]:

@@ -7,7 +7,8 @@ our tiny model use::
 
 Pure text in, OpenAI-shaped ``tool_calls`` out, shared by the server's chat completions
 (areal.serving.tools) and the in-process OpenAI client of agent workflows
-(areal.workflow.openai_client), so both read a model's answer the same way.
+(areal.workflow.openai_client), so both read a model's answer the same way
+(:func:`answer_calls`), a forced one cut by ``max_tokens`` included (:func:`forced_calls`).
 
 A forced call (OpenAI's ``tool_choice`` ``required`` or ``{"type": "function", "function":
 {"name": F}}``) follows one grammar, :func:`tool_call_grammar` (Lark with the tools' JSON
@@ -23,13 +24,15 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 CALL_OPEN = "<tool_call>\n"  # how a Hermes-style call begins (see the chat template)
 CALL_CLOSE = "}\n</tool_call>"  # what ends a call's JSON object and its block
 # JSON without free whitespace: ", " between items, ": " after keys (Python's and Hermes' own
 # layout). Free whitespace would let a model pad forever between tokens of a JSON value.
+_NAME_KEY, _ARGS_KEY = '{"name": ', ', "arguments": '  # a call's JSON up to name and arguments
+_JSON = json.JSONDecoder()
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # JSON schema keywords holding subschemas, by how forbid_unnamed_properties treats them
 _OWN_SCHEMAS = (  # a schema (or a list of them) of a value inside the object or array
@@ -173,17 +176,86 @@ def extract_tool_calls(text: str) -> tuple[str | None, list[dict]]:
         args = obj.get("arguments", {})
         kept.append(text[last : m.start()])
         last = m.end()
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": obj["name"],
-                    "arguments": args if isinstance(args, str) else json.dumps(args),
-                },
-            }
-        )
+        calls.append(_call(obj["name"], args if isinstance(args, str) else json.dumps(args)))
     if not calls:
         return text, []
     content = ("".join(kept) + text[last:]).strip()
     return content or None, calls
+
+
+class CallReading(Protocol):
+    """What reading a chat answer's tool calls depends on: the request's ``tools``,
+    ``tool_choice`` and ``parallel_tool_calls`` as the server (areal.serving.tools.ToolUse) and
+    the agent client (areal.workflow.chat_prompt.ToolPlan) decide them."""
+
+    @property
+    def parse_calls(self) -> bool: ...  # tools given, tool_choice not "none"
+
+    @property
+    def parallel(self) -> bool: ...  # several calls may come (else the first is returned)
+
+    @property
+    def forced(self) -> bool: ...  # tool_choice "required" or named: the answer is calls only
+
+    @property
+    def named(self) -> str | None: ...  # the function a named tool_choice forces
+
+
+def answer_calls(text: str, use: CallReading | None) -> tuple[str | None, list[dict]]:
+    """(content, ``tool_calls``) of a chat answer: the text alone without tools (or with
+    ``tool_choice`` none); a forced answer's calls and no content (:func:`forced_calls`); else
+    the parsed blocks, the rest content. Without ``parallel_tool_calls`` only the first call is
+    returned (a forced answer's grammar writes no other; an engine that ignored it may)."""
+    if use is None or not use.parse_calls:
+        return text, []
+    if use.forced:
+        content, calls = None, forced_calls(text, use.named)
+    else:
+        content, calls = extract_tool_calls(text)
+    return content, calls if use.parallel else calls[:1]
+
+
+def forced_calls(text: str, named: str | None) -> list[dict]:
+    """The calls of an answer a forced tool choice's grammar wrote (Hermes blocks, newline
+    separated; the agent client's prompt opening included), the last one partial where
+    generation stopped early (max_tokens, abort): its ``arguments`` as far as written ("" before
+    they begin). A partial call is kept where its function is known: always for a named choice,
+    for ``required`` once the name is written; a fragment before that is dropped (never returned
+    as text)."""
+    blocks = text.split(CALL_OPEN)[1:]
+    if named is not None and not blocks:  # cut inside the opening: the call asked for, empty
+        return [_call(named, "")]
+    calls = []
+    for block in blocks:
+        name, args = named, ""
+        if block.startswith(_NAME_KEY):
+            try:
+                name, end = _JSON.raw_decode(block, len(_NAME_KEY))
+            except json.JSONDecodeError:  # cut inside the name
+                pass
+            else:
+                args = _arguments(block[end:])
+        if name is not None:
+            calls.append(_call(name, args))
+    return calls
+
+
+def _arguments(rest: str) -> str:
+    """The arguments JSON in ``rest``, the text of a block after its name: complete ones end
+    where their value ends (before the block's close), cut ones as far as written."""
+    if not rest.startswith(_ARGS_KEY):  # cut before the arguments began
+        return ""
+    args = rest[len(_ARGS_KEY) :]
+    try:
+        return args[: _JSON.raw_decode(args)[1]]
+    except json.JSONDecodeError:  # cut inside them
+        return args
+
+
+def _call(name: str, arguments: str) -> dict:
+    """One OpenAI tool call (``arguments`` as JSON text, partial where cut)."""
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }

@@ -84,6 +84,8 @@ class ToolPlan:
     prefill: str  # the forced opening of the answer ("" unless tool_choice forces a call)
     grammar: str  # the Lark grammar the rest of a forced answer follows ("" when not forced)
     parallel: bool  # several calls may come (else only the first is returned)
+    forced: bool  # tool_choice "required" or named: the answer is calls only
+    named: str | None  # the function a named tool_choice forces
 
 
 def check_tools(
@@ -107,14 +109,14 @@ def check_tools(
             )
     names = None if tools is None else [t["function"]["name"] for t in tools]
     prefill = tool_choice_prefill(tool_choice, names)
-    grammar, several = "", parallel is not False
+    grammar, several, named = "", parallel is not False, None
     if prefill:
         named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
         fns = [t["function"] for t in tools or [] if named in (None, t["function"]["name"])]
         several = several and named is None  # a named choice: that one call, no more
         grammar = tool_call_grammar(fns, several, prefill, additional_properties)
     parse_calls = tools is not None and tool_choice != "none"
-    return ToolPlan(tools, parse_calls, prefill, grammar, several)
+    return ToolPlan(tools, parse_calls, prefill, grammar, several, bool(prefill), named)
 
 
 def _check_tool_list(tools: Any) -> None:

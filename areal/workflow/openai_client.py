@@ -8,7 +8,8 @@ the same answers from either; tests/workflow/test_agent.py runs one agent both w
 * renders ``messages`` (and ``tools``) with the tokenizer's chat template, locally;
 * generates ``n`` completions through ``engine.agenerate`` (token ids, behaviour logprobs, the
   weight version of each token), sharing the episode's ``group_id`` for routing;
-* reads tool calls out of the answer with the server's parser (areal.utils.tool_calls);
+* reads tool calls out of the answer with the server's reader (areal.utils.tool_calls.
+  answer_calls);
 * forces a call for ``tool_choice`` ``required`` or ``{"type": "function", "function": {"name":
   F}}`` with the server's grammar (areal.utils.tool_calls.tool_call_grammar): the assistant's
   answer is opened with ``<tool_call>\n`` (+ ``{"name": "F", "arguments": ``), tokens appended to
@@ -16,8 +17,9 @@ the same answers from either; tests/workflow/test_agent.py runs one agent both w
   are never trained on, and the rest is constrained to the grammar after that opening (the
   tools' ``parameters`` schemas, read per ``server.json_schema_additional_properties``; a named
   F: exactly one call; ``required`` with ``parallel_tool_calls: false``: one), sent through the
-  engine request (``gconfig.ebnf``); the opening + the generated text is what is parsed (text
-  only when ``max_tokens`` cut it);
+  engine request (``gconfig.ebnf``); the opening + the generated text is what is read, as the
+  server reads its forced answers: calls only (``content`` None), and where ``max_tokens`` cut
+  it the calls written, the last one's ``arguments`` as far as written;
 * constrains the answer to ``response_format``'s schema (``json_object``, ``json_schema``) as the
   server does, through the engine request (``gconfig.json_schema``); a run whose
   ``gconfig`` sets a grammar of its own refuses both (one grammar per request);
@@ -66,8 +68,9 @@ from areal.api.sampling import (
     token_problems,
 )
 from areal.dataset.chat import encode
-from areal.utils.tool_calls import extract_tool_calls
+from areal.utils.tool_calls import answer_calls
 from areal.workflow.chat_prompt import (
+    ToolPlan,
     check_tools,
     clean_messages,
     render_prompt,
@@ -417,7 +420,7 @@ class ArealOpenAI:
             self.server.json_schema_additional_properties,
         )
         gconfig, grammar_field = self._constrain(self._gconfig(kw, n), kw, plan.grammar)
-        tools, parse_calls, prefill = plan.tools, plan.parse_calls, plan.prefill
+        tools, prefill = plan.tools, plan.prefill
         messages = clean_messages(kw.get("messages"))
         # off the event loop: a long conversation takes seconds to tokenize, and the agent
         # proxy's other sessions go on meanwhile (the tokenizer releases the GIL)
@@ -436,8 +439,7 @@ class ArealOpenAI:
             raise
         choices = []
         for i, r in enumerate(resps):
-            answer = (prefill, parse_calls, plan.parallel)
-            choices.append(self._choice(i, r, gconfig, answer, bool(kw.get("logprobs"))))
+            choices.append(self._choice(i, r, gconfig, plan, bool(kw.get("logprobs"))))
             message = choices[-1]["message"]
             self._generated[signature(message["content"], message.get("tool_calls", []))] = (
                 self.calls[len(self.calls) - n + i]
@@ -530,21 +532,17 @@ class ArealOpenAI:
         index: int,
         r: ModelResponse,
         g: GenerationHyperparameters,
-        answer: tuple[str, bool, bool],
+        plan: ToolPlan,
         logprobs: bool,
     ) -> dict:
         """One ``choices[i]`` entry: the forced opening + the text (a matched stop string and what
-        follows cut, as OpenAI does), the parsed tool calls (``answer``: the opening, whether to
-        parse calls, whether several may come), the finish reason (``tool_calls`` unless
-        ``max_tokens`` cut the answer, as on the server), logprobs (of the generated tokens)."""
-        prefill, parse_calls, parallel = answer
-        content = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        cuts = [content.find(s) for s in g.stop if s and s in content]
-        content = prefill + (content[: min(cuts)] if cuts else content)
-        calls: list[dict] = []
-        if parse_calls:
-            content, calls = extract_tool_calls(content)
-            calls = calls if parallel else calls[:1]
+        follows cut, as OpenAI does), read for tool calls as the server reads it (``plan``: the
+        call's tools and tool_choice; :func:`~areal.utils.tool_calls.answer_calls`), the finish
+        reason (``tool_calls`` unless ``max_tokens`` cut the answer, as on the server), logprobs
+        (of the generated tokens)."""
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in g.stop if s and s in text]
+        content, calls = answer_calls(plan.prefill + (text[: min(cuts)] if cuts else text), plan)
         lp = None
         if logprobs:
             lp = {

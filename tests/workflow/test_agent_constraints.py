@@ -1,8 +1,10 @@
 """What an agent's call asks the generation server for, in training as from ``areal serve``
 (tier 1, over a scripted engine): ``response_format`` and a forced ``tool_choice`` travel as the
 engine request's grammar (``gconfig.json_schema`` / ``gconfig.ebnf``, the server's own tool-call
-grammar after the prompt's forced opening), conflicting grammars are refused by name, and the
-client checks calls against the run's server limits, not the defaults.
+grammar after the prompt's forced opening) and reach our server as it compiles them, a forced
+answer cut by ``max_tokens`` is read as the server reads it (areal.utils.tool_calls.answer_calls),
+conflicting grammars are refused by name, and the client checks calls against the run's server
+limits, not the defaults.
 tests/workflow/test_agent_proxy_live.py checks the answers of a real server parse."""
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import llguidance as llg
 import openai
@@ -21,8 +24,14 @@ from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.reward import AgentConfig
 from areal.api.config.server import GenerationServerConfig
 from areal.api.engine import InferenceEngine
+from areal.api.io import ModelResponse
 from areal.api.sampling import RequestRejected
-from areal.utils.tool_calls import tool_call_grammar
+from areal.rollout.backends import NativeBackend
+from areal.serving.constraints import to_grammar
+from areal.serving.openai_api import chat_finish
+from areal.serving.protocol import constraint_from_sglang
+from areal.serving.tools import answer_calls, parse_tools
+from areal.utils.tool_calls import tool_call_grammar, tool_choice_prefill
 from areal.workflow.agent import AgentWorkflow
 from areal.workflow.agent_proxy import AgentProxy
 from areal.workflow.openai_client import ArealOpenAI
@@ -58,6 +67,15 @@ def test_response_format_reaches_the_engine_as_the_requests_json_schema(tiny_tok
         {},
     ]
     assert G.grammar == {}  # the run's settings are untouched
+    # our server takes it as /generate's sampling_params.json_schema and compiles it closed
+    # (forbid_unnamed_properties, server.json_schema_additional_properties false): the agent's
+    # schema allows no key it does not name, as a response_format sent to `areal serve` does
+    body = NativeBackend("areal").generate([1], engine.requests[0].gconfig, 8, 0, None).json
+    constraint = constraint_from_sglang(body["sampling_params"], additional_properties=False)
+    assert constraint is not None and constraint.kind == "json_schema"
+    grammar = to_grammar(constraint)
+    assert _accepts(grammar, '{"answer": 84}', tiny_tokenizer)
+    assert not _accepts(grammar, '{"answer": 84, "note": 1}', tiny_tokenizer)
 
 
 def _accepts(grammar: str, text: str, tokenizer) -> bool:
@@ -168,6 +186,75 @@ class RefusesGrammars(InferenceEngine):
     def set_version(self, version: int) -> None: ...
     def pause(self) -> None: ...
     def resume(self) -> None: ...
+
+
+class Writes(RefusesGrammars):
+    """Writes ``reply`` and ends with ``stop_reason`` (``length``: ``max_tokens`` cut it)."""
+
+    def __init__(self, tokenizer, reply: str, stop_reason: str = "length"):
+        self.ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+        self.stop_reason = stop_reason
+
+    async def agenerate(self, req):
+        n = len(self.ids)
+        return ModelResponse(list(req.input_ids), self.ids, [-0.5] * n, [0] * n, self.stop_reason)
+
+
+@pytest.mark.parametrize(
+    "choice,reply,calls",
+    [  # the opening is the prompt's: a named call's reply starts inside its arguments
+        (NAMED, '{"x": 12', [("search", '{"x": 12')]),
+        (NAMED, "", [("search", "")]),
+        ("required", '{"name": "search", "arguments": {"x"', [("search", '{"x"')]),
+        (
+            "required",
+            '{"name": "search", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n{"name": "ca',
+            [("search", '{"x": 1}')],  # a call cut before its name is complete is dropped
+        ),
+    ],
+)
+def test_a_forced_call_cut_by_max_tokens_comes_back_partial_as_the_server_answers_it(
+    tiny_tokenizer, choice, reply, calls
+):
+    """As ``areal serve`` answers (areal.utils.tool_calls.answer_calls): the calls written, the
+    last one's arguments as far as written, no content, finish_reason length."""
+    client = ArealOpenAI(Writes(tiny_tokenizer, reply), tiny_tokenizer, G)
+    out = _create(client, tools=TOOLS, tool_choice=choice, max_tokens=8)
+    (answer,) = out.choices
+    got = [(c.function.name, c.function.arguments) for c in answer.message.tool_calls or []]
+    assert got == calls
+    assert answer.message.content is None and answer.finish_reason == "length"
+
+
+CALL = '<tool_call>\n{"name": "search", "arguments": {"x": 1}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "choice,parallel",
+    [("auto", None), ("auto", False), ("none", None), ("required", None), ("required", False),
+     (NAMED, None)],
+)  # fmt: skip
+@pytest.mark.parametrize("stop_reason", ["stop", "length"])
+def test_the_client_answers_what_the_server_answers_for_the_same_text(
+    tiny_tokenizer, choice, parallel, stop_reason
+):
+    """Equivalence with `areal serve`: the same answer text (the client's forced opening + what
+    the engine wrote) gives the same content, calls and finish reason as the server's
+    parse_tools + answer_calls + chat_finish."""
+    body = {"tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": parallel}
+    use = parse_tools(body, additional_properties=False)
+    opening = tool_choice_prefill(choice, ["calculator", "search"])
+    for text in [CALL + "\n" + CALL, CALL + "\n" + CALL[:30], "ok " + CALL, CALL[:40]]:
+        if not text.startswith(opening):  # the grammar of a forced answer writes no other
+            continue
+        content, calls = answer_calls(text, use)
+        finish = chat_finish(calls, SimpleNamespace(finish_reason=stop_reason))
+        engine = Writes(tiny_tokenizer, text[len(opening) :], stop_reason)
+        out = _create(ArealOpenAI(engine, tiny_tokenizer, G), **body)
+        (answer,) = out.choices
+        got = [(c.function.name, c.function.arguments) for c in answer.message.tool_calls or []]
+        assert got == [(c["function"]["name"], c["function"]["arguments"]) for c in calls], text
+        assert (answer.message.content, answer.finish_reason) == (content, finish), text
 
 
 def test_the_servers_refusal_of_a_grammar_names_the_calls_own_argument(tiny_tokenizer):

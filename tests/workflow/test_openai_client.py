@@ -254,14 +254,18 @@ def test_a_forced_call_chains_in_the_concat_trajectory_with_the_opening_masked(
     assert masked == glue + "<tool_call>\n" + glue  # call 1's opening is prompt: untrained
 
 
-def test_a_forced_call_the_model_does_not_complete_comes_back_as_text(tiny_tokenizer, scripted):
+def test_a_forced_answer_is_read_as_calls_never_as_text(tiny_tokenizer, scripted):
+    """As `areal serve` reads it (areal.utils.tool_calls.forced_calls): what follows a named
+    call's opening is its arguments, as written, even where they are not JSON (the server's
+    grammar writes no such text; an engine that ignored the grammar might)."""
     client = ArealOpenAI(scripted(["no json"]), tiny_tokenizer, G)
     out = asyncio.run(
         client.chat.completions.create(messages=ITEM["messages"], tools=TOOLS, tool_choice=NAMED)
     )
     choice0 = out.choices[0]
-    assert choice0.message.tool_calls is None and choice0.finish_reason == "stop"
-    assert choice0.message.content == OPEN_NAMED + "no json"
+    assert choice0.message.content is None and choice0.finish_reason == "tool_calls"
+    (call,) = choice0.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("calculator", "no json")
 
 
 def test_n_choices_are_sampled_and_recorded_separately(tiny_tokenizer, scripted):
