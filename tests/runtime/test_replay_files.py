@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -54,8 +55,12 @@ def _batch() -> PackedBatch:
 
 
 @pytest.fixture
-def recorded(tmp_path: Path):
-    """RUN_DIR with a 2-step record (keep_weights) and the RNG draws right after each capture."""
+def recorded(tmp_path: Path, monkeypatch):
+    """RUN_DIR with a 2-step record (keep_weights) and the RNG draws right after each capture,
+    as an entry script records it (under pytest-xdist ``__main__`` is no script file)."""
+    script = tmp_path / "entry_script.py"
+    script.write_text("CONFIG = None\n")
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
     actor, draws = FakeActor(), []
     rec = ReplayRecorder(ReplayConfig(enabled=True, keep_weights=True), tmp_path, 0, 1)
     try:

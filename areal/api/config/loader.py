@@ -489,7 +489,7 @@ def _attribute(problems: list[str], override_keys: list[str]) -> list[str]:
     out = []
     for p in problems:
         where = re.split(r"[:\s]", p, maxsplit=1)[0]  # "a.b: ..." or "a.b must be ..."
-        mine = any(where == k or where.startswith(k + ".") for k in override_keys)
+        mine = any(where == k or where.startswith((k + ".", k + "[")) for k in override_keys)
         out.append(f"{p} (set on the command line)" if mine else p)
     return out
 
