@@ -20,8 +20,8 @@ def _tiny_model(args: argparse.Namespace) -> int:
             f"--out {args.out}: is a file, not a directory; pass a new or "
             "existing directory, e.g. --out models/tiny"
         )
-    out = build_tiny_model(args.out, size=args.size, seed=args.seed)
-    print(f"wrote {args.size} model ({count_parameters(out):,} parameters) to {out}")
+    out = build_tiny_model(args.out, size=args.size, seed=args.seed, family=args.family)
+    print(f"wrote {args.size} {args.family} model ({count_parameters(out):,} parameters) to {out}")
     return 0
 
 
@@ -263,6 +263,9 @@ CORE_REST = (
 )
 
 
+TINY_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")  # tiny_model.FAMILIES, without torch
+
+
 class ArgKeywords(TypedDict, total=False):
     """The keywords of ``ArgumentParser.add_argument`` that the table uses."""
 
@@ -301,9 +304,13 @@ class Command(NamedTuple):
 
 # fmt: off
 COMMANDS: tuple[Command, ...] = (
-    Command("tiny-model", "write a tiny random Qwen2-style HF model directory", _tiny_model, (
+    Command("tiny-model", "write a tiny random HF model directory (Qwen2, Qwen3, Llama 3, "
+            "Qwen3-MoE)", _tiny_model, (
         _arg("--out", required=True, help="output directory"),
         _arg("--size", choices=["tiny", "small"], default="tiny", help="tiny ~3M, small ~25M"),
+        _arg("--family", choices=list(TINY_FAMILIES), default="qwen2",
+             help="architecture (areal/utils/tiny_model.py); the embedded generation server "
+                  "serves qwen2 only so far"),
         _arg("--seed", type=int, default=0, help="init seed"),
     )),
     Command("dpo-pairs", "sample DPO preference pairs from a model on arithmetic (offline)",
@@ -397,7 +404,7 @@ COMMANDS: tuple[Command, ...] = (
 
 # one example per subcommand, shown under its --help
 EXAMPLES = {
-    "tiny-model": "areal tiny-model --out models/tiny",
+    "tiny-model": "areal tiny-model --out models/tiny-qwen3 --family qwen3",
     "dpo-pairs": "areal dpo-pairs --model SFT_MODEL_DIR --out data/pairs n_samples=16",
     "view": "areal view runs/quickstart/grpo/run",
     "replay": "areal replay --trust-run-dir --to 3 RUN_DIR",

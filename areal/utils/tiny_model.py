@@ -1,4 +1,6 @@
-"""Build a tiny Qwen2-style Hugging Face model directory for tests and the embedded demo.
+"""Build a tiny Hugging Face model directory for tests and the embedded demo: a random model of
+one family (Qwen2, the default and the embedded server's; Qwen3 with its q/k norms; Llama 3 with
+an untied head; Qwen3-MoE with 8 experts, 2 per token), all with one tokenizer.
 
 The tokenizer is byte-level BPE with no merges, laid out like Qwen2's (ByteLevel pre-tokenizer and
 decoder, ChatML special tokens), so it round-trips any text even when transformers 5.x forces
@@ -66,27 +68,66 @@ def build_tokenizer():
     return fast
 
 
-def build_tiny_model(
-    out: str | Path, size: str = "tiny", seed: int = 0, max_position_embeddings: int = 2048
-) -> Path:
-    """Write config, safetensors weights and tokenizer of a random Qwen2 model to ``out``."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
-    if size not in SIZES:
-        raise ValueError(f"--size {size!r} is not one of {sorted(SIZES)}")
-    dims = SIZES[size]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
+
+def family_config(family: str, dims: TinySize, vocab_size: int, **common):
+    """The ``transformers`` config of a tiny ``family`` model with ``dims`` (``common``: ids,
+    context length, dtype)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    shape = dict(
+        vocab_size=vocab_size,
         hidden_size=dims.hidden_size,
         intermediate_size=dims.intermediate_size,
         num_hidden_layers=dims.num_hidden_layers,
         num_attention_heads=dims.num_attention_heads,
         num_key_value_heads=dims.num_key_value_heads,
+        **common,
+    )
+    head_dim = dims.hidden_size // dims.num_attention_heads  # Qwen3's default (128) is too big
+    if family == "qwen2":
+        return Qwen2Config(tie_word_embeddings=True, **shape)
+    if family == "qwen3":
+        return Qwen3Config(tie_word_embeddings=True, head_dim=head_dim, **shape)
+    if family == "llama":  # Llama 3: untied head, no attention biases, rope theta 500k
+        return LlamaConfig(tie_word_embeddings=False, rope_theta=500000.0, **shape)
+    if family == "qwen3_moe":  # every layer sparse: 8 experts of a quarter width, top-2
+        return Qwen3MoeConfig(
+            tie_word_embeddings=True,
+            head_dim=head_dim,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=dims.intermediate_size // 4,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            **shape,
+        )
+    raise ValueError(f"--family {family!r} is not one of {list(FAMILIES)}")
+
+
+def build_tiny_model(
+    out: str | Path,
+    size: str = "tiny",
+    seed: int = 0,
+    max_position_embeddings: int = 2048,
+    family: str = "qwen2",
+) -> Path:
+    """Write config, safetensors weights and tokenizer of a random ``family`` model to ``out``."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if size not in SIZES:
+        raise ValueError(f"--size {size!r} is not one of {sorted(SIZES)}")
+    if family not in FAMILIES:
+        raise ValueError(f"--family {family!r} is not one of {list(FAMILIES)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = family_config(
+        family,
+        SIZES[size],
+        len(tokenizer),
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
@@ -94,7 +135,7 @@ def build_tiny_model(
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )

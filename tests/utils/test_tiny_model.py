@@ -46,3 +46,29 @@ def test_cli_help_lists_subcommands(capsys):
     out = capsys.readouterr().out
     for cmd in ("tiny-model", "quickstart"):
         assert cmd in out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+def test_each_family_builds_a_model_that_transformers_loads_and_runs(tmp_path, family):
+    out = tmp_path / family
+    assert main(["tiny-model", "--out", str(out), "--family", family]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.model_type == family
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(out)
+    names = {n for n, _ in model.named_parameters()}
+    if family in ("qwen3", "qwen3_moe"):  # Qwen3's per-head q/k RMSNorms
+        assert "model.layers.0.self_attn.q_norm.weight" in names
+    if family == "llama":
+        assert "lm_head.weight" in names and not model.config.tie_word_embeddings
+    if family == "qwen3_moe":
+        assert model.config.num_experts == 8 and model.config.num_experts_per_tok == 2
+    ids = torch.tensor([[1, 2, 3, 4]])
+    out_logits = model(ids).logits
+    assert out_logits.shape == (1, 4, model.config.vocab_size) and torch.isfinite(out_logits).all()
+
+
+def test_the_cli_offers_every_family_the_builder_makes():
+    from areal.cli import TINY_FAMILIES
+    from areal.utils.tiny_model import FAMILIES
+
+    assert TINY_FAMILIES == FAMILIES
