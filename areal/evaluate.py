@@ -21,6 +21,7 @@ from typing import Any
 from areal.api.config import ConfigError, GRPOConfig, load_config
 from areal.api.launch import api_key_env, threads_env
 from areal.dataset import load_dataset
+from areal.launcher.plan import launch_plan
 from areal.launcher.procs import ProcessSupervisor
 from areal.launcher.servers import ManagedServer
 from areal.reward.resolve import resolve_reward
@@ -56,7 +57,7 @@ def run_eval(model: str, argv: list[str]) -> dict[str, Any]:
     lc = cfg.launcher
     with ProcessSupervisor(Path(scratch) / "logs", echo=False, stop_timeout=lc.stop_timeout) as sup:
         env = {**threads_env(lc.server_threads), **api_key_env(cfg.server.api_key)}
-        server = ManagedServer.start(sup, cfg, "server0", free_port(), env)
+        server = ManagedServer.start(sup, cfg, launch_plan(cfg).role("server0"), free_port(), env)
         sup.wait_http_ok(server.child, f"{server.url}/health", lc.server_setup_timeout)
         engine = RemoteInferenceEngine(cfg.rollout, api_key=cfg.server.api_key)
         engine.initialize([server.address])

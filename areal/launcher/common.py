@@ -1,12 +1,14 @@
-"""What every launcher shares (local now; Ray and Slurm build on the same pieces).
+"""What every launcher (local, Ray, Slurm) shares.
 
 - :func:`load_script_config_class`: SCRIPT's ``CONFIG`` class, so the whole config is validated
   before anything starts.
 - The trial registry: :func:`reset_trial` clears the trial's subtree at each launch attempt (no
-  address of a dead server survives), :func:`register_server` publishes a server's
-  ``host:port`` once it answers ``/health``, and :func:`wait_for_servers` waits (with a deadline)
-  until ``cluster.n_servers`` are registered. Trainers find the servers in the same place
-  (:func:`areal.rollout.remote.discover_servers`).
+  address of a dead server survives), :func:`register_role` publishes a serving role's
+  ``host:port`` once it answers ``/health``, and :func:`wait_for_roles` waits (with a deadline)
+  until the roles of the launch plan (:mod:`areal.launcher.plan`) registered. Trainers find the
+  servers in the same place (:func:`areal.rollout.remote.discover_servers`).
+- How a launcher places the plan's roles: :func:`task_command` (a serving or agent-proxy role as
+  a task of its own), :func:`without_secrets`.
 - :func:`launch`: config errors become a message and exit code 2; the job runs once per attempt
   and, with ``recover.mode=auto``, is relaunched after a failure up to ``recover.retries`` times,
   unless the failure repeats the previous attempt's cause (the root-cause line the supervisor
@@ -23,14 +25,17 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from areal.api.config import BaseExperimentConfig, ConfigError, load_config, save_config
+from areal.api.config.loader import iter_fields
+from areal.launcher.plan import SERVING, Role, launch_plan, refusals
 from areal.launcher.procs import read_failures
 from areal.runtime.preflight import preflight
 from areal.utils.logging import add_log_file, get_logger
-from areal.utils.name_resolve import NameRepository, gen_servers_key, make_repository, trial_key
+from areal.utils.name_resolve import NameRepository, make_repository, trial_key
 from areal.utils.recover import resume_pending
 
 logger = get_logger("launcher")
@@ -42,12 +47,6 @@ RunOnce = Callable[[BaseExperimentConfig, int], int]
 
 class ScriptError(ValueError):
     """SCRIPT cannot be launched as it is (it defines no ``CONFIG``): a user error, no crash."""
-
-
-COLOCATE_LOCAL_ONLY = (
-    "cluster.colocate: true, but only `areal launch local` puts servers on the trainers' GPUs; "
-    "use it on one machine, or cluster.colocate=null to give each server a GPU of its own"
-)
 
 
 def load_script_config_class(script: str | Path) -> type:
@@ -68,6 +67,8 @@ def load_script_config_class(script: str | Path) -> type:
         module_name, name = imported
         return getattr(importlib.import_module(module_name), name)
     spec = importlib.util.spec_from_file_location(f"_areal_script_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ScriptError(f"{path} cannot be imported as a Python module; name a .py file")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "CONFIG"):
@@ -116,30 +117,71 @@ def reset_trial(cfg: BaseExperimentConfig) -> NameRepository:
     return registry
 
 
-def register_server(registry: NameRepository, cfg: BaseExperimentConfig, address: str) -> None:
-    """Publish a healthy server's ``host:port`` for the trial's trainers."""
-    registry.add_subentry(gen_servers_key(cfg.experiment_name, cfg.trial_name), address)
+def register_role(registry: NameRepository, role: Role, address: str) -> None:
+    """Publish a serving role's ``host:port`` (once it answers) under its registry key."""
+    registry.add_subentry(role.registry_key, address)
 
 
-def wait_for_servers(
-    registry: NameRepository, cfg: BaseExperimentConfig, timeout: float
+def wait_for_roles(registry: NameRepository, roles: list[Role], timeout: float) -> None:
+    """Wait until every one of ``roles`` that registers did (at most ``timeout`` seconds in
+    all; TimeoutError naming the key that is short)."""
+    deadline = time.monotonic() + timeout
+    counts: dict[str, int] = {}
+    for r in roles:
+        if r.registry_key:
+            counts[r.registry_key] = counts.get(r.registry_key, 0) + 1
+    for key, n in counts.items():
+        registry.wait_subtree(key, n, max(0.0, deadline - time.monotonic()))
+
+
+def task_command(
+    role: Role, python: str, script: str, argv: list[str], host: str, port: int = 0
 ) -> list[str]:
-    """The addresses of the trial's ``cluster.n_servers`` servers, once all registered."""
-    key = gen_servers_key(cfg.experiment_name, cfg.trial_name)
-    return registry.wait_subtree(key, cfg.cluster.n_servers, timeout)
+    """The command line of a serving or agent-proxy role run as a task of its own on a node
+    (Ray, Slurm; the local launcher runs its agent proxy so too): ``server_task`` or
+    ``agent_proxy_task`` on ``host`` (the proxy on ``port``, 0: a free one; a server task picks
+    its own); ``argv`` holds no secret (:func:`without_secrets`)."""
+    if role.kind in SERVING:
+        return [python, "-m", "areal.launcher.server_task", "--name", role.name, "--host", host,
+                script, *argv]  # fmt: skip
+    if role.kind == "agent_proxy":
+        return [python, "-m", "areal.launcher.agent_proxy_task", "--host", host,
+                "--port", str(port), script, *argv]  # fmt: skip
+    raise ValueError(f"{role.name}: a {role.kind} role runs the entry script, not a task")
 
 
-def launch(script: str, argv: list[str], run_once: RunOnce) -> int:
-    """Validate SCRIPT's config, then ``run_once(cfg, attempt)`` until it returns 0 or the
-    relaunches allowed by ``recover.mode=auto`` are spent, or a failure repeats the cause of the
-    one before (``run_once`` records causes with :func:`areal.launcher.procs.record_failure`);
-    returns the last exit code. RUN_DIR/config.yaml is written here only for a fresh run: when a
-    recover checkpoint is there, the trainer writes it once it accepted the resume."""
+def without_secrets(argv: list[str], cfg) -> list[str]:
+    """``argv`` less the overrides of ``secret`` fields (they travel by env, not command line)."""
+    secret = {path for path, f, _ in iter_fields(type(cfg)) if f.metadata.get("secret")}
+    return [a for a in argv if a.split("=", 1)[0].lstrip("-") not in secret]
+
+
+def checked_config(
+    script: str, argv: list[str], launcher: str, places: frozenset[str]
+) -> BaseExperimentConfig:
+    """SCRIPT's config, validated with what it points at, and checked to hold no role of the
+    launch plan that ``launcher`` cannot place (it places ``places``); ConfigError otherwise."""
+    cfg = load_config(load_script_config_class(script), argv)
+    problems = preflight(cfg)
+    if problems:
+        raise ConfigError(problems, "what the config points at")
+    problems = refusals(launch_plan(cfg), launcher, places)
+    if problems:
+        raise ConfigError(problems, f"the launch plan for `areal launch {launcher}`")
+    return cfg
+
+
+def launch(
+    script: str, argv: list[str], run_once: RunOnce, launcher: str, places: frozenset[str]
+) -> int:
+    """:func:`checked_config` (as ``launcher``, which places ``places``), then ``run_once(cfg,
+    attempt)`` until it returns 0 or the relaunches allowed by ``recover.mode=auto`` are spent,
+    or a failure repeats the cause of the one before (``run_once`` records causes with
+    :func:`areal.launcher.procs.record_failure`); returns the last exit code. RUN_DIR/config.yaml
+    is written here only for a fresh run: with a recover checkpoint, the trainer writes it once
+    it accepted the resume."""
     try:
-        cfg = load_config(load_script_config_class(script), argv)
-        problems = preflight(cfg)
-        if problems:
-            raise ConfigError(problems, "what the config points at")
+        cfg = checked_config(script, argv, launcher, places)
     except (
         ConfigError,
         ScriptError,

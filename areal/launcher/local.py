@@ -1,23 +1,26 @@
 """``areal launch local SCRIPT --config YAML [overrides]``: one machine, real processes.
 
-Clears the trial's registry, starts ``cluster.n_servers`` generation servers (ours, or SGLang /
-vLLM when ``rollout.backend`` says so and they are installed), with ``workflow.type: agent_cmd``
-the agent proxy role (areal.launcher.agent_proxy_task; a control token per attempt, by env to it
-and the trainers; its exit stops the run), and at once, beside them, SCRIPT under ``torchrun`` on
-``cluster.trainer_nprocs`` ranks with the launch env contract (:mod:`areal.api.launch`): the
-trainers' start-up overlaps the servers'. Each server is registered in the registry once it
-answers ``/health``; one that dies or misses ``launcher.server_setup_timeout`` first stops the
-run. The trainers wait for the servers in the registry (``launcher.server_setup_timeout`` +
-``rollout.setup_timeout``). On a GPU machine the trainer ranks get GPUs
-``0..trainer_nprocs-1`` and server ``i`` the GPU after them (``CUDA_VISIBLE_DEVICES``; inside a
-server its GPU is ``cuda``). Logs go to RUN_DIR/logs/<process>.log and to the console with a
-prefix. Everything is torn down on exit, on Ctrl-C / SIGTERM, and when the trainer fails. A
-server that dies is restarted on its port with the newest published weights and their version
-(``launcher.server_restarts`` times; disk weight updates only), and the trainer's client takes
-it back at its next weight update, or at once when it was the last one (the client waits up to
-``rollout.server_restart_timeout`` for it); meanwhile the client fails over to the others, and
-past the limit it stops the run once all are gone. With ``recover.mode=auto`` a failed run is
-relaunched up to ``recover.retries`` times and the script resumes from its last recover checkpoint.
+Places the run's launch plan (:mod:`areal.launcher.plan`) here. Clears the trial's registry,
+starts its serving roles (``cluster.n_servers`` generation servers: ours, or SGLang / vLLM when
+``rollout.backend`` says so and they are installed; ``distill.n_servers`` teacher servers), with
+``workflow.type: agent_cmd`` the agent proxy role (areal.launcher.agent_proxy_task; a control
+token per attempt, by env to it and the trainers; its exit stops the run), and at once, beside
+them, SCRIPT under ``torchrun`` on ``cluster.trainer_nprocs`` ranks with the launch env contract
+(:mod:`areal.api.launch`): the trainers' start-up overlaps the servers'. Each server is
+registered under its role's key once it answers ``/health``; one that dies or misses
+``launcher.server_setup_timeout`` first stops the run. The trainers wait for the servers in the
+registry (``launcher.server_setup_timeout`` + ``rollout.setup_timeout``). On a GPU machine the
+trainer ranks get GPUs ``0..trainer_nprocs-1``, server ``i`` the GPU after them and teacher
+``j`` generation server ``j``'s (``CUDA_VISIBLE_DEVICES``; inside a server its GPU is
+``cuda``). Logs go to RUN_DIR/logs/<process>.log and to the console with a prefix. Everything
+is torn down on exit, on Ctrl-C / SIGTERM, and when the trainer fails. A generation server that
+dies is restarted on its port with the newest published weights and their version
+(``launcher.server_restarts`` times; disk weight updates only; never a teacher), and the
+trainer's client takes it back at its next weight update, or at once when it was the last one
+(the client waits up to ``rollout.server_restart_timeout`` for it); meanwhile the client fails
+over to the others, and past the limit it stops the run once all are gone. With
+``recover.mode=auto`` a failed run is relaunched up to ``recover.retries`` times and the script
+resumes from its last recover checkpoint.
 
 SCRIPT must define ``CONFIG`` (its config class) at module level so the launcher validates the
 whole config before starting anything.
@@ -33,7 +36,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from areal.api.config.loader import iter_fields
 from areal.api.launch import (
     agent_proxy_env,
     api_key_env,
@@ -44,18 +46,22 @@ from areal.api.launch import (
 )
 from areal.launcher.common import (
     launch,
-    register_server,
+    register_role,
     reset_trial,
+    task_command,
     thread_split,
     usable_cores,
+    without_secrets,
 )
+from areal.launcher.plan import LaunchPlan, launch_plan
 from areal.launcher.procs import Child, ProcessSupervisor, http_ok
-from areal.launcher.servers import ManagedServer, server_command, server_env
+from areal.launcher.servers import ManagedServer
 from areal.utils.logging import get_logger
-from areal.utils.name_resolve import gen_teacher_key, make_repository
 from areal.utils.network import free_port
 
 logger = get_logger("launcher")
+# the roles this launcher places (Role.placement, areal.launcher.plan); others are refused
+PLACES = frozenset({"server", "colocated server", "teacher", "agent_proxy", "trainer"})
 
 
 def gpu_layout(
@@ -84,7 +90,8 @@ def gpu_layout(
         )
     trainers = gpus[:trainer_nprocs]
     if not colocated:
-        return ",".join(trainers), gpus[trainer_nprocs:need]
+        own: list[str | None] = [*gpus[trainer_nprocs:need]]
+        return ",".join(trainers), own
     if colocate is None:
         logger.info(
             f"launcher: {len(gpus)} GPU(s) for {trainer_nprocs} trainer ranks + {n_servers} "
@@ -103,86 +110,38 @@ class Starting:
     ready: Callable[[], None]
 
 
-def _start_servers(
-    sup: ProcessSupervisor, cfg, server_gpus: list[str | None], threads: int
+def _start_serving(
+    sup: ProcessSupervisor, cfg, plan: LaunchPlan, server_gpus: list[str | None], threads: int
 ) -> tuple[list[ManagedServer], list[Starting]]:
-    """Start the servers (``threads`` OMP/torch threads each); each is registered once it
-    answers ``/health`` (its :class:`Starting`)."""
+    """Start the plan's serving roles (``threads`` OMP/torch threads each): generation server i
+    on ``server_gpus[i]``, teacher j on generation server j's GPU (one machine has few); each
+    is registered under its role's key once it answers ``/health`` (its :class:`Starting`)."""
     registry = reset_trial(cfg)
     servers, starting = [], []
-    for i in range(cfg.cluster.n_servers):
-        env = {
-            **threads_env(threads),
-            **devices_env(server_gpus[i]),
-            **api_key_env(cfg.server.api_key),
-        }
-        s = ManagedServer.start(sup, cfg, f"server{i}", free_port(), env)
+    for k, role in enumerate(plan.serving):
+        gpu = server_gpus[k % len(server_gpus)] if server_gpus else None
+        env = {**threads_env(threads), **devices_env(gpu), **api_key_env(cfg.server.api_key)}
+        s = ManagedServer.start(sup, cfg, role, free_port(), env)
         servers.append(s)
-        starting.append(
-            Starting(s.child, f"{s.url}/health", partial(register_server, registry, cfg, s.address))
-        )
+        ready = partial(register_role, registry, role, s.address)
+        starting.append(Starting(s.child, f"{s.url}/health", ready))
     return servers, starting
 
 
-def _start_teachers(sup: ProcessSupervisor, cfg, server_gpus: list[str | None]) -> list[Starting]:
-    """On-policy distillation: ``distill.n_servers`` servers of the teacher (never updated, not
-    restarted), teacher ``i`` on student server ``i``'s GPU, each registered under the trial's
-    teacher key once it answers ``/health``."""
-    distill = getattr(cfg, "distill", None)
-    if distill is None or not distill.enabled or not distill.n_servers:
-        return []
-    lc, registry = cfg.launcher, make_repository(cfg.cluster.name_resolve, cfg.name_resolve_root)
-    key, starting = gen_teacher_key(cfg.experiment_name, cfg.trial_name), []
-    for i in range(distill.n_servers):
-        port, gpu = free_port(), server_gpus[i % len(server_gpus)] if server_gpus else None
-        env = {
-            **threads_env(lc.server_threads),
-            **devices_env(gpu),
-            **api_key_env(cfg.server.api_key),
-            **server_env(cfg),
-        }
-        cmd = server_command(
-            cfg, port, cfg.run_dir / f"teacher{i}.yaml", model=distill.teacher_path
-        )
-        address = f"127.0.0.1:{port}"
-        starting.append(
-            Starting(
-                sup.start(f"teacher{i}", cmd, env=env),
-                f"http://{address}/health",
-                partial(registry.add_subentry, key, address),
-            )
-        )
-    return starting
-
-
-def uses_agent_proxy(cfg) -> bool:
-    """Whether the run needs the agent proxy role (``workflow.type: agent_cmd``)."""
-    workflow = getattr(cfg, "workflow", None)  # experiments without rollouts (SFT) have none
-    return workflow is not None and workflow.type == "agent_cmd"
-
-
-def agent_proxy_command(script: str, argv: list[str], cfg, host: str, port: int = 0) -> list[str]:
-    """Command line of the agent proxy role (areal.launcher.agent_proxy_task) on ``host``."""
-    return [
-        sys.executable, "-m", "areal.launcher.agent_proxy_task", "--host", host,
-        "--port", str(port), str(script), *without_secrets(argv, cfg),
-    ]  # fmt: skip
-
-
 def _start_agent_proxy(
-    sup: ProcessSupervisor, script: str, argv: list[str], cfg
+    sup: ProcessSupervisor, plan: LaunchPlan, script: str, argv: list[str], cfg
 ) -> tuple[Child | None, str]:
-    """With ``workflow.type: agent_cmd``: the agent proxy role (it registers itself once it
-    serves; the trainers wait for that, and its exit stops the run) and the control token it
-    shares with the trainers; else (None, '')."""
-    if not uses_agent_proxy(cfg):
+    """The plan's agent proxy role, if any (it registers itself once it serves; the trainers
+    wait for that, and its exit stops the run), and the control token it shares with the
+    trainers; else (None, '')."""
+    roles = plan.of("agent_proxy")
+    if not roles:
         return None, ""
     token, port = secrets.token_urlsafe(32), free_port()
-    env = {**threads_env(1), **api_key_env(cfg.server.api_key), **agent_proxy_env(token)}
-    child = sup.start(
-        "agent_proxy", agent_proxy_command(script, argv, cfg, "127.0.0.1", port), env=env
-    )
-    return child, token
+    env = {**threads_env(roles[0].threads), **api_key_env(cfg.server.api_key)}
+    public = without_secrets(argv, cfg)
+    cmd = task_command(roles[0], sys.executable, script, public, "127.0.0.1", port)
+    return sup.start(roles[0].name, cmd, env={**env, **agent_proxy_env(token)}), token
 
 
 def _usable_gpus(cfg) -> list[str]:
@@ -209,12 +168,6 @@ def gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def without_secrets(argv: list[str], cfg) -> list[str]:
-    """``argv`` less the overrides of ``secret`` fields (they travel by env, not command line)."""
-    secret = {path for path, f, _ in iter_fields(type(cfg)) if f.metadata.get("secret")}
-    return [a for a in argv if a.split("=", 1)[0].lstrip("-") not in secret]
-
-
 def _trainer_command(script: str, argv: list[str], nprocs: int) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run",
@@ -225,25 +178,22 @@ def _trainer_command(script: str, argv: list[str], nprocs: int) -> list[str]:
 
 
 def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
-    """Start servers and trainer, wait for the trainer, tear everything down; trainer's code."""
-    lc, cluster = cfg.launcher, cfg.cluster
+    """Place the launch plan here: start its serving roles, agent proxy and trainer at once,
+    wait for the trainer, tear everything down; the trainer's code."""
+    lc, cluster, plan = cfg.launcher, cfg.cluster, launch_plan(cfg)
     with ProcessSupervisor(cfg.run_dir / "logs", echo=lc.echo, stop_timeout=lc.stop_timeout) as sup:
         trainer_gpus, server_gpus = gpu_layout(
             _usable_gpus(cfg), cluster.trainer_nprocs, cluster.n_servers, cluster.colocate
         )
         server_threads, trainer_threads, how = thread_split(
-            lc.server_threads,
-            lc.trainer_threads,
-            cluster.n_servers,
-            cluster.trainer_nprocs,
+            lc.server_threads, lc.trainer_threads, len(plan.serving), cluster.trainer_nprocs,
             usable_cores(),
-        )
+        )  # fmt: skip
         logger.info(f"launcher: {how}")
-        # the trainer starts beside the servers (its imports overlap their start) and waits
-        # for them in the registry, where each is published once it answers /health
-        servers, starting = _start_servers(sup, cfg, server_gpus, server_threads)
-        starting += _start_teachers(sup, cfg, server_gpus)
-        proxy, token = _start_agent_proxy(sup, script, argv, cfg)
+        # the trainer starts beside the roles it waits for (its imports overlap their start)
+        # and waits for them in the registry, where each is published once it answers
+        servers, starting = _start_serving(sup, cfg, plan, server_gpus, server_threads)
+        proxy, token = _start_agent_proxy(sup, plan, script, argv, cfg)
         server_cfg = getattr(cfg, "server", None)  # experiments without servers (SFT) have none
         colocated = trainer_gpus is not None and bool(
             set(trainer_gpus.split(",")) & set(server_gpus)
@@ -257,7 +207,7 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
             **agent_proxy_env(token),
         }
         cmd = _trainer_command(script, without_secrets(argv, cfg), cluster.trainer_nprocs)
-        trainer = sup.start("trainer", cmd, env=env)
+        trainer = sup.start(plan.trainer.name, cmd, env=env)
         try:
             stopped = _watch(sup, cfg, trainer, servers, proxy, starting)
         except (RuntimeError, TimeoutError) as e:  # one died or hung while starting
@@ -319,7 +269,7 @@ def launch_local(script: str, argv: list[str]) -> int:
             return 2
         return run_once(script, argv, cfg, attempt)
 
-    return launch(script, argv, run_local)
+    return launch(script, argv, run_local, "local", PLACES)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ where the relaunch loop reads it.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -48,7 +49,7 @@ class LogPump(threading.Thread):
 
     def __init__(
         self,
-        stream: IO[bytes],
+        stream: io.BufferedIOBase,
         log: IO[bytes],
         prefix: str,
         console: Console | None,
@@ -251,6 +252,7 @@ class ProcessSupervisor:
             preexec_fn=parent_death_signal(signal.SIGTERM),  # dies with us, even on SIGKILL
         )
         log = open(log_path, "ab")
+        assert isinstance(proc.stdout, io.BufferedReader)  # stdout=PIPE, binary: Popen's own
         pump = LogPump(proc.stdout, log, name, self.console, header=f"$ {' '.join(cmd)}\n".encode())
         pump.start()
         child = Child(name, proc, log_path, pump)

@@ -45,15 +45,22 @@ from areal.api.launch import (
     torch_dist_env,
     trainer_env,
 )
-from areal.launcher.common import COLOCATE_LOCAL_ONLY, launch, reset_trial, wait_for_servers
-from areal.launcher.local import agent_proxy_command, uses_agent_proxy, without_secrets
+from areal.launcher.common import (
+    launch,
+    reset_trial,
+    task_command,
+    wait_for_roles,
+    without_secrets,
+)
+from areal.launcher.plan import LaunchPlan, Role, launch_plan
 from areal.launcher.procs import ProcessSupervisor, record_failure
 from areal.utils.logging import get_logger
-from areal.utils.name_resolve import agent_proxy_key
 from areal.utils.network import free_port
 
 logger = get_logger("launcher")
 POLL_S = 0.5
+# the roles this launcher places (Role.placement, areal.launcher.plan); others are refused
+PLACES = frozenset({"server", "teacher", "agent_proxy", "trainer"})
 RPC_TIMEOUT_S = 60.0  # deadline of one call to an actor (start, poll, stop)
 
 
@@ -116,33 +123,35 @@ def _gpus_per_process(ray, cfg) -> int:
     return 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
 
 
-def _place(ray, cfg, n_servers: int, n_ranks: int, n_cpu_only: int = 0):
-    """A ready placement group of ``n_servers + n_ranks`` bundles (servers first), then
-    ``n_cpu_only`` bundles without accelerators (the agent proxy), or an error naming wanted vs
-    available resources."""
+def _place(ray, cfg, plan: LaunchPlan) -> tuple[Any, dict[str, list[int]]]:
+    """A ready placement group of one bundle per process of the plan, in plan order (a role
+    without an accelerator gets a CPU-only bundle), and role name -> its bundles; or an error
+    naming wanted vs available resources."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    if cfg.cluster.colocate:
-        raise ValueError(COLOCATE_LOCAL_ONLY)
     rc = cfg.launcher.ray
     gpus = _gpus_per_process(ray, cfg)
     bundle = {"CPU": rc.cpus_per_process, **({"GPU": gpus} if gpus else {})}
-    n = n_servers + n_ranks
-    wanted = {k: v * n for k, v in bundle.items()}
-    wanted["CPU"] += rc.cpus_per_process * n_cpu_only
+    bundles: list[dict] = []
+    where: dict[str, list[int]] = {}
+    for role in plan.roles:
+        where[role.name] = list(range(len(bundles), len(bundles) + role.processes))
+        shape = bundle if role.accelerator else {"CPU": rc.cpus_per_process}
+        bundles += [dict(shape) for _ in range(role.processes)]
+    wanted: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            wanted[k] = wanted.get(k, 0) + v
     total = ray.cluster_resources()
     short = {k: (v, total.get(k, 0.0)) for k, v in wanted.items() if v > total.get(k, 0.0)}
-    what = f"{n_servers} server(s) + {n_ranks} trainer rank(s), {bundle} each" + (
-        f", + the agent proxy ({rc.cpus_per_process:g} CPU)" if n_cpu_only else ""
-    )
+    what = _what(plan, bundle, rc.cpus_per_process)
     if short:
         raise RuntimeError(
             f"launch ray: {what} need {wanted}; the cluster has "
             + ", ".join(f"{k} {have:g} (wanted {want:g})" for k, (want, have) in short.items())
-            + "; lower cluster.n_servers / cluster.trainer_nprocs / "
+            + "; lower cluster.n_servers / distill.n_servers / cluster.trainer_nprocs / "
             "launcher.ray.cpus_per_process or add nodes"
         )
-    bundles = [dict(bundle) for _ in range(n)] + [{"CPU": rc.cpus_per_process}] * n_cpu_only
     pg = placement_group(bundles, strategy=rc.placement_strategy)
     try:
         ray.get(pg.ready(), timeout=rc.placement_timeout)
@@ -154,14 +163,25 @@ def _place(ray, cfg, n_servers: int, n_ranks: int, n_cpu_only: int = 0):
             f"available now {ray.available_resources()}: other jobs hold resources, or the "
             "strategy cannot be met by the nodes' shapes"
         ) from None
-    return pg
+    return pg, where
+
+
+def _what(plan: LaunchPlan, bundle: dict, cpus: float) -> str:
+    """The plan's processes in words: ``1 server(s) + 2 trainer rank(s), {...} each``."""
+    teachers = len(plan.of("teacher"))
+    return (
+        f"{len(plan.of('server'))} server(s)"
+        + (f" + {teachers} teacher server(s)" if teachers else "")
+        + f" + {plan.trainer.processes} trainer rank(s), {bundle} each"
+        + (f", + the agent proxy ({cpus:g} CPU)" if plan.of("agent_proxy") else "")
+    )
 
 
 class _Job:
     """The actors of one attempt and how to stop them."""
 
-    def __init__(self, ray, cfg, pg):
-        self.ray, self.cfg, self.pg = ray, cfg, pg
+    def __init__(self, ray, cfg, pg, bundles: dict[str, list[int]]):
+        self.ray, self.cfg, self.pg, self.bundles = ray, cfg, pg, bundles
         self.actors: dict[str, Any] = {}
         self.host_cls = ray.remote(ProcessHost)
 
@@ -190,6 +210,14 @@ class _Job:
                 f"launch ray: {what} did not answer within {RPC_TIMEOUT_S:g} s"
             ) from None
 
+    def poll(self, name: str) -> tuple[int | None, str]:
+        """(exit code or None while it runs, cause) of the process of actor ``name``; a dead
+        actor counts as exit code 1."""
+        try:
+            return self.call(self.actors[name].poll.remote(), name)
+        except self.ray.exceptions.RayActorError as e:
+            return 1, f"its actor died: {e}"
+
     def stop(self) -> None:
         """Stop every process (in parallel, bounded), kill every actor, free the bundles."""
         from ray.util.placement_group import remove_placement_group
@@ -205,11 +233,12 @@ class _Job:
 
 
 def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
-    """One attempt on the Ray cluster; the trainer ranks' exit code (first failure wins)."""
+    """One attempt on the Ray cluster: the launch plan placed, its roles started in plan order
+    (each once the roles it waits for registered); the trainer ranks' exit code (first failure
+    wins)."""
     ray = import_ray()
-    cluster, lc = cfg.cluster, cfg.launcher
-    n_ranks = cluster.n_nodes * cluster.trainer_nprocs
-    if cluster.n_nodes > 1 and cluster.n_servers and not cfg.server.api_key:
+    plan, lc = launch_plan(cfg), cfg.launcher
+    if cfg.cluster.n_nodes > 1 and plan.serving and not cfg.server.api_key:
         logger.error(
             "cluster.n_nodes > 1: servers bind their node's address, which needs "
             "server.api_key (pass it by env: AREAL_SERVER_API_KEY)"
@@ -221,14 +250,14 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
         ray.init(address=lc.ray.address or None, log_to_driver=lc.echo, include_dashboard=False)
     signal.signal(signal.SIGTERM, handler)  # ray.init installs its own; ours tears down first
     try:
-        pg = _place(ray, cfg, cluster.n_servers, n_ranks, int(uses_agent_proxy(cfg)))
+        pg, bundles = _place(ray, cfg, plan)
     except RuntimeError as e:
         logger.error(str(e))
         record_failure(_logs(cfg), "launcher", 2, str(e))
         return 2
-    job = _Job(ray, cfg, pg)
+    job = _Job(ray, cfg, pg, bundles)
     try:
-        return _run(job, script, argv, attempt, n_ranks)
+        return _run(job, plan, script, argv, attempt)
     finally:
         job.stop()
 
@@ -239,32 +268,56 @@ def _logs(cfg) -> Path:
     return logs
 
 
-def _run(job: _Job, script: str, argv: list[str], attempt: int, n_ranks: int) -> int:
-    cfg = job.cfg
-    cluster, lc = cfg.cluster, cfg.launcher
-    script, cwd = str(Path(script).resolve()), os.getcwd()
-    public = without_secrets(argv, cfg)
+def _run(job: _Job, plan: LaunchPlan, script: str, argv: list[str], attempt: int) -> int:
+    """Start the plan's roles in order, each once the roles it waits for registered; follow."""
+    cfg, lc = job.cfg, job.cfg.launcher
+    script = str(Path(script).resolve())
     reserved = max(1, int(lc.ray.cpus_per_process))  # each process's bundle: its threads by default
-    server_threads, trainer_threads = lc.server_threads or reserved, lc.trainer_threads or reserved
     logger.info(
-        f"threads: per server {server_threads}, per trainer rank {trainer_threads} "
-        "(launcher.server_threads / trainer_threads; 0 = the bundle's "
-        "launcher.ray.cpus_per_process)"
+        f"threads: per server {lc.server_threads or reserved}, per trainer rank "
+        f"{lc.trainer_threads or reserved} (launcher.server_threads / trainer_threads; 0 = the "
+        "bundle's launcher.ray.cpus_per_process)"
     )
     server_cfg = getattr(cfg, "server", None)
-    key = {
+    common = {
         **forwarded_env(lc.ray.forward_env),
         **api_key_env(server_cfg.api_key if server_cfg else ""),
     }
-    registry = reset_trial(cfg)
-    servers = _start_servers(job, script, public, {**threads_env(server_threads), **key})
-    if servers:
-        _wait_registered(job, registry, servers)
-    proxy = None
-    if uses_agent_proxy(cfg):  # on the last bundle; the trainers share its control token
-        key = {**key, **agent_proxy_env(secrets.token_urlsafe(32))}
-        proxy = _start_agent_proxy(job, registry, script, argv, cluster.n_servers + n_ranks, key)
-    ranks = [job.actor(f"trainer{r}", cluster.n_servers + r) for r in range(n_ranks)]
+    token = agent_proxy_env(secrets.token_urlsafe(32) if plan.of("agent_proxy") else "")
+    env = {
+        r.name: {
+            **common,
+            **threads_env(r.threads or reserved),
+            **(token if r.shares_token else {}),
+        }
+        for r in plan.roles
+    }
+    registry, public = reset_trial(cfg), without_secrets(argv, cfg)
+    for role in plan.tasks:
+        _wait_registered(job, registry, plan.of(*role.after))
+        _start_task(job, role, script, public, env[role.name])
+    _wait_registered(job, registry, plan.of(*plan.trainer.after))
+    ranks = _start_ranks(job, plan.trainer, script, public, env[plan.trainer.name], attempt)
+    return _follow(job, plan.tasks, ranks)
+
+
+def _start_task(job: _Job, role: Role, script: str, public: list[str], env: dict) -> None:
+    """``role`` (a serving or agent-proxy role) as a task on its bundle; a serving role's task
+    logs to ``<name>-task.log``, its server to ``<name>.log``."""
+    a = job.actor(role.name, job.bundles[role.name][0])
+    node = job.call(a.node.remote(), f"{role.name}'s actor")
+    host = "127.0.0.1" if job.cfg.cluster.n_nodes == 1 else node["ip"]
+    cmd = task_command(role, sys.executable, script, public, host)
+    job.call(a.start.remote(role.task_log, cmd, env, os.getcwd()), role.name)
+
+
+def _start_ranks(
+    job: _Job, trainer: Role, script: str, public: list[str], env: dict, attempt: int
+) -> list[str]:
+    """The trainer role's ranks, each on its bundle with torchrun's variables; their names."""
+    n_ranks = trainer.processes
+    names = [f"trainer{r}" for r in range(n_ranks)]
+    ranks = [job.actor(n, b) for n, b in zip(names, job.bundles[trainer.name])]
     nodes = [job.call(a.node.remote(), f"trainer rank {r}'s actor") for r, a in enumerate(ranks)]
     master_addr, master_port = nodes[0]["ip"], nodes[0]["port"]
     local: dict[str, list[int]] = {}  # node ip -> its ranks, in rank order
@@ -272,133 +325,76 @@ def _run(job: _Job, script: str, argv: list[str], attempt: int, n_ranks: int) ->
         local.setdefault(node["ip"], []).append(r)
     for r, (a, node) in enumerate(zip(ranks, nodes)):
         peers = local[node["ip"]]
-        gpus = (
-            ",".join(g for p in peers for g in nodes[p]["gpus"]) or None
-        )  # cuda:LOCAL_RANK is ours
-        env = {
+        gpus = ",".join(g for p in peers for g in nodes[p]["gpus"]) or None  # cuda:LOCAL_RANK
+        rank_env = {
             **torch_dist_env(r, n_ranks, peers.index(r), master_addr, master_port),
             **trainer_env(attempt),
-            **threads_env(trainer_threads),
             **devices_env(gpus),
-            **key,
+            **env,
         }
-        job.call(
-            a.start.remote(f"trainer{r}", [sys.executable, script, *public], env, cwd),
-            f"trainer rank {r}",
-        )
-    return _follow(job, servers, ranks, proxy)
+        cmd = [sys.executable, script, *public]
+        job.call(a.start.remote(names[r], cmd, rank_env, os.getcwd()), f"trainer rank {r}")
+    return names
 
 
-def _start_servers(job: _Job, script: str, public: list[str], env: dict[str, str]) -> dict:
-    """One server task per server bundle (the first ``cluster.n_servers``); name -> actor."""
-    cluster = job.cfg.cluster
-    servers = {f"server{i}": job.actor(f"server{i}", i) for i in range(cluster.n_servers)}
-    for name, a in servers.items():
-        node = job.call(a.node.remote(), f"{name}'s actor")
-        host = "127.0.0.1" if cluster.n_nodes == 1 else node["ip"]
-        cmd = [sys.executable, "-m", "areal.launcher.server_task", "--name", name,
-               "--host", host, script, *public]  # fmt: skip
-        job.call(a.start.remote(f"{name}-task", cmd, env, os.getcwd()), name)
-    return servers
-
-
-def _start_agent_proxy(job: _Job, registry, script: str, argv: list[str], bundle: int, env):
-    """The agent proxy role (areal.launcher.agent_proxy_task) on bundle ``bundle``, once it
-    registered itself (``launcher.server_setup_timeout``); its actor."""
+def _wait_registered(job: _Job, registry, roles: list[Role]) -> None:
+    """Wait (``launcher.server_setup_timeout``) until every one of ``roles`` registered; one
+    whose task exits first stops the launch with its cause."""
     cfg = job.cfg
-    a = job.actor("agent_proxy", bundle)
-    node = job.call(a.node.remote(), "the agent proxy's actor")
-    host = "127.0.0.1" if cfg.cluster.n_nodes == 1 else node["ip"]
-    cmd = agent_proxy_command(script, argv, cfg, host)
-    job.call(
-        a.start.remote("agent_proxy", cmd, {**threads_env(1), **env}, os.getcwd()),
-        "the agent proxy",
-    )
-    key = agent_proxy_key(cfg.experiment_name, cfg.trial_name)
-    deadline = time.monotonic() + cfg.launcher.server_setup_timeout
-    while not registry.get_subtree(key):
-        code, cause = job.call(a.poll.remote(), "the agent proxy")
-        if code is not None:
-            raise RuntimeError(
-                f"the agent proxy exited with code {code} before registering: {cause}; "
-                f"see {cfg.run_dir / 'logs' / 'agent_proxy.log'}"
-            )
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"the agent proxy did not register within {cfg.launcher.server_setup_timeout:g} s "
-                "(launcher.server_setup_timeout); see RUN_DIR/logs/agent_proxy.log"
-            )
-        time.sleep(POLL_S)
-    return a
-
-
-def _wait_registered(job: _Job, registry, servers: dict[str, Any]) -> None:
-    """Wait (``launcher.server_setup_timeout``) until every server registered; a server task
-    that exits first stops the launch with its cause."""
-    cfg = job.cfg
-    deadline = time.monotonic() + cfg.launcher.server_setup_timeout
-    while True:
-        for name, a in servers.items():
-            code, cause = job.call(a.poll.remote(), name)
+    timeout = cfg.launcher.server_setup_timeout
+    deadline = time.monotonic() + timeout
+    while roles:
+        for role in roles:
+            code, cause = job.poll(role.name)
             if code is not None:
                 raise RuntimeError(
-                    f"{name} exited with code {code} before registering: {cause}; "
-                    f"see {cfg.run_dir / 'logs' / name}.log"
+                    f"{role.name} exited with code {code} before registering: {cause}; "
+                    f"see {cfg.run_dir / 'logs' / role.task_log}.log"
                 )
         try:
-            wait_for_servers(registry, cfg, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+            wait_for_roles(registry, roles, min(2.0, max(0.1, deadline - time.monotonic())))
             return
         except TimeoutError:
             if time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"{len(servers)} server(s) did not all register "
-                    f"within {cfg.launcher.server_setup_timeout:g} s "
-                    "(launcher.server_setup_timeout); see RUN_DIR/logs/server*.log"
+                    f"{', '.join(r.name for r in roles)} did not all register within "
+                    f"{timeout:g} s (launcher.server_setup_timeout); see their logs in "
+                    f"{cfg.run_dir / 'logs'}"
                 ) from None
 
 
-def _follow(job: _Job, servers: dict[str, Any], ranks: list, proxy=None) -> int:
-    """Poll until every trainer rank exited 0 (0) or one failed, or the agent proxy exited (its
-    code, cause recorded)."""
-    cfg, ray = job.cfg, job.ray
-    done: set[int] = set()
+def _follow(job: _Job, tasks: list[Role], ranks: list[str]) -> int:
+    """Poll until every trainer rank exited 0 (0) or one failed, or a task whose exit ends the
+    run (the agent proxy) exited (its code, cause recorded); a server that is gone is logged."""
+    logs = job.cfg.run_dir / "logs"
+    done: set[str] = set()
     gone: set[str] = set()
     while len(done) < len(ranks):
-        if proxy is not None:
-            try:
-                code, cause = job.call(proxy.poll.remote(), "the agent proxy")
-            except ray.exceptions.RayActorError as e:
-                code, cause = 1, f"its actor died: {e}"
-            if code is not None:
-                logger.error(f"the agent proxy exited with code {code}: {cause}; the run stops")
-                record_failure(cfg.run_dir / "logs", "agent_proxy", code or 1, cause)
-                return code or 1
-        for r, a in enumerate(ranks):
-            if r in done:
+        for role in tasks:
+            if role.name in gone:
                 continue
-            try:
-                code, cause = job.call(a.poll.remote(), f"trainer rank {r}")
-            except ray.exceptions.RayActorError as e:
-                code, cause = 1, f"the actor of trainer rank {r} died: {e}"
+            code, cause = job.poll(role.name)
+            if code is None:
+                continue
+            gone.add(role.name)
+            if role.ends_run:
+                logger.error(f"{role.name} exited with code {code}: {cause}; the run stops")
+                record_failure(logs, role.name, code or 1, cause)
+                return code or 1
+            logger.error(
+                f"{role.name} is gone (code {code}: {cause}); the trainer continues on the "
+                "other servers"
+            )
+        for r, name in enumerate(ranks):
+            if name in done:
+                continue
+            code, cause = job.poll(name)
             if code == 0:
-                done.add(r)
+                done.add(name)
             elif code is not None:
                 logger.error(f"trainer rank {r} exited with code {code}: {cause}")
-                record_failure(cfg.run_dir / "logs", f"trainer{r}", code, cause)
+                record_failure(logs, name, code, cause)
                 return code
-        for name, a in servers.items():
-            if name in gone:
-                continue
-            try:
-                code, cause = job.call(a.poll.remote(), name)
-            except ray.exceptions.RayActorError as e:
-                code, cause = 1, f"its actor died: {e}"
-            if code is not None:
-                gone.add(name)
-                logger.error(
-                    f"{name} is gone (code {code}: {cause}); the trainer continues on the "
-                    "other servers"
-                )
         time.sleep(POLL_S)
     return 0
 
@@ -416,7 +412,7 @@ def launch_ray(script: str, argv: list[str]) -> int:
             return 1
 
     try:
-        return launch(script, argv, run)
+        return launch(script, argv, run, "ray", PLACES)
     finally:
         ray = sys.modules.get("ray")
         if ray is not None and ray.is_initialized():

@@ -8,12 +8,14 @@ import importlib.util
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from areal.api.config import to_dict
+from areal.launcher.plan import Role
 from areal.launcher.procs import Child, ProcessSupervisor
 from areal.utils.logging import get_logger
 
@@ -98,13 +100,15 @@ def server_command(
 
 @dataclass
 class ManagedServer:
-    """One generation server under a :class:`ProcessSupervisor`, restarted on its port when it
-    dies (every launcher uses it: locally, or on a cluster node through ``server_task``)."""
+    """One serving role's server (a generation or a teacher server, :mod:`areal.launcher.plan`)
+    under a :class:`ProcessSupervisor`, restarted on its port when it dies as its role allows
+    (every launcher uses it: locally, or on a cluster node through ``server_task``)."""
 
     child: Child
     host: str
     port: int
     env: dict[str, str]
+    role: Role
     restarts: int = 0
 
     @classmethod
@@ -112,15 +116,15 @@ class ManagedServer:
         cls,
         sup: ProcessSupervisor,
         cfg,
-        name: str,
+        role: Role,
         port: int,
         env: dict[str, str],
         host: str = "127.0.0.1",
     ) -> ManagedServer:
-        """Start server ``name`` on ``host:port`` with the actor's initial weights."""
-        cmd = server_command(cfg, port, cfg.run_dir / f"{name}.yaml", host=host)
+        """Start ``role``'s server on ``host:port`` with its model's initial weights."""
+        cmd = server_command(cfg, port, cfg.run_dir / f"{role.name}.yaml", role.model, host=host)
         env = {**env, **server_env(cfg)}
-        return cls(sup.start(name, cmd, env=env), host, port, env)
+        return cls(sup.start(role.name, cmd, env=env), host, port, env, role)
 
     @property
     def address(self) -> str:
@@ -134,9 +138,10 @@ class ManagedServer:
     def restart(self, sup: ProcessSupervisor, cfg) -> bool:
         """After the server exited: restart it on its port with the newest published weights
         and their version (the trainer's client takes it back at its next weight update), up to
-        ``launcher.server_restarts`` times; False (logged with the reason) if it stays dead."""
-        child, limit = self.child, cfg.launcher.server_restarts
-        why = cfg.server_restart_blocker() or (
+        its role's ``restarts`` times (``launcher.server_restarts``); False (logged with the
+        reason) if it stays dead."""
+        child, limit = self.child, self.role.restarts
+        why = self.role.no_restart_reason or (
             f"it was restarted {limit} time(s) already (launcher.server_restarts)"
             if self.restarts >= limit
             else ""
@@ -200,15 +205,15 @@ def vllm_command(
     ]  # fmt: skip
 
 
-def vllm_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+def vllm_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Env of a :func:`vllm_command` server: dev mode (it serves /pause, /resume and
     /collective_rpc only then), our extension's directory first on PYTHONPATH (only that
     directory: vLLM's venv must not see areal's packages), and an HTTP keep-alive longer than
     the client's: vLLM's default 5 s closes idle pooled connections while aiohttp (15 s) still
     reuses them, and two such ServerDisconnected errors in a row get a live server declared dead
     (seen in a GRPO run)."""
-    environ = os.environ if environ is None else environ
-    path = os.pathsep.join(p for p in (str(VLLM_EXTENSION_DIR), environ.get("PYTHONPATH", "")) if p)
+    seen = os.environ if environ is None else environ
+    path = os.pathsep.join(p for p in (str(VLLM_EXTENSION_DIR), seen.get("PYTHONPATH", "")) if p)
     return {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": path, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75"}
 
 

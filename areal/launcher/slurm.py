@@ -44,18 +44,19 @@ import shutil
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from areal.api.config import ConfigError, load_config
 from areal.api.launch import LAUNCHER_PID, agent_proxy_env, api_key_env, server_api_key
 from areal.launcher.common import (
-    COLOCATE_LOCAL_ONLY,
     launch,
     load_script_config_class,
     reset_trial,
-    wait_for_servers,
+    wait_for_roles,
+    without_secrets,
 )
-from areal.launcher.local import without_secrets
+from areal.launcher.plan import launch_plan
 from areal.launcher.procs import record_failure, root_cause
 from areal.launcher.slurm_errors import ENDED_WHY, controller_problem, never_placed
 from areal.launcher.slurm_job import (
@@ -69,11 +70,12 @@ from areal.launcher.slurm_job import (
 )
 from areal.launcher.slurm_script import Layout, job_name, job_script, layout
 from areal.utils.logging import get_logger
-from areal.utils.name_resolve import gen_servers_key
 from areal.utils.network import free_port
 
 logger = get_logger("launcher")
 
+# the roles this launcher places (Role.placement, areal.launcher.plan); others are refused
+PLACES = frozenset({"server", "teacher", "agent_proxy", "trainer"})
 STEP_SLACK_S = 60.0  # beyond server_setup_timeout: srun step creation, interpreter and config load
 
 
@@ -100,15 +102,14 @@ def slurm_problems(cfg) -> list[str]:
             f"cluster.n_nodes={cluster.n_nodes})); lower cluster.trainer_nprocs or "
             "cluster.n_servers, or raise cluster.n_nodes"
         )
-    if cluster.colocate:
-        problems.append(COLOCATE_LOCAL_ONLY)
     if cluster.name_resolve.type == "memory":
         problems.append(
             "cluster.name_resolve.type: memory lives in one process, but the job's servers "
             "and trainers are many; use file (a directory every node sees) or etcd"
         )
     server = getattr(cfg, "server", None)
-    if cluster.n_nodes > 1 and cluster.n_servers and not server_api_key(server.api_key):
+    serving = launch_plan(cfg).serving
+    if cluster.n_nodes > 1 and serving and not server_api_key(server.api_key if server else ""):
         problems.append(
             f"server.api_key: empty, but with cluster.n_nodes={cluster.n_nodes} the servers bind "
             "their node's address, which other machines reach; export AREAL_SERVER_API_KEY=<key> "
@@ -198,20 +199,20 @@ def wait_started(job: SlurmJob, cfg, lay: Layout) -> None:
 
 
 def wait_registered(job: SlurmJob, registry, cfg, follower: LogFollower) -> None:
-    """Wait until ``cluster.n_servers`` servers registered (``launcher.server_setup_timeout``
-    plus STEP_SLACK_S to start the steps); a server's step ending first stops the run, the job
-    ending first stops the wait."""
-    n, logs = cfg.cluster.n_servers, cfg.run_dir / "logs"
+    """Wait until the plan's serving roles registered (``launcher.server_setup_timeout`` plus
+    STEP_SLACK_S to start the steps); a serving step ending first stops the run, the job ending
+    first stops the wait."""
+    serving, logs = launch_plan(cfg).serving, cfg.run_dir / "logs"
     limit = cfg.launcher.server_setup_timeout + STEP_SLACK_S
     deadline = time.monotonic() + limit
-    seen: set[str] = set()  # server steps seen running
-    while n:
+    seen: set[str] = set()  # serving steps seen running
+    names = [r.name for r in serving]
+    while serving:
         try:
-            wait_for_servers(registry, cfg, POLL_S)
+            wait_for_roles(registry, serving, POLL_S)
             return
         except TimeoutError:
             follower.poll()
-        names = [f"server{i}" for i in range(n)]
         running = job.steps()
         seen |= running or set()
         ended = [s for s in names if running is not None and s in seen - running]
@@ -221,17 +222,18 @@ def wait_registered(job: SlurmJob, registry, cfg, follower: LogFollower) -> None
         if ended:
             why = f"the step of {', '.join(ended)} ended before all servers registered"
         elif time.monotonic() > deadline:
-            got = len(registry.get_subtree(gen_servers_key(cfg.experiment_name, cfg.trial_name)))
+            keys = {r.registry_key for r in serving}
+            got = sum(len(registry.get_subtree(k)) for k in keys)
             why = (
-                f"{got} of {n} server(s) registered within {limit:g} s "
+                f"{got} of {len(serving)} server(s) registered within {limit:g} s "
                 f"(launcher.server_setup_timeout={cfg.launcher.server_setup_timeout:g} "
                 f"+ {STEP_SLACK_S:g} s to start the steps)"
             )
         if why:
-            for s in ended or names:
-                logger.error(
-                    f"last lines of {logs / s}-task.log:\n{tail_lines(logs / f'{s}-task.log', 8)}"
-                )
+            for r in serving:
+                if r.name in ended or not ended:
+                    log = logs / f"{r.task_log}.log"
+                    logger.error(f"last lines of {log}:\n{tail_lines(log, 8)}")
             raise JobFailed(why)
 
 
@@ -312,7 +314,8 @@ def run_once(script: str, argv: list[str], cfg, attempt: int) -> int:
 
 def launch_slurm(script: str, argv: list[str]) -> int:
     """Validate the config, then run (and, with recover.mode=auto, relaunch) the job on Slurm."""
-    return launch(script, argv, lambda cfg, attempt: run_once(script, argv, cfg, attempt))
+    run = partial(run_once, script, argv)
+    return launch(script, argv, run, "slurm", PLACES)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,11 +8,13 @@ import math
 import os
 import shlex
 import sys
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 
 from areal.api.launch import threads_env, trainer_env
-from areal.launcher.local import uses_agent_proxy
+from areal.launcher.common import task_command
+from areal.launcher.plan import Role, launch_plan
 
 PY = '"$py"'  # the interpreter, as the batch script names it
 
@@ -23,7 +25,7 @@ class Layout:
 
     nodes: int
     trainer_nprocs: int  # per node
-    servers: int  # in all
+    servers: int  # in all: the plan's serving roles (generation, then teacher servers)
     cpus_per_process: int
     gpus: bool  # one GPU per process (the agent proxy's excepted)
     proxy: bool = False  # the agent proxy role, a CPU-only process on the first node
@@ -52,14 +54,15 @@ class Layout:
 
 
 def layout(cfg) -> Layout:
-    c = cfg.cluster
+    """What the launch plan (:mod:`areal.launcher.plan`) asks of the allocation."""
+    plan = launch_plan(cfg)
     return Layout(
-        c.n_nodes,
-        c.trainer_nprocs,
-        c.n_servers,
+        cfg.cluster.n_nodes,
+        cfg.cluster.trainer_nprocs,
+        len(plan.serving),
         cfg.launcher.slurm.cpus_per_process,
-        bool(c.devices_per_node),
-        uses_agent_proxy(cfg),
+        bool(cfg.cluster.devices_per_node),
+        bool(plan.of("agent_proxy")),
     )
 
 
@@ -84,7 +87,7 @@ def _env(env: dict[str, str]) -> list[str]:
     return ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
 
 
-def _line(words: list[str], raw: set[str] = frozenset()) -> str:
+def _line(words: list[str], raw: AbstractSet[str] = frozenset()) -> str:
     """A shell command line: every word quoted except those in ``raw`` (shell expressions)."""
     return " ".join(w if w in raw else shlex.quote(w) for w in words)
 
@@ -120,9 +123,9 @@ def _preamble(cfg, lay: Layout, attempt: int) -> list[str]:
         "# (export AREAL_SERVER_API_KEY first if the servers use an admin key: it is never "
         "written here).",
         f"# Asks for {lay.wanted()}.",
-        f"# Server i is a one-task step on node i mod {lay.nodes}; the trainer is one torchrun per "
-        "node.",
-        "# Logs: RUN_DIR/logs/{job,trainer,server<i>,server<i>-task}.log.",
+        f"# Serving role k (servers, then teachers) is a one-task step on node k mod {lay.nodes}; "
+        "the trainer is one torchrun per node.",
+        "# Logs: RUN_DIR/logs/{job,trainer,<role>,<role>-task}.log.",
         *_sbatch_header(cfg, lay),
         "set -u -o pipefail",
         f"py={shlex.quote(cfg.launcher.slurm.python or sys.executable)}",
@@ -202,49 +205,29 @@ def job_script(cfg, script: str, argv: list[str], attempt: int) -> str:
         f"master_port=$({_line(prologue, {PY})} | tail -n 1)",
         '[[ "$master_port" =~ ^[0-9]+$ ]] || { echo "prologue failed (see above)"; exit 2; }',
     ]
-    gpu = ["--gpus-per-task=1"] if lay.gpus else []
-    for i in range(lay.servers):
-        host = f'"$(node_addr "${{nodes[{i % lay.nodes}]}}")"' if lay.nodes > 1 else "127.0.0.1"
-        cmd = _srun(
-            cfg,
-            [
-                f"--job-name=server{i}",
-                "--nodes=1",
-                "--ntasks=1",
-                f"--relative={i % lay.nodes}",
-                f"--cpus-per-task={lay.cpus_per_process}",
-                *gpu,
-            ],
-            [
-                *_env(threads_env(cfg.launcher.server_threads)),
-                PY,
-                "-m",
-                "areal.launcher.server_task",
-                "--name",
-                f"server{i}",
-                "--host",
-                host,
-                *args,
-                "launcher.echo=false",
-            ],
-        )
-        lines.append(f'{_line(cmd, {PY, host})} >> "$run_dir/logs/server{i}-task.log" 2>&1 &')
-    lines += _proxy_lines(cfg, lay, args) if lay.proxy else []
+    for role in launch_plan(cfg).tasks:
+        lines += _task_lines(cfg, lay, role, args)
     return "\n".join(lines + _trainer_lines(cfg, lay, attempt, args)) + "\n"
 
 
-def _proxy_lines(cfg, lay: Layout, args: list[str]) -> list[str]:
-    """The agent proxy role (areal.launcher.agent_proxy_task) as a one-task step on the first
-    node, without a GPU; it registers itself, and its control token comes by sbatch's env."""
-    host = '"$(node_addr "${nodes[0]}")"' if lay.nodes > 1 else "127.0.0.1"
+def _task_lines(cfg, lay: Layout, role: Role, args: list[str]) -> list[str]:
+    """A one-task step on the role's node running it (``server_task``: output to
+    ``<name>-task.log``, the server's own to ``<name>.log``; ``agent_proxy_task``, CPU only:
+    ``agent_proxy.log``, its control token by sbatch's env), in the background."""
+    node = role.node or 0
+    host = f'"$(node_addr "${{nodes[{node}]}}")"' if lay.nodes > 1 else "127.0.0.1"
+    if not lay.gpus:
+        devices = []
+    else:
+        devices = ["--gpus-per-task=1"] if role.accelerator else ["--gres=none"]
     cmd = _srun(
         cfg,
-        ["--job-name=agent_proxy", "--nodes=1", "--ntasks=1", "--relative=0",
-         f"--cpus-per-task={lay.cpus_per_process}", *(["--gres=none"] if lay.gpus else [])],
-        [*_env(threads_env(1)), PY, "-m", "areal.launcher.agent_proxy_task", "--host", host,
-         *args, "launcher.echo=false"],
+        [f"--job-name={role.name}", "--nodes=1", "--ntasks=1", f"--relative={node}",
+         f"--cpus-per-task={lay.cpus_per_process}", *devices],
+        [*_env(threads_env(role.threads)),
+         *task_command(role, PY, args[0], [*args[1:], "launcher.echo=false"], host)],
     )  # fmt: skip
     return [
-        "# the agent proxy (workflow.type=agent_cmd): its exit fails the trainer's sessions",
-        f'{_line(cmd, {PY, host})} >> "$run_dir/logs/agent_proxy.log" 2>&1 &',
+        f"# {role.name} ({role.setting})",
+        f'{_line(cmd, {PY, host})} >> "$run_dir/logs/{role.task_log}.log" 2>&1 &',
     ]

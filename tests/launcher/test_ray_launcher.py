@@ -1,6 +1,7 @@
 """Tier 2: ``areal launch ray`` on a real local Ray cluster (``ray start --head`` started by the
 test, 6 CPUs): a short async GRPO run with 1 server + 2 trainer ranks, a killed server that is
-restarted, a placement that cannot fit, and a SIGKILLed launcher that leaves nothing behind."""
+restarted, a placement that cannot fit, a SIGKILLed launcher that leaves nothing behind, and the
+launch plan's other roles (the agent proxy, distillation teacher servers)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from launch_harness import REPO, assert_finite, read_jsonl, start_launch, train_
 
 pytestmark = pytest.mark.slow
 GRPO = [REPO / "examples" / "gsm8k_grpo.py", REPO / "examples" / "arithmetic_grpo.yaml"]
+DISTILL = [REPO / "examples" / "gsm8k_grpo.py", REPO / "examples" / "arithmetic_distill.yaml"]
 SMALL_RL = [
     "actor.dynamic_sampling=false",
     "train_dataset.batch_size=2",
@@ -185,6 +187,40 @@ def test_an_agent_cmd_run_gets_the_agent_proxy_role_on_a_cpu_bundle(ray_launch):
     answer = json.loads((run_dir / "agent_proxy.json").read_text())
     assert answer["tokens"] >= 1 and answer["address"].startswith("127.0.0.1:")
     assert "agent proxy serves on" in (run_dir / "logs" / "agent_proxy.log").read_text()
+    run.assert_no_survivors()
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory) -> str:
+    """Another tiny model of the same tokenizer (seed 1): it disagrees with the student."""
+    from areal.utils.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("teacher"), size="tiny", seed=1))
+
+
+def test_a_distillation_run_gets_its_teacher_server_role_on_a_bundle_of_its_own(
+    ray_launch, teacher_dir
+):
+    run, run_dir = ray_launch(
+        *DISTILL,
+        *SMALL_RL,
+        f"distill.teacher_path={teacher_dir}",
+        "cluster.n_servers=1",
+        "distill.n_servers=1",
+        "total_train_steps=2",
+        "valid_dataset=null",
+    )
+    assert run.wait(RUN_TIMEOUT) == 0, run.output()
+    stats = train_steps(run_dir)
+    assert sorted(stats) == [1, 2], sorted(stats)
+    for step in (1, 2):
+        assert_finite(stats[step], ["loss/distill_reverse_kl", "loss/pg_loss"])
+        assert stats[step]["loss/distill_reverse_kl"] != 0.0  # the teacher scored: two models
+    task_log = (run_dir / "logs" / "teacher0-task.log").read_text()
+    assert (
+        "teacher0 serves on 127.0.0.1:" in task_log
+        and (run_dir / "logs" / "teacher0.log").is_file()
+    )
     run.assert_no_survivors()
 
 

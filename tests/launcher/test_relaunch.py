@@ -15,6 +15,7 @@ import pytest
 
 from areal.launcher import procs
 from areal.launcher.common import launch, same_cause
+from areal.launcher.local import PLACES
 from areal.launcher.procs import ProcessSupervisor, read_failures, record_failure, root_cause
 from areal.utils.recover import RecoverDir, save_state
 
@@ -48,7 +49,7 @@ def run_launch(tmp_path, monkeypatch, tiny_model_dir):
             "train_dataset.type=sft",
             *overrides,
         ]
-        return launch(str(SCRIPT), argv, run_once), attempts, run_dir
+        return launch(str(SCRIPT), argv, run_once, "local", PLACES), attempts, run_dir
 
     yield run
     root = logging.getLogger("areal")

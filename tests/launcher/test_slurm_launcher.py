@@ -29,6 +29,7 @@ from launch_harness import REPO, assert_finite, read_jsonl, train_steps
 ENTRY = Path(__file__).parent / "entry_script.py"
 GRPO_SCRIPT = REPO / "examples" / "gsm8k_grpo.py"
 GRPO_YAML = REPO / "examples" / "arithmetic_grpo.yaml"
+DISTILL_YAML = REPO / "examples" / "arithmetic_distill.yaml"
 RUN_TIMEOUT = 240.0  # seconds; a short run takes ~30-60 s on a quiet 2-core machine
 RL_LOSSES = ["loss/pg_loss", "loss/loss", "loss/entropy", "loss/grad_norm", "loss/approx_kl"]
 
@@ -146,6 +147,19 @@ def test_job_script_of_an_agent_cmd_run_adds_the_agent_proxy_step_without_gpu_or
     assert proxy.endswith('>> "$run_dir/logs/agent_proxy.log" 2>&1 &')
     assert "AGENT_PROXY_TOKEN" not in text  # it travels by sbatch's environment only
     assert "agent_proxy" not in job_script(_cfg(), "examples/gsm8k_grpo.py", [], attempt=0)
+
+
+def test_job_script_runs_a_teacher_server_as_a_step_of_its_own_after_the_servers():
+    cfg = _cfg("cluster.n_nodes=2", "cluster.devices_per_node=2", "distill.teacher_path=/models/t")
+    # server0 then teacher0 go round the 2 nodes: teacher0, the second, on node 1; per node
+    # 1 rank + ceil(2 / 2) = 1 serving role, one GPU each
+    lay = layout(cfg)
+    assert (lay.servers, lay.servers_per_node, lay.gpus_per_node) == (2, 1, 2)
+    text = job_script(cfg, "examples/gsm8k_grpo.py", [], attempt=0)
+    [teacher] = [line for line in text.splitlines() if "--name teacher0" in line]
+    assert "--job-name=teacher0 --nodes=1 --ntasks=1 --relative=1" in teacher
+    assert "--gpus-per-task=1" in teacher and '--host "$(node_addr "${nodes[1]}")"' in teacher
+    assert teacher.endswith('>> "$run_dir/logs/teacher0-task.log" 2>&1 &')
 
 
 def test_pending_reasons_that_can_never_start_are_told_from_those_that_wait():
@@ -471,6 +485,34 @@ def test_an_agent_cmd_job_runs_the_agent_proxy_role_the_trainer_reaches(launch, 
     assert answer["tokens"] >= 1 and answer["address"].startswith("127.0.0.1:")
     assert "agent proxy serves on" in (run_dir / "logs" / "agent_proxy.log").read_text()
     _assert_gone(run, slurm)
+
+
+@pytest.mark.slow
+def test_a_distillation_job_runs_its_teacher_server_role_as_a_step(tmp_path, tiny_model_dir, slurm):
+    from areal.utils.tiny_model import build_tiny_model
+    from slurm_cluster import start_slurm_launch
+
+    teacher = build_tiny_model(tmp_path / "teacher", size="tiny", seed=1)  # disagrees: seed 1
+    run = start_slurm_launch(GRPO_SCRIPT, DISTILL_YAML, [
+        f"actor.path={tiny_model_dir}", f"distill.teacher_path={teacher}", "experiment_name=d",
+        "trial_name=t", "total_train_steps=2", "valid_dataset=null", "actor.dynamic_sampling=false",
+        "train_dataset.batch_size=2", "gconfig.n_samples=4", "gconfig.max_new_tokens=4",
+        "rollout.max_concurrent_rollouts=4", "launcher.stop_timeout=3",
+    ], tmp_path / "root", slurm)  # fmt: skip
+    run_dir = tmp_path / "root" / "d" / "t"
+    try:
+        code = run.wait(RUN_TIMEOUT)
+        assert code == 0, run.output() + "\n" + _tail(run_dir / "logs" / "trainer.log")
+        stats = train_steps(run_dir)
+        assert sorted(stats) == [1, 2], sorted(stats)
+        for step in (1, 2):
+            assert_finite(stats[step], ["loss/distill_reverse_kl", "loss/pg_loss"])
+            assert stats[step]["loss/distill_reverse_kl"] != 0.0  # the teacher scored
+        assert "--job-name=teacher0" in (run_dir / "slurm" / "job.sbatch").read_text()
+        assert "teacher0 serves on" in (run_dir / "logs" / "teacher0-task.log").read_text()
+        _assert_gone(run, slurm)
+    finally:
+        run.cleanup()
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """A vLLM worker extension (``--worker-extension-cls areal_vllm_worker.WeightReload``): the
 disk weight update the rollout client calls through ``POST /collective_rpc``.
 
-Runs in vLLM's worker processes only, and imports nothing: vLLM mixes the class into its worker
-class, so ``self`` is the worker.
+Runs in vLLM's worker processes only, and imports nothing outside the standard library: vLLM
+mixes the class into its worker class, so ``self`` is the worker.
 
 Why not vLLM's own ``reload_weights``: in vLLM 0.32 it reloads and re-processes each layer
 whose weights the checkpoint holds. A model with tied word embeddings (Qwen2/2.5/3 small sizes,
@@ -14,9 +14,16 @@ served model then has the new body and the old head. Checked against a transform
 again and re-runs the head's weight processing.
 """
 
+from typing import Any
+
 
 class WeightReload:
     """Worker methods called by name through vLLM's ``/collective_rpc``."""
+
+    # what the methods use of vLLM's worker class they are mixed into: annotations only, which
+    # create no class attribute that could shadow the worker's own
+    reload_weights: Any
+    model_runner: Any
 
     def areal_reload_weights(self, weights_path: str) -> None:
         """Load the HF safetensors under ``weights_path`` in place; re-tie a tied LM head."""
