@@ -200,7 +200,7 @@ def async_ppo_actors(
         for w in model_workers
     }
     fixed["the generation manager"] = Watched(
-        side.manager, True, "Ray restarts it and it rebuilds its state from its record"
+        side.manager.handle, True, "Ray restarts it and it rebuilds its state from its record"
     )
 
     def actors() -> dict[str, Watched]:

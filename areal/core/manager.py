@@ -148,19 +148,10 @@ class GenerationManager:
                 counts.in_flight > min(waiting)
                 or (worker not in self._waiting and counts.in_flight == min(waiting))
             )
-        ):
-            granted, cause = (
-                0,
-                "fair_share",
-            )  # a refused worker holding fewer slots (or as few) goes first
+        ):  # a refused worker holding fewer slots (or as few) goes first
+            granted, cause = 0, "fair_share"
         elif granted < want:  # the bound binds (ties included), else max_concurrent does
-            s = self.staleness
-            by_staleness = (
-                (s.max_staleness + self.version + 1) * s.consumer_batch_size
-                - s.accepted
-                - s.running
-            )
-            cause = "staleness" if by_staleness <= s.concurrency_capacity() else "capacity"
+            cause = self.staleness.refusal_cause(self.version)
         if granted < want:
             self.refused[cause] += 1
             self._waiting.add(worker)
@@ -232,7 +223,7 @@ class GenerationManager:
         for t in gone:
             _, job = self._done.pop(t)
             self._reissue.append(job.item)
-            self.staleness.accepted -= 1  # never delivered: admission counts it again when redone
+            self.staleness.undeliver()  # never delivered: admission counts it again when redone
         self.lost += len(gone)
         return len(gone)
 
@@ -322,11 +313,10 @@ class GenerationManager:
             self._reissue
         )  # admission order
         pending += list(self._rest)  # the loader's position is past them
-        staleness = self.staleness.state_dict()
-        staleness["accepted"] -= len(self._done)  # delivered only: the untaken ones are redone
         return {
             "version": self.version,
-            "staleness": staleness,
+            # delivered only: the untaken ones are redone
+            "staleness": self.staleness.state_dict(undelivered=len(self._done)),
             "loader": self._loader_state(),
             "pending": pending,
             "refused": dict(self.refused),
@@ -372,7 +362,7 @@ class GenerationManager:
         return {
             "version": self.version,
             "paused": self.paused,
-            "staleness": {"accepted": self.staleness.accepted, "rejected": self.staleness.rejected},
+            "staleness": self.staleness.state_dict(),
             "refused": dict(self.refused),
             "workers": {w: dict(vars(c)) for w, c in self.workers.items()},
             "lost": self.lost,
@@ -394,9 +384,7 @@ class GenerationManager:
         if self._running or self._done:
             raise RuntimeError("restore must run before any rollout is admitted")
         self.version, self.paused = int(state["version"]), bool(state["paused"])
-        self.staleness.accepted = int(state["staleness"]["accepted"])
-        self.staleness.rejected = int(state["staleness"]["rejected"])
-        self.staleness.running = len(state["running"])
+        self.staleness.load_state_dict(state["staleness"], running=len(state["running"]))
         self.refused.update(state["refused"])
         self.workers = {int(w): WorkerCounts(**c) for w, c in state["workers"].items()}
         self.lost, self.late = int(state["lost"]), int(state["late"])
@@ -436,7 +424,7 @@ class GenerationManager:
                 else:  # its tensors died with an earlier process of the worker: redone
                     del self._done[t]
                     self._reissue.append(job.item)
-                    self.staleness.accepted -= 1
+                    self.staleness.undeliver()
                     n += 1
         step, taken = self._taken if self._taken is not None else (None, {})
         for t, (g, job) in taken.items():

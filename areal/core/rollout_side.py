@@ -10,8 +10,9 @@ own calls wait ``rollout.setup_timeout + core.health_timeout``, as a backstop).
 
 The manager is restarted by Ray when it dies (``core.manager_restarts``) and rebuilds its state
 from its record (``RUN_DIR/rollouts/core_manager.pkl``, :mod:`areal.core.rollout_worker`); a call
-the master makes to it (:meth:`RayRolloutSide.ask`) is made again while it restarts (each call is
-idempotent: :meth:`~areal.core.manager.GenerationManager.take` is keyed by the step).
+the master makes to it (:meth:`RayRolloutSide.ask`) is made again while it restarts, as a call to
+a rollout worker is (:class:`~areal.core.rollout_calls.RestartingActor`; each call is idempotent:
+:meth:`~areal.core.manager.GenerationManager.take` is keyed by the step).
 
 Scaling, while the job runs (:meth:`RayRolloutSide.rescale`, before each step):
 
@@ -48,13 +49,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.io import WeightUpdateMeta
 from areal.api.launch import agent_proxy_env, agent_proxy_token
 from areal.api.protocols import Admission, Checkpointable, StateDict, WeightTarget
 from areal.core.manager import Finished
+from areal.core.rollout_calls import ManagerCalls, RestartingActor, RolloutWorkerCalls, answer
 from areal.core.status import ScaleRequest, take_scale_request
 from areal.rollout.remote import RemoteInferenceEngine
 from areal.utils.batch import PackedBatch
@@ -64,9 +66,10 @@ if TYPE_CHECKING:
     from areal.api.io import Trajectory
 
 logger = get_logger("core.rollout")
+P = ParamSpec("P")
+R = TypeVar("R")
 POLL_S = 0.05  # seconds between asks for a batch
 HEALTH_EVERY_S = 5.0  # seconds between health checks while waiting for a batch
-RETRY_S = 0.5  # seconds between calls to a restarting manager
 RECORD_FILE = "core_manager.pkl"  # the manager's failover record, in the rollouts' dir
 
 
@@ -116,7 +119,7 @@ class RayRolloutSide(Admission, Checkpointable):
         self.server_timeout = cfg.rollout.setup_timeout + 10  # a server call may wait for health
         # seconds a (re)started actor may take to come back (its construction waits for servers);
         # also the backstop on any call (the hang watch names a hung actor much sooner)
-        self.restart_timeout = self.timeout = cfg.rollout.setup_timeout + cfg.core.health_timeout
+        self.timeout = cfg.rollout.setup_timeout + cfg.core.health_timeout
         record = Path(dump_dir) / RECORD_FILE  # dump_dir: RUN_DIR/rollouts
         record.parent.mkdir(parents=True, exist_ok=True)
         record.unlink(missing_ok=True)  # an earlier launch's: this manager starts anew
@@ -124,12 +127,20 @@ class RayRolloutSide(Admission, Checkpointable):
         # actor's constructor arguments lives in the object store, which Ray cannot promise to
         # keep for a restart (ray-project/ray#53727; it logs an error line for each such actor).
         manager_name = f"areal-manager-{uuid.uuid4().hex}"
-        self.manager = (
+        manager = (
             ray.remote(concurrency_groups={SERVERS: 1})(  # pyright: ignore[reportCallIssue]  # ray's overloads lack this option
                 ManagerActor
             )
             .options(name=manager_name, num_cpus=0, max_restarts=cfg.core.manager_restarts)
             .remote(cfg, addresses, str(record))
+        )
+        self.manager = RestartingActor[ManagerCalls](
+            manager,
+            "the generation manager",
+            self.timeout,
+            self.timeout,
+            "rollout.setup_timeout + core.health_timeout; "
+            f"core.manager_restarts={cfg.core.manager_restarts}",
         )
         # workflow.type=agent_cmd: the agent proxy's control token reaches the workers by env as
         # in Lite (a Ray cluster given by address does not inherit this process's environment)
@@ -143,48 +154,42 @@ class RayRolloutSide(Admission, Checkpointable):
         self.servers = list(addresses)  # what the rollout workers route to
         self.removed: set[str] = set()  # servers removed by request: not picked up again
         self.refused: set[str] = set()
-        self.workers: dict[int, Any] = {}
+        self.workers: dict[int, Any] = {}  # index -> the Ray handle
         self._next_index = 0
         self.draining: set[int] = set()
         self.pids: dict[int, int] = {}
         self.started = False
         self.client = client
-        self.ask("stats", timeout=self.server_timeout)  # built, servers healthy
+        self.ask_servers(ManagerCalls.stats)  # built, servers healthy
         self.add_workers(cfg.core.n_rollout_workers)
 
-    def get(self, ref, who: str, timeout: float | None = None) -> Any:
-        """``ref``'s value, waiting at most ``timeout`` s (default ``restart_timeout``)."""
-        try:
-            return self._ray.get(ref, timeout=timeout or self.timeout)
-        except self._ray.exceptions.GetTimeoutError:
-            what = f"{timeout or self.timeout:.0f} s"
-            raise TimeoutError(
-                f"{who} did not answer within {what}: it is hung or overloaded"
-            ) from None
+    def get(self, ref: Any, who: str) -> Any:
+        """The value of the Ray object ``ref`` (from ``who``), within the backstop timeout."""
+        return answer(ref, who, self.timeout)
 
-    def ask(self, method: str, *args: object, timeout: float | None = None) -> Any:
-        """The manager's ``method(*args)``; a call lost to its death is made again while Ray
-        restarts it, for up to ``rollout.setup_timeout + core.health_timeout`` seconds."""
-        deadline, waited = time.monotonic() + self.restart_timeout, False
-        while True:
-            try:
-                ref = getattr(self.manager, method).remote(*args)
-                return self.get(ref, f"the generation manager ({method})", timeout)
-            except self._ray.exceptions.RayActorError as e:
-                if not waited:
-                    logger.warning(
-                        f"the generation manager is gone ({type(e).__name__} on {method}); "
-                        f"asking again while Ray restarts it, up to {self.restart_timeout:.0f} s"
-                    )
-                    waited = True
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"the generation manager died and was not back within "
-                        f"{self.restart_timeout:.0f} s (rollout.setup_timeout + "
-                        f"core.health_timeout; core.manager_restarts="
-                        f"{self.cfg.core.manager_restarts}): {e}"
-                    ) from e
-                time.sleep(RETRY_S)
+    def ask(
+        self, method: Callable[Concatenate[ManagerCalls, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """The manager's ``method(*args)``, made again while Ray restarts it, for up to
+        ``rollout.setup_timeout + core.health_timeout`` seconds."""
+        return self.manager.call(method, *args, **kwargs)
+
+    def ask_servers(
+        self, method: Callable[Concatenate[ManagerCalls, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """:meth:`ask` for a call that waits for the servers (an answer within
+        ``rollout.setup_timeout + 10`` s)."""
+        return self.manager.within(self.server_timeout).call(method, *args, **kwargs)
+
+    def worker(self, i: int) -> RestartingActor[RolloutWorkerCalls]:
+        """Calls to rollout worker ``i``, made again while Ray restarts it."""
+        return RestartingActor[RolloutWorkerCalls](
+            self.workers[i],
+            f"rollout worker {i}",
+            self.timeout,
+            self.timeout,
+            "rollout.setup_timeout + core.health_timeout",
+        )
 
     def start(self) -> None:
         self.started = True
@@ -197,7 +202,7 @@ class RayRolloutSide(Admission, Checkpointable):
         running, so a new worker is not starved by the older ones."""
         share = -(-self.cfg.rollout.max_concurrent_rollouts // max(1, len(self.active)))
         for i in self.active:
-            self.get(self.workers[i].set_max_in_flight.remote(share), f"rollout worker {i}")
+            self.worker(i).call(RolloutWorkerCalls.set_max_in_flight, share)
 
     def add_workers(self, n: int) -> None:
         cfg, manager, dump_dir, reject_limit = self._args
@@ -216,49 +221,34 @@ class RayRolloutSide(Admission, Checkpointable):
     def remove_workers(self, n: int) -> None:
         """Drain the ``n`` newest active workers (stopped once the master took their groups)."""
         for i in sorted(self.active)[-n:]:
-            self.get(self.workers[i].drain.remote(), f"rollout worker {i}")
+            self.worker(i).call(RolloutWorkerCalls.drain)
             self.draining.add(i)
             logger.info(f"rollout worker {i} draining ({len(self.active)} active)")
         self._share()
-
-    def _health(self, i: int) -> dict[str, Any]:
-        """Worker ``i``'s health; while Ray restarts it, retry until ``restart_timeout``."""
-        deadline = time.monotonic() + self.restart_timeout
-        while True:
-            try:
-                return self.get(self.workers[i].health.remote(), f"rollout worker {i}")
-            except self._ray.exceptions.RayActorError as e:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"rollout worker {i} died and did not come back within "
-                        f"{self.restart_timeout:.0f} s (rollout.setup_timeout + "
-                        f"core.health_timeout): {e}"
-                    ) from e
-                time.sleep(0.5)
 
     def check_health(self) -> dict[str, Any]:
         """Every rollout worker's state (restarts handled, drained workers stopped); raise naming
         a worker that failed or hangs."""
         workers = []
         for i in list(self.workers):
-            h = self._health(i)
+            h = self.worker(i).call(RolloutWorkerCalls.health)
             if h["errors"]:
                 raise RuntimeError(
                     f"rollout worker {i} failed: {h['errors'][0]} ({len(h['errors'])} errors)"
                 )
             if self.pids.setdefault(i, h["pid"]) != h["pid"]:  # Ray restarted it
-                lost = self.ask("reclaim", i, True)
-                lost += self.ask("drop_worker_groups", i)
+                lost = self.ask(ManagerCalls.reclaim, i, True)
+                lost += self.ask(ManagerCalls.drop_worker_groups, i)
                 logger.warning(
                     f"rollout worker {i} restarted (pid {self.pids[i]} -> {h['pid']}); "
                     f"{lost} of its rollouts are redone"
                 )
                 self.pids[i] = h["pid"]
                 if i in self.draining:
-                    self.get(self.workers[i].drain.remote(), f"rollout worker {i}")
+                    self.worker(i).call(RolloutWorkerCalls.drain)
             if self.started and not h["started"]:
-                self.get(self.workers[i].start.remote(), f"rollout worker {i}")
-            if i in self.draining and self.ask("holds", i) == 0:
+                self.worker(i).call(RolloutWorkerCalls.start)
+            if i in self.draining and self.ask(ManagerCalls.holds, i) == 0:
                 self._stop(i)
                 logger.info(f"rollout worker {i} drained and stopped")
                 continue
@@ -273,17 +263,18 @@ class RayRolloutSide(Admission, Checkpointable):
             "workers": workers,
             "servers": list(self.servers),
             "servers_refused": sorted(self.refused),
-            "manager": self.ask("stats"),
-            "manager_pid": self.ask("pid"),
+            "manager": self.ask(ManagerCalls.stats),
+            "manager_pid": self.ask(ManagerCalls.pid),
         }
 
     def _stop(self, i: int) -> None:
-        w = self.workers.pop(i)
+        calls = self.worker(i)
+        del self.workers[i]
         self.draining.discard(i)
-        try:
-            self.get(w.shutdown.remote(), f"rollout worker {i}")
+        try:  # a dead worker is not waited for: it is stopped for good
+            calls.within(self.timeout, restart_s=0.0).call(RolloutWorkerCalls.shutdown)
         finally:
-            self._ray.kill(w, no_restart=True)
+            self._ray.kill(calls.handle, no_restart=True)
 
     # -- scaling ------------------------------------------------------------------------------
 
@@ -300,7 +291,7 @@ class RayRolloutSide(Admission, Checkpointable):
             self.remove_workers(len(self.active) - n)
         self.removed |= set(req["remove_servers"])
         self.removed -= set(req["add_servers"])
-        current = self.ask("servers")
+        current = self.ask(ManagerCalls.servers)
         wanted = [
             a
             for a in dict.fromkeys([*current, *registered, *req["add_servers"]])
@@ -315,7 +306,7 @@ class RayRolloutSide(Admission, Checkpointable):
             self.refused |= set(new)
             wanted = [a for a in wanted if a not in new]
         if wanted and wanted != current:  # new servers: once healthy
-            self.ask("set_servers", wanted, timeout=self.server_timeout)
+            self.ask_servers(ManagerCalls.set_servers, wanted)
 
     def sync_servers(self, live: list[str]) -> None:
         """At the end of a weight update, before admission resumes: the rollout workers and the
@@ -323,8 +314,8 @@ class RayRolloutSide(Admission, Checkpointable):
         current weights)."""
         if live and live != self.servers:
             self.servers = live
-            for i, w in self.workers.items():
-                self.get(w.set_servers.remote(live), f"rollout worker {i}")
+            for i in self.workers:
+                self.worker(i).call(RolloutWorkerCalls.set_servers, live)
             self.client.set_servers(live)
             logger.info(f"rollout workers now route to {live}")
 
@@ -338,7 +329,7 @@ class RayRolloutSide(Admission, Checkpointable):
         workers live; checks the workers while waiting."""
         start = checked = time.monotonic()
         while True:
-            groups = self.ask("take", n_groups, step)
+            groups = self.ask(ManagerCalls.take, n_groups, step)
             data = None if groups is None else self._fetch(groups, step)
             if groups is not None and data is not None:
                 return groups, data
@@ -346,7 +337,7 @@ class RayRolloutSide(Admission, Checkpointable):
                 checked = time.monotonic()
                 self.check_health()
             if time.monotonic() - start > deadline_s:
-                stats = self.ask("stats")
+                stats = self.ask(ManagerCalls.stats)
                 raise TimeoutError(
                     f"no batch of {n_groups} groups within rollout.watchdog_timeout="
                     f"{deadline_s} s; manager: {stats}"
@@ -360,7 +351,7 @@ class RayRolloutSide(Admission, Checkpointable):
         data, dead = fetch_groups(groups, self.get)
         if not dead:
             return data
-        n = self.ask("untake", step, sorted(dead))
+        n = self.ask(ManagerCalls.untake, step, sorted(dead))
         logger.warning(
             f"rollout workers {sorted(dead)} died before the master fetched their groups of "
             f"step {step}: {n} rollouts are redone"
@@ -371,34 +362,34 @@ class RayRolloutSide(Admission, Checkpointable):
 
     def pause(self) -> None:
         """Admission stops and the servers pause (the manager owns both)."""
-        self.ask("pause_servers", timeout=self.server_timeout)
+        self.ask_servers(ManagerCalls.pause_servers)
 
     def resume(self, version: int) -> None:
         """Servers resume at ``version``; the rollout workers (and the master's evaluation
         client, which tags its tokens with it) move to the servers that got this update; only
         then does admission resume at ``version`` (no new rollout on stale weights)."""
         self.client.set_version(version)
-        self.sync_servers(self.ask("resume_servers", version, timeout=self.server_timeout))
-        self.ask("resume_at", version)
+        self.sync_servers(self.ask_servers(ManagerCalls.resume_servers, version))
+        self.ask(ManagerCalls.resume_at, version)
 
     # -- recover checkpoints: the manager's state (version, admission counters, loader position,
     # admitted but untrained items, re-issued after a resume)
 
     def state_dict(self) -> StateDict:
         """The generation manager's state."""
-        return self.ask("state_dict")
+        return self.ask(ManagerCalls.state_dict)
 
     def load_state_dict(self, state: StateDict) -> None:
         """Restore :meth:`state_dict` output in the manager before any rollout is admitted."""
-        self.ask("load_state_dict", state)
+        self.ask(ManagerCalls.load_state_dict, state)
 
     def close(self) -> None:
         for i in list(self.workers):
             self._stop(i)
         try:
-            self.ask("shutdown")
+            self.ask(ManagerCalls.shutdown)
         finally:
-            self._ray.kill(self.manager, no_restart=True)
+            self._ray.kill(self.manager.handle, no_restart=True)
 
 
 class _Pending:
@@ -409,7 +400,7 @@ class _Pending:
 
     def result(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while not self.side.ask("update_done"):
+        while not self.side.ask(ManagerCalls.update_done):
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{self.what} did not finish on the servers within {timeout} s "
@@ -429,16 +420,16 @@ class ManagedServers(WeightTarget):
 
     @property
     def weight_group_size(self) -> int:
-        return self.side.ask("weight_group_size")
+        return self.side.ask(ManagerCalls.weight_group_size)
 
     def init_weights_update_group_async(self, meta: WeightUpdateMeta) -> _Pending:
-        self.side.ask("begin_join", meta)
+        self.side.ask(ManagerCalls.begin_join, meta)
         return _Pending(self.side, "joining the weight-update group")
 
     def update_weights_async(
         self, meta: WeightUpdateMeta, announcement: dict[str, list] | None = None
     ) -> _Pending:
-        self.side.ask("begin_update", meta, announcement)
+        self.side.ask(ManagerCalls.begin_update, meta, announcement)
         return _Pending(self.side, f"the {meta.type} weight update to version {meta.version}")
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:

@@ -34,6 +34,10 @@ grants are re-issued once, and finished groups are trained once. A disk weight u
 restart is redone (same dir, same version); a broadcast one cannot be, and stops the run.
 """
 
+# The actors here declare the seams the master calls them through (rollout_calls.py): hold every
+# method to its protocol's signature (basic mode does not check overrides).
+# pyright: reportIncompatibleMethodOverride=true
+
 from __future__ import annotations
 
 import asyncio
@@ -42,12 +46,11 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import ray
-import ray.exceptions
 
 from areal.api.config import GRPOConfig
 from areal.api.io import WeightUpdateMeta
@@ -55,6 +58,7 @@ from areal.api.launch import drop_torchrun_env
 from areal.core.config import CoreAsyncGRPOConfig
 from areal.core.graphs import ROLLOUT_KEYS
 from areal.core.manager import Finished, GenerationManager
+from areal.core.rollout_calls import ManagerCalls, RestartingActor, RolloutWorkerCalls
 from areal.rollout.executor import EventLoopThread
 from areal.rollout.trajectory import groups_to_batch
 from areal.utils.batch import PackedBatch
@@ -63,9 +67,9 @@ from areal.utils.logging import get_logger
 logger = get_logger("core.rollout")
 POLL_S = 0.05  # seconds between asks for slots while the worker is refused
 HEARTBEAT_S = 1.0  # seconds between asks of a full or draining worker (it learns of a restart)
-RETRY_S = 0.5  # seconds between retries of a call to a restarting manager
 P = ParamSpec("P")
 R = TypeVar("R")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _tokenizer(cfg: GRPOConfig):
@@ -77,7 +81,14 @@ def _tokenizer(cfg: GRPOConfig):
 SERVERS = "servers"  # the manager's concurrency group for server calls (a thread of their own)
 
 
-class ManagerActor(GenerationManager):
+def _servers_thread(method: F) -> F:
+    """``ray.method(concurrency_group=SERVERS)``: ``method`` runs on the servers' thread. Ray
+    sets an attribute on the function and returns it; its stubs type the result as a handle's
+    remote method, hence the cast, which keeps the method's own type for :class:`ManagerCalls`."""
+    return cast(F, ray.method(concurrency_group=SERVERS)(method))
+
+
+class ManagerActor(GenerationManager, ManagerCalls):
     """The manager in its own Ray process: items from the run's train dataset, and the servers at
     ``addresses`` through its own client; its state goes to the file ``record`` after every
     change and comes back from it when Ray restarts it (see the module docstring)."""
@@ -179,7 +190,7 @@ class ManagerActor(GenerationManager):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._changed(super().load_state_dict, state)
 
-    def untake(self, step: int, dead: list[int]) -> int:
+    def untake(self, step: int, dead: Iterable[int]) -> int:
         return self._changed(super().untake, step, dead)
 
     def take(self, n: int, step: int | None = None) -> list[Finished] | None:
@@ -195,30 +206,30 @@ class ManagerActor(GenerationManager):
 
     # -- the servers (concurrency group SERVERS) ------------------------------------------------
 
-    @ray.method(concurrency_group=SERVERS)
+    @_servers_thread
     def servers(self) -> list[str]:
         """Every server the manager routes weight updates to (live or not)."""
         return [s.address for s in self.client.servers]
 
-    @ray.method(concurrency_group=SERVERS)
+    @_servers_thread
     def set_servers(self, addresses: list[str]) -> None:
         """Exactly these servers from now on (new ones once healthy; they get the next update)."""
         self.client.set_servers(addresses)
         with self._lock:
             self._write_record()
 
-    @ray.method(concurrency_group=SERVERS)
+    @_servers_thread
     def weight_group_size(self) -> int:
         return self.client.weight_group_size
 
-    @ray.method(concurrency_group=SERVERS)
+    @_servers_thread
     def pause_servers(self) -> None:
         """A weight update begins: admit nothing, then pause every server (in-flight requests are
         aborted; their rollout workers re-submit them after the resume)."""
         self._changed(self.pause)
         self.client.pause()
 
-    @ray.method(concurrency_group=SERVERS)
+    @_servers_thread
     def begin_update(
         self, meta: WeightUpdateMeta, announcement: dict[str, list] | None = None
     ) -> None:
@@ -232,7 +243,7 @@ class ManagerActor(GenerationManager):
         self._begin("update", meta, announcement)
         self._update = self.client.update_weights_async(meta, announcement)
 
-    @ray.method(concurrency_group=SERVERS)
+    @_servers_thread
     def begin_join(self, meta: WeightUpdateMeta) -> None:
         """Start the live servers joining the trainer's broadcast group (``distributed``)."""
         self._begin("join", meta, None)
@@ -243,7 +254,7 @@ class ManagerActor(GenerationManager):
             self._push = (kind, meta, announcement)
             self._write_record()
 
-    @ray.method(concurrency_group=SERVERS)
+    @_servers_thread
     def update_done(self) -> bool:
         """Whether the push :meth:`begin_update` / :meth:`begin_join` started has finished
         (raises its error: a server that failed it is named)."""
@@ -259,7 +270,7 @@ class ManagerActor(GenerationManager):
                 self._write_record()
         return True
 
-    @ray.method(concurrency_group=SERVERS)
+    @_servers_thread
     def resume_servers(self, version: int) -> list[str]:
         """The servers hold ``version``: they generate again; returns the live ones (the master
         routes the rollout workers to them, then admission resumes with :meth:`resume_at`)."""
@@ -267,7 +278,7 @@ class ManagerActor(GenerationManager):
         self.client.resume()
         return [s.address for s in self.client.servers if s.alive]
 
-    @ray.method(concurrency_group=SERVERS)
+    @_servers_thread
     def shutdown(self) -> None:
         """The run is over: close the client and remove the record."""
         self.client.destroy()
@@ -303,7 +314,7 @@ def min_versions(group: list) -> tuple[int, ...]:
     return tuple(out)
 
 
-class RolloutWorker:
+class RolloutWorker(RolloutWorkerCalls):
     """One rollout worker (wrapped by ``ray.remote``); see the module docstring."""
 
     def __init__(
@@ -326,7 +337,17 @@ class RolloutWorker:
         from areal.workflow.filters import DynamicSamplingFilter
 
         drop_torchrun_env()
-        self.index, self.manager = index, ray.get_actor(manager_name)
+        self.index = index
+        # seconds the manager may take to come back; also the backstop on any call to it (the
+        # master's hang watch names a hung manager after core.health_timeout)
+        restart_s = cfg.rollout.setup_timeout + cfg.core.health_timeout
+        self.manager = RestartingActor[ManagerCalls](
+            ray.get_actor(manager_name),
+            "the generation manager",
+            restart_s,
+            restart_s,
+            "rollout.setup_timeout + core.health_timeout",
+        )
         self.max_in_flight = cfg.rollout.max_concurrent_rollouts
         self.engine = RemoteInferenceEngine(cfg.rollout, api_key=cfg.server.api_key)
         self.engine.initialize(addresses)
@@ -340,9 +361,6 @@ class RolloutWorker:
         self.started = time.monotonic()
         self.draining = False
         self.running = 0  # episodes in flight
-        # seconds the manager may take to come back; also the backstop on any call to it (the
-        # master's hang watch names a hung manager after core.health_timeout)
-        self.restart_timeout = cfg.rollout.setup_timeout + cfg.core.health_timeout
         self._held: set[int] = set()  # tickets whose episode runs or is being reported
         self._kept: dict[int, Finished] = {}  # accepted groups the master has not confirmed
         self._asked = 0.0  # time.monotonic() of the last ask
@@ -353,28 +371,6 @@ class RolloutWorker:
         """Start asking for slots and rolling out (returns at once)."""
         if self._main is None:
             self._main = self._thread.submit(self._loop())
-
-    async def _ask(
-        self, method: Callable[Concatenate[ManagerActor, P], R], *args: P.args, **kwargs: P.kwargs
-    ) -> R:
-        """The manager's answer to ``method(*args)`` (a :class:`ManagerActor` method, called on
-        the manager's actor); a call lost to the manager's death is asked again (it restarts)
-        until ``restart_timeout``."""
-        deadline = time.monotonic() + self.restart_timeout
-        while True:
-            ref = getattr(self.manager, method.__name__).remote(*args, **kwargs)
-            try:
-                return await asyncio.wait_for(
-                    asyncio.wrap_future(ref.future()), self.restart_timeout
-                )
-            except ray.exceptions.RayActorError as e:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"the generation manager died and was not back within "
-                        f"{self.restart_timeout:.0f} s (rollout.setup_timeout + "
-                        f"core.health_timeout): {e}"
-                    ) from e
-                await asyncio.sleep(RETRY_S)
 
     async def _loop(self) -> None:
         tasks: set[asyncio.Task] = set()
@@ -387,13 +383,13 @@ class RolloutWorker:
                     await asyncio.sleep(POLL_S)
                     continue
                 self._asked = time.monotonic()
-                version, confirmed, slots = await self._ask(
-                    ManagerActor.acquire_at, self.index, max(want, 0)
+                version, confirmed, slots = await self.manager.acall(
+                    ManagerCalls.acquire_at, self.index, max(want, 0)
                 )
                 self._kept = {t: g for t, g in self._kept.items() if t > confirmed}
                 if slots is None:  # the manager restarted: say what this worker holds
-                    await self._ask(
-                        ManagerActor.rejoin, self.index, sorted(self._held), [*self._kept.values()]
+                    await self.manager.acall(
+                        ManagerCalls.rejoin, self.index, sorted(self._held), [*self._kept.values()]
                     )
                     continue
                 if slots:
@@ -427,7 +423,7 @@ class RolloutWorker:
         if entry is not None:  # kept until the master has it (a restarted manager asks for it)
             self._kept[ticket] = entry
         try:
-            await self._ask(ManagerActor.finish, self.index, ticket, entry, failed)
+            await self.manager.acall(ManagerCalls.finish, self.index, ticket, entry, failed)
         except Exception as e:  # noqa: BLE001
             self._record(f"rollout worker {self.index} could not report ticket {ticket}: {e}")
         finally:

@@ -202,14 +202,14 @@ class WorkflowExecutor(Admission, Checkpointable):
             for t in group or ():
                 t.worker = t.worker or self.worker
         except asyncio.CancelledError:
-            self._settle(job, None, accepted=False)
+            self._settle(job, None)
             raise
         except Exception as e:  # noqa: BLE001 -- recorded and re-raised to the trainer thread
             err = RolloutError(f"{_describe(job)} failed: {type(e).__name__}: {e}")
             err.__cause__ = e
-            self._settle(job, None, accepted=False, error=err)
+            self._settle(job, None, error=err)
             return
-        self._settle(job, group, accepted)
+        self._settle(job, group if accepted else None)
         self._schedule()
 
     def _judge(self, job: _Job, group: Any) -> bool:
@@ -222,21 +222,20 @@ class WorkflowExecutor(Admission, Checkpointable):
             )
         return job.should_accept is None or bool(job.should_accept(group))
 
-    def _settle(
-        self, job: _Job, group: Group | None, accepted: bool, error: BaseException | None = None
-    ) -> None:
+    def _settle(self, job: _Job, kept: Group | None, error: BaseException | None = None) -> None:
+        """``job`` ended: ``kept`` is its accepted group (None: rejected, failed, cancelled)."""
         with self._cond:
             if self._running.pop(job.seq, None) is None:
                 return
-            self.staleness.on_finish(accepted, exempt=job.exempt)
+            self.staleness.on_finish(kept is not None, exempt=job.exempt)
             self._last_progress = time.monotonic()
             if error is not None:
                 self._n_errors += 1
                 self._error = self._error or error
             elif job.exempt:
-                self._exempt_done[job.seq] = group if accepted else None
-            elif accepted:
-                self._finished[job.seq] = group
+                self._exempt_done[job.seq] = kept
+            elif kept is not None:
+                self._finished[job.seq] = kept
             self._cond.notify_all()
 
     def _check_watchdog(self) -> None:

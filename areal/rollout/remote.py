@@ -56,10 +56,11 @@ from areal.rollout.routing import (
 )
 from areal.rollout.transport import (
     Backpressure,
+    ClientIO,
     Retryable,
     answers_health,
     health_error,
-    make_sessions,
+    open_client_io,
     retry_after,
 )
 from areal.utils.event_loop import EventLoopThread
@@ -115,19 +116,16 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         self.config = config
         self.server_restarts = server_restarts
         self._restart_wait = config.server_restart_timeout if server_restarts else 0.0  # seconds
-        self._revive_lock: asyncio.Lock | None = None  # one waiter for a restart at a time
         self._api_key = server_api_key(api_key)
         self.backend = make_backend(config.backend, config.served_model_name)
         health = self.backend.health
         self.pool = ServerPool(config, no_restart_reason)
         self._version = 0
         self._paused = False
-        self._resumed: asyncio.Event | None = None  # created on the client loop
-        self._session: aiohttp.ClientSession | None = None  # work: bounded per server
-        self._control: aiohttp.ClientSession | None = None  # health and admin calls
+        self._live: ClientIO | None = None  # sessions and events, made on the client loop
         self.backpressure = Backpressure(
             config.retry_backoff,
-            lambda address: answers_health(self._control, Server(address).url + health.path),
+            lambda address: answers_health(self._io.control, Server(address).url + health.path),
         )
         self._thread: EventLoopThread | None = None
         self.n_failovers = 0
@@ -151,12 +149,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
 
     async def _setup(self) -> None:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else None
-        self._session, self._control = make_sessions(
-            self.config.max_connections_per_server, headers
-        )
-        self._resumed = asyncio.Event()
-        self._resumed.set()
-        self._revive_lock = asyncio.Lock()
+        self._live = open_client_io(self.config.max_connections_per_server, headers)
         deadline = time.monotonic() + self.config.setup_timeout
         await asyncio.gather(*(self._wait_healthy(s, deadline) for s in self.servers))
 
@@ -164,7 +157,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         call, last = self.backend.health, "no answer"
         while time.monotonic() < deadline:
             timeout = max(0.1, min(5.0, deadline - time.monotonic()))
-            last = await health_error(self._control, server.url + call.path, timeout) or ""
+            last = await health_error(self._io.control, server.url + call.path, timeout) or ""
             if not last:
                 return
             await asyncio.sleep(0.2)
@@ -178,9 +171,8 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         """Close the HTTP session and stop the client loop."""
         if self._thread is None:
             return
-        for session in (self._session, self._control):
-            if session is not None:
-                self._thread.run(session.close(), 10, "closing the HTTP session")
+        for session in (self._live.session, self._live.control) if self._live else ():
+            self._thread.run(session.close(), 10, "closing the HTTP session")
         self._thread.stop()
         self._thread = None
 
@@ -220,6 +212,12 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
             raise RuntimeError("RemoteInferenceEngine is not running; call initialize() first")
         return self._thread
 
+    @property
+    def _io(self) -> ClientIO:
+        if self._live is None:
+            raise RuntimeError("RemoteInferenceEngine is not running; call initialize() first")
+        return self._live
+
     # -- routing and transport ----------------------------------------------------------------
 
     async def _await_alive(self) -> list[Server]:
@@ -227,7 +225,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         (logged) up to ``rollout.server_restart_timeout`` for one to answer health again."""
         if any(s.alive for s in self.servers) or not self.server_restarts:
             return self.pool.alive()
-        async with self._revive_lock:  # concurrent calls share one wait
+        async with self._io.revive_lock:  # concurrent calls share one wait
             if any(s.alive for s in self.servers):
                 return self.pool.alive()
             if all(s.revivals >= self.server_restarts for s in self.servers):
@@ -269,7 +267,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         server.outstanding += 1
         server.n_requests += 1
         try:
-            async with (session or self._session).request(
+            async with (session or self._io.session).request(
                 call.method,
                 server.url + call.path,
                 json=call.json,
@@ -343,7 +341,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         deadline = time.monotonic() + timeout
         targets = [s for s in await self._await_alive() if s.address in calls]
         results = await asyncio.gather(
-            *(self._send(s, calls[s.address], deadline, self._control) for s in targets),
+            *(self._send(s, calls[s.address], deadline, self._io.control) for s in targets),
             return_exceptions=True,
         )
         for server, res in zip(targets, results):
@@ -371,10 +369,10 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
         return await asyncio.wrap_future(thread.submit(self._agenerate(req)))
 
     async def _wait_resumed(self, deadline: float, rid: str) -> None:
-        if self._resumed.is_set():
+        if self._io.resumed.is_set():
             return
         try:
-            await asyncio.wait_for(self._resumed.wait(), max(0.0, deadline - time.monotonic()))
+            await asyncio.wait_for(self._io.resumed.wait(), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             raise TimeoutError(
                 f"request {rid}: the engine stayed paused past rollout.request_timeout="
@@ -455,7 +453,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
 
     async def _apause(self) -> None:
         self._paused = True  # before the servers abort, so aborted requests wait for resume
-        self._resumed.clear()
+        self._io.resumed.clear()
         await self._broadcast(
             await self._call_alive(self.backend.pause()), "pause", self.config.setup_timeout
         )
@@ -465,7 +463,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
             await self._call_alive(self.backend.resume()), "resume", self.config.setup_timeout
         )
         self._paused = False
-        self._resumed.set()
+        self._io.resumed.set()
 
     def pause(self) -> None:
         """Abort in-flight generations on every server; they are re-submitted after resume()."""
@@ -516,7 +514,7 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
             if server.alive:
                 continue
             url = server.url + self.backend.health.path
-            if await health_error(self._control, url, REVIVE_PROBE_S) is None:
+            if await health_error(self._io.control, url, REVIVE_PROBE_S) is None:
                 self.pool.revive(server, restarted=True)
                 logger.warning(
                     "generation server %s answers again (restarted); it serves again, with the "

@@ -9,7 +9,9 @@ and at most ``max_concurrent`` rollouts run at once. Rollouts are consumed oldes
 n-th admitted rollout (n = accepted + running at its start, 0-based) lands in training batch
 ``n // B`` or later; the rule keeps ``n // B <= s + v``, i.e. it is trained at most ``s`` versions
 after the version it started under. Nothing finished is discarded; a rejected rollout
-(filtered out) frees its slot, so a replacement can start.
+(filtered out) frees its slot, so a replacement can start, and an accepted one whose data was lost
+before training (Core: its rollout worker died) stops counting (:meth:`undeliver`) and is redone.
+Which limit refuses a start is :meth:`refusal_cause`.
 
 Recovery (the bug AReaL#1388 reports): after a restart the version jumps to ``V`` while a fresh
 counter would say ``accepted = 0``, admitting ``(s + V + 1) * B`` rollouts at once, all at
@@ -20,7 +22,9 @@ version ``V`` -- most would be trained far more than ``s`` versions later. Hence
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Literal, TypedDict
+
+Refusal = Literal["staleness", "capacity"]  # which limit binds: the bound, or max_concurrent
 
 
 class StalenessState(TypedDict):
@@ -55,9 +59,19 @@ class StalenessManager:
 
     def capacity(self, version: int) -> int:
         """How many staleness-bound rollouts may start now, at trainer weight ``version``."""
+        return max(0, min(self.concurrency_capacity(), self._by_staleness(version)))
+
+    def _by_staleness(self, version: int) -> int:
+        """``(s + v + 1) * B - (accepted + running)``: the bound's room (negative: past it)."""
         bound = (self.max_staleness + version + 1) * self.consumer_batch_size
-        by_staleness = bound - (self.accepted + self.running)
-        return max(0, min(self.concurrency_capacity(), by_staleness))
+        return bound - (self.accepted + self.running)
+
+    def refusal_cause(self, version: int) -> Refusal:
+        """Which limit :meth:`capacity` hits at ``version``: ``staleness`` when the bound leaves
+        no more room than the concurrency cap (a tie counts as the bound), else ``capacity``."""
+        if self._by_staleness(version) <= self.concurrency_capacity():
+            return "staleness"
+        return "capacity"
 
     def concurrency_capacity(self) -> int:
         """How many rollouts of any kind may start now under the concurrency cap alone."""
@@ -83,21 +97,31 @@ class StalenessManager:
         else:
             self.rejected += 1
 
+    def undeliver(self) -> None:
+        """An accepted rollout will not be trained after all (its data was lost before delivery):
+        it no longer counts, so its redo is admitted as a new rollout."""
+        assert self.accepted > 0, "undeliver without an accepted rollout"
+        self.accepted -= 1
+
     def fast_forward(self, version: int) -> None:
         """Count the ``version * B`` rollouts consumed before a restart at ``version``."""
         self.accepted = max(self.accepted, version * self.consumer_batch_size)
 
-    def state_dict(self) -> StalenessState:
-        """Counters a recover checkpoint needs (running rollouts are re-issued, not counted)."""
+    def state_dict(self, undelivered: int = 0) -> StalenessState:
+        """Counters a recover checkpoint needs (running rollouts are re-issued, not counted);
+        ``undelivered``: accepted rollouts the checkpoint re-issues too, so not counted either."""
+        assert 0 <= undelivered <= self.accepted, (undelivered, self.accepted)
         return {
-            "accepted": self.accepted,
+            "accepted": self.accepted - undelivered,
             "rejected": self.rejected,
             "max_staleness": self.max_staleness,
             "consumer_batch_size": self.consumer_batch_size,
         }
 
-    def load_state_dict(self, state: StalenessState) -> None:
-        """Restore counters saved by :meth:`state_dict`; nothing may be running yet."""
+    def load_state_dict(self, state: StalenessState, running: int = 0) -> None:
+        """Restore counters saved by :meth:`state_dict`; nothing may be running yet.
+        ``running``: rollouts started before the save that still run and will report here (a
+        restarted generation manager's tickets; a recover checkpoint re-issues them instead)."""
         if self.running or self.running_exempt:
             raise RuntimeError(
                 f"load_state_dict with {self.running + self.running_exempt} rollouts running; "
@@ -111,3 +135,4 @@ class StalenessManager:
             )
         self.accepted = int(state["accepted"])
         self.rejected = int(state["rejected"])
+        self.running = running

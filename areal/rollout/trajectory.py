@@ -95,7 +95,7 @@ def groups_to_batch(
         if key in per_token:
             tok[key] = [[0.0] * len(t.prompt_ids) + _token_extra(t, key) for t in trajs]
         else:
-            seqs[key] = [float(t.extras[key]) for t in trajs]
+            seqs[key] = [_seq_extra(t, key) for t in trajs]
     batch = PackedBatch.from_sequences(tok, seqs)
     # from_sequences infers dtype from the first value; pin the documented dtypes.
     return batch.with_fields(
@@ -107,6 +107,16 @@ def groups_to_batch(
         },
         seqs={k: batch[k].float() for k in ["rewards", *(k for k in extras if k not in per_token)]},
     )
+
+
+def _seq_extra(t: Trajectory, key: str) -> float:
+    value = t.extras[key]
+    if isinstance(value, (list, tuple)):
+        raise ValueError(
+            f"trajectory {t.sample_id!r}: extras[{key!r}] holds a list but the batch's first "
+            "trajectory holds a number there; every trajectory must hold the same kind"
+        )
+    return float(value)
 
 
 def _token_extra(t: Trajectory, key: str) -> list[float]:

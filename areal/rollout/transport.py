@@ -26,6 +26,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -48,15 +49,28 @@ class Retryable(Exception):
         self.connection, self.after = connection, after
 
 
-def make_sessions(
-    max_per_server: int, headers: Mapping[str, str] | None
-) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
-    """(work, control) sessions: work bounded per server, control unbounded (module doc)."""
+@dataclass(frozen=True)
+class ClientIO:
+    """What a client makes on its own loop at setup (aiohttp and asyncio objects belong to it)."""
+
+    session: aiohttp.ClientSession  # work requests: bounded per server (module doc)
+    control: aiohttp.ClientSession  # health and admin calls: unbounded
+    resumed: asyncio.Event  # set while the client is not paused
+    revive_lock: asyncio.Lock  # one waiter for a server restart at a time
+
+
+def open_client_io(max_per_server: int, headers: Mapping[str, str] | None) -> ClientIO:
+    """The work and control sessions (module doc), the resume event (set) and the revive lock;
+    called on the client's loop."""
     work = aiohttp.TCPConnector(limit=0, limit_per_host=max_per_server)
     control = aiohttp.TCPConnector(limit=0)
-    return (
+    resumed = asyncio.Event()
+    resumed.set()
+    return ClientIO(
         aiohttp.ClientSession(connector=work, headers=headers),
         aiohttp.ClientSession(connector=control, headers=headers),
+        resumed,
+        asyncio.Lock(),
     )
 
 
@@ -71,9 +85,8 @@ async def health_error(session: aiohttp.ClientSession, url: str, timeout: float)
         return repr(e)
 
 
-async def answers_health(session: aiohttp.ClientSession | None, url: str) -> bool:
+async def answers_health(session: aiohttp.ClientSession, url: str) -> bool:
     """Whether ``GET url`` answers 200 within PROBE_TRIES probes, PROBE_GAP_S apart."""
-    assert session is not None, "the client's sessions are made by its setup"
     for i in range(PROBE_TRIES):
         if await health_error(session, url, PROBE_TIMEOUT_S) is None:
             return True

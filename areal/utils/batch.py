@@ -54,7 +54,7 @@ class PackedBatch:
     @classmethod
     def from_sequences(
         cls,
-        token_fields: dict[str, Sequence[Sequence]],
+        token_fields: Mapping[str, Sequence[Sequence]],
         seq_fields: Mapping[str, Sequence | torch.Tensor] | None = None,
     ) -> PackedBatch:
         """Pack lists of per-sequence lists, e.g. ``{"input_ids": [[1, 2], [3]]}``; a sequence

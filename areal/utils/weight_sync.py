@@ -65,7 +65,7 @@ class TensorSpec:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def specs_from_announcement(names: list, dtypes: list, shapes: list) -> list[TensorSpec]:
+def specs_from_announcement(names: object, dtypes: object, shapes: object) -> list[TensorSpec]:
     """Parse the JSON announcement; raises ValueError naming the bad field."""
     if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
         raise ValueError("names, dtypes, shapes: each must be a list")

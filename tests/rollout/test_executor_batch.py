@@ -59,6 +59,9 @@ def test_extras_become_sequence_fields_only_when_every_trajectory_has_them():
         ]
     ]
     assert groups_to_batch(g)["baseline"].tolist() == [0.25, 0.5]
+    g[0][1].extras = {"baseline": [0.5]}  # a list where the first trajectory holds a number
+    with pytest.raises(ValueError, match=r"extras\['baseline'\] holds a list but the batch's"):
+        groups_to_batch(g)
     g[0][1].extras = {}
     with pytest.raises(ValueError, match="same extras keys"):
         groups_to_batch(g)

@@ -100,6 +100,53 @@ def test_load_state_dict_refuses_a_different_batch_size():
         other.load_state_dict(sm.state_dict())
 
 
+def test_refusal_cause_names_the_bound_when_it_leaves_no_more_room_than_the_cap():
+    # s=1, B=4, cap=5, v=0: the bound's room is (1 + 0 + 1) * 4 - (accepted + running) = 8 - ...
+    sm = StalenessManager(max_staleness=1, consumer_batch_size=4, max_concurrent=5)
+    _start(sm, 5)  # the bound's room 8 - 5 = 3, the cap's 5 - 5 = 0: max_concurrent refuses
+    assert sm.capacity(0) == 0 and sm.refusal_cause(0) == "capacity"
+    for _ in range(3):
+        sm.on_finish(accepted=True)  # the bound's room 8 - (3 + 2) = 3, the cap's 5 - 2 = 3
+    assert sm.capacity(0) == 3 and sm.refusal_cause(0) == "staleness"  # a tie is the bound's
+    _start(sm, 3)  # the bound's room 8 - (3 + 5) = 0, the cap's 0
+    assert sm.capacity(0) == 0 and sm.refusal_cause(0) == "staleness"
+    # v=1: the bound's room (1 + 1 + 1) * 4 - 8 = 4 > the cap's 0
+    assert sm.capacity(1) == 0 and sm.refusal_cause(1) == "capacity"
+
+
+def test_an_undelivered_rollout_stops_counting_so_its_redo_is_admitted():
+    # s=0, B=2: one batch of room at v=0; both accepted, then one group's data is lost.
+    sm = StalenessManager(max_staleness=0, consumer_batch_size=2, max_concurrent=10)
+    _start(sm, 2)
+    sm.on_finish(accepted=True)
+    sm.on_finish(accepted=True)
+    assert sm.capacity(0) == 0  # 2 - 2 accepted
+    sm.undeliver()
+    assert sm.accepted == 1 and sm.capacity(0) == 1  # 2 - 1: the redo may start
+    assert sm.rejected == 0  # it was not filtered out
+
+
+def test_a_checkpoint_leaves_out_undelivered_rollouts_and_a_restart_keeps_its_running_ones():
+    # s=1, B=4: 6 accepted of which 2 wait undelivered, 3 running.
+    sm = StalenessManager(max_staleness=1, consumer_batch_size=4, max_concurrent=100)
+    _start(sm, 9)
+    for _ in range(6):
+        sm.on_finish(accepted=True)
+    state = sm.state_dict(undelivered=2)
+    assert state["accepted"] == 4 and sm.accepted == 6  # the counter itself is untouched
+    # a recover checkpoint: the 2 undelivered and the 3 running are re-issued, not counted
+    resumed = StalenessManager(max_staleness=1, consumer_batch_size=4, max_concurrent=100)
+    resumed.load_state_dict(state)
+    assert resumed.capacity(0) == 4  # (1 + 0 + 1) * 4 - 4
+    # a restarted process whose 3 running rollouts report to it: they count as running
+    restarted = StalenessManager(max_staleness=1, consumer_batch_size=4, max_concurrent=100)
+    restarted.load_state_dict(sm.state_dict(), running=3)
+    # v=1: (1 + 1 + 1) * 4 - (6 accepted + 3 running) = 3, as in the process that died
+    assert restarted.running == 3 and restarted.capacity(1) == sm.capacity(1) == 3
+    restarted.on_finish(accepted=True)  # a running one reports to the new process
+    assert restarted.accepted == 7 and restarted.running == 2
+
+
 def test_negative_staleness_is_rejected_with_the_fix():
     with pytest.raises(ValueError, match="use 0 for synchronous"):
         StalenessManager(max_staleness=-1, consumer_batch_size=1, max_concurrent=1)
