@@ -43,7 +43,7 @@ SAME = [
     "launcher.echo=false",
 ]
 LEVERS_OFF = [
-    "actor.recompute_prox_logp=true",
+    "actor.prox_logp=recompute_always",
     "actor.shared_prefix=false",
     "server.share_prompts=false",
 ]

@@ -1,18 +1,20 @@
 """Rollout correction and the proximal-logprob approximation (docs/algorithms.md).
 
-**Rollout correction.** The rollout policy pi_behav (the server's probabilities, possibly of
-older weights) differs from the trainer's pi_train (the proximal policy, or the current one in
-the bypass form). The weight ``w = pi_train / pi_behav`` is taken per token, per sequence (the
-product of its token ratios) or per sequence as their geometric mean, then
+**Rollout correction**, the one off-policy weighting. The rollout policy pi_behav (the server's
+probabilities, possibly of older weights) differs from the trainer's pi_train (the proximal
+policy with the decoupled loss, else the current one: the bypass form). The weight
+``w = pi_train / pi_behav`` is taken per token, per sequence (the product of its token ratios)
+or per sequence as their geometric mean, then
 
+- ``none``: ``w`` as is (decoupled PPO's behaviour weight, Fu et al. 2025);
 - ``truncate`` (TIS, Yao et al. 2025): ``min(w, upper)``;
-- ``mask`` (MIS; IcePop, Ling Team 2025, with a two-sided band): ``w`` inside
-  ``[lower, upper]``, 0 outside; with ``mask_sequence`` a token outside the band drops its
-  whole sequence (the sequence-masking variant of Liu et al. 2025).
+- ``mask`` (AReaL's behaviour cap; MIS; IcePop, Ling Team 2025, with a two-sided band): ``w``
+  inside ``[lower, upper]``, 0 outside; with ``mask_sequence`` a token outside the band drops
+  its whole sequence (the sequence-masking variant of Liu et al. 2025).
 
 Departure: a masked token still counts in the loss normaliser (the engine fixes normalisers
-before the micro-batch loop, and the band is known only in the loss), as with
-``behav_imp_weight_cap``; ``masked_frac`` says how many.
+before the micro-batch loop, and the band is known only in the loss); ``rc_masked_frac`` says
+how many.
 
 **Proximal logprobs without a forward pass.** With several minibatches or stale samples the
 decoupled loss needs the proximal policy pi_prox (the weights of version v_prox, before this
@@ -27,13 +29,10 @@ the proximal one up to the engines' mismatch).
 
 from __future__ import annotations
 
-import math
-from typing import Literal
-
 import torch
 
 from areal.algo.segments import segment_sum, seq_ids, seq_mean
-from areal.api.config.actor import RolloutCorrectionConfig
+from areal.api.config.actor import ProxLogp, RolloutCorrectionConfig
 
 STALENESS_BUCKETS = ("0", "1", "2", "3+")
 
@@ -51,18 +50,21 @@ def rollout_weights(
         log_w = segment_sum(log_w * mask.float(), cu_seqlens)[seq_ids(cu_seqlens)]
     elif rc.level == "geometric":
         log_w = seq_mean(log_w, mask, cu_seqlens)
-    log_upper = math.log(rc.upper)
-    clipped = torch.exp(log_w.clamp(max=log_upper))  # never overflows, even for a long product
+    # a long sequence product may overflow to inf: truncation turns it into upper, a mask into 0
+    weight = torch.exp(log_w)
+    kept = torch.zeros_like(mask, dtype=torch.bool)
+    if rc.mode == "none":
+        return weight, kept
     if rc.mode == "truncate":
-        return clipped, torch.zeros_like(mask, dtype=torch.bool)
-    rejected = log_w > log_upper
+        return weight.clamp(max=rc.upper), kept
+    rejected = weight > rc.upper
     if rc.lower is not None:
-        rejected |= log_w < math.log(rc.lower)
+        rejected |= weight < rc.lower
     if rc.mask_sequence:
         rejected = (segment_sum((rejected & mask.bool()).float(), cu_seqlens) > 0)[
             seq_ids(cu_seqlens)
         ]
-    return torch.where(rejected, torch.zeros_like(clipped), clipped), rejected
+    return torch.where(rejected, torch.zeros_like(weight), weight), rejected
 
 
 def staleness_buckets(versions: torch.Tensor, version: int) -> dict[str, torch.Tensor]:
@@ -77,7 +79,7 @@ def approx_prox_logp(
     versions: torch.Tensor,
     prox_version: int,
     progress: float,
-    method: Literal["loglinear", "linear", "reuse"],
+    method: ProxLogp,
 ) -> torch.Tensor:
     """[T] proximal logprobs estimated from the behaviour logprobs (token versions ``versions``)
     and the current ones (version ``prox_version + progress``, ``progress`` = k/n for
@@ -96,4 +98,4 @@ def approx_prox_logp(
     if method == "linear":
         p = behav.exp() + alpha * (cur.exp() - behav.exp())
         return p.clamp(min=torch.finfo(p.dtype).tiny).log()
-    raise ValueError(f"prox_logp: got {method!r}; use recompute, loglinear, linear or reuse")
+    raise ValueError(f"prox_logp: got {method!r}; approximations are loglinear, linear or reuse")

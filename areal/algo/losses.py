@@ -7,21 +7,19 @@ Per-token objectives (``A`` = advantage, ``r`` = importance ratio pi_theta / pi_
   loss is further capped at ``-c_clip * A``.
 - Decoupled PPO (Fu et al. 2025, AReaL): ``pi_old`` is the proximal policy (the trainer's
   weights before this update) and the loss is multiplied by the detached behaviour weight
-  ``w = pi_prox / pi_behav`` (pi_behav: the possibly stale policy that generated the tokens).
-  ``w`` above ``behav_imp_weight_cap`` is masked (token dropped) or clamped.
+  ``w = pi_prox / pi_behav`` (pi_behav: the possibly stale policy that generated the tokens),
+  bounded by the rollout correction below (AReaL's behaviour cap is its ``mask`` mode).
 - GSPO (Zheng et al. 2025): ``r`` = per-sequence geometric mean of token ratios, used through
   ``sg[s] * pi_t / sg[pi_t]`` (the paper's GSPO-token form: value s, gradient of s).
 - CISPO (MiniMax 2025): ``-sg[clip(r, 1-eps, 1+eps_high)] * A * log pi_theta``: the IS weight
   is clipped but every token keeps its gradient.
-- Truncated IS (non-decoupled path): the loss is multiplied by ``min(pi_old / pi_behav, tis_cap)``
-  when the trainer's recomputed logprobs and the server's differ.
-- Rollout correction (``rollout_correction``, :mod:`areal.algo.correction`): truncated or masked
-  weights ``pi_train / pi_behav`` per token, sequence or geometric mean, in the decoupled
-  three-policy form or the bypass form (ratio against pi_behav); it replaces the two above.
+- Rollout correction (``rollout_correction``, :mod:`areal.algo.correction`), the one off-policy
+  weighting: ``w = pi_train / pi_behav`` per token, sequence or geometric mean, as is,
+  truncated (TIS) or masked, in the decoupled three-policy form or, without the decoupled loss,
+  the bypass form (ratio against pi_behav, ``w = sg(pi_theta) / pi_behav``).
 
-Departures: the sequence-level behaviour weight (``behav_imp_weight_level=sequence``) is the
-geometric mean of token weights, like GSPO's ratio, not their product; tokens dropped by the
-behaviour cap still count in the loss normaliser, so the engine can compute it up front.
+Departure: tokens dropped by a mask still count in the loss normaliser, so the engine can
+compute it up front.
 """
 
 from __future__ import annotations
@@ -50,32 +48,6 @@ def importance_ratio(
         return torch.exp(log_ratio)
     seq_log_ratio = seq_mean(log_ratio, mask, cu_seqlens).detach()  # [T] log s_i
     return torch.exp(seq_log_ratio + logp - logp.detach())  # value s_i, gradient s_i*dlogp
-
-
-def behaviour_weight(
-    old_logp: torch.Tensor,
-    behav_logp: torch.Tensor,
-    mask: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    cap: float | None,
-    mode: str,
-    level: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Detached weight pi_old/pi_behav [T] and [T] bool ``over_cap`` (weight above ``cap``).
-
-    ``mode=mask``: over-cap tokens get weight 0 (dropped); ``mode=clamp``: weight ``cap``.
-    ``level=sequence`` uses each sequence's geometric-mean weight. ``cap=None`` = no cap.
-    """
-    log_w = (old_logp - behav_logp).detach().float()  # [T]
-    if level == "sequence":
-        log_w = seq_mean(log_w, mask, cu_seqlens)
-    weight = torch.exp(log_w)
-    if cap is None:
-        return weight, torch.zeros_like(weight, dtype=torch.bool)
-    over_cap = weight > cap
-    if mode == "mask":
-        return torch.where(over_cap, torch.zeros_like(weight), weight), over_cap
-    return weight.clamp(max=cap), over_cap
 
 
 def ppo_clip_loss(
@@ -178,48 +150,34 @@ def aggregate_loss(
 
 
 def _off_policy_weight(cfg: PPOActorConfig, logprobs, prox_logp, behav_logp, mask, cu_seqlens):
-    """(old_logp, weight [T] or None, over_cap [T]) for the rollout-correction / decoupled /
-    truncated-IS / plain paths."""
-    no_cap = torch.zeros_like(mask, dtype=torch.bool)
+    """(old_logp, weight [T] or None, rejected [T]): the ratio's old policy and the rollout
+    correction's weight (:func:`~areal.algo.correction.rollout_weights`).
+
+    Decoupled: the ratio is against pi_prox and w = pi_prox / pi_behav, bounded by the correction
+    (``mode=none``: as is). Otherwise, with a correction on (the bypass form), the ratio is
+    against pi_behav and w = sg(pi_theta) / pi_behav; with none, no weight and the ratio is
+    against ``prox_logp`` when given, else pi_behav."""
     rc = cfg.rollout_correction
-    if rc.mode != "none":
-        if behav_logp is None or (rc.form == "decoupled" and prox_logp is None):
-            raise ValueError(
-                f"actor.rollout_correction (form={rc.form}) needs behav_logp (the rollout's "
-                "logprobs)" + (" and prox_logp" if rc.form == "decoupled" else "") + "; pass them"
-            )
-        # decoupled: three policies, w = pi_prox / pi_behav; bypass: the ratio's old policy is the
-        # behaviour one and w = sg(pi_theta) / pi_behav
-        old_logp, train_logp = (
-            (prox_logp, prox_logp) if rc.form == "decoupled" else (behav_logp, logprobs)
-        )
-        weight, rejected = rollout_weights(train_logp, behav_logp, mask, cu_seqlens, rc)
-        return old_logp, weight, rejected
     if cfg.use_decoupled_loss:
         if prox_logp is None or behav_logp is None:
             raise ValueError(
-                "actor.use_decoupled_loss=true needs prox_logp (recomputed by the "
-                "trainer) and behav_logp (from the rollout); pass both"
+                "actor.use_decoupled_loss=true needs prox_logp (the trainer's proximal "
+                "logprobs) and behav_logp (from the rollout); pass both"
             )
-        weight, over_cap = behaviour_weight(
-            prox_logp,
-            behav_logp,
-            mask,
-            cu_seqlens,
-            cfg.behav_imp_weight_cap,
-            cfg.behav_imp_weight_mode,
-            cfg.behav_imp_weight_level,
-        )
-        return prox_logp, weight, over_cap
+        weight, rejected = rollout_weights(prox_logp, behav_logp, mask, cu_seqlens, rc)
+        return prox_logp, weight, rejected
+    if rc.mode != "none":
+        if behav_logp is None:
+            raise ValueError(
+                f"actor.rollout_correction.mode={rc.mode} needs behav_logp (the rollout's "
+                "logprobs); pass it"
+            )
+        weight, rejected = rollout_weights(logprobs, behav_logp, mask, cu_seqlens, rc)
+        return behav_logp, weight, rejected
     old_logp = prox_logp if prox_logp is not None else behav_logp
     if old_logp is None:
         raise ValueError("policy_loss needs prox_logp or behav_logp as the old policy; got None")
-    if cfg.tis_cap is not None and prox_logp is not None and behav_logp is not None:
-        weight, over_cap = behaviour_weight(
-            prox_logp, behav_logp, mask, cu_seqlens, cfg.tis_cap, "clamp", "token"
-        )
-        return old_logp, weight, over_cap
-    return old_logp, None, no_cap
+    return old_logp, None, torch.zeros_like(mask, dtype=torch.bool)
 
 
 def mismatch_kl(train_logp: torch.Tensor, behav_logp: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -229,9 +187,7 @@ def mismatch_kl(train_logp: torch.Tensor, behav_logp: torch.Tensor) -> dict[str,
     return {"k1": behav - train, "k3": kl_estimate(behav, train, "k3")}
 
 
-def _policy_stats(
-    cfg, pg_loss, logprobs, old_logp, behav_logp, ratio, flags, weight, over_cap, mask
-):
+def _policy_stats(pg_loss, logprobs, old_logp, behav_logp, ratio, flags, weight, rejected, mask):
     """Detached scalar stats of the policy-gradient term (see :func:`policy_loss`)."""
     approx_kl = kl_estimate(old_logp.detach(), logprobs.detach(), "k3")  # KL(old || new)
     stats = {
@@ -249,17 +205,11 @@ def _policy_stats(
                 for k, v in mismatch_kl(train, behav_logp).items()
             }
         )
-    if weight is not None and cfg.rollout_correction.mode != "none":
+    if weight is not None:
         stats.update(
             rc_weight_mean=masked_mean(weight, mask),
             rc_weight_max=masked_max(weight, mask),
-            rc_masked_frac=masked_mean(over_cap, mask),
-        )
-    elif weight is not None:
-        stats.update(
-            behav_imp_weight_mean=masked_mean(weight, mask),
-            behav_imp_weight_max=masked_max(weight, mask),
-            over_cap_frac=masked_mean(over_cap, mask),
+            rc_masked_frac=masked_mean(rejected, mask),
         )
     return stats
 
@@ -288,8 +238,8 @@ def policy_loss(
         behav_logp: [T] logprobs from the rollout (behaviour policy), or None.
         advantages: [T] from :func:`areal.algo.advantages.compute_advantages`.
         loss_mask, cu_seqlens: [T], [B+1].
-        cfg: dispatches PPO / CISPO, token / sequence ratio (GSPO), decoupled weight, truncated
-            IS, KL loss term, entropy bonus and aggregation.
+        cfg: dispatches PPO / CISPO, token / sequence ratio (GSPO), the off-policy weight
+            (decoupled loss, rollout correction), KL loss term, entropy bonus and aggregation.
         entropy: [T] (with grad) needed when ``cfg.entropy_coeff > 0``; logged when given.
         ref_logp: [T] reference logprobs, needed for the KL loss term (kl_in_reward=false).
         global_n_tokens, global_n_seqs: normalisers from :func:`loss_normalisers`, all-reduced
@@ -297,11 +247,11 @@ def policy_loss(
         max_new_tokens: the constant normaliser of ``seq-mean-token-sum-norm``.
     Stats: pg_loss, ratio_mean/max, approx_kl, clip_frac_low/high, dual_clip_frac,
     mismatch_k1/k3 (KL(pi_behav || pi_train), when behav_logp is given), rc_weight_mean/max and
-    rc_masked_frac (rollout correction) or behav_imp_weight_mean/max and over_cap_frac (the
-    behaviour cap), kl_ref, entropy. All are means over this micro-batch's loss-mask tokens.
+    rc_masked_frac (the off-policy weight: decoupled loss or rollout correction), kl_ref,
+    entropy. All are means over this micro-batch's loss-mask tokens.
     """
     mask = loss_mask.bool()
-    old_logp, weight, over_cap = _off_policy_weight(
+    old_logp, weight, rejected = _off_policy_weight(
         cfg, logprobs, prox_logp, behav_logp, mask, cu_seqlens
     )
     ratio = importance_ratio(logprobs, old_logp, mask, cu_seqlens, cfg.importance_sampling_level)
@@ -319,7 +269,7 @@ def policy_loss(
     )
     loss = agg(per_token)
     stats = _policy_stats(
-        cfg, loss, logprobs, old_logp, behav_logp, ratio, flags, weight, over_cap, mask
+        loss, logprobs, old_logp, behav_logp, ratio, flags, weight, rejected, mask
     )
     return _add_kl_and_entropy(loss, stats, agg, cfg, logprobs, ref_logp, entropy, mask)
 

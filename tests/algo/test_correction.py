@@ -62,16 +62,13 @@ def test_sequence_level_is_the_product_and_geometric_level_the_mean_over_trained
     assert torch.allclose(all_tokens, torch.zeros(3))  # 2 * 1 * 0.5 = 1 > 0.9: masked
 
 
-def test_a_long_sequence_product_truncates_without_overflow():
+def test_a_long_sequence_product_truncates_or_masks_without_nan():
     n = 2000  # w = e per token: the product e^2000 overflows float32; the cap holds it at upper
-    w, _ = rollout_weights(
-        torch.zeros(n),
-        torch.full((n,), -1.0),
-        torch.ones(n, dtype=torch.bool),
-        torch.tensor([0, n]),
-        _rc(mode="truncate", level="sequence", upper=3.0),
-    )
-    assert torch.allclose(w, torch.full((n,), 3.0))
+    args = (torch.zeros(n), torch.full((n,), -1.0), torch.ones(n, dtype=torch.bool))
+    w, _ = rollout_weights(*args, torch.tensor([0, n]), _rc(mode="truncate", level="sequence"))
+    assert torch.equal(w, torch.full((n,), 2.0))
+    w, rejected = rollout_weights(*args, torch.tensor([0, n]), _rc(mode="mask", level="sequence"))
+    assert torch.equal(w, torch.zeros(n)) and rejected.all()
 
 
 def test_mismatch_kl_estimates_are_zero_on_policy_and_hand_worked_off_it():
@@ -101,9 +98,7 @@ def _one_token(rc: RolloutCorrectionConfig, decoupled: bool, cur: float, prox: f
 def test_bypass_form_clips_against_the_behaviour_policy_and_truncates_its_weight():
     # ratio pi_theta / pi_behav = 0.5 / 0.25 = 2 -> clipped to 1.2 (A = 1): max(-2, -1.2) = -1.2;
     # w = sg(pi_theta) / pi_behav = 2, truncated at 1.5: loss -1.2 * 1.5 = -1.8
-    loss, stats = _one_token(
-        _rc(mode="truncate", form="bypass", upper=1.5), False, cur=0.5, prox=0.5, behav=0.25
-    )
+    loss, stats = _one_token(_rc(mode="truncate", upper=1.5), False, cur=0.5, prox=0.5, behav=0.25)
     assert loss.item() == pytest.approx(-1.8)
     assert (
         stats["rc_weight_max"].item() == pytest.approx(1.5)
@@ -179,8 +174,8 @@ def test_config_rules_for_rollout_correction_and_the_approximation():
             ],
         )
     text = str(e.value)
-    assert "lower: 3.0 >= upper=2.0" in text and "needs use_decoupled_loss=true" in text
-    assert "prox_logp: loglinear approximates" in text
+    assert "lower: 3.0 >= upper=2.0" in text
+    assert "prox_logp: loglinear sets how" in text and "set use_decoupled_loss=true" in text
     ok = load_config(
         GRPOConfig,
         [
@@ -191,3 +186,5 @@ def test_config_rules_for_rollout_correction_and_the_approximation():
         ],
     )
     assert ok.actor.rollout_correction.mode == "truncate"
+    with pytest.raises(ConfigError, match="an unbounded product of token ratios"):
+        load_config(GRPOConfig, [*base, "actor.rollout_correction.level=sequence"])

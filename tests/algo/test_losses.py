@@ -10,14 +10,13 @@ from hypothesis import strategies as st
 
 from areal.algo.losses import (
     aggregate_loss,
-    behaviour_weight,
     cispo_loss,
     importance_ratio,
     loss_normalisers,
     policy_loss,
     ppo_clip_loss,
 )
-from areal.api.config.actor import PPOActorConfig
+from areal.api.config.actor import PPOActorConfig, RolloutCorrectionConfig
 
 
 def test_ppo_clip_hand_worked_asymmetric():
@@ -73,18 +72,6 @@ def test_gspo_ratio_is_the_sequence_geometric_mean():
     assert torch.allclose(ratio, expected)
     (grad,) = torch.autograd.grad(ratio.sum(), logp)
     assert torch.allclose(grad, expected)  # d(sg[s] * pi/sg[pi]) / d logp = s
-
-
-def test_behaviour_weight_cap_masks_or_clamps():
-    prox, behav = torch.log(torch.tensor([2.0, 4.0])), torch.zeros(2)  # weights 2 and 4
-    mask, cu = torch.ones(2), torch.tensor([0, 2])
-    w, over = behaviour_weight(prox, behav, mask, cu, cap=3.0, mode="mask", level="token")
-    assert torch.allclose(w, torch.tensor([2.0, 0.0])) and over.tolist() == [False, True]
-    w, _ = behaviour_weight(prox, behav, mask, cu, cap=3.0, mode="clamp", level="token")
-    assert torch.allclose(w, torch.tensor([2.0, 3.0]))
-    # sequence level: geometric mean sqrt(2 * 4) = 2.8284 < 3 -> both kept
-    w, over = behaviour_weight(prox, behav, mask, cu, cap=3.0, mode="mask", level="sequence")
-    assert torch.allclose(w, torch.full((2,), math.sqrt(8.0))) and not over.any()
 
 
 def test_aggregation_modes_hand_worked():
@@ -152,11 +139,15 @@ def test_decoupled_loss_equals_standard_ppo_when_behaviour_is_proximal(seed, alg
     b = _random_batch(seed)
     base = dict(algorithm=algorithm)
     plain = PPOActorConfig(**base)
-    decoupled = PPOActorConfig(**base, use_decoupled_loss=True, behav_imp_weight_cap=2.0)
+    decoupled = PPOActorConfig(
+        **base,
+        use_decoupled_loss=True,
+        rollout_correction=RolloutCorrectionConfig(mode="mask", upper=2.0),
+    )
     l1, _ = policy_loss(b["logp"], b["old"], None, b["adv"], b["mask"], b["cu"], plain)
     l2, s2 = policy_loss(b["logp"], b["old"], b["old"], b["adv"], b["mask"], b["cu"], decoupled)
     assert torch.allclose(l1, l2, atol=1e-6)
-    assert s2["behav_imp_weight_mean"] == 1.0 and s2["over_cap_frac"] == 0.0
+    assert s2["rc_weight_mean"] == 1.0 and s2["rc_masked_frac"] == 0.0
 
 
 @settings(max_examples=25, deadline=None)
@@ -170,31 +161,6 @@ def test_gspo_equals_token_ppo_for_length_one_sequences(seed):
     g1 = torch.autograd.grad(l1, b["logp"])[0]
     g2 = torch.autograd.grad(l2, b["logp"])[0]
     assert torch.allclose(l1, l2, atol=1e-6) and torch.allclose(g1, g2, atol=1e-6)
-
-
-def test_decoupled_loss_hand_worked_with_masked_over_cap_token():
-    # two tokens, one sequence; ratio 1 (logp = prox); behaviour weights 2 and 4, cap 3 (mask)
-    logp = torch.tensor([-1.0, -1.0], requires_grad=True)
-    prox = torch.tensor([-1.0, -1.0])
-    behav = prox - torch.log(torch.tensor([2.0, 4.0]))
-    cfg = PPOActorConfig(use_decoupled_loss=True, behav_imp_weight_cap=3.0)
-    loss, stats = policy_loss(
-        logp, prox, behav, torch.tensor([1.0, 1.0]), torch.ones(2), torch.tensor([0, 2]), cfg
-    )
-    # token 0: -A * r * w = -1 * 1 * 2 = -2; token 1 dropped (0) but counted: (-2 + 0) / 2 = -1
-    assert torch.allclose(loss, torch.tensor(-1.0))
-    assert stats["over_cap_frac"] == 0.5
-
-
-def test_truncated_importance_sampling_on_the_non_decoupled_path():
-    logp = torch.tensor([-1.0], requires_grad=True)
-    prox, behav = torch.tensor([-1.0]), torch.tensor([-1.0 - math.log(5.0)])  # weight 5
-    cfg = PPOActorConfig(tis_cap=2.0)
-    loss, stats = policy_loss(
-        logp, prox, behav, torch.tensor([1.0]), torch.ones(1), torch.tensor([0, 1]), cfg
-    )
-    assert torch.allclose(loss, torch.tensor(-2.0))  # -A * r * min(5, 2) = -2
-    assert stats["behav_imp_weight_max"] == 2.0
 
 
 def test_kl_loss_term_and_entropy_bonus_hand_worked():

@@ -76,13 +76,15 @@ def test_explicit_yaml_and_override_knobs_win_over_the_preset(tmp_path):
             str(path),
             "loss_agg_mode=seq-mean-token-mean",
             "use_decoupled_loss=true",
-            "behav_imp_weight_cap=5",
+            "rollout_correction.preset=behav_cap",
+            "rollout_correction.upper=4",
         ],
     )
     assert cfg.eps_clip_higher == 0.3 and cfg.reward_norm_std_level == "none"
     assert cfg.loss_agg_mode == "seq-mean-token-mean"
     assert cfg.dynamic_sampling and cfg.reward_norm_mean_level == "group"  # still from dapo
-    assert cfg.use_decoupled_loss and cfg.behav_imp_weight_cap == 5.0
+    assert cfg.use_decoupled_loss and cfg.rollout_correction.mode == "mask"  # from behav_cap
+    assert cfg.rollout_correction.upper == 4.0  # explicit: wins over behav_cap's 5
     # an explicit value equal to the ppo default still wins (grpo has kl_in_reward=false)
     grpo = from_dict(PPOActorConfig, {"algorithm": "grpo", "kl_in_reward": True})
     assert grpo.kl_in_reward
@@ -96,10 +98,11 @@ def test_replace_and_reload_of_a_saved_config_keep_the_values():
 
 def test_cross_field_errors_name_the_field_and_the_fix():
     with pytest.raises(ConfigError) as e:
-        from_dict(PPOActorConfig, {"algorithm": "grpo", "tis_cap": 2.0, "use_decoupled_loss": True})
-    assert "tis_cap: 2.0" in str(e.value)
-    with pytest.raises(ConfigError, match="behav_imp_weight_cap"):
-        from_dict(PPOActorConfig, {"behav_imp_weight_cap": 0.5})
+        from_dict(PPOActorConfig, {"algorithm": "grpo", "prox_logp": "recompute_always"})
+    assert "prox_logp: recompute_always sets how" in str(e.value)
+    assert "set use_decoupled_loss=true, or prox_logp=recompute" in str(e.value)
+    with pytest.raises(ConfigError, match=r"rollout_correction.upper must be > 0, got 0"):
+        from_dict(PPOActorConfig, {"rollout_correction": {"upper": 0}})
     with pytest.raises(ConfigError, match="did you mean 'dapo'"):
         from_dict(PPOActorConfig, {"algorithm": "dapoo"})
 
@@ -112,7 +115,8 @@ def test_preset_from_yaml_gives_finite_loss_and_gradient_on_a_random_batch(
     torch.manual_seed(0)
     path = tmp_path / "actor.yaml"
     path.write_text(f"algorithm: {name}\nkl_ctl: 0.05\nentropy_coeff: 0.01\noverlong_tokens: 4\n")
-    over = ["use_decoupled_loss=true", "behav_imp_weight_cap=2.0"] if decoupled else []
+    cap = ["rollout_correction.mode=mask", "rollout_correction.upper=2.0"]
+    over = ["use_decoupled_loss=true", *cap] if decoupled else []
     cfg = load_config(PPOActorConfig, ["--config", str(path), *over])
     cu = torch.tensor([0, 6, 11, 19, 24])
     n, vocab = int(cu[-1]), 13

@@ -166,7 +166,13 @@ def test_critic_value_normalizer_survives_a_dcp_round_trip(tiny_model_dir, tmp_p
 
 def _decoupled_step(path, prox_pass: bool) -> tuple[dict, dict]:
     actor = PPOActor(
-        actor_config(path, lr=1e-2, eps=1.0, use_decoupled_loss=True, behav_imp_weight_cap=5.0),
+        actor_config(
+            path,
+            lr=1e-2,
+            eps=1.0,
+            use_decoupled_loss=True,
+            rollout_correction=RolloutCorrectionConfig(preset="behav_cap"),
+        ),
         world_mesh(),
         group_size=GROUP,
     )
@@ -190,7 +196,7 @@ def _decoupled_step(path, prox_pass: bool) -> tuple[dict, dict]:
 def test_one_minibatch_update_without_the_prox_pass_equals_the_update_with_it(tiny_model_dir):
     with_pass, state_a = _decoupled_step(tiny_model_dir, prox_pass=True)
     without, state_b = _decoupled_step(tiny_model_dir, prox_pass=False)
-    for key in ("loss", "pg_loss", "behav_imp_weight_mean", "logp_mismatch", "grad_norm"):
+    for key in ("loss", "pg_loss", "rc_weight_mean", "logp_mismatch", "grad_norm"):
         assert without[key] == pytest.approx(with_pass[key], rel=1e-5, abs=1e-6), key
     assert with_pass["logp_mismatch"] > 0.01  # the behaviour policy really differed
     worst = max((state_a[k] - state_b[k]).abs().max().item() for k in state_a)
@@ -203,7 +209,8 @@ def test_the_prox_pass_runs_only_where_needed_or_asked_for(tiny_model_dir):
             actor_config(tiny_model_dir, use_decoupled_loss=True, **kw), world_mesh()
         ).needs_prox_pass
 
-    assert not needs() and needs(recompute_prox_logp=True) and needs(ppo_n_minibatches=2)
+    assert not needs() and needs(prox_logp="recompute_always") and needs(ppo_n_minibatches=2)
+    assert not needs(ppo_n_minibatches=2, prox_logp="loglinear")
     assert needs(kl_ctl=0.1, kl_in_reward=True) and not needs(kl_ctl=0.1, kl_in_reward=False)
 
 

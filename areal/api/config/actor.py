@@ -7,7 +7,12 @@ applied in ``__init__``: the loader passes only the keys it was given, so those 
 explicit ones. ``PPOActorConfig(algorithm="dapo", eps_clip=0.1)`` is DAPO with eps_clip 0.1.
 The plain defaults are the ``ppo`` preset (a test keeps them equal); docs/algorithms.md holds
 the preset table. A subclass of PPOActorConfig must wrap its own ``__init__`` with
-``_fill_preset`` to keep this behaviour.
+``_with_preset`` to keep this behaviour. ``actor.rollout_correction.preset`` works the same way
+over :data:`CORRECTION_PRESETS`.
+
+Renamed keys (``RENAMED``, read by the loader): the behaviour cap, truncated IS and the
+always-on proximal pass were knobs of their own; each old key is refused in one line naming its
+value and the new spelling (docs/config.md, "Renamed keys").
 """
 
 from __future__ import annotations
@@ -15,10 +20,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from areal.api.config.engine import TrainEngineConfig
-from areal.api.config.loader import param
+from areal.api.config.loader import Renames, param
 
 Algorithm = Literal[
     "ppo",
@@ -33,6 +38,7 @@ Algorithm = Literal[
     "cispo",
 ]
 NormLevel = Literal["batch", "group", "none"]
+ProxLogp = Literal["recompute", "recompute_always", "loglinear", "linear", "reuse"]
 LossAggMode = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
@@ -111,27 +117,63 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+CorrectionPreset = Literal[
+    "none", "behav_cap", "tis", "icepop", "seq_mis", "geo_mask", "any_token_mask"
+]
+CorrectionMode = Literal["none", "truncate", "mask"]
+CorrectionLevel = Literal["token", "sequence", "geometric"]
+
+
+def _rc_preset(**over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "mode": "none",
+        "level": "token",
+        "upper": 2.0,
+        "lower": None,
+        "mask_sequence": False,
+    }
+    assert not set(over) - set(base), f"rollout-correction preset keys {set(over) - set(base)}"
+    return {**base, **over}
+
+
+# Each sets every key of the section; docs/algorithms.md holds the table and the papers.
+CORRECTION_PRESETS: dict[str, dict[str, Any]] = {
+    "none": _rc_preset(),
+    "behav_cap": _rc_preset(mode="mask", upper=5.0),  # AReaL's behav_imp_weight_cap: 5
+    "tis": _rc_preset(mode="truncate", upper=2.0),  # Yao et al. 2025
+    "icepop": _rc_preset(mode="mask", lower=0.5, upper=5.0),  # Ling Team 2025
+    "seq_mis": _rc_preset(mode="mask", level="sequence", upper=2.0),  # Liu et al. 2025
+    "geo_mask": _rc_preset(mode="mask", level="geometric", lower=0.999, upper=1.001),
+    "any_token_mask": _rc_preset(mode="mask", lower=0.5, upper=2.0, mask_sequence=True),
+}
+
+
 @dataclass(frozen=True)
 class RolloutCorrectionConfig:
-    """Importance weights between the trainer's policy and the rollout (behaviour) policy, for
-    the gap between the rollout engine's and the trainer's probabilities and for stale samples
-    (docs/algorithms.md, "Rollout correction")."""
+    """The importance weight w = pi_train / pi_behav between the trainer's policy and the rollout
+    (behaviour) policy, for the gap between the rollout engine's and the trainer's probabilities
+    and for stale samples (docs/algorithms.md, "Rollout correction"): truncated or masked, per
+    token, sequence or geometric mean. pi_train is the proximal policy with
+    actor.use_decoupled_loss=true (decoupled PPO's behaviour weight), else the current one,
+    detached (the bypass form).
 
-    mode: Literal["none", "truncate", "mask"] = param(
+    ``preset`` fills the other knobs (:data:`CORRECTION_PRESETS`); any knob given explicitly
+    wins, as with ``actor.algorithm``."""
+
+    preset: CorrectionPreset = param(
+        "none",
+        help="Named settings filling the knobs below (docs/algorithms.md); explicit knobs win.",
+    )
+    mode: CorrectionMode = param(
         "none",
         help="truncate: weight min(w, upper) (TIS); mask: weight w inside [lower, upper], "
-        "0 outside (MIS, IcePop); none: off.",
+        "0 outside (behaviour cap, MIS, IcePop); none: no bound (the decoupled loss keeps its "
+        "weight w as is; without it there is no weight).",
     )
-    level: Literal["token", "sequence", "geometric"] = param(
+    level: CorrectionLevel = param(
         "token",
         help="w per token, per sequence (the product of its token ratios), or per "
         "sequence as their geometric mean.",
-    )
-    form: Literal["decoupled", "bypass"] = param(
-        "decoupled",
-        help="decoupled: w = pi_prox/pi_behav times the clipped pi_theta/pi_prox "
-        "(three policies; needs actor.use_decoupled_loss=true); bypass: no proximal policy, the "
-        "clipped ratio is pi_theta/pi_behav and w = sg(pi_theta)/pi_behav.",
     )
     upper: float = param(2.0, gt=0, help="Upper bound of w (truncate and mask).")
     lower: float | None = param(
@@ -155,11 +197,79 @@ class RolloutCorrectionConfig:
                 f"mask_sequence: true with mode={self.mode}, level={self.level}; it needs "
                 "mode=mask and level=token"
             )
+        if self.mode == "none" and self.level == "sequence":
+            yield (
+                "level: sequence with mode=none; an unbounded product of token ratios "
+                "overflows, use mode=truncate or mask, or level=geometric"
+            )
+
+
+# -- renamed keys: old key -> its new spelling, given its value and the actor section as written
+def _behav_cap(value: Any, actor: dict) -> list[str]:
+    """``C``: ``rollout_correction.mode=mask rollout_correction.upper=C`` (``mode=truncate``
+    where ``behav_imp_weight_mode: clamp``); ``null``: delete it."""
+    if value is None:  # no cap: the default
+        return []
+    mode = "truncate" if actor.get("behav_imp_weight_mode") == "clamp" else "mask"
+    return [f"rollout_correction.mode={mode}", f"rollout_correction.upper={value}"]
+
+
+def _behav_mode(value: Any, actor: dict) -> list[str]:
+    """With a cap: ``mask``: ``rollout_correction.mode=mask``; ``clamp``:
+    ``rollout_correction.mode=truncate``. Without one: delete it."""
+    if actor.get("behav_imp_weight_cap") is None:  # a mode without a cap bounded nothing
+        return []
+    return [f"rollout_correction.mode={'truncate' if value == 'clamp' else 'mask'}"]
+
+
+def _behav_level(value: Any, actor: dict) -> list[str]:
+    """``sequence`` (a geometric mean) with ``use_decoupled_loss: true``:
+    ``rollout_correction.level=geometric``; otherwise delete it."""
+    decoupled = actor.get("use_decoupled_loss") is True  # the weight existed only there
+    return ["rollout_correction.level=geometric"] if value == "sequence" and decoupled else []
+
+
+def _tis_cap(value: Any, actor: dict) -> list[str]:
+    """``C``: ``use_decoupled_loss=true rollout_correction.mode=truncate
+    rollout_correction.upper=C`` (TIS against the trainer's proximal logprobs: the ``tis``
+    preset with ``upper=C``; the old key weighed only when a caller passed them, which the
+    trainer never did); ``null``: delete it."""
+    if value is None:
+        return []
+    upper = f"rollout_correction.upper={value}"
+    return ["use_decoupled_loss=true", "rollout_correction.mode=truncate", upper]
+
+
+def _recompute_prox(value: Any, actor: dict) -> list[str]:
+    """``true``: ``prox_logp=recompute_always``; ``false``: delete it."""
+    return ["prox_logp=recompute_always"] if value is True else []
+
+
+def _form(value: Any, actor: dict) -> list[str]:
+    """With a correction on: ``decoupled``: ``use_decoupled_loss=true``; ``bypass``:
+    ``use_decoupled_loss=false``. With ``mode: none``: delete it."""
+    correction = actor.get("rollout_correction")
+    mode = correction.get("mode") if isinstance(correction, dict) else None
+    if mode in (None, "none"):  # the form mattered only with a correction on
+        return []
+    return [f"use_decoupled_loss={'false' if value == 'bypass' else 'true'}"]
+
+
+ACTOR_RENAMED: Renames = {
+    "behav_imp_weight_cap": _behav_cap,
+    "behav_imp_weight_mode": _behav_mode,
+    "behav_imp_weight_level": _behav_level,
+    "tis_cap": _tis_cap,
+    "recompute_prox_logp": _recompute_prox,
+    "rollout_correction.form": _form,
+}
 
 
 @dataclass(frozen=True)
 class PPOActorConfig(TrainEngineConfig):
     """The policy trained by PPO-family algorithms: preset, advantages, loss and reward knobs."""
+
+    RENAMED: ClassVar[Renames] = ACTOR_RENAMED
 
     algorithm: Algorithm = param(
         "ppo", help="Preset filling the knobs listed in docs/algorithms.md; explicit knobs win."
@@ -268,41 +378,22 @@ class PPOActorConfig(TrainEngineConfig):
     entropy_coeff: float = param(0.0, ge=0, help="Entropy bonus weight (subtracted from loss).")
     use_decoupled_loss: bool = param(
         False,
-        help="Decoupled PPO: ratio against the proximal policy, times the behaviour "
-        "weight pi_prox/pi_behav.",
+        help="Decoupled PPO: ratio against the proximal policy (the weights before this "
+        "update), times the behaviour weight pi_prox/pi_behav (bounded by rollout_correction); "
+        "false = ratio against the behaviour policy.",
     )
-    recompute_prox_logp: bool = param(
-        False,
-        help="Decoupled loss: always run a separate forward for the proximal logprobs; "
-        "false = only when needed (several PPO minibatches, or KL in the reward), else the "
-        "update's own forward gives the same values.",
-    )
-    behav_imp_weight_cap: float | None = param(
-        None, gt=1, help="Cap on pi_prox/pi_behav in the decoupled loss; null = uncapped."
-    )
-    behav_imp_weight_mode: Literal["mask", "clamp"] = param(
-        "mask", help="Tokens whose behaviour weight exceeds the cap: drop them, or clamp weight."
-    )
-    behav_imp_weight_level: Literal["token", "sequence"] = param(
-        "token", help="Behaviour weight per token, or per sequence (geometric mean)."
-    )
-    tis_cap: float | None = param(
-        None,
-        gt=1,
-        help="Non-decoupled path: truncated IS weight min(pi_old/pi_behav, cap) on "
-        "each token; null = off.",
+    prox_logp: ProxLogp = param(
+        "recompute",
+        help="Decoupled loss, proximal logprobs: recompute = exact, a forward pass only where "
+        "the update's own forward cannot give them (several PPO minibatches, KL in the reward); "
+        "recompute_always = exact, a forward pass every step; loglinear / linear = interpolated "
+        "from the behaviour and current logprobs by each token's version distance, in log or "
+        "probability space (no extra pass); reuse = the behaviour logprobs.",
     )
     rollout_correction: RolloutCorrectionConfig = param(
         factory=RolloutCorrectionConfig,
-        help="Rollout correction: truncated or masked importance "
-        "weights against the rollout policy (replaces behav_imp_weight_cap and tis_cap).",
-    )
-    prox_logp: Literal["recompute", "loglinear", "linear", "reuse"] = param(
-        "recompute",
-        help="Decoupled loss, proximal logprobs: recompute = a forward pass where "
-        "needed (exact); loglinear / linear = interpolated from the behaviour and current "
-        "logprobs by each token's version distance, in log or probability space (no extra pass); "
-        "reuse = the behaviour logprobs.",
+        help="The off-policy weighting; decoupled PPO's behaviour cap, TIS, MIS and IcePop are "
+        "its presets.",
     )
 
     @property
@@ -335,42 +426,10 @@ class PPOActorConfig(TrainEngineConfig):
         )
 
     def check(self) -> Iterator[str]:
-        if self.use_decoupled_loss and self.tis_cap is not None:
-            yield (
-                f"tis_cap: {self.tis_cap} with use_decoupled_loss=true; the decoupled loss "
-                "caps with behav_imp_weight_cap, set tis_cap=null"
-            )
-        if self.behav_imp_weight_cap is not None and not self.use_decoupled_loss:
-            yield (
-                f"behav_imp_weight_cap: {self.behav_imp_weight_cap} needs "
-                "use_decoupled_loss=true; use tis_cap for the non-decoupled path"
-            )
-        rc = self.rollout_correction
-        if rc.mode != "none":
-            if self.behav_imp_weight_cap is not None or self.tis_cap is not None:
-                yield (
-                    f"rollout_correction: mode={rc.mode} replaces behav_imp_weight_cap and "
-                    "tis_cap; set both to null"
-                )
-            if rc.form == "decoupled" and not self.use_decoupled_loss:
-                yield (
-                    "rollout_correction.form: decoupled weighs pi_prox/pi_behav and needs "
-                    "use_decoupled_loss=true; or use rollout_correction.form=bypass"
-                )
-            if rc.form == "bypass" and self.use_decoupled_loss:
-                yield (
-                    "rollout_correction.form: bypass has no proximal policy; set "
-                    "use_decoupled_loss=false, or use form=decoupled"
-                )
         if self.prox_logp != "recompute" and not self.use_decoupled_loss:
             yield (
-                f"prox_logp: {self.prox_logp} approximates the decoupled loss's proximal policy; "
-                "set use_decoupled_loss=true, or prox_logp=recompute"
-            )
-        if self.prox_logp != "recompute" and self.recompute_prox_logp:
-            yield (
-                f"prox_logp: {self.prox_logp} with recompute_prox_logp=true; they disagree, set "
-                "prox_logp=recompute"
+                f"prox_logp: {self.prox_logp} sets how the decoupled loss's proximal policy is "
+                "found; set use_decoupled_loss=true, or prox_logp=recompute"
             )
         if self.remax_baseline and self.use_critic:
             yield (
@@ -385,29 +444,46 @@ class PPOActorConfig(TrainEngineConfig):
             )
 
     @property
+    def approximates_prox(self) -> bool:
+        """Whether the proximal logprobs are estimated from the behaviour and current ones (no
+        forward pass for them; :func:`areal.algo.correction.approx_prox_logp`)."""
+        return self.prox_logp in ("loglinear", "linear", "reuse")
+
+    @property
     def needs_prox_pass(self) -> bool:
         """Whether a step runs the extra proximal-logprob forward (decoupled loss, exact
-        recompute, and the trained weights differ from the proximal ones: several minibatches,
-        KL in the advantages, or ``recompute_prox_logp``). Core builds its graph from it."""
+        proximal logprobs, and the trained weights differ from the proximal ones: several
+        minibatches or KL in the advantages; or ``prox_logp=recompute_always``). Core builds its
+        graph from it."""
+        if not self.use_decoupled_loss or self.prox_logp == "recompute_always":
+            return self.use_decoupled_loss
         kl_in_advantages = self.kl_ctl > 0 and self.kl_in_reward
-        needed = self.ppo_n_minibatches > 1 or kl_in_advantages or self.recompute_prox_logp
-        return self.use_decoupled_loss and self.prox_logp == "recompute" and needed
+        needed = self.ppo_n_minibatches > 1 or kl_in_advantages
+        return self.prox_logp == "recompute" and needed
 
 
-def _fill_preset(init):
-    """Wrap the dataclass __init__: knobs not passed explicitly come from the named preset."""
+def _with_preset(presets: dict[str, dict[str, Any]], key: str, default: str):
+    """Wrap a dataclass __init__: knobs not passed explicitly come from the preset ``key`` names
+    (``default`` when not passed); a bad name fills nothing (the loader reports it)."""
 
-    @functools.wraps(init)
-    def __init__(self, **kwargs: Any) -> None:
-        preset = PRESETS.get(kwargs.get("algorithm", "ppo"), {})  # bad names: loader reports
-        init(self, **{**preset, **kwargs})
+    def wrap(init):
+        @functools.wraps(init)
+        def __init__(self, **kwargs: Any) -> None:
+            init(self, **{**presets.get(kwargs.get(key, default), {}), **kwargs})
 
-    return __init__
+        return __init__
+
+    return wrap
 
 
 # The loader passes only the keys present in YAML/overrides, so "explicitly set" is exactly
 # "passed to __init__"; dataclasses.replace() passes every field, so it never re-applies a preset.
-PPOActorConfig.__init__ = _fill_preset(PPOActorConfig.__init__)  # type: ignore[method-assign]
+_actor_init = _with_preset(PRESETS, "algorithm", "ppo")(PPOActorConfig.__init__)
+_correction_init = _with_preset(CORRECTION_PRESETS, "preset", "none")(
+    RolloutCorrectionConfig.__init__
+)
+PPOActorConfig.__init__ = _actor_init  # type: ignore[method-assign]
+RolloutCorrectionConfig.__init__ = _correction_init  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ table shows the defaults it then gets. `actor.algorithm` fills the knobs of its 
 [algorithms.md](algorithms.md)); the `actor` defaults below are the `ppo` preset, and any knob
 set explicitly wins over the preset. `areal serve --config YAML` takes the fields of the
 `server` section below at its top level (`max_batch_size: 64`, not `server.max_batch_size`).
+Old keys and their new spelling: [Renamed keys](#renamed-keys), at the end.
 """
 
 
@@ -215,6 +216,35 @@ def _tool_block(cls: type, command: str) -> list[str]:
     return lines
 
 
+def _renamed_block(classes: Sequence[type]) -> list[str]:
+    """The old keys of every section's ``RENAMED`` (:data:`~areal.api.config.loader.Renames`),
+    each with its new spelling: the docstring of the function that spells it."""
+    rows: dict[str, str] = {}
+    for cls in classes:
+        for section in iter_sections(cls):
+            for old, spell in getattr(section.cls, "RENAMED", {}).items():
+                path = f"{section.path}.{old}" if section.path else old
+                rows[path] = _cell((spell.__doc__ or "").replace("``", "`"))
+    if not rows:
+        return []
+    intro = (
+        "A config that sets one of these keys is refused at load, in one line per key naming "
+        "its value and the new spelling. The new keys are relative to the old key's section; "
+        "each gives the loss weights the old key gave where it applied "
+        "(tests/algo/test_off_policy_weighting.py)."
+    )
+    table = ["| old key | value: new spelling |", "| --- | --- |"]
+    return [
+        "## Renamed keys",
+        "",
+        intro,
+        "",
+        *table,
+        *(f"| `{k}` | {v} |" for k, v in rows.items()),
+        "",
+    ]
+
+
 def render_config_docs(
     experiments: Sequence[tuple[type, str]] = EXPERIMENTS, tools: Sequence[tuple[type, str]] = ()
 ) -> str:
@@ -254,6 +284,7 @@ def render_config_docs(
                 lines += _section_block(section, helps)
     for cls, command in tools:
         lines += _tool_block(cls, command)
+    lines += _renamed_block(classes)
     return "\n".join(lines).rstrip() + "\n"
 
 

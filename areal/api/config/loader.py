@@ -24,7 +24,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_origin
 
@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T", bound="DataclassInstance")  # a config class
 _MISSING = dataclasses.MISSING
+Renames = dict[str, Callable[[Any, dict], list[str]]]
+"""A config class's ``RENAMED``: an old key (dotted below the section) -> its new spelling, as
+``key=value`` assignments below the section, from its value and the section as written (``[]``:
+nothing replaces it, delete it). :func:`load_config` refuses each old key in one line."""
 
 
 class ConfigError(ValueError):
@@ -301,9 +305,33 @@ def _own_defaults(section: Any) -> dict:
     return diff(own, base)
 
 
+def _refuse_renamed(cls: type, data: dict, prefix: str, problems: list[str]) -> dict:
+    """``data`` less the old keys of ``cls.RENAMED`` (:data:`Renames`), each reported with its
+    value and the new spelling."""
+    renames: Renames = getattr(cls, "RENAMED", {})
+    kept = copy.deepcopy(data) if renames else data
+    for old, spell in renames.items():
+        *parents, leaf = old.split(".")
+        node = kept
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        new = " ".join(_join(prefix, a) for a in spell(value, data))
+        fix = f"write {new}" if new else "delete it, the defaults do what it did"
+        shown = (
+            "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        )
+        where = '(docs/config.md, "Renamed keys")'
+        problems.append(f"{_join(prefix, old)}: {shown} is a renamed key; {fix} {where}")
+    return kept
+
+
 def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    data = _refuse_renamed(cls, data, prefix, problems)
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
