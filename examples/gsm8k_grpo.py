@@ -22,9 +22,11 @@ from areal.engine.fsdp import FSDPEngine
 from areal.engine.lora import FrozenBase
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.rollout.trajectory import groups_to_batch
+from areal.runtime.graphs import ACTOR, CRITIC, REF, ppo_mfcs
 from areal.runtime.publisher import WeightPublisher
 from areal.runtime.rl import setup_rollout
 from areal.runtime.run import init_run
+from areal.runtime.step import run_step
 from areal.workflow.filters import DynamicSamplingFilter
 
 CONFIG = GRPOConfig
@@ -60,33 +62,20 @@ def setup_trainers(cfg: GRPOConfig, run, ft_spec: FinetuneSpec):
 
 
 def train_step(cfg: GRPOConfig, run, actor, critic, ref, batch):
-    """Proximal logp -> reference logp -> values -> advantages -> PPO update (actor, critic);
+    """The PPO graph (``ppo_mfcs``, areal/runtime/graphs.py): proximal logp -> reference logp ->
+    values -> advantages (+ the teacher's reverse KL when distilling) -> PPO update of the actor
+    (+ each token's trainer logp), then of the critic, each update followed by its LR step;
     returns the batch with the fields the update used (advantages, ...)."""
     run.tracker.mean("reward/mean", batch["rewards"])
     run.tracker.sum("perf/n_tokens", batch.n_tokens)
     run.tracker.sum("perf/n_trained_tokens", batch["loss_mask"].sum())
-    if actor.needs_prox_pass:  # else the update's own forward gives them (one minibatch)
-        with run.tracker.timer("prox_logp"):
-            batch, _ = actor.compute_logp(batch, out="prox_logp")  # weights before the update
-    if ref is not None:
-        with run.tracker.timer("ref_logp"):
-            batch, _ = ref.compute_logp(batch, out="ref_logp")
-    if critic is not None:
-        with run.tracker.timer("values"):
-            batch, _ = critic.compute_values(batch)
-    with run.tracker.timer("advantages"), run.tracker.scope("loss"):
-        batch, stats = actor.compute_advantages(batch)  # + the teacher's reverse KL when distilling
-        run.tracker.scalars(**stats)
-    with run.tracker.timer("train"), run.tracker.scope("loss"):  # + each token's trainer logp
-        batch, stats = actor.ppo_update(batch, logp_out="trainer_logp")
-        run.tracker.scalars(**stats)
-        actor.step_lr_scheduler()
-        if critic is not None:
-            with run.tracker.scope("critic"):
-                _, stats = critic.ppo_update(batch)
-                run.tracker.scalars(**stats)
-            critic.step_lr_scheduler()
-    return batch
+    graph = ppo_mfcs(
+        use_critic=critic is not None,
+        use_ref=ref is not None,
+        prox_logp=actor.needs_prox_pass,  # else the update's own forward gives them
+    )
+    engines = {m: e for m, e in ((ACTOR, actor), (CRITIC, critic), (REF, ref)) if e is not None}
+    return run_step(graph, engines, batch, run.tracker)  # each MFC timed, its stats scoped
 
 
 def main(argv: list[str]) -> int:

@@ -14,10 +14,13 @@ import sys
 
 from areal.api.config import RWConfig, load_config
 from areal.engine.rw import RWEngine
+from areal.runtime.graphs import MODEL, rm_mfcs
 from areal.runtime.run import init_run
+from areal.runtime.step import run_step
 from areal.runtime.supervised import evaluate_rm, rm_batch
 
 CONFIG = RWConfig
+RM = rm_mfcs()  # one node: model.train_rw (Bradley-Terry), then its LR step
 
 
 def main(argv: list[str]) -> int:
@@ -32,10 +35,8 @@ def main(argv: list[str]) -> int:
     for step, epoch_done, items in run.batches(loader, n_steps, start):
         batch = rm_batch(items)
         run.tracker.sum("perf/n_tokens", batch.n_tokens)
-        with run.tracker.timer("train"):
-            _, stats = engine.train_rw(batch)
-            stats = {f"loss/{k}": v for k, v in stats.items()}
-            engine.step_lr_scheduler()
+        run_step(RM, {MODEL: engine}, batch, run.tracker)  # timer train, stats loss/*
+        stats: dict[str, float] = {}
         if run.saver.check(step, epoch_done):  # and at the last step (Run.steps)
             run.export_hf(engine, step, "reward_model")
         if valid_loader is not None and run.evaluator.check(step, epoch_done):

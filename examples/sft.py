@@ -15,10 +15,13 @@ import sys
 
 from areal.api.config import SFTConfig, load_config
 from areal.engine.sft import SFTEngine
+from areal.runtime.graphs import MODEL, sft_mfcs
 from areal.runtime.run import init_run
+from areal.runtime.step import run_step
 from areal.runtime.supervised import evaluate_sft, sft_batch
 
 CONFIG = SFTConfig
+SFT = sft_mfcs()  # one node: model.train_lm, then its LR step
 
 
 def main(argv: list[str]) -> int:
@@ -33,10 +36,8 @@ def main(argv: list[str]) -> int:
     for step, epoch_done, items in run.batches(loader, n_steps, start):
         batch = sft_batch(items)
         run.tracker.sum("perf/n_tokens", batch.n_tokens)
-        with run.tracker.timer("train"):
-            _, stats = engine.train_lm(batch)
-            stats = {f"loss/{k}": v for k, v in stats.items()}
-            engine.step_lr_scheduler()
+        run_step(SFT, {MODEL: engine}, batch, run.tracker)  # timer train, stats loss/*
+        stats: dict[str, float] = {}
         if run.saver.check(step, epoch_done):  # and at the last step (Run.steps)
             run.export_hf(engine, step, "model")
         if valid_loader is not None and run.evaluator.check(step, epoch_done):

@@ -76,3 +76,15 @@ max_model_len
 token_strs
 # A callback protocol's signature (utils/recover.AllGather): Ranks.all_gather is called through it.
 _.__call__
+# A config field read by name from __init__'s keywords, never as an attribute: the preset that
+# fills actor.rollout_correction's knobs (api/config/actor.py _with_preset); saved configs keep it.
+preset
+
+# Model functions: engine methods an MFC calls by name (areal/api/mfc.py ModelFn; runtime/step.py
+# call_mfc), and the ModelFn members naming functions no built-in graph calls yet.
+_.ppo_update
+_.compute_values
+_.train_lm
+_.train_rw
+EVALUATE_LM
+SCORE

@@ -1,7 +1,9 @@
 """Core mode: a master runs a dataflow graph (DFG) of model function calls (MFCs) over workers.
 
-What exists (docs/core.md): the graph as checked data (:mod:`areal.core.dfg`) and the graphs of
-sync PPO, async PPO and SFT (:mod:`areal.core.graphs`), printed by ``areal core graph``; the
+What exists (docs/core.md): the graph as checked data placed on workers (:mod:`areal.core.dfg`,
+over the MFCs of :mod:`areal.api.mfc`) and the graphs of sync PPO, async PPO and SFT
+(:mod:`areal.core.graphs`, over the steps Lite runs in process, :mod:`areal.runtime.graphs`),
+printed by ``areal core graph``; the
 master's metadata buffer (:mod:`areal.core.buffer`) and scheduler (:mod:`areal.core.master`);
 the model-worker interface, an in-process worker hosting Lite engines (:mod:`areal.core.worker`)
 and workers as Ray actors on disjoint dp x tp sub-meshes (:mod:`areal.core.ray_worker`);

@@ -32,7 +32,7 @@ from typing import Any
 
 from areal.api.config import load_config
 from areal.core.config import CoreAsyncGRPOConfig, graph_config
-from areal.core.graphs import ACTOR, graph_from_config
+from areal.core.graphs import graph_from_config
 from areal.core.health import HangWatch, MFCActivity, async_ppo_actors
 from areal.core.manager import Finished
 from areal.core.master import Master
@@ -47,13 +47,14 @@ from areal.core.session import (
     recorded_master,
     saved_engines,
     start_model_workers,
-    step_stats,
 )
 from areal.core.status import mark_finished, take_stop_request, write_status
 from areal.core.worker import ModelWorker
+from areal.runtime.graphs import ACTOR
 from areal.runtime.publisher import WeightPublisher
 from areal.runtime.rl import RolloutSide, setup_rollout
 from areal.runtime.run import Run, init_run
+from areal.runtime.step import step_stats
 from areal.utils.logging import get_logger
 
 logger = get_logger("core.async_ppo")
@@ -138,14 +139,14 @@ def start_generation(
 
 
 def batch_stats(
-    groups: list[Finished], lags: dict[str, float], out: dict[str, dict[str, float]], status
+    groups: list[Finished], lags: dict[str, float], mfc_stats: dict[str, float], status
 ) -> dict[str, float]:
-    """A step's stats: the lags, the master's per-MFC stats, the rollout side's counters and the
-    groups' mean reward."""
+    """A step's stats: the lags, the master's MFC stats (named by ``step_stats``), the rollout
+    side's counters and the groups' mean reward."""
     rewards = [r for g in groups for r in g.rewards]
     return {
         **lags,
-        **step_stats(out),
+        **mfc_stats,
         **worker_stats(status),
         "reward/mean": sum(rewards) / len(rewards),
     }
@@ -189,7 +190,7 @@ def main(argv: list[str]) -> int:
         watch.check()
         status = rollout.check_health()
         write_status(run.run_dir, step, n_steps, {**status, "model_worker_pids": model_pids})
-        stats = batch_stats(groups, lags, out, status)
+        stats = batch_stats(groups, lags, step_stats(graph.mfcs, out), status)
         if run.saver.check(step, epoch_done):  # and at the last step (Run.steps)
             run.export_hf(engines[ACTOR], step)
         if valid_loader is not None and run.evaluator.check(step, epoch_done):

@@ -1,9 +1,9 @@
-"""The dataflow graph of Core mode: model function calls (MFCs) as data, checked before anything
-runs.
+"""The dataflow graph of Core mode: model function calls (MFCs) placed on model workers, checked
+before anything runs.
 
-An :class:`MFC` names a model (role + replica), one of the uniform model functions of the Lite
-engines (:class:`ModelFn`; each returns :data:`~areal.api.engine.ModelFnResult`, a batch with
-named fields added), the batch fields it reads and the ones it adds. Fields are *keys*: a key
+The MFCs are the step's vocabulary (:mod:`areal.api.mfc`: an :class:`~areal.api.mfc.MFC` names a
+model, one of the uniform model functions of the engines, the batch fields it reads and the ones
+it adds; the PPO and SFT steps are :mod:`areal.runtime.graphs`). Fields are *keys*: a key
 comes from the dataset or from exactly one MFC. :func:`build_graph` turns MFCs, the dataset's
 keys and the allocation (which model workers host each model, on which mesh) into a
 :class:`DataflowGraph`, or raises one :class:`GraphError` listing every problem, each naming the
@@ -13,14 +13,15 @@ MFC and the key (or the model) at fault:
 - no two MFCs write one key, and no MFC writes a dataset key;
 - no cycles;
 - every MFC's outputs are the fields its function adds (``compute_logp(out="ref_logp")`` adds
-  ``ref_logp``), so the graph cannot lie about what a call produces;
+  ``ref_logp``, as the engine method declares it: :func:`~areal.api.mfc.model_fn`), so the graph
+  cannot lie about what a call produces;
 - every model an MFC runs on has an allocation whose mesh fits it: ``pp * dp * tp`` workers,
   each a valid worker index, none twice. The workers form a ``pp x dp x tp`` mesh, pp-major then
   dp then tp (``workers[(p * dp + d) * tp + t]`` is pipeline stage ``p``, dp rank ``d``, tp rank
   ``t``; with ``pp = 1`` the dp-major ``dp x tp`` order).
 - a ``generate`` MFC reads no keys (it draws prompts from the train dataset); only it may have
-  an :class:`UpdateServers` hook, and its model (the generation servers) is never the source or
-  target of a :class:`ParamRealloc`.
+  an :class:`~areal.api.mfc.UpdateServers` hook, and its model (the generation servers) is never
+  the source or target of a :class:`~areal.api.mfc.ParamRealloc`.
 
 Edges are derived: ``producer -> consumer`` for each key one writes and the other reads. The
 MFCs are kept in a topological order (the order given, among ready ones), which is the order a
@@ -29,119 +30,9 @@ master considers them for dispatch.
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from areal.api.config.base import MicroBatchSpec
-
-
-class ModelFn(enum.Enum):
-    """The model functions an MFC can call: Lite engine methods returning ``ModelFnResult``.
-
-    ``generate`` is the rollout side (the inference engine and a workflow), not a train-engine
-    method; the others are methods of :mod:`areal.engine` classes of the same name.
-    """
-
-    GENERATE = "generate"
-    COMPUTE_LOGP = "compute_logp"  # FSDPEngine (actor's proximal logp, reference logp)
-    COMPUTE_VALUES = "compute_values"  # PPOCritic
-    COMPUTE_ADVANTAGES = "compute_advantages"  # PPOActor
-    PPO_UPDATE = "ppo_update"  # PPOActor, PPOCritic
-    TRAIN_LM = "train_lm"  # SFTEngine
-    EVALUATE_LM = "evaluate_lm"  # SFTEngine
-    TRAIN_RW = "train_rw"  # RWEngine
-    SCORE = "score"  # RWEngine
-
-
-TRAINING_FNS = (ModelFn.PPO_UPDATE, ModelFn.TRAIN_LM, ModelFn.TRAIN_RW)  # they change weights
-
-# The fields each function adds to its batch (None: declared by the MFC, e.g. generate's).
-_ADDED: dict[ModelFn, tuple[str, ...] | None] = {
-    ModelFn.GENERATE: None,
-    ModelFn.COMPUTE_VALUES: ("values",),
-    ModelFn.COMPUTE_ADVANTAGES: ("advantages", "returns", "token_rewards", "seq_rewards"),
-    ModelFn.PPO_UPDATE: (),
-    ModelFn.TRAIN_LM: (),
-    ModelFn.EVALUATE_LM: ("logp",),
-    ModelFn.TRAIN_RW: (),
-    ModelFn.SCORE: ("scores",),
-}
-
-
-def added_fields(fn: ModelFn, kwargs: dict[str, Any]) -> tuple[str, ...] | None:
-    """The keys ``fn(batch, **kwargs)`` adds (None: whatever the MFC declares)."""
-    if fn is ModelFn.COMPUTE_LOGP:
-        return (kwargs.get("out", "logp"),)
-    if fn is ModelFn.PPO_UPDATE and "logp_out" in kwargs:  # the actor's per-token trainer logp
-        return (kwargs["logp_out"],)
-    return _ADDED[fn]
-
-
-@dataclass(frozen=True, order=True)
-class ModelName:
-    """A model of the graph: its role (actor, critic, ref, ...) and which replica of that role."""
-
-    role: str
-    replica: int = 0
-
-    @classmethod
-    def parse(cls, text: str) -> ModelName:
-        """``"actor"`` or ``"actor@1"``."""
-        role, _, replica = text.partition("@")
-        if not role or (replica and not replica.isdigit()):
-            raise ValueError(
-                f"model name {text!r}: write ROLE or ROLE@REPLICA, e.g. 'actor' or 'actor@1'"
-            )
-        return cls(role, int(replica) if replica else 0)
-
-    def __str__(self) -> str:
-        return f"{self.role}@{self.replica}"
-
-
-@dataclass(frozen=True)
-class ParamRealloc:
-    """An MFC hook: before the call, its model's weights become ``source``'s, moved from the
-    source's layout to the model's (``ema`` > 0 keeps a share: ``ema * own + (1 - ema) * source``,
-    e.g. a reference model refreshed from the actor)."""
-
-    source: ModelName
-    ema: float = 0.0
-
-
-@dataclass(frozen=True)
-class UpdateServers:
-    """A hook of a ``generate`` MFC: before the call, the generation servers behind its model
-    get ``source``'s weights if ``source`` was trained since the last push (the weight
-    publisher: disk or broadcast), and the rollouts' version moves to ``source``'s."""
-
-    source: ModelName
-
-
-Hook = ParamRealloc | UpdateServers
-
-
-@dataclass(frozen=True)
-class MFC:
-    """One model function call: ``model.fn(batch[inputs], **kwargs)`` adds ``outputs``.
-
-    ``mb_spec`` overrides the engine's own micro-batch split for this call (None: the engine's).
-    ``hooks`` run before the call, in order.
-    """
-
-    name: str
-    model: ModelName
-    fn: ModelFn
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    mb_spec: MicroBatchSpec | None = None
-    hooks: tuple[Hook, ...] = ()
-
-    @property
-    def models(self) -> set[ModelName]:
-        """The models this call touches: its own and its hooks' sources."""
-        return {self.model, *(h.source for h in self.hooks)}
+from areal.api.mfc import MFC, ModelFn, ModelName, ParamRealloc, UpdateServers, added_fields
 
 
 @dataclass(frozen=True)
@@ -203,10 +94,17 @@ class GraphError(ValueError):
         )
 
 
+def import_engines() -> None:
+    """Import the engines, whose methods declare the fields each model function adds
+    (:func:`~areal.api.mfc.model_fn`); torch comes with them, so only building a graph does it."""
+    from areal.engine import lora, ppo, rw, sft  # noqa: F401
+
+
 def _check_keys(
     mfcs: list[MFC], dataset_keys: tuple[str, ...], problems: list[str]
 ) -> dict[str, str]:
     """Producers of each key; problems for duplicate writers, dataset overwrites, wrong outputs."""
+    import_engines()
     producers: dict[str, str] = {}
     for m in mfcs:
         added = added_fields(m.fn, m.kwargs)

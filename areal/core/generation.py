@@ -10,7 +10,7 @@ under the step's new sample ids; the master then has the worker
 last call (:meth:`GenerationWorker.trained`) are what ``areal view`` records
 (:mod:`areal.core.record`), stamped ``worker<index>``.
 
-``update_servers`` (the :class:`~areal.core.dfg.UpdateServers` hook) pushes the actor's weights
+``update_servers`` (the :class:`~areal.api.mfc.UpdateServers` hook) pushes the actor's weights
 to the servers through the Lite :class:`~areal.runtime.publisher.WeightPublisher` (disk or
 broadcast; pause, push, version bump, resume) when the actor's version is not the servers'.
 Both run on the worker's one thread, so a push always precedes the generation queued after it.
@@ -22,7 +22,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from areal.core.dfg import ModelFn, ModelName
+from areal.api.mfc import ModelFn, ModelName
 from areal.core.master import SampleSender, ServerUpdater
 from areal.core.worker import InProcessWorker, MFCReply, MFCRequest, ModelWorker, pack
 from areal.rollout.trajectory import groups_to_batch

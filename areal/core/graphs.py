@@ -1,4 +1,6 @@
-"""The graphs of Core's entry points, as data: sync PPO, async PPO and SFT.
+"""The graphs of Core's entry points, as data: sync PPO, async PPO and SFT, over the steps of
+:mod:`areal.runtime.graphs` (the ones Lite runs in process), with Core's generation node,
+allocations and layouts.
 
 Sync PPO (the reference, critic and proximal-logp nodes are optional)::
 
@@ -25,7 +27,7 @@ n_workers`` (the graph's models then share workers, as Lite's engines share trai
 Layouts (``CoreGraphConfig.layouts``): an inference MFC of a trained model (the actor's
 ``actor_logp``, the critic's ``critic_values``) may name its own mesh. The graph then runs it on a
 replica of the model allocated on that mesh (``actor@1``) with a
-:class:`~areal.core.dfg.ParamRealloc` hook from the model, so the trained weights move to the
+:class:`~areal.api.mfc.ParamRealloc` hook from the model, so the trained weights move to the
 replica's layout before the call (:mod:`areal.core.realloc` plans which pieces move;
 ``areal core graph`` prints the plan). No layouts: the graph is unchanged.
 """
@@ -37,41 +39,13 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 from areal.api.config.loader import param
-from areal.core.dfg import (
-    MFC,
-    TRAINING_FNS,
-    Allocation,
-    DataflowGraph,
-    GraphError,
-    ModelFn,
-    ModelName,
-    ParamRealloc,
-    UpdateServers,
-    build_graph,
-    format_graph,
-)
+from areal.api.mfc import MFC, TRAINING_FNS, ModelFn, ModelName, ParamRealloc, UpdateServers
+from areal.core.dfg import Allocation, DataflowGraph, GraphError, build_graph, format_graph
+from areal.runtime.graphs import ACTOR, CRITIC, ROLLOUT_KEYS, SFT_KEYS, ppo_mfcs, sft_mfcs
 
 if TYPE_CHECKING:  # realloc imports torch: only `areal core graph` needs it, not the configs
     from areal.core.realloc import ModelShapes
 
-# What the rollout side hands over: the fields of groups_to_batch.
-ROLLOUT_KEYS = (
-    "input_ids",
-    "loss_mask",
-    "logprobs",
-    "versions",
-    "rewards",
-    "no_eos",
-    "group_index",
-    "prompt_lens",
-    "status_code",
-)
-SFT_KEYS = ("input_ids", "loss_mask")
-# actor_train adds each token's logprob in the update's own forward (recorded for areal view)
-LOGP_OUT = {"logp_out": "trainer_logp"}
-
-ACTOR, CRITIC, REF = ModelName("actor"), ModelName("critic"), ModelName("ref")
-TEACHER = ModelName("teacher")  # on-policy distillation's frozen teacher
 ROLLOUT = ModelName("rollout")  # the generation servers, behind a generation worker
 
 
@@ -168,52 +142,6 @@ class CoreGraphConfig:
             yield from pipeline_problems(self, lambda role: ("model_path", self.model_path))
 
 
-def logp_mfc(name: str, model: ModelName, out: str) -> MFC:
-    """``model.compute_logp(out=out)`` over the batch's ``input_ids``."""
-    return MFC(name, model, ModelFn.COMPUTE_LOGP, ("input_ids",), (out,), {"out": out})
-
-
-def ppo_mfcs(
-    use_critic: bool, use_ref: bool, prox_logp: bool, use_teacher: bool = False
-) -> list[MFC]:
-    """The PPO nodes after generation: logp, ref logp, teacher logp, values, advantages, trains."""
-    base = ("input_ids", "loss_mask")
-    mfcs: list[MFC] = []
-    adv_in = [*base, "rewards", "no_eos", "logprobs"]
-    train_in = [*base, "logprobs", "advantages"]
-    if prox_logp:
-        mfcs.append(logp_mfc("actor_logp", ACTOR, "prox_logp"))
-        adv_in.append("prox_logp")
-        train_in.append("prox_logp")
-    if use_ref:
-        mfcs.append(logp_mfc("ref_logp", REF, "ref_logp"))
-        adv_in.append("ref_logp")
-        train_in.append("ref_logp")
-    if use_teacher:  # on-policy distillation: the teacher's logprobs of the student's tokens
-        mfcs.append(logp_mfc("teacher_logp", TEACHER, "teacher_logp"))
-        adv_in.append("teacher_logp")
-    if use_critic:
-        mfcs.append(
-            MFC("critic_values", CRITIC, ModelFn.COMPUTE_VALUES, ("input_ids",), ("values",))
-        )
-        adv_in.append("values")
-    mfcs.append(
-        MFC(
-            "actor_adv",
-            ACTOR,
-            ModelFn.COMPUTE_ADVANTAGES,
-            tuple(adv_in),
-            ("advantages", "returns", "token_rewards", "seq_rewards"),
-        )
-    )
-    mfcs.append(
-        MFC("actor_train", ACTOR, ModelFn.PPO_UPDATE, tuple(train_in), ("trainer_logp",), LOGP_OUT)
-    )
-    if use_critic:
-        mfcs.append(MFC("critic_train", CRITIC, ModelFn.PPO_UPDATE, (*base, "values", "returns")))
-    return mfcs
-
-
 def generate_mfc() -> MFC:
     """The actor's rollouts: prompts from the train dataset, scored groups of trajectories
     (packed) out; the actor's newest weights go to the servers first."""
@@ -225,7 +153,7 @@ def generate_mfc() -> MFC:
 def graph_mfcs(cfg: CoreGraphConfig) -> tuple[list[MFC], tuple[str, ...]]:
     """The MFCs of ``cfg.graph`` and its dataset keys."""
     if cfg.graph == "sft":
-        return [MFC("sft_train", ModelName("model"), ModelFn.TRAIN_LM, SFT_KEYS)], SFT_KEYS
+        return sft_mfcs(), SFT_KEYS
     ppo = ppo_mfcs(cfg.use_critic, cfg.use_ref, cfg.prox_logp, cfg.use_teacher)
     if cfg.graph == "async_ppo":
         return ppo, ROLLOUT_KEYS

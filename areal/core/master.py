@@ -18,13 +18,13 @@ tensor-parallel worker of a dp rank gets the rank's share; the first one's outpu
 workers move the tensors among themselves. When an MFC finishes, its outputs are recorded where
 they were computed, and every key whose last reader has run is released on its worker.
 
-Parameter reallocation (an MFC's :class:`~areal.core.dfg.ParamRealloc` hooks) is queued before
+Parameter reallocation (an MFC's :class:`~areal.api.mfc.ParamRealloc` hooks) is queued before
 the call on the same workers: the source model's workers publish their shards, and every worker
 of the MFC's model fetches the pieces of its own shards that it does not hold
 (:mod:`areal.core.realloc`: the plan ``areal core graph`` prints); the MFC's stats get
 ``realloc/<model>/{bytes,seconds}``. A move is skipped while the source has not trained since the
 last one.
-An :class:`~areal.core.dfg.UpdateServers` hook asks the generation workers to push the source's
+An :class:`~areal.api.mfc.UpdateServers` hook asks the generation workers to push the source's
 weights to their servers, with the source's version: the number of training MFCs it has run
 (:attr:`Master.versions`; a resume sets it).
 
@@ -51,9 +51,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from areal.api.mfc import MFC, TRAINING_FNS, ModelFn, ModelName, ParamRealloc, UpdateServers
 from areal.core.buffer import SampleBuffer, SampleMeta
-from areal.core.dfg import MFC, DataflowGraph, ModelFn, ModelName, ParamRealloc, UpdateServers
-from areal.core.worker import TRAINING_FNS, MFCReply, MFCRequest, ModelWorker
+from areal.core.dfg import DataflowGraph
+from areal.core.worker import MFCReply, MFCRequest, ModelWorker
 from areal.utils.batch import PackedBatch, split_by_tokens
 
 REALLOC_LOAD = "load of the weights of "  # a reallocation hook's load, by its description
@@ -63,7 +64,7 @@ FAILURE_GRACE_S = 10.0  # after one call of an MFC fails, how long the others ge
 @runtime_checkable
 class ServerUpdater(Protocol):
     """What the master asks of a worker that runs an MFC with an
-    :class:`~areal.core.dfg.UpdateServers` hook (the generation worker)."""
+    :class:`~areal.api.mfc.UpdateServers` hook (the generation worker)."""
 
     def update_servers(self, source: ModelName, version: int) -> Future[None]:
         """Queue: push ``source``'s weights to the generation servers as ``version``."""

@@ -43,8 +43,9 @@ from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.experiments import DistillConfig
 from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal.api.launch import disable_ray_token_auth, drop_torchrun_env
+from areal.api.mfc import ModelFn, ModelName
 from areal.api.protocols import Persistent, WeightSource
-from areal.core.dfg import Allocation, DataflowGraph, ModelFn, ModelName
+from areal.core.dfg import Allocation, DataflowGraph
 from areal.core.realloc import Box
 from areal.core.worker import (
     InProcessWorker,

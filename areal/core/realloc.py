@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from areal.core.dfg import Allocation, DataflowGraph, ModelName, ParamRealloc
+from areal.api.mfc import ModelName, ParamRealloc
+from areal.core.dfg import Allocation, DataflowGraph
 from areal.engine import pipeline
 from areal.engine.tensor_parallel import LAYER_PLAN
 

@@ -44,12 +44,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from areal.core.dfg import Allocation, DataflowGraph, ModelFn, ModelName
+from areal.api.mfc import ModelFn, ModelName
+from areal.core.dfg import Allocation, DataflowGraph
 from areal.core.generation import GenerationWorker
 from areal.core.master import SampleSender, ServerUpdater
 from areal.core.realloc import Box
 from areal.core.worker import MFCReply, MFCRequest, ModelWorker, Moved, SampleFields
 from areal.rollout.trajectory import groups_to_batch
+from areal.runtime.graphs import ACTOR
 from areal.utils.batch import PackedBatch
 from areal.utils.logging import get_logger
 from areal.utils.samples import TIMELINE
@@ -63,6 +65,10 @@ if TYPE_CHECKING:
 logger = get_logger("core.record")
 KEPT = ("advantages", "trainer_logp")  # released by the master after actor_train / the step
 R = TypeVar("R")
+# The script ``areal replay`` loads for a Core run (areal.core.replay, named by its file: it
+# imports the session, which imports this module), and how to record a replayable run.
+REPLAY_SCRIPT = Path(__file__).with_name("replay.py")
+ONE_RANK = "record with core.n_workers=1, or an allocation putting the actor on one worker"
 # after the step: the groups of trajectories it trained and their sample ids, in that order
 Trained = Callable[[], tuple[Sequence[Sequence["Trajectory"]], list[int]]]
 
@@ -255,13 +261,10 @@ class AsyncRecorder(CoreRecorder):
         graph: DataflowGraph,
     ):
         """``graph``: the one the master walks."""
-        from areal.core import replay
-        from areal.core.graphs import ACTOR
-
         super().__init__(run, workers)
         threads = cfg.core.torch_threads if cfg.core.backend == "ray" else torch.get_num_threads()
         ranks = len(graph.allocations[ACTOR].workers)
-        run.replay.describe(replay.__file__, ranks, threads, replay.ONE_RANK)
+        run.replay.describe(REPLAY_SCRIPT, ranks, threads, ONE_RANK)
 
     @contextlib.contextmanager
     def step_groups(

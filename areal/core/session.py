@@ -1,7 +1,8 @@
 """What Core's PPO entry scripts share (``areal core sync-ppo``, ``areal core async-ppo``): how
 the model workers build the engines, starting them, the master over the recorder's workers
-(:mod:`areal.core.record`: the timeline and samples ``areal view`` shows), the master's stats
-under Lite's names, the actor's weight version as a recover checkpoint keeps it, and closing.
+(:mod:`areal.core.record`: the timeline and samples ``areal view`` shows), the actor's weight
+version as a recover checkpoint keeps it, and closing. The master's stats take Lite's names by
+:func:`areal.runtime.step.step_stats`.
 
 The version. In Core the actor's version is the master's count of its updates
 (:attr:`~areal.core.master.Master.versions`); :class:`ActorWeights` is the
@@ -20,22 +21,23 @@ from areal.api.config import GRPOConfig
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.engine import TrainEngine
 from areal.api.io import FinetuneSpec
+from areal.api.mfc import ModelName
 from areal.api.protocols import Checkpointable, Persistent, Publisher, StateDict
 from areal.core.config import CoreAsyncGRPOConfig, CoreGRPOConfig, CoreWorkersConfig, uses_ref
-from areal.core.dfg import DataflowGraph, ModelName
-from areal.core.graphs import ACTOR, CRITIC, REF, TEACHER, replica_sources
+from areal.core.dfg import DataflowGraph
+from areal.core.graphs import replica_sources
 from areal.core.master import Master
 from areal.core.ray_worker import EngineSpec, RayModel, RayWorker, build_engine
 from areal.core.record import CoreRecorder
 from areal.core.rollout_side import RayRolloutSide
 from areal.core.worker import InProcessWorker, ModelWorker
+from areal.runtime.graphs import ACTOR, CRITIC, REF, TEACHER
 from areal.runtime.publisher import WeightPublisher
 from areal.runtime.run import Run
 from areal.utils.logging import get_logger
 
 logger = get_logger("core")
 
-TIMING = ("n_tokens", "wall_time", "compute_time")  # what the master adds to every MFC's stats
 Engine = TrainEngine | RayModel  # a model as an entry script holds it: in process, or on Ray
 
 
@@ -124,18 +126,6 @@ def recorded_master(
 def saved_engines(engines: dict[ModelName, Engine]) -> dict[str, Persistent]:
     """The trained models a recover checkpoint holds, by their directory name in it."""
     return {"actor": engines[ACTOR], **({"critic": engines[CRITIC]} if CRITIC in engines else {})}
-
-
-def step_stats(out: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The master's per-MFC stats as Lite's names (``loss/*``, ``loss/critic/*``) plus
-    ``mfc/<name>/<timing>`` and the reallocations' ``realloc/<model>/{bytes,seconds}``."""
-    stats = {f"mfc/{name}/{k}": s[k] for name, s in out.items() for k in TIMING}
-    prefix = {"actor_adv": "loss/", "actor_train": "loss/", "critic_train": "loss/critic/"}
-    for name, s in out.items():
-        stats.update({k: v for k, v in s.items() if k.startswith("realloc/")})
-        if name in prefix:
-            stats.update({prefix[name] + k: v for k, v in s.items() if k not in TIMING})
-    return stats
 
 
 def close_model_workers(workers: list[ModelWorker], engines: dict[ModelName, Engine]) -> None:

@@ -29,6 +29,7 @@ from areal.core.master import Master
 from areal.core.worker import InProcessWorker, ModelWorker
 from areal.engine.sft import SFTEngine
 from areal.runtime.run import Run, init_run
+from areal.runtime.step import step_stats
 from areal.runtime.supervised import evaluate_sft, sft_batch
 
 if TYPE_CHECKING:
@@ -98,7 +99,6 @@ def main(argv: list[str]) -> int:
     graph = graph_from_config(
         CoreGraphConfig(graph="sft", n_workers=cfg.core.n_workers, allocations=cfg.core.allocations)
     )
-    (mfc,) = graph.mfcs
     workers, engine = start_workers(cfg, run, graph, data.ft_spec)
     master = Master(graph, workers, mfc_timeout=cfg.core.mfc_timeout)
 
@@ -108,10 +108,7 @@ def main(argv: list[str]) -> int:
         run.tracker.sum("perf/n_tokens", batch.n_tokens)
         with run.tracker.timer("train"):
             master.put_batch(batch)
-            out = master.step(batch.n_seqs)[mfc.name]
-        timing = {"n_tokens", "wall_time", "compute_time"}
-        stats = {f"loss/{k}": v for k, v in out.items() if k not in timing}
-        stats.update({f"mfc/{mfc.name}/{k}": out[k] for k in sorted(timing)})
+            stats = step_stats(graph.mfcs, master.step(batch.n_seqs))  # loss/*, mfc/sft_train/*
         if run.saver.check(step, epoch_done):  # and at the last step (Run.steps)
             run.export_hf(engine, step, "model")
         if valid_loader is not None and run.evaluator.check(step, epoch_done):

@@ -25,7 +25,7 @@ import sys
 from areal.api.config import load_config
 from areal.core.config import CoreGRPOConfig, graph_config
 from areal.core.generation import GenerationWorker
-from areal.core.graphs import ACTOR, graph_from_config
+from areal.core.graphs import graph_from_config
 from areal.core.record import CoreRecorder
 from areal.core.session import (
     ActorWeights,
@@ -33,12 +33,13 @@ from areal.core.session import (
     recorded_master,
     saved_engines,
     start_model_workers,
-    step_stats,
 )
 from areal.core.worker import InProcessWorker
+from areal.runtime.graphs import ACTOR
 from areal.runtime.publisher import WeightPublisher
 from areal.runtime.rl import setup_rollout
 from areal.runtime.run import init_run
+from areal.runtime.step import step_stats
 from areal.workflow.filters import DynamicSamplingFilter
 
 CONFIG = CoreGRPOConfig  # what the launcher validates before starting anything
@@ -82,7 +83,7 @@ def main(argv: list[str]) -> int:
         with run.tracker.timer("step"), recorder.step(step, master.versions[ACTOR], gen.trained):
             out = master.step(n_samples)
         run.log_trained(step, [g[0].group_id for g in gen.last_groups])
-        stats = {**gen.last_stats, **step_stats(out)}
+        stats = {**gen.last_stats, **step_stats(graph.mfcs, out)}
         if run.saver.check(step, epoch_done):  # and at the last step (Run.steps)
             run.export_hf(engines[ACTOR], step)
         if valid_loader is not None and run.evaluator.check(step, epoch_done):

@@ -1,6 +1,6 @@
 """Model workers: the interface the master drives, and an in-process implementation.
 
-A model worker hosts engines keyed by :class:`~areal.core.dfg.ModelName` and a store of sample
+A model worker hosts engines keyed by :class:`~areal.api.mfc.ModelName` and a store of sample
 fields (tensors) keyed by sample id. The master sends it :class:`MFCRequest`s (metadata only:
 which MFC, which samples, on which worker each input key of those samples lives); the worker
 fetches what it lacks straight from its peers (:meth:`ModelWorker.get`), runs the engine's model
@@ -19,7 +19,6 @@ Ray actor of :mod:`areal.core.ray_worker` runs inside.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,9 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from areal.api.mfc import MFC, ModelFn, ModelName
 from areal.core import realloc
-from areal.core.dfg import MFC, TRAINING_FNS, Allocation, ModelFn, ModelName
+from areal.core.dfg import Allocation
 from areal.core.realloc import Box
+from areal.runtime.step import call_mfc
 from areal.utils.batch import PackedBatch
 
 if TYPE_CHECKING:
@@ -297,33 +298,13 @@ class InProcessWorker(ModelWorker):
                     fields[sid].seqs.update(got.seqs)
         return pack([fields[sid] for sid in request.sample_ids])
 
-    def _call(self, mfc: MFC, batch: PackedBatch):
-        engine = self.engines[mfc.model]
-        method = getattr(engine, mfc.fn.value)
-        if mfc.mb_spec is None:
-            return method(batch, **mfc.kwargs)
-        own = engine.config  # this call only: the MFC's micro-batch split
-        engine.config = dataclasses.replace(own, mb_spec=mfc.mb_spec)
-        try:
-            return method(batch, **mfc.kwargs)
-        finally:
-            engine.config = own
-
     def _run(self, request: MFCRequest) -> MFCReply:
         mfc = request.mfc
         start = time.perf_counter()
         batch = self._gather(request)
-        out, stats = self._call(mfc, batch)
-        if mfc.fn in TRAINING_FNS:  # as the Lite scripts do after each update
-            self.engines[mfc.model].step_lr_scheduler()
-        before_t, before_s = batch.keys()
-        after_t, after_s = out.keys()
+        out, stats = call_mfc(self.engines[mfc.model], mfc, batch)  # what run_step calls
+        (before_t, before_s), (after_t, after_s) = batch.keys(), out.keys()
         added_t, added_s = after_t - before_t, after_s - before_s
-        if added_t | added_s != set(mfc.outputs):
-            raise ValueError(
-                f"MFC {mfc.name!r} ({mfc.model}.{mfc.fn.value}) added keys "
-                f"{sorted(added_t | added_s)} but the graph declares {sorted(mfc.outputs)}"
-            )
         with self._lock:
             self._store_fields(request.sample_ids, out, added_t, added_s)
         return MFCReply(

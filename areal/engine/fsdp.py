@@ -62,6 +62,7 @@ from areal.algo.logprob import packed_token_logprobs
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.engine import LossFn, LossWeightFn, ModelFnResult, PostHook, TrainEngine
 from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from areal.api.mfc import model_fn
 from areal.engine import checkpoint, lora, pipeline
 from areal.engine.attention import ATTN_IMPL
 from areal.engine.lr_schedule import build_lr_scheduler
@@ -365,6 +366,7 @@ class FSDPEngine(TrainEngine):
                 per_seq.append(torch.split(out, mb.seqlens.tolist()))
         return torch.cat(mbs.restore_order(per_seq))
 
+    @model_fn(named={"out": "logp"})
     @torch.no_grad()
     def compute_logp(self, batch: PackedBatch, out: str = "logp") -> ModelFnResult:
         """``batch`` plus token field ``out`` [T]: logprobs of ``input_ids`` under the current

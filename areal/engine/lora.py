@@ -34,6 +34,7 @@ import torch
 
 from areal.api.config.engine import LoRAConfig
 from areal.api.engine import ModelFnResult
+from areal.api.mfc import model_fn
 from areal.utils.batch import PackedBatch
 
 if TYPE_CHECKING:
@@ -234,6 +235,7 @@ class FrozenBase:
             )
         self.actor: FSDPEngine | None = actor
 
+    @model_fn(named={"out": "logp"})
     def compute_logp(self, batch: PackedBatch, out: str = "logp") -> ModelFnResult:
         """``batch`` plus token field ``out``: the base model's logprobs (adapters off)."""
         if self.actor is None:

@@ -39,6 +39,7 @@ from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.config.experiments import DistillConfig
 from areal.api.engine import ModelFnResult
 from areal.api.io import SaveLoadMeta
+from areal.api.mfc import model_fn
 from areal.engine import checkpoint
 from areal.engine.fsdp import FSDPEngine
 from areal.utils.batch import PackedBatch, split_microbatches
@@ -204,10 +205,11 @@ class PPOActor(FSDPEngine):
         after all of them), so the loss takes the proximal logprobs from its own forward,
         detached, and the separate pass is redundant. It is needed with several minibatches
         (later ones run updated weights), when the advantages' KL-in-reward uses them, and
-        when ``recompute_prox_logp`` asks for it.
+        with ``prox_logp=recompute_always``.
         """
         return self.config.needs_prox_pass
 
+    @model_fn("advantages", "returns", "token_rewards", "seq_rewards")
     @torch.no_grad()
     def compute_advantages(self, batch: PackedBatch) -> ModelFnResult:
         """``batch`` plus ``advantages``/``returns``/``token_rewards`` [T] and ``seq_rewards`` [B];
@@ -266,7 +268,7 @@ class PPOActor(FSDPEngine):
         )
         if "prox_logp" in mb:
             prox = mb["prox_logp"]
-        elif cfg.use_decoupled_loss and cfg.prox_logp != "recompute":  # no forward pass for it
+        elif cfg.use_decoupled_loss and cfg.approximates_prox:  # no forward pass for it
             prox = approx_prox_logp(
                 mb["logprobs"],
                 logp,
@@ -279,7 +281,7 @@ class PPOActor(FSDPEngine):
             if self.needs_prox_pass:
                 raise ValueError(
                     "the decoupled loss with several minibatches, KL in the reward or "
-                    "recompute_prox_logp needs prox_logp; call "
+                    "prox_logp=recompute_always needs prox_logp; call "
                     "compute_logp(batch, out='prox_logp') first"
                 )
             prox = logp.detach()
@@ -311,6 +313,7 @@ class PPOActor(FSDPEngine):
             )
         return loss, out
 
+    @model_fn(named={"logp_out": None})
     def ppo_update(self, batch: PackedBatch, logp_out: str | None = None) -> ModelFnResult:
         """``ppo_n_minibatches`` optimizer steps over ``batch``; stats are means over the steps.
         ``logp_out``: the batch is returned with that token field added, [T] float32 on this
@@ -321,7 +324,7 @@ class PPOActor(FSDPEngine):
             raise ValueError(
                 "ppo_update needs token field 'advantages'; call compute_advantages first"
             )
-        if self.config.prox_logp != "recompute" and "versions" not in batch.tokens:
+        if self.config.approximates_prox and "versions" not in batch.tokens:
             raise ValueError(
                 f"actor.prox_logp={self.config.prox_logp} needs token field 'versions' "
                 "(the weight version of each token, from the rollout)"
@@ -362,6 +365,7 @@ class PPOCritic(FSDPEngine):
         self.group_size = group_size  # minibatches keep whole groups, as the actor's do
         self.value_normalizer = ValueNormalizer() if config.value_norm else None
 
+    @model_fn("values")
     @torch.no_grad()
     def compute_values(self, batch: PackedBatch) -> ModelFnResult:
         """``batch`` plus token field ``values`` [T]: ``values[t] = V(input_ids[:t])``
@@ -407,6 +411,7 @@ class PPOCritic(FSDPEngine):
             state = checkpoint.load_replicated_state(meta.path, VALUE_NORM_FILE)
             self.value_normalizer.load_state_dict(state)
 
+    @model_fn()
     def ppo_update(self, batch: PackedBatch) -> ModelFnResult:
         """``ppo_n_minibatches`` steps regressing ``values`` toward ``returns``; mean stats."""
         for key in ("values", "returns"):

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.engine import ModelFnResult
+from areal.api.mfc import model_fn
 from areal.engine.fsdp import FSDPEngine
 from areal.utils.batch import PackedBatch
 from areal.utils.comm import all_reduce
@@ -54,11 +55,13 @@ class RWEngine(FSDPEngine):
             )
         super().__init__(config, mesh, head="value")
 
+    @model_fn()
     def train_rw(self, batch: PackedBatch) -> ModelFnResult:
         """One optimizer step on pairs; stats loss, pair_acc, margin, grad_norm, lr."""
         _check_pairs(batch)
         return batch, self.train_batch(batch, bradley_terry_loss, n_pairs)
 
+    @model_fn("scores")
     @torch.no_grad()
     def score(self, batch: PackedBatch) -> ModelFnResult:
         """``batch`` plus sequence field ``scores`` [B]: the reward of each sequence."""

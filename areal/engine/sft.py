@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from areal.algo.logprob import packed_token_logprobs
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.engine import ModelFnResult
+from areal.api.mfc import model_fn
 from areal.engine.fsdp import FSDPEngine
 from areal.utils.batch import PackedBatch
 from areal.utils.comm import all_reduce
@@ -38,11 +39,13 @@ class SFTEngine(FSDPEngine):
     def __init__(self, config: TrainEngineConfig, mesh: DeviceMesh):
         super().__init__(config, mesh, head="lm")
 
+    @model_fn()
     def train_lm(self, batch: PackedBatch) -> ModelFnResult:
         """One optimizer step; stat ``loss`` is the token-mean NLL of the global batch."""
         _check_fields(batch)
         return batch, self.train_batch(batch, sft_loss, n_target_tokens)
 
+    @model_fn("logp")
     def evaluate_lm(self, batch: PackedBatch) -> ModelFnResult:
         """Stats ``loss`` (token-mean NLL over loss-mask tokens, all ranks together) and
         ``n_tokens``; ``batch`` gains token field ``logp``. No update."""

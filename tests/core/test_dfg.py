@@ -5,19 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from areal.api.mfc import MFC, ModelFn, ModelName, ParamRealloc, UpdateServers
 from areal.cli import main as cli_main
-from areal.core.dfg import (
-    MFC,
-    Allocation,
-    GraphError,
-    ModelFn,
-    ModelName,
-    ParamRealloc,
-    UpdateServers,
-    build_graph,
-    format_graph,
-)
-from areal.core.graphs import ROLLOUT_KEYS, CoreGraphConfig, graph_from_config
+from areal.core.dfg import Allocation, GraphError, build_graph, format_graph
+from areal.core.graphs import CoreGraphConfig, graph_from_config
+from areal.runtime.graphs import ROLLOUT_KEYS
 
 A, B = ModelName("actor"), ModelName("critic")
 KEYS = ("input_ids", "loss_mask")

@@ -10,9 +10,10 @@ import pytest
 
 from areal.api.config import load_config
 from areal.api.config.loader import ConfigError
+from areal.api.mfc import ModelName, ParamRealloc
 from areal.cli import main as cli_main
 from areal.core.config import CoreGRPOConfig
-from areal.core.dfg import Allocation, ModelName, ParamRealloc
+from areal.core.dfg import Allocation
 from areal.core.graphs import (
     CoreGraphConfig,
     allocations_for,

@@ -11,11 +11,12 @@ import torch
 
 from areal.api.config.base import MicroBatchSpec
 from areal.api.config.engine import TrainEngineConfig
+from areal.api.mfc import MFC, ModelFn, ModelName
 from areal.core.buffer import BufferFull
-from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, build_graph
-from areal.core.graphs import ACTOR, CRITIC, REF, ROLLOUT_KEYS, ppo_mfcs
+from areal.core.dfg import Allocation, build_graph
 from areal.core.master import Master
 from areal.core.worker import InProcessWorker
+from areal.runtime.graphs import ACTOR, CRITIC, REF, ROLLOUT_KEYS, ppo_mfcs
 from areal.utils.batch import PackedBatch
 
 

@@ -1,9 +1,12 @@
-"""Tier 2: the master over an in-process worker hosting real Lite engines (tiny model, one rank)
-does exactly what the Lite script's train_step does: same weights and stats after a PPO step
-with actor (decoupled loss, 2 minibatches: a proximal-logp pass), reference (KL in the reward)
-and critic, and after SFT steps."""
+"""Tier 2: one graph, run two ways on real engines (tiny model, one rank): ``run_step`` in this
+process (Lite's scripts and ``areal replay``) and the master over an in-process worker (Core)
+give the same weights and the same stats under the same names, for the PPO graph (actor with
+the decoupled loss and 2 minibatches: a proximal-logp pass; reference, KL in the reward;
+critic) and the SFT graph; and the master's reallocation hooks."""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -11,15 +14,27 @@ import torch
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
-from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, ParamRealloc, build_graph
-from areal.core.graphs import ACTOR, CRITIC, REF, ROLLOUT_KEYS, SFT_KEYS, ppo_mfcs
+from areal.api.mfc import MFC, ModelFn, ModelName, ParamRealloc
+from areal.core.dfg import Allocation, build_graph
 from areal.core.master import Master
 from areal.core.worker import InProcessWorker
 from areal.engine.fsdp import FSDPEngine
 from areal.engine.ppo import PPOActor, PPOCritic
 from areal.engine.sft import SFTEngine
 from areal.runtime.dist import init_distributed
+from areal.runtime.graphs import (
+    ACTOR,
+    CRITIC,
+    MODEL,
+    REF,
+    ROLLOUT_KEYS,
+    SFT_KEYS,
+    ppo_mfcs,
+    sft_mfcs,
+)
+from areal.runtime.step import run_step, step_stats
 from areal.utils.batch import PackedBatch
+from areal.utils.stats import StatsTracker
 
 pytestmark = pytest.mark.slow
 GROUP = 2
@@ -81,18 +96,12 @@ def ppo_engines(path: str):
     return actor, critic, ref
 
 
-def lite_train_step(actor, critic, ref, batch):
-    """examples/gsm8k_grpo.py's train_step, without the tracker."""
-    if actor.needs_prox_pass:
-        batch, _ = actor.compute_logp(batch, out="prox_logp")
-    batch, _ = ref.compute_logp(batch, out="ref_logp")
-    batch, _ = critic.compute_values(batch)
-    batch, _ = actor.compute_advantages(batch)
-    _, actor_stats = actor.ppo_update(batch)
-    actor.step_lr_scheduler()
-    _, critic_stats = critic.ppo_update(batch)
-    critic.step_lr_scheduler()
-    return actor_stats, critic_stats
+def in_process_step(engines: dict, graph: list[MFC], batch: PackedBatch):
+    """run_step over ``graph`` on ``engines`` in this process: (the stats it logs, by Lite's
+    names, and the batch out)."""
+    tracker = StatsTracker()
+    out = run_step(graph, engines, batch, tracker)
+    return tracker.export(), out
 
 
 def snapshot(engine) -> dict[str, torch.Tensor]:
@@ -104,37 +113,46 @@ def max_gap(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_core_ppo_step_on_one_in_process_worker_equals_the_lite_step(tiny_model_dir):
-    batch = rollout_batch()
-    lite = ppo_engines(tiny_model_dir)
-    assert lite[0].needs_prox_pass  # the graph gets its actor_logp node
-    lite_actor_stats, lite_critic_stats = lite_train_step(*lite, batch)
-    lite_weights = [snapshot(lite[0]), snapshot(lite[1])]
+LOSS_KEYS = ("loss/loss", "loss/grad_norm", "loss/critic/loss", "loss/critic/grad_norm")
+TIMERS = {f"timing/{t}" for t in ("prox_logp", "ref_logp", "values", "advantages", "train")}
 
-    actor, critic, ref = ppo_engines(tiny_model_dir)
-    worker = InProcessWorker(0, {ACTOR: actor, CRITIC: critic, REF: ref})
+
+def test_run_step_equals_the_master_over_an_in_process_worker_on_the_ppo_graph(tiny_model_dir):
+    batch, graph = rollout_batch(), ppo_mfcs(True, True, True)
+    here = dict(zip((ACTOR, CRITIC, REF), ppo_engines(tiny_model_dir)))
+    assert here[ACTOR].needs_prox_pass  # the graph's actor_logp node runs
+    logged, _ = in_process_step(here, graph, batch)
+    assert TIMERS <= set(logged)  # each MFC in its timer, as the Lite script logs them
+
+    engines = dict(zip((ACTOR, CRITIC, REF), ppo_engines(tiny_model_dir)))
+    worker = InProcessWorker(0, engines)
     worker.connect([worker])
     allocs = [Allocation(m, (0,)) for m in (ACTOR, CRITIC, REF)]
-    graph = build_graph(
-        "async_ppo", ppo_mfcs(True, True, actor.needs_prox_pass), ROLLOUT_KEYS, allocs, 1
-    )
-    master = Master(graph, [worker], group_size=GROUP)
+    dfg = build_graph("async_ppo", graph, ROLLOUT_KEYS, allocs, 1)  # the same MFCs, placed
+    master = Master(dfg, [worker], group_size=GROUP)
     master.put_batch(batch)
-    stats = master.step(batch.n_seqs)
+    out = master.step(batch.n_seqs)
     worker.close()
 
     # Not bitwise: the worker computes on its own thread, whose OpenMP reductions may sum in
     # another order (seen: 7e-9 on the weights).
-    assert max_gap(snapshot(actor), lite_weights[0]) < 1e-6
-    assert max_gap(snapshot(critic), lite_weights[1]) < 1e-6
-    for key in ("loss", "grad_norm"):
-        assert stats["actor_train"][key] == pytest.approx(lite_actor_stats[key], rel=1e-5, abs=1e-7)
-        assert stats["critic_train"][key] == pytest.approx(
-            lite_critic_stats[key], rel=1e-5, abs=1e-7
-        )
-    assert stats["actor_train"]["n_tokens"] == batch.n_tokens
+    assert max_gap(snapshot(engines[ACTOR]), snapshot(here[ACTOR])) < 1e-6
+    assert max_gap(snapshot(engines[CRITIC]), snapshot(here[CRITIC])) < 1e-6
+    core = step_stats(dfg.mfcs, out)  # the master's stats under the names run_step logs
+    for key in LOSS_KEYS:
+        assert core[key] == pytest.approx(logged[key], rel=1e-5, abs=1e-7), key
+    assert out["actor_train"]["n_tokens"] == batch.n_tokens
     assert worker._store == {} and len(master.buffer) == 0  # everything released after the step
-    for e in (actor, critic, ref, *lite):
+
+    # Each MFC given only its keys, on a thread of its own: what a worker does, bit for bit
+    # (Core's replay).
+    alike = dict(zip((ACTOR, CRITIC, REF), ppo_engines(tiny_model_dir)))
+    with ThreadPoolExecutor(1) as thread:
+        args = (graph, alike, batch, StatsTracker(), True)
+        thread.submit(run_step, *args).result()
+    assert max_gap(snapshot(alike[ACTOR]), snapshot(engines[ACTOR])) == 0.0
+    assert max_gap(snapshot(alike[CRITIC]), snapshot(engines[CRITIC])) == 0.0
+    for e in (*engines.values(), *here.values(), *alike.values()):
         e.destroy()
 
 
@@ -152,36 +170,27 @@ def sft_batches() -> list[PackedBatch]:
     return out
 
 
-def test_core_sft_steps_equal_lite_sft_steps(tiny_model_dir):
+def test_run_step_equals_the_master_over_an_in_process_worker_on_the_sft_graph(tiny_model_dir):
     mesh = init_distributed("gloo").mesh
     cfg = TrainEngineConfig(path=tiny_model_dir, optimizer=OptimizerConfig(lr=1e-2, eps=1.0))
-    lite, core = SFTEngine(cfg, mesh), SFTEngine(cfg, mesh)
-    lite.initialize(None)
+    here, core = SFTEngine(cfg, mesh), SFTEngine(cfg, mesh)
+    here.initialize(None)
     core.initialize(None)
-    lite_losses = []
-    for batch in sft_batches():
-        lite_losses.append(lite.train_lm(batch)[1]["loss"])
-        lite.step_lr_scheduler()
+    graph = sft_mfcs()
+    logged = [in_process_step({MODEL: here}, graph, b)[0]["loss/loss"] for b in sft_batches()]
 
-    model = ModelName("model")
-    graph = build_graph(
-        "sft",
-        [MFC("sft_train", model, ModelFn.TRAIN_LM, SFT_KEYS)],
-        SFT_KEYS,
-        [Allocation(model, (0,))],
-        1,
-    )
-    worker = InProcessWorker(0, {model: core})
+    dfg = build_graph("sft", graph, SFT_KEYS, [Allocation(MODEL, (0,))], 1)
+    worker = InProcessWorker(0, {MODEL: core})
     worker.connect([worker])
-    master = Master(graph, [worker])
+    master = Master(dfg, [worker])
     core_losses = []
     for batch in sft_batches():
         master.put_batch(batch)
-        core_losses.append(master.step(batch.n_seqs)["sft_train"]["loss"])
+        core_losses.append(step_stats(dfg.mfcs, master.step(batch.n_seqs))["loss/loss"])
     worker.close()
-    assert core_losses == pytest.approx(lite_losses, rel=1e-6)
-    assert max_gap(snapshot(core), snapshot(lite)) < 1e-6
-    lite.destroy()
+    assert core_losses == pytest.approx(logged, rel=1e-6)
+    assert max_gap(snapshot(core), snapshot(here)) < 1e-6
+    here.destroy()
     core.destroy()
 
 

@@ -1,8 +1,9 @@
 """Tier 2 on a real local Ray head: pipeline-parallel (pp x dp x tp) allocations of Core models.
 
 A PPO step through the master, with actor, reference and critic all on one layout, equals Lite's
-step (the FSDP engine in one process, test_ray_worker's ``lite_step``): the loss and grad norm
-of both training MFCs, every other stat of theirs, and their updated full weights, within 1e-5.
+step (``run_step`` of the same graph in one process, test_ray_worker's ``lite_step``): the loss
+and grad norm of both training MFCs, every other stat of theirs under the names both log, and
+their updated full weights, within 1e-5.
 The layouts: dp1 x tp1 x pp2, dp1 x tp2 x pp2, dp2 x tp1 x pp2, and without pp dp1 x tp2 and
 dp2 x tp2 (the 4-process tensor-parallel case; dp2 alone is test_ray_worker.py's). Each
 layout also checks where the weights are: which stage holds each decoder layer, the embedding
@@ -25,15 +26,17 @@ import time
 
 import pytest
 import test_ray_worker
-from test_master_engines import GROUP, max_gap
+from test_master_engines import GROUP, LOSS_KEYS, max_gap
 from test_ray_worker import specs
 
 from areal.api.config.engine import TrainEngineConfig
-from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, build_graph
-from areal.core.graphs import ACTOR, CRITIC, REF, ROLLOUT_KEYS, SFT_KEYS, ppo_mfcs
+from areal.api.mfc import MFC, ModelFn, ModelName
+from areal.core.dfg import Allocation, build_graph
 from areal.core.master import Master
 from areal.core.ray_worker import EngineSpec, RayModel, start_ray_workers, start_worker_actors
 from areal.engine.pipeline import stage_layers
+from areal.runtime.graphs import ACTOR, CRITIC, REF, ROLLOUT_KEYS, SFT_KEYS, ppo_mfcs
+from areal.runtime.step import step_stats
 
 pytestmark = pytest.mark.slow
 ray_driver = test_ray_worker.ray_driver  # module fixtures: Ray attached once, Lite's step once
@@ -130,22 +133,27 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_a_ppo_step_on_the_layout_equals_the_lite_step(
+def test_a_ppo_step_on_the_layout_equals_run_step_in_process(
     ray_driver, pool, tiny_model_dir, lite_step, name
 ):
-    batch, actor_stats, critic_stats, weights = lite_step
+    batch, logged, weights = lite_step
     start = time.monotonic()
     stats, got, params = pooled_step(ray_driver, pool, tiny_model_dir, LAYOUTS[name], batch)
     print(f"{name}: step through the master on pooled workers {time.monotonic() - start:.1f} s")
-    for mfc, lite in (("actor_train", actor_stats), ("critic_train", critic_stats)):
-        # n_mbs counts the micro-batches one rank ran (it depends on dp and pp); Lite's
-        # staleness buckets need token field `versions`, which Core's actor_train does not read
-        compared = set(lite) - {"n_mbs"} - {k for k in lite if k.startswith("mismatch_k3_stale")}
-        assert compared <= set(stats[mfc]) and {"loss", "grad_norm"} <= compared
-        for key in sorted(compared):
-            assert stats[mfc][key] == pytest.approx(lite[key], rel=1e-5, abs=1e-6), (mfc, key)
-        worst = max(abs(stats[mfc][k] - lite[k]) / max(abs(lite[k]), 1e-6) for k in compared)
-        print(f"{name}: {mfc} stats, max relative gap to Lite {worst:.1e}")
+    named = step_stats(ppo_mfcs(True, True, True), stats)  # by the names run_step logs
+    # n_mbs counts the micro-batches one rank ran (it depends on dp and pp); the in-process
+    # step's staleness buckets need token field `versions`, which Core's actor_train does not
+    # read
+    compared = {
+        k
+        for k in logged
+        if k.startswith("loss/") and k.rsplit("/", 1)[1] != "n_mbs" and "mismatch_k3_stale" not in k
+    }
+    assert compared <= set(named) and set(LOSS_KEYS) <= compared
+    for key in sorted(compared):
+        assert named[key] == pytest.approx(logged[key], rel=1e-5, abs=1e-6), key
+    worst = max(abs(named[k] - logged[k]) / max(abs(logged[k]), 1e-6) for k in compared)
+    print(f"{name}: loss stats, max relative gap to the in-process step {worst:.1e}")
     assert stats["actor_train"]["n_tokens"] == batch.n_tokens
     gaps = {m: max_gap(got[m], weights[m]) for m in (ACTOR, CRITIC)}
     print(f"{name}: max weight gap to Lite {gaps}")

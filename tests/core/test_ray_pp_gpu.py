@@ -13,10 +13,11 @@ import torch
 
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
-from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, build_graph
-from areal.core.graphs import SFT_KEYS
+from areal.api.mfc import MFC, ModelFn, ModelName
+from areal.core.dfg import Allocation, build_graph
 from areal.core.master import Master
 from areal.core.ray_worker import EngineSpec, RayModel, start_ray_workers
+from areal.runtime.graphs import SFT_KEYS
 from areal.utils.batch import PackedBatch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

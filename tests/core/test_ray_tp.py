@@ -13,10 +13,11 @@ from test_ray_worker import ray_driver  # noqa: F401 - fixture
 
 from areal.api.config.base import OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
-from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, ParamRealloc, build_graph
-from areal.core.graphs import SFT_KEYS
+from areal.api.mfc import MFC, ModelFn, ModelName, ParamRealloc
+from areal.core.dfg import Allocation, build_graph
 from areal.core.master import Master
 from areal.core.ray_worker import EngineSpec, start_ray_workers
+from areal.runtime.graphs import SFT_KEYS
 
 pytestmark = pytest.mark.slow
 

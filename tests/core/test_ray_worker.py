@@ -1,7 +1,8 @@
 """Tier 2 on a real local Ray head: model workers as Ray actors (2 processes, gloo).
 
-Core's PPO step with actor + reference + critic on a dp=2 mesh over 2 Ray workers equals Lite's
-train_step on the whole batch in one process (weights and stats, 1e-5): the engines' gradient
+The PPO graph with actor + reference + critic on a dp=2 mesh over 2 Ray workers (the master)
+equals ``run_step`` of the same graph on the whole batch in one process, Lite's step (weights and
+stats under the same names, 1e-5): the engines' gradient
 accumulation makes the step independent of the split, so this checks the master, the workers'
 peer-to-peer fields and the sub-meshes, not a coincidence of layouts. One PPO minibatch: with
 several, each rank cuts its own share into minibatches, so their composition (and the update)
@@ -13,7 +14,8 @@ from __future__ import annotations
 import pytest
 from test_master_engines import (
     GROUP,
-    lite_train_step,
+    LOSS_KEYS,
+    in_process_step,
     max_gap,
     rollout_batch,
     snapshot,
@@ -22,11 +24,13 @@ from test_master_engines import (
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
-from areal.core.dfg import MFC, Allocation, ModelFn, ModelName, build_graph
-from areal.core.graphs import ACTOR, CRITIC, REF, ROLLOUT_KEYS, SFT_KEYS, ppo_mfcs
+from areal.api.mfc import MFC, ModelFn, ModelName
+from areal.core.dfg import Allocation, build_graph
 from areal.core.master import Master
 from areal.core.ray_worker import EngineSpec, RayModel, build_engine, start_ray_workers
 from areal.runtime.dist import init_distributed
+from areal.runtime.graphs import ACTOR, CRITIC, REF, ROLLOUT_KEYS, SFT_KEYS, ppo_mfcs
+from areal.runtime.step import step_stats
 from areal.utils.batch import PackedBatch
 
 pytestmark = pytest.mark.slow
@@ -58,17 +62,17 @@ def ray_driver(ray_head):
 
 @pytest.fixture(scope="module")
 def lite_step(tiny_model_dir):
-    """Lite's train_step on the whole batch in this process: (batch, actor stats, critic stats,
-    weights)."""
+    """The PPO graph's ``run_step`` on the whole batch in this process, Lite's step: (batch, the
+    stats it logs, by Lite's names, weights)."""
     batch = rollout_batch(n_groups=4)
     mesh = init_distributed("gloo").mesh
     lite = {m: build_engine(s, mesh) for m, s in specs(tiny_model_dir).items()}
     assert lite[ACTOR].needs_prox_pass
-    actor_stats, critic_stats = lite_train_step(lite[ACTOR], lite[CRITIC], lite[REF], batch)
+    logged, _ = in_process_step(lite, ppo_mfcs(True, True, True), batch)
     weights = {m: snapshot(lite[m]) for m in (ACTOR, CRITIC)}
     for e in lite.values():
         e.destroy()
-    return batch, actor_stats, critic_stats, weights
+    return batch, logged, weights
 
 
 def core_step(ray, path: str, allocs: list[Allocation], batch):
@@ -105,16 +109,16 @@ def core_step(ray, path: str, allocs: list[Allocation], batch):
 
 
 def check_equal(stats, got, lite) -> None:
-    batch, actor_stats, critic_stats, weights = lite
+    batch, logged, weights = lite
     for m in (ACTOR, CRITIC):
         assert max_gap(got[m], weights[m]) < 1e-5
-    for key in ("loss", "grad_norm"):
-        assert stats["actor_train"][key] == pytest.approx(actor_stats[key], rel=1e-5, abs=1e-6)
-        assert stats["critic_train"][key] == pytest.approx(critic_stats[key], rel=1e-5, abs=1e-6)
+    named = step_stats(ppo_mfcs(True, True, True), stats)  # the master's, by run_step's names
+    for key in LOSS_KEYS:
+        assert named[key] == pytest.approx(logged[key], rel=1e-5, abs=1e-6), key
     assert stats["actor_train"]["n_tokens"] == batch.n_tokens
 
 
-def test_core_ppo_step_on_two_ray_workers_equals_the_lite_step(
+def test_the_master_on_two_ray_workers_equals_run_step_on_the_ppo_graph(
     ray_driver, tiny_model_dir, lite_step
 ):
     allocs = [Allocation(m, (0, 1), dp=2) for m in (ACTOR, CRITIC, REF)]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from areal.core.dfg import Allocation, ModelName
+from areal.api.mfc import ModelName
+from areal.core.dfg import Allocation
 from areal.core.realloc import (
     ModelShapes,
     chunk,

@@ -10,10 +10,10 @@ from concurrent.futures import Future
 from types import SimpleNamespace
 
 from areal.core.generation import GenerationWorker
-from areal.core.graphs import ACTOR
 from areal.core.master import SampleSender, ServerUpdater
 from areal.core.record import TimedGenerationWorker, TimedWorker, timed
 from areal.core.worker import MFCReply
+from areal.runtime.graphs import ACTOR
 
 
 class _Worker:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from areal.core.graphs import ACTOR
-from areal.core.session import ActorWeights, ManagerCheckpoint, step_stats
+from areal.core.session import ActorWeights, ManagerCheckpoint
+from areal.runtime.graphs import ACTOR
 
 
 class FakeMaster:
@@ -57,17 +57,3 @@ def test_manager_checkpoint_restores_the_manager_then_the_actor_at_its_version()
     assert log == [("manager", "load", 5), ("publish", 5)] and master.versions[ACTOR] == 5
     with pytest.raises(TypeError, match="holds version '5', not an int"):
         entry.load_state_dict({"version": "5"})
-
-
-def test_step_stats_name_the_masters_stats_as_lite_does():
-    # 0.5 s of wall time etc. are the master's; the losses keep Lite's names
-    timing = {"n_tokens": 10.0, "wall_time": 0.5, "compute_time": 0.25}
-    out = {
-        "actor_train": {"pg_loss": 1.5, **timing},
-        "critic_train": {"loss": 2.0, **timing},
-        "ref_logp": {**timing, "realloc/ref/bytes": 64.0},
-    }
-    stats = step_stats(out)
-    assert stats["loss/pg_loss"] == 1.5 and stats["loss/critic/loss"] == 2.0
-    assert stats["mfc/actor_train/wall_time"] == 0.5 and stats["realloc/ref/bytes"] == 64.0
-    assert "loss/wall_time" not in stats and "ref_logp/n_tokens" not in stats

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 from test_sync_ppo import SCRIPT, SYNC, cluster_runs, train_steps  # noqa: F401 - fixture
 
-from areal.core.dfg import Allocation, ModelName
+from areal.api.mfc import ModelName
+from areal.core.dfg import Allocation
 from areal.core.realloc import model_shapes, plan_realloc
 
 pytestmark = pytest.mark.slow

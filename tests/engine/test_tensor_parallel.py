@@ -65,8 +65,9 @@ def _ppo_step(path: str, mesh) -> dict:
 
 def _tp_extras(path: str, mesh, tmp: str) -> dict:
     """Checkpoint, export and reallocation paths on a tensor-parallel mesh."""
+    from areal.api.mfc import ModelName
     from areal.core import realloc
-    from areal.core.dfg import Allocation, ModelName
+    from areal.core.dfg import Allocation
     from areal.engine.checkpoint import read_hf_weights
 
     def build(**kw) -> SFTEngine:

@@ -1,0 +1,155 @@
+"""Tier 1: the in-process step runner over stand-in engines: the graph's order, each MFC in its
+timer with its stats under its scope (the names Lite logs), the LR step after each update, the
+refusals; the fields each model function declares; Core's stats under the same names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from areal.api.mfc import MFC, ModelFn, added_fields, model_fn
+from areal.runtime.graphs import ACTOR, CRITIC, REF, ppo_mfcs
+from areal.runtime.step import call_mfc, run_step, step_stats
+from areal.utils.batch import PackedBatch
+from areal.utils.stats import StatsTracker
+
+
+class Stand:
+    """A stand-in engine: each model function adds its fields (ones) and logs its call."""
+
+    def __init__(self, name: str, log: list[str]):
+        self.name, self.log = name, log
+
+    def _add(self, fn: str, batch: PackedBatch, fields: tuple[str, ...], seqs=()):
+        self.log.append(f"{self.name}.{fn}")
+        ones = torch.ones(batch.n_tokens)
+        out = batch.with_fields(tokens={k: ones for k in fields})
+        if seqs:
+            out = out.with_fields(seqs={k: torch.ones(batch.n_seqs) for k in seqs})
+        return out, {f"{fn}_stat": 1.0}
+
+    def compute_logp(self, batch, out="logp"):
+        return self._add("compute_logp", batch, (out,))
+
+    def compute_values(self, batch):
+        return self._add("compute_values", batch, ("values",))
+
+    def compute_advantages(self, batch):
+        return self._add(
+            "compute_advantages",
+            batch,
+            ("advantages", "returns", "token_rewards"),
+            ("seq_rewards",),
+        )
+
+    def ppo_update(self, batch, logp_out=None):
+        return self._add("ppo_update", batch, (logp_out,) if logp_out else ())
+
+    def step_lr_scheduler(self):
+        self.log.append(f"{self.name}.step_lr_scheduler")
+
+
+def rollout_batch() -> PackedBatch:
+    return PackedBatch.from_sequences(
+        {"input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[0, 1, 1], [0, 1]]},
+        {"rewards": [1.0, 0.0], "no_eos": [False, False]},
+    ).with_fields(tokens={"logprobs": torch.zeros(5)})
+
+
+def test_run_step_runs_the_ppo_graph_in_lites_order_under_lites_names():
+    log: list[str] = []
+    engines = {m: Stand(m.role, log) for m in (ACTOR, CRITIC, REF)}
+    tracker = StatsTracker()
+    out = run_step(ppo_mfcs(True, True, True), engines, rollout_batch(), tracker)
+    assert log == [
+        "actor.compute_logp",
+        "ref.compute_logp",
+        "critic.compute_values",
+        "actor.compute_advantages",
+        "actor.ppo_update",
+        "actor.step_lr_scheduler",  # each update is followed by its engine's LR step
+        "critic.ppo_update",
+        "critic.step_lr_scheduler",
+    ]
+    assert {"prox_logp", "ref_logp", "values", "advantages", "trainer_logp"} <= out.keys()[0]
+    stats = tracker.export()
+    timers = {k for k in stats if k.startswith("timing/")}
+    assert timers == {f"timing/{t}" for t in ("prox_logp", "ref_logp", "values", "advantages")} | {
+        "timing/train"  # the actor's and the critic's update together, as Lite timed them
+    }
+    assert stats["loss/compute_advantages_stat"] == 1.0 and stats["loss/ppo_update_stat"] == 1.0
+    assert stats["loss/critic/ppo_update_stat"] == 1.0
+    assert not [k for k in stats if "compute_logp" in k or "compute_values" in k]  # unscoped
+
+
+def test_run_step_refuses_a_step_it_cannot_run_naming_each_problem():
+    graph = ppo_mfcs(use_critic=True, use_ref=False, prox_logp=False)
+    batch = PackedBatch.from_sequences({"input_ids": [[1, 2]], "loss_mask": [[0, 1]]})
+    with pytest.raises(ValueError) as e:
+        run_step(graph, {ACTOR: Stand("actor", [])}, batch, StatsTracker())
+    text = str(e.value)
+    assert "critic@0.compute_values" in text  # no critic given
+    assert "MFC 'actor_adv' reads ['rewards', 'no_eos', 'logprobs']" in text
+
+
+def test_call_mfc_refuses_a_call_that_adds_other_fields_than_the_mfc_declares():
+    mfc = MFC("values", CRITIC, ModelFn.COMPUTE_VALUES, ("input_ids",), ("value",))
+    with pytest.raises(ValueError, match=r"added keys \['values'\] but the graph declares"):
+        call_mfc(Stand("critic", []), mfc, rollout_batch())
+
+
+def test_engine_methods_declare_the_fields_their_model_functions_add():
+    import areal.engine.lora  # noqa: F401  (FrozenBase.compute_logp)
+    import areal.engine.ppo  # noqa: F401  (the actor's and the critic's)
+
+    assert added_fields(ModelFn.COMPUTE_LOGP, {}) == ("logp",)
+    assert added_fields(ModelFn.COMPUTE_LOGP, {"out": "ref_logp"}) == ("ref_logp",)
+    assert added_fields(ModelFn.PPO_UPDATE, {}) == ()  # the critic's, or the actor's alone
+    assert added_fields(ModelFn.PPO_UPDATE, {"logp_out": "trainer_logp"}) == ("trainer_logp",)
+    assert added_fields(ModelFn.COMPUTE_VALUES, {}) == ("values",)
+    assert added_fields(ModelFn.GENERATE, {}) is None  # generate's outputs are the MFC's
+
+    @model_fn("scores_for_a_test")
+    def fn_declared_in_a_test(batch):
+        return batch, {}
+
+    with pytest.raises(TypeError, match="methods of one name add the same fields"):
+
+        @model_fn("another_field")
+        def fn_declared_in_a_test(batch):  # noqa: F811
+            return batch, {}
+
+
+def test_step_stats_name_the_masters_stats_as_a_step_in_process_does():
+    # 0.5 s of wall time etc. are the master's; the losses take the MFCs' scopes
+    timing = {"n_tokens": 10.0, "wall_time": 0.5, "compute_time": 0.25}
+    out = {
+        "actor_adv": {"adv_mean": 0.5, **timing},
+        "actor_train": {"pg_loss": 1.5, **timing},
+        "critic_train": {"loss": 2.0, **timing},
+        "ref_logp": {**timing, "realloc/ref/bytes": 64.0},
+    }
+    stats = step_stats(ppo_mfcs(True, True, False), out)
+    assert stats["loss/pg_loss"] == 1.5 and stats["loss/critic/loss"] == 2.0
+    assert stats["loss/adv_mean"] == 0.5
+    assert stats["mfc/actor_train/wall_time"] == 0.5 and stats["realloc/ref/bytes"] == 64.0
+    assert "loss/wall_time" not in stats and "ref_logp/n_tokens" not in stats
+
+
+def test_only_inputs_hands_each_mfc_the_keys_it_reads_as_a_worker_does():
+    seen: dict[str, set[str]] = {}
+
+    class Keys(Stand):
+        def compute_values(self, batch):
+            seen["values"] = set().union(*batch.keys())
+            return super().compute_values(batch)
+
+    graph = ppo_mfcs(use_critic=True, use_ref=False, prox_logp=False)
+    log: list[str] = []
+    batch = rollout_batch().with_fields(seqs={"prompt_lens": torch.tensor([1, 1])})
+    engines = {ACTOR: Stand("actor", log), CRITIC: Keys("critic", log)}
+    out = run_step(graph, engines, batch, StatsTracker(), only_inputs=True)
+    assert seen["values"] == {"input_ids"}  # not the batch's prompt_lens, rewards, ...
+    assert {"values", "advantages", "trainer_logp", "prompt_lens"} <= set().union(*out.keys())
+    run_step(graph, engines, batch, StatsTracker())
+    assert "prompt_lens" in seen["values"]  # in process (Lite): the whole batch so far
