@@ -84,6 +84,11 @@ def _replay(args: argparse.Namespace) -> int:
     if spec is None or spec.loader is None:
         raise SystemExit(f"areal replay: {script} is not a Python file; pass --script PATH.py")
     module = importlib.util.module_from_spec(spec)
+    # as `python SCRIPT` and the launcher do: modules beside the script import, and a dataclass
+    # the script defines finds its module (dataclasses looks it up in sys.modules)
+    if str(Path(script).resolve().parent) not in sys.path:
+        sys.path.insert(0, str(Path(script).resolve().parent))
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)  # CONFIG, setup_trainers, train_step: the code the user chose
     try:
         report = replay_run(

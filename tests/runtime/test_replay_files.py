@@ -233,3 +233,34 @@ def test_a_recorded_copy_changed_after_the_run_is_refused(recorded):
         replay_script(run_dir, meta, None, trust=True)
     with pytest.raises(ReplayRefused):
         replay_script(run_dir, meta, None, trust=False)
+
+
+def test_a_script_defining_its_own_config_dataclass_and_importing_a_sibling_replays(
+    recorded, tmp_path, monkeypatch
+):
+    """As under the launcher: a config dataclass the script defines (with postponed
+    annotations, which dataclasses resolves through sys.modules) and a module beside it."""
+    run_dir, _ = recorded
+    _scripts(run_dir, tmp_path)
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "my_helpers.py").write_text("LR = 0.5\n")
+    (scripts / "own.py").write_text(
+        "from __future__ import annotations\n"
+        "from dataclasses import dataclass\n"
+        "from my_helpers import LR\n"
+        "@dataclass\n"
+        "class MyConfig:\n"
+        "    lr: float = LR\n"
+        "CONFIG = MyConfig\n"
+        "setup_trainers = train_step = None\n"
+    )
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the replay adds the script's directory
+    monkeypatch.delitem(sys.modules, "my_helpers", raising=False)
+    try:
+        with pytest.raises(SystemExit, match="records no trained step yet"):
+            cli_main(["replay", "--script", str(scripts / "own.py"), str(run_dir)])
+        assert sys.modules["areal_replayed_script"].CONFIG().lr == 0.5
+    finally:
+        sys.modules.pop("areal_replayed_script", None)
+        sys.modules.pop("my_helpers", None)
