@@ -6,9 +6,10 @@ Run: ``areal launch local examples/dpo.py --config examples/dpo_arithmetic.yaml 
 Before training, with a reference-based loss (sigmoid, ipo) and ``dpo.ref_logp=precompute``: the
 reference scores every training and held-out pair once (ranks score disjoint shares and share
 the results), then it is freed, so training holds one model. With ``online`` the reference stays
-and scores each batch; SimPO needs no reference. Each step: batch of pairs -> [reference logp]
--> preference loss on chosen and rejected packed in one forward -> optimizer step -> LR step ->
-save (HF) -> held-out loss, reward accuracy and margin -> recover checkpoint -> stats.
+and scores each batch; SimPO needs no reference. Each step: batch of pairs -> the step's graph
+(:func:`areal.runtime.graphs.dpo_mfcs`: [reference logp] -> preference loss on chosen and
+rejected packed in one forward -> optimizer step -> LR step) -> save (HF) -> held-out loss,
+reward accuracy and margin -> recover checkpoint -> stats.
 
 Held-out greedy accuracy of an exported model on the arithmetic task:
 ``areal eval --model RUN_DIR/checkpoints/model/stepN --config examples/arithmetic_grpo.yaml``.
@@ -25,16 +26,17 @@ from areal.api.config import DPOConfig, load_config
 from areal.api.io import FinetuneSpec
 from areal.dataset import ItemDataset, create_dataloader
 from areal.dataset.preference import load_preferences
-from areal.engine.dpo import DPOEngine, with_ref_logp
-from areal.engine.fsdp import FSDPEngine
+from areal.engine.dpo import DPOEngine, DPOReference
+from areal.runtime.graphs import MODEL, REF, dpo_mfcs
 from areal.runtime.run import Run, init_run, total_steps
-from areal.runtime.supervised import dpo_batch, evaluate_dpo, scored
+from areal.runtime.step import run_step
+from areal.runtime.supervised import dpo_batch, evaluate_dpo
 
 CONFIG = DPOConfig
 
 
 def precompute_ref_logp(
-    run: Run, ref: FSDPEngine, dataset: ItemDataset, pairs_per_call: int
+    run: Run, ref: DPOReference, dataset: ItemDataset, pairs_per_call: int
 ) -> ItemDataset:
     """``dataset`` with each pair's reference logprobs ``ref_logp`` = [chosen, rejected]."""
     items, rank, world = dataset.items, run.rank, run.world_size
@@ -43,7 +45,7 @@ def precompute_ref_logp(
     for start in range(0, math.ceil(len(items) / world), pairs_per_call):
         # every rank runs the same number of forwards
         idx = mine[start : start + pairs_per_call] or [0]
-        batch = with_ref_logp(ref, dpo_batch([items[i] for i in idx]))
+        batch, _ = ref.compute_seq_logp(dpo_batch([items[i] for i in idx]), out="ref_logp")
         by_item.update(
             {i: batch["ref_logp"][2 * k : 2 * k + 2].tolist() for k, i in enumerate(idx)}
         )
@@ -59,7 +61,7 @@ def reference(cfg: DPOConfig, run: Run, train: ItemDataset, valid: ItemDataset |
     """(train, valid, the reference engine kept for online scoring or None)."""
     if cfg.dpo.loss_type == "simpo":
         return train, valid, None
-    ref = FSDPEngine(cfg.ref or cfg.model, run.dist.mesh)  # null ref: a frozen copy of model
+    ref = DPOReference(cfg.ref or cfg.model, run.dist.mesh)  # null ref: a frozen copy of model
     ref.initialize(None)
     if cfg.dpo.ref_logp == "online":
         return train, valid, ref
@@ -93,17 +95,15 @@ def main(argv: list[str]) -> int:
         )
     )
 
+    # [ref.compute_seq_logp (online reference)] -> model.train_dpo, then its LR step
+    graph = dpo_mfcs(use_ref=engine.needs_ref, online_ref=ref is not None)
+    engines = {MODEL: engine} if ref is None else {MODEL: engine, REF: ref}
     start = run.resume({"model": engine}, loader=loader)
     for step, epoch_done, items in run.batches(loader, n_steps, start):
         batch = dpo_batch(items)
         run.tracker.sum("perf/n_tokens", batch.n_tokens)
-        if ref is not None:
-            with run.tracker.timer("ref_logp"):
-                batch = scored(batch, ref)
-        with run.tracker.timer("train"):
-            _, stats = engine.train_dpo(batch)
-            stats = {f"loss/{k}": v for k, v in stats.items()}
-            engine.step_lr_scheduler()
+        run_step(graph, engines, batch, run.tracker)  # timers [ref_logp,] train; stats loss/*
+        stats: dict[str, float] = {}
         if run.saver.check(step, epoch_done):  # and at the last step (Run.steps)
             run.export_hf(engine, step, "model")
         if valid_loader is not None and run.evaluator.check(step, epoch_done):

@@ -86,5 +86,6 @@ _.ppo_update
 _.compute_values
 _.train_lm
 _.train_rw
+_.train_dpo
 EVALUATE_LM
 SCORE

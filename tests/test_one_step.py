@@ -10,14 +10,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted([*ROOT.glob("areal/**/*.py"), *ROOT.glob("examples/**/*.py")])
 # The step's model functions (areal.api.mfc.ModelFn): only the runner calls them, by name.
-STEP_FNS = {"compute_values", "compute_advantages", "ppo_update", "train_lm", "train_rw"}
+STEP_FNS = {
+    "compute_values",
+    "compute_advantages",
+    "ppo_update",
+    "train_lm",
+    "train_rw",
+    "train_dpo",
+}
 # After each update the runner steps the engine's LR schedule (call_mfc).
 LR_STEP = "step_lr_scheduler"
-# file -> why it still steps an LR schedule itself (reviewed).
-OWN_LR_STEP = {
-    "examples/dpo.py": "DPO's step is no graph yet: its online reference scores pairs through "
-    "with_ref_logp (a helper over compute_logp, not a model function)",
-}
 
 
 def _method_calls(path: Path, names: set[str], root: Path = ROOT) -> list[str]:
@@ -44,20 +46,11 @@ def test_the_steps_model_functions_are_called_only_by_the_runner():
 
 def test_only_the_runner_steps_learning_rate_schedules():
     runner = ROOT / "areal" / "runtime" / "step.py"
-    found = [
-        call
-        for path in SOURCES
-        if path != runner and str(path.relative_to(ROOT)) not in OWN_LR_STEP
-        for call in _method_calls(path, {LR_STEP})
-    ]
+    found = [call for path in SOURCES if path != runner for call in _method_calls(path, {LR_STEP})]
     assert not found, "an update's LR step belongs to call_mfc (areal/runtime/step.py):\n" + (
         "\n".join(found)
     )
     assert _method_calls(runner, {LR_STEP}), "the runner no longer steps LR schedules"
-    for rel in OWN_LR_STEP:
-        assert _method_calls(ROOT / rel, {LR_STEP}), (
-            f"OWN_LR_STEP lists {rel}, which no longer steps one"
-        )
 
 
 def test_the_guard_sees_a_hand_written_step(tmp_path):

@@ -37,9 +37,12 @@ class ModelFn(enum.Enum):
     EVALUATE_LM = "evaluate_lm"  # SFTEngine
     TRAIN_RW = "train_rw"  # RWEngine
     SCORE = "score"  # RWEngine
+    COMPUTE_SEQ_LOGP = "compute_seq_logp"  # DPOReference (each sequence's summed reply logp)
+    TRAIN_DPO = "train_dpo"  # DPOEngine
 
 
-TRAINING_FNS = (ModelFn.PPO_UPDATE, ModelFn.TRAIN_LM, ModelFn.TRAIN_RW)  # they change weights
+# they change weights
+TRAINING_FNS = (ModelFn.PPO_UPDATE, ModelFn.TRAIN_LM, ModelFn.TRAIN_RW, ModelFn.TRAIN_DPO)
 
 
 @dataclass(frozen=True)

@@ -299,10 +299,13 @@ def format_graph(graph: DataflowGraph) -> str:
             f"  {model!s:<12} mesh {a.describe().replace(' on workers', '  workers')}  "
             f"MFCs: {users}"
         )
-    lines.append("nodes (dispatch order):")
+    lines.append("nodes (dispatch order), each with its in-process timer and its stats' scope:")
     for m in graph.mfcs:
         args = ", ".join(f"{k}={v!r}" for k, v in m.kwargs.items())
-        lines.append(f"  {m.name:<16} {str(m.model)}.{m.fn.value}({args})")
+        call = f"{m.model!s}.{m.fn.value}({args})"
+        names = "" if m.fn is ModelFn.GENERATE else f"timing/{m.timer or m.name}"
+        names += f"  {m.scope}/*" if m.scope else ""
+        lines.append(f"  {m.name:<16} {call:<44} {names}".rstrip())
         for h in m.hooks:
             if isinstance(h, UpdateServers):
                 lines.append(

@@ -8,7 +8,7 @@ token ``input_ids`` and ``loss_mask`` (1 on the reply tokens DPO scores), sequen
 ``group_index`` (the pair index) and ``prompt_lens``; with ``shared_prefix`` (on by default) the
 pair's common prompt then runs once per forward and backward. Reference-based losses (sigmoid,
 ipo) also need sequence field ``ref_logp`` [B]: the reference's summed reply logprob of each
-sequence (:func:`with_ref_logp`, run once before training or every step).
+sequence (:meth:`DPOReference.compute_seq_logp`, run once before training or every step).
 
 The loss is a mean over the pairs of the global batch: each micro-batch's mean is weighted by
 its pair count over the all-reduced total.
@@ -25,6 +25,7 @@ from areal.algo.segments import segment_sum
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.experiments import DPOLossConfig
 from areal.api.engine import ModelFnResult
+from areal.api.mfc import model_fn
 from areal.engine.fsdp import FSDPEngine
 from areal.utils.batch import PackedBatch
 from areal.utils.comm import all_reduce
@@ -74,11 +75,16 @@ def pair_logps(seq_logp: torch.Tensor, batch: PackedBatch, with_ref: bool) -> Pa
     )
 
 
-def with_ref_logp(ref: FSDPEngine, batch: PackedBatch) -> PackedBatch:
-    """``batch`` plus sequence field ``ref_logp`` [B] from the reference engine (no update)."""
-    scored, _ = ref.compute_logp(batch, out="ref_token_logp")
-    seq = sequence_logp(scored["ref_token_logp"].double(), batch).float()
-    return batch.with_fields(seqs={"ref_logp": seq.cpu()})
+class DPOReference(FSDPEngine):
+    """DPO's frozen reference: an LM that scores each sequence's reply, never trained."""
+
+    @model_fn(named={"out": "seq_logp"})
+    def compute_seq_logp(self, batch: PackedBatch, out: str = "seq_logp") -> ModelFnResult:
+        """``batch`` plus sequence field ``out`` [B]: the sum of each sequence's token logprobs
+        over its ``loss_mask`` tokens (the reply), summed in float64, kept as float32 on CPU."""
+        scored, _ = self.compute_logp(batch, out="token_logp")
+        seq = sequence_logp(scored["token_logp"].double(), batch).float()  # [B]
+        return batch.with_fields(seqs={out: seq.cpu()}), {}
 
 
 class DPOEngine(FSDPEngine):
@@ -111,6 +117,7 @@ class DPOEngine(FSDPEngine):
         stats["rejected_logp"] = float(pairs.logp_r.detach().mean())
         return losses.mean(), stats
 
+    @model_fn()
     def train_dpo(self, batch: PackedBatch) -> ModelFnResult:
         """One optimizer step on pairs; stats loss, reward_acc, margin, chosen/rejected reward
         and logp (means over the global batch's pairs), grad_norm, lr."""
@@ -158,5 +165,5 @@ class DPOEngine(FSDPEngine):
         if self.needs_ref and "ref_logp" not in batch.seqs:
             raise ValueError(
                 f"loss_type={self.loss.loss_type} needs sequence field 'ref_logp'; add it "
-                "with with_ref_logp(reference_engine, batch)"
+                "with DPOReference.compute_seq_logp(batch, out='ref_logp')"
             )

@@ -16,7 +16,10 @@ PPO (:func:`ppo_mfcs`; the proximal-logp, reference, teacher and critic nodes ar
 The advantages are a node of their own because both trainers read its outputs: the actor its
 ``advantages``, the critic its ``returns``. A training node steps its engine's learning-rate
 schedule after the update. SFT is one node, ``model.train_lm``; the reward model one node,
-``model.train_rw``.
+``model.train_rw``. DPO (:func:`dpo_mfcs`)::
+
+    ref_logp     ref.compute_seq_logp(out="ref_logp")   timer ref_logp  (dpo.ref_logp=online)
+    dpo_train    model.train_dpo()                      timer train, stats loss/*
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ ROLLOUT_KEYS = (
     "status_code",
 )
 SFT_KEYS = ("input_ids", "loss_mask")
+DPO_KEYS = ("input_ids", "loss_mask")  # pairs at 2k, 2k + 1; loss_mask on the replies
 # actor_train adds each token's logprob in the update's own forward (recorded for areal view)
 LOGP_OUT = {"logp_out": "trainer_logp"}
 
@@ -122,3 +126,29 @@ def rm_mfcs() -> list[MFC]:
     """Reward-model training's step: ``model.train_rw`` (Bradley-Terry on pairs), stats
     ``loss/*``."""
     return [MFC("rm_train", MODEL, ModelFn.TRAIN_RW, ("input_ids",), timer="train", scope="loss")]
+
+
+def dpo_mfcs(use_ref: bool, online_ref: bool) -> list[MFC]:
+    """DPO's step: with ``online_ref`` the reference scores the batch's pairs first (sequence
+    field ``ref_logp``); ``model.train_dpo`` (the preference loss) reads it when ``use_ref``
+    (sigmoid, ipo; precomputed ``ref_logp`` comes with the batch), stats ``loss/*``."""
+    if online_ref and not use_ref:
+        raise ValueError(
+            "online_ref=True needs use_ref=True: a reference-free loss (simpo) runs no reference"
+        )
+    mfcs: list[MFC] = []
+    if online_ref:
+        mfcs.append(
+            MFC(
+                "ref_logp",
+                REF,
+                ModelFn.COMPUTE_SEQ_LOGP,
+                DPO_KEYS,
+                ("ref_logp",),
+                {"out": "ref_logp"},
+                timer="ref_logp",
+            )
+        )
+    train_in = (*DPO_KEYS, "ref_logp") if use_ref else DPO_KEYS
+    mfcs.append(MFC("dpo_train", MODEL, ModelFn.TRAIN_DPO, train_in, timer="train", scope="loss"))
+    return mfcs

@@ -15,8 +15,7 @@ from typing import Protocol
 import torch
 
 from areal.api.engine import ModelFnResult
-from areal.engine.dpo import DPOEngine, pack_pairs, with_ref_logp
-from areal.engine.fsdp import FSDPEngine
+from areal.engine.dpo import DPOEngine, DPOReference, pack_pairs
 from areal.engine.rw import RWEngine
 from areal.utils.batch import PackedBatch
 
@@ -100,14 +99,14 @@ def evaluate_rm(engine: RWEngine, valid_loader: Iterable[Items]) -> dict[str, fl
     )
 
 
-def scored(batch: PackedBatch, ref: FSDPEngine | None) -> PackedBatch:
-    """``batch`` with its reference logprobs computed now (DPO's online reference), else as it
-    is (precomputed, or a loss without a reference)."""
-    return with_ref_logp(ref, batch) if ref is not None else batch
+def scored(batch: PackedBatch, ref: DPOReference | None) -> PackedBatch:
+    """``batch`` with its reference logprobs ``ref_logp`` computed now (DPO's online reference),
+    else as it is (precomputed, or a loss without a reference)."""
+    return ref.compute_seq_logp(batch, out="ref_logp")[0] if ref is not None else batch
 
 
 def evaluate_dpo(
-    engine: DPOEngine, ref: FSDPEngine | None, valid_loader: Iterable[Items]
+    engine: DPOEngine, ref: DPOReference | None, valid_loader: Iterable[Items]
 ) -> dict[str, float]:
     """Held-out preference loss, reward accuracy and margin over the whole validation set."""
     return held_out(

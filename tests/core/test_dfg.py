@@ -179,12 +179,13 @@ def test_default_allocation_puts_every_model_on_every_worker():
     assert g.n_workers == 4  # the generation worker comes after the model workers
 
 
-def test_printed_graph_lists_models_meshes_nodes_and_edges():
+def test_printed_graph_lists_models_meshes_nodes_with_timers_and_scopes_and_edges():
     text = format_graph(graph_from_config(CoreGraphConfig(use_ref=True, n_workers=2)))
     assert "ref@0        mesh dp=2 x tp=1  workers [0, 1]  MFCs: ref_logp" in text
-    assert "ref_logp         ref@0.compute_logp(out='ref_logp')" in text
+    assert "ref_logp         ref@0.compute_logp(out='ref_logp')           timing/ref_logp\n" in text
+    assert "actor@0.ppo_update(logp_out='trainer_logp')  timing/train  loss/*\n" in text
+    assert "actor_gen        rollout@0.generate()\n" in text  # not run in process: no timer
     assert "ref_logp -> actor_adv  [ref_logp]" in text
-    assert "actor_gen        rollout@0.generate()" in text
     assert "before: actor@0's weights pushed to the generation servers" in text
     assert "rollout@0    mesh dp=1 x tp=1  workers [2]  MFCs: actor_gen" in text
 

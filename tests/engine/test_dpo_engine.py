@@ -1,9 +1,11 @@
 """DPO engine (tier 2): packed pairs give the logprobs of separate forwards; one step on pairs
-lowers the loss and widens the margin, for every loss type."""
+lowers the loss and widens the margin, for every loss type; the step's graph run by run_step is
+the hand-written calls, bit for bit."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,9 +14,12 @@ from test_fsdp import world_mesh
 from areal.api.config import DPOLossConfig
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
 from areal.api.config.engine import TrainEngineConfig
-from areal.engine.dpo import DPOEngine, pack_pairs, with_ref_logp
-from areal.engine.fsdp import FSDPEngine
+from areal.api.io import FinetuneSpec
+from areal.engine.dpo import DPOEngine, DPOReference, pack_pairs, sequence_logp
+from areal.runtime.graphs import MODEL, REF, dpo_mfcs
+from areal.runtime.step import run_step
 from areal.utils.batch import PackedBatch
+from areal.utils.stats import StatsTracker
 
 pytestmark = pytest.mark.slow
 
@@ -65,9 +70,9 @@ def test_one_dpo_step_lowers_the_loss_and_widens_the_margin(tiny_model_dir, loss
     loss = DPOLossConfig(loss_type=loss_type, beta=2.0 if loss_type == "simpo" else 0.1)
     batch = random_pairs(8, seed=1)
     if loss.loss_type != "simpo":
-        ref = FSDPEngine(_config(tiny_model_dir), world_mesh())
+        ref = DPOReference(_config(tiny_model_dir), world_mesh())
         ref.initialize(None)
-        batch = with_ref_logp(ref, batch)
+        batch, _ = ref.compute_seq_logp(batch, out="ref_logp")
         ref.destroy()
     engine = DPOEngine(_config(tiny_model_dir), world_mesh(), loss)
     engine.initialize(None)
@@ -91,9 +96,9 @@ def test_one_dpo_step_lowers_the_loss_and_widens_the_margin(tiny_model_dir, loss
 
 def test_nll_coef_adds_the_chosen_replies_mean_token_nll(tiny_model_dir):
     batch = random_pairs(6, seed=2)
-    ref = FSDPEngine(_config(tiny_model_dir), world_mesh())
+    ref = DPOReference(_config(tiny_model_dir), world_mesh())
     ref.initialize(None)
-    batch = with_ref_logp(ref, batch)
+    batch, _ = ref.compute_seq_logp(batch, out="ref_logp")
     ref.destroy()
     engine = DPOEngine(_config(tiny_model_dir), world_mesh(), DPOLossConfig(nll_coef=0.5))
     engine.initialize(None)
@@ -110,6 +115,42 @@ def test_nll_coef_adds_the_chosen_replies_mean_token_nll(tiny_model_dir):
     assert out["loss"] == pytest.approx(expected, rel=1e-5) and train["loss"] == pytest.approx(
         expected, rel=1e-4
     )
+
+
+def test_run_step_on_the_dpo_graph_equals_the_hand_written_calls(tiny_model_dir):
+    # two steps on a decaying LR: the second step's loss and lr see the first's update and LR step
+    cfg = _config(tiny_model_dir)
+    cfg = replace(cfg, optimizer=replace(cfg.optimizer, lr_scheduler_type="linear"))
+    spec = FinetuneSpec(total_train_epochs=4, dataset_size=6, train_batch_size=6)
+    batch = random_pairs(6, seed=3)
+    ref = DPOReference(_config(tiny_model_dir), world_mesh())
+    ref.initialize(None)
+    hand, graph = (
+        DPOEngine(cfg, world_mesh(), DPOLossConfig()),
+        DPOEngine(cfg, world_mesh(), DPOLossConfig()),
+    )
+    hand.initialize(spec)
+    graph.initialize(spec)
+    for _ in range(2):
+        # by hand, as examples/dpo.py stepped before its graph: the reference's summed reply
+        # logprobs (float64 sum, float32 on CPU), the update, the LR step
+        token_logp = ref.compute_logp(batch)[0]["logp"]
+        ref_logp = sequence_logp(token_logp.double(), batch).float().cpu()
+        _, by_hand = hand.train_dpo(batch.with_fields(seqs={"ref_logp": ref_logp}))
+        hand.step_lr_scheduler()
+        tracker = StatsTracker()
+        out = run_step(dpo_mfcs(True, True), {MODEL: graph, REF: ref}, batch, tracker)
+        assert torch.equal(out["ref_logp"], ref_logp)
+        stats = tracker.export()
+        timers = {k for k in stats if k.startswith("timing/")}
+        assert timers == {"timing/ref_logp", "timing/train"}  # as examples/dpo.py timed them
+        assert {k: v for k, v in stats.items() if k not in timers} == {
+            f"loss/{k}": float(v) for k, v in by_hand.items()
+        }
+    assert hand.lr_scheduler.get_last_lr() == graph.lr_scheduler.get_last_lr() != [cfg.optimizer.lr]
+    assert graph.evaluate_dpo(out)[1] == hand.evaluate_dpo(out)[1]  # the same weights after
+    for engine in (ref, hand, graph):
+        engine.destroy()
 
 
 def test_dpo_batches_are_checked(tiny_model_dir):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from areal.api.mfc import MFC, ModelFn, added_fields, model_fn
-from areal.runtime.graphs import ACTOR, CRITIC, REF, ppo_mfcs
+from areal.runtime.graphs import ACTOR, CRITIC, MODEL, REF, dpo_mfcs, ppo_mfcs
 from areal.runtime.step import call_mfc, run_step, step_stats
 from areal.utils.batch import PackedBatch
 from areal.utils.stats import StatsTracker
@@ -44,6 +44,12 @@ class Stand:
 
     def ppo_update(self, batch, logp_out=None):
         return self._add("ppo_update", batch, (logp_out,) if logp_out else ())
+
+    def compute_seq_logp(self, batch, out="seq_logp"):
+        return self._add("compute_seq_logp", batch, (), (out,))
+
+    def train_dpo(self, batch):
+        return self._add("train_dpo", batch, ())
 
     def step_lr_scheduler(self):
         self.log.append(f"{self.name}.step_lr_scheduler")
@@ -82,6 +88,30 @@ def test_run_step_runs_the_ppo_graph_in_lites_order_under_lites_names():
     assert not [k for k in stats if "compute_logp" in k or "compute_values" in k]  # unscoped
 
 
+def test_the_dpo_graph_scores_with_the_reference_only_online_under_lites_names():
+    log: list[str] = []
+    engines = {MODEL: Stand("model", log), REF: Stand("ref", log)}
+    pairs = PackedBatch.from_sequences(  # chosen, rejected: one pair
+        {"input_ids": [[1, 2, 3], [1, 2, 4]], "loss_mask": [[0, 1, 1], [0, 1, 1]]}
+    )
+    tracker = StatsTracker()
+    out = run_step(dpo_mfcs(use_ref=True, online_ref=True), engines, pairs, tracker)
+    assert log == ["ref.compute_seq_logp", "model.train_dpo", "model.step_lr_scheduler"]
+    assert "ref_logp" in out.seqs
+    stats = tracker.export()
+    assert {k for k in stats if k.startswith("timing/")} == {"timing/ref_logp", "timing/train"}
+    assert stats["loss/train_dpo_stat"] == 1.0 and "loss/compute_seq_logp_stat" not in stats
+    log.clear()  # precompute: the batch brings ref_logp and no reference runs
+    precomputed = pairs.with_fields(seqs={"ref_logp": torch.zeros(2)})
+    run_step(dpo_mfcs(True, False), {MODEL: engines[MODEL]}, precomputed, StatsTracker())
+    assert log == ["model.train_dpo", "model.step_lr_scheduler"]
+    with pytest.raises(ValueError, match=r"MFC 'dpo_train' reads \['ref_logp'\]"):
+        run_step(dpo_mfcs(True, False), {MODEL: engines[MODEL]}, pairs, StatsTracker())
+    assert [m.inputs for m in dpo_mfcs(False, False)] == [("input_ids", "loss_mask")]  # simpo
+    with pytest.raises(ValueError, match="online_ref=True needs use_ref=True"):
+        dpo_mfcs(use_ref=False, online_ref=True)
+
+
 def test_run_step_refuses_a_step_it_cannot_run_naming_each_problem():
     graph = ppo_mfcs(use_critic=True, use_ref=False, prox_logp=False)
     batch = PackedBatch.from_sequences({"input_ids": [[1, 2]], "loss_mask": [[0, 1]]})
@@ -99,6 +129,7 @@ def test_call_mfc_refuses_a_call_that_adds_other_fields_than_the_mfc_declares():
 
 
 def test_engine_methods_declare_the_fields_their_model_functions_add():
+    import areal.engine.dpo  # noqa: F401  (DPOReference.compute_seq_logp, DPOEngine.train_dpo)
     import areal.engine.lora  # noqa: F401  (FrozenBase.compute_logp)
     import areal.engine.ppo  # noqa: F401  (the actor's and the critic's)
 
@@ -108,6 +139,9 @@ def test_engine_methods_declare_the_fields_their_model_functions_add():
     assert added_fields(ModelFn.PPO_UPDATE, {"logp_out": "trainer_logp"}) == ("trainer_logp",)
     assert added_fields(ModelFn.COMPUTE_VALUES, {}) == ("values",)
     assert added_fields(ModelFn.GENERATE, {}) is None  # generate's outputs are the MFC's
+    assert added_fields(ModelFn.COMPUTE_SEQ_LOGP, {}) == ("seq_logp",)
+    assert added_fields(ModelFn.COMPUTE_SEQ_LOGP, {"out": "ref_logp"}) == ("ref_logp",)
+    assert added_fields(ModelFn.TRAIN_DPO, {}) == ()
 
     @model_fn("scores_for_a_test")
     def fn_declared_in_a_test(batch):
