@@ -43,7 +43,7 @@ from areal.core.session import (
     ActorWeights,
     Engine,
     ManagerCheckpoint,
-    close_model_workers,
+    close_session,
     recorded_master,
     saved_engines,
     start_model_workers,
@@ -203,9 +203,7 @@ def main(argv: list[str]) -> int:
     rollout.close()
     publisher.close()  # the weight dirs of disk updates: the last export holds the weights
     registry.close()
-    close_model_workers(workers, engines)
-    side.close()
-    run.close()
+    close_session(workers, engines, side, run)
     return 0
 
 

@@ -33,6 +33,7 @@ from areal.core.rollout_side import RayRolloutSide
 from areal.core.worker import InProcessWorker, ModelWorker
 from areal.runtime.graphs import ACTOR, CRITIC, REF, TEACHER
 from areal.runtime.publisher import WeightPublisher
+from areal.runtime.rl import RolloutSide
 from areal.runtime.run import Run
 from areal.utils.logging import get_logger
 
@@ -128,14 +129,18 @@ def saved_engines(engines: dict[ModelName, Engine]) -> dict[str, Persistent]:
     return {"actor": engines[ACTOR], **({"critic": engines[CRITIC]} if CRITIC in engines else {})}
 
 
-def close_model_workers(workers: list[ModelWorker], engines: dict[ModelName, Engine]) -> None:
+def close_session(
+    workers: list[ModelWorker], engines: dict[ModelName, Engine], side: RolloutSide, run: Run
+) -> None:
     """Stop the workers; free the engines that live in this process (Ray workers free their
-    own)."""
+    own); then close the master's rollout client and the run."""
     for w in workers:
         w.close()
     for engine in engines.values():
         if isinstance(engine, TrainEngine):
             engine.destroy()
+    side.close()
+    run.close()
 
 
 class ActorWeights(Publisher):

@@ -29,7 +29,7 @@ from areal.core.graphs import graph_from_config
 from areal.core.record import CoreRecorder
 from areal.core.session import (
     ActorWeights,
-    close_model_workers,
+    close_session,
     recorded_master,
     saved_engines,
     start_model_workers,
@@ -94,9 +94,7 @@ def main(argv: list[str]) -> int:
         run.commit(step, n_steps, {**stats, **run.tracker.export()})
     gen.close()
     publisher.close()  # the weight dirs of disk updates: the last export holds the weights
-    close_model_workers(workers, engines)
-    side.close()
-    run.close()
+    close_session(workers, engines, side, run)
     return 0
 
 

@@ -31,7 +31,7 @@ import sys
 
 from areal.api.config import ConfigError, load_config
 from areal.api.launch import LaunchEnv, agent_proxy_token
-from areal.launcher.common import load_script_config_class
+from areal.launcher.common import load_script_config_class, parse_task_args
 from areal.rollout.remote import RemoteInferenceEngine, discover_servers
 from areal.runtime.rl import registration_wait, server_restarts
 from areal.utils.logging import get_logger
@@ -110,13 +110,8 @@ def run_agent_proxy(host: str, port: int, script: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m areal.launcher.agent_proxy_task")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind and to register")
     parser.add_argument("--port", type=int, default=0, help="port to bind (0: a free one)")
-    parser.add_argument("script", help="the entry script (its CONFIG class reads the config)")
-    parser.add_argument(
-        "rest", nargs=argparse.REMAINDER, help="--config YAML and key=value overrides"
-    )
-    args = parser.parse_args(argv)
+    args = parse_task_args(parser, argv)
     try:
         return run_agent_proxy(args.host, args.port, args.script, args.rest)
     except (ConfigError, FileNotFoundError, TimeoutError, RuntimeError) as e:

@@ -8,7 +8,9 @@
   until the roles of the launch plan (:mod:`areal.launcher.plan`) registered. Trainers find the
   servers in the same place (:func:`areal.rollout.remote.discover_servers`).
 - How a launcher places the plan's roles: :func:`task_command` (a serving or agent-proxy role as
-  a task of its own), :func:`without_secrets`.
+  a task of its own) and :func:`parse_task_args` (that task's command line),
+  :func:`without_secrets`.
+- :func:`launcher_main`: a launcher module's command line (SCRIPT, then its overrides).
 - :func:`launch`: config errors become a message and exit code 2; the job runs once per attempt
   and, with ``recover.mode=auto``, is relaunched after a failure up to ``recover.retries`` times,
   unless the failure repeats the previous attempt's cause (the root-cause line the supervisor
@@ -18,6 +20,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 import importlib.util
@@ -70,6 +73,7 @@ def load_script_config_class(script: str | Path) -> type:
     if spec is None or spec.loader is None:
         raise ScriptError(f"{path} cannot be imported as a Python module; name a .py file")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass the script defines resolves its annotations
     spec.loader.exec_module(module)
     if not hasattr(module, "CONFIG"):
         raise ScriptError(
@@ -148,6 +152,17 @@ def task_command(
         return [python, "-m", "areal.launcher.agent_proxy_task", "--host", host,
                 "--port", str(port), script, *argv]  # fmt: skip
     raise ValueError(f"{role.name}: a {role.kind} role runs the entry script, not a task")
+
+
+def parse_task_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``argv`` parsed by ``parser`` (a task's own options) plus what every task
+    :func:`task_command` starts takes: ``--host``, SCRIPT and SCRIPT's config arguments."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind and to register")
+    parser.add_argument("script", help="the entry script (its CONFIG class reads the config)")
+    parser.add_argument(
+        "rest", nargs=argparse.REMAINDER, help="--config YAML and key=value overrides"
+    )
+    return parser.parse_args(argv)
 
 
 def without_secrets(argv: list[str], cfg) -> list[str]:
@@ -231,6 +246,20 @@ def launch(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def launcher_main(
+    launcher: str, launch_job: Callable[[str, list[str]], int], argv: list[str]
+) -> int:
+    """``python -m areal.launcher.LAUNCHER SCRIPT [--config YAML] [overrides]``:
+    ``launch_job(SCRIPT, overrides)``, or the usage line and exit code 2 without a SCRIPT."""
+    if not argv or argv[0].startswith("-"):
+        print(
+            f"usage: areal launch {launcher} SCRIPT [--config YAML] [key=value ...]",
+            file=sys.stderr,
+        )
+        return 2
+    return launch_job(argv[0], argv[1:])
 
 
 def same_cause(cause: str, previous: str) -> bool:

@@ -46,6 +46,7 @@ from areal.api.launch import (
 )
 from areal.launcher.common import (
     launch,
+    launcher_main,
     register_role,
     reset_trial,
     task_command,
@@ -274,11 +275,7 @@ def launch_local(script: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m areal.launcher.local SCRIPT [--config YAML] [overrides]``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0].startswith("-"):
-        print("usage: areal launch local SCRIPT [--config YAML] [key=value ...]", file=sys.stderr)
-        return 2
-    return launch_local(argv[0], argv[1:])
+    return launcher_main("local", launch_local, list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from areal.api.launch import (
 )
 from areal.launcher.common import (
     launch,
+    launcher_main,
     reset_trial,
     task_command,
     wait_for_roles,
@@ -421,11 +422,7 @@ def launch_ray(script: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m areal.launcher.ray SCRIPT [--config YAML] [overrides]``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0].startswith("-"):
-        print("usage: areal launch ray SCRIPT [--config YAML] [key=value ...]", file=sys.stderr)
-        return 2
-    return launch_ray(argv[0], argv[1:])
+    return launcher_main("ray", launch_ray, list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 
 from areal.api.config import ConfigError, load_config
 from areal.api.launch import LaunchEnv, api_key_env, threads_env
-from areal.launcher.common import load_script_config_class, register_role
+from areal.launcher.common import load_script_config_class, parse_task_args, register_role
 from areal.launcher.plan import launch_plan
 from areal.launcher.procs import ProcessSupervisor
 from areal.launcher.servers import ManagedServer
@@ -78,12 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the serving role of the launch plan (server<i>, teacher<j>); its log is "
         "RUN_DIR/logs/NAME.log",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind and to register")
-    parser.add_argument("script", help="the entry script (its CONFIG class reads the config)")
-    parser.add_argument(
-        "rest", nargs=argparse.REMAINDER, help="--config YAML and key=value overrides"
-    )
-    args = parser.parse_args(argv)
+    args = parse_task_args(parser, argv)
     try:
         return run_server_task(args.name, args.host, args.script, args.rest)
     except (ConfigError, FileNotFoundError, TimeoutError, RuntimeError, ValueError) as e:

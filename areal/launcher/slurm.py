@@ -51,6 +51,7 @@ from areal.api.config import ConfigError, load_config
 from areal.api.launch import LAUNCHER_PID, agent_proxy_env, api_key_env, server_api_key
 from areal.launcher.common import (
     launch,
+    launcher_main,
     load_script_config_class,
     reset_trial,
     wait_for_roles,
@@ -324,11 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--job-prologue"] and len(argv) > 1:
         return job_prologue(argv[1], argv[2:])
-    if not argv or argv[0].startswith("-"):
-        print("usage: areal launch slurm SCRIPT [--config YAML] [key=value ...]", file=sys.stderr)
-        return 2
     try:
-        return launch_slurm(argv[0], argv[1:])
+        return launcher_main("slurm", launch_slurm, argv)
     except ConfigError as e:
         print(f"areal launch: {e}", file=sys.stderr)
         return 2

@@ -477,24 +477,24 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
             self._aresume(), self.config.setup_timeout + self._restart_wait + 5, "resume"
         )
 
+    def _on_live_servers(self, call: HttpCall, what: str) -> None:
+        """Send ``call`` to every live server and wait; each must answer within
+        ``setup_timeout``."""
+        calls = self._call_all(call)
+        self._loop_thread().run(
+            self._broadcast(calls, what, self.config.setup_timeout),
+            self.config.setup_timeout + 5,
+            what,
+        )
+
     def release_memory(self) -> None:
         """Paused servers give back their accelerator memory (colocated with a trainer that is
         about to step); every server must answer within ``setup_timeout``."""
-        calls = self._call_all(self.backend.release_memory())
-        self._loop_thread().run(
-            self._broadcast(calls, "release memory", self.config.setup_timeout),
-            self.config.setup_timeout + 5,
-            "release memory",
-        )
+        self._on_live_servers(self.backend.release_memory(), "release memory")
 
     def resume_memory(self) -> None:
         """Servers take back the memory :meth:`release_memory` gave back."""
-        calls = self._call_all(self.backend.resume_memory())
-        self._loop_thread().run(
-            self._broadcast(calls, "resume memory", self.config.setup_timeout),
-            self.config.setup_timeout + 5,
-            "resume memory",
-        )
+        self._on_live_servers(self.backend.resume_memory(), "resume memory")
 
     def get_version(self) -> int:
         """The version the client tags tokens with when a server reports none."""

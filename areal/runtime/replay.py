@@ -57,6 +57,7 @@ from areal.runtime.replay_files import (
 from areal.utils.batch import PackedBatch
 from areal.utils.jsonl import keep_steps_upto
 from areal.utils.logging import get_logger
+from areal.utils.recover import move_aside
 
 if TYPE_CHECKING:
     from areal.api.config.base import ReplayConfig
@@ -111,13 +112,10 @@ class ReplayRecorder:
             return
         make_deterministic()
         if fresh and rank == 0 and self.root.is_dir() and any(self.root.iterdir()):
-            k = next(
-                k for k in range(1, 10_000) if not self.root.with_name(f"{REPLAY_DIR}.{k}").exists()
-            )
-            self.root.rename(self.root.with_name(f"{REPLAY_DIR}.{k}"))
+            moved = move_aside(self.root)
             logger.warning(
                 f"{self.root} held the replay record of an earlier run of this trial; moved to "
-                f"{REPLAY_DIR}.{k}"
+                f"{moved}"
             )
         self.root.mkdir(parents=True, exist_ok=True)
         if rank == 0:

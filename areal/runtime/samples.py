@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from areal.utils.batch import PackedBatch
 from areal.utils.logging import get_logger
+from areal.utils.recover import move_aside
 from areal.utils.samples import SAMPLES_DIR, sample_files
 
 if TYPE_CHECKING:
@@ -59,15 +60,9 @@ class SampleRecorder:
         if not cfg.enabled:
             return
         if fresh and rank == 0 and self.root.is_dir() and any(self.root.iterdir()):
-            k = next(
-                k
-                for k in range(1, 10_000)
-                if not self.root.with_name(f"{SAMPLES_DIR}.{k}").exists()
-            )
-            self.root.rename(self.root.with_name(f"{SAMPLES_DIR}.{k}"))
+            moved = move_aside(self.root)
             logger.warning(
-                f"{self.root} held the samples of an earlier run of this trial; moved to "
-                f"{SAMPLES_DIR}.{k}"
+                f"{self.root} held the samples of an earlier run of this trial; moved to {moved}"
             )
         self._bytes = sum(
             p.stat().st_size for p in self.root.glob("*.parquet")

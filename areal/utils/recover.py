@@ -262,6 +262,14 @@ def resume_pending(root: str | Path, mode: str) -> bool:
     return mode != "disabled" and bool(RecoverDir(root).checkpoints())
 
 
+def move_aside(path: Path) -> str:
+    """Rename ``path``, an earlier run's record in the trial's run dir (a fresh run of the trial
+    starts its own), to ``<name>.<k>`` with the first free k; returns the new name."""
+    k = next(k for k in range(1, 10_000) if not path.with_name(f"{path.name}.{k}").exists())
+    path.rename(path.with_name(f"{path.name}.{k}"))
+    return f"{path.name}.{k}"
+
+
 # -- per-rank state ---------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from areal.utils.jsonl import keep_steps_upto, repair_tail
 from areal.utils.logging import get_logger
+from areal.utils.recover import move_aside
 
 if TYPE_CHECKING:  # type-only: utils sits below api
     from areal.api.config import StatsLoggerConfig
@@ -62,13 +63,10 @@ class StatsLogger:
         if cfg.jsonl:
             path = self.run_dir / "stats.jsonl"
             if fresh and path.is_file() and path.stat().st_size:
-                k = next(
-                    k for k in range(1, 10_000) if not path.with_name(f"stats.jsonl.{k}").exists()
-                )
-                path.rename(path.with_name(f"stats.jsonl.{k}"))
+                moved = move_aside(path)
                 logger.warning(
                     f"{path} held the stats of an earlier run of this trial; moved to "
-                    f"stats.jsonl.{k} (a new trial_name keeps runs apart; recover.mode=resume "
+                    f"{moved} (a new trial_name keeps runs apart; recover.mode=resume "
                     "continues one)"
                 )
             repair_tail(path)  # a killed run's half-written last line: appends stay valid JSONL

@@ -91,6 +91,15 @@ def _error(
     )
 
 
+class _Refused(Exception):
+    """A request answered with ``response`` (a 4xx) before its handler's work: raised by the
+    checks of the key, the control token and the body, answered by ``AgentProxy._errors``."""
+
+    def __init__(self, response: web.Response):
+        super().__init__(response.status)
+        self.response = response
+
+
 class AgentProxy:
     """The HTTP server and its sessions (module docstring); ``engine`` generates every call."""
 
@@ -211,20 +220,25 @@ class AgentProxy:
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         try:
             return await handler(request)
+        except _Refused as e:
+            return e.response
         except web.HTTPRequestEntityTooLarge:  # a body without Content-Length, cut while read
             return self._too_large()
         except web.HTTPException as e:
             return _error(e.status, e.reason)
 
-    def _session(self, request: web.Request) -> tuple[str, Session] | web.Response:
+    def _session(self, request: web.Request) -> tuple[str, Session]:
+        """The key and the session of the request's key, else :class:`_Refused` (401)."""
         key = _bearer(request)
         session = self._keys.get(key)
         if session is None:  # the key itself is never echoed nor logged
-            return _error(
-                401,
-                "unknown or ended session key: each episode's agent must use the "
-                "OPENAI_API_KEY it was started with, until it posts its reward",
-                "authentication_error",
+            raise _Refused(
+                _error(
+                    401,
+                    "unknown or ended session key: each episode's agent must use the "
+                    "OPENAI_API_KEY it was started with, until it posts its reward",
+                    "authentication_error",
+                )
             )
         return key, session
 
@@ -236,35 +250,35 @@ class AgentProxy:
             f"({self.max_request_bytes} bytes); send a shorter conversation or raise the limit",
         )
 
-    async def _body(self, request: web.Request) -> dict | web.Response:
-        """The request's JSON object, or the 4xx to answer: the size limit applies before a
-        byte is read (Content-Length) and while reading (a chunked body)."""
+    async def _body(self, request: web.Request) -> dict:
+        """The request's JSON object, else :class:`_Refused` (the 4xx to answer): the size limit
+        applies before a byte is read (Content-Length) and while reading (a chunked body)."""
         if (request.content_length or 0) > self.max_request_bytes:
-            return self._too_large()
+            raise _Refused(self._too_large())
         raw = await request.read()
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(400, f"request body is not JSON: {e}")
-        except RecursionError:  # json's parser recurses per level: ~1000 levels exhaust it
-            return _error(
-                400, "request body nests JSON arrays/objects too deeply; send a flatter body"
-            )
+            raise _Refused(_error(400, f"request body is not JSON: {e}")) from e
+        except RecursionError as e:  # json's parser recurses per level: ~1000 levels exhaust it
+            raise _Refused(
+                _error(
+                    400, "request body nests JSON arrays/objects too deeply; send a flatter body"
+                )
+            ) from e
         if not isinstance(body, dict):
-            return _error(400, f"request body must be a JSON object, got {type(body).__name__}")
+            raise _Refused(
+                _error(400, f"request body must be a JSON object, got {type(body).__name__}")
+            )
         return body
 
     async def _call(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        found = self._session(request)
-        if isinstance(found, web.Response):
-            return found
+        key, session = self._session(request)
         body = await self._body(request)
-        if isinstance(body, web.Response):
-            return body
         stream = bool(body.pop("stream", False))
         options = body.pop("stream_options", None)
         usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
-        client = found[1].client
+        client = session.client
         try:
             out = await (client.create(**body) if chat else client.complete(**body))
         except EngineFailure as e:
@@ -273,7 +287,7 @@ class AgentProxy:
             return _error(e.status, str(e), param=e.field)
         except (ValueError, TypeError) as e:  # what training cannot honour, named by the client
             return _error(400, str(e))
-        if found[0] not in self._keys:  # the episode ended while the call ran
+        if key not in self._keys:  # the episode ended while the call ran
             return _error(
                 401,
                 "the session ended while this call ran (deadline or reward)",
@@ -291,9 +305,7 @@ class AgentProxy:
         return await self._call(request, chat=False)
 
     async def _models(self, request: web.Request) -> web.Response:
-        found = self._session(request)
-        if isinstance(found, web.Response):
-            return found
+        self._session(request)  # a session's key lists the models
         return web.json_response(
             {
                 "object": "list",
@@ -302,13 +314,8 @@ class AgentProxy:
         )
 
     async def _reward(self, request: web.Request) -> web.Response:
-        found = self._session(request)
-        if isinstance(found, web.Response):
-            return found
+        key, session = self._session(request)
         body = await self._body(request)
-        if isinstance(body, web.Response):
-            return body
-        key, session = found
         reward = body.get("reward")
         problems = reward_problems("reward", reward)  # never stored: 1e308 is inf in float32
         if problems:
@@ -325,28 +332,26 @@ class AgentProxy:
 
     # -- the rollout side's control API -------------------------------------------------------
 
-    def _controller(self, request: web.Request) -> web.Response | None:
-        """None when the request carries the control token, else the 401 to answer."""
-        if secrets.compare_digest(_bearer(request).encode(), self._token.encode()):
-            return None
-        return _error(401, "control API: missing or wrong control token", "authentication_error")
+    def _controller(self, request: web.Request) -> None:
+        """Returns when the request carries the control token, else :class:`_Refused` (401)."""
+        if not secrets.compare_digest(_bearer(request).encode(), self._token.encode()):
+            raise _Refused(
+                _error(401, "control API: missing or wrong control token", "authentication_error")
+            )
 
-    def _known(self, request: web.Request) -> Session | web.Response:
-        refused = self._controller(request)
-        if refused is not None:
-            return refused
+    def _known(self, request: web.Request) -> Session:
+        """The session the control request names, else :class:`_Refused` (401, 404)."""
+        self._controller(request)
         found = self._ids.get(request.match_info["id"])
         if found is None:
-            return _error(404, "unknown session id: never opened, closed, or past its deadline")
+            raise _Refused(
+                _error(404, "unknown session id: never opened, closed, or past its deadline")
+            )
         return found[1]
 
     async def _c_open(self, request: web.Request) -> web.Response:
-        refused = self._controller(request)
-        if refused is not None:
-            return refused
+        self._controller(request)
         body = await self._body(request)
-        if isinstance(body, web.Response):
-            return body
         try:
             gconfig = GenerationHyperparameters(**body["gconfig"])
             group_id, name = str(body["group_id"]), str(body["name"])
@@ -360,11 +365,7 @@ class AgentProxy:
 
     async def _c_wait(self, request: web.Request) -> web.Response:
         session = self._known(request)
-        if isinstance(session, web.Response):
-            return session
         body = await self._body(request)
-        if isinstance(body, web.Response):
-            return body
         timeout = body.get("timeout")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
             return _error(400, f"timeout: expected seconds >= 0, got {timeout!r}")
@@ -376,8 +377,6 @@ class AgentProxy:
 
     async def _c_close(self, request: web.Request) -> web.Response:
         session = self._known(request)
-        if isinstance(session, web.Response):
-            return session
         self.collect(session.id)
         return web.json_response(record_of(session))
 

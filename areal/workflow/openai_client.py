@@ -178,6 +178,26 @@ def openai_error(e: ValueError) -> RequestRejected:
     return error
 
 
+def _answer_body(
+    cid: str, kind: str, model: str, choices: list[dict], n_prompt: int, resps: list[ModelResponse]
+) -> dict:
+    """An answer's JSON in openai's shape (``kind``: its ``object``): the ``choices`` made of
+    ``resps``, and the usage of a prompt of ``n_prompt`` tokens."""
+    n_out = sum(len(r.output_ids) for r in resps)
+    return {
+        "id": cid,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out,
+        },
+    }
+
+
 class _Completions:
     def __init__(self, client: ArealOpenAI):
         self._client = client
@@ -444,22 +464,11 @@ class ArealOpenAI:
             self._generated[signature(message["content"], message.get("tool_calls", []))] = (
                 self.calls[len(self.calls) - n + i]
             )
-        n_out = sum(len(r.output_ids) for r in resps)
         from openai.types.chat import ChatCompletion
 
+        model = kw.get("model") or self.model
         return ChatCompletion.model_validate(
-            {
-                "id": cid,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": kw.get("model") or self.model,
-                "choices": choices,
-                "usage": {
-                    "prompt_tokens": len(prompt),
-                    "completion_tokens": n_out,
-                    "total_tokens": len(prompt) + n_out,
-                },
-            }
+            _answer_body(cid, "chat.completion", model, choices, len(prompt), resps)
         )
 
     async def _text_call(self, kw: dict) -> Completion:
@@ -495,22 +504,11 @@ class ArealOpenAI:
                     "finish_reason": r.stop_reason,
                 }
             )
-        n_out = sum(len(r.output_ids) for r in resps)
         from openai.types import Completion
 
+        model = kw.get("model") or self.model
         return Completion.model_validate(
-            {
-                "id": cid,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": kw.get("model") or self.model,
-                "choices": choices,
-                "usage": {
-                    "prompt_tokens": len(ids),
-                    "completion_tokens": n_out,
-                    "total_tokens": len(ids) + n_out,
-                },
-            }
+            _answer_body(cid, "text_completion", model, choices, len(ids), resps)
         )
 
     async def _prompt_ids(self, prompt: object) -> list[int]:

@@ -40,6 +40,23 @@ def test_every_entry_script_names_its_config_by_import():
     assert [p.name for p in with_config if config_import(p.read_text()) is None] == []
 
 
+def test_a_config_dataclass_the_script_defines_loads_with_postponed_annotations(tmp_path):
+    """dataclasses resolves ``from __future__ import annotations`` through sys.modules: the
+    script's module must be there while it runs (as ``python SCRIPT`` has ``__main__``)."""
+    from areal.launcher.common import load_script_config_class
+
+    script = tmp_path / "own_config.py"
+    script.write_text(
+        "from __future__ import annotations\n"
+        "from dataclasses import dataclass\n"
+        "@dataclass\n"
+        "class MyConfig:\n"
+        "    lr: float = 0.5\n"
+        "CONFIG = MyConfig\n"
+    )
+    assert load_script_config_class(script)().lr == 0.5
+
+
 PROBE = """
 import json, sys
 from areal.launcher.common import load_script_config_class
