@@ -53,7 +53,7 @@ vllm-env: $(STAMP)
 # Before the tests: the formatter, the linter and the type checker (config in pyproject.toml); a
 # finding stops the run. pyright runs the node and pyright bundled in the test extra's wheels (no
 # network; PYRIGHT_PYTHON_IGNORE_WARNINGS skips its PyPI version check), on areal/api, runtime,
-# core and engine (~40 s on 2 cores); `make typecheck` runs it alone.
+# core, engine, launcher, rollout and serving (~60 s on 2 cores); `make typecheck` runs it alone.
 LINT_PATHS := areal tests examples bench  # Python only: ruff would also format Markdown's code
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)

@@ -122,7 +122,29 @@ def preflight(cfg: Any) -> list[str]:
                         f"[0, {vocab}); use ids of the actor's tokenizer"
                     )
     problems.append(teacher_problem(cfg))
+    problems.append(served_family_problem(cfg))
     return [p for p in problems if p]
+
+
+def served_family_problem(cfg: Any) -> str:
+    """The model the launcher's embedded generation servers would load must be of a family they
+    serve (the servers refuse it at start otherwise, after the launch began); '' when fine, when
+    another backend serves it, or when nothing is served."""
+    rollout, cluster = getattr(cfg, "rollout", None), getattr(cfg, "cluster", None)
+    path = getattr(cfg, "served_model_path", "") or ""
+    if rollout is None or rollout.backend != "areal" or not getattr(cluster, "n_servers", 0):
+        return ""
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""  # a missing or unreadable model dir is model_dir_problem's to name
+    from areal.serving.families import UnsupportedModel, architecture_of
+
+    try:
+        architecture_of(config)
+    except UnsupportedModel as e:
+        return f"actor.path: {path!r}: {e}"
+    return ""
 
 
 def _workflow_problems(cfg: Any) -> list[str]:

@@ -47,8 +47,10 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from re import _parser as sre_parse  # Python's own regex parser: the shape of a pattern's repeats
-from typing import Any, Literal
+
+# Python's own regex parser (the shape of a pattern's repeats); typeshed's re stub lacks it
+from re import _parser as sre_parse  # pyright: ignore[reportAttributeAccessIssue]  # stub defect
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import llguidance as llg
 import llguidance.hf
@@ -56,6 +58,9 @@ import torch
 
 from areal.serving.requests import BadRequest, Overloaded, json_type
 from areal.utils.tool_calls import JSON_LAYOUT, forbid_unnamed_properties
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 Kind = Literal["json_schema", "regex", "lark", "ebnf", "choice"]
 COMPILE_STACK_BYTES = 256 << 20  # see the module docstring
@@ -148,9 +153,10 @@ def to_grammar(c: Constraint) -> str:
     if c.kind == "json_schema":
         schema = json.loads(c.source)
         closed = schema if c.additional_properties else forbid_unnamed_properties(schema)
+        layout: JsonCompileOptions = cast("JsonCompileOptions", JSON_LAYOUT)  # a dict of its keys
         return llg.LLMatcher.grammar_from_json_schema(
             json.dumps(closed),
-            defaults=JSON_LAYOUT,  # type: ignore[arg-type]
+            defaults=layout,
             overrides={"lenient": not c.strict},
         )
     if c.kind == "regex":
@@ -442,6 +448,7 @@ def mask_logits(logits: torch.Tensor, guides: list[Guide | None]) -> torch.Tenso
     """``logits [B, V]`` with the tokens each row's grammar forbids at -inf (rows without a
     guide untouched; the same tensor when no row has one)."""
     rows = [i for i, g in enumerate(guides) if g is not None]
+    present = [g for g in guides if g is not None]  # the guide of each of rows
     if not rows:
         return logits
     # Imported here: llguidance.torch's module-level torch.compile pulls in dynamo and inductor,
@@ -452,8 +459,8 @@ def mask_logits(logits: torch.Tensor, guides: list[Guide | None]) -> torch.Tenso
     bitmask = llg_torch.allocate_token_bitmask(
         B, V
     )  # [B, ceil(V/32)] int32, bit v of row = allowed
-    for j, i in enumerate(rows):
-        llg_torch.fill_next_token_bitmask(guides[i].matcher, bitmask, j)  # type: ignore[union-attr]
+    for j, guide in enumerate(present):
+        llg_torch.fill_next_token_bitmask(guide.matcher, bitmask, j)
     bits = bitmask.to(logits.device)[:, :, None] >> torch.arange(
         32, dtype=torch.int32, device=logits.device
     )

@@ -34,12 +34,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from areal.serving.constraints import ConstraintFailed, Guide, advance, mask_logits
+from areal.serving.constraints import Guide
 from areal.serving.cpu_attention import Mode
 from areal.serving.model import KVCache, Qwen2Forward
 from areal.serving.requests import FinishReason, GenerationResult, Seq, request_problems
-from areal.serving.sampling import SamplingParams, prompt_logprobs, sample, top_logprobs
+from areal.serving.sampler import BatchSampler, record
+from areal.serving.sampling import SamplingParams, prompt_logprobs
 from areal.serving.slots import vacate
+from areal.serving.stop_text import StopText, decoder
 from areal.serving.weight_files import read_weight_dir
 
 logger = logging.getLogger(__name__)
@@ -88,6 +90,10 @@ class Generator:
         self.cache = KVCache(
             model.spec, max_batch_size, self.context_length, model.device, model.dtype
         )
+        # unseeded requests draw from the server's stream: torch's seed (areal serve sets it)
+        self.sampler = BatchSampler(
+            model.device, model.spec.vocab_size, self.context_length, torch.initial_seed()
+        )
         self._version = version
         self._paused = False
         self._released = False  # KV cache given back (release_memory) until resume_memory
@@ -112,12 +118,13 @@ class Generator:
         cpu_attention: Mode = "auto",
         **kwargs,
     ) -> Generator:
-        """Load an HF Qwen2 dir (weights + tokenizer for stop strings) into a new generator."""
+        """Load an HF model dir of a served family (weights + tokenizer for stop strings) into a
+        new generator."""
         from transformers import AutoTokenizer
 
         model = Qwen2Forward.from_pretrained(path, device, dtype, cpu_attention)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-        return cls(model, decode=lambda ids: tokenizer.decode(ids), **kwargs)
+        return cls(model, decode=decoder(tokenizer), **kwargs)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -223,16 +230,9 @@ class Generator:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.model.device).manual_seed(int(params.seed))
-        seq = Seq(list(input_ids), params, fut, frozenset(stop_ids), gen)
-        if (
-            params.min_new_tokens > 0 and stop_ids
-        ):  # built once, used at each step before the minimum
-            seq.stop_index = torch.tensor(
-                sorted(stop_ids), dtype=torch.long, device=self.model.device
-            )
+        seq = Seq(list(input_ids), params, fut, frozenset(stop_ids))
+        if params.stop and self.decode_text is not None:
+            seq.stop_text = StopText(params.stop, self.decode_text)
         return seq
 
     def generate(
@@ -481,21 +481,14 @@ class Generator:
 
         A row whose logits hold NaN or inf (a numerical fault: overflowing weights or
         activations) fails its own request with :class:`NonFiniteLogits` and is counted for
-        /health; the other rows sample as usual and the loop goes on."""
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
-        rows = [i for i, ok in enumerate(finite) if ok]
-        retire: list[tuple[int, FinishReason, int | str | None, BaseException | None]] = [
-            (first_slot + i, "abort", None, self._nonfinite(f"output token {len(seqs[i].out)}"))
-            for i, ok in enumerate(finite)
-            if not ok
-        ]
-        if rows:
-            kept = logits if len(rows) == len(seqs) else logits[rows]
-            for i, done in zip(rows, self._sample([seqs[i] for i in rows], kept)):
-                if done is not None:
-                    retire.append((first_slot + i, *done))
-        for slot, reason, matched, error in sorted(retire, key=lambda r: r[0], reverse=True):
-            self._retire(slot, reason, matched, error)
+        /health; the other rows sample as usual and the loop goes on. Rows of constrained
+        requests sample from their grammar's masked distribution."""
+        out = self.sampler.sample(logits, seqs)  # the step's one device->host copy
+        finished, faults = record(seqs, out, self._version, time.monotonic())
+        for i in faults:
+            finished.append((i, "abort", None, self._nonfinite(f"output token {len(seqs[i].out)}")))
+        for i, reason, matched, error in sorted(finished, key=lambda r: r[0], reverse=True):
+            self._retire(first_slot + i, reason, matched, error)
 
     def _nonfinite(self, where: str) -> NonFiniteLogits:
         """Count a numerical fault and the error its request fails with."""
@@ -506,38 +499,6 @@ class Generator:
         )
         logger.warning("%s", self.last_nonfinite)
         return NonFiniteLogits(self.last_nonfinite)
-
-    def _sample(
-        self, seqs: list[Seq], logits: torch.Tensor
-    ) -> list[tuple[FinishReason, int | str | None, BaseException | None] | None]:
-        """Sample and append one token to each of ``seqs``; returns how each finished (or None).
-        Rows of constrained requests sample from their grammar's masked distribution."""
-        if any(s.guide is not None for s in seqs):
-            logits = mask_logits(logits, [s.guide for s in seqs])
-        suppress = [s.stop_index if len(s.out) < s.params.min_new_tokens else None for s in seqs]
-        tokens, logprobs = sample(
-            logits, [s.params for s in seqs], [s.generator for s in seqs], suppress
-        )
-        asked = [i for i, s in enumerate(seqs) if s.params.top_logprobs]
-        if asked:
-            temps = [1.0 if seqs[i].params.greedy else seqs[i].params.temperature for i in asked]
-            tops = top_logprobs(logits[asked], temps, [seqs[i].params.top_logprobs for i in asked])
-            for i, top in zip(asked, tops):
-                seqs[i].tops.append(top)
-        now, version = time.monotonic(), self._version
-        finished: list[tuple[FinishReason, int | str | None, BaseException | None] | None] = []
-        for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
-            s.append_token(tok, lp, version, now)
-            try:
-                complete = s.guide is not None and advance(s.guide, tok)
-            except ConstraintFailed as e:  # this request's grammar failed: it fails alone
-                finished.append(("abort", None, e))
-                continue
-            done = s.finish_reason(tok, complete, self.context_length, self.decode_text)
-            if done is None and s.future.cancelled():  # the client went away
-                done = ("abort", None)
-            finished.append(None if done is None else (*done, None))
-        return finished
 
     def _retire(
         self,

@@ -1,9 +1,15 @@
-"""A functional Qwen2 forward over Hugging Face weights, with a per-slot static KV cache.
+"""A functional decoder forward over Hugging Face weights, with a per-slot static KV cache.
+
+One forward serves every family of the architecture table (:mod:`.families`: Qwen2, Qwen3,
+Llama 3): they share the decoder (RMSNorm, grouped-query attention with RoPE, SwiGLU MLP) and
+HF's weight names, and differ in what :class:`~.families.Architecture` says (biases, Qwen3's
+per-head q/k norms, head_dim, the rope type, a tied head).
 
 Why not ``model.forward`` with a transformers cache: continuous batching needs each row of the
 batch at its own position, rows joining and leaving between steps, and no per-step cache
 concatenation. A ~100-line functional forward over the same weights does that directly and
-matches ``Qwen2ForCausalLM`` logits to ~1e-6 in fp32 (tested against HF).
+matches ``Qwen2ForCausalLM``'s (``Qwen3ForCausalLM``'s, ``LlamaForCausalLM``'s) logits to ~1e-6 in
+fp32 (tested against HF).
 
 Cache layout (per layer): ``k[layer]``, ``v[layer]`` of shape ``[max_batch, kv_heads, capacity,
 head_dim]``. Running sequences always occupy slots ``0..B-1`` (the generator compacts slots when
@@ -23,36 +29,25 @@ import torch
 import torch.nn.functional as F
 
 from areal.serving.cpu_attention import Mode, load_decode_attention
+from areal.serving.families import architecture_of
 
-SUPPORTED_MODEL_TYPES = ("qwen2",)
 ATTENTION_RUN = 16  # slots per decode-attention run of the matmul path (Qwen2Forward._decode_runs)
 
 
 class ModelSpec:
-    """The dimensions the forward needs, read from an HF ``config.json``."""
+    """The dimensions the forward needs, read from an HF ``config.json``; its family's
+    :class:`~.families.Architecture` as ``arch`` (a family or option not served is refused:
+    :class:`~.families.UnsupportedModel`)."""
 
     def __init__(self, config: dict):
-        model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported by the embedded generator; "
-                f"supported: {list(SUPPORTED_MODEL_TYPES)} (serve other models with SGLang/vLLM)"
-            )
-        if config.get("use_sliding_window"):
-            raise ValueError(
-                "use_sliding_window=true is not supported; set it false in config.json"
-            )
+        self.arch = architecture_of(config)
         self.vocab_size = int(config["vocab_size"])
         self.hidden = int(config["hidden_size"])
         self.n_layers = int(config["num_hidden_layers"])
         self.n_heads = int(config["num_attention_heads"])
         self.n_kv_heads = int(config.get("num_key_value_heads") or self.n_heads)
-        self.head_dim = int(config.get("head_dim") or self.hidden // self.n_heads)
+        self.head_dim = self.arch.head_dim
         self.eps = float(config.get("rms_norm_eps", 1e-6))
-        rope = config.get("rope_parameters") or {}
-        self.rope_theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported; use 'default'")
         self.max_positions = int(config.get("max_position_embeddings", 2048))
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         eos = config.get("eos_token_id")
@@ -70,25 +65,33 @@ def finite_as(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return -big <= lo and hi <= big
 
 
-def read_hf_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``config.json`` as a dict and every ``*.safetensors`` tensor of an HF model dir."""
-    from safetensors.torch import load_file
-
+def read_hf_config(path: str | Path) -> dict:
+    """``config.json`` of an HF model dir as a dict, its eos ids those of generation_config."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: no config.json; pass a Hugging Face model directory")
     config = json.loads((path / "config.json").read_text())
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.is_file():  # generation_config's eos list is the one generate() stops on
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        if eos is not None:
+            config = {**config, "eos_token_id": eos}
+    return config
+
+
+def read_hf_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``config.json`` as a dict (:func:`read_hf_config`) and every ``*.safetensors`` tensor of
+    an HF model dir."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = read_hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weight files")
     params: dict[str, torch.Tensor] = {}
     for f in files:
         params.update(load_file(str(f)))
-    gen_cfg = path / "generation_config.json"
-    if gen_cfg.is_file():  # generation_config's eos list is the one generate() stops on
-        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-        if eos is not None:
-            config = {**config, "eos_token_id": eos}
     return config, params
 
 
@@ -172,26 +175,42 @@ class DenseOps:
         op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
         reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
         cpu_fp32 = device.type == "cpu" and dtype == torch.float32
-        self.fused = bool(cpu_fp32 and torch.backends.mkldnn.is_available() and op and reorder)
-        self._op, self._reorder = op, reorder
+        fused = cpu_fp32 and torch.backends.mkldnn.is_available()
+        # (linear, reorder): oneDNN's ops, None where torch's are used
+        self._fused_ops = (op, reorder) if fused and op and reorder else None
+
+    @property
+    def fused(self) -> bool:
+        return self._fused_ops is not None
 
     def pack(self, w: torch.Tensor) -> torch.Tensor:
         """``w`` for :meth:`linear`: reordered once into oneDNN's blocked layout where fused."""
-        return self._reorder(w.contiguous(), self.ROWS_HINT) if self.fused else w
+        if self._fused_ops is None:
+            return w
+        return self._fused_ops[1](w.contiguous(), self.ROWS_HINT)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
         """``x @ w.T + b``."""
-        return self._op(x, w, b, "none", [], "") if self.fused else F.linear(x, w, b)
+        if self._fused_ops is None:
+            return F.linear(x, w, b)
+        return self._fused_ops[0](x, w, b, "none", [], "")
 
-    def linear_add(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + x @ w.T``."""
-        if self.fused:
-            return self._op.binary(x, residual, w, None, "add")
-        return residual + F.linear(x, w)
+    def linear_add(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        residual: torch.Tensor,
+        b: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``residual + x @ w.T + b``."""
+        if self._fused_ops is None:
+            return residual + F.linear(x, w, b)
+        return self._fused_ops[0].binary(x, residual, w, b, "add")
 
 
 class Qwen2Forward:
-    """Qwen2 decoder over a dict of HF-named tensors; weights replaceable in place."""
+    """The decoder of every served family (Qwen2's layout; :mod:`.families` says how Qwen3 and
+    Llama depart from it) over a dict of HF-named tensors; weights replaceable in place."""
 
     def __init__(
         self,
@@ -214,9 +233,7 @@ class Qwen2Forward:
             raise ValueError("weights have no lm_head.weight and tie_word_embeddings is false")
         self._build_fused()
         s = self.spec
-        inv_freq = 1.0 / (
-            s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64).float() / s.head_dim)
-        )
+        inv_freq = s.arch.rope.inv_freq(s.head_dim)  # [head_dim / 2], as transformers computes it
         freqs = torch.outer(torch.arange(s.max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         # RoPE as x * cos + roll(x, d/2) * sin_signed: roll swaps the halves, and the sign of
@@ -235,35 +252,49 @@ class Qwen2Forward:
     def from_pretrained(
         cls, path: str | Path, device="cpu", dtype=torch.float32, cpu_attention: Mode = "auto"
     ) -> Qwen2Forward:
-        """Load config and safetensors weights of an HF Qwen2 model directory."""
+        """Load config and safetensors weights of an HF model directory of a served family (one
+        that is not is refused before its weights are read)."""
+        ModelSpec(read_hf_config(path))  # refuses an unserved family or option in one line
         config, params = read_hf_dir(path)
         return cls(config, params, device, dtype, cpu_attention)
 
     def _build_fused(self) -> None:
         """Concatenate q/k/v and gate/up weights so each is one matmul per layer, then pack them.
 
-        The q rows carry attention's 1/sqrt(head_dim) (RoPE is linear, so scaling first is exact).
+        Attention's 1/sqrt(head_dim) is folded into q (RoPE is linear, so scaling first is exact):
+        into the q rows of the weights and bias, or with per-head q/k norms (Qwen3), into the q
+        norm's weight (the norm would undo a scale before it).
         """
-        p, pack = self.params, self.ops.pack
-        scale = self.spec.head_dim**-0.5
+        p, pack, s = self.params, self.ops.pack, self.spec
+        scale = s.head_dim**-0.5
+        q_scale = 1.0 if s.arch.qk_norm else scale
         self.layers = []
-        for i in range(self.spec.n_layers):
+        for i in range(s.n_layers):
             pre = f"model.layers.{i}."
             att, mlp = pre + "self_attn.", pre + "mlp."
+            qkv_b = qk_norm = o_b = None
+            if s.arch.qkv_bias:
+                qkv_b = torch.cat(
+                    [p[att + "q_proj.bias"] * q_scale] + [p[att + f"{x}_proj.bias"] for x in "kv"]
+                )
+            if s.arch.qk_norm:  # [q heads + kv heads, head_dim]: one norm op for q and k
+                q_norm = (p[att + "q_norm.weight"] * scale).expand(s.n_heads, -1)
+                k_norm = p[att + "k_norm.weight"].expand(s.n_kv_heads, -1)
+                qk_norm = torch.cat([q_norm, k_norm])
+            if s.arch.o_bias:
+                o_b = p[att + "o_proj.bias"]
+            qkv_w = [p[att + "q_proj.weight"] * q_scale] + [
+                p[att + f"{x}_proj.weight"] for x in "kv"
+            ]
             self.layers.append(
                 dict(
                     ln1=p[pre + "input_layernorm.weight"],
                     ln2=p[pre + "post_attention_layernorm.weight"],
-                    qkv_w=pack(
-                        torch.cat(
-                            [p[att + "q_proj.weight"] * scale]
-                            + [p[att + f"{x}_proj.weight"] for x in "kv"]
-                        )
-                    ),
-                    qkv_b=torch.cat(
-                        [p[att + "q_proj.bias"] * scale] + [p[att + f"{x}_proj.bias"] for x in "kv"]
-                    ),
+                    qkv_w=pack(torch.cat(qkv_w)),
+                    qkv_b=qkv_b,
+                    qk_norm=qk_norm,
                     o_w=pack(p[att + "o_proj.weight"]),
+                    o_b=o_b,
                     gate_up_w=pack(
                         torch.cat([p[mlp + f"{x}_proj.weight"] for x in ("gate", "up")])
                     ),
@@ -328,19 +359,32 @@ class Qwen2Forward:
         var = x.pow(2).mean(-1, keepdim=True)  # F.rms_norm decomposes into more ops on CPU
         return w * (x * torch.rsqrt(var + self.spec.eps))
 
+    def _qkv(self, h: torch.Tensor, layer: dict, cos, sin) -> tuple[torch.Tensor, ...]:
+        """q (pre-scaled) and k after RoPE (Qwen3: after their per-head norms), and v:
+        ``[T, heads, head_dim]`` each, of the hidden states ``h [T, H]``."""
+        s = self.spec
+        nq, nkv, d = s.n_heads, s.n_kv_heads, s.head_dim
+        qkv = self.ops.linear(self._rms_norm(h, layer["ln1"]), layer["qkv_w"], layer["qkv_b"])
+        qk = qkv[:, : (nq + nkv) * d].view(-1, nq + nkv, d)
+        if layer["qk_norm"] is not None:
+            qk = self._rms_norm(qk, layer["qk_norm"])
+        qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)  # RoPE: q and k
+        return qk[:, :nq], qk[:, nq:], qkv[:, (nq + nkv) * d :].view(-1, nkv, d)
+
     def _mlp_block(self, h: torch.Tensor, layer: dict) -> torch.Tensor:
         x = self._rms_norm(h, layer["ln2"])
         gate, up = self.ops.linear(x, layer["gate_up_w"]).chunk(2, dim=-1)
         return self.ops.linear_add(F.silu(gate) * up, layer["down_w"], h)
 
-    def _decode_runs(self, positions: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
-        """Split decode rows into runs of ``attention_run`` slots, each with its own key length.
+    def _decode_runs(self, positions: torch.Tensor, n: int) -> list[tuple[int, int, torch.Tensor]]:
+        """Split decode rows into runs of ``n`` slots (``attention_run``), each with its own key
+        length.
 
         Returns ``(first_row, end_row, bias)`` per run; ``bias [rows * kv_heads, group, L_run]``
         is 0 up to each row's position and -inf after, with ``L_run`` the run's longest row
         (views into one bias built for the whole batch).
         """
-        s, n, dev = self.spec, self.attention_run, positions.device
+        s, dev = self.spec, positions.device
         B, nkv, group = positions.shape[0], s.n_kv_heads, s.n_heads // s.n_kv_heads
         pos = positions.tolist()
         if not pos:
@@ -419,18 +463,14 @@ class Qwen2Forward:
     def score(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, V]`` at every position of one sequence (a plain causal forward that
         touches no cache: prompt logprobs for echo / loglikelihood requests)."""
-        s, n = self.spec, tokens.shape[0]
-        nq, nkv = s.n_heads, s.n_kv_heads
+        n = tokens.shape[0]
         positions = torch.arange(n, device=tokens.device)
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]
         h = F.embedding(tokens, self.embed)
         for layer in self.layers:
-            qkv = self.ops.linear(self._rms_norm(h, layer["ln1"]), layer["qkv_w"], layer["qkv_b"])
-            qk = qkv[:, : (nq + nkv) * s.head_dim].view(n, nq + nkv, s.head_dim)
-            qk = torch.addcmul(qk * cos, qk.roll(s.head_dim // 2, dims=-1), sin)
-            v = qkv[:, (nq + nkv) * s.head_dim :].view(n, nkv, s.head_dim)
-            (att,) = self._prompt_attention(qk[:, :nq], qk[:, nq:], v, [n], last_only=False)
-            h = self._mlp_block(self.ops.linear_add(att, layer["o_w"], h), layer)
+            q, k, v = self._qkv(h, layer, cos, sin)
+            (att,) = self._prompt_attention(q, k, v, [n], last_only=False)
+            h = self._mlp_block(self.ops.linear_add(att, layer["o_w"], h, layer["o_b"]), layer)
         return self.ops.linear(self._rms_norm(h, self.final_norm), self.lm_head)
 
     @torch.no_grad()
@@ -462,23 +502,20 @@ class Qwen2Forward:
         )
         cache.ensure_capacity(int(positions.max()) + 1)
         rows = cache.rows_of(slots, positions)
-        T, nq, nkv = tokens.shape[0], s.n_heads, s.n_kv_heads
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [T, 1, d]
-        layout = decode_positions + 1 if self.kernel else self._decode_runs(decode_positions)
+        run = self.attention_run  # None: the compiled kernel reads each row's own key count
+        layout = decode_positions + 1 if run is None else self._decode_runs(decode_positions, run)
         h = F.embedding(tokens, self.embed)  # [T, H]
         ends = torch.tensor(lens, dtype=torch.long, device=dev).cumsum(0) + (B - 1)
         wanted = torch.cat([torch.arange(B, device=dev), ends])  # rows whose logits are returned
         for i, layer in enumerate(self.layers):
             last = i == s.n_layers - 1  # other rows only feed the cache: skip their o_proj and MLP
-            qkv = self.ops.linear(self._rms_norm(h, layer["ln1"]), layer["qkv_w"], layer["qkv_b"])
-            qk = qkv[:, : (nq + nkv) * s.head_dim].view(T, nq + nkv, s.head_dim)
-            qk = torch.addcmul(qk * cos, qk.roll(s.head_dim // 2, dims=-1), sin)  # RoPE: q and k
-            q, k = qk[:, :nq], qk[:, nq:]
-            v = qkv[:, (nq + nkv) * s.head_dim :].view(T, nkv, s.head_dim)
+            q, k, v = self._qkv(h, layer, cos, sin)
             cache.write(i, rows, k, v)
             parts = [self._decode_attention(q[:B], i, cache, layout)] if B else []
             parts += self._prompt_attention(q[B:], k[B:], v[B:], lens, last_only=last)
             att = torch.cat(parts) if len(parts) > 1 else parts[0]
-            h = self.ops.linear_add(att, layer["o_w"], h[wanted] if last and lens else h)
+            residual = h[wanted] if last and lens else h
+            h = self.ops.linear_add(att, layer["o_w"], residual, layer["o_b"])
             h = self._mlp_block(h, layer)
         return self.ops.linear(self._rms_norm(h, self.final_norm), self.lm_head)

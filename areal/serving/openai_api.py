@@ -1,7 +1,7 @@
 """OpenAI ``/v1/completions`` and ``/v1/chat/completions``: request parsing, response objects.
 
 Follows OpenAI's published schemas, streaming included (server-sent events, see streaming.py).
-Extra sampling fields accepted as in vLLM and SGLang's OpenAI servers: ``top_k``,
+Extra sampling fields accepted as in vLLM and SGLang's OpenAI servers: ``top_k``, ``min_p``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``no_stop_trim``.
 ``finish_reason`` is ``stop`` | ``length`` | ``abort`` (the last when generation was interrupted
 by ``/pause_generation``) | ``tool_calls``.
@@ -57,6 +57,7 @@ COMMON_KEYS = {
     "stream_options",
     "logit_bias",
     "top_k",
+    "min_p",
     "min_tokens",
     "ignore_eos",
     "stop_token_ids",
@@ -143,13 +144,14 @@ def _common(
         raise BadRequest("logit_bias", "logit_bias is not supported; send none or {}")
     _check_ignored(body)
     n = _int(body, "n", "", 1, lo=1)
-    check_count(n, cfg)  # type: ignore[arg-type]
+    check_count(n, cfg)
     params = SamplingParams(
         max_new_tokens=max_tokens if max_tokens is not None else 16,
-        min_new_tokens=_int(body, "min_tokens", "", 0, lo=0),  # type: ignore[arg-type]
+        min_new_tokens=_int(body, "min_tokens", "", 0, lo=0),
         temperature=_float(body, "temperature", "", 1.0),
         top_p=_float(body, "top_p", "", 1.0),
-        top_k=_int(body, "top_k", "", -1),  # type: ignore[arg-type]
+        top_k=_int(body, "top_k", "", -1),
+        min_p=_float(body, "min_p", "", 0.0),
         stop=_stop_strings(body.get("stop"), "stop", cfg),
         stop_token_ids=tuple(_token_list(body.get("stop_token_ids") or [], "stop_token_ids")),
         ignore_eos=_bool(body, "ignore_eos", "", False),
@@ -163,7 +165,7 @@ def _common(
         "no_stop_trim": _bool(body, "no_stop_trim", "", False),
         "skip_special_tokens": _bool(body, "skip_special_tokens", "", True),
     }
-    return params, opts, n  # type: ignore[return-value]
+    return params, opts, n
 
 
 def output_constraint(body: dict, additional_properties: bool) -> Constraint | None:

@@ -16,11 +16,11 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from areal.api.config.server import GenerationServerConfig
 from areal.api.sampling import stop_problems, stop_strings
-from areal.serving.constraints import Constraint, schema_text
+from areal.serving.constraints import Constraint, Kind, schema_text
 from areal.serving.requests import BadRequest, GenerationResult
 from areal.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -46,10 +46,9 @@ NEUTRAL = {
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
-    "min_p": 0.0,
 }
 SGLANG_SAMPLING_KEYS = {
-    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop",
+    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
     "stop_token_ids", "ignore_eos", "seed", "sampling_seed", "no_stop_trim",
     "skip_special_tokens", "n", "json_schema", "regex", "ebnf", *NEUTRAL,
 }  # fmt: skip
@@ -59,7 +58,13 @@ GENERATE_KEYS = {
 }  # fmt: skip
 
 
+@overload
+def _int(d: dict, key: str, path: str, default: int, lo: int | None = None) -> int: ...
+@overload
+def _int(d: dict, key: str, path: str, default: None, lo: int | None = None) -> int | None: ...
 def _int(d: dict, key: str, path: str, default: int | None, lo: int | None = None) -> int | None:
+    """``d[key]`` as an integer (>= ``lo``), ``default`` when absent or null; the field's path
+    names a bad value."""
     v = d.get(key)
     if v is None:  # absent or null: the default
         return default
@@ -155,11 +160,12 @@ def sampling_from_sglang(
     seed = _int(sp, "seed", path, None)
     seed = _int(sp, "sampling_seed", path, None) if seed is None else seed
     params = SamplingParams(
-        max_new_tokens=_int(sp, "max_new_tokens", path, 128, lo=0),  # type: ignore[arg-type]
-        min_new_tokens=_int(sp, "min_new_tokens", path, 0, lo=0),  # type: ignore[arg-type]
+        max_new_tokens=_int(sp, "max_new_tokens", path, 128, lo=0),
+        min_new_tokens=_int(sp, "min_new_tokens", path, 0, lo=0),
         temperature=_float(sp, "temperature", path, 1.0),
         top_p=_float(sp, "top_p", path, 1.0),
-        top_k=_int(sp, "top_k", path, -1),  # type: ignore[arg-type]
+        top_k=_int(sp, "top_k", path, -1),
+        min_p=_float(sp, "min_p", path, 0.0),
         stop=_stop_strings(sp.get("stop"), f"{path}stop", cfg),
         stop_token_ids=tuple(_token_list(sp.get("stop_token_ids") or [], f"{path}stop_token_ids")),
         ignore_eos=_bool(sp, "ignore_eos", path, False),
@@ -180,7 +186,7 @@ def constraint_from_sglang(
     """SGLang's structured-output fields: at most one of ``json_schema`` (JSON text or an
     object), ``regex`` and ``ebnf`` (GBNF or Lark); unsupported schema keywords are ignored;
     ``additional_properties``: ``server.json_schema_additional_properties``."""
-    given = [k for k in ("json_schema", "regex", "ebnf") if sp.get(k) is not None]
+    given: list[Kind] = [k for k in ("json_schema", "regex", "ebnf") if sp.get(k) is not None]
     if not given:
         return None
     key = path + given[0]
@@ -199,7 +205,7 @@ def constraint_from_sglang(
     value = sp[given[0]]
     if not isinstance(value, str) or not value:
         raise BadRequest(key, f"expected a non-empty string, got {str(value)[:80]}")
-    return Constraint(given[0], value, key)  # type: ignore[arg-type]
+    return Constraint(given[0], value, key)
 
 
 def parse_generate(

@@ -13,12 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-import torch
-
 from areal.serving.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from areal.serving.constraints import Guide
+    from areal.serving.stop_text import StopText
 
 logger = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length", "abort"]
@@ -126,7 +125,6 @@ class Seq:
     params: SamplingParams
     future: concurrent.futures.Future
     stop_ids: frozenset[int]
-    generator: torch.Generator | None
     t_submit: float = field(default_factory=time.monotonic)
     t_first: float = 0.0
     out: list[int] = field(default_factory=list)
@@ -134,8 +132,17 @@ class Seq:
     versions: list[int] = field(default_factory=list)
     tops: list[list[tuple[int, float]]] = field(default_factory=list)
     on_token: Callable[[int], None] | None = None  # called with each new token (streaming)
-    stop_index: torch.Tensor | None = None  # stop ids suppressed before min_new_tokens
     guide: Guide | None = None  # the grammar its tokens must follow (structured outputs)
+    stop_text: StopText | None = None  # its output's text, when it has stop strings
+    # its row of the batched sampler's table (sampler.py), built when it is first sampled
+    sample_row: tuple[list[int], list[float], list[int]] | None = None
+    cancelled: bool = False  # the caller cancelled the future (read each step, lock-free)
+
+    def __post_init__(self) -> None:
+        self.future.add_done_callback(self._mark_cancelled)
+
+    def _mark_cancelled(self, future: concurrent.futures.Future) -> None:
+        self.cancelled = future.cancelled()
 
     def append_token(self, tok: int, logprob: float, version: int, now: float) -> None:
         """Record one sampled token (its logprob, the weight version it came from) and pass it
@@ -151,31 +158,6 @@ class Seq:
             except Exception:  # a stream's consumer went wrong: the generation goes on
                 logger.exception("on_token callback failed; streaming of this request stops")
                 self.on_token = None
-
-    def finish_reason(
-        self,
-        tok: int,
-        grammar_complete: bool,
-        context_length: int,
-        decode: Callable[[list[int]], str] | None,
-    ) -> tuple[FinishReason, int | str | None] | None:
-        """How the request ends after its last token ``tok`` (reason, the stop token or string
-        that matched), or None while it goes on; ``grammar_complete``: its grammar accepted
-        ``tok`` as the last token (structured outputs), so it ends here."""
-        n, p = len(self.out), self.params
-        if grammar_complete:
-            return "stop", tok if tok in self.stop_ids else None
-        if n >= p.min_new_tokens:
-            if tok in self.stop_ids:
-                return "stop", tok
-            if p.stop and decode is not None:  # stop strings need a tokenizer (checked at submit)
-                text = decode(self.out)
-                for stop in p.stop:
-                    if stop in text:
-                        return "stop", stop
-        if n >= p.max_new_tokens or len(self.prompt) + n >= context_length:
-            return "length", None
-        return None
 
     def resolve(self, reason: FinishReason, matched: int | str | None) -> None:
         """Answer the future with what was generated so far."""

@@ -1,16 +1,19 @@
-"""Per-request sampling over a batch of logits, and the logprob the server reports; and
+"""How a request samples (:class:`SamplingParams`) and the logprob the server reports (the
+batched sampler that draws the tokens is sampler.py); prompt logprobs; and
 :func:`sample_continuations`, offline sampling from a Hugging Face model with its KV cache (the
 sampler of ``areal dpo-pairs``).
 
 Logprob definition (the contract with the trainer): for each sampled token ``x`` the server
 reports ``log_softmax(logits / T)[x]`` where ``logits`` are the model's raw fp32 logits and ``T``
 is the request's temperature (``T = 1`` for greedy requests, i.e. ``temperature == 0``). It is
-taken *before* top-k / top-p truncation and before min-new-tokens suppression of stop tokens, so
-a trainer reproduces it from a plain forward pass and the temperature alone. With the default
-``temperature=1`` it equals ``log_softmax`` of the raw logits.
+taken *before* top-k / top-p / min-p truncation and before min-new-tokens suppression of stop
+tokens, so a trainer reproduces it from a plain forward pass and the temperature alone. With the
+default ``temperature=1`` it equals ``log_softmax`` of the raw logits. (Under a grammar the
+logits are the masked ones: docs/serving.md, "Structured outputs".)
 
-Reproducibility: a request with a ``seed`` draws from its own ``torch.Generator``; its samples
-depend only on its logits and its seed, not on which other requests share the batch.
+Reproducibility: a request with a ``seed`` draws counter-based noise from its seed and its
+output position (sampler.py); its tokens depend only on its logits and its seed, not on which
+other requests share the batch.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import torch
 from areal.api.sampling import MAX_TOP_LOGPROBS as MAX_TOP_LOGPROBS  # serving.* import it here
 from areal.api.sampling import sampling_problems
 
-NEG_INF = float("-inf")
 IMPOSSIBLE_LOGPROB = -9999.0  # a top_logprobs entry's floor (OpenAI's value)
 
 
@@ -35,6 +37,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy (argmax)
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0 = no top-k
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability; 0 = off
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # in addition to EOS
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (need a tokenizer)
     ignore_eos: bool = False  # EOS does not stop (stop_token_ids still do)
@@ -49,7 +52,7 @@ class SamplingParams:
     def problems(self) -> list[str]:
         """``"field: message"`` for each invalid value (empty when valid): the shared rules of
         areal.api.sampling, which the agent client checks too."""
-        return [
+        problems = [
             f"{name}: {problem}"
             for name, problem in sampling_problems(
                 max_new_tokens=self.max_new_tokens,
@@ -61,63 +64,9 @@ class SamplingParams:
                 top_logprobs=self.top_logprobs,
             )
         ]
-
-
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set logits outside each row's top-k, then outside its top-p mass, to -inf.
-
-    ``top_k [B]`` uses V for "off"; ``top_p [B]`` uses 1.0 for "off". Top-p is measured on the
-    distribution renormalised after top-k; the most likely token is always kept.
-    """
-    V = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
-    ranks = torch.arange(V, device=logits.device)[None, :]
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], NEG_INF)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before > top_p[:, None], NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def sample(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    suppress: list[torch.Tensor | None],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; returns ``(tokens [B] int64, logprobs [B] fp32)``.
-
-    ``suppress[i]`` holds the token ids row ``i`` may not produce now (stop tokens before
-    ``min_new_tokens``), or None; it must leave some token (the generator refuses a request
-    whose stop tokens are the whole vocabulary). Rows without a generator share torch's
-    default one.
-    """
-    logits = logits.float()
-    B, V = logits.shape
-    dev = logits.device
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
-    scaled = logits / temps[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)  # the reported distribution (see module doc)
-    if any(ids is not None for ids in suppress):
-        scaled = scaled.clone()
-        for i, ids in enumerate(suppress):
-            if ids is not None:
-                scaled[i, ids] = NEG_INF
-    tokens = scaled.argmax(dim=-1)
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=dev)
-        sub = scaled[rows]
-        ks = [min(params[i].top_k, V) if params[i].top_k > 0 else V for i in sampled_rows]
-        ps = [params[i].top_p for i in sampled_rows]
-        if any(k < V for k in ks) or any(p < 1.0 for p in ps):
-            sub = _top_k_top_p(
-                sub, torch.tensor(ks, device=dev), torch.tensor(ps, device=dev, dtype=sub.dtype)
-            )
-        probs = sub.softmax(dim=-1)
-        picks = _multinomial_rows(probs, [generators[i] for i in sampled_rows])
-        tokens[rows] = picks
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+        if not 0 <= self.min_p <= 1:  # NaN fails too
+            problems.append(f"min_p: must be in [0, 1], got {self.min_p}")
+        return problems
 
 
 def top_logprobs(
@@ -150,21 +99,6 @@ def prompt_logprobs(
     n = len(input_ids) - 1
     tops = top_logprobs(logits[:-1], [1.0] * n, [top] * n) if top and n else [[] for _ in range(n)]
     return [None, *chosen], [None, *tops]
-
-
-def _multinomial_rows(
-    probs: torch.Tensor, generators: list[torch.Generator | None]
-) -> torch.Tensor:
-    """One draw per row: seeded rows use their own generator, the rest one batched call."""
-    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-    shared = [i for i, g in enumerate(generators) if g is None]
-    if shared:
-        idx = torch.tensor(shared, device=probs.device)
-        out[idx] = torch.multinomial(probs[idx], 1)[:, 0]
-    for i, g in enumerate(generators):
-        if g is not None:
-            out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
-    return out
 
 
 @torch.no_grad()

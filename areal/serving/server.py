@@ -340,7 +340,7 @@ class GenerationServer:
         ]
         return web.json_response(out if batch else out[0])
 
-    async def completions(self, request: web.Request) -> web.Response:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         """OpenAI ``/v1/completions``."""
         body, (jobs, logprobs) = await self._parse(
             request, lambda body: openai_api.parse_completions(body, self.encode, self.cfg)
@@ -352,7 +352,7 @@ class GenerationServer:
         body = openai_api.completion_response(self.model_name, jobs, results, logprobs, self.text)
         return web.json_response(body)
 
-    async def chat(self, request: web.Request) -> web.Response:
+    async def chat(self, request: web.Request) -> web.StreamResponse:
         """OpenAI ``/v1/chat/completions``."""
         body, (jobs, logprobs) = await self._parse(
             request, lambda body: openai_api.parse_chat(body, self.apply_template, self.cfg)

@@ -185,7 +185,7 @@ class _Stream:
 
     async def send_usage(self) -> None:
         """The usage chunk (``stream_options.include_usage``): no choices, the request's
-        token counts."""
+        token counts (sent once every result is in)."""
         await self.send(
             {
                 "id": self.ident,
@@ -193,7 +193,7 @@ class _Stream:
                 "created": now(),
                 "model": self.model,
                 "choices": [],
-                "usage": usage(self.jobs, self.results),
+                "usage": usage(self.jobs, [r for r in self.results if r is not None]),
             }
         )
 
@@ -203,14 +203,14 @@ async def stream(
     kind: str,
     model: str,
     jobs: list[Job],
-    submit: Callable[[list[Callable[[int], None]]], list],
+    submit: Callable[[list[Callable[[int], object]]], list],
     decode: Callable,
     include_usage: bool,
 ) -> web.StreamResponse:
     """Run ``jobs`` (``submit(on_token callbacks) -> futures``) and stream their text."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
-    callbacks = [
+    callbacks: list[Callable[[int], object]] = [  # their return is ignored
         lambda tok, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, tok))
         for i in range(len(jobs))
     ]

@@ -80,10 +80,10 @@ def parse_tools(body: dict, additional_properties: bool) -> ToolUse:
     except ToolChoiceError as e:
         raise BadRequest("tool_choice", e.detail) from e
     parse_calls = tools is not None and choice != "none"
-    if not forced:
+    if not forced or tools is None:  # forced needs tools (tool_choice_prefill checks)
         return ToolUse(tools, parse_calls, None, parallel is not False)
     named = choice["function"]["name"] if isinstance(choice, dict) else None
-    fns = [t["function"] for t in tools if named in (None, t["function"]["name"])]  # type: ignore[union-attr]
+    fns = [t["function"] for t in tools if named in (None, t["function"]["name"])]
     several = parallel is not False and named is None  # a named choice: that one call, no more
     grammar = tool_call_grammar(fns, several, additional_properties=additional_properties)
     return ToolUse(tools, True, Constraint("lark", grammar, "tools"), several, True, named)

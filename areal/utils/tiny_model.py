@@ -1,6 +1,7 @@
 """Build a tiny Hugging Face model directory for tests and the embedded demo: a random model of
-one family (Qwen2, the default and the embedded server's; Qwen3 with its q/k norms; Llama 3 with
-an untied head; Qwen3-MoE with 8 experts, 2 per token), all with one tokenizer.
+one family (Qwen2, the default; Qwen3 with its q/k norms; Llama 3.1 with an untied head and llama3
+rope scaling; Qwen3-MoE with 8 experts, 2 per token), all with one tokenizer. The embedded server
+serves all but Qwen3-MoE.
 
 The tokenizer is byte-level BPE with no merges, laid out like Qwen2's (ByteLevel pre-tokenizer and
 decoder, ChatML special tokens), so it round-trips any text even when transformers 5.x forces
@@ -90,8 +91,16 @@ def family_config(family: str, dims: TinySize, vocab_size: int, **common):
         return Qwen2Config(tie_word_embeddings=True, **shape)
     if family == "qwen3":
         return Qwen3Config(tie_word_embeddings=True, head_dim=head_dim, **shape)
-    if family == "llama":  # Llama 3: untied head, no attention biases, rope theta 500k
-        return LlamaConfig(tie_word_embeddings=False, rope_theta=500000.0, **shape)
+    if family == "llama":  # Llama 3.1+: untied head, no attention biases, llama3 rope scaling
+        rope = dict(  # Llama 3.1's factors; pretrained on a quarter of the context (512 of 2048)
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=common["max_position_embeddings"] // 4,
+        )
+        return LlamaConfig(tie_word_embeddings=False, rope_parameters=rope, **shape)
     if family == "qwen3_moe":  # every layer sparse: 8 experts of a quarter width, top-2
         return Qwen3MoeConfig(
             tie_word_embeddings=True,

@@ -64,6 +64,27 @@ def test_stop_token_ids_outside_the_models_vocabulary_are_refused(tmp_path, tiny
     assert f"[{vocab}] outside the model's vocabulary [0, {vocab})" in problems[0]
 
 
+def test_a_model_family_the_embedded_servers_do_not_serve_is_refused_before_launch(
+    tmp_path, tiny_model_dir
+):
+    import json
+    import shutil
+    from pathlib import Path
+
+    moe = tmp_path / "moe"
+    shutil.copytree(tiny_model_dir, moe)
+    config = json.loads((moe / "config.json").read_text())
+    (moe / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_moe"}))
+    problems = _problems(tmp_path, f"actor.path={moe}")
+    assert len(problems) == 1 and problems[0].startswith(f"actor.path: {str(moe)!r}: "), problems
+    assert "model_type 'qwen3_moe'" in problems[0] and "qwen2, qwen3, llama" in problems[0]
+    assert "rollout.backend=vllm|sglang" in problems[0]
+    # another backend serves it: no problem here (vLLM/SGLang check their own models)
+    vllm = ["rollout.backend=vllm", "rollout.served_model_name=m"]
+    assert _problems(tmp_path, f"actor.path={moe}", *vllm) == []
+    assert _problems(tmp_path, f"actor.path={Path(tiny_model_dir)}") == []
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

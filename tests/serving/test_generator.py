@@ -46,13 +46,11 @@ def test_decode_attention_runs_read_their_own_length_and_match_one_run(tiny_mode
         t.normal_()
     positions = torch.tensor([9, 3, 5, 7, 2])
     q = torch.randn(5, s.n_heads, s.head_dim)
-    model.attention_run = 2
-    runs = model._decode_runs(positions)
+    runs = model._decode_runs(positions, 2)  # runs of 2 slots
     assert [(a, b, bias.shape[-1]) for a, b, bias in runs] == [(0, 2, 10), (2, 4, 8), (4, 5, 3)]
     assert runs[0][2][s.n_kv_heads, 0].isinf().tolist() == [False] * 4 + [True] * 6  # row 1: 0..3
     in_runs = model._decode_attention(q, 1, cache, runs)
-    model.attention_run = 64
-    one_run = model._decode_attention(q, 1, cache, model._decode_runs(positions))
+    one_run = model._decode_attention(q, 1, cache, model._decode_runs(positions, 64))
     torch.testing.assert_close(in_runs, one_run, atol=1e-5, rtol=0)  # fp32 summation order
 
 

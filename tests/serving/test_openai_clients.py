@@ -83,10 +83,10 @@ def _post(srv: GenerationServer, path: str, body: dict) -> tuple[int, Any]:
 
 
 def _preferring_sampler(ids: list[int], fallback: list[int]):
-    """A stand-in for sampling.sample that writes ``ids[k]`` at step k where the grammar's mask
+    """A stand-in for BatchSampler._pick that writes ``ids[k]`` at step k where the grammar's mask
     allows it, else the first allowed of ``fallback``, else the best allowed token."""
 
-    def sample(logits, params, generators, suppress):
+    def sample(sampler, logits, n):  # logits [B, V] masked by the grammar
         out = []
         for row in range(logits.shape[0]):
             k = sample.count.get(row, 0)
@@ -96,7 +96,7 @@ def _preferring_sampler(ids: list[int], fallback: list[int]):
             if not allowed[tok]:
                 tok = next((t for t in fallback if allowed[t]), int(logits[row].argmax()))
             out.append(tok)
-        return torch.tensor(out), torch.zeros(len(out))
+        return torch.tensor(out)
 
     sample.count = {}
     return sample
@@ -106,7 +106,7 @@ def _prefer(monkeypatch, srv: GenerationServer, text: str) -> list[int]:
     """Make the generator prefer ``text`` then EOS (falling back to ``}``); its token ids."""
     ids = srv.encode(text) + [srv.tokenizer.eos_token_id]
     sampler = _preferring_sampler(ids, srv.encode("}"))
-    monkeypatch.setattr("areal.serving.generator.sample", sampler)
+    monkeypatch.setattr("areal.serving.sampler.BatchSampler._pick", sampler)
     return ids
 
 
@@ -219,13 +219,15 @@ def test_a_forced_call_cut_by_max_tokens_is_a_partial_call_never_text(srv, monke
     choice = _chat(srv, tool_choice="required", **kw)  # required: one or more calls
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
     assert _calls(choice) == [("add", '{"a": 1, "b": 2}'), ("mul", '{"a": ')]
-    monkeypatch.setattr("areal.serving.generator.sample", _preferring_sampler(ids, []))
+    monkeypatch.setattr("areal.serving.sampler.BatchSampler._pick", _preferring_sampler(ids, []))
     cut = len(srv.encode(CALL_ADD[: CALL_ADD.index('b"')]))  # inside the arguments
     choice = _chat(srv, tool_choice=ADD, **{**kw, "max_tokens": cut})
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
     assert _calls(choice) == [("add", '{"a": 1, "')]
     for choice_, calls in [("required", []), (ADD, [("add", "")])]:  # cut inside the opening
-        monkeypatch.setattr("areal.serving.generator.sample", _preferring_sampler(ids, []))
+        monkeypatch.setattr(
+            "areal.serving.sampler.BatchSampler._pick", _preferring_sampler(ids, [])
+        )
         choice = _chat(srv, tool_choice=choice_, **{**kw, "max_tokens": 6})
         assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
         assert _calls(choice) == calls

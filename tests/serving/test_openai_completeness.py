@@ -289,7 +289,7 @@ def test_the_openai_client_runs_an_agent_turn_with_tools(server, tiny_model_dir,
     srv = GenerationServer(from_dict(GenerationServerConfig, {"model_path": str(tiny_model_dir)}))
     ids = srv.encode(answer)
     forced = _forced_sampler(ids)
-    monkeypatch.setattr("areal.serving.generator.sample", forced)
+    monkeypatch.setattr("areal.serving.sampler.BatchSampler._pick", forced)
     srv.generator.start()
     try:
         import asyncio
@@ -324,15 +324,15 @@ def test_the_openai_client_runs_an_agent_turn_with_tools(server, tiny_model_dir,
 
 
 def _forced_sampler(ids: list[int]):
-    """A stand-in for sampling.sample that writes ``ids`` one token per step, then EOS-free."""
+    """A stand-in for BatchSampler._pick that writes ``ids`` one token per step, then EOS-free."""
 
-    def sample(logits, params, generators, suppress):
+    def sample(sampler, logits, n):  # logits [B, V] masked by the grammar
         out = []
         for row in range(logits.shape[0]):
             k = sample.count.get(row, 0)
             out.append(ids[min(k, len(ids) - 1)])
             sample.count[row] = k + 1
-        return torch.tensor(out), torch.zeros(len(out))
+        return torch.tensor(out)
 
     sample.count = {}
     return sample
@@ -439,7 +439,7 @@ def test_a_forced_call_is_parsed_through_the_openai_client(
     srv = GenerationServer(from_dict(GenerationServerConfig, {"model_path": str(tiny_model_dir)}))
     ids = srv.encode(written)
     forced = _forced_sampler(ids)
-    monkeypatch.setattr("areal.serving.generator.sample", forced)
+    monkeypatch.setattr("areal.serving.sampler.BatchSampler._pick", forced)
     kwargs = {
         "model": srv.model_name,
         "messages": [{"role": "user", "content": "4*5?"}],

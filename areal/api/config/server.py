@@ -76,7 +76,12 @@ class GenerationServerConfig:
         "start), an error if it cannot be built; torch = batched matmuls; auto = compiled if it "
         "builds, else torch with a warning. /get_server_info reports decode_attention.",
     )
-    seed: int = param(0, ge=0, help="Seed of the shared generator for requests without a seed.")
+    seed: int = param(
+        0,
+        ge=0,
+        help="Seeds the server's stream of sampling keys for requests without a seed (a seeded "
+        "request draws from its own seed, the same alone or in a batch).",
+    )
     weight_version: int = param(
         0,
         ge=0,
