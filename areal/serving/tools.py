@@ -39,8 +39,10 @@ from typing import Any
 from areal.serving.constraints import Constraint
 from areal.serving.requests import BadRequest, json_type
 from areal.utils.tool_calls import (
+    TOOL_CALL_SHAPE,
     ToolChoiceError,
     answer_calls,
+    clean_tool_call,
     extract_tool_calls,
     tool_call_grammar,
     tool_choice_prefill,
@@ -125,24 +127,10 @@ def clean_tool_calls(calls: Any, where: str) -> list[dict]:
         raise BadRequest(where, "expected a list of tool calls")
     out = []
     for j, c in enumerate(calls):
-        fn = c.get("function") if isinstance(c, dict) else None
-        if (
-            not isinstance(fn, dict)
-            or not isinstance(fn.get("name"), str)
-            or not isinstance(fn.get("arguments"), str)
-        ):
-            raise BadRequest(
-                f"{where}[{j}]",
-                'expected {"id", "type": "function", "function": '
-                '{"name": str, "arguments": JSON string}}',
-            )
-        out.append(
-            {
-                "id": str(c.get("id", "")),
-                "type": "function",
-                "function": {"name": fn["name"], "arguments": fn["arguments"]},
-            }
-        )
+        call = clean_tool_call(c)
+        if call is None:
+            raise BadRequest(f"{where}[{j}]", f"expected {TOOL_CALL_SHAPE}")
+        out.append(call)
     return out
 
 

@@ -259,3 +259,22 @@ def _call(name: str, arguments: str) -> dict:
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
+
+
+TOOL_CALL_SHAPE = '{"id", "type": "function", "function": {"name": str, "arguments": JSON string}}'
+
+
+def clean_tool_call(call: Any) -> dict | None:
+    """An assistant turn's tool call as a chat template takes it (``id``, ``type``, ``function``
+    with a ``name`` and JSON-string ``arguments``), or None when it is not of that shape
+    (:data:`TOOL_CALL_SHAPE`): the server and the agent client read ``tool_calls`` alike."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if (
+        not isinstance(call, dict)
+        or not isinstance(fn, dict)
+        or not isinstance(fn.get("name"), str)
+        or not isinstance(fn.get("arguments"), str)
+    ):
+        return None
+    function = {"name": fn["name"], "arguments": fn["arguments"]}
+    return {"id": str(call.get("id", "")), "type": "function", "function": function}

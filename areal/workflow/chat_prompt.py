@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from areal.api.sampling import RequestRejected
 from areal.dataset.chat import encode
-from areal.utils.tool_calls import tool_call_grammar, tool_choice_prefill
+from areal.utils.tool_calls import (
+    TOOL_CALL_SHAPE,
+    clean_tool_call,
+    tool_call_grammar,
+    tool_choice_prefill,
+)
 
 if TYPE_CHECKING:
     from areal.workflow.openai_client import Call
@@ -42,23 +47,10 @@ def clean_messages(messages: Any) -> list[dict]:
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = []
             for j, c in enumerate(m["tool_calls"]):
-                fn = c.get("function") if isinstance(c, dict) else None
-                if (
-                    not isinstance(fn, dict)
-                    or not isinstance(fn.get("name"), str)
-                    or not isinstance(fn.get("arguments"), str)
-                ):
-                    raise ValueError(
-                        f"messages[{i}].tool_calls[{j}]: expected {{id, type: function, "
-                        "function: {name: str, arguments: JSON string}}"
-                    )
-                calls.append(
-                    {
-                        "id": str(c.get("id", "")),
-                        "type": "function",
-                        "function": {"name": fn["name"], "arguments": fn["arguments"]},
-                    }
-                )
+                call = clean_tool_call(c)
+                if call is None:
+                    raise ValueError(f"messages[{i}].tool_calls[{j}]: expected {TOOL_CALL_SHAPE}")
+                calls.append(call)
             clean.append({"role": "assistant", "content": content or "", "tool_calls": calls})
             continue
         if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
