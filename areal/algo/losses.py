@@ -25,6 +25,7 @@ compute it up front.
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -87,6 +88,28 @@ def cispo_loss(
     weight = r.clamp(1.0 - eps_low, 1.0 + eps_high)
     flags = {"clip_low": r < 1.0 - eps_low, "clip_high": r > 1.0 + eps_high}
     return -weight * advantages.detach() * logp, flags
+
+
+class Objective(Protocol):
+    """A per-token policy objective, what :func:`policy_loss` minimises before the off-policy
+    weight, the aggregation and the KL and entropy terms (all the library's):
+    ``(cfg, logprobs, ratio, advantages) -> (loss [T], flags)``.
+
+    ``logprobs`` [T] are the current policy's (with grad), ``ratio`` [T] pi_theta / pi_old
+    (token or GSPO sequence level, with grad), ``advantages`` [T]; ``flags`` maps names to [T]
+    bool tensors, each logged as ``loss/<name>_frac`` (its mean over trained tokens).
+    :func:`clipped_objective` (PPO or CISPO, by ``cfg.policy_loss_type``) is the default; pass
+    another as ``PPOActor(..., objective=...)``.
+    """
+
+    def __call__(
+        self,
+        cfg: PPOActorConfig,
+        logprobs: torch.Tensor,
+        ratio: torch.Tensor,
+        advantages: torch.Tensor,
+        /,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
 def loss_normalisers(
@@ -228,6 +251,7 @@ def policy_loss(
     global_n_tokens: int | None = None,
     global_n_seqs: int | None = None,
     max_new_tokens: int | None = None,
+    objective: Objective | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Scalar actor loss for one micro-batch and detached scalar stats (the engine's entry point).
 
@@ -245,6 +269,7 @@ def policy_loss(
         global_n_tokens, global_n_seqs: normalisers from :func:`loss_normalisers`, all-reduced
             over DP ranks and the minibatch's micro-batches by the engine; default = local.
         max_new_tokens: the constant normaliser of ``seq-mean-token-sum-norm``.
+        objective: the per-token objective (:class:`Objective`); None: :func:`clipped_objective`.
     Stats: pg_loss, ratio_mean/max, approx_kl, clip_frac_low/high, dual_clip_frac,
     mismatch_k1/k3 (KL(pi_behav || pi_train), when behav_logp is given), rc_weight_mean/max and
     rc_masked_frac (the off-policy weight: decoupled loss or rollout correction), kl_ref,
@@ -255,7 +280,7 @@ def policy_loss(
         cfg, logprobs, prox_logp, behav_logp, mask, cu_seqlens
     )
     ratio = importance_ratio(logprobs, old_logp, mask, cu_seqlens, cfg.importance_sampling_level)
-    per_token, flags = _clipped_objective(cfg, logprobs, ratio, advantages)
+    per_token, flags = (objective or clipped_objective)(cfg, logprobs, ratio, advantages)
     if weight is not None:
         per_token = per_token * weight
     agg = functools.partial(
@@ -274,11 +299,12 @@ def policy_loss(
     return _add_kl_and_entropy(loss, stats, agg, cfg, logprobs, ref_logp, entropy, mask)
 
 
-def _clipped_objective(
+def clipped_objective(
     cfg: PPOActorConfig, logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token clipped objective [T] of ``cfg.policy_loss_type`` (PPO or CISPO) and its clip
-    flags; the upper clip is ``eps_clip_higher`` when set (DAPO's clip-higher)."""
+    """The default :class:`Objective`: the per-token clipped objective [T] of
+    ``cfg.policy_loss_type`` (PPO or CISPO) and its clip flags; the upper clip is
+    ``eps_clip_higher`` when set (DAPO's clip-higher)."""
     eps_high = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
     if cfg.policy_loss_type == "cispo":
         return cispo_loss(logprobs, ratio, advantages, cfg.eps_clip, eps_high)

@@ -32,7 +32,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from areal.api.mfc import MFC, ModelFn, ModelName, ParamRealloc, UpdateServers, added_fields
+from areal.api.mfc import (
+    MFC,
+    ModelFn,
+    ModelName,
+    ParamRealloc,
+    UpdateServers,
+    added_fields,
+    fn_name,
+)
 
 
 @dataclass(frozen=True)
@@ -107,9 +115,13 @@ def _check_keys(
     import_engines()
     producers: dict[str, str] = {}
     for m in mfcs:
-        added = added_fields(m.fn, m.kwargs)
+        try:
+            added = added_fields(m.fn, m.kwargs)
+        except LookupError as e:  # a method name no imported engine declares
+            problems.append(f"MFC {m.name!r} runs {m.model}.{fn_name(m.fn)}: {e}")
+            added = None
         if added is not None and tuple(sorted(m.outputs)) != tuple(sorted(added)):
-            call = f"{m.fn.value}({', '.join(f'{k}={v!r}' for k, v in m.kwargs.items())})"
+            call = f"{fn_name(m.fn)}({', '.join(f'{k}={v!r}' for k, v in m.kwargs.items())})"
             problems.append(
                 f"MFC {m.name!r} calls {call}, which adds {list(added)}, but declares "
                 f"outputs {list(m.outputs)}; declare exactly {list(added)}"
@@ -206,7 +218,7 @@ def _check_allocations(
                 )
             if isinstance(h, UpdateServers) and m.fn is not ModelFn.GENERATE:
                 problems.append(
-                    f"MFC {m.name!r} ({m.fn.value}) has an UpdateServers hook, which only a "
+                    f"MFC {m.name!r} ({fn_name(m.fn)}) has an UpdateServers hook, which only a "
                     "generate MFC can have (its model is the generation servers)"
                 )
             if isinstance(h, ParamRealloc) and (m.fn is ModelFn.GENERATE or h.source in generating):
@@ -302,7 +314,7 @@ def format_graph(graph: DataflowGraph) -> str:
     lines.append("nodes (dispatch order), each with its in-process timer and its stats' scope:")
     for m in graph.mfcs:
         args = ", ".join(f"{k}={v!r}" for k, v in m.kwargs.items())
-        call = f"{m.model!s}.{m.fn.value}({args})"
+        call = f"{m.model!s}.{fn_name(m.fn)}({args})"
         names = "" if m.fn is ModelFn.GENERATE else f"timing/{m.timer or m.name}"
         names += f"  {m.scope}/*" if m.scope else ""
         lines.append(f"  {m.name:<16} {call:<44} {names}".rstrip())

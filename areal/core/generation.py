@@ -22,7 +22,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from areal.api.mfc import ModelFn, ModelName
+from areal.api.mfc import ModelFn, ModelName, fn_name
 from areal.core.master import SampleSender, ServerUpdater
 from areal.core.worker import InProcessWorker, MFCReply, MFCRequest, ModelWorker, pack
 from areal.rollout.trajectory import groups_to_batch
@@ -56,9 +56,11 @@ class GenerationWorker(InProcessWorker, ServerUpdater, SampleSender):
         self._last_ids: list[int] = []  # their samples' ids, in order
         self.last_stats: dict[str, float] = {}  # its executor, reward, client and batch stats
 
-    def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
+    def hosts(self, model: ModelName, fn: ModelFn | str) -> str | None:
         if fn is not ModelFn.GENERATE:
-            return f"worker {self.index} is a generation worker; it runs generate, not {fn.value}"
+            return (
+                f"worker {self.index} is a generation worker; it runs generate, not {fn_name(fn)}"
+            )
         return None
 
     def update_servers(self, source: ModelName, version: int) -> Future[None]:

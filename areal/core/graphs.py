@@ -39,7 +39,14 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 from areal.api.config.loader import param
-from areal.api.mfc import MFC, TRAINING_FNS, ModelFn, ModelName, ParamRealloc, UpdateServers
+from areal.api.mfc import (
+    MFC,
+    ModelFn,
+    ModelName,
+    ParamRealloc,
+    UpdateServers,
+    changes_weights,
+)
 from areal.core.dfg import Allocation, DataflowGraph, GraphError, build_graph, format_graph
 from areal.runtime.graphs import ACTOR, CRITIC, ROLLOUT_KEYS, SFT_KEYS, ppo_mfcs, sft_mfcs
 
@@ -183,7 +190,7 @@ def _layout_refusal(mfc: MFC | None, name: str, cfg: CoreGraphConfig, trained: s
             f"{name!r} generates on the generation servers (cluster.n_servers sizes them), "
             "not on model workers; remove this layout"
         )
-    if mfc.fn in TRAINING_FNS:
+    if changes_weights(mfc.fn):
         return (
             f"{name!r} trains model {mfc.model}, so its layout is the model's own; set it "
             f"under allocations (model: {mfc.model.role})"
@@ -232,7 +239,7 @@ def with_layouts(
     model allocated there (``ROLE@1``, ``ROLE@2``, ...: one per distinct layout), with a
     :class:`ParamRealloc` hook from the model before it. No layouts: the same graph."""
     by_model = {a.model: a for a in allocations}
-    trained = {m.model for m in mfcs if m.fn in TRAINING_FNS}
+    trained = {m.model for m in mfcs if changes_weights(m.fn)}
     names = {m.name: m for m in mfcs}
     mfcs, allocations = list(mfcs), list(allocations)
     problems: list[str] = []

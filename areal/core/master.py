@@ -51,7 +51,15 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from areal.api.mfc import MFC, TRAINING_FNS, ModelFn, ModelName, ParamRealloc, UpdateServers
+from areal.api.mfc import (
+    MFC,
+    ModelFn,
+    ModelName,
+    ParamRealloc,
+    UpdateServers,
+    changes_weights,
+    fn_name,
+)
 from areal.core.buffer import SampleBuffer, SampleMeta
 from areal.core.dfg import DataflowGraph
 from areal.core.worker import MFCReply, MFCRequest, ModelWorker
@@ -162,7 +170,7 @@ class Master:
         self._model_workers = [w for w in range(graph.n_workers) if w not in generation]
         self._next_id = 0
         self._steps = 0
-        self._trained = {m.model for m in graph.mfcs if m.fn in TRAINING_FNS}
+        self._trained = {m.model for m in graph.mfcs if changes_weights(m.fn)}
         self._changes: dict[ModelName, int] = defaultdict(int)  # trainings and moves into it
         self._moved: dict[tuple[ModelName, ModelName], int] = {}  # (target, source) -> changes
 
@@ -368,7 +376,7 @@ class Master:
         during = f" ({what})" if what else ""
         also = f"\n(the MFC also failed on workers {others})" if others else ""
         out = RuntimeError(
-            f"MFC {run.mfc.name!r} ({run.mfc.model}.{run.mfc.fn.value}) failed on "
+            f"MFC {run.mfc.name!r} ({run.mfc.model}.{fn_name(run.mfc.fn)}) failed on "
             f"worker {worker}{during}: {error}{also}"
         )
         out.__cause__ = error
@@ -408,7 +416,7 @@ class Master:
         replies = [f.result() for f in run.futures]
         if run.mfc.fn is ModelFn.GENERATE:
             self._admit_generated(run, replies)
-        if run.mfc.fn in TRAINING_FNS:
+        if changes_weights(run.mfc.fn):
             self.versions[run.mfc.model] += 1
             self._changes[run.mfc.model] += 1
         alloc = self.graph.allocations[run.mfc.model]

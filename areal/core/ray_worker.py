@@ -204,7 +204,7 @@ class WorkerActor:
             raise RuntimeError(f"worker {self.index} is not set up: call setup() first")
         return self.inner
 
-    def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
+    def hosts(self, model: ModelName, fn: ModelFn | str) -> str | None:
         return self.worker.hosts(model, fn)
 
     def pid(self) -> int:
@@ -336,7 +336,7 @@ class RayWorker(ModelWorker):
     def _call(self, ref):
         return self._ray.get(ref, timeout=RPC_TIMEOUT)
 
-    def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
+    def hosts(self, model: ModelName, fn: ModelFn | str) -> str | None:
         return self._call(self.handle.hosts.remote(model, fn))
 
     def model_thread_stack(self) -> str:

@@ -103,7 +103,7 @@ class TimedWorker(ModelWorker):
         queued = self.inner.load_shards(model, token, source, target, ema)
         return self._timed(queued, f"load_shards {model}", "hook")
 
-    def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
+    def hosts(self, model: ModelName, fn: ModelFn | str) -> str | None:
         return self.inner.hosts(model, fn)
 
     def lost(self, error: BaseException) -> bool:

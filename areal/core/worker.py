@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from areal.api.mfc import MFC, ModelFn, ModelName
+from areal.api.mfc import MFC, ModelFn, ModelName, fn_name
 from areal.core import realloc
 from areal.core.dfg import Allocation
 from areal.core.realloc import Box
@@ -85,7 +85,7 @@ class ModelWorker(abc.ABC):
     index: int
 
     @abc.abstractmethod
-    def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
+    def hosts(self, model: ModelName, fn: ModelFn | str) -> str | None:
         """None if this worker can run ``model.fn``, else why not."""
 
     @abc.abstractmethod
@@ -171,15 +171,15 @@ class InProcessWorker(ModelWorker):
         a :class:`ModelWorker` or anything with its ``get`` (a remote worker's store)."""
         self.peers = peers
 
-    def hosts(self, model: ModelName, fn: ModelFn) -> str | None:
+    def hosts(self, model: ModelName, fn: ModelFn | str) -> str | None:
         engine = self.engines.get(model)
         if engine is None:
             hosted = sorted(map(str, self.engines))
             return f"worker {self.index} hosts no model '{model}' (it hosts {hosted})"
-        if not callable(getattr(engine, fn.value, None)):
+        if not callable(getattr(engine, fn_name(fn), None)):
             return (
                 f"worker {self.index}'s model '{model}' ({type(engine).__name__}) has no "
-                f"model function {fn.value}"
+                f"model function {fn_name(fn)}"
             )
         return None
 

@@ -117,7 +117,7 @@ class DPOEngine(FSDPEngine):
         stats["rejected_logp"] = float(pairs.logp_r.detach().mean())
         return losses.mean(), stats
 
-    @model_fn()
+    @model_fn(trains=True)
     def train_dpo(self, batch: PackedBatch) -> ModelFnResult:
         """One optimizer step on pairs; stats loss, reward_acc, margin, chosen/rejected reward
         and logp (means over the global batch's pairs), grad_norm, lr."""

@@ -33,7 +33,7 @@ from areal.algo.correction import STALENESS_BUCKETS, approx_prox_logp, staleness
 from areal.algo.critic import ValueNormalizer, value_loss
 from areal.algo.distill import distill_advantages
 from areal.algo.logprob import packed_token_logprobs
-from areal.algo.losses import mismatch_kl, policy_loss
+from areal.algo.losses import Objective, mismatch_kl, policy_loss
 from areal.algo.segments import segment_sum
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
 from areal.api.config.experiments import DistillConfig
@@ -172,6 +172,8 @@ class PPOActor(FSDPEngine):
 
     ``temperature``, ``group_size`` and ``max_new_tokens`` come from the rollout's sampling
     settings (``gconfig``), so the importance ratio uses the behaviour policy's temperature.
+    ``objective``: the per-token objective of the update (:class:`~areal.algo.losses.Objective`,
+    e.g. a script's own loss); None: the library's clipped one, by ``policy_loss_type``.
     """
 
     def __init__(
@@ -183,9 +185,11 @@ class PPOActor(FSDPEngine):
         group_size: int = 1,
         max_new_tokens: int | None = None,
         distill: DistillConfig | None = None,
+        objective: Objective | None = None,
     ):
         super().__init__(config, mesh, head="lm", temperature=temperature)
         self.config: PPOActorConfig = config
+        self.objective = objective
         self.distill = distill if distill is not None and distill.enabled else None
         self.group_size = group_size
         self.max_new_tokens = max_new_tokens  # for overlong penalty / seq-mean-token-sum-norm
@@ -298,6 +302,7 @@ class PPOActor(FSDPEngine):
             entropy=entropy,
             ref_logp=mb["ref_logp"] if "ref_logp" in mb else None,
             max_new_tokens=self.max_new_tokens,
+            objective=self.objective,
         )
         mask = mb["loss_mask"].to(
             prox.device, prox.dtype
@@ -313,7 +318,7 @@ class PPOActor(FSDPEngine):
             )
         return loss, out
 
-    @model_fn(named={"logp_out": None})
+    @model_fn(named={"logp_out": None}, trains=True)
     def ppo_update(self, batch: PackedBatch, logp_out: str | None = None) -> ModelFnResult:
         """``ppo_n_minibatches`` optimizer steps over ``batch``; stats are means over the steps.
         ``logp_out``: the batch is returned with that token field added, [T] float32 on this
@@ -411,7 +416,7 @@ class PPOCritic(FSDPEngine):
             state = checkpoint.load_replicated_state(meta.path, VALUE_NORM_FILE)
             self.value_normalizer.load_state_dict(state)
 
-    @model_fn()
+    @model_fn(trains=True)
     def ppo_update(self, batch: PackedBatch) -> ModelFnResult:
         """``ppo_n_minibatches`` steps regressing ``values`` toward ``returns``; mean stats."""
         for key in ("values", "returns"):

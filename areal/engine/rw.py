@@ -55,7 +55,7 @@ class RWEngine(FSDPEngine):
             )
         super().__init__(config, mesh, head="value")
 
-    @model_fn()
+    @model_fn(trains=True)
     def train_rw(self, batch: PackedBatch) -> ModelFnResult:
         """One optimizer step on pairs; stats loss, pair_acc, margin, grad_norm, lr."""
         _check_pairs(batch)

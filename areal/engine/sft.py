@@ -39,7 +39,7 @@ class SFTEngine(FSDPEngine):
     def __init__(self, config: TrainEngineConfig, mesh: DeviceMesh):
         super().__init__(config, mesh, head="lm")
 
-    @model_fn()
+    @model_fn(trains=True)
     def train_lm(self, batch: PackedBatch) -> ModelFnResult:
         """One optimizer step; stat ``loss`` is the token-mean NLL of the global batch."""
         _check_fields(batch)

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from areal.api.engine import ModelFnResult
-from areal.api.mfc import MFC, TRAINING_FNS, ModelFn, ModelName
+from areal.api.mfc import MFC, ModelFn, ModelName, changes_weights, declared, fn_name
 from areal.utils.batch import PackedBatch
 from areal.utils.stats import StatsTracker
 
@@ -27,9 +27,10 @@ TIMING = ("n_tokens", "wall_time", "compute_time")  # what Core's master adds to
 
 def call_mfc(engine: Any, mfc: MFC, batch: PackedBatch) -> ModelFnResult:
     """``engine.<mfc.fn>(batch, **mfc.kwargs)`` under the MFC's micro-batch split (if it names
-    one), then, for a training function, the engine's learning-rate step (as Lite's scripts
-    always did after an update). Raises when the call added other keys than the MFC declares."""
-    method = getattr(engine, mfc.fn.value)
+    one), then, for a function that changes weights (:func:`~areal.api.mfc.changes_weights`),
+    the engine's learning-rate step (as Lite's scripts always did after an update). Raises when
+    the call added other keys than the MFC declares."""
+    method = getattr(engine, fn_name(mfc.fn))
     if mfc.mb_spec is None:
         out, stats = method(batch, **mfc.kwargs)
     else:
@@ -39,13 +40,13 @@ def call_mfc(engine: Any, mfc: MFC, batch: PackedBatch) -> ModelFnResult:
             out, stats = method(batch, **mfc.kwargs)
         finally:
             engine.config = own
-    if mfc.fn in TRAINING_FNS:
+    if changes_weights(mfc.fn):
         engine.step_lr_scheduler()
     (before_t, before_s), (after_t, after_s) = batch.keys(), out.keys()
     added = (after_t - before_t) | (after_s - before_s)
     if added != set(mfc.outputs):
         raise ValueError(
-            f"MFC {mfc.name!r} ({mfc.model}.{mfc.fn.value}) added keys "
+            f"MFC {mfc.name!r} ({mfc.model}.{fn_name(mfc.fn)}) added keys "
             f"{sorted(added)} but the graph declares {sorted(mfc.outputs)}"
         )
     return out, stats
@@ -60,11 +61,13 @@ def _problems(graph: Sequence[MFC], engines: Mapping[ModelName, Any], batch: Pac
                 f"MFC {m.name!r}: generation and weight-moving hooks run only under Core's "
                 "master; in process the rollout side makes the batch"
             )
-        engine = engines.get(m.model)
-        if not callable(getattr(engine, m.fn.value, None)):
+        engine, name = engines.get(m.model), fn_name(m.fn)
+        unmarked = isinstance(m.fn, str) and declared(m.fn) is None  # a script's method
+        if unmarked or not callable(getattr(engine, name, None)):
             yield (
-                f"MFC {m.name!r} runs {m.model}.{m.fn.value}, but the engines given "
-                f"({sorted(map(str, engines))}) have no such model function"
+                f"MFC {m.name!r} runs {m.model}.{name}, but the engines given "
+                f"({sorted(map(str, engines))}) have no such model function (a method "
+                "marked @model_fn)"
             )
         missing = [k for k in m.inputs if k not in have]
         if missing:

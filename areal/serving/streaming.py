@@ -37,22 +37,11 @@ def _chunk(
         delta = (
             {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         )
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {
-            "id": ident,
-            "object": "chat.completion.chunk",
-            "created": now(),
-            "model": model,
-            "choices": [choice],
-        }
-    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-    return {
-        "id": ident,
-        "object": "text_completion",
-        "created": now(),
-        "model": model,
-        "choices": [choice],
-    }
+        body, obj = {"delta": delta}, "chat.completion.chunk"
+    else:
+        body, obj = {"text": text}, "text_completion"
+    choice = {"index": index, **body, "logprobs": None, "finish_reason": finish}
+    return {"id": ident, "object": obj, "created": now(), "model": model, "choices": [choice]}
 
 
 def _safe_prefix(text: str, jobs_stop: tuple[str, ...]) -> str:

@@ -195,6 +195,26 @@ def test_kl_loss_term_and_entropy_bonus_hand_worked():
         )
 
 
+def test_an_objective_given_to_policy_loss_replaces_the_clipped_one_hand_worked():
+    logp = torch.log(torch.tensor([1.5, 0.5])).requires_grad_()  # old = 0 -> ratios 1.5, 0.5
+    args = (logp, torch.zeros(2), None, torch.ones(2), torch.ones(2), torch.tensor([0, 2]))
+    cfg = PPOActorConfig(eps_clip=0.2)  # token-mean
+
+    def squared(cfg, logprobs, ratio, advantages):
+        """-A r^2, unclipped; flag: r > 1."""
+        return -advantages * ratio**2, {"above_one": ratio > 1}
+
+    default, _ = policy_loss(*args, cfg)
+    # clipped, A = 1: t0 max(-1.5, -1.2) = -1.2, t1 max(-0.5, -0.8) = -0.5 -> mean -0.85
+    assert torch.isclose(default, torch.tensor(-0.85))
+    loss, stats = policy_loss(*args, cfg, objective=squared)
+    # -r^2: -2.25, -0.25 -> mean -1.25; d/dlogp = -2 r^2 / 2 tokens = -2.25, -0.25
+    assert torch.isclose(loss, torch.tensor(-1.25))
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.allclose(grad, torch.tensor([-2.25, -0.25]))
+    assert stats["above_one_frac"] == 0.5 and "clip_high_frac" not in stats
+
+
 def test_stats_report_clip_fractions_and_approx_kl():
     logp = torch.log(torch.tensor([1.5, 0.5, 1.0]))  # old = 0 -> ratios 1.5, 0.5, 1
     cfg = PPOActorConfig(c_clip=2.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from areal.api.mfc import MFC, ModelFn, ModelName, ParamRealloc, UpdateServers
+from areal.api.mfc import MFC, ModelFn, ModelName, ParamRealloc, UpdateServers, model_fn
 from areal.cli import main as cli_main
 from areal.core.dfg import Allocation, GraphError, build_graph, format_graph
 from areal.core.graphs import CoreGraphConfig, graph_from_config
@@ -63,6 +63,25 @@ def test_declared_outputs_must_be_what_the_function_adds():
     bad = MFC("v", A, ModelFn.COMPUTE_VALUES, ("input_ids",), ("value",))
     (p,) = problems_of([bad])
     assert "MFC 'v' calls compute_values()" in p and "['values']" in p and "['value']" in p
+
+
+def test_an_mfc_naming_a_method_no_engine_declares_is_refused_in_one_line():
+    typo = MFC("entropy", A, "compute_entropyy", ("input_ids",), ("entropy",))
+    (p,) = problems_of([typo])
+    assert "\n" not in p
+    assert p.startswith("MFC 'entropy' runs actor@0.compute_entropyy: no engine method declares")
+
+
+def test_a_scripts_model_function_named_by_a_string_joins_the_graph():
+    class Probe:  # a script's engine method, declared beside it
+        @model_fn("probe_score")
+        def probe_for_dfg(self, batch):
+            return batch, {}
+
+    scripted = MFC("probe", A, Probe.probe_for_dfg.__name__, ("input_ids",), ("probe_score",))
+    graph = build([scripted, logp("a", "x", ("input_ids", "probe_score"))])
+    assert graph.edges == (("probe", "a", "probe_score"),)
+    assert "actor@0.probe_for_dfg()" in format_graph(graph)
 
 
 def test_compute_logp_adds_the_key_named_by_out():

@@ -79,6 +79,42 @@ def test_update_returns_each_tokens_trainer_logp_equal_to_a_forward_before_it(ti
     torch.testing.assert_close(out["trainer_logp"], logp, rtol=0, atol=1e-5)
 
 
+def _upweighted(cfg, logprobs, ratio, advantages):
+    """A test's own objective: PPO's surrogate, unclipped, positive advantages counted twice."""
+    a = advantages.detach()
+    return -a * ratio * torch.where(a > 0, 2.0, 1.0), {"upweighted": a > 0}
+
+
+@pytest.mark.parametrize(("objective", "pg_loss"), [(None, -11 / 6), (_upweighted, -4.0)])
+def test_an_objective_given_to_the_actor_replaces_the_clipped_one(
+    tiny_model_dir, objective, pg_loss
+):
+    # one group: a 4-token prompt, completions of 2 and 3 trained tokens, advantages by hand
+    batch = PackedBatch.from_sequences(
+        {
+            "input_ids": [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8, 9]],
+            "loss_mask": [[0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1, 1]],
+        }
+    )
+    adv = torch.tensor([0.0] * 4 + [1.0, 3.0] + [0.0] * 4 + [2.0, -2.0, 5.0])
+    cfg = actor_config(tiny_model_dir)
+    actor = PPOActor(cfg, world_mesh(), group_size=GROUP, objective=objective)
+    actor.initialize(None)
+    logp = actor.compute_logp(batch)[0]["logp"]  # the behaviour policy: ratio 1 in the update
+    _, stats = actor.ppo_update(batch.with_fields(tokens={"logprobs": logp, "advantages": adv}))
+    actor.destroy()
+    # grpo's seq-mean-token-mean of the per-token loss, at ratio 1:
+    # clipped (the default), -A: (mean(-1, -3) + mean(-2, 2, -5)) / 2 = (-2 - 5/3) / 2 = -11/6
+    # upweighted, -A * (2 if A > 0): (mean(-2, -6) + mean(-4, 2, -10)) / 2 = (-4 - 4) / 2 = -4
+    assert cfg.loss_agg_mode == "seq-mean-token-mean"
+    assert stats["pg_loss"] == pytest.approx(pg_loss, abs=1e-4)
+    flags = {k for k in stats if k.endswith("_frac")}
+    if objective is None:
+        assert {"clip_low_frac", "clip_high_frac"} <= flags and "upweighted_frac" not in flags
+    else:  # the objective's own flag: 4 of the 5 trained tokens have A > 0
+        assert stats["upweighted_frac"] == pytest.approx(4 / 5) and "clip_low_frac" not in flags
+
+
 def _one_step_state(path, budget, **kw) -> dict:
     actor = PPOActor(
         actor_config(path, budget=budget, lr=1e-2, eps=1.0, **kw), world_mesh(), group_size=GROUP

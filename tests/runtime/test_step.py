@@ -122,6 +122,62 @@ def test_run_step_refuses_a_step_it_cannot_run_naming_each_problem():
     assert "MFC 'actor_adv' reads ['rewards', 'no_eos', 'logprobs']" in text
 
 
+class Scripted(Stand):
+    """A script's engine: two model functions the library's vocabulary does not name."""
+
+    @model_fn("probe")
+    def probe_fields(self, batch):
+        return self._add("probe_fields", batch, ("probe",))
+
+    @model_fn(trains=True)
+    def probe_train(self, batch):
+        return self._add("probe_train", batch, ())
+
+
+def test_run_step_runs_a_scripts_model_functions_named_by_strings():
+    log: list[str] = []
+    graph = [
+        MFC("probe", ACTOR, "probe_fields", ("input_ids",), ("probe",), scope="probe"),
+        MFC("probe_train", ACTOR, "probe_train", ("input_ids", "probe"), scope="loss"),
+    ]
+    tracker = StatsTracker()
+    out = run_step(graph, {ACTOR: Scripted("actor", log)}, rollout_batch(), tracker)
+    # only the one declared trains=True is followed by its engine's LR step
+    assert log == ["actor.probe_fields", "actor.probe_train", "actor.step_lr_scheduler"]
+    stats = tracker.export()
+    assert "probe" in out.tokens and stats["probe/probe_fields_stat"] == 1.0
+    assert stats["loss/probe_train_stat"] == 1.0 and "timing/probe_train" in stats
+    # a library function's name is its member: one spelling in every graph
+    assert MFC("v", CRITIC, "compute_values", ("input_ids",)).fn is ModelFn.COMPUTE_VALUES
+
+
+def test_run_step_refuses_a_method_name_no_engine_declares_in_one_line():
+    for name in ("probe_fieldz", "step_lr_scheduler"):  # a typo; a method but no model function
+        graph = [MFC("probe", ACTOR, name, ("input_ids",))]
+        with pytest.raises(ValueError) as e:
+            run_step(graph, {ACTOR: Scripted("actor", [])}, rollout_batch(), StatsTracker())
+        assert str(e.value).splitlines()[1:] == [
+            f"  - MFC 'probe' runs actor@0.{name}, but the engines given (['actor@0']) have no "
+            "such model function (a method marked @model_fn)"
+        ]
+    with pytest.raises(ValueError, match="MFC 'probe': fn '_add' is no engine method's name"):
+        MFC("probe", ACTOR, "_add", ("input_ids",))
+
+
+def test_a_library_functions_trains_declaration_must_agree_with_training_fns():
+    with pytest.raises(TypeError, match="train_lm declared trains=False, but TRAINING_FNS"):
+
+        @model_fn()
+        def train_lm(batch):
+            return batch, {}
+
+    with pytest.raises(TypeError, match="methods of one name add the same fields and train"):
+
+        @model_fn("probe", trains=True)
+        def probe_fields(batch):
+            return batch, {}
+
+
 def test_call_mfc_refuses_a_call_that_adds_other_fields_than_the_mfc_declares():
     mfc = MFC("values", CRITIC, ModelFn.COMPUTE_VALUES, ("input_ids",), ("value",))
     with pytest.raises(ValueError, match=r"added keys \['values'\] but the graph declares"):
