@@ -38,7 +38,7 @@ from areal.serving.constraints import Guide
 from areal.serving.cpu_attention import Mode
 from areal.serving.model import KVCache, Qwen2Forward
 from areal.serving.requests import FinishReason, GenerationResult, Seq, request_problems
-from areal.serving.sampler import BatchSampler, record
+from areal.serving.sampler import BatchSampler, process_stream_seed, record
 from areal.serving.sampling import SamplingParams, prompt_logprobs
 from areal.serving.slots import vacate
 from areal.serving.stop_text import StopText, decoder
@@ -90,9 +90,8 @@ class Generator:
         self.cache = KVCache(
             model.spec, max_batch_size, self.context_length, model.device, model.dtype
         )
-        # unseeded requests draw from the server's stream: torch's seed (areal serve sets it)
-        self.sampler = BatchSampler(
-            model.device, model.spec.vocab_size, self.context_length, torch.initial_seed()
+        self.sampler = BatchSampler(  # unseeded requests draw from this process's stream
+            model.device, model.spec.vocab_size, self.context_length, process_stream_seed()
         )
         self._version = version
         self._paused = False

@@ -356,8 +356,11 @@ class Qwen2Forward:
         self._build_fused()
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        var = x.pow(2).mean(-1, keepdim=True)  # F.rms_norm decomposes into more ops on CPU
-        return w * (x * torch.rsqrt(var + self.spec.eps))
+        """In fp32, then the weight in the model's dtype, as transformers' RMSNorm (in bf16 the
+        variance would lose the bits the trainer keeps); a no-op cast in fp32."""
+        xf = x.float()
+        var = xf.pow(2).mean(-1, keepdim=True)  # F.rms_norm decomposes into more ops on CPU
+        return w * (xf * torch.rsqrt(var + self.spec.eps)).to(x.dtype)
 
     def _qkv(self, h: torch.Tensor, layer: dict, cos, sin) -> tuple[torch.Tensor, ...]:
         """q (pre-scaled) and k after RoPE (Qwen3: after their per-head norms), and v:

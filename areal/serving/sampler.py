@@ -24,6 +24,7 @@ cumulative sum one.
 from __future__ import annotations
 
 import operator
+import os
 
 import torch
 
@@ -87,6 +88,13 @@ def _draw(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]
     x = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, x, right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
+
+
+def process_stream_seed() -> int:
+    """The start of this server's stream of unseeded keys: torch's seed (``areal serve`` sets it
+    from ``server.seed``) mixed with the process id, so the servers of one run (one config, one
+    seed) and a restarted server never hand two unseeded requests the same noise."""
+    return torch.initial_seed() ^ (os.getpid() << 24)
 
 
 class BatchSampler:

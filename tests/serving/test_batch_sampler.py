@@ -283,3 +283,24 @@ def test_a_request_its_client_cancels_leaves_the_batch_at_that_step(generator):
         time.sleep(0.01)
     assert futures[0].cancelled() and generator.load()["running"] == 0
     assert 3 <= len(seen) < 10  # it ended at the step it was cancelled in (or the first after)
+
+
+def test_two_server_processes_of_one_seed_draw_different_unseeded_keys():
+    """The launcher gives every server of a run the same server.seed; each process's stream of
+    unseeded keys must still differ (else a prompt sent to two servers gets one completion)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import torch; torch.manual_seed(0)\n"
+        "from areal.serving.sampler import BatchSampler, process_stream_seed\n"
+        "b = BatchSampler(torch.device('cpu'), 8, 16, process_stream_seed())\n"
+        "print([b.key(None) for _ in range(3)])\n"
+    )
+    runs = [
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        for _ in range(2)
+    ]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-500:] for r in runs]
+    first, second = (r.stdout.strip() for r in runs)
+    assert first != second

@@ -232,3 +232,21 @@ def test_areal_serve_of_an_unserved_family_is_one_line_and_exit_2(tiny_model_dir
     assert len(lines) == 1 and "model_type 'qwen3_moe'" in lines[0], lines
     assert "qwen2, qwen3, llama" in lines[0] and "rollout.backend=vllm|sglang" in lines[0]
     assert "listening" not in proc.stdout
+
+
+def test_rms_norm_in_bf16_equals_transformers_rmsnorm():
+    """The server's norms (layer norms, Qwen3's per-head q/k norms) compute the variance in fp32
+    as transformers does, so a bf16 server's logprobs do not drift from the trainer's there."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from areal.serving.model import Qwen2Forward
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 3, 64, generator=gen) * 30).to(torch.bfloat16)
+    hf = Qwen3RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        hf.weight.copy_(torch.rand(64, generator=gen) + 0.5)
+        ours = Qwen2Forward._rms_norm(SimpleNamespace(spec=SimpleNamespace(eps=1e-6)), x, hf.weight)
+        assert torch.equal(ours, hf(x))

@@ -79,8 +79,9 @@ class GenerationServerConfig:
     seed: int = param(
         0,
         ge=0,
-        help="Seeds the server's stream of sampling keys for requests without a seed (a seeded "
-        "request draws from its own seed, the same alone or in a batch).",
+        help="Seeds the server's stream of sampling keys for requests without a seed, mixed "
+        "with the process id so the servers of a run differ (a seeded request draws from its own "
+        "seed, the same alone or in a batch).",
     )
     weight_version: int = param(
         0,
