@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pyast
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +60,7 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(path: Path, module: str) -> list[tuple[int, str]]:
-    tree = ast.parse(path.read_text(), str(path))
+    tree = pyast.parse(path.read_text(), str(path))
     pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     out = []
     type_only = {
@@ -118,7 +119,7 @@ def test_files_and_functions_stay_within_budget():
         n_lines = text.count("\n") + 1
         if n_lines > MAX_FILE_LINES and rel not in EXEMPT:
             problems.append(f"{rel}: {n_lines} lines > {MAX_FILE_LINES}")
-        for node in ast.walk(ast.parse(text, rel)):
+        for node in ast.walk(pyast.parse(text, rel)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 size = node.end_lineno - node.lineno + 1
                 if size > MAX_FUNCTION_LINES and f"{rel}::{node.name}" not in EXEMPT:
@@ -152,7 +153,7 @@ def test_launch_env_variables_are_named_only_in_the_launch_contract():
     for path in SOURCES:
         if path == contract:
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(pyast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Constant) and node.value in names:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} names {node.value!r}")
     assert not found, "use the names in areal/api/launch.py:\n" + "\n".join(found)
@@ -178,7 +179,7 @@ def test_tensor_collectives_go_through_the_device_aware_door():
     for path in SOURCES:
         if path.name == "comm.py" and path.parent.name == "utils":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(pyast.parse(path.read_text())):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
@@ -215,7 +216,7 @@ def _areal_imports(path: Path, module: str, known: set[str]) -> set[str]:
     (not under ``if TYPE_CHECKING``: annotations only). ``from pkg import mod`` names the module
     ``pkg.mod`` when that is a file."""
     pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    tree = ast.parse(path.read_text(), str(path))
+    tree = pyast.parse(path.read_text(), str(path))
     type_only = {
         id(n)
         for block in ast.walk(tree)

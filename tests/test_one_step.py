@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pyast
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted([*ROOT.glob("areal/**/*.py"), *ROOT.glob("examples/**/*.py")])
 # The step's model functions (areal.api.mfc.ModelFn): only the runner calls them, by name.
@@ -25,7 +27,7 @@ LR_STEP = "step_lr_scheduler"
 def _method_calls(path: Path, names: set[str], root: Path = ROOT) -> list[str]:
     """``file:line .name(`` of every ``x.name(...)`` call in ``path`` with ``name`` in
     ``names`` (``file`` relative to ``root``)."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = pyast.parse(path.read_text(), str(path))
     rel = path.relative_to(root)
     return [
         f"{rel}:{node.lineno} .{node.func.attr}("
