@@ -322,7 +322,7 @@ COMMANDS: tuple[Command, ...] = (
         _arg("--size", choices=["tiny", "small"], default="tiny", help="tiny ~3M, small ~25M"),
         _arg("--family", choices=list(TINY_FAMILIES), default="qwen2",
              help="architecture (areal/utils/tiny_model.py); the embedded generation server "
-                  "serves qwen2 only so far"),
+                  "serves each"),
         _arg("--seed", type=int, default=0, help="init seed"),
     )),
     Command("dpo-pairs", "sample DPO preference pairs from a model on arithmetic (offline)",

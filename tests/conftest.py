@@ -122,11 +122,11 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_family_dirs(tmp_path_factory, tiny_model_dir) -> dict[str, str]:
     """The tiny model (seed 0) of each family the embedded server serves, by ``model_type``:
-    qwen2 is ``tiny_model_dir``; qwen3 and llama are built here (~1 s each)."""
+    qwen2 is ``tiny_model_dir``; qwen3, llama and qwen3_moe are built here (~1 s each)."""
     from areal.utils.tiny_model import build_tiny_model
 
     dirs = {"qwen2": tiny_model_dir}
-    for family in ("qwen3", "llama"):
+    for family in ("qwen3", "llama", "qwen3_moe"):
         out = tmp_path_factory.mktemp(f"tiny_{family}")
         dirs[family] = str(build_tiny_model(out, size="tiny", seed=0, family=family))
     return dirs

@@ -1,9 +1,10 @@
 """A functional decoder forward over Hugging Face weights, with a per-slot static KV cache.
 
 One forward serves every family of the architecture table (:mod:`.families`: Qwen2, Qwen3,
-Llama 3): they share the decoder (RMSNorm, grouped-query attention with RoPE, SwiGLU MLP) and
-HF's weight names, and differ in what :class:`~.families.Architecture` says (biases, Qwen3's
-per-head q/k norms, head_dim, the rope type, a tied head).
+Llama 3, Qwen3-MoE): they share the decoder (RMSNorm, grouped-query attention with RoPE, SwiGLU
+MLP) and HF's weight names, and differ in what :class:`~.families.Architecture` says (biases,
+Qwen3's per-head q/k norms, head_dim, the rope type, a tied head, Qwen3-MoE's sparse layers:
+:mod:`.moe`).
 
 Why not ``model.forward`` with a transformers cache: continuous batching needs each row of the
 batch at its own position, rows joining and leaving between steps, and no per-step cache
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from areal.serving.cpu_attention import Mode, load_decode_attention
 from areal.serving.families import architecture_of
+from areal.serving.moe import SparseMoe, per_expert, stack_experts
 
 ATTENTION_RUN = 16  # slots per decode-attention run of the matmul path (Qwen2Forward._decode_runs)
 
@@ -226,9 +228,15 @@ class Qwen2Forward:
         self.kernel = load_decode_attention(cpu_attention, self.device, dtype)
         # Slots per attention run; None = one run per step (the kernel reads exact lengths).
         self.attention_run: int | None = None if self.kernel else ATTENTION_RUN
+        params, problems = per_expert(params)  # fused experts (a trainer's files) -> HF's names
+        if problems:
+            raise ValueError("; ".join(problems))
         self.params: dict[str, torch.Tensor] = {}
         for name, t in params.items():
             self.params[name] = t.to(device=self.device, dtype=dtype).contiguous()
+        # sparse layer -> its experts stacked (gate_up [E, 2I, H], down [E, H, I]); self.params'
+        # per-expert weights are views into them
+        self.expert_stacks = stack_experts(self.params, self.spec.arch.experts)
         if "lm_head.weight" not in self.params and not self.spec.tie_word_embeddings:
             raise ValueError("weights have no lm_head.weight and tie_word_embeddings is false")
         self._build_fused()
@@ -259,7 +267,8 @@ class Qwen2Forward:
         return cls(config, params, device, dtype, cpu_attention)
 
     def _build_fused(self) -> None:
-        """Concatenate q/k/v and gate/up weights so each is one matmul per layer, then pack them.
+        """Concatenate q/k/v and gate/up weights so each is one matmul per layer, then pack them
+        (a sparse layer's experts: :meth:`_mlp_weights`).
 
         Attention's 1/sqrt(head_dim) is folded into q (RoPE is linear, so scaling first is exact):
         into the q rows of the weights and bias, or with per-head q/k norms (Qwen3), into the q
@@ -271,7 +280,7 @@ class Qwen2Forward:
         self.layers = []
         for i in range(s.n_layers):
             pre = f"model.layers.{i}."
-            att, mlp = pre + "self_attn.", pre + "mlp."
+            att = pre + "self_attn."
             qkv_b = qk_norm = o_b = None
             if s.arch.qkv_bias:
                 qkv_b = torch.cat(
@@ -295,23 +304,32 @@ class Qwen2Forward:
                     qk_norm=qk_norm,
                     o_w=pack(p[att + "o_proj.weight"]),
                     o_b=o_b,
-                    gate_up_w=pack(
-                        torch.cat([p[mlp + f"{x}_proj.weight"] for x in ("gate", "up")])
-                    ),
-                    down_w=pack(p[mlp + "down_proj.weight"]),
+                    **self._mlp_weights(i),
                 )
             )
         self.embed = p["model.embed_tokens.weight"]
         self.final_norm = p["model.norm.weight"]
         self.lm_head = pack(p.get("lm_head.weight", self.embed))
 
+    def _mlp_weights(self, i: int) -> dict:
+        """Layer ``i``'s MLP: its router and stacked experts (``experts``) if sparse, else the
+        fused gate/up and the down weights, packed."""
+        p, pack, mlp = self.params, self.ops.pack, f"model.layers.{i}.mlp."
+        if i in self.expert_stacks:
+            gate_up, down = self.expert_stacks[i]
+            experts = self.spec.arch.experts
+            assert experts is not None  # expert_stacks holds sparse layers only
+            return dict(experts=SparseMoe(p[mlp + "gate.weight"], gate_up, down, experts))
+        gate_up = torch.cat([p[mlp + f"{x}_proj.weight"] for x in ("gate", "up")])
+        return dict(experts=None, gate_up_w=pack(gate_up), down_w=pack(p[mlp + "down_proj.weight"]))
+
     @torch.no_grad()
     def check_weights(self, named: dict[str, torch.Tensor], complete: bool = False) -> list[str]:
         """Problems that make ``named`` unloadable: unknown names, wrong shapes, tensors that are
         not floating point, values that are NaN or inf once cast to the model's dtype (1e300 in
         float64 is finite, inf in float32), and with ``complete`` the weights it lacks (a
-        partial state dict)."""
-        problems = []
+        partial state dict). Experts may come fused per layer, as transformers 5 holds them."""
+        named, problems = per_expert(named)
         for name, t in named.items():
             if (
                 name == "lm_head.weight"
@@ -350,7 +368,7 @@ class Qwen2Forward:
     def assign_weights(self, named: dict[str, torch.Tensor]) -> None:
         """Replace (a subset of) weights by HF name; ``named`` has passed
         :meth:`require_loadable` (the generator checks off its scheduler thread)."""
-        for name, t in named.items():
+        for name, t in per_expert(named)[0].items():
             if name in self.params:
                 self.params[name].copy_(t.to(self.device, self.dtype))
         self._build_fused()
@@ -376,6 +394,8 @@ class Qwen2Forward:
 
     def _mlp_block(self, h: torch.Tensor, layer: dict) -> torch.Tensor:
         x = self._rms_norm(h, layer["ln2"])
+        if layer["experts"] is not None:  # a sparse layer (Qwen3-MoE)
+            return h + layer["experts"](x)
         gate, up = self.ops.linear(x, layer["gate_up_w"]).chunk(2, dim=-1)
         return self.ops.linear_add(F.silu(gate) * up, layer["down_w"], h)
 

@@ -1,7 +1,7 @@
 """Build a tiny Hugging Face model directory for tests and the embedded demo: a random model of
 one family (Qwen2, the default; Qwen3 with its q/k norms; Llama 3.1 with an untied head and llama3
 rope scaling; Qwen3-MoE with 8 experts, 2 per token), all with one tokenizer. The embedded server
-serves all but Qwen3-MoE.
+serves all four.
 
 The tokenizer is byte-level BPE with no merges, laid out like Qwen2's (ByteLevel pre-tokenizer and
 decoder, ChatML special tokens), so it round-trips any text even when transformers 5.x forces

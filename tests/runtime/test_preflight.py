@@ -71,17 +71,19 @@ def test_a_model_family_the_embedded_servers_do_not_serve_is_refused_before_laun
     import shutil
     from pathlib import Path
 
-    moe = tmp_path / "moe"
-    shutil.copytree(tiny_model_dir, moe)
-    config = json.loads((moe / "config.json").read_text())
-    (moe / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_moe"}))
-    problems = _problems(tmp_path, f"actor.path={moe}")
-    assert len(problems) == 1 and problems[0].startswith(f"actor.path: {str(moe)!r}: "), problems
-    assert "model_type 'qwen3_moe'" in problems[0] and "qwen2, qwen3, llama" in problems[0]
+    unserved = tmp_path / "unserved"
+    shutil.copytree(tiny_model_dir, unserved)
+    config = json.loads((unserved / "config.json").read_text())
+    (unserved / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    problems = _problems(tmp_path, f"actor.path={unserved}")
+    assert len(problems) == 1 and problems[0].startswith(f"actor.path: {str(unserved)!r}: "), (
+        problems
+    )
+    assert "model_type 'gpt2'" in problems[0] and "qwen2, qwen3, llama, qwen3_moe" in problems[0]
     assert "rollout.backend=vllm|sglang" in problems[0]
     # another backend serves it: no problem here (vLLM/SGLang check their own models)
     vllm = ["rollout.backend=vllm", "rollout.served_model_name=m"]
-    assert _problems(tmp_path, f"actor.path={moe}", *vllm) == []
+    assert _problems(tmp_path, f"actor.path={unserved}", *vllm) == []
     assert _problems(tmp_path, f"actor.path={Path(tiny_model_dir)}") == []
 
 

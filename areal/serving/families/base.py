@@ -2,7 +2,8 @@
 not serve.
 
 Every family here is a pre-norm decoder: RMSNorm, grouped-query attention with rotary position
-embeddings, a SwiGLU MLP, RMSNorm, a (tied or untied) head, with Hugging Face's weight names
+embeddings, a SwiGLU MLP (or, in a sparse layer, a routed mixture of SwiGLU experts: Qwen3-MoE),
+RMSNorm, a (tied or untied) head, with Hugging Face's weight names
 (``model.layers.{i}.self_attn.q_proj.weight``, ...). A family module says how its config.json
 spells the few places where families differ (:class:`Architecture`).
 """
@@ -35,6 +36,17 @@ def refuse(what: str, served: str) -> UnsupportedModel:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """The sparse MoE layers of a model (Qwen3-MoE): each token's MLP is the weighted sum of the
+    SwiGLU experts its router ranks highest (:mod:`areal.serving.moe`)."""
+
+    n_experts: int  # experts per sparse layer
+    top_k: int  # experts each token is routed to
+    norm_topk_prob: bool  # the top-k router probabilities are renormalised to sum to 1
+    sparse_layers: frozenset[int]  # layers whose MLP is the experts; the others are dense
+
+
+@dataclass(frozen=True)
 class Architecture:
     """How one model departs from the shared decoder, read from its config.json."""
 
@@ -43,6 +55,7 @@ class Architecture:
     o_bias: bool  # o_proj carries a bias (attention_bias=true in Qwen3 and Llama)
     qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
     rope: Rope
+    experts: Experts | None = None  # the sparse MoE layers (Qwen3-MoE); None: every MLP dense
 
 
 def check_dense_decoder(config: dict) -> None:
