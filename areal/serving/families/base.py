@@ -70,3 +70,10 @@ def check_dense_decoder(config: dict) -> None:
     other = sorted(set(config.get("layer_types") or ["full_attention"]) - {"full_attention"})
     if other:
         raise refuse(f"layer_types {other}", "it serves 'full_attention' layers")
+
+
+def head_dim(config: dict) -> int:
+    """config.json's ``head_dim``, else hidden / heads (transformers' default for Qwen2, Llama
+    and Qwen3-MoE; dense Qwen3's default differs)."""
+    heads = int(config["num_attention_heads"])
+    return int(config.get("head_dim") or int(config["hidden_size"]) // heads)

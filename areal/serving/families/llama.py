@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from areal.serving.families.base import Architecture, check_dense_decoder, refuse
+from areal.serving.families.base import Architecture, check_dense_decoder, head_dim, refuse
 from areal.serving.families.rope import read_rope
 
 MODEL_TYPE = "llama"
@@ -17,9 +17,8 @@ def architecture(config: dict) -> Architecture:
     if config.get("mlp_bias"):
         raise refuse("mlp_bias=true", "its MLP projections carry no bias")
     bias = bool(config.get("attention_bias", False))
-    heads = int(config["num_attention_heads"])
     return Architecture(
-        head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+        head_dim=head_dim(config),
         qkv_bias=bias,
         o_bias=bias,
         qk_norm=False,

@@ -3,7 +3,7 @@ heads unless config.json names one."""
 
 from __future__ import annotations
 
-from areal.serving.families.base import Architecture, check_dense_decoder
+from areal.serving.families.base import Architecture, check_dense_decoder, head_dim
 from areal.serving.families.rope import read_rope
 
 MODEL_TYPE = "qwen2"
@@ -12,9 +12,8 @@ MODEL_TYPE = "qwen2"
 def architecture(config: dict) -> Architecture:
     """Qwen2's departures from the shared decoder, read from ``config`` (config.json)."""
     check_dense_decoder(config)
-    heads = int(config["num_attention_heads"])
     return Architecture(
-        head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+        head_dim=head_dim(config),
         qkv_bias=True,
         o_bias=False,
         qk_norm=False,

@@ -8,7 +8,7 @@ not dense Qwen3's 128). The defaults of the MoE fields are transformers'."""
 
 from __future__ import annotations
 
-from areal.serving.families.base import Architecture, Experts, check_dense_decoder, refuse
+from areal.serving.families.base import Architecture, Experts, check_dense_decoder, head_dim, refuse
 from areal.serving.families.rope import read_rope
 
 MODEL_TYPE = "qwen3_moe"
@@ -40,9 +40,8 @@ def architecture(config: dict) -> Architecture:
     """Qwen3-MoE's departures from the shared decoder, read from ``config`` (config.json)."""
     check_dense_decoder(config)
     bias = bool(config.get("attention_bias", False))
-    heads = int(config["num_attention_heads"])
     return Architecture(
-        head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+        head_dim=head_dim(config),
         qkv_bias=bias,
         o_bias=bias,
         qk_norm=True,
