@@ -20,7 +20,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from areal.algo.dpo import PairLogps, preference_loss, reward_stats
-from areal.algo.logprob import packed_token_logprobs
+from areal.algo.logprob import TokenLogprobs
 from areal.algo.segments import segment_sum
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.config.experiments import DPOLossConfig
@@ -101,12 +101,10 @@ class DPOEngine(FSDPEngine):
         self.needs_ref = loss.loss_type != "simpo"
 
     def _pair_loss(
-        self, logits: torch.Tensor, mb: PackedBatch
+        self, tokens: TokenLogprobs, mb: PackedBatch
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Mean preference loss over the micro-batch's pairs; ``logits`` [T, V]."""
-        logp, _ = packed_token_logprobs(
-            logits, mb["input_ids"], mb.cu_seqlens, 1.0, self.config.logprob_chunk_size
-        )  # [T]
+        """Mean preference loss over the micro-batch's pairs (token logprobs at temperature 1)."""
+        logp = tokens.logp  # [T]
         pairs = pair_logps(sequence_logp(logp, mb), mb, self.needs_ref)
         cfg = self.loss
         losses, chosen, rejected = preference_loss(
@@ -122,7 +120,7 @@ class DPOEngine(FSDPEngine):
         """One optimizer step on pairs; stats loss, reward_acc, margin, chosen/rejected reward
         and logp (means over the global batch's pairs), grad_norm, lr."""
         self._check(batch)
-        return batch, self.train_batch(batch, self._pair_loss, lambda mb: mb.n_seqs / 2)
+        return batch, self.train_token_batch(batch, self._pair_loss, lambda mb: mb.n_seqs / 2)
 
     def evaluate_dpo(self, batch: PackedBatch) -> ModelFnResult:
         """Stats ``loss``, ``reward_acc``, ``margin`` and ``n_pairs`` of ``batch`` under the

@@ -6,11 +6,12 @@ holds one stage; :mod:`areal.engine.pipeline`).
 Every rank runs the same calls (SPMD); each data-parallel rank passes its own share of the global
 batch (the tp ranks of one dp rank pass the same share).
 
-Packed forward. A micro-batch is one 1-D row of concatenated sequences with per-sequence
-position ids and no padding. Attention is restricted to each sequence by the ``areal_varlen``
-attention function (:mod:`areal.engine.attention`: one causal SDPA call per sequence, like
-flash-attention's varlen kernel), so no ``[T, T]`` mask is ever built; it is numerically the
-same as running each sequence alone. With ``shared_prefix`` (RL batches whose groups share a
+Packed forward (:mod:`areal.engine.lm_forward`). A micro-batch is one 1-D row of concatenated
+sequences with per-sequence position ids and no padding. Attention is restricted to each
+sequence by the ``areal_varlen`` attention function (:mod:`areal.engine.attention`: one causal
+SDPA call per sequence, like flash-attention's varlen kernel, or one FlexAttention call with a
+document mask), so no ``[T, T]`` mask is ever built; it is numerically the same as running each
+sequence alone. With ``shared_prefix`` (RL batches whose groups share a
 prompt) a group's prompt runs once and its completions attend to it through a small per-group
 mask (:mod:`areal.utils.prefix`); the logits are gathered back into the plain layout, so losses
 and hooks never see the difference, and a group's ``n`` prompt copies cost one.
@@ -24,10 +25,14 @@ collectives must match); a rank with fewer runs its first micro-batch again with
 Peak memory per micro-batch of ``T`` tokens (fp32, ``L`` layers, hidden ``H``, vocab ``V``):
 sharded parameters + gradients + 2 AdamW moments (``16 * N / world`` bytes), one all-gathered
 layer at a time, activations ``~ L * T * (c * H)`` (``c`` ~ 20 without gradient checkpointing;
-only layer inputs ``L * T * H`` with it), and the logits ``T * V * 4`` bytes plus their softmax
-in the loss (with ``shared_prefix`` also the row's own ``S * V * 4``, ``S <= T``). Logits of the
-whole batch are never held: ``forward`` reduces each micro-batch's
+only layer inputs ``L * T * H`` with full ``activation_checkpointing``; :mod:`areal.engine.blocks`),
+and for a loss of token logprobs (:meth:`FSDPEngine.train_token_batch`, :meth:`compute_logp`)
+with ``fused_logprobs`` a few ``[chunk, V]`` float32 buffers; otherwise the logits ``T * V * 4``
+bytes plus their softmax in the loss (with ``shared_prefix`` also the row's own ``S * V * 4``,
+``S <= T``). Logits of the whole batch are never held: ``forward`` reduces each micro-batch's
 ``[T, V]`` logits through ``post_hook`` before the next micro-batch runs.
+Mixed precision: float32 master weights and AdamW state (``dtype``), compute in ``param_dtype``
+(bf16 on GPU), gradients reduced in ``reduce_dtype`` (fp32); docs/gpus.md#mixed-precision.
 
 LoRA (``config.lora.rank > 0``; :mod:`areal.engine.lora`): the model is wrapped by peft before
 sharding, only the adapters (and a value head) require grad and get optimizer state, DCP
@@ -36,7 +41,6 @@ checkpoints hold only them, and everything exported (HF dirs, weight updates) is
 
 from __future__ import annotations
 
-import warnings
 from collections import defaultdict
 from typing import cast
 
@@ -58,19 +62,18 @@ from transformers import (
     PreTrainedModel,
 )
 
-from areal.algo.logprob import packed_token_logprobs
+from areal.algo.logprob import TokenLogprobs, TokenLossFn
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.engine import LossFn, LossWeightFn, ModelFnResult, PostHook, TrainEngine
 from areal.api.io import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal.api.mfc import model_fn
-from areal.engine import checkpoint, lora, pipeline
-from areal.engine.attention import ATTN_IMPL
+from areal.engine import blocks, checkpoint, lm_forward, lora, pipeline
+from areal.engine.attention import ATTN_IMPL, resolve_attention
 from areal.engine.lr_schedule import build_lr_scheduler
 from areal.engine.tensor_parallel import apply_tensor_parallel
 from areal.utils import weight_sync
 from areal.utils.batch import MicroBatches, PackedBatch, split_microbatches
 from areal.utils.comm import all_reduce
-from areal.utils.prefix import share_prefixes
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -141,6 +144,14 @@ class FSDPEngine(TrainEngine):
         self.version = 0
         self.global_step = 0  # optimizer steps taken (skipped non-finite steps included)
         self._weight_group: dist.ProcessGroup | None = None
+        self.spec = lm_forward.ForwardSpec(
+            self.device,
+            config.shared_prefix,
+            resolve_attention(config.attention, self.device),
+            temperature,
+            config.logprob_chunk_size,
+        )
+        self.fused = False  # initialize turns it on where the layout allows
 
     # ------------------------------------------------------------------------------ setup
 
@@ -177,8 +188,7 @@ class FSDPEngine(TrainEngine):
         kwargs = {"attn_implementation": ATTN_IMPL, "dtype": _dtype(cfg.dtype)}
 
         def prepared(model: PreTrainedModel) -> PreTrainedModel:
-            if cfg.gradient_checkpointing:
-                model.activation_checkpointing_enable({"use_reentrant": False})
+            blocks.apply_checkpointing(model, cfg.activation_checkpointing)
             return model
 
         with torch.random.fork_rng(devices=[]):
@@ -217,8 +227,17 @@ class FSDPEngine(TrainEngine):
         layers = pipeline.decoder_layers(lora.base_model(model))
         if self.tp_mesh is not None:
             apply_tensor_parallel(model, self.tp_mesh)
+        if blocks.resolve_compile(self.config.compile, self.device):
+            blocks.compile_blocks(layers)
         for module in [*layers, model]:
             fully_shard(module, mesh=self.dp_mesh, mp_policy=mp, offload_policy=offload)
+        # the fused head needs the root's plain (dp-sharded) head weight and the whole model:
+        # tp's head is a replicated DTensor and a pp stage sees logits, so both keep the logits
+        layout_ok = self.head == "lm" and self.tp_mesh is None and self.pp_mesh is None
+        self.fused = self.config.fused_logprobs and layout_ok
+        self.fused = self.fused and lm_forward.fused_head_refusal(model) is None
+        if self.fused:
+            lm_forward.install_fused_head(model)
         if self.pp_mesh is not None:
             assert isinstance(model, pipeline.StageModule)  # _build_model made it
             self.pipe = pipeline.Pipeline(
@@ -228,38 +247,14 @@ class FSDPEngine(TrainEngine):
     # ------------------------------------------------------------------------------ compute
 
     def _logits(self, mb: PackedBatch) -> torch.Tensor:
-        """Packed forward of one micro-batch: fp32 logits ``[T, V]`` (or values ``[T, 1]``).
+        """Packed forward of one micro-batch: fp32 logits ``[T, V]`` (or values ``[T, 1]``)."""
+        return lm_forward.packed_logits(self.model, mb, self.spec)
 
-        With ``shared_prefix`` a group's shared prompt runs once (:mod:`areal.utils.prefix`);
-        the logits come back in the plain layout either way."""
-        row = share_prefixes(mb) if self.config.shared_prefix else None
-        with warnings.catch_warnings():
-            # FSDP2 warns that the value model's output is a view, on which an in-place op would
-            # skip the backward all-gather. Nothing here modifies it in place (indexing, .float()),
-            # and its gradients equal the unsharded model's (tests/engine/test_rw.py).
-            warnings.filterwarnings(
-                "ignore", message="FSDP2-wrapped module .* returned a view tensor"
-            )
-            if row is None:
-                mb = mb.to(self.device)
-                out = self.model(
-                    input_ids=mb["input_ids"][None],
-                    position_ids=mb.position_ids()[None],
-                    cu_seqlens=mb.cu_seqlens.cpu(),
-                    use_cache=False,
-                )
-                return out.logits[0].float()
-            segments = [
-                (s, e, None if m is None else m.to(self.device))
-                for (s, e), m in zip(row.bounds, row.masks)
-            ]
-            out = self.model(
-                input_ids=row.input_ids.to(self.device)[None],
-                position_ids=row.position_ids.to(self.device)[None],
-                areal_segments=segments,
-                use_cache=False,
-            )
-        return out.logits[0].float()[row.index.to(self.device)]
+    def _token_logprobs(self, mb: PackedBatch) -> TokenLogprobs:
+        """Token logprobs and entropies of one micro-batch at this engine's temperature."""
+        if self.fused:
+            return lm_forward.fused_token_logprobs(self.model, mb, self.spec)
+        return lm_forward.from_logits(self._logits(mb), mb, self.spec)
 
     def _split(self, batch: PackedBatch) -> tuple[MicroBatches, int]:
         """Micro-batches of this rank and the number every rank will run (the max over ranks)."""
@@ -284,6 +279,23 @@ class FSDPEngine(TrainEngine):
     ) -> dict[str, float]:
         """One optimizer step over ``batch``; returns weighted loss stats, grad_norm, lr,
         skipped."""
+        return self._train(batch, loss_fn, loss_weight_fn, self._logits)
+
+    def train_token_batch(
+        self, batch: PackedBatch, loss_fn: TokenLossFn, loss_weight_fn: LossWeightFn
+    ) -> dict[str, float]:
+        """:meth:`train_batch` for a loss of the tokens' logprobs and entropies at this engine's
+        temperature (:class:`TokenLogprobs`); with ``fused_logprobs`` no logits are built."""
+        if self.head != "lm":
+            raise ValueError(f"token logprobs need an LM head; this engine has head={self.head!r}")
+        if self.pipe is not None:  # the last stage's loss gets logits from the schedule
+            on_logits = lambda x, mb: loss_fn(lm_forward.from_logits(x, mb, self.spec), mb)  # noqa: E731
+            return self._train(batch, on_logits, loss_weight_fn, self._logits)
+        return self._train(batch, loss_fn, loss_weight_fn, self._token_logprobs)
+
+    def _train(self, batch, loss_fn, loss_weight_fn: LossWeightFn, inputs) -> dict[str, float]:
+        """One optimizer step: ``loss_fn(inputs(mb), mb)`` per micro-batch (``inputs``: logits or
+        token logprobs; with a pipeline ``loss_fn`` takes logits)."""
         self.model.train()
         mbs, n_run = self._split(batch)
         weights = [float(loss_weight_fn(mb)) for mb in mbs.mbs]
@@ -299,7 +311,7 @@ class FSDPEngine(TrainEngine):
             n_run = max(n_run, self.pipe.n_stages)
             sums = self.pipe.train(mbs.mbs, n_run, weights, loss_fn, scale)
         else:
-            sums = self._accumulate(mbs, n_run, weights, scale, loss_fn)
+            sums = self._accumulate(mbs, n_run, weights, scale, loss_fn, inputs)
         keys = sorted(sums)
         reduced = self._all_reduce_sum([sums[k] for k in keys])
         result = {k: v / total for k, v in zip(keys, reduced)}
@@ -308,7 +320,7 @@ class FSDPEngine(TrainEngine):
         return result
 
     def _accumulate(
-        self, mbs: MicroBatches, n_run: int, weights: list[float], scale: float, loss_fn: LossFn
+        self, mbs: MicroBatches, n_run: int, weights: list[float], scale: float, loss_fn, inputs
     ) -> dict[str, float]:
         """Forward and backward of each micro-batch (weight-0 copies of the first after the
         real ones); the weighted sums of loss and stats."""
@@ -317,7 +329,7 @@ class FSDPEngine(TrainEngine):
             real = i < len(mbs.mbs)
             mb = mbs.mbs[i if real else 0]
             w = weights[i] if real else 0.0
-            loss, stats = loss_fn(self._logits(mb), mb.to(self.device))  # logits are on the device
+            loss, stats = loss_fn(inputs(mb), mb.to(self.device))  # inputs are on the device
             (loss * (w * scale)).backward()
             sums["loss"] += w * float(loss.detach())
             for k, v in stats.items():
@@ -351,6 +363,9 @@ class FSDPEngine(TrainEngine):
     @torch.no_grad()
     def forward(self, batch: PackedBatch, post_hook: PostHook) -> torch.Tensor:
         """Micro-batched forward; ``post_hook(logits [T_mb, V], mb)`` outputs, in batch order."""
+        return self._forward(batch, post_hook, self._logits)
+
+    def _forward(self, batch: PackedBatch, post_hook, inputs) -> torch.Tensor:
         self.model.eval()
         mbs, n_run = self._split(batch)
         if self.pipe is not None:
@@ -361,7 +376,7 @@ class FSDPEngine(TrainEngine):
         for i in range(n_run):
             real = i < len(mbs.mbs)
             mb = mbs.mbs[i if real else 0]
-            out = post_hook(self._logits(mb), mb.to(self.device))
+            out = post_hook(inputs(mb), mb.to(self.device))
             if real:
                 per_seq.append(torch.split(out, mb.seqlens.tolist()))
         return torch.cat(mbs.restore_order(per_seq))
@@ -373,14 +388,12 @@ class FSDPEngine(TrainEngine):
         weights at this engine's temperature (0 at each sequence's first token)."""
         if self.head != "lm":
             raise ValueError(f"compute_logp needs an LM head; this engine has head={self.head!r}")
-        chunk = self.config.logprob_chunk_size
-
-        def hook(logits: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
-            return packed_token_logprobs(
-                logits, mb["input_ids"], mb.cu_seqlens, self.temperature, chunk
-            )[0]
-
-        return batch.with_fields(tokens={out: self.forward(batch, hook)}), {}
+        if self.pipe is not None:  # the last stage hooks logits from the schedule
+            hook = lambda x, mb: lm_forward.from_logits(x, mb, self.spec).logp  # noqa: E731
+            logp = self._forward(batch, hook, self._logits)
+        else:
+            logp = self._forward(batch, lambda x, mb: x.logp, self._token_logprobs)
+        return batch.with_fields(tokens={out: logp}), {}
 
     def step_lr_scheduler(self) -> None:
         """Advance the LR schedule by one step."""
@@ -467,19 +480,16 @@ class FSDPEngine(TrainEngine):
         """
         if self.first:
             self._weight_group = weight_sync.init_weight_update_group(
-                meta.master_address, meta.master_port, 0, world_size, meta.backend
-            )
+                meta.master_address, meta.master_port, 0, world_size, meta.backend,
+                meta.timeout, meta.group_name,
+            )  # fmt: skip
 
     def weight_announcement(self) -> dict[str, list]:
         """``names``/``dtypes``/``shapes`` of what :meth:`update_weights` broadcasts, in order.
 
         The client sends this with ``/update_weights_from_distributed``; no collective.
         """
-        return {
-            "names": [s.name for s in self._weight_specs()],
-            "dtypes": [weight_sync.dtype_name(s.dtype) for s in self._weight_specs()],
-            "shapes": [list(s.shape) for s in self._weight_specs()],
-        }
+        return weight_sync.spec_announcement(self._weight_specs())
 
     def _export_plan(self, state: dict[str, torch.Tensor]) -> dict[str, lora.Source]:
         """HF name -> where it comes from in ``state`` (LoRA: the merged ``W + s * B @ A``)."""
@@ -504,10 +514,9 @@ class FSDPEngine(TrainEngine):
         ``disk``: write an HF dir at ``meta.path`` (atomically; ``areal_meta.json`` holds
         ``meta.version``); the client then calls the servers' ``/update_weights_from_disk``.
         ``distributed``: broadcast every tensor of :meth:`weight_announcement` over the group
-        joined with :meth:`init_weight_update_group`, in the buckets of
-        :func:`areal.utils.weight_sync.plan_buckets`, while the client has the servers receive
-        via ``/update_weights_from_distributed``. Full tensors are all-gathered one bucket at a
-        time, so at most one bucket is unsharded at once. Collective over trainer ranks.
+        of :meth:`init_weight_update_group` (byte buckets, or per tensor), while the client has
+        the servers receive. ``ipc``: share them with ``meta.send_shared``. Full tensors are
+        all-gathered one bucket at a time. Collective over trainer ranks.
         """
         if meta.type == "disk":
             if not meta.path:
@@ -522,32 +531,34 @@ class FSDPEngine(TrainEngine):
                 {"version": meta.version},
                 self.mesh_group,
             )
-        elif meta.type == "distributed":
-            specs = self._weight_specs()  # refuses a pipelined model first
-            if self.first and self._weight_group is None:
-                raise RuntimeError(
-                    "update_weights(type='distributed') before init_weight_update_group()"
-                )
-            state = self.model.state_dict()
-            plan = self._export_plan(state)
-            device = self.device if meta.backend == "nccl" else torch.device("cpu")
-            scaling = self.config.lora.alpha / max(self.config.lora.rank, 1)
-            full = lambda key: self._full_tensor(state[key])  # noqa: E731
-            for bucket in weight_sync.plan_buckets(specs, meta.bucket_bytes):
-                named = [
-                    (
-                        specs[i].name,
-                        lora.merged_tensor(plan[specs[i].name], full, scaling).to(device),
-                    )
-                    for i in bucket
-                ]
-                if self._weight_group is not None:
-                    weight_sync.broadcast_weights(named, self._weight_group, meta.bucket_bytes)
-            dist.barrier(group=self.mesh_group)
+        elif meta.type in ("distributed", "ipc"):
+            self._push_weights(meta)
         else:
             raise ValueError(
-                f"WeightUpdateMeta.type must be 'disk' or 'distributed', got {meta.type!r}"
+                f"WeightUpdateMeta.type must be 'disk', 'distributed' or 'ipc', got {meta.type!r}"
             )
+
+    def _push_weights(self, meta: WeightUpdateMeta) -> None:
+        """Full tensors, gathered one bucket at a time, delivered from the first rank by
+        :func:`areal.utils.weight_sync.send_weights`. Collective."""
+        specs = self._weight_specs()  # refuses a pipelined model first
+        state = self.model.state_dict()
+        plan = self._export_plan(state)
+        scaling = self.config.lora.alpha / max(self.config.lora.rank, 1)
+        full = lambda key: self._full_tensor(state[key])  # noqa: E731
+        on_host = meta.type == "distributed" and meta.backend == "gloo"
+        weight_sync.send_weights(
+            specs,
+            lambda s: lora.merged_tensor(plan[s.name], full, scaling),
+            torch.device("cpu") if on_host else self.device,
+            self.first,
+            meta.bucket_bytes,
+            group=self._weight_group if meta.type == "distributed" else None,
+            per_tensor=meta.per_tensor,
+            send_shared=meta.send_shared if meta.type == "ipc" else None,
+            timeout=meta.timeout,
+        )
+        dist.barrier(group=self.mesh_group)
 
     def _full_tensor(self, t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, DTensor):  # torch types Tensor.to as -> Tensor; a DTensor's is a DTensor
@@ -582,4 +593,6 @@ class FSDPEngine(TrainEngine):
     def destroy(self) -> None:
         """Drop model, optimizer and the weight-update group (the mesh belongs to the caller)."""
         self._model = self.optimizer = self.lr_scheduler = None
+        if self._weight_group is not None:  # its name can be joined again in this process
+            weight_sync.destroy_weight_update_group(self._weight_group)
         self._weight_group = None

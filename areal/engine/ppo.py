@@ -32,7 +32,7 @@ from areal.algo.advantages import compute_advantages
 from areal.algo.correction import STALENESS_BUCKETS, approx_prox_logp, staleness_buckets
 from areal.algo.critic import ValueNormalizer, value_loss
 from areal.algo.distill import distill_advantages
-from areal.algo.logprob import packed_token_logprobs
+from areal.algo.logprob import TokenLogprobs
 from areal.algo.losses import Objective, mismatch_kl, policy_loss
 from areal.algo.segments import segment_sum
 from areal.api.config.actor import PPOActorConfig, PPOCriticConfig
@@ -265,11 +265,11 @@ class PPOActor(FSDPEngine):
             seqs={"seq_rewards": adv.seq_rewards},
         ), stats
 
-    def _loss(self, logits: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(
+        self, tokens: TokenLogprobs, mb: PackedBatch
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
-        logp, entropy = packed_token_logprobs(
-            logits, mb["input_ids"], mb.cu_seqlens, self.temperature, cfg.logprob_chunk_size
-        )
+        logp, entropy = tokens  # [T] each, at this engine's temperature
         if "prox_logp" in mb:
             prox = mb["prox_logp"]
         elif cfg.use_decoupled_loss and cfg.approximates_prox:  # no forward pass for it
@@ -344,7 +344,7 @@ class PPOActor(FSDPEngine):
         try:
             for k, mb in enumerate(parts):
                 self._progress = k / len(parts)  # current weights' version: get_version() + this
-                steps.append(self.train_batch(mb, self._loss, weight))
+                steps.append(self.train_token_batch(mb, self._loss, weight))
         finally:
             kept, self._kept_logp = self._kept_logp, None
         if kept is not None and self.pipe is not None:  # the losses ran on the last stage

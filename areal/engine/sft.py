@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from areal.algo.logprob import packed_token_logprobs
+from areal.algo.logprob import TokenLogprobs
 from areal.api.config.engine import TrainEngineConfig
 from areal.api.engine import ModelFnResult
 from areal.api.mfc import model_fn
@@ -21,9 +21,9 @@ from areal.utils.batch import PackedBatch
 from areal.utils.comm import all_reduce
 
 
-def sft_loss(logits: torch.Tensor, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """Mean NLL over the micro-batch's loss-mask tokens; logits ``[T, V]``."""
-    logp, _ = packed_token_logprobs(logits, mb["input_ids"], mb.cu_seqlens)  # [T]
+def sft_loss(tokens: TokenLogprobs, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean NLL over the micro-batch's loss-mask tokens (their logprobs at temperature 1)."""
+    logp = tokens.logp  # [T]
     mask = mb["loss_mask"].to(logp.dtype)
     return -(logp * mask).sum() / mask.sum().clamp(min=1), {}
 
@@ -43,7 +43,7 @@ class SFTEngine(FSDPEngine):
     def train_lm(self, batch: PackedBatch) -> ModelFnResult:
         """One optimizer step; stat ``loss`` is the token-mean NLL of the global batch."""
         _check_fields(batch)
-        return batch, self.train_batch(batch, sft_loss, n_target_tokens)
+        return batch, self.train_token_batch(batch, sft_loss, n_target_tokens)
 
     @model_fn("logp")
     def evaluate_lm(self, batch: PackedBatch) -> ModelFnResult:

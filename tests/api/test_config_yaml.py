@@ -144,13 +144,21 @@ def test_exponent_without_dot_is_a_float_in_a_file_and_in_overrides(tmp_path):
 
 @pytest.mark.parametrize("word", ["yes", "no", "on", "off", "y", "n"])
 def test_yaml_1_1_boolean_word_for_a_bool_field_names_path_value_and_fix(tmp_path, word):
-    expected = (
-        f"model.gradient_checkpointing: expected true/false, got {word!r}; write true or false"
-    )
-    from_override = _problems(SFTConfig, [*SFT, f"model.gradient_checkpointing={word}"])
-    from_file = _problems(SFTConfig, SFT, f"model:\n  gradient_checkpointing: {word}\n", tmp_path)
+    expected = f"model.fused_logprobs: expected true/false, got {word!r}; write true or false"
+    from_override = _problems(SFTConfig, [*SFT, f"model.fused_logprobs={word}"])
+    from_file = _problems(SFTConfig, SFT, f"model:\n  fused_logprobs: {word}\n", tmp_path)
     for problems in (from_override, from_file):
         assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+@pytest.mark.parametrize(("old", "new"), [("true", "full"), ("false", "none")])
+def test_gradient_checkpointing_is_refused_with_its_activation_checkpointing_spelling(old, new):
+    problems = _problems(SFTConfig, [*SFT, f"model.gradient_checkpointing={old}"])
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(
+        f"model.gradient_checkpointing: {old} is a renamed key; write "
+        f"model.activation_checkpointing={new}"
+    ), problems
 
 
 def test_str_field_given_on_keeps_the_word(tmp_path):

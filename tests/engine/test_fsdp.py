@@ -126,11 +126,12 @@ def test_microbatched_accumulation_equals_one_large_batch(tiny_model_dir):
     assert_states_close(whole, split, atol=1e-6)
 
 
-def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir):
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_step(tiny_model_dir, policy):
     batch = random_batch(LENGTHS[:4])
     plain, _ = train_and_snapshot(tiny_model_dir, batch, MicroBatchSpec())
     ckpt, _ = train_and_snapshot(
-        tiny_model_dir, batch, MicroBatchSpec(), gradient_checkpointing=True
+        tiny_model_dir, batch, MicroBatchSpec(), activation_checkpointing=policy
     )
     assert_states_close(plain, ckpt, atol=1e-6)
 
@@ -171,3 +172,33 @@ def test_two_process_fsdp_step_equals_one_process_step(tiny_model_dir, tmp_path)
     assert two["stats"]["loss"] == pytest.approx(stats[0]["loss"], abs=1e-5)
     assert two["stats"]["grad_norm"] == pytest.approx(stats[0]["grad_norm"], rel=1e-5)
     assert_states_close(one, two["state"], atol=1e-6)
+
+
+def test_bf16_compute_step_stays_within_bf16_rounding_of_the_fp32_step(tiny_model_dir):
+    # FSDP2 mixed precision: bf16 parameters and activations in forward/backward, fp32 master
+    # weights, AdamW state and gradient reduction. bf16 keeps 8 mantissa bits (relative rounding
+    # 2^-9 ~ 2e-3 per value), so one token's logp moves by ~1e-3..1e-2 (measured: mean 2.0e-3,
+    # max 8.6e-3); the loss, a mean over ~90 tokens, and the grad norm average those errors out
+    # (measured: 1e-6 and 2e-5 relative); the weights move by lr x the gradient error (3e-6).
+    # Bounds: 10x the measured values. The trainer's bf16 logp error is what logp_mismatch shows
+    # against an fp32 server: docs/gpus.md#mixed-precision says when to compute in fp32.
+    from areal.engine.sft import sft_loss
+
+    batch = random_batch()
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = make_engine(tiny_model_dir, param_dtype=dtype)
+        logp = engine.compute_logp(batch)[0]["logp"]
+        stats = engine.train_token_batch(batch, sft_loss, n_loss_tokens)
+        masters = {p.dtype for p in engine.model.parameters()}
+        assert engine.optimizer is not None
+        moments = {s["exp_avg"].dtype for s in engine.optimizer.state.values()}
+        assert masters == moments == {torch.float32}  # fp32 master weights and optimizer state
+        runs[dtype] = (logp, stats, engine.full_state_dict())
+        engine.destroy()
+    (logp32, s32, w32), (logp16, s16, w16) = runs["float32"], runs["bfloat16"]
+    assert 0 < (logp32 - logp16).abs().mean() < 2e-2  # bf16 really ran
+    assert (logp32 - logp16).abs().max() < 1e-1
+    assert s16["loss"] == pytest.approx(s32["loss"], rel=1e-4)
+    assert s16["grad_norm"] == pytest.approx(s32["grad_norm"], rel=2e-4)
+    assert_states_close(w32, w16, atol=3e-5)

@@ -64,10 +64,10 @@ def test_only_adapters_train_and_get_optimizer_state(tiny_model_dir):
     engine.destroy()
 
 
-def test_gradient_checkpointing_gives_the_same_lora_step(tiny_model_dir):
+def test_activation_checkpointing_gives_the_same_lora_step(tiny_model_dir):
     states = []
-    for ckpt in (False, True):
-        engine = lora_engine(tiny_model_dir, gradient_checkpointing=ckpt)
+    for ckpt in ("none", "full"):
+        engine = lora_engine(tiny_model_dir, activation_checkpointing=ckpt)
         engine.train_batch(random_batch(), nll_loss, n_loss_tokens)
         states.append(engine.full_state_dict())
         engine.destroy()

@@ -77,7 +77,7 @@ def _tp_extras(path: str, mesh, tmp: str) -> dict:
         engine.initialize(None)
         return engine
 
-    out = {"ckpt": _sft_step(path, mesh, gradient_checkpointing=True)}
+    out = {"ckpt": _sft_step(path, mesh, activation_checkpointing="full")}
     a = build()
     a.train_lm(random_batch(seed=1))
     a.set_version(5)

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from areal.api.config.engine import TrainEngineConfig
+from areal.api.config.engine import ENGINE_RENAMED, TrainEngineConfig
 from areal.api.config.loader import Renames, param
 
 Algorithm = Literal[
@@ -256,6 +256,7 @@ def _form(value: Any, actor: dict) -> list[str]:
 
 
 ACTOR_RENAMED: Renames = {
+    **ENGINE_RENAMED,
     "behav_imp_weight_cap": _behav_cap,
     "behav_imp_weight_mode": _behav_mode,
     "behav_imp_weight_level": _behav_level,

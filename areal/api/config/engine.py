@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from areal.api.config.base import MicroBatchSpec, OptimizerConfig
-from areal.api.config.loader import param
+from areal.api.config.loader import Renames, param
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,19 @@ class LoRAConfig:
             )
 
 
+def _checkpointing(value: Any, section: dict) -> list[str]:
+    """``gradient_checkpointing: true|false`` -> ``activation_checkpointing=full|none``."""
+    return [f"activation_checkpointing={'full' if value is True else 'none'}"]
+
+
+ENGINE_RENAMED: Renames = {"gradient_checkpointing": _checkpointing}
+
+
 @dataclass(frozen=True)
 class TrainEngineConfig:
     """A model trained by the FSDP2 engine."""
+
+    RENAMED: ClassVar[Renames] = ENGINE_RENAMED
 
     path: str = param("", help="Hugging Face model dir (config, safetensors, tokenizer).")
     init_from_scratch: bool = param(
@@ -80,7 +90,29 @@ class TrainEngineConfig:
         False,
         help="GPU only: keep sharded parameters, gradients and optimizer state in CPU memory.",
     )
-    gradient_checkpointing: bool = param(False, help="Recompute activations in backward.")
+    activation_checkpointing: Literal["none", "full", "selective"] = param(
+        "none",
+        help="Recompute activations in backward: none; full (every decoder block keeps only its "
+        "input); selective (every other block: half the saving for half the recompute).",
+    )
+    compile: Literal["auto", "on", "off"] = param(
+        "off",
+        help="torch.compile each decoder block's forward; auto = on with CUDA, off on CPU. "
+        "Opt-in until measured on a GPU (docs/gpus.md), then auto becomes the default.",
+    )
+    attention: Literal["auto", "sdpa", "flex"] = param(
+        "sdpa",
+        help="Packed attention: sdpa (one call per sequence) or flex (one FlexAttention call per "
+        "row with a document mask; shared-prefix rows and pipeline stages stay on sdpa); "
+        "auto = flex with CUDA, sdpa on CPU. sdpa until flex is measured on a GPU "
+        "(docs/gpus.md), then auto becomes the default.",
+    )
+    fused_logprobs: bool = param(
+        True,
+        help="Token logprobs fused with the LM head in chunks, so the [tokens, vocab] logits "
+        "never exist (losses of token logprobs: PPO, SFT, DPO); off = logits then logprobs. "
+        "Tensor- and pipeline-parallel models use the logits path.",
+    )
     init_seed: int = param(
         1, ge=0, help="Seed for from-scratch init and new heads (same on every rank)."
     )
