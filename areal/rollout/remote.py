@@ -533,8 +533,9 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
 
         ``disk``: the servers load ``meta.path``. ``distributed``: the servers receive the
         tensors of ``announcement`` (``actor.weight_announcement()``) while the trainer
-        broadcasts them, so start this first, then call ``actor.update_weights(meta)``. The
-        client's own version is set by whoever owns the update (``set_version``).
+        broadcasts them, so start this first, then call ``actor.update_weights(meta)``. ``ipc``:
+        the servers copy in the tensors of ``meta.shared``. The client's own version is set by
+        whoever owns the update (``set_version``).
         """
         what = f"update_weights({meta.type}, version={meta.version})"
         if meta.type == "disk":  # a restarted server can load it too: dead ones are probed first
@@ -548,9 +549,11 @@ class RemoteInferenceEngine(InferenceEngine, TokenScorer, WeightTarget, SharesDe
                     "type='distributed' needs announcement=actor.weight_announcement()"
                 )
             call = self.backend.update_from_distributed(meta, announcement)
+        elif meta.type == "ipc":
+            call = self.backend.update_from_ipc(meta)
         else:
             raise ValueError(
-                f"WeightUpdateMeta.type must be 'disk' or 'distributed', got {meta.type!r}"
+                f"WeightUpdateMeta.type must be disk, distributed or ipc: {meta.type!r}"
             )
         return self._loop_thread().submit(self._aupdate(self._call_all(call), what))
 

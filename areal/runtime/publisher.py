@@ -1,16 +1,19 @@
 """The weight publisher: the one owner of a weight update and the only writer of the version.
 
-An update is: pause admission (in-flight generations are aborted and re-submitted later) ->
-hand the actor's weights to every generation server (``disk``: an HF dir the servers load;
-``distributed``: a bucketed broadcast from trainer rank 0) -> every trainer rank waits for the
-push -> the actor moves to the new version -> admission resumes at it (the version travels with
-the call). Only the first trainer rank talks to the servers; every rank runs the collective
-parts. ``disk`` keeps the newest ``keep`` weight dirs under RUN_DIR/weights and deletes older
-ones; :meth:`close` deletes the rest when the run ends (the servers hold the weights in memory, a
-restarted server loads a hard-linked copy of its own, and the run's last HF export holds the
-final weights). With servers colocated on the trainer's GPUs, :meth:`yield_device` pauses
-rollouts and has the servers give back their KV cache before the train step, and
-:meth:`publish` gives it back to them after the push.
+An update is: pause admission (in-flight generations are aborted and re-submitted later) -> hand
+the actor's weights to every generation server (``disk``: an HF dir the servers load;
+``distributed``: a broadcast from trainer rank 0 over gloo on CPU or NCCL on GPU, in byte
+buckets, or one tensor at a time for SGLang; ``ipc``: the full tensors shared with a server on
+the trainer's machine and device, CUDA IPC handles on a GPU, shared memory on CPU, held until
+the servers copied them) -> every trainer rank waits for the push -> the actor moves to the new
+version -> admission resumes at it (the version travels with the call). Only the first trainer
+rank talks to the servers; every rank runs the collective parts. ``disk`` keeps the newest
+``keep`` weight dirs under RUN_DIR/weights and deletes older ones; :meth:`close` deletes the
+rest when the run ends (the servers hold the weights in memory, a restarted server loads a
+hard-linked copy of its own, and the run's last HF export holds the final weights). With servers
+colocated on the trainer's GPUs, :meth:`yield_device` pauses rollouts and has the servers give
+back their KV cache before the train step, and :meth:`publish` gives it back to them after the
+push.
 
 The publisher is typed against the seams of :mod:`areal.api.protocols`, which Lite and Core
 both fill: the actor is a :class:`~areal.api.protocols.WeightSource` (Lite's FSDP engine, Core's
@@ -37,7 +40,7 @@ class WeightPublisher(Publisher):
 
     def __init__(
         self,
-        mode: Literal["disk", "distributed"],
+        mode: Literal["disk", "distributed", "ipc"],
         actor: WeightSource,
         servers: WeightTarget,
         admission: Admission,
@@ -46,8 +49,15 @@ class WeightPublisher(Publisher):
         keep: int = 2,
         colocated: bool = False,
     ):
-        if mode not in ("disk", "distributed"):
-            raise ValueError(f"weight_update_mode must be 'disk' or 'distributed', got {mode!r}")
+        if mode not in ("disk", "distributed", "ipc"):
+            raise ValueError(
+                f"weight_update_mode must be 'disk', 'distributed' or 'ipc', got {mode!r}"
+            )
+        if mode == "ipc" and not isinstance(servers, SharesDevice):  # Core's servers: not here
+            raise ValueError(
+                f"weight_update_mode=ipc: {type(servers).__name__} cannot take the trainer's "
+                "shared tensors (Lite's client can); use weight_update_mode=distributed"
+            )
         if keep < 1:
             raise ValueError(f"keep={keep}: the dir the servers are loading must be kept; use >= 1")
         # servers on the trainer's GPUs: they sleep while it steps
@@ -81,7 +91,14 @@ class WeightPublisher(Publisher):
         (collective over the trainer ranks; a no-op for ``disk``)."""
         if self.mode != "distributed" or self._group_meta is not None:
             return
-        meta = WeightUpdateMeta("distributed", master_port=free_port() if self._leader else 0)
+        meta = WeightUpdateMeta(
+            "distributed",
+            master_port=free_port() if self._leader else 0,
+            # NCCL puts one rank on a GPU: servers on the trainer's GPUs (colocated) take gloo
+            backend="nccl" if self.dist.device.type == "cuda" and self.device is None else "gloo",
+            per_tensor=self.servers.config.backend == "sglang",  # SGLang's layout
+            timeout=self.servers.config.weight_update_timeout,
+        )
         future = self.servers.init_weights_update_group_async(meta) if self._leader else None
         self.actor.init_weight_update_group(meta, self.servers.weight_group_size)
         if future is not None:
@@ -108,6 +125,8 @@ class WeightPublisher(Publisher):
             self.admission.pause()
         if self.mode == "disk":
             self._push_disk(version)
+        elif self.mode == "ipc":
+            self._push_ipc(version)
         else:
             self._push_broadcast(version)
         self.dist.barrier()
@@ -150,3 +169,11 @@ class WeightPublisher(Publisher):
         self.actor.update_weights(meta)  # collective: broadcast in buckets from rank 0
         if future is not None:
             future.result(self.servers.config.weight_update_timeout + 10)
+
+    def _push_ipc(self, version: int) -> None:
+        meta = WeightUpdateMeta("ipc", version=version)
+        if self._leader:  # the actor's first rank shares the tensors and holds them meanwhile
+            meta.send_shared = lambda shared: self.servers.update_weights(
+                dataclasses.replace(meta, shared=shared, send_shared=None)
+            )
+        self.actor.update_weights(meta)  # collective: gathered, then shared by the first rank

@@ -1,6 +1,9 @@
 """The admin routes of ``areal serve``: pause and continue generation, give back and take again
-the KV cache, set the weight version, and load weights from disk or over a weight-update group
-(:mod:`areal.utils.weight_sync`). The server's middleware checks the api key of these paths
+the KV cache, set the weight version, and load weights from disk, over a weight-update group or
+from tensors a colocated trainer shares (:mod:`areal.utils.weight_sync`). A broadcast that
+breaks off (the trainer died, a bucket missed the group's deadline) leaves the old weights in
+place and the server serving: the call answers 500 saying so, the server logs it and leaves the
+group (the trainer must form a new one). The server's middleware checks the api key of these paths
 (:meth:`AdminRoutes.routes`) before they run."""
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+import torch
 import torch.distributed as dist
 from aiohttp import web
 
@@ -42,6 +46,7 @@ class AdminRoutes:
         self.read_json = read_json
         self.weight_read_timeout = weight_read_timeout  # seconds (server.weight_read_timeout)
         self.group: dist.ProcessGroup | None = None  # joined via /init_weights_update_group
+        self.group_timeout = 300.0  # seconds: the group's deadline for every collective
         self.control = asyncio.Lock()  # pause and continue take effect in the order they arrive
         self.loading = asyncio.Lock()  # one disk update reads at a time: one copy in memory
 
@@ -57,6 +62,7 @@ class AdminRoutes:
             web.post("/update_weights_from_disk", self.update_from_disk),
             web.post("/init_weights_update_group", self.init_group),
             web.post("/update_weights_from_distributed", self.update_from_distributed),
+            web.post("/update_weights_from_ipc", self.update_from_ipc),
         ]
 
     async def _body(self, request: web.Request) -> dict:
@@ -101,8 +107,11 @@ class AdminRoutes:
         return web.json_response({"success": True})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        """No prefix cache is kept between requests, so there is nothing to flush."""
-        return web.json_response({"success": True, "message": "no prefix cache to flush"})
+        """Drop every entry of the prefix cache (requests running keep their own cache rows):
+        ``{"flushed_tokens"}``; nothing to drop when it is off (server.prefix_cache_tokens=0)."""
+        n = await asyncio.to_thread(self.generator.flush_cache)
+        message = "prefix cache flushed" if self.generator.prefix.on else "no prefix cache (off)"
+        return web.json_response({"success": True, "message": message, "flushed_tokens": n})
 
     async def update_version(self, request: web.Request) -> web.Response:
         """Set the version stamped on new tokens: ``{"new_version": int}``."""
@@ -150,6 +159,10 @@ class AdminRoutes:
         backend = body.get("backend", "gloo")
         if backend not in ("gloo", "nccl"):
             raise BadRequest("backend", f"expected 'gloo' or 'nccl', got {backend!r}")
+        name = body.get("group_name", weight_sync.GROUP_NAME)
+        if not isinstance(name, str) or not name:
+            raise BadRequest("group_name", f"expected a non-empty string, got {name!r}")
+        await asyncio.to_thread(self._leave_group)
         try:
             self.group = await asyncio.to_thread(
                 weight_sync.init_weight_update_group,
@@ -159,7 +172,9 @@ class AdminRoutes:
                 world,
                 backend,
                 float(timeout),
+                name,
             )
+            self.group_timeout = float(timeout)
         except (dist.DistError, OSError) as e:  # nobody listens there, or rank 0 never came
             cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             raise BadRequest(
@@ -186,17 +201,62 @@ class AdminRoutes:
         bucket_bytes = body.get("bucket_bytes", 256 << 20)
         if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise BadRequest("bucket_bytes", f"expected a positive integer, got {bucket_bytes!r}")
-        named = await asyncio.to_thread(
-            weight_sync.receive_weights,
-            specs,
-            self.group,
-            bucket_bytes,
-            self.generator.model.device,
-        )
+        try:
+            named = await asyncio.to_thread(
+                weight_sync.receive_weights,
+                specs,
+                self.group,
+                bucket_bytes,
+                self.generator.model.device,
+                self.group_timeout,
+            )
+        except (dist.DistError, RuntimeError) as e:  # the trainer died or a bucket came late
+            return await self._broken_off(e)
         try:
             v = await asyncio.to_thread(
                 self.generator.update_weights, named, self._version_arg(body)
             )
         except ValueError as e:  # NaN/inf or wrong tensors: the old weights stay
             raise BadRequest("names", str(e)) from None
+        return web.json_response({"success": True, "message": "updated", "weight_version": v})
+
+    def _leave_group(self) -> None:
+        if self.group is not None:
+            group, self.group = self.group, None
+            try:
+                weight_sync.destroy_weight_update_group(group)
+            except (RuntimeError, ValueError) as e:  # a broken group may not come down cleanly
+                logger.warning("leaving the weight update group: %s", e)
+
+    async def _broken_off(self, e: BaseException) -> web.Response:
+        """A broadcast that broke off: old weights kept, group left, 500 naming the cause."""
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        version = self.generator.version
+        msg = (
+            f"weight update over the group broke off ({cause}); the server keeps serving the old "
+            f"weights (version {version}) and left the group: form it again with "
+            "/init_weights_update_group"
+        )
+        logger.error(msg)
+        await asyncio.to_thread(self._leave_group)
+        return web.json_response(error_body(500, msg), status=500)
+
+    async def update_from_ipc(self, request: web.Request) -> web.Response:
+        """Copy in the tensors a trainer on this machine (and GPU) shares:
+        a :meth:`weight_sync.SharedBuffer.payload` and ``"weight_version"``, optional."""
+        body = await self._body(request)
+        try:
+            shared = await asyncio.to_thread(weight_sync.open_shared, body)
+            v = await asyncio.to_thread(
+                self.generator.update_weights, dict(shared), self._version_arg(body)
+            )
+            device = torch.device(self.generator.model.device)
+            if device.type == "cuda":  # copied before the trainer may free its buffer
+                await asyncio.to_thread(torch.cuda.synchronize, device)
+        except ValueError as e:  # a bad payload, a GPU not here, NaN/inf: the old weights stay
+            field = str(e).split(":")[0]
+            field = field if field in ("devices", "offsets", "dtypes", "shapes") else "handles"
+            raise BadRequest(field, str(e)) from None
+        finally:
+            shared = None  # the views of the trainer's memory go before the answer
         return web.json_response({"success": True, "message": "updated", "weight_version": v})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from areal.api.config.base import GenerationHyperparameters
@@ -109,14 +111,45 @@ def test_native_control_and_weight_calls():
         "world_size": 3,
         "group_name": "areal_weight_update",
         "backend": "gloo",
+        "timeout": 300.0,
     }
     ann = {"names": ["w"], "dtypes": ["float32"], "shapes": [[2, 2]]}
     upd = b.update_from_distributed(meta, ann)
     assert upd.json["weight_version"] == 5 and upd.json["bucket_bytes"] == 1024
     with pytest.raises(ValueError, match="weight_announcement"):
         b.update_from_distributed(meta, {"names": []})
-    with pytest.raises(UnsupportedByBackend, match="type='disk'"):
-        NativeBackend("sglang").update_from_distributed(meta, ann)
+
+
+def test_sglang_broadcast_calls_carry_sglangs_documented_fields_only():
+    # InitWeightsUpdateGroupReqInput / UpdateWeightsFromDistributedReqInput (sglang io_struct)
+    sg = NativeBackend("sglang")
+    meta = WeightUpdateMeta(type="distributed", version=5, master_port=1234, per_tensor=True)
+    init = sg.init_weight_group(meta, rank_offset=1, world_size=2)
+    assert set(init.json) == {
+        "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"
+    }  # fmt: skip
+    ann = {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 2]]}
+    upd = sg.update_from_distributed(meta, ann)
+    assert (upd.path, upd.json) == (
+        "/update_weights_from_distributed",
+        {**ann, "group_name": "areal_weight_update", "flush_cache": True, "weight_version": "5"},
+    )
+    with pytest.raises(ValueError, match="per_tensor=True"):  # byte buckets would hang SGLang
+        sg.update_from_distributed(WeightUpdateMeta(type="distributed"), ann)
+
+
+def test_ipc_updates_go_to_our_server_only():
+    meta = WeightUpdateMeta(type="ipc", version=4, shared={"handles": "AAA=", "devices": {}})
+    call = NativeBackend("areal").update_from_ipc(meta)
+    assert (call.path, call.json) == (
+        "/update_weights_from_ipc",
+        {"handles": "AAA=", "devices": {}, "weight_version": 4},
+    )
+    with pytest.raises(ValueError, match="meta.shared"):
+        NativeBackend("areal").update_from_ipc(WeightUpdateMeta(type="ipc"))
+    for other in (NativeBackend("sglang"), VLLMBackend("m")):
+        with pytest.raises(UnsupportedByBackend, match="rollout.backend=areal"):
+            other.update_from_ipc(meta)
 
 
 def test_vllm_completions_request_and_answer():
@@ -151,12 +184,21 @@ def test_vllm_completions_request_and_answer():
     )
 
 
-def test_vllm_reloads_weights_from_disk_and_refuses_distributed_updates():
+def test_vllm_weight_updates_run_our_worker_extension_through_collective_rpc():
     call = VLLMBackend("m").update_from_disk("/w/v3", 3)
     assert (call.method, call.path) == ("POST", "/collective_rpc")
     assert call.json == {"method": "areal_reload_weights", "kwargs": {"weights_path": "/w/v3"}}
-    with pytest.raises(UnsupportedByBackend, match="weight_update_mode=disk"):
-        VLLMBackend("m").init_weight_group(WeightUpdateMeta(type="distributed"), 1, 2)
+    meta = WeightUpdateMeta(type="distributed", master_port=99, bucket_bytes=64, timeout=9.0)
+    init = VLLMBackend("m").init_weight_group(meta, 1, 2)
+    assert init.json["method"] == "areal_init_weight_group"
+    assert json.loads(init.json["kwargs"]["spec"]) == {
+        "master_address": "127.0.0.1", "master_port": 99, "rank_offset": 1, "world_size": 2,
+        "group_name": "areal_weight_update", "backend": "gloo", "timeout": 9.0,
+    }  # fmt: skip
+    ann = {"names": ["w"], "dtypes": ["float32"], "shapes": [[2]]}
+    upd = VLLMBackend("m").update_from_distributed(meta, ann)
+    assert upd.json["method"] == "areal_update_weights_from_distributed"
+    assert json.loads(upd.json["kwargs"]["spec"]) == {**ann, "bucket_bytes": 64}
 
 
 def test_vllm_answer_aborted_before_its_first_token_has_no_tokens():

@@ -324,7 +324,12 @@ def test_distributed_update_over_gloo_matches_a_disk_update(
 ):
     """The test process plays trainer rank 0; both servers join the group through the client."""
     from areal.serving.model import read_hf_dir
-    from areal.utils.weight_sync import announcement, broadcast_weights, init_weight_update_group
+    from areal.utils.weight_sync import (
+        announcement,
+        broadcast_weights,
+        destroy_weight_update_group,
+        init_weight_update_group,
+    )
 
     eng = make_engine(servers)
     g = GenerationHyperparameters(max_new_tokens=10, greedy=True, ignore_eos=True)
@@ -341,6 +346,7 @@ def test_distributed_update_over_gloo_matches_a_disk_update(
     updated = eng.update_weights_async(meta, announcement(named))
     broadcast_weights(named, group, meta.bucket_bytes, timeout=60)
     updated.result(60)
+    destroy_weight_update_group(group)  # this process may join a group of that name again
     assert eng.get_version() == 0  # the client's version has one writer: the weight publisher
     try:
         over_gloo = _gather(
@@ -353,6 +359,8 @@ def test_distributed_update_over_gloo_matches_a_disk_update(
             [eng.agenerate(ModelRequest(input_ids=[2, 7, 1], gconfig=g)) for _ in range(2)]
         )
         assert [r.output_ids for r in over_gloo] == [r.output_ids for r in from_disk]
+        # the same next-token distributions, not just the same argmax
+        assert [r.output_logprobs for r in over_gloo] == [r.output_logprobs for r in from_disk]
         assert all(r.output_versions == [3] * 10 for r in from_disk)
     finally:
         eng.update_weights(WeightUpdateMeta(type="disk", path=tiny_model_dir, version=0))

@@ -12,6 +12,7 @@ import asyncio
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -216,6 +217,89 @@ def test_disk_weight_update_changes_outputs_and_tokens_carry_our_version(
         _generate(engine, greedy=True, max_new_tokens=8, ignore_eos=True).output_ids
         == before.output_ids
     )
+
+
+def test_a_broadcast_update_gives_vllm_the_next_token_logprobs_of_a_disk_update(
+    engine, tiny_model_dir, tmp_path
+):
+    """The test process plays trainer rank 0 over gloo; vLLM's worker joins through our worker
+    extension and receives the same byte buckets our server does."""
+    from areal.serving.model import read_hf_dir
+    from areal.utils import weight_sync
+    from areal.utils.tiny_model import build_tiny_model
+
+    new_dir = str(build_tiny_model(tmp_path / "v1", size="tiny", seed=1))
+    tokens = list(PROMPT) + [3, 42, 42, 7, 100, 5]
+    before = asyncio.run(engine.ascore(tokens, len(PROMPT)))
+    meta = WeightUpdateMeta(type="distributed", master_port=free_port(), version=1,
+                            bucket_bytes=64 << 10, timeout=120)  # fmt: skip
+    joined = engine.init_weights_update_group_async(meta)
+    group = weight_sync.init_weight_update_group(
+        "127.0.0.1", meta.master_port, 0, engine.weight_group_size, "gloo", 120
+    )
+    try:
+        joined.result(120)
+        named = sorted(read_hf_dir(new_dir)[1].items())
+        engine.pause()
+        updated = engine.update_weights_async(meta, weight_sync.announcement(named))
+        weight_sync.broadcast_weights(named, group, meta.bucket_bytes, timeout=120)
+        updated.result(120)
+        engine.resume()
+        over_gloo = asyncio.run(engine.ascore(tokens, len(PROMPT)))
+        engine.pause()
+        engine.update_weights(WeightUpdateMeta(type="disk", path=new_dir, version=2))
+        engine.resume()
+        from_disk = asyncio.run(engine.ascore(tokens, len(PROMPT)))
+        assert over_gloo == pytest.approx(from_disk, abs=1e-6)
+        assert over_gloo == pytest.approx(
+            _reference_logprobs(new_dir, PROMPT, tokens[len(PROMPT) :], 1.0), abs=1e-4
+        )
+        assert over_gloo != pytest.approx(before, abs=1e-3)  # the new weights are in use
+    finally:  # the module's server goes back to the fixture's weights
+        weight_sync.destroy_weight_update_group(group)
+        engine.pause()
+        engine.update_weights(WeightUpdateMeta(type="disk", path=tiny_model_dir, version=3))
+        engine.resume()
+
+
+def test_a_broadcast_the_trainer_abandons_leaves_vllm_on_the_old_weights_and_says_so(
+    engine, vllm_server, tmp_path
+):
+    from areal.serving.model import read_hf_dir
+    from areal.utils import weight_sync
+    from areal.utils.tiny_model import build_tiny_model
+
+    new_dir = str(build_tiny_model(tmp_path / "v1", size="tiny", seed=1))
+    tokens = list(PROMPT) + [3, 42, 42, 7]
+    before = asyncio.run(engine.ascore(tokens, len(PROMPT)))
+    meta = WeightUpdateMeta(type="distributed", master_port=free_port(), version=1,
+                            bucket_bytes=64 << 10, timeout=5)  # fmt: skip
+    joined = engine.init_weights_update_group_async(meta)
+    group = weight_sync.init_weight_update_group("127.0.0.1", meta.master_port, 0, 2, "gloo", 5)
+    joined.result(60)
+    named = sorted(read_hf_dir(new_dir)[1].items())
+    call = engine.backend.update_from_distributed(meta, weight_sync.announcement(named))
+    answer: dict = {}
+
+    def post() -> None:  # straight to vLLM: the client would declare the server dead
+        try:
+            _post(vllm_server.url + call.path, call.json, timeout=120)
+        except urllib.error.HTTPError as e:
+            answer["status"] = e.code
+
+    engine.pause()
+    thread = threading.Thread(target=post)
+    thread.start()
+    time.sleep(1.0)  # the worker is receiving; the trainer sends one bucket and goes
+    specs = weight_sync.specs_from_announcement(**weight_sync.announcement(named))
+    first = [named[i] for i in weight_sync.plan_buckets(specs, meta.bucket_bytes)[0]]
+    weight_sync.broadcast_weights(first, group, meta.bucket_bytes, timeout=5)
+    weight_sync.destroy_weight_update_group(group)
+    thread.join(120)
+    engine.resume()
+    assert answer.get("status") == 500
+    assert "keeps serving the old weights" in vllm_server.tail(400)
+    assert asyncio.run(engine.ascore(tokens, len(PROMPT))) == pytest.approx(before, abs=1e-6)
 
 
 def test_requests_fail_over_from_our_killed_server_to_vllm(vllm_server, tiny_model_dir):

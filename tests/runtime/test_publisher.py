@@ -100,8 +100,12 @@ def test_resume_publishes_the_checkpoint_version(tmp_path):
 def test_bad_mode_and_retention_are_refused(tmp_path):
     log: list = []
     parts = [Recorder(log, n) for n in ("actor", "rollout", "executor")]
-    with pytest.raises(ValueError, match="weight_update_mode must be 'disk' or 'distributed'"):
+    with pytest.raises(
+        ValueError, match="weight_update_mode must be 'disk', 'distributed' or 'ipc'"
+    ):
         WeightPublisher("nfs", *parts, SimpleNamespace(rank=0), tmp_path)
+    with pytest.raises(ValueError, match="Recorder cannot take the trainer's shared tensors"):
+        WeightPublisher("ipc", *parts, SimpleNamespace(rank=0), tmp_path)  # Core's servers
     with pytest.raises(ValueError, match="keep=0"):
         WeightPublisher("disk", *parts, SimpleNamespace(rank=0), tmp_path, keep=0)
 

@@ -45,10 +45,15 @@ def call(url: str, body: dict | bytes | None = None, key: str | None = None, tim
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
+def server_procs(tiny_model_dir):
     procs = start_servers(tiny_model_dir, 1, "--api-key", KEY, "max_batch_size=8")
-    yield f"http://{procs[0][1]}"
+    yield procs
     stop_servers(procs)
+
+
+@pytest.fixture(scope="module")
+def server(server_procs):
+    return f"http://{server_procs[0][1]}"
 
 
 def test_sglang_generate_request_in_documented_format(server, hf_model, tiny_tokenizer):
@@ -247,6 +252,50 @@ def test_update_weights_from_disk_then_over_gloo(server, hf_model, tiny_model_di
     )
     assert call(f"{server}/get_model_info")[1]["weight_version"] == 7
     assert _greedy_ids(server) == hf_greedy(hf_model, PROMPT, 12)
+
+
+def test_a_broadcast_the_trainer_abandons_leaves_the_old_weights_serving_and_says_so(
+    server, server_procs, tiny_model_dir, other_model_dir
+):
+    from areal.serving.model import read_hf_dir
+    from areal.utils.weight_sync import announcement
+
+    v0 = call(f"{server}/get_model_info")[1]["weight_version"]
+    before = _greedy_ids(server)
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "tests.serving.trainer_proc", server, other_model_dir,
+         str(free_port()), KEY, "interrupt"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        assert trainer.stdout.readline().strip() == b"joined", trainer.stderr.read()[-1500:]
+        body = {**announcement(sorted(read_hf_dir(other_model_dir)[1].items())),
+                "bucket_bytes": 64 << 10, "weight_version": v0 + 5}  # fmt: skip
+        answer: dict = {}
+        post = threading.Thread(
+            target=lambda: answer.update(
+                r=call(f"{server}/update_weights_from_distributed", body, key=KEY)
+            )
+        )
+        post.start()
+        time.sleep(0.5)  # the server is receiving; the trainer sends one bucket and dies
+        trainer.stdin.write(b"go\n")
+        trainer.stdin.flush()
+        post.join(60)
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+    status, out = answer["r"]
+    assert (
+        status == 500 and f"keeps serving the old weights (version {v0})" in out["error"]["message"]
+    )
+    assert call(f"{server}/get_model_info")[1]["weight_version"] == v0
+    assert _greedy_ids(server) == before  # nothing of the first bucket was loaded
+    log = (server_procs[0][0].log_dir / "server0.log").read_text(errors="replace")
+    assert "weight update over the group broke off" in log
+    status, out = call(f"{server}/update_weights_from_distributed", body, key=KEY)
+    assert status == 400 and "init_weights_update_group" in out["error"]["message"]
 
 
 def test_sigterm_answers_in_flight_requests_frees_port_and_exits_0(tiny_model_dir):

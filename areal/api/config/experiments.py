@@ -238,8 +238,13 @@ class GRPOConfig(BaseExperimentConfig):
         "PYTHONPATH; fn(completion, reference[, prompt]) -> float). eval/accuracy is the mean of "
         "this reward over greedy held-out completions.",
     )
-    weight_update_mode: Literal["disk", "distributed"] = param(
-        "disk", help="How new weights reach servers: a versioned HF dir, or a gloo/NCCL broadcast."
+    weight_update_mode: Literal["disk", "distributed", "ipc"] = param(
+        "disk",
+        help="How new weights reach servers: disk (a versioned HF dir), distributed (the "
+        "broadcast: trainer rank 0 sends every tensor over a gloo group on CPU, NCCL on GPU, to "
+        "our servers, vLLM's workers and SGLang) or ipc (a server on the trainer's machine and "
+        "GPU copies the trainer's tensors through CUDA IPC handles, shared memory on CPU; "
+        "rollout.backend=areal, one node, Lite only). docs/serving.md#weight-updates.",
     )
     weight_update_dir: str = param(
         "",
@@ -298,8 +303,8 @@ class GRPOConfig(BaseExperimentConfig):
             return f"rollout.backend={self.rollout.backend} servers are not restarted"
         if self.weight_update_mode != "disk":
             return (
-                "a restarted server cannot join the running weight broadcast group "
-                "(weight_update_mode=distributed)"
+                "a restarted server cannot join the running weight broadcast group, nor find "
+                f"weights on disk (weight_update_mode={self.weight_update_mode})"
             )
         return ""
 
@@ -336,6 +341,14 @@ class GRPOConfig(BaseExperimentConfig):
                 f"ref: actor.kl_ctl={self.actor.kl_ctl} needs a reference model; set "
                 "ref.path=MODEL_DIR (or train actor.lora adapters: the frozen base is then the "
                 "reference)"
+            )
+        if self.weight_update_mode == "ipc" and (
+            self.rollout.backend != "areal" or self.cluster.n_nodes != 1
+        ):
+            yield (
+                f"weight_update_mode: ipc shares the trainer's tensors with our servers on its "
+                f"own machine (rollout.backend={self.rollout.backend}, cluster.n_nodes="
+                f"{self.cluster.n_nodes}); use weight_update_mode=distributed"
             )
         if self.cluster.n_servers == 0 and not self.rollout.addresses:
             yield (
