@@ -58,7 +58,7 @@ def _run(model_dir: str, batch: int, steps: int, mix: str) -> float:
     V = gen.model.spec.vocab_size
     logits = torch.randn(batch, V, device=gen.model.device).float()  # [B, V], preallocated
 
-    def free_step(tokens, positions, prompts, cache):
+    def free_step(tokens, positions, prompts, cache, *_):  # *_: prefix starts, if any
         return logits[: tokens.shape[0] + len(prompts)]
 
     gen.model.step = free_step  # the free model

@@ -2,7 +2,7 @@
 
 Why: a decode step's attention is, per (row, KV head), ``G`` query vectors against that row's
 cached keys and values. torch does it as two batched matmuls per attention run (see
-``Qwen2Forward._decode_attention``), and MKL spends ~1 us of fixed cost per batch entry on such
+``attention.RunsAttention``), and MKL spends ~1 us of fixed cost per batch entry on such
 thin matrices: the tiny model's attention read its cache at ~11 GB/s where a plain read of the
 same bytes runs at ~28 GB/s. This kernel reads each row's keys and values once, exactly up to
 its own length (so the generator needs no attention runs), with the softmax done blockwise in

@@ -36,11 +36,13 @@ import torch
 
 from areal.serving.constraints import Guide
 from areal.serving.cpu_attention import Mode
+from areal.serving.decode_graph import DecodeOptions, StaticDecode, Toggle, load_model
 from areal.serving.model import KVCache, Qwen2Forward
+from areal.serving.prefix_cache import PrefixCache
 from areal.serving.requests import FinishReason, GenerationResult, Seq, request_problems
 from areal.serving.sampler import BatchSampler, process_stream_seed, record
 from areal.serving.sampling import SamplingParams, prompt_logprobs
-from areal.serving.slots import vacate
+from areal.serving.slots import group_prompts, vacate
 from areal.serving.stop_text import StopText, decoder
 from areal.serving.weight_files import read_weight_dir
 
@@ -76,8 +78,13 @@ class Generator:
         version: int = 0,
         num_threads: int = 0,
         share_prompts: bool = True,
+        static_decode: DecodeOptions | None = None,
+        prefix_cache_tokens: int = 16384,
+        prefix_cache_block: int = 16,
     ):
         self.model = model
+        # decode-only steps: static shapes, compiled / CUDA graphs (decode_graph.py); None: eager
+        model.static = StaticDecode(model, static_decode) if static_decode else None
         self.share_prompts = share_prompts  # one prefill for identical prompts admitted together
         self.max_batch_size = max_batch_size
         self.context_length = min(
@@ -90,6 +97,9 @@ class Generator:
         self.cache = KVCache(
             model.spec, max_batch_size, self.context_length, model.device, model.dtype
         )
+        self.prefix = PrefixCache(  # earlier requests' keys/values of token blocks (0: off)
+            model.spec, prefix_cache_tokens, prefix_cache_block, model.device, model.dtype
+        )
         self.sampler = BatchSampler(  # unseeded requests draw from this process's stream
             model.device, model.spec.vocab_size, self.context_length, process_stream_seed()
         )
@@ -99,6 +109,7 @@ class Generator:
         self._stopping = False
         self._error: BaseException | None = None
         self.n_failed_steps = 0  # steps that raised (their requests failed, the loop went on)
+        self.n_admitted = 0  # requests admitted into a cache slot since start
         self.n_nonfinite = 0  # requests failed by NaN/inf logits (the loop went on)
         self.last_nonfinite = ""  # the last such failure's message
         self._failed_in_a_row = 0
@@ -106,6 +117,9 @@ class Generator:
         self._waiting: collections.deque[Seq] = collections.deque()
         self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._running: list[Seq] = []  # index == cache slot
+        # retired requests to answer; with overlap (CUDA) answered while the next step runs
+        self._answers: list[tuple[Seq, FinishReason, int | str | None]] = []
+        self.overlap = model.device.type == "cuda"
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -115,15 +129,22 @@ class Generator:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         cpu_attention: Mode = "auto",
+        compile: Toggle = "auto",
+        cuda_graphs: Toggle = "auto",
+        decode_buckets: list[int] | None = None,
         **kwargs,
     ) -> Generator:
         """Load an HF model dir of a served family (weights + tokenizer for stop strings) into a
-        new generator."""
+        new generator; ``compile`` / ``cuda_graphs`` / ``decode_buckets`` as the server's fields
+        of those names (:func:`~.decode_graph.decode_options`)."""
         from transformers import AutoTokenizer
 
-        model = Qwen2Forward.from_pretrained(path, device, dtype, cpu_attention)
+        batch = kwargs.get("max_batch_size", 32)
+        model, options = load_model(
+            path, device, dtype, cpu_attention, (compile, cuda_graphs, decode_buckets or [], batch)
+        )
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-        return cls(model, decode=decoder(tokenizer), **kwargs)
+        return cls(model, decode=decoder(tokenizer), static_decode=options, **kwargs)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -162,10 +183,13 @@ class Generator:
         """The exception that stopped the scheduler thread, if any."""
         return self._error
 
-    def load(self) -> dict[str, int | str]:
-        """Counts of running and waiting requests, and :meth:`faults`."""
+    def load(self) -> dict[str, int | float | str]:
+        """Counts of running and waiting requests, :meth:`faults` and the prefix cache's
+        counters (:meth:`PrefixCache.stats`; none when it is off)."""
         with self._cv:
-            return {"running": len(self._running), "waiting": len(self._waiting), **self.faults()}
+            counts = {"running": len(self._running), "waiting": len(self._waiting)}
+        counts["admitted_requests"] = self.n_admitted
+        return {**counts, **self.faults(), **self.prefix.stats()}
 
     def faults(self) -> dict[str, int | str]:
         """Failed steps, requests failed by non-finite logits and the last such failure."""
@@ -275,7 +299,9 @@ class Generator:
         def _release() -> int:
             if not self._paused:
                 raise ValueError("release_memory needs a paused server: pause generation first")
-            freed = self.cache.release()
+            if self.model.static is not None:  # its graphs hold the cache and a memory pool
+                self.model.static.reset()
+            freed = self.cache.release() + self.prefix.release()
             if self.model.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the freed blocks back to the device, not our pool
             self._released = True
@@ -305,6 +331,7 @@ class Generator:
         self.model.require_loadable(named, complete)
 
         def _update() -> int:
+            self.prefix.clear()  # its keys/values come from the old weights
             self.model.assign_weights(named)  # checked above, off this thread
             self._version = self._version + 1 if version is None else int(version)
             return self._version
@@ -348,6 +375,11 @@ class Generator:
 
         return self._call(_score)
 
+    def flush_cache(self) -> int:
+        """Drop every entry of the prefix cache (between steps); returns the tokens dropped (0
+        when it is off). Running requests keep their own cache rows."""
+        return self._call(self.prefix.clear)
+
     def set_version(self, version: int) -> None:
         """Set the version stamped on tokens generated from now on."""
 
@@ -381,6 +413,8 @@ class Generator:
                     if self._stopping:
                         break
                     commands, self._commands = self._commands, []
+                if commands:  # a command sees every retired request answered
+                    self._send_answers()
                 for fn, fut in commands:
                     try:
                         fut.set_result(fn())
@@ -393,6 +427,7 @@ class Generator:
             logger.exception("generator scheduler crashed")
             self._error = e
         finally:
+            self._send_answers()  # retired before the loop ended: their outputs are complete
             with self._cv:
                 commands, self._commands = self._commands, []
             for _, fut in commands:
@@ -421,6 +456,7 @@ class Generator:
                     break
                 budget -= len(seq.prompt)
                 admitted.append(self._waiting.popleft())
+        self.n_admitted += len(admitted)
         return admitted
 
     def _guarded_step(self, admitted: list[Seq]) -> None:
@@ -448,27 +484,25 @@ class Generator:
 
         Requests admitted together with the same prompt (the samples of one group) share its
         prefill: the prompt runs once, its cache rows are copied to the others' slots and its
-        last-token logits serve each of them (each samples on its own)."""
+        last-token logits serve each of them (each samples on its own). A prompt whose first
+        blocks the prefix cache holds prefills only the rest (:mod:`.prefix_cache`)."""
         dev = self.model.device
         running = self._running
-        tokens = torch.tensor([s.out[-1] for s in running], dtype=torch.long, device=dev)
+        # on the host: the model reads the cache size from them, then copies them to the device
+        tokens = torch.tensor([s.out[-1] for s in running], dtype=torch.long)
         positions = torch.tensor(
-            [len(s.prompt) + len(s.out) - 1 for s in running], dtype=torch.long, device=dev
+            [len(s.prompt) + len(s.out) - 1 for s in running], dtype=torch.long
         )
-        first: dict[tuple[int, ...], int] = {}  # prompt -> index among the unique prompts
-        leaders, followers, follows = [], [], []
-        for seq in admitted:
-            key = tuple(seq.prompt) if self.share_prompts else (id(seq),)
-            if key in first:
-                followers.append(seq)
-                follows.append(first[key])
-            else:
-                first[key] = len(leaders)
-                leaders.append(seq)
-        prompts = [torch.tensor(s.prompt, dtype=torch.long, device=dev) for s in leaders]
+        leaders, followers, follows = group_prompts(admitted, self.share_prompts)
         B = len(running)
         self._running.extend(leaders + followers)  # first, so a crash in the step answers them too
-        logits = self.model.step(tokens, positions, prompts, self.cache)  # [B + len(leaders), V]
+        starts = self.prefix.admit(self.cache, leaders, B)  # cached prefixes, copied to slots
+        prompts = [
+            torch.tensor(s.prompt[a:], dtype=torch.long, device=dev)
+            for s, a in zip(leaders, starts)
+        ]
+        logits = self.model.step(tokens, positions, prompts, self.cache, starts)  # [B + L, V]
+        self.prefix.prefilled(self.cache, leaders, followers, B)
         for f, (seq, j) in enumerate(zip(followers, follows)):
             self.cache.move_slot(B + j, B + len(leaders) + f, len(seq.prompt))
         if followers:
@@ -482,12 +516,23 @@ class Generator:
         activations) fails its own request with :class:`NonFiniteLogits` and is counted for
         /health; the other rows sample as usual and the loop goes on. Rows of constrained
         requests sample from their grammar's masked distribution."""
-        out = self.sampler.sample(logits, seqs)  # the step's one device->host copy
+        pending = self.sampler.launch(logits, seqs)  # the step's one device->host copy, queued
+        if self.overlap:  # while the device runs this step: answer the last step's finished
+            self._send_answers()
+        out = pending.result()
         finished, faults = record(seqs, out, self._version, time.monotonic())
         for i in faults:
             finished.append((i, "abort", None, self._nonfinite(f"output token {len(seqs[i].out)}")))
         for i, reason, matched, error in sorted(finished, key=lambda r: r[0], reverse=True):
             self._retire(first_slot + i, reason, matched, error)
+        if not (self.overlap and self._running):  # else answered during the next step
+            self._send_answers()
+
+    def _send_answers(self) -> None:
+        """Resolve the futures of requests retired since the last call (HTTP answers follow)."""
+        answers, self._answers = self._answers, []
+        for seq, reason, matched in answers:
+            seq.resolve(reason, matched)
 
     def _nonfinite(self, where: str) -> NonFiniteLogits:
         """Count a numerical fault and the error its request fails with."""
@@ -508,12 +553,17 @@ class Generator:
     ) -> None:
         """Answer the request in ``slot`` (or fail it with ``error``, clearing its cached keys,
         which may hold NaN a later occupant's attention would read) and refill the slot so
-        running requests stay compact (:func:`areal.serving.slots.vacate`)."""
+        running requests stay compact (:func:`areal.serving.slots.vacate`). An answered
+        request's tokens go to the prefix cache (a next turn extends them) when its rows were
+        computed under the current weights."""
         if error is not None:
             self.cache.clear_slot(slot)
+            self.prefix.clear()  # its prompt's blocks, cached at its prefill, may hold NaN too
+        else:
+            self.prefix.retire(self.cache, self._running[slot], slot)
         seq = vacate(self._running, slot, self.cache, self.model.attention_run)
         if error is None:
-            seq.resolve(reason, matched)
+            self._answers.append((seq, reason, matched))  # sent by _send_answers
         else:
             seq.fail(error)
 

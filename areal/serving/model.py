@@ -14,26 +14,30 @@ fp32 (tested against HF).
 
 Cache layout (per layer): ``k[layer]``, ``v[layer]`` of shape ``[max_batch, kv_heads, capacity,
 head_dim]``. Running sequences always occupy slots ``0..B-1`` (the generator compacts slots when
-one leaves). On CPU fp32 a compiled kernel (:mod:`.cpu_attention`) reads each row's cache up
-to its own length; otherwise a decode step attends over plain views ``k[a:b, :, :L]``: one per
-run of ``ATTENTION_RUN`` slots, each with its own longest row as ``L``. New prompts join in
-the same packed forward as the decode tokens (one pass over the weights per step). ``capacity``
-grows by doubling up to the context length, so memory follows the longest live sequence.
+one leaves). Decode rows attend over their slots through :mod:`.attention` (the C kernel on CPU
+fp32, matmul runs elsewhere on CPU, a length-masked SDPA on CUDA). New prompts join in the same
+packed forward as the decode tokens (one pass over the weights per step). ``capacity`` grows by
+doubling up to the context length, so memory follows the longest live sequence. A step of decode
+rows only may instead run the static-shape decode of :mod:`.decode_graph` (compiled, and on CUDA
+replayed as a CUDA graph).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from areal.serving.cpu_attention import Mode, load_decode_attention
+from areal.serving.attention import choose_attention
+from areal.serving.cpu_attention import Mode
 from areal.serving.families import architecture_of
 from areal.serving.moe import SparseMoe, per_expert, stack_experts
 
-ATTENTION_RUN = 16  # slots per decode-attention run of the matmul path (Qwen2Forward._decode_runs)
+if TYPE_CHECKING:
+    from areal.serving.decode_graph import StaticDecode
 
 
 class ModelSpec:
@@ -104,6 +108,7 @@ class KVCache:
         self.spec, self.max_batch, self.max_len = spec, max_batch, max_len
         self.device, self.dtype = device, dtype
         self.capacity = 0
+        self.generation = 0  # bumped whenever the cache tensors are replaced (graphs hold them)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.ensure_capacity(min(256, max_len))
@@ -123,12 +128,14 @@ class KVCache:
                 else:
                     store.append(fresh)
         self.capacity = new_cap
+        self.generation += 1
 
     def release(self) -> int:
         """Drop every cached tensor (no request may be running); returns the bytes dropped. The
         next :meth:`ensure_capacity` allocates afresh."""
         freed = sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
         self.k, self.v, self.capacity = [], [], 0
+        self.generation += 1
         return freed
 
     def rows_of(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -173,11 +180,11 @@ class DenseOps:
 
     ROWS_HINT = 64  # the row count oneDNN tunes the packed layout for: a full decode batch
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
+    def __init__(self, device: torch.device, dtype: torch.dtype, allow_fused: bool = True):
         op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
         reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
         cpu_fp32 = device.type == "cpu" and dtype == torch.float32
-        fused = cpu_fp32 and torch.backends.mkldnn.is_available()
+        fused = allow_fused and cpu_fp32 and torch.backends.mkldnn.is_available()
         # (linear, reorder): oneDNN's ops, None where torch's are used
         self._fused_ops = (op, reorder) if fused and op and reorder else None
 
@@ -221,13 +228,16 @@ class Qwen2Forward:
         device,
         dtype,
         cpu_attention: Mode = "auto",
+        pack_weights: bool = True,
     ):
         self.spec = ModelSpec(config)
         self.device, self.dtype = torch.device(device), dtype
-        self.ops = DenseOps(self.device, dtype)
-        self.kernel = load_decode_attention(cpu_attention, self.device, dtype)
-        # Slots per attention run; None = one run per step (the kernel reads exact lengths).
-        self.attention_run: int | None = None if self.kernel else ATTENTION_RUN
+        # packed oneDNN weights are opaque to torch.compile: the static decode asks for plain ones
+        self.ops = DenseOps(self.device, dtype, allow_fused=pack_weights)
+        s = self.spec
+        group = s.n_heads // s.n_kv_heads
+        self.attention = choose_attention(cpu_attention, self.device, dtype, s.n_kv_heads, group)
+        self.static: StaticDecode | None = None  # decode-only steps run it when set
         params, problems = per_expert(params)  # fused experts (a trainer's files) -> HF's names
         if problems:
             raise ValueError("; ".join(problems))
@@ -240,7 +250,6 @@ class Qwen2Forward:
         if "lm_head.weight" not in self.params and not self.spec.tie_word_embeddings:
             raise ValueError("weights have no lm_head.weight and tie_word_embeddings is false")
         self._build_fused()
-        s = self.spec
         inv_freq = s.arch.rope.inv_freq(s.head_dim)  # [head_dim / 2], as transformers computes it
         freqs = torch.outer(torch.arange(s.max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
@@ -253,18 +262,34 @@ class Qwen2Forward:
 
     @property
     def attention_impl(self) -> str:
-        """Which decode attention runs: ``compiled`` (the C kernel) or ``torch`` (matmuls)."""
-        return "compiled" if self.kernel else "torch"
+        """Which eager decode attention runs: ``compiled`` (the C kernel), ``torch`` (matmul
+        runs) or ``masked`` (SDPA with a length mask)."""
+        return self.attention.name
+
+    @property
+    def attention_run(self) -> int | None:
+        """Slots per decode-attention run (:mod:`.slots` keeps longer rows first); None = the
+        attention reads each row's exact length."""
+        return self.attention.run
+
+    @attention_run.setter
+    def attention_run(self, run: int) -> None:
+        self.attention.run = run
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, device="cpu", dtype=torch.float32, cpu_attention: Mode = "auto"
+        cls,
+        path: str | Path,
+        device="cpu",
+        dtype=torch.float32,
+        cpu_attention: Mode = "auto",
+        pack_weights: bool = True,
     ) -> Qwen2Forward:
         """Load config and safetensors weights of an HF model directory of a served family (one
         that is not is refused before its weights are read)."""
         ModelSpec(read_hf_config(path))  # refuses an unserved family or option in one line
         config, params = read_hf_dir(path)
-        return cls(config, params, device, dtype, cpu_attention)
+        return cls(config, params, device, dtype, cpu_attention, pack_weights)
 
     def _build_fused(self) -> None:
         """Concatenate q/k/v and gate/up weights so each is one matmul per layer, then pack them
@@ -371,7 +396,24 @@ class Qwen2Forward:
         for name, t in per_expert(named)[0].items():
             if name in self.params:
                 self.params[name].copy_(t.to(self.device, self.dtype))
+        self._refresh_fused()
+
+    def _refresh_fused(self) -> None:
+        """Rebuild the fused weights into the tensors that hold them now (``copy_``: the same
+        storage), so a compiled decode and captured CUDA graphs, which read those tensors, see
+        the new weights."""
+        old_layers, old_head = self.layers, self.lm_head
         self._build_fused()
+        for old, new in zip(old_layers, self.layers):
+            for key, t in new.items():
+                kept = old[key]
+                if isinstance(t, torch.Tensor) and isinstance(kept, torch.Tensor):
+                    if kept is not t:
+                        kept.copy_(t)
+                    new[key] = kept
+        if old_head is not self.lm_head:
+            old_head.copy_(self.lm_head)
+            self.lm_head = old_head
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """In fp32, then the weight in the model's dtype, as transformers' RMSNorm (in bf16 the
@@ -399,82 +441,42 @@ class Qwen2Forward:
         gate, up = self.ops.linear(x, layer["gate_up_w"]).chunk(2, dim=-1)
         return self.ops.linear_add(F.silu(gate) * up, layer["down_w"], h)
 
-    def _decode_runs(self, positions: torch.Tensor, n: int) -> list[tuple[int, int, torch.Tensor]]:
-        """Split decode rows into runs of ``n`` slots (``attention_run``), each with its own key
-        length.
-
-        Returns ``(first_row, end_row, bias)`` per run; ``bias [rows * kv_heads, group, L_run]``
-        is 0 up to each row's position and -inf after, with ``L_run`` the run's longest row
-        (views into one bias built for the whole batch).
-        """
-        s, dev = self.spec, positions.device
-        B, nkv, group = positions.shape[0], s.n_kv_heads, s.n_heads // s.n_kv_heads
-        pos = positions.tolist()
-        if not pos:
-            return []
-        L = max(pos) + 1
-        future = torch.arange(L, device=dev)[None, :] > positions[:, None]  # [B, L]
-        bias = (
-            torch.zeros(B, 1, 1, L, device=dev, dtype=self.dtype)
-            .masked_fill_(future[:, None, None], float("-inf"))
-            .expand(B, nkv, group, L)
-            .reshape(B * nkv, group, L)
-        )
-        return [
-            (a, min(a + n, B), bias[a * nkv : min(a + n, B) * nkv, :, : max(pos[a : a + n]) + 1])
-            for a in range(0, B, n)
-        ]
-
-    def _decode_attention(self, q, i: int, cache: KVCache, layout) -> torch.Tensor:
-        """Rows ``0..B-1`` (one query each, slot == row) attend over their cached keys.
-
-        With the compiled kernel, ``layout`` is each row's key count ``[B]`` and the kernel reads
-        exactly that. Otherwise it is the runs of :meth:`_decode_runs`, each reading keys only up
-        to its own longest row (the generator keeps longer rows in earlier runs). Query heads
-        sharing a KV head are laid out as extra query rows of that head, so grouped attention
-        needs no repeat of the cache, and ``[rows, kv_heads]`` of the cache merge into one batch
-        dimension of a strided view (no copy). Two batched matmuls (the first adding the bias)
-        beat SDPA's masked CPU kernel here.
-        """
-        if self.kernel:
-            return self.kernel(q.flatten(1), cache.k[i], cache.v[i], layout)
-        s = self.spec
-        B, nkv, d = q.shape[0], s.n_kv_heads, s.head_dim
-        q = q.reshape(B * nkv, s.n_heads // nkv, d)
-        out = torch.empty_like(q)
-        k, v = cache.k[i], cache.v[i]
-        step = cache.capacity * d  # elements between consecutive (slot, kv_head) blocks
-        for a, b, bias in layout:
-            n, L, rows, at = (b - a) * nkv, bias.shape[-1], slice(a * nkv, b * nkv), a * nkv * step
-            k_t = k.as_strided((n, d, L), (step, 1, d), k.storage_offset() + at)  # transposed
-            v_run = v.as_strided((n, L, d), (step, d, 1), v.storage_offset() + at)
-            scores = torch.baddbmm(bias, q[rows], k_t)  # q pre-scaled
-            torch.bmm(scores.softmax(-1), v_run, out=out[rows])
-        return out.view(B, -1)  # [B, h*d]
-
-    def _prompt_attention(self, q, k, v, lens: list[int], last_only: bool) -> list[torch.Tensor]:
+    def _prompt_attention(
+        self, q, k, v, lens: list[int], last_only: bool, cached: tuple | None = None
+    ) -> list[torch.Tensor]:
         """Causal attention within each new prompt (packed after the decode rows).
 
         A run of consecutive prompts of equal length (e.g. a group's samples of one prompt) is
         one contiguous block, viewed as a batch for one SDPA call. Returns ``[tokens, h*d]``
         per run, in order; with ``last_only``, ``[prompts, h*d]``: each prompt's last token only
         (it sees every key of its prompt, so no mask).
-        """
+
+        ``cached`` = ``(starts, k_layer, v_layer, first_slot)``: prompt ``j`` continues the
+        ``starts[j]`` tokens cached in slot ``first_slot + j`` (:mod:`.prefix_cache`); its tokens,
+        written there too, attend over that slot's keys, token ``t`` up to key ``start + t``."""
         out: list[torch.Tensor] = []
+        starts = cached[0] if cached else [0] * len(lens)
         start, j = 0, 0
         while j < len(lens):
-            n, m = lens[j], 1
-            while j + m < len(lens) and lens[j + m] == n:
+            n, s0, m = lens[j], starts[j], 1
+            while j + m < len(lens) and lens[j + m] == n and starts[j + m] == s0:
                 m += 1
             block = slice(start, start + m * n)
             qs, ks, vs = (t[block].view(m, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+            mask = None
+            if s0:  # keys and values from the slots: the cached prefix, then these tokens
+                assert cached is not None  # starts are all 0 without it
+                ks, vs = (c[cached[3] + j : cached[3] + j + m, :, : s0 + n] for c in cached[1:3])
+                if not last_only:  # token t sees keys 0 .. s0 + t
+                    mask = torch.ones(n, s0 + n, dtype=torch.bool, device=q.device).tril(s0)
             if last_only:
                 qs = qs[:, :, -1:]
             att = F.scaled_dot_product_attention(
                 qs,
                 ks,
                 vs,
-                is_causal=not last_only,
+                attn_mask=mask,
+                is_causal=not last_only and mask is None,
                 enable_gqa=True,
                 scale=1.0,  # q pre-scaled
             )
@@ -503,31 +505,51 @@ class Qwen2Forward:
         decode_positions: torch.Tensor,
         prompts: list[torch.Tensor],
         cache: KVCache,
+        starts: list[int] | None = None,
     ) -> torch.Tensor:
         """One packed forward: a decode token for each running slot plus whole new prompts.
 
         ``decode_tokens[b]`` sits at ``decode_positions[b]`` in slot ``b`` (slots ``0..B-1``);
-        prompt ``j`` fills slot ``B + j`` from position 0. All tokens share each weight matmul
+        prompt ``j`` fills slot ``B + j`` from position ``starts[j]`` (default 0; the slot holds
+        the cached keys/values before it: :mod:`.prefix_cache`). All tokens share each weight matmul
         (one pass over the weights per step); attention is per row. Returns logits
         ``[B + len(prompts), V]``: the next-token logits of each decode row, then of each
         prompt's last token. The last layer's attention output, o_proj and MLP run on those rows
-        only (a prompt's other tokens feed the cache alone, and the last layer's keys and values
-        come from its input).
+        only (a prompt's other tokens feed the cache alone). Decode tokens and positions come on
+        the host (the cache size is read with no device sync) and are copied to the device here.
+        A decode-only step runs :attr:`static` when set (its logits may be a graph's output
+        buffer: read them before the next step).
         """
-        s, dev = self.spec, decode_tokens.device
         B = decode_tokens.shape[0]
+        host_positions = decode_positions.cpu()  # a no-op for host tensors (the generator's)
         lens = [int(p.shape[0]) for p in prompts]
+        starts = starts or [0] * len(lens)
+        longest = max([int(host_positions.max()) + 1 if B else 0, *map(sum, zip(starts, lens))])
+        cache.ensure_capacity(longest)
+        if self.static is not None and B and not prompts:
+            return self.static(decode_tokens.cpu(), host_positions, cache)
+        dev = self.device
+        decode_tokens = decode_tokens.to(dev, non_blocking=True)
+        decode_positions = decode_positions.to(dev, non_blocking=True)
+        return self._packed_step(decode_tokens, decode_positions, prompts, lens, cache, starts)
+
+    def _packed_step(
+        self, decode_tokens, decode_positions, prompts, lens, cache, starts
+    ) -> torch.Tensor:
+        """:meth:`step`'s eager forward, inputs on the device and the cache large enough."""
+        s, dev = self.spec, self.device
+        B = decode_tokens.shape[0]
         tokens = torch.cat([decode_tokens, *prompts])
-        positions = torch.cat([decode_positions, *(torch.arange(n, device=dev) for n in lens)])
+        positions = torch.cat(
+            [decode_positions, *(torch.arange(a, a + n, device=dev) for a, n in zip(starts, lens))]
+        )
         slots = torch.cat(
             [torch.arange(B, device=dev)]
             + [torch.full((n,), B + j, dtype=torch.long, device=dev) for j, n in enumerate(lens)]
         )
-        cache.ensure_capacity(int(positions.max()) + 1)
         rows = cache.rows_of(slots, positions)
         cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [T, 1, d]
-        run = self.attention_run  # None: the compiled kernel reads each row's own key count
-        layout = decode_positions + 1 if run is None else self._decode_runs(decode_positions, run)
+        layout = self.attention.layout(decode_positions + 1, cache.capacity)  # shared by layers
         h = F.embedding(tokens, self.embed)  # [T, H]
         ends = torch.tensor(lens, dtype=torch.long, device=dev).cumsum(0) + (B - 1)
         wanted = torch.cat([torch.arange(B, device=dev), ends])  # rows whose logits are returned
@@ -535,8 +557,9 @@ class Qwen2Forward:
             last = i == s.n_layers - 1  # other rows only feed the cache: skip their o_proj and MLP
             q, k, v = self._qkv(h, layer, cos, sin)
             cache.write(i, rows, k, v)
-            parts = [self._decode_attention(q[:B], i, cache, layout)] if B else []
-            parts += self._prompt_attention(q[B:], k[B:], v[B:], lens, last_only=last)
+            parts = [self.attention(q[:B], cache.k[i], cache.v[i], layout)] if B else []
+            cached = (starts, cache.k[i], cache.v[i], B) if any(starts) else None
+            parts += self._prompt_attention(q[B:], k[B:], v[B:], lens, last, cached)
             att = torch.cat(parts) if len(parts) > 1 else parts[0]
             residual = h[wanted] if last and lens else h
             h = self.ops.linear_add(att, layer["o_w"], residual, layer["o_b"])

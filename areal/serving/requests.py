@@ -137,6 +137,7 @@ class Seq:
     # its row of the batched sampler's table (sampler.py), built when it is first sampled
     sample_row: tuple[list[int], list[float], list[int]] | None = None
     cancelled: bool = False  # the caller cancelled the future (read each step, lock-free)
+    kv_epoch: int = -1  # the prefix cache's epoch its cache rows were computed in (prefill)
 
     def __post_init__(self) -> None:
         self.future.add_done_callback(self._mark_cancelled)

@@ -171,6 +171,11 @@ class BatchSampler:
         returns, copied to the host at once, ``[tokens, logprobs, flags]`` (:data:`FINITE`,
         :data:`STOP`, :data:`LENGTH`) and, when a row asked for ``top_logprobs``, K token ids
         then K logprobs per row (K the most asked)."""
+        return self.launch(logits, seqs).result()
+
+    def launch(self, logits: torch.Tensor, seqs: list[Seq]) -> HostCopy:
+        """:meth:`sample`'s device work, queued; its result comes with :meth:`HostCopy.result`
+        (the host may work meanwhile: on CUDA nothing here waits for the device)."""
         if len(seqs) != len(self._seqs) or not all(map(operator.is_, seqs, self._seqs)):
             self._rebuild(seqs)
         ints, floats = self._ints, self._floats
@@ -200,7 +205,29 @@ class BatchSampler:
             top = logp.topk(max(self._ks), dim=-1)  # a masked token's -inf: OpenAI's floor
             out += [*top.indices.double().T, *top.values.clamp(min=IMPOSSIBLE_LOGPROB).double().T]
         ints[:, N_OUT] += 1
-        return torch.stack(out).tolist()  # the step's one device->host copy
+        return HostCopy(torch.stack(out))  # the step's one device->host copy
+
+
+class HostCopy:
+    """A device tensor on its way to the host: on CUDA copied ``non_blocking`` into pinned memory
+    with an event recorded after the copy, so :meth:`result` waits for that copy only; on CPU
+    the tensor itself."""
+
+    def __init__(self, t: torch.Tensor):
+        self._event = None
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            t = host
+        self._host = t
+
+    def result(self) -> list[list[float]]:
+        """The copied values as lists (waits for the copy)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
 
 
 Finished = tuple[int, FinishReason, int | str | None, BaseException | None]  # row, how, error

@@ -6,7 +6,9 @@ Endpoints
   ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``; structured outputs (a JSON schema,
   regex, grammar or choice list the output must match; a forced tool call) in
   :mod:`areal.serving.constraints`
-- info: ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info``
+- info: ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``,
+  ``GET /get_server_info``,
+  ``GET /metrics`` (Prometheus text: load, the prefix cache's hit rate; :mod:`.metrics`)
 - admin (:mod:`areal.serving.admin`; ``Authorization: Bearer <api_key>`` when an api_key is
   set; a non-loopback bind requires one): ``POST /pause_generation`` (abort in-flight requests,
   answered with their partial tokens and finish reason ``abort``; hold new ones),
@@ -45,6 +47,7 @@ import json
 import logging
 import signal
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -57,7 +60,7 @@ from jinja2 import TemplateError
 from areal.api.config.loader import ConfigError
 from areal.api.config.server import GenerationServerConfig
 from areal.api.launch import LaunchEnv
-from areal.serving import limits, openai_api, protocol, streaming, tokens
+from areal.serving import limits, metrics, openai_api, protocol, streaming, tokens
 from areal.serving.admin import AdminRoutes
 from areal.serving.connections import ConnectionGuard, connection_limit, listen_socket
 from areal.serving.constraints import (
@@ -132,10 +135,15 @@ class GenerationServer:
                 device=cfg.device,
                 dtype=getattr(torch, cfg.dtype),
                 cpu_attention=cfg.cpu_attention,
+                compile=cfg.compile,
+                cuda_graphs=cfg.cuda_graphs,
+                decode_buckets=cfg.decode_buckets,
                 max_batch_size=cfg.max_batch_size,
                 context_length=cfg.context_length or None,
                 max_prefill_tokens=cfg.max_prefill_tokens,
                 share_prompts=cfg.share_prompts,
+                prefix_cache_tokens=cfg.prefix_cache_tokens,
+                prefix_cache_block=cfg.prefix_cache_block,
                 num_threads=num_threads,
                 version=cfg.weight_version,
             )
@@ -167,7 +175,7 @@ class GenerationServer:
         self.admin = AdminRoutes(self.generator, self._json_body, cfg.weight_read_timeout)
         self.admin_paths = {route.path for route in self.admin.routes()}
         # answered from the connections kept by server.control_connections under any load
-        self.control_paths = self.admin_paths | set(CONTROL_PATHS)
+        self.control_paths = self.admin_paths | {*CONTROL_PATHS, metrics.PATH}
         self.guard: ConnectionGuard | None = None  # set by serve() (tests in process run without)
 
     # ------------------------------------------------------------------ helpers
@@ -487,6 +495,7 @@ class GenerationServer:
                 get("/health_generate", self.health_generate),
                 get("/get_model_info", self.model_info),
                 get("/get_server_info", self.server_info),
+                metrics.route(self.generator),
                 *self.admin.routes(),
             ]
         )
@@ -540,11 +549,12 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    stats = metrics.StatsLog(cfg.stats_log_interval)  # the periodic log line
     while not stop.is_set() and server.generator.error is None:
         try:
             await asyncio.wait_for(stop.wait(), GENERATOR_WATCH_S)
         except TimeoutError:
-            pass
+            stats.tick(time.monotonic(), server.generator.load())
     if server.generator.error is not None:  # broken past recovery: exit so a supervisor sees it
         print(f"areal serve: generator broken, exiting: {server.generator.error!r}", flush=True)
         listener.close()

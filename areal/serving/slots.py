@@ -5,6 +5,9 @@ On the matmul attention path (``Qwen2Forward.attention_run`` set) decode rows ar
 ``attention_run`` slots, each run only up to its own longest row's keys; keeping longer requests in
 earlier runs keeps the short runs cheap. The compiled attention kernel reads exact lengths and
 has no runs (``attention_run`` None).
+
+New requests take the slots after the running ones; :func:`group_prompts` says which of those
+admitted together share one prompt's prefill.
 """
 
 from __future__ import annotations
@@ -39,3 +42,23 @@ def vacate(running: list[Seq], slot: int, cache: KVCache, run: int | None) -> Se
         _move(running, cache, last, hole)
     running.pop()
     return seq
+
+
+def group_prompts(admitted: list[Seq], share: bool) -> tuple[list[Seq], list[Seq], list[int]]:
+    """``(leaders, followers, follows)``: the admitted requests with distinct prompts (one
+    prefill each), the others, and for each of those the index of the leader whose prompt it
+    shares (its cache rows are copied from the leader's slot). Without ``share`` every request
+    leads."""
+    first: dict[tuple[int, ...], int] = {}  # prompt -> index among the distinct prompts
+    leaders: list[Seq] = []
+    followers: list[Seq] = []
+    follows: list[int] = []
+    for seq in admitted:
+        key = tuple(seq.prompt) if share else (id(seq),)
+        if key in first:
+            followers.append(seq)
+            follows.append(first[key])
+        else:
+            first[key] = len(leaders)
+            leaders.append(seq)
+    return leaders, followers, follows

@@ -128,8 +128,8 @@ def test_min_new_tokens_suppresses_every_stop_token_when_one_token_is_left(gener
 def poison_marked_prompts(real):
     """A step whose rows for prompts holding MARK come out NaN (a numerical fault)."""
 
-    def step(tokens, positions, prompts, cache):
-        logits = real(tokens, positions, prompts, cache)
+    def step(tokens, positions, prompts, cache, *starts):
+        logits = real(tokens, positions, prompts, cache, *starts)
         for j, p in enumerate(prompts):
             if MARK in p.tolist():
                 logits[tokens.shape[0] + j] = float("nan")
@@ -210,8 +210,8 @@ def test_a_request_failed_by_nan_leaves_no_nan_in_its_cache_slot_for_the_next_on
         reference = [r.output_ids for r in gen.generate([PROMPT, long_prompt], greedy, timeout=60)]
         real = gen.model.step
 
-        def step(tokens, positions, prompts, cache):  # the marked prompt's keys and logits go NaN
-            logits = real(tokens, positions, prompts, cache)
+        def step(tokens, positions, prompts, cache, *starts):  # marked: keys and logits go NaN
+            logits = real(tokens, positions, prompts, cache, *starts)
             for j, p in enumerate(prompts):
                 if MARK in p.tolist():
                     for t in cache.k + cache.v:

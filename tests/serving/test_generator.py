@@ -37,21 +37,27 @@ def test_packed_step_logits_equal_hf_forward(tiny_model_dir, hf_model, attention
 
 
 def test_decode_attention_runs_read_their_own_length_and_match_one_run(tiny_model_dir):
+    from areal.serving.attention import MaskedAttention
     from areal.serving.model import KVCache, Qwen2Forward
 
     model = Qwen2Forward.from_pretrained(tiny_model_dir, cpu_attention="torch")
-    s = model.spec
+    s, attention = model.spec, model.attention
     cache = KVCache(model.spec, 8, 64, model.device, model.dtype)
     for t in cache.k + cache.v:
         t.normal_()
-    positions = torch.tensor([9, 3, 5, 7, 2])
+    lengths = torch.tensor([10, 4, 6, 8, 3])
     q = torch.randn(5, s.n_heads, s.head_dim)
-    runs = model._decode_runs(positions, 2)  # runs of 2 slots
+    attention.run = 2  # runs of 2 slots
+    runs = attention.layout(lengths, cache.capacity)
     assert [(a, b, bias.shape[-1]) for a, b, bias in runs] == [(0, 2, 10), (2, 4, 8), (4, 5, 3)]
     assert runs[0][2][s.n_kv_heads, 0].isinf().tolist() == [False] * 4 + [True] * 6  # row 1: 0..3
-    in_runs = model._decode_attention(q, 1, cache, runs)
-    one_run = model._decode_attention(q, 1, cache, model._decode_runs(positions, 64))
+    in_runs = attention(q, cache.k[1], cache.v[1], runs)
+    attention.run = 64
+    one_run = attention(q, cache.k[1], cache.v[1], attention.layout(lengths, cache.capacity))
     torch.testing.assert_close(in_runs, one_run, atol=1e-5, rtol=0)  # fp32 summation order
+    masked = MaskedAttention()  # the static decode's: the whole capacity under a length mask
+    full = masked(q, cache.k[1], cache.v[1], masked.layout(lengths, cache.capacity))
+    torch.testing.assert_close(full, one_run, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("attention", [pytest.param("compiled", marks=needs_cc), "torch"])

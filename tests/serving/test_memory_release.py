@@ -20,10 +20,12 @@ def test_release_needs_a_pause_and_gives_back_the_whole_cache(tiny_model_dir, hf
         assert gen.generate([PROMPT], GREEDY)[0].output_ids == hf_greedy(hf_model, PROMPT, 24)
         with pytest.raises(ValueError, match="needs a paused server"):
             gen.release_memory()
-        held = sum(t.numel() * t.element_size() for t in (*gen.cache.k, *gen.cache.v))
+        tensors = (*gen.cache.k, *gen.cache.v, *gen.prefix.k, *gen.prefix.v)  # + prefix pool
+        held = sum(t.numel() * t.element_size() for t in tensors)
+        assert gen.prefix.k  # the prompt's blocks were cached
         gen.pause()
         assert gen.release_memory() == held > 0
-        assert gen.cache.k == [] and gen.cache.capacity == 0
+        assert gen.cache.k == [] and gen.cache.capacity == 0 and gen.prefix.k == []
         gen.resume_memory()
         gen.resume()
         assert gen.cache.capacity > 0

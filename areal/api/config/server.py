@@ -69,12 +69,52 @@ class GenerationServerConfig:
         help="Requests admitted in one step with the same prompt (a group's samples) prefill "
         "it once and copy its cache rows; false = one prefill per request (same outputs, slower).",
     )
+    prefix_cache_tokens: int = param(
+        16384,
+        ge=0,
+        help="Tokens whose keys/values are kept across requests (the prefix cache: prompts, and "
+        "outputs once answered), so a request starting with whole blocks of an earlier one (the "
+        "next turn of a conversation, another sample of a GRPO group) prefills only the rest; "
+        "least recently used blocks go first, every weight update and memory release drops "
+        "all. Memory: this x 2 x layers x kv_heads x head_dim x dtype bytes at most, allocated "
+        "as used. 0 = off (same outputs to float rounding). /metrics reports the hit rate.",
+    )
+    prefix_cache_block: int = param(
+        16, ge=1, help="Tokens per prefix-cache block: prefixes are matched in whole blocks."
+    )
+    stats_log_interval: float = param(
+        30.0,
+        ge=0,
+        help="Seconds between server log lines with the running and waiting requests and the "
+        "prefix cache's hit rate (only when requests were served since the last); 0 = none.",
+    )
     cpu_attention: Literal["auto", "compiled", "torch"] = param(
         "auto",
         help="Decode attention on CPU fp32: compiled = a C kernel built with $CC (default cc) at "
         "start (kept in $AREAL_CACHE_DIR/kernels, default ~/.cache/areal/kernels, for the next "
         "start), an error if it cannot be built; torch = batched matmuls; auto = compiled if it "
         "builds, else torch with a warning. /get_server_info reports decode_attention.",
+    )
+    compile: Literal["auto", "on", "off"] = param(
+        "auto",
+        help="Decode steps with no prompt joining run a static-shape step (batch padded to a "
+        "decode bucket, attention over the whole cache under a length mask) compiled by "
+        "torch.compile (inductor). auto = on for CUDA, off on CPU: there inductor takes 20-60 s "
+        "per compiled shape class on 2 cores even for a tiny model, and the compiled step ran at "
+        "0.45x the eager one's tok/s (bench/gpu_engine.py; the eager CPU step, a C attention "
+        "kernel over each row's own length and packed oneDNN matmuls, is not launch-bound). "
+        "Qwen3-MoE decodes eagerly (on is an error: its expert routing has data-dependent shapes).",
+    )
+    cuda_graphs: Literal["auto", "on", "off"] = param(
+        "auto",
+        help="On CUDA, capture the static decode step as one CUDA graph per decode bucket and "
+        "replay it each step (weight updates copy in place, so graphs stay valid; release_memory "
+        "drops them, recaptured at the next step). auto = on for CUDA; on off CUDA is an error.",
+    )
+    decode_buckets: list[int] = param(
+        [],
+        help="Batch sizes the static decode step pads to (each 1..max_batch_size; max_batch_size "
+        "is always one); [] = 1, 2, 4, ... up to max_batch_size.",
     )
     seed: int = param(
         0,
@@ -261,6 +301,23 @@ class GenerationServerConfig:
                 f"control_connections: {self.control_connections} leaves none of "
                 f"max_connections={self.max_connections} for generation; set it below "
                 "max_connections (default 32)"
+            )
+        if self.cuda_graphs == "on" and not self.device.startswith("cuda"):
+            yield (
+                f"cuda_graphs: on needs a CUDA device, got device={self.device!r}; use auto "
+                "(on for CUDA only) or off"
+            )
+        bad = [b for b in self.decode_buckets if not 1 <= b <= self.max_batch_size]
+        if bad:
+            yield (
+                f"decode_buckets: {bad} outside 1..max_batch_size ({self.max_batch_size}); list "
+                "sizes in that range, or [] for powers of two"
+            )
+        if 0 < self.prefix_cache_tokens < self.prefix_cache_block:
+            yield (
+                f"prefix_cache_tokens: {self.prefix_cache_tokens} holds no block of "
+                f"prefix_cache_block={self.prefix_cache_block} tokens; raise it, or set 0 to turn "
+                "the prefix cache off"
             )
         if self.dtype != "float32" and self.device == "cpu":
             yield f"dtype: {self.dtype} on CPU is slow and inexact; use float32 on CPU"
