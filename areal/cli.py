@@ -137,6 +137,31 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_main(cfg)
 
 
+def _tinker(args: argparse.Namespace) -> int:
+    from areal.api.config import ConfigError, load_config
+    from areal.api.config.tinker import TinkerConfig
+    from areal.runtime.preflight import model_dir_problem
+    from areal.tinker.routes import main as tinker_main
+
+    p = argparse.ArgumentParser(prog=f"areal tinker {args.action}", description=TINKER_REST)
+    p.add_argument("--model", help="Hugging Face model dir to train and sample (= model=DIR)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port (default 8000; 0 = any free port)")
+    p.add_argument("--config", help="YAML file of TinkerConfig fields")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    a = p.parse_intermixed_args(args.rest)
+    argv = ["--config", a.config] if a.config else []
+    argv += a.overrides  # the short flags below win over --config and dotted overrides
+    argv += [f"{k}={json.dumps(getattr(a, k))}" for k in ("model", "host", "port")]
+    cfg = load_config(TinkerConfig, [x for x in argv if not x.endswith("=null")])
+    if not cfg.model:
+        raise ConfigError(["model: empty; pass --model DIR (a Hugging Face model directory)"])
+    problem = model_dir_problem("model", cfg.model)
+    if problem:
+        raise ConfigError([problem])
+    return tinker_main(cfg)
+
+
 def _config_docs(args: argparse.Namespace) -> int:
     from areal.config_docs import main as config_docs_main
 
@@ -314,6 +339,7 @@ class Command(NamedTuple):
     args: tuple[Arg, ...]
 
 
+TINKER_REST = "--model DIR [--host ADDR] [--port P] [--config YAML] [key=value ...] (TinkerConfig)"
 # fmt: off
 COMMANDS: tuple[Command, ...] = (
     Command("tiny-model", "write a tiny random HF model directory (Qwen2, Qwen3, Llama 3, "
@@ -403,6 +429,11 @@ COMMANDS: tuple[Command, ...] = (
         _arg("--config", help="YAML file of GenerationServerConfig fields"),
         _overrides("max_batch_size=64"),
     )),
+    Command("tinker", "a Tinker-compatible training service: the tinker SDK and cookbook "
+            "against our trainer and generator (docs/tinker.md)", _tinker, (
+        _arg("action", choices=["serve"], help="serve: run the service"),
+        _arg("rest", nargs=argparse.REMAINDER, help=TINKER_REST),
+    )),
     Command("core",
             "Core mode (docs/core.md): print a dataflow graph, run SFT, sync or async PPO",
             _core, (
@@ -428,6 +459,8 @@ EXAMPLES = {
     "plot": "areal plot runs/quickstart/grpo/run",
     "config-docs": "areal config-docs --out docs/config.md",
     "serve": "areal serve --model runs/quickstart/model --port 30000 max_batch_size=64",
+    "tinker": "areal tinker serve --model runs/tiny --port 8000   (then TINKER_BASE_URL="
+    "http://127.0.0.1:8000 TINKER_API_KEY=tml-local python your_tinker_script.py)",
     "core": "areal core graph graph=sync_ppo   (--help after an action: its config's fields or "
     "arguments)",
 }

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from areal.api.config.docs import EXPERIMENTS, render_config_docs, write_config_docs
+from areal.api.config.tinker import TinkerConfig
 from areal.core.config import CoreAsyncGRPOConfig, CoreGRPOConfig
 from areal.core.graphs import CoreGraphConfig
 from areal.core.sft import CoreSFTConfig
@@ -30,6 +31,7 @@ ALL_EXPERIMENTS: list[tuple[type, str]] = [
 TOOLS: list[tuple[type, str]] = [
     (CoreGraphConfig, "areal core graph"),
     (ArithmeticPairsConfig, "areal dpo-pairs"),
+    (TinkerConfig, "areal tinker serve"),
 ]
 
 

@@ -19,7 +19,7 @@ LAYERS = [
     {"engine", "rollout", "serving"},  # trainer side, rollout client, generation server
     {"workflow", "reward", "dataset"},
     {"runtime"},
-    {"launcher", "core"},
+    {"launcher", "core", "tinker"},  # tinker: the Tinker API service over engine + serving
     {"cli", "quickstart", "evaluate", "config_docs", "__main__", "examples"},
 ]
 # Imports forbidden even where the layers allow them: the three programs of the middle layer

@@ -33,6 +33,7 @@ from areal.api.config.loader import (
 from areal.api.config.reward import RewardConfig, SandboxConfig, WorkflowConfig
 from areal.api.config.rollout import InferenceEngineConfig
 from areal.api.config.server import GenerationServerConfig
+from areal.api.config.tinker import TinkerConfig
 
 __all__ = [
     "ArithmeticConfig",
@@ -59,6 +60,7 @@ __all__ = [
     "SandboxConfig",
     "StatsLoggerConfig",
     "TimerConfig",
+    "TinkerConfig",
     "TrainEngineConfig",
     "WorkflowConfig",
     "from_dict",
