@@ -4,6 +4,14 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
+# The envs extra (pyproject.toml) beside the test extra: verifiers 0.4.0 pins openai<3 and the test
+# extra's openai-agents needs openai>=3; areal uses verifiers' taskset and scoring layer, which
+# runs on openai 3, so verifiers goes in with --no-deps after the rest of its requirements here.
+ENVS_DEPS := reasoning-gym==0.1.25 openenv-core==0.3.0 'anthropic>=1.0.0' 'gepa>=0.0.6' \
+	'h11>=0.16.0' 'httpx2>=2.12.0' 'loguru>=0.7.0' 'math-verify>=0.8.0' mcp==2.0.0 'msgpack>=1.1.2' \
+	'prime-pydantic-config[toml]>=0.4.3' 'prime-runs>=0.1.4' 'prime-sandboxes>=0.4.2' \
+	'prime-tunnel>=0.1.14' 'pyzmq>=27.1.0' 'renderers[multimodal]>=0.1.12' 'tenacity>=8.5.0' \
+	'tomli-w>=1.0.0' 'uvicorn>=0.52.0'
 # A machine whose python3 already has a CUDA torch keeps it: the venv sees the system packages and
 # torch is not installed (areal asks torch>=2.6, so pip never replaces it). Elsewhere: torch 2.13.0.
 CUDA_TORCH := $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
@@ -34,10 +42,12 @@ $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 ifeq ($(CUDA_TORCH),1)
 	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q $(ENVS_DEPS) && $(VPY) -m pip install -q --no-deps verifiers==0.4.0
 	$(VPY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'the CUDA torch was replaced: ' + torch.__version__)"
 else
 	$(VPY) -m pip install -q $(TORCH)
 	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q $(ENVS_DEPS) && $(VPY) -m pip install -q --no-deps verifiers==0.4.0
 	$(VPY) -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') else 'torch was replaced: ' + v)"
 endif
 	touch $(STAMP)

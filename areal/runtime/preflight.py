@@ -16,6 +16,7 @@ import areal
 from areal.api.config.base import GenerationHyperparameters
 from areal.api.config.data import DatasetConfig
 from areal.api.config.engine import TrainEngineConfig
+from areal.api.config.reward import ENV_WORKFLOWS
 from areal.reward.resolve import resolve_reward
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -164,6 +165,11 @@ def _workflow_problems(cfg: Any) -> list[str]:
         from areal.workflow.agent_cmd import command_problems
 
         return command_problems(cfg.workflow.agent)
+    elif workflow in ENV_WORKFLOWS:  # the hub's package (the envs extra, in one line), its env
+        from areal.workflow.envs import env_problems
+
+        train = getattr(cfg, "train_dataset", None)
+        return env_problems(cfg.workflow, train.path if train is not None else "")
     elif workflow not in ("rlvr", "multi_turn"):  # the user's class must import here already
         from areal.workflow.custom import workflow_class
 

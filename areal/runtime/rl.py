@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from areal.api.config import GRPOConfig
+from areal.api.config.reward import ENV_WORKFLOWS
 from areal.api.launch import LaunchEnv, agent_proxy_token
 from areal.api.workflow import RolloutWorkflow
 from areal.reward.resolve import resolve_reward
@@ -27,6 +28,7 @@ from areal.workflow.agent_cmd import AgentCommandWorkflow
 from areal.workflow.agent_control import ProxyClient
 from areal.workflow.custom import make_custom_workflow
 from areal.workflow.distill import TeacherScored
+from areal.workflow.envs import make_env_workflow
 from areal.workflow.multi_turn import MultiTurnWorkflow
 from areal.workflow.rlvr import RLVRWorkflow
 
@@ -45,6 +47,8 @@ def make_workflow(cfg: GRPOConfig, reward, tokenizer, dump_dir) -> RolloutWorkfl
             agent_proxy_client(cfg),
             Path(dump_dir).parent / "logs",
         )
+    if cfg.workflow.type in ENV_WORKFLOWS:  # an environment hub's tasks (docs/environments.md)
+        return make_env_workflow(cfg.workflow, cfg.gconfig, tokenizer, server=cfg.server)
     if cfg.workflow.type != "rlvr":
         return make_custom_workflow(cfg.workflow.type, reward, cfg.gconfig, tokenizer)
     return RLVRWorkflow(
@@ -176,6 +180,10 @@ def setup_rollout(cfg: GRPOConfig, run) -> RolloutSide:
     if cfg.workflow.type == "agent":
         eval_workflow = AgentWorkflow(
             cfg.workflow.agent, cfg.eval_gconfig, run.tokenizer, server=cfg.server
+        )
+    elif cfg.workflow.type in ENV_WORKFLOWS:
+        eval_workflow = make_env_workflow(
+            cfg.workflow, cfg.eval_gconfig, run.tokenizer, server=cfg.server
         )
     elif cfg.workflow.type == "agent_cmd":
         eval_workflow = AgentCommandWorkflow(

@@ -13,6 +13,9 @@ from typing import Literal
 from areal.api.config.loader import param
 from areal.utils.imports import IMPORT_PATH
 
+# the environment hubs' workflow types (areal.workflow.envs; docs/environments.md)
+ENV_WORKFLOWS = ("reasoning_gym", "openenv", "verifiers")
+
 
 @dataclass(frozen=True)
 class SandboxConfig:
@@ -212,7 +215,8 @@ class WorkflowConfig:
         "subclass by import path 'module:Class', built as Class(reward, gconfig, tokenizer); "
         "agent: the openai-client agent function workflow.agent.path names (AgentWorkflow); "
         "agent_cmd: the agent program workflow.agent.command names, in its own process, through "
-        "the agent proxy (AgentCommandWorkflow).",
+        "the agent proxy (AgentCommandWorkflow); reasoning_gym, openenv, verifiers: an "
+        "environment hub's tasks (workflow.env; docs/environments.md, needs the envs extra).",
     )
     max_turns: int = param(1, ge=1, help="Multi-turn: attempts per episode (1 = single turn).")
     turn_discount: float = param(
@@ -228,6 +232,25 @@ class WorkflowConfig:
     agent: AgentConfig = param(
         factory=AgentConfig,
         help="type=agent: the agent function and how its episodes become trajectories.",
+    )
+    env: str = param(
+        "",
+        help="type=openenv: an OpenEnv Environment subclass 'module:Class' (one instance per "
+        "episode, in this process) or a running OpenEnv server 'http://host:port'; "
+        "type=verifiers: the verifiers environment 'module:function' returning a vf.Taskset "
+        "(docs/environments.md). reasoning_gym reads its tasks from the dataset path.",
+    )
+    env_timeout: float = param(
+        60.0,
+        gt=0,
+        help="Seconds one call into an environment (reset, step, a scorer or rubric) may take; "
+        "a late call fails its episode (counted as agent/env_timeouts, its group dropped), "
+        "never the run.",
+    )
+    env_action_field: str = param(
+        "",
+        help="type=openenv: the action's text field the model's answer fills; empty = the "
+        "action class's only str field ('message' for a server by address).",
     )
 
     def check(self) -> Iterator[str]:
@@ -252,14 +275,30 @@ class WorkflowConfig:
             "multi_turn",
             "agent",
             "agent_cmd",
+            *ENV_WORKFLOWS,
         ) and not IMPORT_PATH.fullmatch(self.type):
             yield (
-                f"type: {self.type!r} is not rlvr, multi_turn, agent, agent_cmd or an import path "
-                "'module:Class' (e.g. my_workflows:SignalOnlyWorkflow, my_workflows.py beside the "
-                "entry script)"
+                f"type: {self.type!r} is not rlvr, multi_turn, agent, agent_cmd, reasoning_gym, "
+                "openenv, verifiers or an import path 'module:Class' (e.g. "
+                "my_workflows:SignalOnlyWorkflow, my_workflows.py beside the entry script)"
             )
+        yield from self._env_problems()
         if self.type == "rlvr" and self.max_turns > 1:
             yield (
                 f"max_turns: {self.max_turns} has no effect with type=rlvr (one turn); set "
                 "workflow.type=multi_turn or max_turns=1"
+            )
+
+    def _env_problems(self) -> Iterator[str]:
+        if self.type == "openenv" and not (
+            IMPORT_PATH.fullmatch(self.env) or self.env.startswith(("http://", "https://"))
+        ):
+            yield (
+                f"env: {self.env!r} with type=openenv is not an Environment class 'module:Class' "
+                "nor a server 'http://host:port' (e.g. my_envs:GuessEnv)"
+            )
+        if self.type == "verifiers" and not IMPORT_PATH.fullmatch(self.env):
+            yield (
+                f"env: {self.env!r} with type=verifiers is not an import path 'module:function' "
+                "of a function returning a vf.Taskset (e.g. my_envs:load_taskset)"
             )
