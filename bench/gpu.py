@@ -30,7 +30,17 @@ Stages, each guarded (one that raises records its error in the table, the others
    tokens/s, MFU = 6 N tokens/s / the probe's matmul FLOP/s, peak memory
    (``torch.cuda.max_memory_allocated``; not measured on CPU);
 6. update: the trainer's HF export (``update_weights``, disk) then the server's
-   ``/update_weights_from_disk``, server and trainer on the same device: seconds (best of 2).
+   ``/update_weights_from_disk``, server and trainer on the same device: seconds (best of 2);
+7. prefix: the prefix cache's hit case (``bench/prefix_cache.py``): max concurrency / 8 prompts
+   of 8x ``--prompt-len`` tokens, 8 samples each sent as separate requests, at most half the
+   max concurrency running: tokens/s with the cache on and off in the same run, the ratio, the
+   hit rate and whether both generated the same tokens;
+8. levers: each trainer lever on and off on the train stage's batch shape
+   (``bench/gpu_trainer.py``): tokens/s and its ratio to the all-off baseline, MFU, peak memory;
+9. sync: weight sync seconds trainer -> server by ``weight_update_mode`` (``bench/gpu_sync.py``):
+   disk, distributed (NCCL, the server on a second GPU) and ipc (the server on the trainer's);
+10. engine: the decode step's modes (``bench/gpu_engine.py``): eager, compiled, CUDA graphs and
+   both, greedy tokens/s at each concurrency, the ratio to eager and whether tokens agree.
 
 Prints the device name and one Markdown table (metric, measured, target, met) and writes the
 same rows as JSON (``--out``). Targets are the issue's and hold for the 0.5B shape on one H100
@@ -530,9 +540,69 @@ def stage_update(b: Bench) -> None:
     b.add("weight update total, colocated", sum(best), "s", WEIGHT_UPDATE_TARGET)
 
 
+def stage_engine(b: Bench) -> None:
+    """The decode step's modes on this run's model (bench/gpu_engine.py), same run."""
+    from bench.gpu_engine import compare
+
+    if b.skip("decode modes"):
+        return
+    rows = compare(
+        b.model_dir, str(b.device), b.dtype, list(b.sizes.concurrency), b.sizes.prompt_len,
+        b.sizes.new_tokens, num_threads=0 if b.cuda else 1,
+    )  # fmt: skip
+    for r in rows:
+        at = f"{r['mode']} @{r['concurrency']}"
+        b.add(f"gen decode {at}, greedy", r["tok_s"], "tok/s")
+        b.add(f"decode {at} / eager", r["ratio"], "x")
+        b.add(f"decode {at} tokens == eager", "yes" if r["same_tokens"] else "no")
+
+
+def stage_prefix(b: Bench) -> None:
+    """The prefix cache's hit case (bench/prefix_cache.py): 8 samples per prompt as separate
+    requests, prompts 8x --prompt-len, at most half the top concurrency running; on vs off."""
+    from bench.prefix_cache import compare, workload
+
+    if b.skip("prefix cache, 8 samples per prompt"):
+        return
+    n = max(b.sizes.concurrency)
+    work = workload(n // 8, 8, 8 * b.sizes.prompt_len, max(b.sizes.new_tokens // 4, 1))
+    r = compare(
+        b.model_dir, work, device=str(b.device), dtype=b.dtype, max_batch=max(n // 2, 1),
+        repeats=2, num_threads=0 if b.cuda else 1,
+    )  # fmt: skip
+    b.add("gen prefix cache on, 8 samples/prompt", r["on_tok_s"], "tok/s")
+    b.add("gen prefix cache off, 8 samples/prompt", r["off_tok_s"], "tok/s")
+    b.add("prefix cache on / off, 8 samples/prompt", r["ratio"], "x")
+    b.add("prefix cache hit rate, 8 samples/prompt", r["hit_rate"], "%")
+    b.add("prefix cache on == off outputs", "yes" if r["same_outputs"] else "no")
+
+
+def stage_levers(b: Bench) -> None:
+    """Each trainer lever on and off (bench/gpu_trainer.py) on the train stage's batch shape."""
+    from bench.gpu_trainer import lever_rows, matmul_peak
+
+    peak = b.facts.get("matmul_peak") or matmul_peak(b.device)
+    mesh = init_distributed("nccl" if b.cuda else "gloo").mesh
+    s = b.sizes
+    for metric, value, unit in lever_rows(
+        b.model_dir, mesh, peak, s.train_seqs, s.train_len, s.train_steps
+    ):
+        b.add(metric, value, unit)
+
+
+def stage_sync(b: Bench) -> None:
+    """Weight sync seconds by mode, disk / distributed / ipc (bench/gpu_sync.py), this model."""
+    from bench.gpu_sync import TARGETS, measure, rows
+
+    for row in rows(b.args.shape, measure(b.model_dir, b.work)):
+        target = TARGETS.get(row["metric"].rsplit(" ", 1)[1])
+        b.add(row["metric"], row["value"], "s", ("<=", target) if target else None)
+
+
 STAGES: dict[str, Callable[[Bench], None]] = {
     "probe": stage_probe, "gen": stage_gen, "hf": stage_hf, "http": stage_http,
-    "train": stage_train, "update": stage_update,
+    "train": stage_train, "update": stage_update, "prefix": stage_prefix, "levers": stage_levers,
+    "sync": stage_sync, "engine": stage_engine,
 }  # fmt: skip
 
 

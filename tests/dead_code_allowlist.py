@@ -43,6 +43,11 @@ _.set_reward
 # vLLM's worker calls them by name: --worker-extension-cls and POST /collective_rpc (launcher/vllm_ext).
 WeightReload
 _.areal_reload_weights
+_.areal_init_weight_group
+_.areal_update_weights_from_distributed
+
+# pickle.Unpickler's hook, called by load() (utils/weight_sync.py _HandleUnpickler: the ipc allowlist).
+_.find_class
 
 # Called on Ray actor handles (.collective_counts.remote()): which process groups a step used (core/ray_worker.py).
 _.collective_counts
@@ -89,3 +94,13 @@ _.train_rw
 _.train_dpo
 EVALUATE_LM
 SCORE
+
+# The environment hubs' classes and functions in examples/ (docs/environments.md): named by
+# workflow.env / dataset paths as strings; verifiers finds @vf.reward / @vf.tool methods by their
+# decorator, and openenv's server reads SUPPORTS_CONCURRENT_SESSIONS.
+GuessEnv
+SUPPORTS_CONCURRENT_SESSIONS
+_.correct
+_.multiply
+sum_taskset
+calc_taskset
