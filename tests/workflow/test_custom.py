@@ -30,5 +30,6 @@ def test_the_config_refuses_a_type_that_is_neither_builtin_nor_an_import_path():
     assert list(WorkflowConfig(type="my_wf:W").check()) == []
     [problem] = list(WorkflowConfig(type="rlvr2").check())
     assert problem.startswith(
-        "type: 'rlvr2' is not rlvr, multi_turn, agent, agent_cmd or an import path"
+        "type: 'rlvr2' is not rlvr, multi_turn, agent, agent_cmd, reasoning_gym, openenv, "
+        "verifiers or an import path"
     )
